@@ -1,0 +1,47 @@
+"""sbpjax: OneFlow's SBP (Split / Broadcast / Partial-value) layouts for JAX.
+
+    import sbpjax as sj
+    pl = sj.placement((2, 4), ("x", "y"))
+    t = sj.to_global(x, pl, (sj.S(0), sj.B))
+    u = t.to_global(sbp=(sj.B, sj.S(1)))      # boxing with the cheapest collectives
+    print(sj.plan_boxing(x.shape, x.dtype, pl, t.sbp, u.sbp))
+
+See DESIGN.md for the semantics and the public contract.
+"""
+
+from sbpjax._errors import SBPError
+from sbpjax.boxing.cost import CostModel, calibrate
+from sbpjax.boxing.plan import BoxingPlan, Step, plan_boxing
+from sbpjax.comm import Collective, collectives
+from sbpjax.placement import Placement, placement
+from sbpjax.sbp import (
+    B,
+    P,
+    P_max,
+    P_min,
+    S,
+    Broadcast,
+    Partial,
+    Split,
+    broadcast,
+    format_sbp,
+    parse_sbp,
+    partial_max,
+    partial_min,
+    partial_sum,
+    split,
+)
+from sbpjax.tensor import GlobalTensor, from_local_tensors, to_global
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SBPError",
+    "S", "B", "P", "P_max", "P_min",
+    "split", "broadcast", "partial_sum", "partial_max", "partial_min",
+    "Split", "Broadcast", "Partial", "parse_sbp", "format_sbp",
+    "Placement", "placement",
+    "GlobalTensor", "to_global", "from_local_tensors",
+    "plan_boxing", "BoxingPlan", "Step", "CostModel", "calibrate",
+    "collectives", "Collective",
+]

@@ -1,0 +1,8 @@
+"""The one exception type users see.
+
+Every message says what is wrong, where, and how to fix it (DESIGN.md).
+"""
+
+
+class SBPError(ValueError):
+    """Bad SBP input: a layout, placement, shape or request that cannot work."""

@@ -1,0 +1,330 @@
+"""Lowering a boxing plan to one jitted ``shard_map``.
+
+The body sees each device's block (its local tensor padded at the end of every
+split dim, see :mod:`sbpjax.layout`) and applies the plan's steps as explicit
+collectives. Even splits use the collectives directly. Uneven splits run the
+same collectives on padded pieces, with local index maps (``jnp.take`` over
+small per-device tables) that arrange pieces before a scatter and compact them
+after a gather, so results are exact and bytes match the plan.
+
+``check_vma=False``: several steps (point-to-point rounds, table lookups)
+produce values that are equal across an axis without JAX being able to prove
+it. Gradients are still the transposes of the collectives (all_gather <->
+psum_scatter, psum <-> psum, ppermute <-> inverse ppermute); the tests check
+every one against NumPy.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sbpjax._errors import SBPError
+from sbpjax.boxing.plan import BoxingPlan, Step, p2p_schedule
+from sbpjax.layout import Geometry, Layout
+
+
+# ---------------------------------------------------------------------------
+# Differentiable max / min all-reduce (lax.pmax has no differentiation rule).
+# ---------------------------------------------------------------------------
+
+
+def _preduce_extreme(x, axes, op):
+    return lax.pmax(x, axes) if op == "max" else lax.pmin(x, axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def preduce_extreme(x, axes, op):
+    """pmax / pmin whose gradient goes to the devices holding the extreme
+    (split evenly between ties, as ``jnp.max`` does)."""
+    return _preduce_extreme(x, axes, op)
+
+
+def _pre_fwd(x, axes, op):
+    y = _preduce_extreme(x, axes, op)
+    return y, (x, y)
+
+
+def _pre_bwd(axes, op, res, g):
+    x, y = res
+    hit = (x == y).astype(g.dtype)
+    return (g * hit / lax.psum(hit, axes),)
+
+
+preduce_extreme.defvjp(_pre_fwd, _pre_bwd)
+
+
+def fill_value(op: str, dtype):
+    """The identity of a partial op: what a device holds where it has no data."""
+    dtype = jnp.dtype(dtype)
+    if op == "sum":
+        return jnp.zeros((), dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.array(-jnp.inf if op == "max" else jnp.inf, dtype)
+    info = jnp.iinfo(dtype)
+    return jnp.array(info.min if op == "max" else info.max, dtype)
+
+
+# ---------------------------------------------------------------------------
+# Index tables for uneven splits
+# ---------------------------------------------------------------------------
+
+
+class _Tables:
+    """Per-device index maps, indexed by the linear coordinate over the axes
+    they depend on (so a value that only depends on ``x`` stays the same for
+    every ``y``)."""
+
+    def __init__(self, geom: Geometry, names):
+        self.geom = geom
+        self.names = names
+
+    def members(self, coord, group):
+        for ks in itertools.product(*[range(self.geom.grid[a]) for a in group]):
+            c = list(coord)
+            for a, k in zip(group, ks):
+                c[a] = k
+            yield tuple(c)
+
+    def table(self, dep, fn):
+        geom = self.geom
+        rows = []
+        for ks in itertools.product(*[range(geom.grid[a]) for a in dep]):
+            c = [0] * len(geom.grid)
+            for a, k in zip(dep, ks):
+                c[a] = k
+            rows.append(fn(tuple(c)))
+        return np.asarray(rows, np.int32)
+
+    def lookup(self, dep, table):
+        idx = jnp.int32(0)
+        for a in dep:
+            idx = idx * self.geom.grid[a] + lax.axis_index(self.names[a])
+        return jnp.asarray(table)[idx]
+
+    def compact(self, parent, group, d):
+        """After a gather over ``group``: positions of the parent piece's
+        elements in the concatenation of padded child pieces."""
+        geom = self.geom
+        Mp, Mc = geom.padded_dim(parent, d), geom.padded_dim(parent + group, d)
+
+        def fn(c):
+            ps, _ = geom.dim_range(parent, d, c)
+            out = np.zeros(Mp, np.int32)
+            for k, m in enumerate(self.members(c, group)):
+                cs, cn = geom.dim_range(parent + group, d, m)
+                out[cs - ps: cs - ps + cn] = k * Mc + np.arange(cn)
+            return out
+
+        return parent, self.table(parent, fn)
+
+    def arrange(self, parent, group, d):
+        """Before a scatter over ``group``: the parent piece laid out as
+        ``g`` padded child pieces."""
+        geom = self.geom
+        Mc = geom.padded_dim(parent + group, d)
+
+        def fn(c):
+            ps, _ = geom.dim_range(parent, d, c)
+            out = []
+            for m in self.members(c, group):
+                cs, cn = geom.dim_range(parent + group, d, m)
+                out.extend([cs - ps + t if t < cn else 0 for t in range(Mc)])
+            return np.asarray(out, np.int32)
+
+        return parent, self.table(parent, fn)
+
+    def slice(self, parent, child, d):
+        geom = self.geom
+        Mc = geom.padded_dim(child, d)
+
+        def fn(c):
+            ps, _ = geom.dim_range(parent, d, c)
+            cs, cn = geom.dim_range(child, d, c)
+            return np.asarray([cs - ps + t if t < cn else 0 for t in range(Mc)], np.int32)
+
+        return child, self.table(child, fn)
+
+    def fill(self, parent, child, d):
+        """Child piece into the parent's shape; index ``Mc`` is the fill slot."""
+        geom = self.geom
+        Mp, Mc = geom.padded_dim(parent, d), geom.padded_dim(child, d)
+
+        def fn(c):
+            ps, _ = geom.dim_range(parent, d, c)
+            cs, cn = geom.dim_range(child, d, c)
+            out = np.full(Mp, Mc, np.int32)
+            out[cs - ps: cs - ps + cn] = np.arange(cn)
+            return out
+
+        return child, self.table(child, fn)
+
+
+# ---------------------------------------------------------------------------
+# Steps
+# ---------------------------------------------------------------------------
+
+
+def _axis_arg(names):
+    return names[0] if len(names) == 1 else tuple(names)
+
+
+def _group_index(group, names, geom):
+    """This device's position in its group (group axes in order, outer first)."""
+    idx = jnp.int32(0)
+    for a in group:
+        idx = idx * geom.grid[a] + lax.axis_index(names[a])
+    return idx
+
+
+def _to_tiles(x, counts, tile):
+    n = len(counts)
+    x = x.reshape(tuple(v for pair in zip(counts, tile) for v in pair))
+    x = x.transpose(tuple(range(0, 2 * n, 2)) + tuple(range(1, 2 * n, 2)))
+    return x.reshape((math.prod(counts),) + tuple(tile))
+
+
+def _from_tiles(t, counts, tile):
+    n = len(counts)
+    x = t.reshape(tuple(counts) + tuple(tile))
+    order = [v for i in range(n) for v in (i, n + i)]
+    x = x.transpose(order)
+    return x.reshape(tuple(c * s for c, s in zip(counts, tile)))
+
+
+def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
+    op, group, d = step.op, step.group, step.dim
+    axes = tuple(names[a] for a in group)
+    even = geom.even(step.src) and geom.even(step.dst)
+    g = geom.splits(group)
+    if op == "all_gather":
+        y = lax.all_gather(x, _axis_arg(axes), axis=d, tiled=True)
+        if not even:
+            dep, tab = tables.compact(step.dst.dims[d], group, d)
+            y = jnp.take(y, tables.lookup(dep, tab), axis=d)
+        return y
+    if op == "all_to_all":
+        e = step.dim2
+        if not even:
+            dep, tab = tables.arrange(step.src.dims[e], group, e)
+            x = jnp.take(x, tables.lookup(dep, tab), axis=e)
+        y = lax.all_to_all(x, _axis_arg(axes), split_axis=e, concat_axis=d, tiled=True)
+        if not even:
+            dep, tab = tables.compact(step.dst.dims[d], group, d)
+            y = jnp.take(y, tables.lookup(dep, tab), axis=d)
+        return y
+    if op == "reduce_scatter":
+        if not even:
+            dep, tab = tables.arrange(step.src.dims[d], group, d)
+            x = jnp.take(x, tables.lookup(dep, tab), axis=d)
+        if step.reduce == "sum":
+            return lax.psum_scatter(x, _axis_arg(axes), scatter_dimension=d, tiled=True)
+        # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
+        shape = x.shape
+        chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1:])
+        got = lax.all_to_all(chunks, _axis_arg(axes), split_axis=d, concat_axis=d, tiled=True)
+        return jnp.max(got, axis=d) if step.reduce == "max" else jnp.min(got, axis=d)
+    if op == "all_reduce":
+        if step.reduce == "sum":
+            return lax.psum(x, _axis_arg(axes))
+        return preduce_extreme(x, _axis_arg(axes), step.reduce)
+    if op == "local_slice":
+        parent, child = step.src.dims[d], step.dst.dims[d]
+        if even:
+            size = geom.padded_dim(child, d)
+            return lax.dynamic_slice_in_dim(x, _group_index(group, names, geom) * size, size, axis=d)
+        dep, tab = tables.slice(parent, child, d)
+        return jnp.take(x, tables.lookup(dep, tab), axis=d)
+    if op == "zero_fill":
+        fill = fill_value(step.reduce, dtype)
+        if d is None:  # B -> P
+            if step.reduce == "sum":
+                return jnp.where(_group_index(group, names, geom) == 0, x, jnp.zeros_like(x))
+            return x  # B -> P(max|min): every device keeps the value
+        parent, child = step.dst.dims[d], step.src.dims[d]
+        if even:
+            shape = list(x.shape)
+            shape[d] = geom.padded_dim(parent, d)
+            base = jnp.full(shape, fill, x.dtype)
+            start = [0] * x.ndim
+            start[d] = _group_index(group, names, geom) * x.shape[d]
+            return lax.dynamic_update_slice(base, x, start)
+        slot_shape = list(x.shape)
+        slot_shape[d] = 1
+        ext = jnp.concatenate([x, jnp.full(slot_shape, fill, x.dtype)], axis=d)
+        dep, tab = tables.fill(parent, child, d)
+        return jnp.take(ext, tables.lookup(dep, tab), axis=d)
+    if op == "permute":
+        sched = p2p_schedule(geom, step.src, step.dst)
+        all_axes = tuple(names)
+        everyone = tuple(range(len(names)))
+        tiles = _to_tiles(x, sched.src_tiles_local, sched.tile_shape)
+        pool = [tiles]
+        for (pairs, k), send in zip(sched.rounds, sched.send):
+            buf = jnp.take(tiles, tables.lookup(everyone, send), axis=0)
+            pool.append(lax.ppermute(buf, _axis_arg(all_axes), perm=list(pairs)))
+        pool = jnp.concatenate(pool, axis=0)
+        out = jnp.take(pool, tables.lookup(everyone, sched.gather), axis=0)
+        return _from_tiles(out, sched.dst_tiles_local, sched.tile_shape)
+    raise SBPError(f"internal error: boxing step {op!r} has no lowering; please report it.")
+
+
+# ---------------------------------------------------------------------------
+# The compiled boxing function
+# ---------------------------------------------------------------------------
+
+
+_FN_CACHE: dict = {}
+
+
+def boxing_fn(plan: BoxingPlan):
+    """The jitted function mapping the source physical array to the target one.
+
+    Cached per (shape, dtype, placement, source layout, target layout, steps).
+    """
+    key = (plan.shape, np.dtype(plan.dtype).str, plan.placement, plan.src_layout,
+           plan.dst_layout, tuple(str(s) for s in plan.steps))
+    fn = _FN_CACHE.get(key)
+    if fn is None:
+        fn = _build(plan)
+        _FN_CACHE[key] = fn
+    return fn
+
+
+def _build(plan: BoxingPlan):
+    pl = plan.placement
+    geom = Geometry(plan.shape, pl.shape)
+    names = pl.axis_names
+    src, dst = plan.src_layout, plan.dst_layout
+    tables = _Tables(geom, names)
+    dtype = plan.dtype
+    out_block = geom.block_shape(dst)
+
+    def body(x):
+        if 0 in plan.shape:
+            return jnp.zeros(out_block, x.dtype)
+        x = x.reshape(geom.padded(src))
+        for step in plan.steps:
+            x = _apply(step, x, geom, tables, names, dtype)
+        return x.reshape(out_block)
+
+    mapped = jax.shard_map(
+        body,
+        mesh=pl.mesh,
+        in_specs=geom.partition_spec(src, names),
+        out_specs=geom.partition_spec(dst, names),
+        check_vma=False,
+    )
+    return jax.jit(mapped)
+
+
+def layout_sharding(geom: Geometry, layout: Layout, placement):
+    from jax.sharding import NamedSharding
+
+    return NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))

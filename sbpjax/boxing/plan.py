@@ -1,0 +1,548 @@
+"""Boxing plans: the cheapest sequence of steps from one layout to another.
+
+A plan is a shortest path over layouts (:class:`~sbpjax.layout.Layout`), with
+cost ``(bytes, time, steps)`` compared in that order: the fewest bytes moved
+(OneFlow Table 2 convention: bytes received, summed over all devices), ties
+broken by the alpha-beta time model, then by the number of steps. The moves:
+
+* a collective over one placement axis or over several axes as one group
+  (``all_gather``, ``all_to_all``, ``reduce_scatter``, ``all_reduce``), valid
+  when the axes are the innermost splits of the dim they touch and, for a
+  reduction, when no later partial axis has a different op (the logical value of
+  ``(P(max), P(sum))`` is a max of sums: the sums must be reduced first);
+* free local steps: ``local_slice`` (B -> S), ``zero_fill`` (B or S -> P);
+* ``permute``: rounds of point-to-point sends giving each device exactly the
+  tiles it lacks; it reaches the floor for layouts without partials and is
+  offered when the tensor tiles evenly.
+
+Intermediate layouts may split a dim in another axis order than nd-SBP's
+(e.g. dim 0 split by y, then x); that is how conflicting nested splits such as
+(S(0), S(0)) -> (B, S(0)) are handled without gathering the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from typing import Sequence
+
+import numpy as np
+
+from sbpjax._errors import SBPError
+from sbpjax.boxing.cost import DEFAULT_COST_MODEL, CostModel
+from sbpjax.layout import Geometry, Layout
+from sbpjax.placement import Placement
+from sbpjax.sbp import format_sbp, normalize_nd_sbp
+
+# What each step op compiles to (the HLO collective), used to check plans
+# against compiled programs. P(max|min) reduce-scatter has no XLA primitive: it
+# is an all-to-all followed by a local max/min, at the same bytes.
+COLLECTIVE_OF = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "permute": "collective-permute",
+    "local_slice": None,
+    "zero_fill": None,
+    "transfer": None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One boxing step.
+
+    ``op``: all_reduce, all_gather, reduce_scatter, all_to_all, permute,
+    local_slice, zero_fill or transfer; ``axes``: the placement axis names of
+    its group; ``bytes``: bytes received, summed over all devices.
+    """
+
+    op: str
+    axes: tuple
+    bytes: int
+    src: Layout
+    dst: Layout
+    time: float = 0.0
+    reduce: str | None = None  # the partial op reduced or filled in
+    dim: int | None = None  # the dim gathered / sliced / scattered (all_to_all: gathered)
+    dim2: int | None = None  # all_to_all: the dim that becomes split
+    group: tuple = ()  # axis indices of the group, in group order
+    rounds: int = 0  # permute: number of point-to-point rounds
+    n_axes: int = 0
+    axis_names: tuple = ()
+
+    @property
+    def collective(self) -> str | None:
+        """The HLO collective this step compiles to (None for local steps)."""
+        if self.op == "reduce_scatter" and self.reduce in ("max", "min"):
+            return "all-to-all"
+        return COLLECTIVE_OF[self.op]
+
+    @property
+    def src_sbp(self) -> tuple:
+        return self.src.to_nd_sbp(self.n_axes)
+
+    @property
+    def dst_sbp(self) -> tuple:
+        return self.dst.to_nd_sbp(self.n_axes)
+
+    def label(self) -> str:
+        op = self.op
+        if self.op in ("reduce_scatter", "all_reduce", "zero_fill") and self.reduce not in (None, "sum"):
+            op += f"({self.reduce})"
+        if self.op == "all_to_all":
+            op += f" {self.dim}->{self.dim2}"
+        elif self.dim is not None:
+            op += f" dim {self.dim}"
+        if self.op == "permute":
+            op += f" x{self.rounds}"
+        return op
+
+    def __str__(self):
+        return (f"{self.label()} over {','.join(self.axes) or '-'}: "
+                f"{self.src.describe(self.n_axes, self.axis_names)} -> "
+                f"{self.dst.describe(self.n_axes, self.axis_names)}, {self.bytes} B")
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxingPlan:
+    """The steps of one boxing and their cost.
+
+    ``bytes``: total bytes received over all devices (OneFlow Table 2 convention);
+    ``floor``: for layouts without partials, the bytes devices must receive that
+    they do not already hold (None otherwise); ``time(cost_model)``: seconds.
+    """
+
+    shape: tuple
+    dtype: np.dtype
+    placement: Placement
+    src_sbp: tuple
+    dst_sbp: tuple
+    steps: tuple
+    dst_placement: Placement | None = None
+    floor: int | None = None
+    src_layout: Layout | None = None
+    dst_layout: Layout | None = None
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(s.bytes for s in self.steps))
+
+    @property
+    def tensor_bytes(self) -> int:
+        return int(math.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+    def time(self, cost_model: CostModel | None = None) -> float:
+        if cost_model is None:
+            return float(sum(s.time for s in self.steps))
+        replan = plan_boxing(self.shape, self.dtype, self.placement, self.src_sbp, self.dst_sbp,
+                             self.dst_placement, cost_model=cost_model)
+        if [s.label() for s in replan.steps] == [s.label() for s in self.steps]:
+            return float(sum(s.time for s in replan.steps))
+        return float(sum(_retime(s, self, cost_model) for s in self.steps))
+
+    def __str__(self):
+        t = self.tensor_bytes
+        where = f"{self.placement!r}"
+        if self.dst_placement is not None:
+            where += f" -> {self.dst_placement!r}"
+        head = (f"boxing {self.shape} {np.dtype(self.dtype).name} on {where}: "
+                f"{format_sbp(self.src_sbp)} -> {format_sbp(self.dst_sbp)}")
+        rows = [("#", "step", "axes", "from", "to", "bytes", "|T|")]
+        for i, s in enumerate(self.steps, 1):
+            rows.append((str(i), s.label(), ",".join(s.axes) or "-",
+                         s.src.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.src_sbp),
+                         s.dst.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.dst_sbp),
+                         _human(s.bytes), _ratio(s.bytes, t)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = [head]
+        if len(rows) == 1:
+            lines.append("  (same layout: nothing to do)")
+        else:
+            for r in rows:
+                lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+        tail = f"  total {_human(self.bytes)} ({_ratio(self.bytes, t)}|T|)"
+        if self.floor is not None:
+            tail += f", floor {_human(self.floor)} ({_ratio(self.floor, t)}|T|)"
+        tail += f", est. {self.time() * 1e3:.3f} ms"
+        lines.append(tail)
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ratio(n: int, t: int) -> str:
+    return f"{n / t:.4g}" if t else "0"
+
+
+# ---------------------------------------------------------------------------
+# Step costs
+# ---------------------------------------------------------------------------
+
+
+class _Ctx:
+    """What the move generator needs: geometry, item size, names, cost model."""
+
+    def __init__(self, shape, itemsize, placement: Placement, cm: CostModel, fill_ops):
+        self.geom = Geometry(shape, placement.shape)
+        self.itemsize = itemsize
+        self.names = placement.axis_names
+        self.n_axes = placement.ndim
+        self.cm = cm
+        self.fill_ops = fill_ops
+        self._p2p_cache: dict = {}
+
+    def g(self, group) -> int:
+        return self.geom.splits(group)
+
+    def elems(self, dims_sizes) -> int:
+        return int(math.prod(dims_sizes))
+
+    def step(self, op, src, dst, group=(), **kw) -> Step:
+        geom, D, isz = self.geom, self.geom.n_devices, self.itemsize
+        g = self.g(group)
+        names = tuple(self.names[a] for a in group)
+        nbytes, t = 0, 0.0
+        if op == "all_gather":
+            child = self.elems(geom.padded(src)) * isz
+            nbytes = D * (g - 1) * child
+            t = self.cm.collective_time(op, names, g, g * child)
+        elif op == "all_to_all":
+            part = list(geom.padded(src))
+            e = kw["dim2"]
+            part[e] = geom.padded_dim(dst.dims[e], e)
+            chunk = self.elems(part) * isz  # what one device sends to one peer
+            nbytes = D * (g - 1) * chunk
+            t = self.cm.collective_time(op, names, g, g * chunk)
+        elif op == "reduce_scatter":
+            out = self.elems(geom.padded(dst)) * isz
+            nbytes = D * (g - 1) * out
+            t = self.cm.collective_time(op, names, g, g * out)
+        elif op == "all_reduce":
+            block = self.elems(geom.padded(src)) * isz
+            nbytes = (D // g) * 2 * (g - 1) * block
+            t = self.cm.collective_time(op, names, g, block)
+        return Step(op=op, axes=names, bytes=int(nbytes), src=src, dst=dst, time=t, group=tuple(group),
+                    n_axes=self.n_axes, axis_names=tuple(self.names), **kw)
+
+    def permute(self, src, dst) -> Step | None:
+        key = (src, dst)
+        if key not in self._p2p_cache:
+            sched = p2p_schedule(self.geom, src, dst)
+            if sched is None:
+                self._p2p_cache[key] = None
+            else:
+                tile_bytes = sched.tile_elems * self.itemsize
+                per_round = [k * tile_bytes for _, k in sched.rounds]
+                nbytes = sum(len(pairs) * k * tile_bytes for pairs, k in sched.rounds)
+                moved_axes = tuple(sorted(set(sched.axes_used)))
+                names = tuple(self.names[a] for a in moved_axes)
+                t = self.cm.p2p_time(names, per_round)
+                self._p2p_cache[key] = Step(
+                    op="permute", axes=names, bytes=int(nbytes), src=src, dst=dst, time=t,
+                    group=moved_axes, rounds=len(sched.rounds), n_axes=self.n_axes,
+                    axis_names=tuple(self.names))
+        return self._p2p_cache[key]
+
+
+def _retime(step: Step, plan: BoxingPlan, cm: CostModel) -> float:
+    ctx = _Ctx(plan.shape, np.dtype(plan.dtype).itemsize, plan.placement, cm, ())
+    if step.op in ("local_slice", "zero_fill", "transfer"):
+        return 0.0 if step.op != "transfer" else step.time
+    if step.op == "permute":
+        s = ctx.permute(step.src, step.dst)
+        return s.time if s else step.time
+    kw = {k: getattr(step, k) for k in ("reduce", "dim", "dim2")}
+    return ctx.step(step.op, step.src, step.dst, step.group, **kw).time
+
+
+# ---------------------------------------------------------------------------
+# Moves
+# ---------------------------------------------------------------------------
+
+
+def _with_dims(layout: Layout, changes: dict) -> tuple:
+    return tuple(changes.get(d, axes) for d, axes in enumerate(layout.dims))
+
+
+def _reducible(layout: Layout, axis: int) -> bool:
+    """A partial over ``axis`` may be reduced now: later partial axes share its op."""
+    ops = dict(layout.partial)
+    return all(op == ops[axis] for b, op in layout.partial if b > axis)
+
+
+def _moves(ctx: _Ctx, L: Layout, target: Layout):
+    grid = ctx.geom.grid
+    ndim = ctx.geom.ndim
+    partial = dict(L.partial)
+    split_axes = L.split_axes()
+    # Gathers, all-to-alls and fills of the innermost splits of each dim.
+    for d, axes in enumerate(L.dims):
+        for k in range(1, len(axes) + 1):
+            group, rest = axes[-k:], axes[:-k]
+            yield ctx.step("all_gather", L, Layout(_with_dims(L, {d: rest}), L.partial), group, dim=d)
+            for e in range(ndim):
+                if e == d:
+                    continue
+                new = Layout(_with_dims(L, {d: rest, e: L.dims[e] + group}), L.partial)
+                yield ctx.step("all_to_all", L, new, group, dim=d, dim2=e)
+        if axes:
+            a = axes[-1]
+            for op in ctx.fill_ops:
+                others = {o for _, o in L.partial}
+                if op != "sum" and others - {op}:
+                    continue  # the identity fill of max/min does not commute with a sum
+                new = Layout(_with_dims(L, {d: axes[:-1]}), tuple(sorted(L.partial + ((a, op),))))
+                yield ctx.step("zero_fill", L, new, (a,), reduce=op, dim=d)
+    # Reductions of partials, over one axis or several with the same op.
+    reducible = [a for a, _ in L.partial if _reducible(L, a)]
+    by_op: dict = {}
+    for a in reducible:
+        by_op.setdefault(partial[a], []).append(a)
+    for op, cand in by_op.items():
+        for r in range(1, len(cand) + 1):
+            for group in itertools.combinations(cand, r):
+                rest = tuple((a, o) for a, o in L.partial if a not in group)
+                yield ctx.step("all_reduce", L, Layout(L.dims, rest), group, reduce=op)
+                for d in range(ndim):
+                    new = Layout(_with_dims(L, {d: L.dims[d] + group}), rest)
+                    yield ctx.step("reduce_scatter", L, new, group, reduce=op, dim=d)
+    # Free local steps from B.
+    for a in range(len(grid)):
+        if a in split_axes or a in partial or grid[a] == 1:
+            continue
+        for d in range(ndim):
+            yield ctx.step("local_slice", L, Layout(_with_dims(L, {d: L.dims[d] + (a,)}), L.partial),
+                           (a,), dim=d)
+        for op in ctx.fill_ops:
+            yield ctx.step("zero_fill", L, Layout(L.dims, tuple(sorted(L.partial + ((a, op),)))),
+                           (a,), reduce=op)
+    # Point-to-point exchanges: straight to the target, or to the nd-SBP order.
+    if L.partial == target.partial and L != target:
+        s = ctx.permute(L, target)
+        if s is not None:
+            yield s
+    if not L.canonical:
+        s = ctx.permute(L, L.canonicalized())
+        if s is not None:
+            yield s
+
+
+def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
+    if src == dst:
+        return []
+    counter = itertools.count()
+    best = {src: (0, 0.0, 0)}
+    prev: dict = {src: None}
+    heap = [((0, 0.0, 0), next(counter), src)]
+    while heap:
+        cost, _, L = heapq.heappop(heap)
+        if cost > best[L]:
+            continue
+        if L == dst:
+            break
+        for step in _moves(ctx, L, dst):
+            nxt = step.dst
+            nc = (cost[0] + step.bytes, cost[1] + step.time, cost[2] + 1)
+            if nxt not in best or _less(nc, best[nxt]):
+                best[nxt] = nc
+                prev[nxt] = (L, step)
+                heapq.heappush(heap, (nc, next(counter), nxt))
+    if dst not in prev:
+        raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
+    steps = []
+    node = dst
+    while prev[node] is not None:
+        node, step = prev[node]
+        steps.append(step)
+    return steps[::-1]
+
+
+def _less(a, b) -> bool:
+    # Times are float sums: compare with a relative tolerance so equal-cost paths
+    # fall back to the step count deterministically.
+    if a[0] != b[0]:
+        return a[0] < b[0]
+    if not math.isclose(a[1], b[1], rel_tol=1e-9, abs_tol=1e-15):
+        return a[1] < b[1]
+    return a[2] < b[2]
+
+
+# ---------------------------------------------------------------------------
+# Point-to-point schedules
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class P2PSchedule:
+    """Tiles and rounds of a point-to-point exchange between two layouts.
+
+    The logical tensor is cut into a grid of equal tiles (per dim, the lcm of the
+    split counts of both layouts). Round ``r`` is one ``ppermute``: ``pairs``
+    (sender, receiver) by linear device index, every pair sending ``k`` tiles.
+    """
+
+    tiles: tuple  # tile count per dim
+    tile_shape: tuple
+    tile_elems: int
+    rounds: tuple  # ((pairs, k), ...)
+    send: tuple  # per round: array [n_devices, k] of local src tile indices
+    gather: np.ndarray  # [n_devices, n_dst_tiles] indices into the pool
+    src_tiles_local: tuple  # per dim tiles in one device's src block
+    dst_tiles_local: tuple
+    axes_used: tuple
+
+
+def p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | None:
+    if src.partial != dst.partial or geom.ndim == 0 or 0 in geom.shape:
+        return None
+    tiles, tile_shape = [], []
+    for d in range(geom.ndim):
+        t = math.lcm(geom.splits(src.dims[d]), geom.splits(dst.dims[d]))
+        if geom.shape[d] % t:
+            return None  # uneven: not offered (the collectives handle uneven sizes)
+        tiles.append(t)
+        tile_shape.append(geom.shape[d] // t)
+    src_local = tuple(tiles[d] // geom.splits(src.dims[d]) for d in range(geom.ndim))
+    dst_local = tuple(tiles[d] // geom.splits(dst.dims[d]) for d in range(geom.ndim))
+    pax = [a for a, _ in src.partial]
+
+    def tile_ids(layout, coord, local):
+        starts = [geom.dim_range(layout.dims[d], d, coord)[0] // tile_shape[d] for d in range(geom.ndim)]
+        ranges = [range(s, s + n) for s, n in zip(starts, local)]
+        return [int(np.ravel_multi_index(ix, tiles)) for ix in itertools.product(*ranges)]
+
+    src_ids = [tile_ids(src, c, src_local) for c in geom.coords]
+    dst_ids = [tile_ids(dst, c, dst_local) for c in geom.coords]
+    src_pos = [{t: i for i, t in enumerate(ids)} for ids in src_ids]
+    holders: dict = {}
+    for v, c in enumerate(geom.coords):
+        key = tuple(c[a] for a in pax)
+        for t in src_ids[v]:
+            holders.setdefault((key, t), []).append(v)
+    D = geom.n_devices
+    load = [0] * D
+    pair_tiles: dict = {}
+    for v, c in enumerate(geom.coords):
+        key = tuple(c[a] for a in pax)
+        for t in dst_ids[v]:
+            if t in src_pos[v]:
+                continue
+            cands = holders[(key, t)]
+            u = min(cands, key=lambda u: (load[u], (u - v) % D))
+            load[u] += 1
+            pair_tiles.setdefault((u, v), []).append(t)
+    rounds, sends, recv_slot = [], [], {}
+    remaining = {k: list(v) for k, v in pair_tiles.items()}
+    offset = math.prod(src_local)  # received tiles follow the own tiles in the pool
+    while remaining:
+        match = _max_matching(remaining)
+        k = min(len(remaining[p]) for p in match)
+        pairs = tuple(sorted(match))
+        send = np.zeros((D, k), np.int32)
+        for (u, v) in pairs:
+            chunk = remaining[(u, v)][:k]
+            remaining[(u, v)] = remaining[(u, v)][k:]
+            if not remaining[(u, v)]:
+                del remaining[(u, v)]
+            for j, t in enumerate(chunk):
+                send[u, j] = src_pos[u][t]
+                recv_slot[(v, t)] = offset + j
+        rounds.append((pairs, k))
+        sends.append(send)
+        offset += k
+    gather = np.zeros((D, math.prod(dst_local)), np.int32)
+    for v in range(D):
+        for j, t in enumerate(dst_ids[v]):
+            gather[v, j] = src_pos[v][t] if t in src_pos[v] else recv_slot[(v, t)]
+    used = set()
+    for pairs, _ in rounds:
+        for u, v in pairs:
+            cu, cv = geom.coords[u], geom.coords[v]
+            used |= {a for a in range(len(geom.grid)) if cu[a] != cv[a]}
+    return P2PSchedule(tuple(tiles), tuple(tile_shape), int(math.prod(tile_shape)), tuple(rounds),
+                       tuple(sends), gather, src_local, dst_local, tuple(sorted(used)))
+
+
+def _max_matching(remaining: dict) -> list:
+    """A maximum matching of senders to receivers (Kuhn's augmenting paths);
+    pairs with more tiles left are tried first so rounds stay few."""
+    adj: dict = {}
+    for (u, v), ts in sorted(remaining.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        adj.setdefault(u, []).append(v)
+    owner: dict = {}
+
+    def augment(u, seen):
+        for v in adj[u]:
+            if v in seen:
+                continue
+            seen.add(v)
+            if v not in owner or augment(owner[v], seen):
+                owner[v] = u
+                return True
+        return False
+
+    for u in sorted(adj, key=lambda u: -max(len(remaining[(u, v)]) for v in adj[u])):
+        augment(u, set())
+    return [(u, v) for v, u in owner.items()]
+
+
+# ---------------------------------------------------------------------------
+# Public entry points
+# ---------------------------------------------------------------------------
+
+
+def normalized_layout(sbp: Sequence, ndim: int, grid: Sequence[int]) -> Layout:
+    """The layout of an nd-SBP; S or P over an axis of size 1 is the same as B."""
+    L = Layout.from_nd_sbp(sbp, ndim)
+    keep = lambda a: grid[a] > 1  # noqa: E731
+    return Layout(tuple(tuple(a for a in axes if keep(a)) for axes in L.dims),
+                  tuple((a, op) for a, op in L.partial if keep(a)))
+
+
+_CACHE: dict = {}
+
+
+def plan_boxing(shape, dtype, placement: Placement, src_sbp, dst_sbp,
+                dst_placement: Placement | None = None, cost_model: CostModel | None = None
+                ) -> BoxingPlan:
+    """The cheapest boxing of a ``shape``/``dtype`` tensor from ``src_sbp`` on
+    ``placement`` to ``dst_sbp`` (on ``dst_placement`` when given)."""
+    shape = tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype)
+    cm = cost_model or DEFAULT_COST_MODEL
+    src = normalize_nd_sbp(src_sbp, placement.ndim, len(shape), "src_sbp")
+    if dst_placement is not None and dst_placement == placement:
+        dst_placement = None
+    dpl = dst_placement or placement
+    dst = normalize_nd_sbp(dst_sbp, dpl.ndim, len(shape), "dst_sbp")
+    key = (shape, dtype.str, placement, src, dst, dst_placement, repr(cm))
+    if key in _CACHE:
+        return _CACHE[key]
+    if dst_placement is not None:
+        from sbpjax.boxing.transfer import plan_transfer
+
+        plan = plan_transfer(shape, dtype, placement, src, dpl, dst, cm)
+    else:
+        L_src = normalized_layout(src, len(shape), placement.shape)
+        L_dst = normalized_layout(dst, len(shape), placement.shape)
+        fill_ops = tuple(sorted({op for _, op in L_dst.partial}))
+        ctx = _Ctx(shape, dtype.itemsize, placement, cm, fill_ops)
+        steps = _search(ctx, L_src, L_dst)
+        floor = None
+        if not L_src.partial and not L_dst.partial:
+            floor = ctx.geom.floor_bytes(L_src, L_dst, dtype.itemsize)
+        plan = BoxingPlan(shape, dtype, placement, src, dst, tuple(steps), None, floor, L_src, L_dst)
+    _CACHE[key] = plan
+    return plan

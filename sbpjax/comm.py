@@ -1,0 +1,241 @@
+"""Reading the collectives of a compiled JAX program.
+
+``sj.collectives(compiled)`` parses the optimized HLO text of a compiled
+program (``jax.jit(f).lower(...).compile()``, or a ``Lowered`` object, or the
+text itself) and lists every all-reduce, all-gather, reduce-scatter,
+all-to-all and collective-permute with its group size and the bytes each
+device receives. Collectives inside ``while`` bodies are counted once per
+iteration when XLA knows the trip count.
+
+Bytes each device receives, with ``g`` the group size (ring algorithms, the
+convention of OneFlow Table 2 summed over devices):
+
+* all-reduce of ``n`` bytes: ``2 (g-1)/g n``;
+* all-gather producing ``n`` bytes: ``(g-1)/g n``;
+* reduce-scatter producing ``n`` bytes: ``(g-1) n``;
+* all-to-all of ``n`` bytes in total: ``(g-1)/g n``;
+* collective-permute of ``n`` bytes: ``n`` for each receiving device whose
+  source is another device (pairs that send to themselves move nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from fractions import Fraction
+
+import numpy as np
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e3m4": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
+    r"(?P<kind>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?P<start>-start)?\("
+)
+_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective in a compiled program.
+
+    ``op``: the HLO kind (all-reduce, all-gather, reduce-scatter, all-to-all,
+    collective-permute); ``group_size``; ``num_groups``; ``bytes_per_device``:
+    bytes each participating device receives; ``bytes``: summed over devices
+    (times ``count`` for loop bodies); ``count``: executions per program run.
+    """
+
+    op: str
+    group_size: int
+    num_groups: int
+    bytes_per_device: float
+    bytes: int
+    count: int = 1
+    shape: str = ""
+    name: str = ""
+
+    @property
+    def devices(self) -> int:
+        return self.group_size * self.num_groups
+
+
+def _shape_bytes(shape_text: str) -> int:
+    total = Fraction(0)
+    for dtype, dims in _ARRAY.findall(shape_text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        total += Fraction(_DTYPE_BYTES[dtype]) * n
+    return int(total)
+
+
+def _parse_groups(line: str, num_devices: int | None):
+    m = re.search(r"replica_groups=(\{[\d,{}\s]*\})", line)
+    if m:
+        text = m.group(1).strip()
+        inner = re.findall(r"\{([\d,\s]*)\}", text[1:-1]) if text != "{}" else []
+        groups = [[int(v) for v in g.split(",") if v.strip()] for g in inner]
+        groups = [g for g in groups if g]
+        if groups:
+            return groups
+        return [list(range(num_devices))] if num_devices else None
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        out_shape = [int(v) for v in m.group(1).split(",")]
+        src_shape = [int(v) for v in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(src_shape))).reshape(src_shape)
+        if m.group(3):
+            ids = ids.transpose([int(v) for v in m.group(3).split(",")])
+        return ids.reshape(out_shape).tolist()
+    # Newer XLA prints mesh-based groups with an explicit device list; each
+    # sub-group is then given by its own parenthesised id list when present.
+    m = re.search(r"device_ids=\(([\d,\s()]*)\)", line)
+    if m:
+        inner = re.findall(r"\(([\d,\s]*)\)", m.group(1))
+        if inner:
+            return [[int(v) for v in g.split(",") if v.strip()] for g in inner]
+        return [[int(v) for v in m.group(1).split(",") if v.strip()]]
+    return None
+
+
+def _computations(text: str) -> dict:
+    comps: dict = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?.*\{\s*$", line)
+        if head and ("->" in line or head.group(1)) and not line.strip().startswith("ROOT"):
+            current = ("ENTRY" if head.group(1) else "") + head.group(2)
+            comps[current] = []
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        if current is not None:
+            comps[current].append(line)
+    return comps
+
+
+def _multipliers(comps: dict) -> dict:
+    """How many times each computation runs per program run."""
+    by_name = {k.replace("ENTRY", "", 1) if k.startswith("ENTRY") else k: k for k in comps}
+    entry = next((k for k in comps if k.startswith("ENTRY")), None)
+    mult = {k: 0 for k in comps}
+    if entry is None:
+        return {k: 1 for k in comps}
+
+    def visit(comp, times, depth=0):
+        if depth > 64:
+            return
+        mult[comp] += times
+        for line in comps[comp]:
+            trip = 1
+            if re.search(r"\swhile\(", line):
+                tm = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                trip = int(tm.group(1)) if tm else 1
+            for key, names in re.findall(r"(body|calls|branch_computations|called_computations)=\{?([%\w.\-,\s]+)\}?", line):
+                for callee in re.findall(r"%?([\w.\-]+)", names):
+                    if callee in by_name:
+                        visit(by_name[callee], times * (trip if key == "body" else 1), depth + 1)
+
+    visit(entry, 1)
+    return mult
+
+
+def _hlo_text(compiled) -> str:
+    if isinstance(compiled, str):
+        return compiled
+    if hasattr(compiled, "compile") and not hasattr(compiled, "cost_analysis"):
+        compiled = compiled.compile()
+    return compiled.as_text()
+
+
+def collectives(compiled) -> list[Collective]:
+    """The collectives of a compiled program (see the module docstring)."""
+    text = _hlo_text(compiled)
+    nd = re.search(r"num_partitions=(\d+)", text)
+    num_devices = int(nd.group(1)) if nd else None
+    comps = _computations(text)
+    mult = _multipliers(comps)
+    out = []
+    for comp, lines in comps.items():
+        times = mult.get(comp, 1)
+        if times == 0:
+            continue
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            kind = m.group("kind")
+            shape = m.group("shape")
+            if m.group("start"):
+                # async form: (operands, outputs[, contexts]) -> keep the output part
+                parts = _top_level_tuple(shape)
+                shape = parts[1] if len(parts) >= 2 else shape
+            n = _shape_bytes(shape)
+            if kind == "collective-permute":
+                pm = re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line)
+                pairs = re.findall(r"\{(\d+),(\d+)\}", pm.group(1)) if pm else []
+                moving = sum(1 for a, b in pairs if a != b)
+                if moving == 0:
+                    continue
+                out.append(Collective(kind, 2, moving, float(n), int(n * moving * times), times, shape,
+                                      m.group("name")))
+                continue
+            groups = _parse_groups(line, num_devices) or [list(range(num_devices or 1))]
+            g = len(groups[0])
+            if g <= 1:
+                continue
+            per = {
+                "all-reduce": Fraction(2 * (g - 1), g) * n,
+                "all-gather": Fraction(g - 1, g) * n,
+                "reduce-scatter": Fraction(g - 1) * n,
+                "all-to-all": Fraction(g - 1, g) * n,
+            }[kind]
+            total = per * g * len(groups) * times
+            out.append(Collective(kind, g, len(groups), float(per), int(total), times, shape, m.group("name")))
+    return out
+
+
+def _top_level_tuple(shape: str) -> list[str]:
+    s = shape.strip()
+    if not s.startswith("("):
+        return [s]
+    depth, cur, parts = 0, "", []
+    for ch in s[1:-1]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return parts
+
+
+def total_bytes(compiled) -> int:
+    """All bytes received over all devices by one run of the program."""
+    return int(sum(c.bytes for c in collectives(compiled)))
+
+
+def summarize(compiled) -> str:
+    """A short table of the program's collectives."""
+    rows = collectives(compiled)
+    if not rows:
+        return "no collectives"
+    lines = [f"{'op':<19}{'group':>6}{'groups':>7}{'count':>6}{'bytes/device':>14}{'bytes':>14}"]
+    for c in rows:
+        lines.append(f"{c.op:<19}{c.group_size:>6}{c.num_groups:>7}{c.count:>6}"
+                     f"{c.bytes_per_device:>14.0f}{c.bytes:>14}")
+    lines.append(f"total {sum(c.bytes for c in rows)} B")
+    return "\n".join(lines)

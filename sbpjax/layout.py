@@ -1,0 +1,183 @@
+"""Layouts: which part of a logical tensor each device holds.
+
+An nd-SBP names one SBP per placement axis and always applies the axes in order
+(axis 0 first). The boxing planner also needs layouts where a dim is split by
+several axes in another order, e.g. dim 0 split first by ``y`` then by ``x``:
+a reduce-scatter over ``x`` of a tensor already split by ``y`` produces one.
+:class:`Layout` is that general form: for each tensor dim, the placement axes
+that split it, outermost first; the partial axes with their op; every other
+axis broadcasts. An nd-SBP is the layout whose per-dim axis lists are sorted.
+
+Physical form (how a global tensor lives in one ``jax.Array``): each device's
+block is its local tensor padded at the end of every split dim to the largest
+local size (balanced splits are uneven when the size does not divide), and one
+leading dim of size ``p`` per partial axis, sharded over that axis, so every
+device keeps its own partial term.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Sequence
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from sbpjax._errors import SBPError
+from sbpjax.sbp import Broadcast, Partial, Split, format_sbp
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Layout:
+    """``dims[d]``: placement axes splitting tensor dim ``d``, outer first.
+    ``partial``: ``(axis, op)`` pairs sorted by axis."""
+
+    dims: tuple
+    partial: tuple = ()
+
+    @staticmethod
+    def from_nd_sbp(sbp: Sequence, ndim: int) -> "Layout":
+        dims = [[] for _ in range(ndim)]
+        partial = []
+        for axis, s in enumerate(sbp):
+            if isinstance(s, Split):
+                dims[s.dim].append(axis)
+            elif isinstance(s, Partial):
+                partial.append((axis, s.op))
+        return Layout(tuple(tuple(d) for d in dims), tuple(partial))
+
+    @property
+    def canonical(self) -> bool:
+        return all(list(d) == sorted(d) for d in self.dims)
+
+    def canonicalized(self) -> "Layout":
+        return Layout(tuple(tuple(sorted(d)) for d in self.dims), self.partial)
+
+    def to_nd_sbp(self, n_axes: int) -> tuple:
+        out: list = [Broadcast()] * n_axes
+        for d, axes in enumerate(self.dims):
+            for a in axes:
+                out[a] = Split(d)
+        for a, op in self.partial:
+            out[a] = Partial(op)
+        return tuple(out)
+
+    def split_axes(self) -> set:
+        return {a for d in self.dims for a in d}
+
+    def partial_axes(self) -> dict:
+        return dict(self.partial)
+
+    def describe(self, n_axes: int, axis_names: Sequence[str] | None = None) -> str:
+        """The nd-SBP text, plus the split order where it is not the axis order."""
+        text = format_sbp(self.to_nd_sbp(n_axes))
+        if self.canonical:
+            return text
+        names = axis_names or [str(a) for a in range(n_axes)]
+        orders = [
+            f"dim {d} split {','.join(names[a] for a in axes)}"
+            for d, axes in enumerate(self.dims)
+            if list(axes) != sorted(axes)
+        ]
+        return f"{text}[{'; '.join(orders)}]"
+
+
+def balanced_piece(n: int, p: int, i: int) -> tuple[int, int]:
+    """(start, size) of piece ``i`` when ``n`` is split in ``p`` balanced pieces:
+    the first ``n % p`` pieces get one extra element."""
+    base, rem = divmod(n, p)
+    return i * base + min(i, rem), base + (1 if i < rem else 0)
+
+
+class Geometry:
+    """Local ranges and padded sizes of a tensor shape over a device grid."""
+
+    def __init__(self, shape: Sequence[int], grid: Sequence[int]):
+        self.shape = tuple(int(s) for s in shape)
+        self.grid = tuple(int(g) for g in grid)
+        self.ndim = len(self.shape)
+        self.n_devices = int(np.prod(self.grid))
+        self.coords = list(itertools.product(*[range(g) for g in self.grid]))
+
+    def linear(self, coord) -> int:
+        return int(np.ravel_multi_index(tuple(coord), self.grid)) if self.grid else 0
+
+    def dim_range(self, axes: Sequence[int], d: int, coord) -> tuple[int, int]:
+        start, size = 0, self.shape[d]
+        for a in axes:
+            s, size = balanced_piece(size, self.grid[a], coord[a])
+            start += s
+        return start, size
+
+    def local_box(self, layout: Layout, coord) -> tuple:
+        """Per dim (start, size) of the device's local piece."""
+        return tuple(self.dim_range(layout.dims[d], d, coord) for d in range(self.ndim))
+
+    def padded_dim(self, axes: Sequence[int], d: int) -> int:
+        size = self.shape[d]
+        for a in axes:
+            size = -(-size // self.grid[a])
+        return size
+
+    def padded(self, layout: Layout) -> tuple:
+        """The block shape every device stores (its local tensor padded at the end)."""
+        return tuple(self.padded_dim(layout.dims[d], d) for d in range(self.ndim))
+
+    def splits(self, axes: Sequence[int]) -> int:
+        return int(np.prod([self.grid[a] for a in axes])) if axes else 1
+
+    def even(self, layout: Layout) -> bool:
+        """True when every split divides exactly (no padding anywhere)."""
+        return all(
+            self.shape[d] % self.splits(layout.dims[d]) == 0 for d in range(self.ndim)
+        )
+
+    def physical_shape(self, layout: Layout) -> tuple:
+        lead = tuple(self.grid[a] for a, _ in layout.partial)
+        body = tuple(
+            self.padded_dim(layout.dims[d], d) * self.splits(layout.dims[d])
+            for d in range(self.ndim)
+        )
+        return lead + body
+
+    def block_shape(self, layout: Layout) -> tuple:
+        return (1,) * len(layout.partial) + self.padded(layout)
+
+    def partition_spec(self, layout: Layout, axis_names: Sequence[str]) -> PartitionSpec:
+        lead = [axis_names[a] for a, _ in layout.partial]
+        body = []
+        for axes in layout.dims:
+            if not axes:
+                body.append(None)
+            elif len(axes) == 1:
+                body.append(axis_names[axes[0]])
+            else:
+                body.append(tuple(axis_names[a] for a in axes))
+        return PartitionSpec(*lead, *body)
+
+    def local_elements(self, layout: Layout) -> int:
+        return int(np.prod(self.padded(layout))) if self.ndim else 1
+
+    def floor_bytes(self, src: Layout, dst: Layout, itemsize: int) -> int:
+        """Bytes every device must receive that it does not already hold (summed)."""
+        total = 0
+        for c in self.coords:
+            a, b = self.local_box(src, c), self.local_box(dst, c)
+            vol = math.prod(s for _, s in b)
+            inter = math.prod(
+                max(0, min(s1 + n1, s2 + n2) - max(s1, s2)) for (s1, n1), (s2, n2) in zip(a, b)
+            )
+            total += vol - inter
+        return total * itemsize
+
+
+def layout_of(sbp: Sequence, ndim: int) -> Layout:
+    return Layout.from_nd_sbp(sbp, ndim)
+
+
+def check_layout_for_shape(layout: Layout, shape, where: str = "tensor"):
+    for d, axes in enumerate(layout.dims):
+        if axes and d >= len(shape):
+            raise SBPError(f"{where}: split dim {d} out of range for shape {tuple(shape)}.")

@@ -1,0 +1,355 @@
+"""Global tensors: a logical tensor with its placement and nd-SBP.
+
+A :class:`GlobalTensor` keeps every device's local tensor in one ``jax.Array``
+(the physical form in :mod:`sbpjax.layout`): for even S/B layouts that array
+*is* the logical array with the equivalent ``NamedSharding``, so
+:meth:`GlobalTensor.to_jax` and :func:`to_global` convert without copying.
+Partials keep one term per device and are never handed out as a plain array
+that looks reduced.
+
+Global tensors are JAX pytrees (the physical array is the leaf), so they pass
+through ``jax.jit`` and ``jax.tree.map``; boxing inside a traced function is
+differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from sbpjax._errors import SBPError
+from sbpjax.boxing.lower import boxing_fn, fill_value
+from sbpjax.boxing.plan import normalized_layout, plan_boxing
+from sbpjax.boxing.transfer import execute_transfer
+from sbpjax.layout import Geometry, Layout
+from sbpjax.placement import Placement
+from sbpjax.sbp import format_sbp, normalize_nd_sbp
+
+_NP_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+def _is_traced(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+@jax.tree_util.register_pytree_node_class
+class GlobalTensor:
+    """A logical tensor laid out over a placement by an nd-SBP.
+
+    Build one with :func:`to_global` or :func:`from_local_tensors`.
+    """
+
+    __slots__ = ("_data", "_shape", "_dtype", "_placement", "_sbp")
+
+    def __init__(self, data, shape, dtype, placement: Placement, sbp: tuple):
+        self._data = data
+        self._shape = tuple(shape)
+        self._dtype = np.dtype(dtype)
+        self._placement = placement
+        self._sbp = tuple(sbp)
+
+    # -- pytree --------------------------------------------------------------
+    def tree_flatten(self):
+        return (self._data,), (self._shape, self._dtype, self._placement, self._sbp)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    # -- description ---------------------------------------------------------
+    @property
+    def sbp(self) -> tuple:
+        return self._sbp
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    @property
+    def shape(self) -> tuple:
+        return self._shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def layout(self) -> Layout:
+        return normalized_layout(self._sbp, self.ndim, self._placement.shape)
+
+    @property
+    def physical(self) -> jax.Array:
+        """The underlying array: each device's local tensor, padded to the largest
+        local size, with one leading dim per partial axis (see ``sbpjax.layout``)."""
+        return self._data
+
+    def __repr__(self):
+        return (f"GlobalTensor(shape={self._shape}, dtype={self._dtype.name}, "
+                f"sbp={format_sbp(self._sbp)}, placement={self._placement!r})")
+
+    # -- values --------------------------------------------------------------
+    def _blocks(self) -> dict:
+        """Device coordinate -> that device's padded block, as numpy."""
+        if _is_traced(self._data):
+            raise SBPError("numpy()/local_tensors() need concrete values; they cannot run "
+                           "inside jax.jit or jax.grad. Use to_jax() there (S/B layouts).")
+        by_id = {s.device.id: s for s in self._data.addressable_shards}
+        geom = Geometry(self._shape, self._placement.shape)
+        out = {}
+        for c in geom.coords:
+            dev = self._placement.devices[c]
+            if dev.id in by_id:
+                out[c] = np.asarray(by_id[dev.id].data)
+        return out
+
+    def local_tensors(self) -> np.ndarray:
+        """A numpy object array of the placement's shape: each device's local tensor."""
+        layout = self.layout
+        geom = Geometry(self._shape, self._placement.shape)
+        out = np.empty(self._placement.shape, dtype=object)
+        lead = (0,) * len(layout.partial)
+        for c, block in self._blocks().items():
+            box = geom.local_box(layout, c)
+            out[c] = block[lead + tuple(slice(0, n) for _, n in box)].copy()
+        return out
+
+    def numpy(self) -> np.ndarray:
+        """The logical value (partials reduced) as numpy."""
+        layout = self.layout
+        geom = Geometry(self._shape, self._placement.shape)
+        blocks = self._blocks()
+        if len(blocks) != geom.n_devices:
+            raise SBPError("numpy(): some devices of this placement belong to another process; "
+                           "gather the tensor to a placement this process can see first.")
+        paxes = [a for a, _ in layout.partial]
+        terms = np.zeros(tuple(geom.grid[a] for a in paxes) + self._shape, self._dtype)
+        lead = (0,) * len(paxes)
+        for c, block in blocks.items():
+            box = geom.local_box(layout, c)
+            local = block[lead + tuple(slice(0, n) for _, n in box)]
+            terms[tuple(c[a] for a in paxes) + tuple(slice(s, s + n) for s, n in box)] = local
+        # axis 0 applies first, so the innermost partial is reduced first
+        for _, op in reversed(layout.partial):
+            terms = _NP_REDUCE[op](terms, axis=len(paxes) - 1)
+            paxes.pop()
+        return np.asarray(terms, self._dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def to_jax(self) -> jax.Array:
+        """The logical value as a ``jax.Array`` with the equivalent ``NamedSharding``.
+
+        Even S/B layouts: the same buffers, no copy. Uneven splits: a copy, because
+        JAX's uneven sharding pads the last pieces while SBP balances them.
+        Partials: an error (reduce first with ``to_global(sbp=...)``).
+        """
+        layout = self.layout
+        if layout.partial:
+            bad = [f"{self._placement.axis_names[a]}: P({op})" for a, op in layout.partial]
+            raise SBPError(
+                f"to_jax(): this tensor is partial over {', '.join(bad)}; a plain array would "
+                "look reduced but hold one term per device. Box it first, e.g. "
+                f"t.to_global(sbp={format_sbp(_reduced(self._sbp))}).to_jax()."
+            )
+        geom = Geometry(self._shape, self._placement.shape)
+        if geom.even(layout):
+            return self._data
+        x = self._data
+        for d, axes in enumerate(layout.dims):
+            if not axes:
+                continue
+            M = geom.padded_dim(axes, d)
+            idx = []
+            for k in range(geom.splits(axes)):
+                coord = [0] * len(geom.grid)
+                rem = k
+                for a in reversed(axes):
+                    coord[a] = rem % geom.grid[a]
+                    rem //= geom.grid[a]
+                _, n = geom.dim_range(axes, d, coord)
+                idx.extend(k * M + t for t in range(n))
+            x = jnp.take(x, jnp.asarray(idx, jnp.int32), axis=d)
+        sharding = NamedSharding(self._placement.mesh, geom.partition_spec(layout, self._placement.axis_names))
+        if _is_traced(x):
+            return jax.lax.with_sharding_constraint(x, sharding)
+        return jax.device_put(x, sharding)
+
+    # -- boxing --------------------------------------------------------------
+    def to_global(self, sbp=None, placement: Placement | None = None) -> "GlobalTensor":
+        """Box to another nd-SBP (and/or another placement). Same layout: ``self``."""
+        placement = placement or self._placement
+        sbp = self._sbp if sbp is None else normalize_nd_sbp(sbp, placement.ndim, self.ndim, "to_global(sbp=...)")
+        if placement == self._placement and sbp == self._sbp:
+            return self
+        plan = plan_boxing(self._shape, self._dtype, self._placement, self._sbp, sbp,
+                           dst_placement=None if placement == self._placement else placement)
+        if plan.dst_placement is not None:
+            data, _ = execute_transfer(plan, self._data)
+        elif plan.steps:
+            data = boxing_fn(plan)(self._data)
+        else:
+            data = self._data  # e.g. S over an axis of size 1 -> B: same physical layout
+        return GlobalTensor(data, self._shape, self._dtype, placement, sbp)
+
+    def __jax_array__(self):
+        return self.to_jax()
+
+
+def _reduced(sbp):
+    from sbpjax.sbp import Broadcast, Partial
+
+    return tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
+
+
+def _host_block(x: np.ndarray, geom: Geometry, layout: Layout, coord, dtype) -> np.ndarray:
+    """The padded block device ``coord`` holds when ``x`` is laid out as ``layout``
+    (B -> P(sum): the value on the first device of each group, zeros elsewhere;
+    B -> P(max|min): the value everywhere)."""
+    box = geom.local_box(layout, coord)
+    block = np.zeros(geom.padded(layout), dtype)
+    local = x[tuple(slice(s, s + n) for s, n in box)]
+    if not any(op == "sum" and coord[a] != 0 for a, op in layout.partial):
+        block[tuple(slice(0, n) for _, n in box)] = local
+    return block.reshape(geom.block_shape(layout))
+
+
+def _assemble(blocks: dict, geom: Geometry, layout: Layout, placement: Placement) -> jax.Array:
+    sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
+    arrays = [jax.device_put(b, placement.devices[c]) for c, b in blocks.items()]
+    return jax.make_array_from_single_device_arrays(geom.physical_shape(layout), sharding, arrays)
+
+
+def to_global(x, placement: Placement, sbp) -> GlobalTensor:
+    """Lay out the logical array ``x`` over ``placement`` as ``sbp``.
+
+    ``x``: a numpy or JAX array (traced values too: the layout is then produced by
+    free local steps from B, so ``jax.grad`` flows through), or a
+    :class:`GlobalTensor`, which is boxed. A 1-D placement also takes a bare SBP.
+    """
+    if isinstance(x, GlobalTensor):
+        return x.to_global(sbp=sbp, placement=placement)
+    if not isinstance(placement, Placement):
+        raise SBPError(f"to_global: placement must be an sj.Placement, got {type(placement).__name__}; "
+                       "make one with sj.placement(shape, axis_names).")
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    shape = tuple(x.shape)
+    sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "to_global")
+    dtype = np.dtype(x.dtype)
+    layout = normalized_layout(sbp, len(shape), placement.shape)
+    geom = Geometry(shape, placement.shape)
+    if not layout.partial and geom.even(layout):
+        sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
+        if _is_traced(x):
+            data = jax.lax.with_sharding_constraint(jnp.asarray(x), sharding)
+        else:
+            data = jax.device_put(x, sharding)
+        return GlobalTensor(data, shape, dtype, placement, sbp)
+    if _is_traced(x):
+        from sbpjax.sbp import Broadcast
+
+        rep = (Broadcast(),) * placement.ndim
+        plan = plan_boxing(shape, dtype, placement, rep, sbp)
+        data = boxing_fn(plan)(x)
+        return GlobalTensor(data, shape, dtype, placement, sbp)
+    host = np.asarray(x)
+    blocks = {c: _host_block(host, geom, layout, c, dtype) for c in geom.coords}
+    return GlobalTensor(_assemble(blocks, geom, layout, placement), shape, dtype, placement, sbp)
+
+
+def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTensor:
+    """Build a global tensor from each device's local tensor.
+
+    ``locals_``: an array-like of the placement's shape (numpy object array or
+    nested lists) whose entries are the local tensors; ``shape`` is the logical
+    shape, required because it cannot be recovered from uneven pieces.
+    """
+    shape = tuple(int(s) for s in shape)
+    sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "from_local_tensors")
+    layout = normalized_layout(sbp, len(shape), placement.shape)
+    geom = Geometry(shape, placement.shape)
+    grid = np.empty(placement.shape, dtype=object)
+    try:
+        if isinstance(locals_, np.ndarray) and locals_.dtype == object:
+            src = locals_
+        else:
+            src = np.empty(placement.shape, dtype=object)
+            for c in geom.coords:
+                item = locals_
+                for i in c:
+                    item = item[i]
+                src[c] = item
+        for c in geom.coords:
+            grid[c] = np.asarray(src[c])
+    except (IndexError, TypeError, ValueError) as e:
+        raise SBPError(f"from_local_tensors: expected one local tensor per device in a grid of shape "
+                       f"{placement.shape}; could not read it ({e}).") from None
+    if grid.shape != placement.shape:
+        raise SBPError(f"from_local_tensors: got a grid of shape {grid.shape} of local tensors, the "
+                       f"placement has shape {placement.shape}.")
+    dtype = np.result_type(*[g.dtype for g in grid.flat])
+    blocks = {}
+    for c in geom.coords:
+        box = geom.local_box(layout, c)
+        want = tuple(n for _, n in box)
+        got = grid[c].shape
+        if got != want:
+            raise SBPError(
+                f"from_local_tensors: device {placement.devices[c].id} at grid position {c} holds a "
+                f"local tensor of shape {got}, but logical shape {shape} with sbp {format_sbp(sbp)} "
+                f"gives it shape {want} "
+                + _explain_local(shape, sbp, placement, c)
+                + ". Check the logical shape or the sbp."
+            )
+        block = np.zeros(geom.block_shape(layout), dtype)
+        block[(0,) * len(layout.partial) + tuple(slice(0, n) for n in want)] = grid[c]
+        blocks[c] = block
+    _check_broadcast_copies(grid, geom, layout, placement, sbp)
+    return GlobalTensor(_assemble(blocks, geom, layout, placement), shape, dtype, placement, sbp)
+
+
+def _explain_local(shape, sbp, placement, coord) -> str:
+    from sbpjax.sbp import Split
+
+    parts = []
+    for a, s in enumerate(sbp):
+        if isinstance(s, Split) and placement.shape[a] > 1:
+            parts.append(f"dim {s.dim} split {placement.shape[a]} ways on axis "
+                         f"'{placement.axis_names[a]}' (piece {coord[a]})")
+    return "(" + "; ".join(parts) + ")" if parts else "(no splits: the whole shape)"
+
+
+def _check_broadcast_copies(grid, geom, layout, placement, sbp):
+    """B means every device along the axis holds the same tensor: refuse copies
+    that differ rather than silently keep one of them."""
+    varying = layout.split_axes() | {a for a, _ in layout.partial}
+    groups: dict = {}
+    for c in geom.coords:
+        key = tuple(c[a] for a in sorted(varying))
+        if key in groups:
+            ref_c = groups[key]
+            if not np.array_equal(grid[c], grid[ref_c], equal_nan=grid[c].dtype.kind == "f"):
+                raise SBPError(
+                    f"from_local_tensors: devices at grid positions {ref_c} and {c} differ only along "
+                    f"broadcast axes of sbp {format_sbp(sbp)}, so they must hold equal local tensors, "
+                    "but they do not. Use P (partial) if they are terms of a sum, or fix the data."
+                )
+        else:
+            groups[key] = c
+
+
+__all__ = ["GlobalTensor", "to_global", "from_local_tensors"]
