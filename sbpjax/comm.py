@@ -60,6 +60,17 @@ class Collective:
     name: str = ""
 
     @property
+    def dtype(self) -> str:
+        """The HLO element type moved (e.g. ``f32``). XLA's CPU backend moves
+        bf16 collectives as f32, so compare bytes in one element type."""
+        m = _ARRAY.search(self.shape)
+        return m.group(1) if m else ""
+
+    @property
+    def itemsize(self) -> float:
+        return _DTYPE_BYTES.get(self.dtype, 0)
+
+    @property
     def devices(self) -> int:
         return self.group_size * self.num_groups
 
@@ -152,7 +163,9 @@ def _multipliers(comps: dict) -> dict:
 def _hlo_text(compiled) -> str:
     if isinstance(compiled, str):
         return compiled
-    if hasattr(compiled, "compile") and not hasattr(compiled, "cost_analysis"):
+    import jax
+
+    if isinstance(compiled, jax.stages.Lowered):
         compiled = compiled.compile()
     return compiled.as_text()
 

@@ -153,8 +153,9 @@ class GlobalTensor:
     def to_jax(self) -> jax.Array:
         """The logical value as a ``jax.Array`` with the equivalent ``NamedSharding``.
 
-        Even S/B layouts: the same buffers, no copy. Uneven splits: a copy, because
-        JAX's uneven sharding pads the last pieces while SBP balances them.
+        Even S/B layouts: the same buffers, no copy. Uneven splits: a copy with the
+        padding removed, without that ``NamedSharding`` (JAX cannot express a split
+        that does not divide the dim).
         Partials: an error (reduce first with ``to_global(sbp=...)``).
         """
         layout = self.layout
@@ -183,10 +184,9 @@ class GlobalTensor:
                 _, n = geom.dim_range(axes, d, coord)
                 idx.extend(k * M + t for t in range(n))
             x = jnp.take(x, jnp.asarray(idx, jnp.int32), axis=d)
-        sharding = NamedSharding(self._placement.mesh, geom.partition_spec(layout, self._placement.axis_names))
-        if _is_traced(x):
-            return jax.lax.with_sharding_constraint(x, sharding)
-        return jax.device_put(x, sharding)
+        # JAX (0.10) refuses a NamedSharding whose split does not divide the dim,
+        # so the compacted array keeps whatever sharding XLA gave it.
+        return x
 
     # -- boxing --------------------------------------------------------------
     def to_global(self, sbp=None, placement: Placement | None = None) -> "GlobalTensor":

@@ -52,9 +52,12 @@ def _pre_fwd(x, axes, op):
 
 
 def _pre_bwd(axes, op, res, g):
+    # Unchecked shard_map (check_vma=False) splits the cotangent of a replicated
+    # value over the devices and transposes psum to psum; the total cotangent is
+    # therefore the psum of the per-device ones, as in psum's own transpose.
     x, y = res
     hit = (x == y).astype(g.dtype)
-    return (g * hit / lax.psum(hit, axes),)
+    return (lax.psum(g, axes) * hit / lax.psum(hit, axes),)
 
 
 preduce_extreme.defvjp(_pre_fwd, _pre_bwd)

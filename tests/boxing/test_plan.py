@@ -1,0 +1,115 @@
+"""Plans: OneFlow Table 2 bytes, floors, readable text, determinism."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import sbpjax as sj
+from sbpjax.boxing.plan import COLLECTIVE_OF
+
+ALL_1D = [sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max, sj.P_min]
+
+
+def table2_same(src, dst, p, T):
+    """OneFlow Table 2, 'same placement' column; P(max|min) -> S costs like P(sum) -> S."""
+    kind = lambda s: "S" if isinstance(s, sj.Split) else ("B" if s == sj.B else "P")  # noqa: E731
+    a, b = kind(src), kind(dst)
+    if src == dst:
+        return 0
+    if a == "S" and b == "S":
+        return (p - 1) * T // p
+    if a == "S" and b == "B":
+        return (p - 1) * T
+    if a == "P" and b == "S":
+        return (p - 1) * T
+    if a == "P" and b == "B":
+        return 2 * (p - 1) * T
+    if a == "P" and b == "P":  # P(op) -> P(other op): reduce-scatter, then a free fill
+        return (p - 1) * T
+    return 0  # B->S, S->P, B->P
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_table_2_bytes_exactly(p):
+    shape = (24 * 7, 48)  # both dims divisible by 2, 3, 4, 8
+    T = shape[0] * shape[1] * 4
+    pl = sj.placement(p, "x")
+    for src, dst in itertools.product(ALL_1D, ALL_1D):
+        plan = sj.plan_boxing(shape, np.float32, pl, src, dst)
+        assert plan.bytes == table2_same(src, dst, p, T), (src, dst, str(plan))
+
+
+def test_table_2_collectives():
+    pl = sj.placement(8, "x")
+    op = lambda a, b: [s.op for s in sj.plan_boxing((64, 64), np.float32, pl, a, b).steps]  # noqa: E731
+    assert op(sj.S(0), sj.S(1)) == ["all_to_all"]
+    assert op(sj.S(0), sj.B) == ["all_gather"]
+    assert op(sj.P, sj.S(0)) == ["reduce_scatter"]
+    assert op(sj.P, sj.B) == ["all_reduce"]
+    assert op(sj.B, sj.S(1)) == ["local_slice"]
+    assert op(sj.S(1), sj.P) == ["zero_fill"] and op(sj.B, sj.P_max) == ["zero_fill"]
+    pmax = sj.plan_boxing((64, 64), np.float32, pl, sj.P_max, sj.S(0)).steps[0]
+    assert pmax.op == "reduce_scatter" and pmax.reduce == "max" and pmax.collective == "all-to-all"
+    assert set(COLLECTIVE_OF) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                                  "local_slice", "zero_fill", "transfer", "permute"}
+
+
+def test_pairs_without_partials_are_at_the_floor():
+    pl = sj.placement((2, 4), ("x", "y"))
+    vals = [sj.S(0), sj.S(1), sj.B]
+    for src, dst in itertools.product(itertools.product(vals, repeat=2), repeat=2):
+        plan = sj.plan_boxing((64, 32), np.float32, pl, src, dst)
+        assert plan.floor is not None and plan.bytes == plan.floor, str(plan)
+
+
+def test_floor_is_known_and_exact_by_hand():
+    pl = sj.placement((2, 4), ("x", "y"))
+    T = 64 * 32 * 4
+    # (S(0),S(1)) -> (S(1),S(0)): 4 devices already hold one of their two tiles of |T|/16
+    plan = sj.plan_boxing((64, 32), np.float32, pl, (sj.S(0), sj.S(1)), (sj.S(1), sj.S(0)))
+    assert plan.floor == 12 * T // 16 == plan.bytes
+    # with partials there is no floor
+    assert sj.plan_boxing((64, 32), np.float32, pl, (sj.P, sj.B), (sj.B, sj.B)).floor is None
+
+
+def test_multi_axis_group_collectives():
+    pl = sj.placement((2, 4), ("x", "y"))
+    plan = sj.plan_boxing((64, 64), np.float32, pl, (sj.S(0), sj.S(0)), (sj.S(1), sj.S(1)))
+    assert [(s.op, s.axes) for s in plan.steps] == [("all_to_all", ("x", "y"))]
+    assert plan.bytes == 7 * 64 * 64 * 4 // 8
+
+
+def test_plan_text_is_readable():
+    pl = sj.placement((2, 4), ("x", "y"))
+    text = str(sj.plan_boxing((1024, 1024), np.float32, pl, (sj.P, sj.S(0)), (sj.S(0), sj.S(0))))
+    assert "(P, S(0)) -> (S(0), S(0))" in text
+    assert "reduce_scatter" in text and "permute" in text and "total" in text
+    assert "[dim 0 split y,x]" in text  # the intermediate layout names its split order
+    assert "MiB" in text
+
+
+def test_plans_are_deterministic_and_cached():
+    pl = sj.placement((2, 4), ("x", "y"))
+    a = sj.plan_boxing((64, 64), np.float32, pl, (sj.P, sj.P), (sj.B, sj.S(1)))
+    b = sj.plan_boxing((64, 64), "float32", pl, "P, P", "B, S(1)")
+    assert a is b
+    assert [str(s) for s in a.steps] == [str(s) for s in b.steps]
+
+
+def test_time_tie_break_prefers_fast_axes():
+    pl = sj.placement((2, 4), ("node", "gpu"))
+    slow_node = sj.CostModel(alpha={"node": 1e-4, "gpu": 1e-6}, beta={"node": 1e-9, "gpu": 1e-11})
+    plan = sj.plan_boxing((1024, 1024), np.float32, pl, (sj.P, sj.P), (sj.B, sj.B), cost_model=slow_node)
+    # equal bytes either way; the model keeps the big messages on the fast axis
+    big_on_node = [s for s in plan.steps if s.axes == ("node",)]
+    assert all(s.bytes <= min(t.bytes for t in plan.steps if t.axes == ("gpu",)) for s in big_on_node)
+    assert plan.time(slow_node) > 0 and plan.time() > 0
+
+
+def test_plan_errors():
+    pl = sj.placement((2, 4), ("x", "y"))
+    with pytest.raises(sj.SBPError, match="src_sbp"):
+        sj.plan_boxing((4, 4), np.float32, pl, (sj.S(0),), (sj.B, sj.B))
+    with pytest.raises(sj.SBPError, match="splits dim 3"):
+        sj.plan_boxing((4, 4), np.float32, pl, (sj.B, sj.B), (sj.S(3), sj.B))

@@ -1,0 +1,68 @@
+"""Test set-up: 8 simulated CPU devices, set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import itertools  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import sbpjax as sj  # noqa: E402
+from sbpjax.sbp import Partial, Split  # noqa: E402
+
+_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
+
+
+def reference_local(x: np.ndarray, grid, sbp, coord) -> np.ndarray | None:
+    """The local tensor the semantics define for an S/B nd-SBP (None if partial).
+
+    Written independently of sbpjax.layout: nested balanced splits with
+    np.array_split (the first size % p pieces one longer), axis 0 first.
+    """
+    piece = x
+    for a, s in enumerate(sbp):
+        if isinstance(s, Partial):
+            return None
+        if isinstance(s, Split):
+            piece = np.array_split(piece, grid[a], axis=s.dim)[coord[a]]
+    return piece
+
+
+def reference_assemble(locals_: np.ndarray, sbp) -> np.ndarray:
+    """The logical tensor from local tensors, straight from the definition:
+    axis 0 applies first: S concatenates its pieces, B requires equal copies,
+    P(op) reduces them."""
+
+    def go(prefix, axis):
+        if axis == len(sbp):
+            return np.asarray(locals_[tuple(prefix)])
+        parts = [go(prefix + [i], axis + 1) for i in range(locals_.shape[axis])]
+        s = sbp[axis]
+        if isinstance(s, Split):
+            return np.concatenate(parts, axis=s.dim)
+        if isinstance(s, Partial):
+            return _REDUCE[s.op](np.stack(parts), axis=0).astype(parts[0].dtype)
+        for p in parts[1:]:
+            assert np.array_equal(p, parts[0]), "broadcast copies differ"
+        return parts[0]
+
+    return go([], 0)
+
+
+def nd_sbps(values, ndim):
+    return list(itertools.product(values, repeat=ndim))
+
+
+@pytest.fixture(scope="session")
+def pl8():
+    return sj.placement(8, "x")
+
+
+@pytest.fixture(scope="session")
+def pl24():
+    return sj.placement((2, 4), ("x", "y"))
