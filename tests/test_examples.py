@@ -1,0 +1,41 @@
+"""Examples and benchmarks run (small settings) and their outputs hold."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, timeout):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=True)
+
+
+@pytest.mark.slow
+def test_boxing_tour_runs():
+    out = _run(["examples/boxing_tour.py", "--quick"], 600).stdout
+    assert "total 569.5|T| over 256 transitions; every value checked." in out
+    assert "permute" in out and "reduce_scatter" in out
+
+
+@pytest.mark.slow
+def test_boxing_benchmark_quick(tmp_path):
+    path = tmp_path / "boxing.json"
+    _run(["benchmarks/boxing.py", "--quick", "--output", str(path)], 900)
+    data = json.loads(path.read_text())
+    cases = data["cases"]
+    fields = {"placement", "src", "dst", "plan_bytes", "measured_bytes", "gspmd_bytes", "time_ratio_vs_gspmd"}
+    assert len(cases) == 36 + 256 and all(fields <= set(c) for c in cases)
+    assert all(c["measured_bytes"] == c["plan_bytes"] for c in cases)
+    for c in cases:  # never more than GSPMD where GSPMD gives the right values
+        if c["gspmd_status"] == "ok":
+            assert c["plan_bytes"] <= c["gspmd_bytes"], c
+        if c["floor"] is not None:
+            assert c["plan_bytes"] == c["floor"], c
+    s = data["summary"]
+    assert s["no_partial_pairs"] == 81 and s["no_partial_pairs_at_floor"] == 81
