@@ -25,7 +25,6 @@ from typing import Sequence
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from sbpjax._errors import SBPError
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp
 
 
@@ -67,9 +66,6 @@ class Layout:
     def split_axes(self) -> set:
         return {a for d in self.dims for a in d}
 
-    def partial_axes(self) -> dict:
-        return dict(self.partial)
-
     def describe(self, n_axes: int, axis_names: Sequence[str] | None = None) -> str:
         """The nd-SBP text, plus the split order where it is not the axis order."""
         text = format_sbp(self.to_nd_sbp(n_axes))
@@ -100,9 +96,6 @@ class Geometry:
         self.ndim = len(self.shape)
         self.n_devices = int(np.prod(self.grid))
         self.coords = list(itertools.product(*[range(g) for g in self.grid]))
-
-    def linear(self, coord) -> int:
-        return int(np.ravel_multi_index(tuple(coord), self.grid)) if self.grid else 0
 
     def dim_range(self, axes: Sequence[int], d: int, coord) -> tuple[int, int]:
         start, size = 0, self.shape[d]
@@ -157,9 +150,6 @@ class Geometry:
                 body.append(tuple(axis_names[a] for a in axes))
         return PartitionSpec(*lead, *body)
 
-    def local_elements(self, layout: Layout) -> int:
-        return int(np.prod(self.padded(layout))) if self.ndim else 1
-
     def floor_bytes(self, src: Layout, dst: Layout, itemsize: int) -> int:
         """Bytes every device must receive that it does not already hold (summed)."""
         total = 0
@@ -171,13 +161,3 @@ class Geometry:
             )
             total += vol - inter
         return total * itemsize
-
-
-def layout_of(sbp: Sequence, ndim: int) -> Layout:
-    return Layout.from_nd_sbp(sbp, ndim)
-
-
-def check_layout_for_shape(layout: Layout, shape, where: str = "tensor"):
-    for d, axes in enumerate(layout.dims):
-        if axes and d >= len(shape):
-            raise SBPError(f"{where}: split dim {d} out of range for shape {tuple(shape)}.")

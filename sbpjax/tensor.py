@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from sbpjax._errors import SBPError
-from sbpjax.boxing.lower import boxing_fn, fill_value
+from sbpjax.boxing.lower import boxing_fn
 from sbpjax.boxing.plan import normalized_layout, plan_boxing
 from sbpjax.boxing.transfer import execute_transfer
 from sbpjax.layout import Geometry, Layout

@@ -108,10 +108,10 @@ def calibrate(placement, sizes: Sequence[int] = (1 << 12, 1 << 15, 1 << 18, 1 <<
             alphas[axis], betas[axis] = 0.0, 0.0
             continue
         bodies = {
-            "all_reduce": lambda x: lax.psum(x, axis),
-            "all_gather": lambda x: lax.all_gather(x, axis, axis=1, tiled=True),
-            "reduce_scatter": lambda x: lax.psum_scatter(x, axis, scatter_dimension=1, tiled=True),
-            "all_to_all": lambda x: lax.all_to_all(x, axis, 1, 1, tiled=True),
+            "all_reduce": lambda x, a=axis: lax.psum(x, a),
+            "all_gather": lambda x, a=axis: lax.all_gather(x, a, axis=1, tiled=True),
+            "reduce_scatter": lambda x, a=axis: lax.psum_scatter(x, a, scatter_dimension=1, tiled=True),
+            "all_to_all": lambda x, a=axis: lax.all_to_all(x, a, 1, 1, tiled=True),
         }
         rows, times = [], []
         for nbytes in sizes:

@@ -201,6 +201,20 @@ def _from_tiles(t, counts, tile):
     return x.reshape(tuple(c * s for c, s in zip(counts, tile)))
 
 
+def _scatter_sum(x, axis, d, g):
+    """psum_scatter over dim ``d``. XLA's CPU reduce-scatter is ~10x slower on
+    a non-leading dim (measured at 1024x1024 f32 on 8 devices), so the ``g``
+    chunks are first moved to the front (one local transpose; the same bytes
+    cross devices)."""
+    if d == 0 or math.prod(x.shape[:d]) == 1:
+        return lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True)
+    pre, post = x.shape[:d], x.shape[d + 1:]
+    chunk = x.shape[d] // g
+    y = jnp.moveaxis(x.reshape(pre + (g, chunk) + post), d, 0)
+    y = y.reshape((g * pre[0],) + pre[1:] + (chunk,) + post)
+    return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+
+
 def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
     op, group, d = step.op, step.group, step.dim
     axes = tuple(names[a] for a in group)
@@ -227,7 +241,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
             dep, tab = tables.arrange(step.src.dims[d], group, d)
             x = jnp.take(x, tables.lookup(dep, tab), axis=d)
         if step.reduce == "sum":
-            return lax.psum_scatter(x, _axis_arg(axes), scatter_dimension=d, tiled=True)
+            return _scatter_sum(x, _axis_arg(axes), d, g)
         # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
         shape = x.shape
         chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1:])
@@ -269,7 +283,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
         everyone = tuple(range(len(names)))
         tiles = _to_tiles(x, sched.src_tiles_local, sched.tile_shape)
         pool = [tiles]
-        for (pairs, k), send in zip(sched.rounds, sched.send):
+        for (pairs, _), send in zip(sched.rounds, sched.send):
             buf = jnp.take(tiles, tables.lookup(everyone, send), axis=0)
             pool.append(lax.ppermute(buf, _axis_arg(all_axes), perm=list(pairs)))
         pool = jnp.concatenate(pool, axis=0)

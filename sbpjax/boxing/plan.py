@@ -136,12 +136,9 @@ class BoxingPlan:
         return int(math.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
     def time(self, cost_model: CostModel | None = None) -> float:
+        """Seconds under ``cost_model`` (default: the model the plan was made with)."""
         if cost_model is None:
             return float(sum(s.time for s in self.steps))
-        replan = plan_boxing(self.shape, self.dtype, self.placement, self.src_sbp, self.dst_sbp,
-                             self.dst_placement, cost_model=cost_model)
-        if [s.label() for s in replan.steps] == [s.label() for s in self.steps]:
-            return float(sum(s.time for s in replan.steps))
         return float(sum(_retime(s, self, cost_model) for s in self.steps))
 
     def __str__(self):
@@ -206,31 +203,28 @@ class _Ctx:
     def g(self, group) -> int:
         return self.geom.splits(group)
 
-    def elems(self, dims_sizes) -> int:
-        return int(math.prod(dims_sizes))
-
     def step(self, op, src, dst, group=(), **kw) -> Step:
         geom, D, isz = self.geom, self.geom.n_devices, self.itemsize
         g = self.g(group)
         names = tuple(self.names[a] for a in group)
         nbytes, t = 0, 0.0
         if op == "all_gather":
-            child = self.elems(geom.padded(src)) * isz
+            child = math.prod(geom.padded(src)) * isz
             nbytes = D * (g - 1) * child
             t = self.cm.collective_time(op, names, g, g * child)
         elif op == "all_to_all":
             part = list(geom.padded(src))
             e = kw["dim2"]
             part[e] = geom.padded_dim(dst.dims[e], e)
-            chunk = self.elems(part) * isz  # what one device sends to one peer
+            chunk = math.prod(part) * isz  # what one device sends to one peer
             nbytes = D * (g - 1) * chunk
             t = self.cm.collective_time(op, names, g, g * chunk)
         elif op == "reduce_scatter":
-            out = self.elems(geom.padded(dst)) * isz
+            out = math.prod(geom.padded(dst)) * isz
             nbytes = D * (g - 1) * out
             t = self.cm.collective_time(op, names, g, g * out)
         elif op == "all_reduce":
-            block = self.elems(geom.padded(src)) * isz
+            block = math.prod(geom.padded(src)) * isz
             nbytes = (D // g) * 2 * (g - 1) * block
             t = self.cm.collective_time(op, names, g, block)
         return Step(op=op, axes=names, bytes=int(nbytes), src=src, dst=dst, time=t, group=tuple(group),
@@ -257,12 +251,14 @@ class _Ctx:
 
 
 def _retime(step: Step, plan: BoxingPlan, cm: CostModel) -> float:
+    """The time of one step of ``plan`` under another cost model."""
+    if step.op in ("local_slice", "zero_fill"):
+        return 0.0
+    if step.op == "transfer":
+        return step.time
     ctx = _Ctx(plan.shape, np.dtype(plan.dtype).itemsize, plan.placement, cm, ())
-    if step.op in ("local_slice", "zero_fill", "transfer"):
-        return 0.0 if step.op != "transfer" else step.time
     if step.op == "permute":
-        s = ctx.permute(step.src, step.dst)
-        return s.time if s else step.time
+        return ctx.permute(step.src, step.dst).time
     kw = {k: getattr(step, k) for k in ("reduce", "dim", "dim2")}
     return ctx.step(step.op, step.src, step.dst, step.group, **kw).time
 
@@ -479,7 +475,7 @@ def _max_matching(remaining: dict) -> list:
     """A maximum matching of senders to receivers (Kuhn's augmenting paths);
     pairs with more tiles left are tried first so rounds stay few."""
     adj: dict = {}
-    for (u, v), ts in sorted(remaining.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+    for (u, v), _ in sorted(remaining.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         adj.setdefault(u, []).append(v)
     owner: dict = {}
 

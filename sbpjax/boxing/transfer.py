@@ -23,7 +23,7 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import BoxingPlan, Step, normalized_layout, plan_boxing
-from sbpjax.layout import Geometry, Layout
+from sbpjax.layout import Geometry
 from sbpjax.sbp import Broadcast, Split
 
 
@@ -59,10 +59,9 @@ def plan_transfer(shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp, cm) -> BoxingP
         if best is None or key < best[0]:
             best = (key, y, total, t_time, dst_side)
     _, y, total, t_time, dst_side = best
-    move = Step(op="transfer", axes=(), bytes=total, src=src_side.dst_layout, dst=dst_side.src_layout,
-                time=t_time, n_axes=dst_pl.ndim, axis_names=dst_pl.axis_names)
-    move = _TransferStep(**{f.name: getattr(move, f.name) for f in dataclasses.fields(Step)},
-                         src_nd=src_side.dst_sbp, dst_nd=y, src_n_axes=src_pl.ndim)
+    move = _TransferStep(op="transfer", axes=(), bytes=total, src=src_side.dst_layout,
+                         dst=dst_side.src_layout, time=t_time, n_axes=dst_pl.ndim,
+                         axis_names=dst_pl.axis_names, src_nd=src_side.dst_sbp, dst_nd=y)
     steps = tuple(src_side.steps) + (move,) + tuple(dst_side.steps)
     return TransferPlan(tuple(shape), np.dtype(dtype), src_pl, src_sbp, dst_sbp, steps, dst_pl, None,
                         src_layout, normalized_layout(dst_sbp, len(shape), dst_pl.shape),
@@ -71,9 +70,11 @@ def plan_transfer(shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp, cm) -> BoxingP
 
 @dataclasses.dataclass(frozen=True)
 class _TransferStep(Step):
+    """The move between placements; its two ends live on different placements,
+    so it names their nd-SBPs itself."""
+
     src_nd: tuple = ()
     dst_nd: tuple = ()
-    src_n_axes: int = 0
 
     @property
     def src_sbp(self):
@@ -124,7 +125,7 @@ def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, in
         dev = dst_pl.devices[cv]
         box_v = gd.local_box(Y, cv)
         block = jnp.zeros(gd.padded(Y), plan.dtype, device=dev)
-        for key, cands in holders.items():
+        for cands in holders.values():
             cu = cands[v_lin % len(cands)]
             box_u = gs.local_box(X, cu)
             inter = [(max(a, b), min(a + n, b + m)) for (a, n), (b, m) in zip(box_u, box_v)]

@@ -19,7 +19,7 @@ def test_grad_through_every_2d_boxing(src, pl24):
     x = rng.normal(size=(8, 12)).astype(np.float32)
     w = rng.normal(size=(8, 12)).astype(np.float32)
     for dst in itertools.product(OUT, repeat=2):
-        def loss(v):
+        def loss(v, dst=dst):
             u = sj.to_global(v, pl24, src).to_global(sbp=dst)
             return jnp.sum(u.to_jax() ** 2 * w)
 
@@ -50,7 +50,8 @@ def test_grad_matches_finite_differences(pl24):
         e = np.zeros_like(x)
         e[idx] = eps
         fd = (loss(x + e) - loss(x - e)) / (2 * eps)
-        np.testing.assert_allclose(g[idx], fd, rtol=2e-2)
+        # float32 central differences: truncation ~eps^2, rounding ~1e-7/eps
+        np.testing.assert_allclose(g[idx], fd, rtol=1e-3)
 
 
 def test_backward_uses_the_transpose_collective(pl8):
