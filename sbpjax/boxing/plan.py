@@ -199,6 +199,7 @@ class _Ctx:
         self.cm = cm
         self.fill_ops = fill_ops
         self._p2p_cache: dict = {}
+        self._box_cache: dict = {}
 
     def g(self, group) -> int:
         return self.geom.splits(group)
@@ -230,24 +231,65 @@ class _Ctx:
         return Step(op=op, axes=names, bytes=int(nbytes), src=src, dst=dst, time=t, group=tuple(group),
                     n_axes=self.n_axes, axis_names=tuple(self.names), **kw)
 
+    def boxes(self, layout: Layout):
+        """(starts, sizes) arrays [n_devices, ndim] of every device's local box."""
+        if layout not in self._box_cache:
+            b = np.asarray([self.geom.local_box(layout, c) for c in self.geom.coords], np.int64)
+            b = b.reshape(self.geom.n_devices, self.geom.ndim, 2)
+            self._box_cache[layout] = (b[..., 0], b[..., 1])
+        return self._box_cache[layout]
+
     def permute(self, src, dst) -> Step | None:
+        """A point-to-point exchange as a search edge: exact bytes (every device
+        receives exactly what it lacks), rounds estimated by their lower bound
+        (the distinct source pieces a device needs); :meth:`exact` builds the
+        real schedule for the steps of the chosen path."""
         key = (src, dst)
-        if key not in self._p2p_cache:
-            sched = p2p_schedule(self.geom, src, dst)
-            if sched is None:
-                self._p2p_cache[key] = None
-            else:
-                tile_bytes = sched.tile_elems * self.itemsize
-                per_round = [k * tile_bytes for _, k in sched.rounds]
-                nbytes = sum(len(pairs) * k * tile_bytes for pairs, k in sched.rounds)
-                moved_axes = tuple(sorted(set(sched.axes_used)))
-                names = tuple(self.names[a] for a in moved_axes)
-                t = self.cm.p2p_time(names, per_round)
-                self._p2p_cache[key] = Step(
-                    op="permute", axes=names, bytes=int(nbytes), src=src, dst=dst, time=t,
-                    group=moved_axes, rounds=len(sched.rounds), n_axes=self.n_axes,
-                    axis_names=tuple(self.names))
-        return self._p2p_cache[key]
+        if key in self._p2p_cache:
+            return self._p2p_cache[key]
+        geom = self.geom
+        step = None
+        if p2p_tiles(geom, src, dst) is not None:
+            s0, sn = self.boxes(src)
+            d0, dn = self.boxes(dst)
+            own = np.prod(np.clip(np.minimum(s0 + sn, d0 + dn) - np.maximum(s0, d0), 0, None), axis=1)
+            missing = np.prod(dn, axis=1) - own
+            # distinct source pieces (within the same partial layer) that overlap each target box
+            layer = np.asarray([[c[a] for a, _ in src.partial] for c in geom.coords], np.int64).reshape(
+                geom.n_devices, -1)
+            pieces = np.unique(np.concatenate([layer, s0, sn], axis=1), axis=0)
+            L = layer.shape[1]
+            ps0, psn, pl = pieces[:, L:L + geom.ndim], pieces[:, L + geom.ndim:], pieces[:, :L]
+            ov = np.prod(np.clip(np.minimum(ps0[None] + psn[None], (d0 + dn)[:, None])
+                                 - np.maximum(ps0[None], d0[:, None]), 0, None), axis=2)
+            same_layer = (pl[None] == layer[:, None]).all(axis=2)
+            is_own = (ps0[None] == s0[:, None]).all(axis=2) & same_layer
+            peers = ((ov > 0) & same_layer & ~is_own).sum(axis=1)
+            rounds = int(peers.max())
+            if rounds:
+                nbytes = int(missing.sum()) * self.itemsize
+                moved = tuple(a for a in range(len(geom.grid))
+                              if any(a in d for d in src.dims) or any(a in d for d in dst.dims))
+                names = tuple(self.names[a] for a in moved)
+                per_round = [float(missing.max()) * self.itemsize / rounds] * rounds
+                step = Step(op="permute", axes=names, bytes=nbytes, src=src, dst=dst,
+                            time=self.cm.p2p_time(names, per_round), group=moved, rounds=rounds,
+                            n_axes=self.n_axes, axis_names=tuple(self.names))
+        self._p2p_cache[key] = step
+        return step
+
+    def exact(self, step: Step) -> Step:
+        """The permute step with its real schedule (rounds and time)."""
+        if step.op != "permute":
+            return step
+        sched = p2p_schedule(self.geom, step.src, step.dst)
+        tile_bytes = sched.tile_elems * self.itemsize
+        nbytes = sum(len(pairs) * k * tile_bytes for pairs, k in sched.rounds)
+        if nbytes != step.bytes:
+            raise SBPError(f"internal error: permute schedule moves {nbytes} B, expected {step.bytes} B.")
+        names = tuple(self.names[a] for a in sched.axes_used)
+        t = self.cm.p2p_time(names, [k * tile_bytes for _, k in sched.rounds])
+        return dataclasses.replace(step, axes=names, group=sched.axes_used, rounds=len(sched.rounds), time=t)
 
 
 def _retime(step: Step, plan: BoxingPlan, cm: CostModel) -> float:
@@ -258,7 +300,7 @@ def _retime(step: Step, plan: BoxingPlan, cm: CostModel) -> float:
         return step.time
     ctx = _Ctx(plan.shape, np.dtype(plan.dtype).itemsize, plan.placement, cm, ())
     if step.op == "permute":
-        return ctx.permute(step.src, step.dst).time
+        return ctx.exact(ctx.permute(step.src, step.dst)).time
     kw = {k: getattr(step, k) for k in ("reduce", "dim", "dim2")}
     return ctx.step(step.op, step.src, step.dst, step.group, **kw).time
 
@@ -361,7 +403,7 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
     node = dst
     while prev[node] is not None:
         node, step = prev[node]
-        steps.append(step)
+        steps.append(ctx.exact(step))
     return steps[::-1]
 
 
@@ -400,24 +442,41 @@ class P2PSchedule:
     axes_used: tuple
 
 
-def p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | None:
+def p2p_tiles(geom: Geometry, src: Layout, dst: Layout):
+    """Tile counts per dim (lcm of both layouts' split counts), or None when a
+    point-to-point exchange is not offered: different partials, a 0-d or empty
+    tensor, or a dim the tiles do not divide (uneven: collectives handle it)."""
     if src.partial != dst.partial or geom.ndim == 0 or 0 in geom.shape:
         return None
-    tiles, tile_shape = [], []
-    for d in range(geom.ndim):
-        t = math.lcm(geom.splits(src.dims[d]), geom.splits(dst.dims[d]))
-        if geom.shape[d] % t:
-            return None  # uneven: not offered (the collectives handle uneven sizes)
-        tiles.append(t)
-        tile_shape.append(geom.shape[d] // t)
+    tiles = [math.lcm(geom.splits(src.dims[d]), geom.splits(dst.dims[d])) for d in range(geom.ndim)]
+    if any(geom.shape[d] % t for d, t in enumerate(tiles)):
+        return None
+    return tiles
+
+
+_SCHEDULES: dict = {}
+
+
+def p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | None:
+    key = (geom.shape, geom.grid, src, dst)
+    if key not in _SCHEDULES:
+        _SCHEDULES[key] = _p2p_schedule(geom, src, dst)
+    return _SCHEDULES[key]
+
+
+def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | None:
+    tiles = p2p_tiles(geom, src, dst)
+    if tiles is None:
+        return None
+    tile_shape = [geom.shape[d] // t for d, t in enumerate(tiles)]
     src_local = tuple(tiles[d] // geom.splits(src.dims[d]) for d in range(geom.ndim))
     dst_local = tuple(tiles[d] // geom.splits(dst.dims[d]) for d in range(geom.ndim))
     pax = [a for a, _ in src.partial]
 
     def tile_ids(layout, coord, local):
         starts = [geom.dim_range(layout.dims[d], d, coord)[0] // tile_shape[d] for d in range(geom.ndim)]
-        ranges = [range(s, s + n) for s, n in zip(starts, local)]
-        return [int(np.ravel_multi_index(ix, tiles)) for ix in itertools.product(*ranges)]
+        grid = np.indices(local).reshape(geom.ndim, -1) + np.asarray(starts)[:, None]
+        return np.ravel_multi_index(tuple(grid), tiles).tolist()
 
     src_ids = [tile_ids(src, c, src_local) for c in geom.coords]
     dst_ids = [tile_ids(dst, c, dst_local) for c in geom.coords]
@@ -435,24 +494,15 @@ def p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | None
         for t in dst_ids[v]:
             if t in src_pos[v]:
                 continue
-            cands = holders[(key, t)]
-            u = min(cands, key=lambda u: (load[u], (u - v) % D))
+            u = min(holders[(key, t)], key=lambda u: (load[u], (v - u) % D))
             load[u] += 1
             pair_tiles.setdefault((u, v), []).append(t)
     rounds, sends, recv_slot = [], [], {}
-    remaining = {k: list(v) for k, v in pair_tiles.items()}
     offset = math.prod(src_local)  # received tiles follow the own tiles in the pool
-    while remaining:
-        match = _max_matching(remaining)
-        k = min(len(remaining[p]) for p in match)
-        pairs = tuple(sorted(match))
+    for pairs, k in _rounds(pair_tiles, D):
         send = np.zeros((D, k), np.int32)
         for (u, v) in pairs:
-            chunk = remaining[(u, v)][:k]
-            remaining[(u, v)] = remaining[(u, v)][k:]
-            if not remaining[(u, v)]:
-                del remaining[(u, v)]
-            for j, t in enumerate(chunk):
+            for j, t in enumerate(pair_tiles[(u, v)]):
                 send[u, j] = src_pos[u][t]
                 recv_slot[(v, t)] = offset + j
         rounds.append((pairs, k))
@@ -471,27 +521,26 @@ def p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | None
                        tuple(sends), gather, src_local, dst_local, tuple(sorted(used)))
 
 
-def _max_matching(remaining: dict) -> list:
-    """A maximum matching of senders to receivers (Kuhn's augmenting paths);
-    pairs with more tiles left are tried first so rounds stay few."""
-    adj: dict = {}
-    for (u, v), _ in sorted(remaining.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        adj.setdefault(u, []).append(v)
-    owner: dict = {}
+def _rounds(pair_tiles: dict, D: int) -> list:
+    """Group sender->receiver pairs into ``ppermute`` rounds that waste nothing.
 
-    def augment(u, seen):
-        for v in adj[u]:
-            if v in seen:
-                continue
-            seen.add(v)
-            if v not in owner or augment(owner[v], seen):
-                owner[v] = u
-                return True
-        return False
-
-    for u in sorted(adj, key=lambda u: -max(len(remaining[(u, v)]) for v in adj[u])):
-        augment(u, set())
-    return [(u, v) for v, u in owner.items()]
+    Every pair in a round sends the same number of tiles ``k`` and each device
+    sends to and receives from at most one peer. Pairs are placed first fit,
+    by ``k`` (largest first) and ring offset ``(v - u) mod D``, so pairs at one
+    offset (a permutation) tend to share a round and exchanges take few rounds."""
+    order = sorted(pair_tiles, key=lambda p: (-len(pair_tiles[p]), (p[1] - p[0]) % D, p))
+    rounds: list = []  # [k, pairs, senders, receivers]
+    for u, v in order:
+        k = len(pair_tiles[(u, v)])
+        for r in rounds:
+            if r[0] == k and u not in r[2] and v not in r[3]:
+                r[1].append((u, v))
+                r[2].add(u)
+                r[3].add(v)
+                break
+        else:
+            rounds.append([k, [(u, v)], {u}, {v}])
+    return [(tuple(sorted(pairs)), k) for k, pairs, _, _ in rounds]
 
 
 # ---------------------------------------------------------------------------
