@@ -9,7 +9,7 @@
 See DESIGN.md for the semantics and the public contract.
 """
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.cost import CostModel, calibrate
 from sbpjax.boxing.plan import BoxingPlan, Step, plan_boxing
 from sbpjax.comm import Collective, collectives
@@ -32,11 +32,12 @@ from sbpjax.sbp import (
     split,
 )
 from sbpjax.tensor import GlobalTensor, from_local_tensors, to_global
+from sbpjax.compiler.api import CompiledFunction, constrain, jit
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "SBPError",
+    "SBPError", "SBPWarning",
     "S", "B", "P", "P_max", "P_min",
     "split", "broadcast", "partial_sum", "partial_max", "partial_min",
     "Split", "Broadcast", "Partial", "parse_sbp", "format_sbp",
@@ -44,4 +45,5 @@ __all__ = [
     "GlobalTensor", "to_global", "from_local_tensors",
     "plan_boxing", "BoxingPlan", "Step", "CostModel", "calibrate",
     "collectives", "Collective",
+    "jit", "constrain", "CompiledFunction",
 ]

@@ -16,6 +16,7 @@ the same text back.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from typing import Iterable, Sequence, Union
 
@@ -31,6 +32,8 @@ class Split:
     dim: int
 
     def __post_init__(self):
+        if not isinstance(self.dim, bool) and hasattr(self.dim, "__index__"):
+            object.__setattr__(self, "dim", operator.index(self.dim))  # numpy ints too
         if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
             raise SBPError(
                 f"S({self.dim!r}): a split dim must be a non-negative int "

@@ -314,22 +314,28 @@ def boxing_fn(plan: BoxingPlan):
     return fn
 
 
+def run_plan(plan: BoxingPlan, x):
+    """Apply a plan's steps to a device's local block inside a ``shard_map`` body
+    over the plan's placement (``x``: the padded local tensor, partial dims
+    squeezed). Returns the target's local block, partial dims squeezed."""
+    geom = Geometry(plan.shape, plan.placement.shape)
+    if 0 in plan.shape:
+        return jnp.zeros(geom.padded(plan.dst_layout), x.dtype)
+    tables = _Tables(geom, plan.placement.axis_names)
+    for step in plan.steps:
+        x = _apply(step, x, geom, tables, plan.placement.axis_names, plan.dtype)
+    return x
+
+
 def _build(plan: BoxingPlan):
     pl = plan.placement
     geom = Geometry(plan.shape, pl.shape)
     names = pl.axis_names
     src, dst = plan.src_layout, plan.dst_layout
-    tables = _Tables(geom, names)
-    dtype = plan.dtype
     out_block = geom.block_shape(dst)
 
     def body(x):
-        if 0 in plan.shape:
-            return jnp.zeros(out_block, x.dtype)
-        x = x.reshape(geom.padded(src))
-        for step in plan.steps:
-            x = _apply(step, x, geom, tables, names, dtype)
-        return x.reshape(out_block)
+        return run_plan(plan, x.reshape(geom.padded(src))).reshape(out_block)
 
     mapped = jax.shard_map(
         body,

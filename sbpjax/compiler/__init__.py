@@ -1,0 +1,1 @@
+"""The whole-program SBP compiler (``sj.jit``): trace, propagate, lower, explain."""

@@ -1,0 +1,194 @@
+"""``sj.jit`` and ``sj.constrain``: the whole-program SBP compiler's surface.
+
+    f = sj.jit(train_step, placement=pl, in_sbp=(param_sbps, (S(0), B)), out_sbp=...)
+    new_params, loss = f(params, batch)       # global tensors or plain arrays
+    print(f.explain(params, batch))           # signatures, boxings, bytes
+
+Arguments are global tensors (their own layout) or plain arrays (laid out as
+``in_sbp`` says, B by default). ``in_sbp``/``out_sbp`` are pytrees matching the
+arguments / outputs whose leaves are nd-SBPs (or text); a single nd-SBP stands
+for a whole subtree; ``None`` means "as given" for inputs and "as chosen" for
+outputs. Results are global tensors (partials stay partial unless ``out_sbp``
+asks otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+from jax.interpreters import mlir
+
+from sbpjax._errors import SBPError
+from sbpjax.compiler import lower as lowering
+from sbpjax.compiler.explain import Explanation
+from sbpjax.compiler.propagate import CONSTRAIN, propagate
+from sbpjax.compiler.trace import trace
+from sbpjax.placement import Placement
+from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
+from sbpjax.tensor import GlobalTensor, to_global
+
+try:
+    from jax.extend.core import Primitive
+except ImportError:  # pragma: no cover
+    from jax.core import Primitive
+
+# ---------------------------------------------------------------------------
+# sj.constrain: an identity primitive the propagator treats as a boxing point
+# ---------------------------------------------------------------------------
+
+constrain_p = Primitive(CONSTRAIN)
+constrain_p.def_impl(lambda x, *, sbp: x)
+constrain_p.def_abstract_eval(lambda x, *, sbp: x)
+mlir.register_lowering(constrain_p, lambda ctx, x, *, sbp: [x])
+
+
+def _constrain_jvp(primals, tangents, *, sbp):
+    (x,), (t,) = primals, tangents
+    # the layout applies to the forward value; tangents follow freely
+    return constrain_p.bind(x, sbp=sbp), t
+
+
+def _constrain_batch(args, dims, *, sbp):
+    return constrain_p.bind(args[0], sbp=sbp), dims[0]
+
+
+jax.interpreters.ad.primitive_jvps[constrain_p] = _constrain_jvp
+jax.interpreters.batching.primitive_batchers[constrain_p] = _constrain_batch
+
+
+def constrain(x, sbp):
+    """Inside a function compiled by ``sj.jit``: force ``x`` to the nd-SBP ``sbp``
+    here (a boxing point). Outside ``sj.jit`` it returns ``x`` unchanged."""
+    if isinstance(sbp, str):
+        from sbpjax.sbp import parse_sbp
+
+        sbp = parse_sbp(sbp)
+    elif isinstance(sbp, (Split, Broadcast, Partial)):
+        sbp = (sbp,)
+    return constrain_p.bind(x, sbp=tuple(sbp))
+
+
+# ---------------------------------------------------------------------------
+# sj.jit
+# ---------------------------------------------------------------------------
+
+
+def _is_sbp_leaf(v) -> bool:
+    if v is None or isinstance(v, (str, Split, Broadcast, Partial)):
+        return True
+    return isinstance(v, tuple) and len(v) > 0 and all(isinstance(s, (Split, Broadcast, Partial)) for s in v)
+
+
+def _broadcast_spec(spec, tree, what):
+    """Expand an in_sbp / out_sbp prefix pytree to one entry per leaf of ``tree``."""
+    if spec is None:
+        return [None] * tree.num_leaves
+    try:
+        return jax.tree_util.tree_flatten(
+            jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
+                                   spec, jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves),
+                                   is_leaf=_is_sbp_leaf),
+            is_leaf=_is_sbp_leaf)[0]
+    except (ValueError, TypeError) as e:
+        raise SBPError(f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
+                       "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
+                       "in_sbp=((S(0), B), None).") from None
+
+
+class CompiledFunction:
+    """What ``sj.jit`` returns: call it, ``explain`` it, ``lower`` it."""
+
+    def __init__(self, fn, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None):
+        if not isinstance(placement, Placement):
+            raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
+        self.fn = fn
+        self.placement = placement
+        self.in_sbp = in_sbp
+        self.out_sbp = out_sbp
+        self.cost_model = cost_model
+        self._cache: dict = {}
+        self.last_overhead_s = 0.0
+        functools.update_wrapper(self, fn)
+
+    # -- argument handling -----------------------------------------------------
+    def _globals(self, args, kwargs):
+        is_gt = lambda v: isinstance(v, GlobalTensor)  # noqa: E731
+        _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_gt)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_gt)
+        specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp")  # keyword arguments: as given, or B
+        specs += [None] * (len(leaves) - len(specs))
+        out = []
+        pl = self.placement
+        for k, (leaf, spec) in enumerate(zip(leaves, specs)):
+            shape = tuple(np.shape(leaf)) if not isinstance(leaf, GlobalTensor) else leaf.shape
+            nd = None if spec is None else normalize_nd_sbp(spec, pl.ndim, len(shape), f"in_sbp of argument leaf {k}")
+            if isinstance(leaf, GlobalTensor):
+                if leaf.placement != pl:
+                    raise SBPError(f"sj.jit: argument leaf {k} lives on {leaf.placement!r}, the function on "
+                                   f"{pl!r}; move it with t.to_global(placement=...).")
+                out.append(leaf if nd is None else leaf.to_global(sbp=nd))
+            else:
+                out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
+        return out, tree
+
+    def _compile(self, gts, tree):
+        key = (tree, tuple((t.shape, t.dtype.str, t.sbp) for t in gts))
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in gts]
+        program = trace(self.fn, avals, tree)
+        out_specs = None
+        if self.out_sbp is not None:
+            raw = _broadcast_spec(self.out_sbp, program.out_tree, "out_sbp")
+            out_specs = [None if s is None else normalize_nd_sbp(s, self.placement.ndim, len(o.shape),
+                                                                   f"out_sbp of output leaf {k}")
+                         for k, (s, o) in enumerate(zip(raw, program.outputs))]
+        names = [f"argument leaf {k} {t.shape}" for k, t in enumerate(gts)]
+        prop = propagate(program, self.placement, [t.sbp for t in gts], out_specs, self.cost_model, names)
+        fn = lowering.build(prop)
+        self.last_overhead_s = time.perf_counter() - t0
+        entry = (prop, fn)
+        self._cache[key] = entry
+        return entry
+
+    # -- the public surface ------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        gts, tree = self._globals(args, kwargs)
+        prop, fn = self._compile(gts, tree)
+        outs = fn(*[t.physical for t in gts])
+        prog = prop.program
+        results = [GlobalTensor(y, o.shape, o.dtype, self.placement, nd)
+                   for y, o, nd in zip(outs, prog.outputs, prop.out_sbp)]
+        return jax.tree_util.tree_unflatten(prog.out_tree, results)
+
+    def explain(self, *args, **kwargs) -> Explanation:
+        gts, tree = self._globals(args, kwargs)
+        prop, _ = self._compile(gts, tree)
+        return Explanation(prop)
+
+    def lower(self, *args, **kwargs):
+        """The ``jax.stages.Lowered`` of the single jitted program."""
+        gts, tree = self._globals(args, kwargs)
+        _, fn = self._compile(gts, tree)
+        return fn.lower(*[t.physical for t in gts])
+
+    def __repr__(self):
+        return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
+
+
+def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None):
+    """Compile ``fn`` into one SBP-partitioned program on ``placement``.
+
+    Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
+    ``@functools.partial(sj.jit, placement=pl)``."""
+    if fn is None:
+        return lambda f: CompiledFunction(f, placement, in_sbp, out_sbp, cost_model)
+    return CompiledFunction(fn, placement, in_sbp, out_sbp, cost_model)
+
+
+__all__ = ["jit", "constrain", "CompiledFunction"]

@@ -1,0 +1,68 @@
+"""``f.explain(...)``: what the compiler decided, as data and as a table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sbpjax.compiler.propagate import Propagation
+from sbpjax.sbp import format_sbp
+
+
+def _short(nd) -> str:
+    return format_sbp(nd)[1:-1] if len(nd) > 1 else str(nd[0])
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Per-op signatures with source lines, every boxing, totals, warnings.
+
+    ``bytes``: total planned bytes (OneFlow Table 2 convention);
+    ``boxings``: each with ``.src``, ``.dst`` (nd-SBPs), ``.plan``, ``.bytes``."""
+
+    propagation: Propagation
+
+    @property
+    def boxings(self) -> list:
+        return self.propagation.boxings
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(b.bytes for b in self.boxings))
+
+    @property
+    def warnings(self) -> list:
+        return self.propagation.warnings
+
+    @property
+    def ops(self) -> list:
+        """(primitive, source, input nd-SBPs, output nd-SBPs) per op."""
+        return [(d.node.name, d.node.source, d.in_sbp, d.out_sbp) for d in self.propagation.decisions]
+
+    def __str__(self) -> str:
+        prop = self.propagation
+        pl = prop.placement
+        lines = [f"sj.jit on {pl!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
+                 f"{self.bytes} B planned"]
+        rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
+        for i, d in enumerate(prop.decisions):
+            box = "; ".join(f"{_short(b.src)}->{_short(b.dst)} "
+                            f"[{', '.join(s.label() for s in b.plan.steps) or 'free'}]" for b in d.boxings)
+            rows.append((str(i), d.node.name, " | ".join(_short(n) for n in d.in_sbp),
+                         " | ".join(_short(n) for n in d.out_sbp), box,
+                         str(sum(b.bytes for b in d.boxings)) if d.boxings else "", d.node.source))
+        for b in prop.out_boxings:
+            rows.append(("out", "", _short(b.src), _short(b.dst),
+                         f"[{', '.join(s.label() for s in b.plan.steps)}]", str(b.bytes), b.where))
+        widths = [min(max(len(r[c]) for r in rows), 60) for c in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  " + "  ".join(v[:60].ljust(w) for v, w in zip(r, widths)).rstrip())
+        by_kind: dict = {}
+        for b in self.boxings:
+            for s in b.plan.steps:
+                by_kind[s.op] = by_kind.get(s.op, 0) + s.bytes
+        lines.append("  totals: " + (", ".join(f"{k} {v} B" for k, v in sorted(by_kind.items())) or "no communication"))
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)
+
+    __repr__ = __str__

@@ -1,0 +1,119 @@
+"""Lowering a propagated program to one ``jax.jit(shard_map(...))``.
+
+The body runs the program on local tensors: before each equation its inputs
+are boxed (the boxing steps of :mod:`sbpjax.boxing.lower`, inside the same
+``shard_map``), then the primitive runs on the local pieces, with shape
+parameters made local by its rule. Inputs and outputs use the physical form of
+global tensors (one leading dim per partial axis).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sbpjax.boxing.lower import run_plan
+from sbpjax.compiler.propagate import CONSTRAIN, Propagation
+from sbpjax.compiler.trace import Const
+from sbpjax.layout import Geometry
+from sbpjax.boxing.plan import normalized_layout
+from sbpjax.rules import RULES
+from sbpjax.sbp import Partial, Split
+
+
+class LocalCtx:
+    """What a rule's local evaluation may ask about the current equation."""
+
+    def __init__(self, placement, in_nd, out_nd, out_shapes):
+        self.placement = placement
+        self.grid = placement.shape
+        self.in_nd = in_nd
+        self.out_nd = out_nd
+        self.local_out_shapes = [local_shape(s, nd, self.grid) for s, nd in zip(out_shapes, out_nd)]
+
+    @staticmethod
+    def is_split(nd, dim) -> bool:
+        return any(isinstance(s, Split) and s.dim == dim for s in nd)
+
+    def offset(self, nd, shape, dim):
+        """Where this device's piece starts along ``dim`` (even splits)."""
+        axes = [a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim]
+        if not axes:
+            return 0
+        idx = jnp.int32(0)
+        for a in axes:
+            idx = idx * self.grid[a] + lax.axis_index(self.placement.axis_names[a])
+        return idx * (shape[dim] // math.prod(self.grid[a] for a in axes))
+
+
+def local_shape(shape, nd, grid):
+    out = list(shape)
+    for a, s in enumerate(nd):
+        if isinstance(s, Split):
+            out[s.dim] //= grid[a]
+    return tuple(out)
+
+
+def _default_local(eqn, ins, ctx):
+    params = dict(eqn.params)
+    outs = eqn.primitive.bind(*ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def build(prop: Propagation):
+    """The jitted function of physical inputs -> physical outputs."""
+    pl = prop.placement
+    grid, names = pl.shape, pl.axis_names
+    prog = prop.program
+
+    def n_partial(nd):  # leading physical dims: one per partial axis of size > 1
+        return sum(isinstance(s, Partial) and grid[a] > 1 for a, s in enumerate(nd))
+
+    def specs(vars_, nds):
+        return tuple(Geometry(v.shape, grid).partition_spec(normalized_layout(nd, len(v.shape), grid), names)
+                     for v, nd in zip(vars_, nds))
+
+    def body(*blocks):
+        env: dict = {}
+        for v, nd, x in zip(prog.inputs, prop.in_sbp, blocks):
+            env[(id(v), nd)] = x.reshape(x.shape[n_partial(nd):])
+
+        def read(atom, nd):
+            key = (id(atom), nd)
+            if key in env:
+                return env[key]
+            return jnp.asarray(atom.value)  # a constant, used as B
+
+        def box(b):
+            env[(id(b.var), b.dst)] = run_plan(b.plan, read(b.var, b.src))
+
+        for dec in prop.decisions:
+            for b in dec.boxings:
+                box(b)
+            node = dec.node
+            ins = [read(a, nd) for a, nd in zip(node.ins, dec.in_sbp)]
+            if node.name == CONSTRAIN:
+                outs = ins
+            else:
+                rule = RULES.get(node.name)
+                ctx = LocalCtx(pl, dec.in_sbp, dec.out_sbp, [o.shape for o in node.outs])
+                local = rule.local if (rule is not None and rule.local is not None) else _default_local
+                outs = local(node.eqn, ins, ctx)
+            for v, nd, y in zip(node.outs, dec.out_sbp, outs):
+                env[(id(v), nd)] = y
+        for b in prop.out_boxings:
+            box(b)
+        results = []
+        for atom, nd in zip(prog.outputs, prop.out_sbp):
+            y = read(atom, nd)
+            if isinstance(atom, Const):
+                y = jnp.broadcast_to(y, local_shape(atom.shape, nd, grid))
+            results.append(y.reshape((1,) * n_partial(nd) + y.shape))
+        return tuple(results)
+
+    mapped = jax.shard_map(body, mesh=pl.mesh, in_specs=specs(prog.inputs, prop.in_sbp),
+                           out_specs=specs(prog.outputs, prop.out_sbp), check_vma=False)
+    return jax.jit(mapped)

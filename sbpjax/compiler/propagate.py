@@ -1,0 +1,284 @@
+"""Signature choice: give every value of the program an nd-SBP.
+
+Walking the flat program in order, each primitive takes, among the nd
+signatures its rule allows (one 1-D signature per placement axis), the one
+whose input boxings cost least given the layouts its inputs already have:
+fewest bytes (including the later reduction of a partial made by
+zero-filling an input, see ``Propagator._partial_debt``), then alpha-beta time, then fewest inputs
+changed, then the rule's order (deterministic). A value boxed once to a layout is reused by every
+consumer that wants that layout. Partials are therefore kept while they stay
+valid, and a boxing appears exactly where a producer's layout is not one its
+consumer can take. ``sj.constrain`` and ``out_sbp`` force layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import warnings
+
+import numpy as np
+
+from sbpjax._errors import SBPError, SBPWarning
+from sbpjax.boxing.plan import BoxingPlan, plan_boxing
+from sbpjax.compiler.trace import Const, Node, Program, Var
+from sbpjax.placement import Placement
+from sbpjax.rules import RULES, Sig
+from sbpjax.sbp import Broadcast, Partial, Split, format_sbp
+
+CONSTRAIN = "sbp_constrain"
+CONTROL_FLOW = ("scan", "while", "cond", "switch")
+_TOP_K = 4  # 1-D candidates kept per axis before exact costing of their products
+
+
+@dataclasses.dataclass
+class Boxing:
+    """One boxing the program needs: a value moved from ``src`` to ``dst``."""
+
+    var: Var
+    src: tuple
+    dst: tuple
+    plan: BoxingPlan
+    where: str  # the consuming op and its source line
+    node_index: int | None
+
+    @property
+    def bytes(self) -> int:
+        return self.plan.bytes
+
+
+@dataclasses.dataclass
+class Decision:
+    node: Node
+    in_sbp: list  # nd-SBP each input is used with
+    out_sbp: list
+    boxings: list
+
+
+@dataclasses.dataclass
+class Propagation:
+    program: Program
+    placement: Placement
+    in_sbp: list
+    decisions: list
+    out_boxings: list
+    out_sbp: list
+    warnings: list
+
+    @property
+    def boxings(self) -> list:
+        return [b for d in self.decisions for b in d.boxings] + self.out_boxings
+
+
+def _nbytes(var) -> int:
+    return int(math.prod(var.shape)) * np.dtype(var.dtype).itemsize
+
+
+def _valid_for(sbp, shape) -> bool:
+    return not (isinstance(sbp, Split) and sbp.dim >= len(shape))
+
+
+def _even(nd, shape, grid) -> bool:
+    counts = [1] * len(shape)
+    for a, s in enumerate(nd):
+        if isinstance(s, Split):
+            counts[s.dim] *= grid[a]
+    return all(n % c == 0 for n, c in zip(shape, counts))
+
+
+def _estimate(src, dst, nbytes, p) -> float:
+    """OneFlow Table 2 on one axis, for ranking 1-D candidates."""
+    if src == dst or p == 1:
+        return 0.0
+    if isinstance(dst, Partial) or isinstance(src, Broadcast):
+        return 0.0 if not isinstance(src, Partial) else (p - 1) * nbytes
+    if isinstance(src, Split):
+        return (p - 1) / p * nbytes if isinstance(dst, Split) else (p - 1) * nbytes
+    return (p - 1) * nbytes if isinstance(dst, Split) else 2 * (p - 1) * nbytes
+
+
+def uneven_error(what, shape, nd, placement, where) -> SBPError:
+    counts = {}
+    for a, s in enumerate(nd):
+        if isinstance(s, Split):
+            counts.setdefault(s.dim, []).append(a)
+    for d, axes in counts.items():
+        p = math.prod(placement.shape[a] for a in axes)
+        if shape[d] % p:
+            names = ",".join(placement.axis_names[a] for a in axes)
+            pad = -(-shape[d] // p) * p
+            return SBPError(
+                f"{what} {where}: dim {d} of size {shape[d]} is split {p} ways over axis '{names}' "
+                f"({shape[d]} % {p} = {shape[d] % p}); sj.jit needs even splits for now. Pad dim {d} "
+                f"to {pad}, or give it a layout that does not split it ({format_sbp(nd)})."
+            )
+    return SBPError(f"{what} {where}: uneven layout {format_sbp(nd)} for shape {shape}.")
+
+
+class Propagator:
+    def __init__(self, program: Program, placement: Placement, cost_model=None):
+        self.prog = program
+        self.pl = placement
+        self.grid = placement.shape
+        self.cm = cost_model
+        self.layout: dict = {}  # id(var) -> nd-SBP
+        self.versions: dict = {}  # id(var) -> {nd: True}: layouts already produced
+        self.warnings: list = []
+
+    def nd_of(self, atom):
+        if isinstance(atom, Const):
+            return (Broadcast(),) * len(self.grid)
+        return self.layout[id(atom)]
+
+    def plan(self, atom, src, dst):
+        return plan_boxing(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
+
+    def cost(self, atom, dst):
+        src = self.nd_of(atom)
+        if src == dst or (isinstance(atom, Var) and dst in self.versions.get(id(atom), ())):
+            return (0, 0.0, 0)
+        p = self.plan(atom, src, dst)
+        return (p.bytes, p.time(), 1)
+
+    # -- one equation ---------------------------------------------------------
+    def candidates(self, node: Node):
+        rule = RULES.get(node.name)
+        in_avals = [getattr(i, "aval", None) or _Aval(i.shape, i.dtype) for i in node.eqn.invars]
+        sigs = [s for s in rule.signatures(node.eqn, in_avals)
+                if len(s.ins) == len(node.ins) and len(s.outs) == len(node.outs)
+                and all(_valid_for(q, a.shape) for q, a in zip(s.ins, node.ins))
+                and all(_valid_for(q, o.shape) for q, o in zip(s.outs, node.outs))]
+        return sigs
+
+    def choose(self, node: Node, index: int) -> Decision:
+        cur = [self.nd_of(a) for a in node.ins]
+        if node.name == CONSTRAIN:
+            want = node.eqn.params["sbp"]
+            if len(want) != len(self.grid):
+                raise SBPError(
+                    f"sj.constrain at {node.source}: nd-SBP {format_sbp(want)} has {len(want)} entries, the "
+                    f"placement has {len(self.grid)} axes.")
+            if not all(_valid_for(s, node.ins[0].shape) for s in want):
+                raise SBPError(
+                    f"sj.constrain at {node.source}: {format_sbp(want)} splits a dim the tensor of shape "
+                    f"{node.ins[0].shape} does not have; split a dim in 0..{len(node.ins[0].shape) - 1}.")
+            if not _even(want, node.ins[0].shape, self.grid):
+                raise uneven_error("sj.constrain", node.ins[0].shape, want, self.pl, f"at {node.source}")
+            return self._decide(node, index, [want], [want])
+        rule = RULES.get(node.name)
+        sigs = self.candidates(node) if rule is not None else []
+        if not sigs:
+            kind = "control flow" if node.name in CONTROL_FLOW else "no SBP rule for"
+            msg = (f"{kind} '{node.name}' at {node.source}: its operands are boxed to B and it runs whole "
+                   "on every device")
+            if node.name in CONTROL_FLOW:
+                msg += " (loop-carried layouts are forced to B)"
+            self.warnings.append(msg)
+            warnings.warn(SBPWarning(msg), stacklevel=4)
+            rep = (Broadcast(),) * len(self.grid)
+            return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
+        # rank 1-D candidates per axis, then cost the products exactly
+        per_axis = []
+        for a, p in enumerate(self.grid):
+            if p == 1:
+                per_axis.append([Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))])
+                continue
+            scored = []
+            for k, s in enumerate(sigs):
+                est = sum(_estimate(c[a], q, _nbytes(i), p) for c, q, i in zip(cur, s.ins, node.ins))
+                changed = sum(c[a] != q for c, q in zip(cur, s.ins))
+                scored.append((est, changed, k, s))
+            scored.sort(key=lambda t: t[:3])
+            per_axis.append([t[3] for t in scored[:_TOP_K]])
+        best = None
+        for order, combo in enumerate(itertools.product(*per_axis)):
+            ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
+            outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
+            if not all(_even(nd, v.shape, self.grid) for nd, v in zip(ins + outs, list(node.ins) + node.outs)):
+                continue
+            if any(not self._partial_ok(nd) for nd in ins + outs):
+                continue
+            total = [self._partial_debt(cur, ins, outs, node), 0.0, 0]
+            for atom, nd in zip(node.ins, ins):
+                c = self.cost(atom, nd)
+                total = [total[0] + c[0], total[1] + c[1], total[2] + c[2]]
+            key = (total[0], round(total[1], 15), total[2], order)
+            if best is None or key < best[0]:
+                best = (key, ins, outs)
+        if best is None:
+            rep = (Broadcast(),) * len(self.grid)
+            return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
+        return self._decide(node, index, best[1], best[2])
+
+    def _partial_debt(self, cur, ins, outs, node) -> int:
+        """Bytes a new partial will cost later, charged when an op's partial
+        output exists only because an input was zero-filled into a partial
+        (S or B -> P is free): that output must be reduced some time, at about a
+        reduce-scatter ``(p-1)|T|``, and without this charge a greedy choice
+        would turn a split tensor into a full-size partial to save a small
+        reduction elsewhere. Partials an op creates from inputs that need no
+        fill (a contracting matmul, a reduction over a split dim) and partials
+        carried through (P x B -> P) cost nothing: OneFlow Table 1 signatures are
+        kept and partials live as long as they stay valid."""
+        debt = 0
+        for o, nd in zip(node.outs, outs):
+            for a, s in enumerate(nd):
+                if not isinstance(s, Partial) or any(c[a] == s for c in cur):
+                    continue
+                if any(isinstance(q[a], Partial) and c[a] != q[a] for c, q in zip(cur, ins)):
+                    debt += (self.grid[a] - 1) * _nbytes(o)
+        return debt
+
+    @staticmethod
+    def _partial_ok(nd) -> bool:
+        # mixed partial ops on one tensor are valid but no rule produces them on purpose
+        return len({s.op for s in nd if isinstance(s, Partial)}) <= 1
+
+    def _decide(self, node, index, ins, outs) -> Decision:
+        boxings = []
+        for atom, nd in zip(node.ins, ins):
+            src = self.nd_of(atom)
+            if src == nd:
+                continue
+            if isinstance(atom, Var):
+                seen = self.versions.setdefault(id(atom), {})
+                if nd in seen:
+                    continue
+                seen[nd] = True
+            plan = self.plan(atom, src, nd)
+            boxings.append(Boxing(atom, src, nd, plan, f"{node.name} at {node.source}", index))
+        for v, nd in zip(node.outs, outs):
+            self.layout[id(v)] = nd
+        return Decision(node, list(ins), list(outs), boxings)
+
+
+@dataclasses.dataclass
+class _Aval:
+    shape: tuple
+    dtype: object
+
+
+def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: list | None,
+              cost_model=None, names=None) -> Propagation:
+    """Choose layouts for every value; ``out_sbp[k]`` None keeps the chosen one."""
+    pr = Propagator(program, placement, cost_model)
+    for k, (v, nd) in enumerate(zip(program.inputs, in_sbp)):
+        if not _even(nd, v.shape, placement.shape):
+            label = names[k] if names else f"argument leaf {k}"
+            raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
+        pr.layout[id(v)] = nd
+    decisions = [pr.choose(node, i) for i, node in enumerate(program.nodes)]
+    out_boxings, final = [], []
+    for k, atom in enumerate(program.outputs):
+        want = out_sbp[k] if out_sbp is not None else None
+        have = pr.nd_of(atom)
+        if want is None or want == have:
+            final.append(have)
+            continue
+        if not _even(want, atom.shape, placement.shape):
+            raise uneven_error("out_sbp", atom.shape, want, placement, f"for output leaf {k}")
+        plan = pr.plan(atom, have, want)
+        out_boxings.append(Boxing(atom, have, want, plan, f"output {k}", None))
+        final.append(want)
+    return Propagation(program, placement, list(in_sbp), decisions, out_boxings, final, pr.warnings)

@@ -1,0 +1,179 @@
+"""Tracing a function to a flat list of primitive applications.
+
+``jax.make_jaxpr`` gives a jaxpr with nested calls (``jit`` from ``jnp``
+helpers, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``). The compiler
+works on one flat program, so nested calls are inlined; the custom
+differentiation rules they carry are not needed any more because the traced
+function has already been differentiated (``jax.grad`` runs before tracing).
+Dead equations are removed so every boxing left in the plan is one XLA runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import numpy as np
+
+try:  # the public home moved across JAX versions
+    from jax.extend.core import Literal as _Literal
+except ImportError:  # pragma: no cover
+    from jax.core import Literal as _Literal
+
+INLINE = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2"}
+_JAXPR_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_ids = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Var:
+    """A value of the flat program."""
+
+    shape: tuple
+    dtype: np.dtype
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+    name: str = ""
+
+    def __repr__(self):
+        return self.name or f"v{self.id}"
+
+
+@dataclasses.dataclass(eq=False)
+class Const:
+    """A constant (a jaxpr literal or a captured array); always B."""
+
+    value: object
+
+    @property
+    def shape(self):
+        return tuple(np.shape(self.value))
+
+    @property
+    def dtype(self):
+        return np.asarray(self.value).dtype if not hasattr(self.value, "dtype") else self.value.dtype
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    """One primitive application: the original equation (its params and avals
+    feed the rules) with the flat program's inputs and outputs."""
+
+    eqn: object
+    ins: list
+    outs: list
+    source: str
+
+    @property
+    def name(self) -> str:
+        return self.eqn.primitive.name
+
+
+@dataclasses.dataclass
+class Program:
+    inputs: list  # Var per flattened argument leaf
+    nodes: list
+    outputs: list  # Var or Const per flattened output leaf
+    out_tree: object
+
+
+def source_of(eqn) -> str:
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info) or "<unknown>"
+    except Exception:  # noqa: BLE001 - source info is a nicety
+        return "<unknown>"
+
+
+def _inner_jaxpr(eqn):
+    for k in _JAXPR_KEYS:
+        j = eqn.params.get(k)
+        if j is not None:
+            return j
+    return None
+
+
+def trace(fn, leaves_avals, in_tree) -> Program:
+    """Trace ``fn`` on abstract leaves; inline nested calls; drop dead code."""
+
+    def flat_fn(*leaves):
+        args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+        return fn(*args, **kwargs)
+
+    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    inputs = [Var(tuple(a.shape), np.dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
+    nodes: list = []
+    outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes)
+    nodes = _dce(nodes, outs)
+    return Program(inputs, nodes, outs, out_tree)
+
+
+def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
+    cse = {} if cse is None else cse
+    env: dict = {}
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = Const(c)
+    for v, a in zip(jaxpr.invars, in_atoms):
+        env[v] = a
+
+    def read(v):
+        if isinstance(v, _Literal):
+            return Const(v.val)
+        return env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        inner = _inner_jaxpr(eqn) if eqn.primitive.name in INLINE else None
+        if inner is not None:
+            inner_jaxpr = getattr(inner, "jaxpr", inner)
+            inner_consts = list(getattr(inner, "consts", ()))
+            if len(inner_jaxpr.invars) == len(ins):
+                outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse)
+                for v, o in zip(eqn.outvars, outs):
+                    env[v] = o
+                continue
+        key = _cse_key(eqn, ins)
+        if key is not None and key in cse:
+            outs = cse[key]
+        else:
+            outs = [Var(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.outvars]
+            nodes.append(Node(eqn, ins, outs, source_of(eqn)))
+            if key is not None:
+                cse[key] = outs
+        for v, o in zip(eqn.outvars, outs):
+            env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _cse_key(eqn, ins):
+    """Equal equations on equal inputs compute equal values; XLA merges them,
+    so the plan must too (else it would count a boxing XLA never runs)."""
+    if getattr(eqn, "effects", None):
+        return None
+    try:
+        params = tuple(sorted((k, repr(v)) for k, v in eqn.params.items()))
+    except Exception:  # noqa: BLE001 - unprintable params: do not merge
+        return None
+    args = []
+    for a in ins:
+        if isinstance(a, Var):
+            args.append(("v", a.id))
+        elif np.ndim(a.value) == 0:
+            args.append(("c", repr(np.asarray(a.value).dtype), repr(np.asarray(a.value).item())))
+        else:
+            return None
+    return (eqn.primitive.name, params, tuple(args))
+
+
+def _dce(nodes, outputs):
+    live = {id(o) for o in outputs if isinstance(o, Var)}
+    kept = []
+    for node in reversed(nodes):
+        effects = getattr(node.eqn, "effects", None)
+        if any(id(o) in live for o in node.outs) or effects:
+            kept.append(node)
+            live |= {id(i) for i in node.ins if isinstance(i, Var)}
+    return kept[::-1]

@@ -1,0 +1,137 @@
+"""Indexing: ``gather`` (embeddings, ``take_along_axis``) and ``scatter-add``.
+
+``gather`` per device, for the operand split on a dim it takes whole (a window
+dim) or the indices split on a batch dim: ``y_i = gather(x_i, idx_i)``. For the
+operand split on the *indexed* dim (an embedding table split by vocabulary,
+logits split by class), each device looks up only the rows it owns and writes
+zeros elsewhere, so ``y = sum_i y_i``: P(sum) (OneFlow's Wide & Deep, and the
+label term of a model-parallel cross-entropy). ``scatter-add`` is the transpose:
+updates split on a batch dim add into a partial result; an operand split on
+the indexed dim drops updates for rows it does not own.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from sbpjax.rules import B, P, Sig, rank, register, set_local, shape_of
+from sbpjax.sbp import Split
+
+
+def _gather_dims(eqn):
+    dn = eqn.params["dimension_numbers"]
+    return (tuple(dn.offset_dims), tuple(dn.collapsed_slice_dims), tuple(dn.start_index_map),
+            tuple(getattr(dn, "operand_batching_dims", ())), tuple(getattr(dn, "start_indices_batching_dims", ())))
+
+
+@register("gather")
+def gather(eqn, in_avals):
+    """Window splits, batch splits, indexed-dim split -> P(sum), P -> P."""
+    offset_dims, collapsed, start_map, op_batch, idx_batch = _gather_dims(eqn)
+    xs, ishape = shape_of(in_avals[0]), shape_of(in_avals[1])
+    sizes = eqn.params["slice_sizes"]
+    out_rank = rank(eqn.outvars[0].aval)
+    batch_out = [j for j in range(out_rank) if j not in offset_dims]
+    idx_batch_dims = list(range(len(ishape) - 1))  # the last indices dim is the index vector
+    window = [d for d in range(len(xs)) if d not in collapsed and d not in op_batch]
+    sigs = []
+    for k, d in enumerate(window):
+        if sizes[d] == xs[d] and d not in start_map:
+            sigs.append(Sig((Split(d), B), (Split(offset_dims[k]),)))
+    for pos, k in enumerate(idx_batch_dims):
+        if k in idx_batch:
+            od = op_batch[idx_batch.index(k)]
+            sigs.append(Sig((Split(od), Split(k)), (Split(batch_out[pos]),)))
+        else:
+            sigs.append(Sig((B, Split(k)), (Split(batch_out[pos]),)))
+    for d in start_map:
+        if d in collapsed:
+            sigs.append(Sig((Split(d), B), (P(),)))
+    return sigs + [Sig((P(), B), (P(),)), Sig((B, B), (B,))]
+
+
+def _local_offsets(ctx, operand_nd, operand_shape, dims):
+    return {d: ctx.offset(operand_nd, operand_shape, d) for d in dims}
+
+
+def local_gather(eqn, ins, ctx):
+    x, idx = ins
+    xs = shape_of(eqn.invars[0].aval)
+    _, collapsed, start_map, _, _ = _gather_dims(eqn)
+    params = dict(eqn.params)
+    # window dims taken whole: the slice size is the local size
+    params["slice_sizes"] = tuple(x.shape[d] if params["slice_sizes"][d] == xs[d] else params["slice_sizes"][d]
+                                  for d in range(len(xs)))
+    split_indexed = [d for d in start_map if ctx.is_split(ctx.in_nd[0], d)]
+    if not split_indexed:
+        return [lax.gather_p.bind(x, idx, **params)]
+    # indexed dim split: look up local rows only, zeros elsewhere (a partial sum)
+    offs = _local_offsets(ctx, ctx.in_nd[0], xs, split_indexed)
+    shift = jnp.asarray([offs.get(d, 0) for d in start_map], idx.dtype)
+    local_idx = idx - shift
+    ok = jnp.ones(idx.shape[:-1], bool)
+    for j, d in enumerate(start_map):
+        if d in offs:
+            ok = ok & (local_idx[..., j] >= 0) & (local_idx[..., j] < x.shape[d])
+    params["mode"] = lax.GatherScatterMode.CLIP
+    y = lax.gather_p.bind(x, local_idx, **params)
+    out_rank = y.ndim
+    offset_dims = tuple(eqn.params["dimension_numbers"].offset_dims)
+    batch_out = [j for j in range(out_rank) if j not in offset_dims]
+    mask = lax.broadcast_in_dim(ok, y.shape, tuple(batch_out))
+    return [jnp.where(mask, y, jnp.zeros((), y.dtype))]
+
+
+set_local("gather")(local_gather)
+
+
+def _scatter_dims(eqn):
+    dn = eqn.params["dimension_numbers"]
+    return (tuple(dn.update_window_dims), tuple(dn.inserted_window_dims),
+            tuple(dn.scatter_dims_to_operand_dims), tuple(getattr(dn, "operand_batching_dims", ())),
+            tuple(getattr(dn, "scatter_indices_batching_dims", ())))
+
+
+@register("scatter-add", "scatter_add")
+def scatter_add(eqn, in_avals):
+    """Updates split on a batch dim -> P(sum); window splits; indexed-dim split."""
+    uw, inserted, to_operand, op_batch, idx_batch = _scatter_dims(eqn)
+    xs, ishape, us = shape_of(in_avals[0]), shape_of(in_avals[1]), shape_of(in_avals[2])
+    update_scatter = [j for j in range(len(us)) if j not in uw]
+    idx_dims = list(range(len(ishape) - 1))
+    window = [d for d in range(len(xs)) if d not in inserted and d not in op_batch]
+    sigs = []
+    for pos, k in enumerate(idx_dims):
+        if k in idx_batch:
+            od = op_batch[idx_batch.index(k)]
+            sigs.append(Sig((Split(od), Split(k), Split(update_scatter[pos])), (Split(od),)))
+        else:
+            sigs.append(Sig((P(), Split(k), Split(update_scatter[pos])), (P(),)))
+    for k, d in enumerate(window):
+        if us[uw[k]] == xs[d] and d not in to_operand:
+            sigs.append(Sig((Split(d), B, Split(uw[k])), (Split(d),)))
+    for d in to_operand:
+        if d in inserted:
+            sigs.append(Sig((Split(d), B, B), (Split(d),)))
+    return sigs + [Sig((P(), B, P()), (P(),)), Sig((B, B, B), (B,))]
+
+
+def local_scatter_add(eqn, ins, ctx):
+    x, idx, upd = ins
+    xs = shape_of(eqn.invars[0].aval)
+    _, _, to_operand, _, _ = _scatter_dims(eqn)
+    params = dict(eqn.params)
+    split_indexed = [d for d in to_operand if ctx.is_split(ctx.in_nd[0], d)]
+    if split_indexed:
+        offs = _local_offsets(ctx, ctx.in_nd[0], xs, split_indexed)
+        idx = idx - jnp.asarray([offs.get(d, 0) for d in to_operand], idx.dtype)
+        params["mode"] = lax.GatherScatterMode.FILL_OR_DROP  # rows owned elsewhere are dropped
+    return [eqn.primitive.bind(x, idx, upd, **params)]
+
+
+set_local("scatter-add")(local_scatter_add)
+if "scatter_add" in __import__("sbpjax.rules", fromlist=["RULES"]).RULES:
+    set_local("scatter_add")(local_scatter_add)
+
+

@@ -1,0 +1,211 @@
+"""Shape primitives: splits follow the dims they move to.
+
+Per device the op runs on its piece with shape parameters made local
+(``broadcast_in_dim``'s shape, ``reshape``'s sizes, ``slice`` limits...). A split
+survives when its dim maps to one output dim: ``transpose`` permutes it,
+``broadcast_in_dim`` carries it to its target dim, ``reshape`` keeps it when the
+split dim is the major part of a merged dim or the major dim of a split one,
+``squeeze`` renumbers it, ``concatenate``/``pad``/``slice``/``rev`` keep splits
+off the dims they touch. All of these are linear, so partials pass through
+(``concatenate`` needs every operand partial the same way).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+from sbpjax.rules import B, P, Sig, rank, register, shape_of
+from sbpjax.sbp import Split
+
+ALL_P = ("sum", "max", "min")
+
+
+def _partials(n_in, n_out=1):
+    return [Sig((P(op),) * n_in, (P(op),) * n_out) for op in ALL_P]
+
+
+@register("transpose")
+def transpose(eqn, in_avals):
+    """``y_i = transpose(x_i)``: S(d) -> S(perm.index(d))."""
+    perm = tuple(eqn.params["permutation"])
+    return [Sig((Split(d),), (Split(perm.index(d)),)) for d in range(len(perm))] + _partials(1) + [Sig((B,), (B,))]
+
+
+@register("broadcast_in_dim")
+def broadcast_in_dim(eqn, in_avals):
+    """``y_i = broadcast(x_i)``: S(d) -> S(bdims[d]) where the dim keeps its size;
+    B -> S(j) for a new or size-1 dim j (each device builds its own piece)."""
+    bd = tuple(eqn.params["broadcast_dimensions"])
+    out_shape = tuple(eqn.params["shape"])
+    in_shape = shape_of(in_avals[0])
+    sigs = [Sig((Split(d),), (Split(bd[d]),)) for d in range(len(in_shape))
+            if in_shape[d] == out_shape[bd[d]] and in_shape[d] > 1]
+    for j in range(len(out_shape)):
+        if j not in bd or in_shape[bd.index(j)] == 1:
+            sigs.append(Sig((B,), (Split(j),)))
+    return sigs + _partials(1) + [Sig((B,), (B,))]
+
+
+def reshape_map(in_shape, out_shape) -> dict:
+    """Input dim -> output dim for splits that survive a row-major reshape: the
+    dims start at the same flat offset and one is the major part of the other."""
+    out = {}
+    pre_out = [math.prod(out_shape[:k]) for k in range(len(out_shape) + 1)]
+    for d, n in enumerate(in_shape):
+        if n <= 1:
+            continue
+        pre = math.prod(in_shape[:d])
+        for k in range(len(out_shape)):
+            if pre_out[k] == pre and out_shape[k] > 1:
+                m = out_shape[k]
+                if m == n:
+                    out[d] = k
+                elif m > n and any(math.prod(in_shape[d:e]) == m for e in range(d + 1, len(in_shape) + 1)):
+                    out[d] = k  # d is the major part of a merged dim
+                elif m < n and any(math.prod(out_shape[k:e]) == n for e in range(k + 1, len(out_shape) + 1)):
+                    out[d] = k  # k is the major part of split d
+                break
+    return out
+
+
+@register("reshape")
+def reshape(eqn, in_avals):
+    """``y_i = reshape(x_i, local sizes)``: a split survives as in ``reshape_map``."""
+    if eqn.params.get("dimensions") not in (None, ()):
+        return [Sig((B,), (B,))] + _partials(1)
+    mapping = reshape_map(shape_of(in_avals[0]), tuple(eqn.params["new_sizes"]))
+    return [Sig((Split(d),), (Split(k),)) for d, k in mapping.items()] + _partials(1) + [Sig((B,), (B,))]
+
+
+@register("squeeze")
+def squeeze(eqn, in_avals):
+    """``y_i = squeeze(x_i)``: S(d) -> S(d - removed dims before d)."""
+    dims = tuple(eqn.params["dimensions"])
+    return [Sig((Split(d),), (Split(d - sum(x < d for x in dims)),))
+            for d in range(rank(in_avals[0])) if d not in dims] + _partials(1) + [Sig((B,), (B,))]
+
+
+@register("expand_dims")
+def expand_dims(eqn, in_avals):
+    dims = tuple(eqn.params["dimensions"])
+    out_rank = rank(in_avals[0]) + len(dims)
+    kept = [j for j in range(out_rank) if j not in dims]
+    return [Sig((Split(d),), (Split(kept[d]),)) for d in range(rank(in_avals[0]))] + _partials(1) + [Sig((B,), (B,))]
+
+
+@register("concatenate")
+def concatenate(eqn, in_avals):
+    """``y_i = concat(a_i, b_i)`` along a dim none of them is split on; partials
+    of one op concatenate to that partial."""
+    dim = eqn.params["dimension"]
+    n = len(in_avals)
+    return [Sig((Split(d),) * n, (Split(d),)) for d in range(rank(in_avals[0])) if d != dim] + _partials(n) + [
+        Sig((B,) * n, (B,))]
+
+
+@register("pad")
+def pad(eqn, in_avals):
+    """``y_i = pad(x_i, v)`` for splits of dims without padding; v broadcast."""
+    cfg = eqn.params["padding_config"]
+    return [Sig((Split(d), B), (Split(d),)) for d, c in enumerate(cfg) if tuple(c) == (0, 0, 0)] + [Sig((B, B), (B,))]
+
+
+@register("rev")
+def rev(eqn, in_avals):
+    dims = tuple(eqn.params["dimensions"])
+    return [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0])) if d not in dims] + _partials(1) + [
+        Sig((B,), (B,))]
+
+
+@register("slice")
+def slice_(eqn, in_avals):
+    """``y_i = slice(x_i)`` for splits of dims taken whole."""
+    s, lim, st = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
+    n = shape_of(in_avals[0])
+    full = [d for d in range(len(n)) if s[d] == 0 and lim[d] == n[d] and (st is None or st[d] == 1)]
+    return [Sig((Split(d),), (Split(d),)) for d in full] + _partials(1) + [Sig((B,), (B,))]
+
+
+@register("dynamic_slice")
+def dynamic_slice(eqn, in_avals):
+    """``y_i = dynamic_slice(x_i, starts)`` for splits of dims taken whole; the
+    start indices are broadcast."""
+    sizes = eqn.params["slice_sizes"]
+    n = shape_of(in_avals[0])
+    k = len(in_avals) - 1
+    full = [d for d in range(len(n)) if sizes[d] == n[d]]
+    return [Sig((Split(d),) + (B,) * k, (Split(d),)) for d in full] + [
+        Sig((P(op),) + (B,) * k, (P(op),)) for op in ALL_P] + [Sig((B,) * (k + 1), (B,))]
+
+
+@register("dynamic_update_slice")
+def dynamic_update_slice(eqn, in_avals):
+    """``y_i = dynamic_update_slice(x_i, u_i, starts)`` for splits of dims the
+    update covers whole."""
+    n, u = shape_of(in_avals[0]), shape_of(in_avals[1])
+    k = len(in_avals) - 2
+    full = [d for d in range(len(n)) if n[d] == u[d]]
+    return [Sig((Split(d), Split(d)) + (B,) * k, (Split(d),)) for d in full] + [
+        Sig((P(), P()) + (B,) * k, (P(),)), Sig((B,) * (k + 2), (B,))]
+
+
+@register("iota")
+def iota(eqn, in_avals):
+    """Each device makes its own piece (offset along the iota dim)."""
+    return [Sig((), (Split(d),)) for d in range(len(eqn.params["shape"]))] + [Sig((), (B,))]
+
+
+def local_iota(eqn, ins, ctx):
+    import jax.numpy as jnp
+    from jax import lax
+
+    p = eqn.params
+    out_shape = ctx.local_out_shapes[0]
+    dim = p["dimension"]
+    y = lax.broadcasted_iota(p["dtype"], out_shape, dim)
+    off = ctx.offset(ctx.out_nd[0], shape_of(eqn.outvars[0].aval), dim)
+    return [y + jnp.asarray(off, p["dtype"])]
+
+
+def local_reshape(eqn, ins, ctx):
+    return [ins[0].reshape(ctx.local_out_shapes[0])]
+
+
+def local_broadcast(eqn, ins, ctx):
+    from jax import lax
+
+    return [lax.broadcast_in_dim(ins[0], ctx.local_out_shapes[0], tuple(eqn.params["broadcast_dimensions"]))]
+
+
+def local_slice(eqn, ins, ctx):
+    from jax import lax
+
+    p = eqn.params
+    x = ins[0]
+    n = shape_of(eqn.invars[0].aval)
+    start = list(p["start_indices"])
+    limit = [x.shape[d] if (start[d] == 0 and p["limit_indices"][d] == n[d]) else p["limit_indices"][d]
+             for d in range(len(n))]
+    return [lax.slice(x, start, limit, p["strides"])]
+
+
+def local_dynamic_slice(eqn, ins, ctx):
+    from jax import lax
+
+    x = ins[0]
+    n = shape_of(eqn.invars[0].aval)
+    sizes = [x.shape[d] if eqn.params["slice_sizes"][d] == n[d] else eqn.params["slice_sizes"][d]
+             for d in range(len(n))]
+    return [lax.dynamic_slice(x, ins[1:], sizes)]
+
+
+from sbpjax.rules import set_local  # noqa: E402
+
+set_local("iota")(local_iota)
+set_local("reshape")(local_reshape)
+set_local("broadcast_in_dim")(local_broadcast)
+set_local("slice")(local_slice)
+set_local("dynamic_slice")(local_dynamic_slice)
+
+
