@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sbpjax as sj
-from models import (BATCH, D, T, VOCAB, adamw, block_loss, block_params, is_sbp, mlp_loss, mlp_params,
+from models import (BATCH, D, T, VOCAB, adamw, block_loss, block_params, mlp_loss, mlp_params,
                     state_sbp, train_step)
 
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
