@@ -126,6 +126,38 @@ class Propagator:
         self.versions: dict = {}  # id(var) -> {nd: True}: layouts already produced
         self.warnings: list = []
 
+    def prefer(self, out_sbp):
+        """Layouts values would like to end in: an output's ``out_sbp``, carried
+        backwards through chains of same-shape elementwise ops (an optimizer
+        update, an activation). The forward choice then counts boxing an output
+        to its preference, so it does not pick a layout that is cheap now but
+        must be boxed back at the end (e.g. reduce-scatter a gradient, update
+        sharded, all-gather three tensors, instead of one all-reduce)."""
+        from sbpjax.rules.elementwise import ELEMENTWISE
+
+        self.pref: dict = {}
+        for atom, nd in zip(self.prog.outputs, out_sbp or []):
+            if nd is not None and isinstance(atom, Var) and not any(isinstance(s, Partial) for s in nd):
+                self.pref.setdefault(id(atom), nd)
+        for node in reversed(self.prog.nodes):
+            if node.name not in ELEMENTWISE:
+                continue
+            for o in node.outs:
+                want = self.pref.get(id(o))
+                if want is None:
+                    continue
+                for i in node.ins:
+                    if isinstance(i, Var) and i.shape == o.shape:
+                        self.pref.setdefault(id(i), want)
+
+    def _preference_cost(self, outs, node) -> int:
+        cost = 0
+        for o, nd in zip(node.outs, outs):
+            want = self.pref.get(id(o))
+            if want is not None and want != nd:
+                cost += self.plan(o, nd, want).bytes
+        return cost
+
     def nd_of(self, atom):
         if isinstance(atom, Const):
             return (Broadcast(),) * len(self.grid)
@@ -188,9 +220,11 @@ class Propagator:
             for k, s in enumerate(sigs):
                 est = sum(_estimate(c[a], q, _nbytes(i), p) for c, q, i in zip(cur, s.ins, node.ins))
                 changed = sum(c[a] != q for c, q in zip(cur, s.ins))
-                scored.append((est, changed, k, s))
-            scored.sort(key=lambda t: t[:3])
-            per_axis.append([t[3] for t in scored[:_TOP_K]])
+                partial_outs = sum(isinstance(q, Partial) for q in s.outs)
+                fresh = sum(isinstance(q, Split) for q in s.outs) * (not any(isinstance(c[a], Split) for c in cur))
+                scored.append((est, changed, partial_outs, fresh, k, s))
+            scored.sort(key=lambda t: t[:5])
+            per_axis.append([t[5] for t in scored[:_TOP_K]])
         best = None
         for order, combo in enumerate(itertools.product(*per_axis)):
             ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
@@ -199,11 +233,20 @@ class Propagator:
                 continue
             if any(not self._partial_ok(nd) for nd in ins + outs):
                 continue
-            total = [self._partial_debt(cur, ins, outs, node), 0.0, 0]
+            debt = self._partial_debt(cur, ins, outs, node)
+            later = self._preference_cost(outs, node)
+            total = [debt + later, 0.0, 0]
             for atom, nd in zip(node.ins, ins):
                 c = self.cost(atom, nd)
                 total = [total[0] + c[0], total[1] + c[1], total[2] + c[2]]
-            key = (total[0], round(total[1], 15), total[2], order)
+            # ties: no new debt, no preference missed, fewer partial outputs (a partial
+            # is a reduction still to pay; when a reduced version exists, use it)
+            partial_outs = sum(isinstance(q, Partial) for nd in outs for q in nd)
+            # and splits invented from nothing (an iota, a broadcast of a B value) lose
+            # to B: they cost nothing here but must be undone where they meet B data
+            fresh = sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
+                        for nd in outs for a in range(len(nd)))
+            key = (total[0], debt > 0, later > 0, partial_outs, round(total[1], 15), total[2], fresh, order)
             if best is None or key < best[0]:
                 best = (key, ins, outs)
         if best is None:
@@ -214,10 +257,11 @@ class Propagator:
     def _partial_debt(self, cur, ins, outs, node) -> int:
         """Bytes a new partial will cost later, charged when an op's partial
         output exists only because an input was zero-filled into a partial
-        (S or B -> P is free): that output must be reduced some time, at about a
-        reduce-scatter ``(p-1)|T|``, and without this charge a greedy choice
+        (S or B -> P is free): that output must be reduced some time, and without this charge a greedy choice
         would turn a split tensor into a full-size partial to save a small
-        reduction elsewhere. Partials an op creates from inputs that need no
+        reduction elsewhere. The charge is an all-reduce, ``2(p-1)|T|``: such a
+        partial is usually needed whole later (an optimizer state, an
+        activation). Partials an op creates from inputs that need no
         fill (a contracting matmul, a reduction over a split dim) and partials
         carried through (P x B -> P) cost nothing: OneFlow Table 1 signatures are
         kept and partials live as long as they stay valid."""
@@ -227,7 +271,7 @@ class Propagator:
                 if not isinstance(s, Partial) or any(c[a] == s for c in cur):
                     continue
                 if any(isinstance(q[a], Partial) and c[a] != q[a] for c, q in zip(cur, ins)):
-                    debt += (self.grid[a] - 1) * _nbytes(o)
+                    debt += 2 * (self.grid[a] - 1) * _nbytes(o)
         return debt
 
     @staticmethod
@@ -268,6 +312,7 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
             label = names[k] if names else f"argument leaf {k}"
             raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
         pr.layout[id(v)] = nd
+    pr.prefer(out_sbp)
     decisions = [pr.choose(node, i) for i, node in enumerate(program.nodes)]
     out_boxings, final = [], []
     for k, atom in enumerate(program.outputs):

@@ -109,3 +109,9 @@ def select(eqn, in_avals):
     for op in ("sum", "max", "min"):
         sigs.append(Sig((B,) + (P(op),) * n_cases, (P(op),)))
     return sigs
+
+
+# Same-shape elementwise primitives: a layout wanted at the output is wanted at
+# the inputs too (used by the compiler to carry output preferences backwards).
+ELEMENTWISE = frozenset(NONLINEAR) | {"add", "sub", "add_any", "mul", "div", "neg", "max", "min",
+                                      "convert_element_type", "copy", "copy_p", "stop_gradient", "select_n"}
