@@ -150,13 +150,26 @@ class Propagator:
                     if isinstance(i, Var) and i.shape == o.shape:
                         self.pref.setdefault(id(i), want)
 
-    def _preference_cost(self, outs, node) -> int:
-        cost = 0
+    def _preference_cost(self, outs, node) -> tuple[int, bool]:
+        """Bytes to box outputs to their preferred layouts later, and whether a
+        split (not partial) output misses its preference: a split output drags
+        the values it meets into the split and each must be gathered back, while
+        a partial's reduction happens once wherever it is done."""
+        cost, split_miss = 0, False
         for o, nd in zip(node.outs, outs):
             want = self.pref.get(id(o))
             if want is not None and want != nd:
                 cost += self.plan(o, nd, want).bytes
-        return cost
+                split_miss |= not any(isinstance(q, Partial) for q in nd)
+        return cost, split_miss
+
+    def _stale_partial_uses(self, ins, node) -> int:
+        """Inputs used as partials although a reduced version already exists."""
+        n = 0
+        for atom, nd in zip(node.ins, ins):
+            if isinstance(atom, Var) and any(isinstance(q, Partial) for q in nd):
+                n += any(not any(isinstance(q, Partial) for q in v) for v in self.versions.get(id(atom), ()))
+        return n
 
     def nd_of(self, atom):
         if isinstance(atom, Const):
@@ -234,19 +247,21 @@ class Propagator:
             if any(not self._partial_ok(nd) for nd in ins + outs):
                 continue
             debt = self._partial_debt(cur, ins, outs, node)
-            later = self._preference_cost(outs, node)
+            later, split_miss = self._preference_cost(outs, node)
             total = [debt + later, 0.0, 0]
             for atom, nd in zip(node.ins, ins):
                 c = self.cost(atom, nd)
                 total = [total[0] + c[0], total[1] + c[1], total[2] + c[2]]
-            # ties: no new debt, no preference missed, fewer partial outputs (a partial
-            # is a reduction still to pay; when a reduced version exists, use it)
-            partial_outs = sum(isinstance(q, Partial) for nd in outs for q in nd)
-            # and splits invented from nothing (an iota, a broadcast of a B value) lose
-            # to B: they cost nothing here but must be undone where they meet B data
+            # Ties: no new debt; no input used as a partial when a reduced version
+            # exists; no split output that must be gathered back; then time (which
+            # defers a partial's reduction when paying now or later costs the same
+            # bytes, as OneFlow keeps partials); then fewer boxings; then no splits
+            # invented from nothing (an iota, a broadcast of a B value: they must be
+            # undone where they meet B data); then the rule's order.
+            stale = self._stale_partial_uses(ins, node)
             fresh = sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
                         for nd in outs for a in range(len(nd)))
-            key = (total[0], debt > 0, later > 0, partial_outs, round(total[1], 15), total[2], fresh, order)
+            key = (total[0], debt > 0, stale, split_miss, round(total[1], 15), total[2], fresh, order)
             if best is None or key < best[0]:
                 best = (key, ins, outs)
         if best is None:
