@@ -125,6 +125,7 @@ class Propagator:
         self.layout: dict = {}  # id(var) -> nd-SBP
         self.versions: dict = {}  # id(var) -> {nd: True}: layouts already produced
         self.warnings: list = []
+        self.quiet = False
 
     def prefer(self, out_sbp):
         """Layouts values would like to end in: an output's ``out_sbp``, carried
@@ -220,7 +221,8 @@ class Propagator:
             if node.name in CONTROL_FLOW:
                 msg += " (loop-carried layouts are forced to B)"
             self.warnings.append(msg)
-            warnings.warn(SBPWarning(msg), stacklevel=4)
+            if not self.quiet:
+                warnings.warn(SBPWarning(msg), stacklevel=5)
             rep = (Broadcast(),) * len(self.grid)
             return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
         # rank 1-D candidates per axis, then cost the products exactly
@@ -319,15 +321,41 @@ class _Aval:
 
 
 def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: list | None,
-              cost_model=None, names=None) -> Propagation:
-    """Choose layouts for every value; ``out_sbp[k]`` None keeps the chosen one."""
-    pr = Propagator(program, placement, cost_model)
+              cost_model=None, names=None, passes: int = 3) -> Propagation:
+    """Choose layouts for every value; ``out_sbp[k]`` None keeps the chosen one.
+
+    The greedy pass is repeated: each later pass also prefers, for every value
+    that had to be boxed, the layout its consumer asked for in the previous
+    pass (so producers learn what consumers want). The pass moving the fewest
+    bytes wins, so extra passes never make a program worse."""
     for k, (v, nd) in enumerate(zip(program.inputs, in_sbp)):
         if not _even(nd, v.shape, placement.shape):
             label = names[k] if names else f"argument leaf {k}"
             raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
+    best, learned = None, {}
+    for i in range(passes):
+        prop = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet=i > 0)
+        total = sum(b.bytes for b in prop.boxings)
+        if best is None or total < best[0]:
+            best = (total, prop)
+        new = {}
+        for b in prop.boxings:
+            if isinstance(b.var, Var) and b.node_index is not None and not any(isinstance(q, Partial) for q in b.dst):
+                new.setdefault(id(b.var), b.dst)
+        if not new or new == learned:
+            break
+        learned = new
+    return best[1]
+
+
+def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet) -> Propagation:
+    pr = Propagator(program, placement, cost_model)
+    pr.quiet = quiet
+    for v, nd in zip(program.inputs, in_sbp):
         pr.layout[id(v)] = nd
     pr.prefer(out_sbp)
+    for key, nd in learned.items():
+        pr.pref.setdefault(key, nd)
     decisions = [pr.choose(node, i) for i, node in enumerate(program.nodes)]
     out_boxings, final = [], []
     for k, atom in enumerate(program.outputs):
