@@ -119,7 +119,7 @@ class Geometry:
         return tuple(self.padded_dim(layout.dims[d], d) for d in range(self.ndim))
 
     def splits(self, axes: Sequence[int]) -> int:
-        return int(np.prod([self.grid[a] for a in axes])) if axes else 1
+        return math.prod(self.grid[a] for a in axes)
 
     def even(self, layout: Layout) -> bool:
         """True when every split divides exactly (no padding anywhere)."""

@@ -62,6 +62,8 @@ class Placement:
         self._devices = devs
         self._axis_names = axis_names
         self._mesh = Mesh(devs, axis_names)
+        self._ids = tuple(int(i) for i in ids)
+        self._hash = hash((tuple(devs.shape), self._ids, axis_names))  # plans are cached by placement
 
     # -- the public surface -------------------------------------------------
     @property
@@ -91,7 +93,7 @@ class Placement:
     @property
     def device_ids(self) -> tuple[int, ...]:
         """Device ids in grid order (row-major)."""
-        return tuple(int(d.id) for d in self._devices.flat)
+        return self._ids
 
     def axis_size(self, axis: int | str) -> int:
         return self.shape[self.axis_index(axis)]
@@ -149,7 +151,7 @@ class Placement:
         return isinstance(other, Placement) and self._key() == other._key()
 
     def __hash__(self):
-        return hash(self._key())
+        return self._hash
 
     def __repr__(self):
         axes = ", ".join(f"{n}={s}" for n, s in zip(self._axis_names, self.shape))

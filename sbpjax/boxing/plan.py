@@ -241,9 +241,8 @@ class _Ctx:
 
     def permute(self, src, dst) -> Step | None:
         """A point-to-point exchange as a search edge: exact bytes (every device
-        receives exactly what it lacks), rounds estimated by their lower bound
-        (the distinct source pieces a device needs); :meth:`exact` builds the
-        real schedule for the steps of the chosen path."""
+        receives exactly what it lacks), rounds estimated by a lower bound;
+        :meth:`exact` builds the real schedule for the steps of the chosen path."""
         key = (src, dst)
         if key in self._p2p_cache:
             return self._p2p_cache[key]
@@ -254,18 +253,10 @@ class _Ctx:
             d0, dn = self.boxes(dst)
             own = np.prod(np.clip(np.minimum(s0 + sn, d0 + dn) - np.maximum(s0, d0), 0, None), axis=1)
             missing = np.prod(dn, axis=1) - own
-            # distinct source pieces (within the same partial layer) that overlap each target box
-            layer = np.asarray([[c[a] for a, _ in src.partial] for c in geom.coords], np.int64).reshape(
-                geom.n_devices, -1)
-            pieces = np.unique(np.concatenate([layer, s0, sn], axis=1), axis=0)
-            L = layer.shape[1]
-            ps0, psn, pl = pieces[:, L:L + geom.ndim], pieces[:, L + geom.ndim:], pieces[:, :L]
-            ov = np.prod(np.clip(np.minimum(ps0[None] + psn[None], (d0 + dn)[:, None])
-                                 - np.maximum(ps0[None], d0[:, None]), 0, None), axis=2)
-            same_layer = (pl[None] == layer[:, None]).all(axis=2)
-            is_own = (ps0[None] == s0[:, None]).all(axis=2) & same_layer
-            peers = ((ov > 0) & same_layer & ~is_own).sum(axis=1)
-            rounds = int(peers.max())
+            # rounds: at least the number of source pieces a device needs, and a
+            # piece holds at most the largest source box (a cheap lower bound)
+            piece = int(np.prod(sn, axis=1).max())
+            rounds = int(-(-int(missing.max()) // piece)) if piece else 0
             if rounds:
                 nbytes = int(missing.sum()) * self.itemsize
                 moved = tuple(a for a in range(len(geom.grid))
@@ -380,6 +371,10 @@ def _moves(ctx: _Ctx, L: Layout, target: Layout):
 def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
     if src == dst:
         return []
+    # A direct exchange (same partials, even tiles) bounds every useful path:
+    # costs only grow, so states above its bytes are never pushed.
+    direct = ctx.permute(src, dst) if src.partial == dst.partial else None
+    bound = direct.bytes if direct is not None else None
     counter = itertools.count()
     best = {src: (0, 0.0, 0)}
     prev: dict = {src: None}
@@ -393,6 +388,8 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
         for step in _moves(ctx, L, dst):
             nxt = step.dst
             nc = (cost[0] + step.bytes, cost[1] + step.time, cost[2] + 1)
+            if bound is not None and nc[0] > bound:
+                continue
             if nxt not in best or _less(nc, best[nxt]):
                 best[nxt] = nc
                 prev[nxt] = (L, step)

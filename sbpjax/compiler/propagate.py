@@ -29,7 +29,7 @@ from sbpjax.sbp import Broadcast, Partial, Split, format_sbp
 
 CONSTRAIN = "sbp_constrain"
 CONTROL_FLOW = ("scan", "while", "cond", "switch")
-_TOP_K = 4  # 1-D candidates kept per axis before exact costing of their products
+_TOP_K = 3  # 1-D candidates kept per axis before exact costing of their products
 
 
 @dataclasses.dataclass
