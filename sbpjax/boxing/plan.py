@@ -253,10 +253,16 @@ class _Ctx:
             d0, dn = self.boxes(dst)
             own = np.prod(np.clip(np.minimum(s0 + sn, d0 + dn) - np.maximum(s0, d0), 0, None), axis=1)
             missing = np.prod(dn, axis=1) - own
-            # rounds: at least the number of source pieces a device needs, and a
-            # piece holds at most the largest source box (a cheap lower bound)
-            piece = int(np.prod(sn, axis=1).max())
-            rounds = int(-(-int(missing.max()) // piece)) if piece else 0
+            # rounds: at least the number of other source pieces a device needs;
+            # pieces form a grid, so count per dim the source intervals the
+            # target box overlaps and multiply (minus the device's own piece)
+            need = np.ones(geom.n_devices, np.int64)
+            for d in range(geom.ndim):
+                iv = np.unique(np.stack([s0[:, d], sn[:, d]], axis=1), axis=0)
+                lo = np.maximum(iv[None, :, 0], d0[:, d, None])
+                hi = np.minimum(iv[None, :, 0] + iv[None, :, 1], (d0 + dn)[:, d, None])
+                need *= (hi > lo).sum(axis=1)
+            rounds = int((need - (own > 0)).max())
             if rounds:
                 nbytes = int(missing.sum()) * self.itemsize
                 moved = tuple(a for a in range(len(geom.grid))
