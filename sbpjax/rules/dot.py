@@ -33,3 +33,21 @@ def dot_general(eqn, in_avals):
         sigs.append(Sig((Split(a), Split(b)), (P(),)))
     sigs += [Sig((P(), B), (P(),)), Sig((B, P()), (P(),)), Sig((B, B), (B,))]
     return sigs
+
+
+@register("conv_general_dilated")
+def conv(eqn, in_avals):
+    """Per device ``y_i = conv(x_i, k_i)``: a batch split of ``x`` gives a batch
+    split of ``y``; a split of the kernel's output channels gives a channel split
+    of ``y``; splitting the input channels of both gives ``y = sum_i y_i``
+    (P(sum)) when there are no feature groups. Spatial dims are not split
+    (windows would cross pieces)."""
+    dn = eqn.params["dimension_numbers"]
+    lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    sigs = []
+    if eqn.params.get("batch_group_count", 1) == 1:
+        sigs.append(Sig((Split(lhs[0]), B), (Split(out[0]),)))
+    if eqn.params.get("feature_group_count", 1) == 1 and eqn.params.get("batch_group_count", 1) == 1:
+        sigs.append(Sig((B, Split(rhs[0])), (Split(out[1]),)))
+        sigs.append(Sig((Split(lhs[1]), Split(rhs[1])), (P(),)))
+    return sigs + [Sig((P(), B), (P(),)), Sig((B, P()), (P(),)), Sig((B, B), (B,))]

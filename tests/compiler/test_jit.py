@@ -293,3 +293,17 @@ def test_unknown_primitive_runs_whole_with_a_warning(pl8):
     with pytest.warns(sj.SBPWarning, match=r"control flow '(scan|while)' at .*test_jit.py"):
         y = f(sj.to_global(X, pl8, S0))
     np.testing.assert_allclose(y.numpy(), fn(X), rtol=1e-6)
+
+
+@pytest.mark.parametrize("xs, ks, want", [(S0, B, S0), (B, sj.S(3), sj.S(3)), (sj.S(3), sj.S(2), P)], ids=str)
+def test_conv_batch_and_channel_splits(xs, ks, want, pl8):
+    x = rng().normal(size=(8, 6, 6, 16)).astype(np.float32)  # NHWC
+    k = rng(1).normal(size=(3, 3, 16, 8)).astype(np.float32)  # HWIO
+    conv = lambda a, b: jax.lax.conv_general_dilated(a, b, (1, 1), "SAME",  # noqa: E731
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    f = sj.jit(conv, placement=pl8)
+    args = (sj.to_global(x, pl8, xs), sj.to_global(k, pl8, ks))
+    y = f(*args)
+    assert y.sbp == (want,)
+    np.testing.assert_allclose(y.numpy(), conv(x, k), rtol=1e-4, atol=1e-4)
+    assert measured(f, *args) == f.explain(*args).bytes == 0
