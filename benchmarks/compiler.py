@@ -207,13 +207,11 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     gargs = f._globals(args, {})[0]
     tree = jax.tree_util.tree_structure((args, {}), is_leaf=is_gt)
     g_args, _ = jax.tree_util.tree_unflatten(tree, gargs)
-    t0 = time.perf_counter()
     lowered = f.lower(*g_args)
-    sj_overhead = f.last_overhead_s
+    sj_overhead = f.last_overhead_s  # trace + propagation + building the shard_map
     t1 = time.perf_counter()
     compiled = lowered.compile()
     xla_compile = time.perf_counter() - t1
-    del t0
     row["sbpjax_bytes"] = collective_bytes(compiled)
     row["sbpjax_explained_bytes"] = f.explain(*g_args).bytes
     row["overhead_share"] = sj_overhead / xla_compile
