@@ -314,13 +314,13 @@ def main():
         data_axis = {"data": "x", "tensor": None, "2d": "x"}[kind]
         tensor_axis = {"data": None, "tensor": "x", "2d": "y"}[kind]
         pspecs = {k: spec_of(v, np.ndim(bp[k]), pl.axis_names) for k, v in ps.items()}
-        sspecs = jax.tree.map(lambda nd, leaf: spec_of(nd, np.ndim(leaf), pl.axis_names), ss, state,
+        sspecs = jax.tree.map(lambda nd, leaf, pl=pl: spec_of(nd, np.ndim(leaf), pl.axis_names), ss, state,
                               is_leaf=_is_nd)
         body, _ = handwritten_block_step(pl.mesh, heads, opt, data_axis, tensor_axis, pspecs)
         dspec = PS(data_axis) if data_axis else PS()
         hw = jax.jit(jax.shard_map(body, mesh=pl.mesh, in_specs=(pspecs, sspecs, dspec, dspec),
                                    out_specs=(pspecs, sspecs, PS())))
-        put = lambda v, s: jax.device_put(v, NamedSharding(pl.mesh, s))  # noqa: E731
+        put = lambda v, s, pl=pl: jax.device_put(v, NamedSharding(pl.mesh, s))  # noqa: E731
         hw_args = [jax.tree.map(put, bp, pspecs), jax.tree.map(put, state, sspecs), put(tokens, dspec),
                    put(labels, dspec)]
         rows.append(run_program(f"transformer_step_{kind}", step, pl, (ps, ss, data_sbp, data_sbp),
