@@ -560,6 +560,36 @@ def normalized_layout(sbp: Sequence, ndim: int, grid: Sequence[int]) -> Layout:
 
 
 _CACHE: dict = {}
+_STRUCTURES: dict = {}
+
+
+def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
+    """The search, shared by all shapes of one class.
+
+    When every dim divides by the number of devices, every layout is even and
+    every exchange tiles; each step's bytes are then |T| x itemsize times a
+    factor of the layouts alone, and paths of equal bytes differ in time only by
+    their latency terms. The cheapest step structure is the same for every such
+    shape, so it is found once per (placement, rank, layouts, cost model) and
+    re-costed for each shape (sj.jit asks for many shapes of a few ranks)."""
+    shape = ctx.geom.shape
+    n = placement.size
+    if not shape or any(d == 0 or d % n for d in shape):
+        return _search(ctx, src, dst)
+    key = (placement, len(shape), src, dst, repr(cm))
+    if key not in _STRUCTURES:
+        _STRUCTURES[key] = [(s.op, s.src, s.dst, s.group, s.reduce, s.dim, s.dim2) for s in _search(ctx, src, dst)]
+    steps = []
+    for op, a, b, group, reduce, dim, dim2 in _STRUCTURES[key]:
+        if op == "permute":
+            steps.append(ctx.exact(ctx.permute(a, b)))
+        elif op in ("local_slice", "zero_fill"):
+            steps.append(Step(op=op, axes=tuple(ctx.names[g] for g in group), bytes=0, src=a, dst=b,
+                              group=group, reduce=reduce, dim=dim, n_axes=ctx.n_axes,
+                              axis_names=tuple(ctx.names)))
+        else:
+            steps.append(ctx.step(op, a, b, group, reduce=reduce, dim=dim, dim2=dim2))
+    return steps
 
 
 def plan_boxing(shape, dtype, placement: Placement, src_sbp, dst_sbp,
@@ -587,7 +617,7 @@ def plan_boxing(shape, dtype, placement: Placement, src_sbp, dst_sbp,
         L_dst = normalized_layout(dst, len(shape), placement.shape)
         fill_ops = tuple(sorted({op for _, op in L_dst.partial}))
         ctx = _Ctx(shape, dtype.itemsize, placement, cm, fill_ops)
-        steps = _search(ctx, L_src, L_dst)
+        steps = _search_by_class(ctx, L_src, L_dst, placement, cm)
         floor = None
         if not L_src.partial and not L_dst.partial:
             floor = ctx.geom.floor_bytes(L_src, L_dst, dtype.itemsize)
