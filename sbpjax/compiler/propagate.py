@@ -190,7 +190,7 @@ class Propagator:
     # -- one equation ---------------------------------------------------------
     def candidates(self, node: Node):
         rule = RULES.get(node.name)
-        in_avals = [getattr(i, "aval", None) or _Aval(i.shape, i.dtype) for i in node.eqn.invars]
+        in_avals = [v.aval for v in node.eqn.invars]
         sigs = [s for s in rule.signatures(node.eqn, in_avals)
                 if len(s.ins) == len(node.ins) and len(s.outs) == len(node.outs)
                 and all(_valid_for(q, a.shape) for q, a in zip(s.ins, node.ins))
@@ -312,12 +312,6 @@ class Propagator:
         for v, nd in zip(node.outs, outs):
             self.layout[id(v)] = nd
         return Decision(node, list(ins), list(outs), boxings)
-
-
-@dataclasses.dataclass
-class _Aval:
-    shape: tuple
-    dtype: object
 
 
 def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: list | None,

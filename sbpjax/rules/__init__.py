@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Sequence
 
-from sbpjax.sbp import Broadcast, Partial, Split
+from sbpjax.sbp import Broadcast, Partial
 
 B = Broadcast()
 
@@ -38,7 +38,6 @@ class Rule:
     name: str
     signatures: Callable  # (eqn, in_avals) -> list[Sig]
     local: Callable | None = None  # (eqn, local_ins, ctx) -> list of local outputs
-    partial_ok: bool = True
 
 
 RULES: dict = {}
@@ -64,14 +63,6 @@ def set_local(*names: str):
         return fn
 
     return deco
-
-
-def splits(rank: int) -> list:
-    return [Split(d) for d in range(rank)]
-
-
-def same_all(n_in: int, n_out: int, sbp) -> Sig:
-    return Sig((sbp,) * n_in, (sbp,) * n_out)
 
 
 def P(op: str = "sum") -> Partial:

@@ -130,8 +130,6 @@ def local_scatter_add(eqn, ins, ctx):
     return [eqn.primitive.bind(x, idx, upd, **params)]
 
 
-set_local("scatter-add")(local_scatter_add)
-if "scatter_add" in __import__("sbpjax.rules", fromlist=["RULES"]).RULES:
-    set_local("scatter_add")(local_scatter_add)
+set_local("scatter-add", "scatter_add")(local_scatter_add)
 
 
