@@ -35,6 +35,9 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as PS  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
+from sbpjax.boxing.plan import normalized_layout  # noqa: E402
+from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: E402
+from sbpjax.layout import Geometry  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
@@ -54,13 +57,9 @@ def median_time(fn, args, repeats):
     return statistics.median(samples)
 
 
-def spec_of(nd, ndim, names):
-    """PartitionSpec of an S/B nd-SBP."""
-    parts = [[] for _ in range(ndim)]
-    for a, s in enumerate(nd):
-        if isinstance(s, sj.Split):
-            parts[s.dim].append(names[a])
-    return PS(*[None if not p else (p[0] if len(p) == 1 else tuple(p)) for p in parts])
+def spec_of(nd, ndim, pl):
+    """The PartitionSpec GSPMD uses for an S/B nd-SBP on ``pl``."""
+    return Geometry((1,) * ndim, pl.shape).partition_spec(normalized_layout(nd, ndim, pl.shape), pl.axis_names)
 
 
 # ---------------------------------------------------------------------------
@@ -221,7 +220,7 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     check("sbpjax", jax.tree.map(lambda t: t.numpy(), sj_out, is_leaf=is_gt))
     t_sj = median_time(prog, phys, repeats)
     # GSPMD: jax.jit with the same input shardings (explicit out shardings for outputs we box)
-    in_shardings = [NamedSharding(pl.mesh, spec_of(t.sbp, t.ndim, pl.axis_names)) for t in gargs]
+    in_shardings = [NamedSharding(pl.mesh, spec_of(t.sbp, t.ndim, pl)) for t in gargs]
     flat_args = [t.to_jax() for t in gargs]
 
     def flat_fn(*leaves):
@@ -309,13 +308,13 @@ def main():
         else:
             ps = {"wq": col, "wk": col, "wv": col, "wo": row_, "w1": col, "w2": row_, "g": rep, "emb": rep,
                   "head": col}
-        ss = _state_like(state, ps, rep)
+        ss = state_sbp(state, ps, rep)
         data_sbp = (S0,) if kind == "data" else ((B,) if kind == "tensor" else (S0, B))
         data_axis = {"data": "x", "tensor": None, "2d": "x"}[kind]
         tensor_axis = {"data": None, "tensor": "x", "2d": "y"}[kind]
-        pspecs = {k: spec_of(v, np.ndim(bp[k]), pl.axis_names) for k, v in ps.items()}
-        sspecs = jax.tree.map(lambda nd, leaf, pl=pl: spec_of(nd, np.ndim(leaf), pl.axis_names), ss, state,
-                              is_leaf=_is_nd)
+        pspecs = {k: spec_of(v, np.ndim(bp[k]), pl) for k, v in ps.items()}
+        sspecs = jax.tree.map(lambda nd, leaf, pl=pl: spec_of(nd, np.ndim(leaf), pl), ss, state,
+                              is_leaf=is_nd_sbp)
         body, _ = handwritten_block_step(pl.mesh, heads, opt, data_axis, tensor_axis, pspecs)
         dspec = PS(data_axis) if data_axis else PS()
         hw = jax.jit(jax.shard_map(body, mesh=pl.mesh, in_specs=(pspecs, sspecs, dspec, dspec),
@@ -356,24 +355,6 @@ def main():
     with open(args.output, "w") as f:
         json.dump({"config": {"quick": q, "repeats": repeats, "devices": 8}, "programs": rows}, f, indent=1)
     print(f"wrote {args.output}")
-
-
-def _is_nd(v):
-    return isinstance(v, tuple) and len(v) > 0 and all(isinstance(s, (sj.Split, sj.Broadcast, sj.Partial)) for s in v)
-
-
-def _state_like(state, psbp, rep):
-    flat = [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(psbp, is_leaf=_is_nd)[0]]
-
-    def pick(path, leaf):
-        ks = jax.tree_util.keystr(path)
-        if np.ndim(leaf) > 0:
-            for pk, s in flat:
-                if ks.endswith(pk):
-                    return s
-        return rep
-
-    return jax.tree_util.tree_map_with_path(pick, state)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,32 @@ def constrain(x, sbp):
 # ---------------------------------------------------------------------------
 
 
-def _is_sbp_leaf(v) -> bool:
-    if v is None or isinstance(v, (str, Split, Broadcast, Partial)):
-        return True
+def is_nd_sbp(v) -> bool:
+    """True for a non-empty tuple of SBP values (an nd-SBP, a leaf of in_sbp trees)."""
     return isinstance(v, tuple) and len(v) > 0 and all(isinstance(s, (Split, Broadcast, Partial)) for s in v)
+
+
+def _is_sbp_leaf(v) -> bool:
+    return v is None or isinstance(v, (str, Split, Broadcast, Partial)) or is_nd_sbp(v)
+
+
+def state_sbp(state, param_sbp, replicated: tuple):
+    """An in_sbp/out_sbp tree for an optimizer state: every array leaf whose path
+    ends with a parameter's path (optax's ``mu``/``nu`` mirror the parameters)
+    takes that parameter's nd-SBP; scalars (step counts) and the rest take
+    ``replicated``."""
+    flat = [(jax.tree_util.keystr(k), v)
+            for k, v in jax.tree_util.tree_flatten_with_path(param_sbp, is_leaf=is_nd_sbp)[0]]
+
+    def pick(path, leaf):
+        if np.ndim(leaf) > 0:
+            ks = jax.tree_util.keystr(path)
+            for pk, nd in flat:
+                if ks.endswith(pk):
+                    return nd
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, state)
 
 
 def _broadcast_spec(spec, tree, what):
@@ -191,4 +213,4 @@ def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=
     return CompiledFunction(fn, placement, in_sbp, out_sbp, cost_model)
 
 
-__all__ = ["jit", "constrain", "CompiledFunction"]
+__all__ = ["jit", "constrain", "CompiledFunction", "is_nd_sbp", "state_sbp"]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import sbpjax as sj
+from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: F401 - re-exported for the tests
 
 D, H, HEADS, T, BATCH, VOCAB = 16, 32, 4, 8, 8, 32
 
@@ -59,25 +59,6 @@ def train_step(loss_fn, opt):
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
     return step
-
-
-def is_sbp(v):
-    return isinstance(v, tuple) and all(isinstance(s, (sj.Split, sj.Broadcast, sj.Partial)) for s in v)
-
-
-def state_sbp(opt_state, param_sbp, replicated):
-    """Optimizer state leaves take their parameter's layout; counters are B."""
-    flat = [(jax.tree_util.keystr(k), v) for k, v in
-            jax.tree_util.tree_flatten_with_path(param_sbp, is_leaf=is_sbp)[0]]
-
-    def pick(path, leaf):
-        ks = jax.tree_util.keystr(path)
-        for pk, s in flat:
-            if ks.endswith(pk) and np.ndim(leaf) == len(np.shape(leaf)) and np.ndim(leaf) > 0:
-                return s
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(pick, opt_state)
 
 
 def adamw():
