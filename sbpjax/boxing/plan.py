@@ -275,6 +275,12 @@ class _Ctx:
         self._p2p_cache[key] = step
         return step
 
+    def restep(self, step: Step) -> Step:
+        """The same move (op, layouts, group) costed for this context's shape and model."""
+        if step.op == "permute":
+            return self.exact(self.permute(step.src, step.dst))
+        return self.step(step.op, step.src, step.dst, step.group, reduce=step.reduce, dim=step.dim, dim2=step.dim2)
+
     def exact(self, step: Step) -> Step:
         """The permute step with its real schedule (rounds and time)."""
         if step.op != "permute":
@@ -291,15 +297,9 @@ class _Ctx:
 
 def _retime(step: Step, plan: BoxingPlan, cm: CostModel) -> float:
     """The time of one step of ``plan`` under another cost model."""
-    if step.op in ("local_slice", "zero_fill"):
-        return 0.0
     if step.op == "transfer":
         return step.time
-    ctx = _Ctx(plan.shape, np.dtype(plan.dtype).itemsize, plan.placement, cm, ())
-    if step.op == "permute":
-        return ctx.exact(ctx.permute(step.src, step.dst)).time
-    kw = {k: getattr(step, k) for k in ("reduce", "dim", "dim2")}
-    return ctx.step(step.op, step.src, step.dst, step.group, **kw).time
+    return _Ctx(plan.shape, np.dtype(plan.dtype).itemsize, plan.placement, cm, ()).restep(step).time
 
 
 # ---------------------------------------------------------------------------
@@ -578,18 +578,9 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
         return _search(ctx, src, dst)
     key = (placement, len(shape), src, dst, repr(cm))
     if key not in _STRUCTURES:
-        _STRUCTURES[key] = [(s.op, s.src, s.dst, s.group, s.reduce, s.dim, s.dim2) for s in _search(ctx, src, dst)]
-    steps = []
-    for op, a, b, group, reduce, dim, dim2 in _STRUCTURES[key]:
-        if op == "permute":
-            steps.append(ctx.exact(ctx.permute(a, b)))
-        elif op in ("local_slice", "zero_fill"):
-            steps.append(Step(op=op, axes=tuple(ctx.names[g] for g in group), bytes=0, src=a, dst=b,
-                              group=group, reduce=reduce, dim=dim, n_axes=ctx.n_axes,
-                              axis_names=tuple(ctx.names)))
-        else:
-            steps.append(ctx.step(op, a, b, group, reduce=reduce, dim=dim, dim2=dim2))
-    return steps
+        _STRUCTURES[key] = _search(ctx, src, dst)
+        return _STRUCTURES[key]
+    return [ctx.restep(s) for s in _STRUCTURES[key]]
 
 
 def plan_boxing(shape, dtype, placement: Placement, src_sbp, dst_sbp,
