@@ -27,7 +27,7 @@ from sbpjax.boxing.plan import normalized_layout, plan_boxing
 from sbpjax.boxing.transfer import execute_transfer
 from sbpjax.layout import Geometry, Layout
 from sbpjax.placement import Placement
-from sbpjax.sbp import format_sbp, normalize_nd_sbp
+from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp
 
 _NP_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
 
@@ -210,8 +210,6 @@ class GlobalTensor:
 
 
 def _reduced(sbp):
-    from sbpjax.sbp import Broadcast, Partial
-
     return tuple(Broadcast() if isinstance(s, Partial) else s for s in sbp)
 
 
@@ -260,8 +258,6 @@ def to_global(x, placement: Placement, sbp) -> GlobalTensor:
             data = jax.device_put(x, sharding)
         return GlobalTensor(data, shape, dtype, placement, sbp)
     if _is_traced(x):
-        from sbpjax.sbp import Broadcast
-
         rep = (Broadcast(),) * placement.ndim
         plan = plan_boxing(shape, dtype, placement, rep, sbp)
         data = boxing_fn(plan)(x)
@@ -323,8 +319,6 @@ def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTenso
 
 
 def _explain_local(shape, sbp, placement, coord) -> str:
-    from sbpjax.sbp import Split
-
     parts = []
     for a, s in enumerate(sbp):
         if isinstance(s, Split) and placement.shape[a] > 1:

@@ -600,6 +600,7 @@ def plan_boxing(shape, dtype, placement: Placement, src_sbp, dst_sbp,
     if key in _CACHE:
         return _CACHE[key]
     if dst_placement is not None:
+        # transfer.py builds on this module's planner (a cycle), so import it here
         from sbpjax.boxing.transfer import plan_transfer
 
         plan = plan_transfer(shape, dtype, placement, src, dpl, dst, cm)
