@@ -27,7 +27,7 @@ from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.propagate import CONSTRAIN, propagate
 from sbpjax.compiler.trace import trace
 from sbpjax.placement import Placement
-from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
+from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp, parse_sbp
 from sbpjax.tensor import GlobalTensor, to_global
 
 try:
@@ -63,8 +63,6 @@ def constrain(x, sbp):
     """Inside a function compiled by ``sj.jit``: force ``x`` to the nd-SBP ``sbp``
     here (a boxing point). Outside ``sj.jit`` it returns ``x`` unchanged."""
     if isinstance(sbp, str):
-        from sbpjax.sbp import parse_sbp
-
         sbp = parse_sbp(sbp)
     elif isinstance(sbp, (Split, Broadcast, Partial)):
         sbp = (sbp,)

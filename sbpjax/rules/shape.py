@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+from jax import lax
 
-from sbpjax.rules import B, P, Sig, rank, register, shape_of
+from sbpjax.rules import B, P, Sig, rank, register, set_local, shape_of
 from sbpjax.sbp import Split
 
 ALL_P = ("sum", "max", "min")
@@ -157,9 +159,6 @@ def iota(eqn, in_avals):
 
 
 def local_iota(eqn, ins, ctx):
-    import jax.numpy as jnp
-    from jax import lax
-
     p = eqn.params
     out_shape = ctx.local_out_shapes[0]
     dim = p["dimension"]
@@ -173,14 +172,10 @@ def local_reshape(eqn, ins, ctx):
 
 
 def local_broadcast(eqn, ins, ctx):
-    from jax import lax
-
     return [lax.broadcast_in_dim(ins[0], ctx.local_out_shapes[0], tuple(eqn.params["broadcast_dimensions"]))]
 
 
 def local_slice(eqn, ins, ctx):
-    from jax import lax
-
     p = eqn.params
     x = ins[0]
     n = shape_of(eqn.invars[0].aval)
@@ -191,16 +186,12 @@ def local_slice(eqn, ins, ctx):
 
 
 def local_dynamic_slice(eqn, ins, ctx):
-    from jax import lax
-
     x = ins[0]
     n = shape_of(eqn.invars[0].aval)
     sizes = [x.shape[d] if eqn.params["slice_sizes"][d] == n[d] else eqn.params["slice_sizes"][d]
              for d in range(len(n))]
     return [lax.dynamic_slice(x, ins[1:], sizes)]
 
-
-from sbpjax.rules import set_local  # noqa: E402
 
 set_local("iota")(local_iota)
 set_local("reshape")(local_reshape)
