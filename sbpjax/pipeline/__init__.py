@@ -1,0 +1,42 @@
+"""Pipeline parallelism: stages on disjoint device groups, run by an actor runtime.
+
+OneFlow's runtime (paper section 4): every operation is an actor; actors
+exchange ``req``/``ack`` messages about registers whose fixed slot counts give
+flow control, so pipelining and back-pressure follow without a central
+scheduler. GPipe and 1F1B are register counts; interleaved 1F1B is an
+explicit action list. The same actor graph runs for real (one thread per
+device group, FIFO queues) or on a simulated clock.
+
+    import sbpjax.pipeline as sjp
+    pipe = sjp.Pipeline([sjp.Stage(fn_i, params_i, pl_i) for ...], loss_fn, optax.sgd(0.1),
+                        microbatches=8, schedule="1f1b")
+    result = pipe.step(x, y)
+    result.timeline.gantt("timeline.png")
+    sjp.simulate("1f1b", devices=4, microbatches=8, durations={"forward": 1, "backward": 2}).makespan
+"""
+
+from sbpjax.pipeline.actor import ActorGraph, ActorSpec
+from sbpjax.pipeline.errors import PipelineError, PipelineStall
+from sbpjax.pipeline.register import RegisterSpec
+from sbpjax.pipeline.runtime import ThreadedSystem
+from sbpjax.pipeline.schedule import (
+    ActionList,
+    GPipe,
+    Interleaved1F1B,
+    OneFOneB,
+    Schedule,
+    build_graph,
+    megatron_interleaved,
+)
+from sbpjax.pipeline.simulate import simulate, simulate_graph
+from sbpjax.pipeline.stage import Pipeline, Stage, StepResult
+from sbpjax.pipeline.timeline import ActionRecord, RegisterStats, Timeline
+
+__all__ = [
+    "Pipeline", "Stage", "StepResult",
+    "Schedule", "GPipe", "OneFOneB", "Interleaved1F1B", "ActionList", "megatron_interleaved",
+    "simulate", "simulate_graph", "build_graph",
+    "Timeline", "ActionRecord", "RegisterStats",
+    "ActorGraph", "ActorSpec", "RegisterSpec", "ThreadedSystem",
+    "PipelineError", "PipelineStall",
+]

@@ -1,0 +1,20 @@
+"""Errors of the pipeline runtime: a failed action, a stalled step."""
+
+from __future__ import annotations
+
+from sbpjax._errors import SBPError
+
+
+class PipelineError(RuntimeError):
+    """An action failed; every actor was stopped. ``__cause__`` is the original
+    exception; ``actor``, ``kind``, ``stage`` and ``microbatch`` say where."""
+
+    def __init__(self, message: str, actor: str | None = None, kind: str | None = None,
+                 stage: int | None = None, microbatch: int | None = None):
+        super().__init__(message)
+        self.actor, self.kind, self.stage, self.microbatch = actor, kind, stage, microbatch
+
+
+class PipelineStall(PipelineError, SBPError):
+    """No actor can act and the step is not finished: register counts or action
+    lists leave some actor waiting forever. The message names who waits for what."""

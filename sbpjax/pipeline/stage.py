@@ -1,0 +1,379 @@
+"""Stages and the pipeline: per-stage compiled forward, backward and update,
+driven by the actor runtime.
+
+    stages = [sjp.Stage(block, params_i, placement=pl_i, param_sbp=tp_layout) for i ...]
+    pipe = sjp.Pipeline(stages, loss_fn, optax.adam(1e-3), microbatches=8, schedule="1f1b")
+    result = pipe.step(tokens, labels)      # result.loss, result.grads, result.timeline
+    result.timeline.gantt("pipeline.png")
+
+Each stage is ``fn(params, x) -> y`` on its own placement; the last stage's
+output goes through ``loss_fn(y, targets) -> scalar``. Per stage, three
+programs are compiled with :func:`sbpjax.jit` (so a stage can be tensor
+parallel inside, with its own SBP layouts): the forward, the backward
+(``jax.vjp`` of the forward, recomputed from the stage input, adding the
+parameter gradient into an accumulator), and the optimizer update. The
+backward recomputes because the register a forward fills for its backward then
+holds only the stage input, the activation-checkpointing OneFlow uses for GPT
+(one forward-to-backward edge per stage). Activations and gradients cross
+stages by disjoint-placement boxing (``GlobalTensor.to_global(placement=...)``).
+
+The accumulated gradient is the mean over microbatches of each microbatch's
+gradient (the backward of the last stage is seeded with ``1 / m``), which is
+the gradient of the whole batch's loss when ``loss_fn`` is a mean over
+examples and the microbatches are equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from sbpjax._errors import SBPError
+from sbpjax.compiler.api import is_nd_sbp, jit, state_sbp
+from sbpjax.layout import Geometry
+from sbpjax.pipeline.runtime import ThreadedSystem
+from sbpjax.pipeline.schedule import StageThreads, as_schedule, build_graph
+from sbpjax.pipeline.simulate import Durations, simulate_graph
+from sbpjax.pipeline.timeline import Timeline
+from sbpjax.placement import Placement
+from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
+from sbpjax.tensor import GlobalTensor, to_global
+
+
+def _is_layout_leaf(v) -> bool:
+    return isinstance(v, (str, Split, Broadcast, Partial)) or is_nd_sbp(v)
+
+
+def _param_layouts(params, param_sbp, placement: Placement, where: str):
+    """One nd-SBP per parameter leaf: ``None`` -> all B; one nd-SBP -> every leaf."""
+    if param_sbp is None or _is_layout_leaf(param_sbp):
+        spec = (Broadcast(),) * placement.ndim if param_sbp is None else param_sbp
+        return jax.tree_util.tree_map(lambda x: normalize_nd_sbp(spec, placement.ndim, np.ndim(x), where), params)
+    try:
+        return jax.tree_util.tree_map(lambda s, x: normalize_nd_sbp(s, placement.ndim, np.ndim(x), where),
+                                      param_sbp, params, is_leaf=_is_layout_leaf)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, SBPError):
+            raise
+        raise SBPError(f"{where}: param_sbp does not match the structure of the parameters ({e}); give one "
+                       "nd-SBP per parameter leaf in the same pytree, or a single nd-SBP for all.") from None
+
+
+def _is_global(v) -> bool:
+    return isinstance(v, GlobalTensor)
+
+
+def _logical_nbytes(value) -> int:
+    return sum(int(t.size) * t.dtype.itemsize for t in jax.tree_util.tree_leaves(value, is_leaf=_is_global)
+               if isinstance(t, (GlobalTensor, jax.Array, np.ndarray)))
+
+
+def _ready(tree):
+    return jax.block_until_ready(tree)
+
+
+def move(t: GlobalTensor, sbp: tuple, placement: Placement) -> GlobalTensor:
+    """Box ``t`` onto another stage's ``(placement, sbp)``.
+
+    When both ends have the same grid shape and nd-SBP, the block of each device
+    goes to the device at the same grid position, so the whole move is one
+    ``jax.device_put`` of the physical array: the bytes of the boxing plan's
+    transfer step (|T| for S, p|T| for B) without its per-piece Python loop.
+    Anything else goes through the boxing planner (``to_global(placement=...)``).
+    """
+    if t.placement.shape == placement.shape and t.sbp == sbp and t.placement != placement:
+        spec = Geometry(t.shape, placement.shape).partition_spec(t.layout, placement.axis_names)
+        data = jax.device_put(t.physical, NamedSharding(placement.mesh, spec))
+        return GlobalTensor(data, t.shape, t.dtype, placement, sbp)
+    return t.to_global(sbp=sbp, placement=placement)
+
+
+class Stage:
+    """One pipeline stage: ``fn(params, x) -> y`` on ``placement``.
+
+    ``param_sbp``: the parameters' nd-SBPs (a matching pytree, or one nd-SBP for
+    all; default B). ``in_sbp`` / ``out_sbp``: nd-SBPs of ``x`` and ``y``
+    (default B). Inside, :func:`sbpjax.jit` chooses every other layout.
+    """
+
+    def __init__(self, fn: Callable, params, placement: Placement, *, param_sbp=None, in_sbp=None,
+                 out_sbp=None, name: str | None = None):
+        self.name = name or getattr(fn, "__name__", "stage")
+        if not callable(fn):
+            raise SBPError(f"Stage {self.name!r}: fn must be a function fn(params, x) -> y, got {type(fn).__name__}.")
+        if not isinstance(placement, Placement):
+            raise SBPError(f"Stage {self.name!r}: placement must be an sj.Placement (e.g. "
+                           f"sj.Placement(np.array(jax.devices()[0:2]), ('tp',))), got {type(placement).__name__}.")
+        self.fn = fn
+        self.placement = placement
+        host = jax.tree_util.tree_map(lambda p: np.asarray(p), params)
+        self.param_sbp = _param_layouts(host, param_sbp, placement, f"Stage {self.name!r} param_sbp")
+        rep = (Broadcast(),) * placement.ndim
+        self.in_sbp = rep if in_sbp is None else normalize_nd_sbp(in_sbp, placement.ndim, None,
+                                                                  f"Stage {self.name!r} in_sbp")
+        self.out_sbp = rep if out_sbp is None else normalize_nd_sbp(out_sbp, placement.ndim, None,
+                                                                    f"Stage {self.name!r} out_sbp")
+        self.params = jax.tree_util.tree_map(lambda p, s: to_global(p, placement, s), host, self.param_sbp)
+        self._compiled: dict = {}  # (loss, first?, optimizer, target layout) -> compiled programs
+
+    def __repr__(self):
+        return f"Stage({self.name!r}, {self.placement!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What one pipelined training step gives back."""
+
+    loss: float                    # mean of the microbatch losses
+    microbatch_losses: tuple       # per microbatch, in order
+    grads: list                    # per stage: the accumulated gradient pytree (global tensors)
+    timeline: Timeline
+
+
+def _compile(stage: Stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp, state_layout):
+    """The stage's forward, backward and update as :func:`sbpjax.jit` programs."""
+    pl, fn = stage.placement, stage.fn
+    ps, xs, ys = stage.param_sbp, stage.in_sbp, stage.out_sbp
+    rep = (Broadcast(),) * pl.ndim
+    if loss_fn is not None:  # the last stage: its forward ends in the loss
+        def forward(p, x, t):
+            return loss_fn(fn(p, x), t)
+
+        def backward(p, x, t, acc, scale):
+            if first:
+                dp = jax.grad(lambda p: loss_fn(fn(p, x), t) * scale)(p)
+                return _add(acc, dp)
+            dp, dx = jax.grad(lambda p, x: loss_fn(fn(p, x), t) * scale, argnums=(0, 1))(p, x)
+            return dx, _add(acc, dp)
+
+        forward_c = jit(forward, placement=pl, in_sbp=(ps, xs, target_sbp), out_sbp=rep)
+        backward_c = jit(backward, placement=pl, in_sbp=(ps, xs, target_sbp, ps, rep),
+                         out_sbp=ps if first else (xs, ps))
+    else:
+        def backward(p, x, dy, acc):
+            if first:  # the first stage's input needs no gradient (it may be integer tokens)
+                _, vjp = jax.vjp(lambda p: fn(p, x), p)
+                return _add(acc, vjp(dy)[0])
+            _, vjp = jax.vjp(fn, p, x)
+            dp, dx = vjp(dy)
+            return dx, _add(acc, dp)
+
+        forward_c = jit(fn, placement=pl, in_sbp=(ps, xs), out_sbp=ys)
+        backward_c = jit(backward, placement=pl, in_sbp=(ps, xs, ys, ps), out_sbp=ps if first else (xs, ps))
+
+    def update(p, s, g):
+        u, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    update_c = jit(update, placement=pl, in_sbp=(ps, state_layout, ps), out_sbp=(ps, state_layout))
+    return forward_c, backward_c, update_c
+
+
+class _StagePrograms:
+    """One stage's compiled programs (shared by every pipeline built on the same
+    stage, loss and optimizer, so they compile once) and this pipeline's state
+    for it: optimizer state, gradient accumulator, last step's gradients."""
+
+    def __init__(self, stage: Stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp):
+        pl, ps = stage.placement, stage.param_sbp
+        host_params = jax.tree_util.tree_map(lambda t: t.numpy(), stage.params, is_leaf=_is_global)
+        state = optimizer.init(host_params)
+        layout = state_sbp(state, ps, (Broadcast(),) * pl.ndim)
+        self.state = jax.tree_util.tree_map(lambda v, s: to_global(np.asarray(v), pl, s), state, layout)
+        key = (loss_fn, first, optimizer, target_sbp)
+        if key not in stage._compiled:
+            stage._compiled[key] = _compile(stage, loss_fn, first, optimizer, target_sbp, layout)
+        self.forward, self.backward, self.update = stage._compiled[key]
+        self.zeros = jax.tree_util.tree_map(lambda t, s: to_global(np.zeros(t.shape, t.dtype), pl, s),
+                                            stage.params, ps, is_leaf=_is_global)
+        self.acc = self.zeros
+        self.grads = None
+
+
+def _add(acc, d):
+    return jax.tree_util.tree_map(jnp.add, acc, d)
+
+
+class Pipeline:
+    """A model split into stages, trained by the actor runtime.
+
+    ``schedule``: 'gpipe', '1f1b' (default), :class:`Interleaved1F1B` or
+    :class:`ActionList`. With ``p`` device groups, stage ``s`` must live on the
+    ``s % p``-th distinct placement (interleaved schedules put ``v`` stages on
+    each group; the others one). ``data_registers`` / ``activation_registers``:
+    slots of the loader / put registers and of the registers between stages;
+    ``stash_counts`` overrides the schedule's forward-to-backward slots per
+    stage. ``before_action(actor_spec, k)`` is called before every action (for
+    tracing, injected delays or faults). ``stall_timeout``: seconds without
+    progress, all threads idle, before a :class:`PipelineStall`.
+    """
+
+    def __init__(self, stages: Sequence[Stage], loss_fn: Callable, optimizer: optax.GradientTransformation, *,
+                 microbatches: int, schedule="1f1b", target_sbp=None, data_registers: int = 2,
+                 activation_registers: int = 2, stash_counts: Sequence[int] | None = None,
+                 before_action: Callable | None = None, stall_timeout: float = 30.0):
+        stages = list(stages)
+        if not stages or not all(isinstance(s, Stage) for s in stages):
+            raise SBPError("Pipeline: stages must be a non-empty list of sbpjax.pipeline.Stage.")
+        self.stages = stages
+        self.schedule = as_schedule(schedule)
+        self.microbatches = microbatches
+        self.groups = self._device_groups(stages)
+        p = len(self.groups)
+        if self.schedule.stages(p) != len(stages):
+            raise SBPError(f"Pipeline: {len(stages)} stages on {p} device groups, but {self.schedule!r} runs "
+                           f"{self.schedule.stages(p)} stages on {p} groups; give Interleaved1F1B(chunks=v) "
+                           f"v stages per group, other schedules one.")
+        last_pl = stages[-1].placement
+        self.target_sbp = ((Broadcast(),) * last_pl.ndim if target_sbp is None
+                           else normalize_nd_sbp(target_sbp, last_pl.ndim, None, "Pipeline target_sbp"))
+        threads = StageThreads(tuple(f"group{self._group_of(s)}" for s in range(len(stages))))
+        self.graph = build_graph(self.schedule, p, microbatches, threads, data_registers=data_registers,
+                                 activation_registers=activation_registers,
+                                 stash_counts=None if stash_counts is None else list(stash_counts))
+        n = len(stages)
+        self.programs = [_StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer,
+                                        self.target_sbp) for i, st in enumerate(stages)]
+        self.before_action = before_action
+        self.stall_timeout = stall_timeout
+
+    def _device_groups(self, stages) -> list[Placement]:
+        groups: list[Placement] = []
+        for s, st in enumerate(stages):
+            pl = st.placement
+            if pl in groups:
+                continue
+            for g in groups:
+                if not pl.is_disjoint(g):
+                    raise SBPError(f"Pipeline: stage {s} ({st.name}) on {pl!r} shares devices with {g!r} but is "
+                                   "not the same placement; stages run on disjoint device groups (or on exactly "
+                                   "the same one, for interleaved schedules).")
+            groups.append(pl)
+        p = len(groups)
+        for s, st in enumerate(stages):
+            if st.placement != groups[s % p]:
+                raise SBPError(f"Pipeline: stage {s} ({st.name}) is on {st.placement!r} but with {p} device "
+                               f"groups stage {s} belongs on group {s % p}, {groups[s % p]!r}.")
+        return groups
+
+    def _group_of(self, stage: int) -> int:
+        return stage % len(self.groups)
+
+    @property
+    def params(self) -> list:
+        """Per stage: the current parameters (pytrees of global tensors)."""
+        return [st.params for st in self.stages]
+
+    # -- one step -----------------------------------------------------------------
+    def step(self, inputs, targets) -> StepResult:
+        """One training step over the batch: ``inputs`` / ``targets`` are arrays
+        whose dim 0 splits into ``microbatches`` equal microbatches, or functions
+        ``k -> microbatch k`` (called by the loader actors)."""
+        m = self.microbatches
+        load_inputs = self._feed("inputs", inputs, m)
+        load_targets = self._feed("targets", targets, m)
+        losses: list = [None] * m
+        bodies = self._bodies(load_inputs, load_targets, losses)
+        system = ThreadedSystem(self.graph, bodies, nbytes=_logical_nbytes, before_action=self.before_action,
+                                stall_timeout=self.stall_timeout)
+        try:
+            timeline = system.run()
+        finally:
+            for prog in self.programs:
+                prog.acc = prog.zeros
+        values = [float(np.asarray(loss.numpy())) for loss in losses]
+        return StepResult(float(np.mean(values)), tuple(values), [prog.grads for prog in self.programs], timeline)
+
+    def simulate(self, durations: Durations | None = None) -> Timeline:
+        """The same actor graph on the simulated clock (see :func:`simulate`)."""
+        return simulate_graph(self.graph, durations)
+
+    @staticmethod
+    def _feed(name: str, data, m: int) -> Callable[[int], Any]:
+        if callable(data):
+            return data
+        shape = np.shape(data)
+        if not shape or shape[0] % m:
+            rows = shape[0] if shape else "no"
+            raise SBPError(f"Pipeline.step: {name} has {rows} rows (dim 0 of shape {shape}) which do not split into "
+                           f"{m} equal microbatches; equal microbatches make the accumulated gradient the whole "
+                           f"batch's gradient. Use a batch that is a multiple of {m}, or pass a function k -> "
+                           "microbatch.")
+        size = shape[0] // m
+        return lambda k: np.asarray(data[k * size:(k + 1) * size])
+
+    def _bodies(self, load_inputs, load_targets, losses) -> dict:
+        stages, n, m = self.stages, len(self.stages), self.microbatches
+        last = n - 1
+        scale = np.float32(1.0 / m)
+        bodies: dict[str, Callable] = {
+            "load:inputs": lambda k, _: {"host:inputs": load_inputs(k)},
+            "load:targets": lambda k, _: {"host:targets": load_targets(k)},
+            "put:inputs": lambda k, v: {"inputs": _ready(to_global(v["host:inputs"], stages[0].placement,
+                                                                    stages[0].in_sbp))},
+            "put:targets": lambda k, v: {"targets": _ready(to_global(v["host:targets"], stages[last].placement,
+                                                                      self.target_sbp))},
+        }
+        for s in range(n):
+            bodies[f"forward{s}"] = self._forward_body(s, losses)
+            bodies[f"backward{s}"] = self._backward_body(s, scale)
+            bodies[f"update{s}"] = self._update_body(s)
+            if s < last:
+                nxt = stages[s + 1]
+                bodies[f"transfer:act{s}->{s + 1}"] = (
+                    lambda k, v, s=s, nxt=nxt: {f"in{s + 1}": _ready(move(v[f"out{s}"], nxt.in_sbp, nxt.placement))})
+            if s > 0:
+                prev = stages[s - 1]
+                bodies[f"transfer:grad{s}->{s - 1}"] = (
+                    lambda k, v, s=s, prev=prev: {f"dy{s - 1}": _ready(move(v[f"dx{s}"], prev.out_sbp,
+                                                                             prev.placement))})
+        return bodies
+
+    def _input_name(self, s: int) -> str:
+        return "inputs" if s == 0 else f"in{s}"
+
+    def _forward_body(self, s: int, losses: list):
+        prog, stage, x_name = self.programs[s], self.stages[s], self._input_name(s)
+        if s == len(self.stages) - 1:
+            def forward_last(k, v):
+                x, t = v[x_name], v["targets"]
+                losses[k] = _ready(prog.forward(stage.params, x, t))
+                return {f"stash{s}": (x, t)}
+            return forward_last
+
+        def forward(k, v):
+            x = v[x_name]
+            return {f"out{s}": _ready(prog.forward(stage.params, x)), f"stash{s}": x}
+        return forward
+
+    def _backward_body(self, s: int, scale):
+        prog, stage = self.programs[s], self.stages[s]
+        last, first = s == len(self.stages) - 1, s == 0
+
+        def backward(k, v):
+            if last:
+                x, t = v[f"stash{s}"]
+                out = prog.backward(stage.params, x, t, prog.acc, scale)
+            else:
+                out = prog.backward(stage.params, v[f"stash{s}"], v[f"dy{s}"], prog.acc)
+            dx, prog.acc = (None, out) if first else out
+            _ready(prog.acc)
+            return {f"dx{s}": _ready(dx), f"grads{s}": prog.acc}
+        return backward
+
+    def _update_body(self, s: int):
+        prog, stage = self.programs[s], self.stages[s]
+
+        def update(k, v):
+            grads = v[f"grads{s}"]
+            stage.params, prog.state = _ready(prog.update(stage.params, prog.state, grads))
+            prog.grads = grads
+            return {}
+        return update

@@ -1,0 +1,149 @@
+"""Timelines: every action of a run, its summary, and a Gantt chart.
+
+Times are seconds from the start of the run (real or simulated). The bubble
+is measured over the forward and backward actions, on the threads that run
+them: ``1 - busy / (threads * span)`` with ``span`` from the first such start
+to the last such end; data loading, transfers and updates are outside it so
+that it compares with the schedules' theory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sbpjax._errors import SBPError
+
+COMPUTE = ("forward", "backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionRecord:
+    """One action: which actor did what for which microbatch, and when."""
+
+    actor: str
+    kind: str
+    stage: int | None
+    microbatch: int | None
+    thread: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterStats:
+    """A register's slot count and what it held at most during the run."""
+
+    name: str
+    count: int
+    peak_live: int
+    peak_bytes: int
+    activation: bool
+    stage: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeline:
+    """The record of one run (one training step, or one simulation)."""
+
+    actions: tuple[ActionRecord, ...]
+    registers: tuple[RegisterStats, ...]
+    threads: tuple[str, ...]
+    # real runs: seconds the runtime's threads spent outside action bodies
+    runtime_overhead_s: float = 0.0
+
+    @property
+    def makespan(self) -> float:
+        if not self.actions:
+            return 0.0
+        return max(a.end for a in self.actions) - min(a.start for a in self.actions)
+
+    def of_kind(self, *kinds: str) -> list[ActionRecord]:
+        return [a for a in self.actions if a.kind in kinds]
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of the compute threads over the forward/backward span."""
+        acts = self.of_kind(*COMPUTE)
+        if not acts:
+            return 0.0
+        threads = {a.thread for a in acts}
+        span = max(a.end for a in acts) - min(a.start for a in acts)
+        if span <= 0:
+            return 0.0
+        busy = sum(a.duration for a in acts)
+        return 1.0 - busy / (len(threads) * span)
+
+    def peak_live_activations(self) -> dict[int, int]:
+        """Per stage: the most activation registers (forward inputs kept for the
+        backward) live at once."""
+        return {r.stage: r.peak_live for r in self.registers if r.activation}
+
+    def peak_activation_bytes(self) -> dict[int, int]:
+        """Per stage: the most bytes its live activation registers held at once."""
+        return {r.stage: r.peak_bytes for r in self.registers if r.activation}
+
+    @property
+    def overhead_per_action_s(self) -> float:
+        return self.runtime_overhead_s / max(len(self.actions), 1)
+
+    def summary(self) -> dict:
+        """Makespan, bubble, peak live registers per stage, time per kind."""
+        per_kind: dict[str, float] = {}
+        for a in self.actions:
+            per_kind[a.kind] = per_kind.get(a.kind, 0.0) + a.duration
+        return {
+            "makespan": self.makespan,
+            "bubble": self.bubble,
+            "actions": len(self.actions),
+            "peak_live_activations": self.peak_live_activations(),
+            "peak_activation_bytes": self.peak_activation_bytes(),
+            "peak_live_registers": {r.name: r.peak_live for r in self.registers},
+            "seconds_per_kind": per_kind,
+            "overhead_us_per_action": 1e6 * self.overhead_per_action_s,
+        }
+
+    def __str__(self):
+        s = self.summary()
+        live = ", ".join(f"stage {k}: {v}" for k, v in sorted(s["peak_live_activations"].items()))
+        kinds = ", ".join(f"{k} {v:.4g}s" for k, v in s["seconds_per_kind"].items())
+        return (f"Timeline: {s['actions']} actions on {len(self.threads)} threads, makespan "
+                f"{s['makespan']:.4g}s, bubble {s['bubble']:.3f}\n  peak live activation registers: {live}"
+                f"\n  busy time per kind: {kinds}")
+
+    def gantt(self, path: str, title: str | None = None) -> str:
+        """Draw one row per thread, one box per action (colour by kind, label by
+        microbatch) and write a PNG to ``path``. Needs matplotlib (``pip install
+        sbpjax[plots]``)."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise SBPError("Timeline.gantt needs matplotlib; install it with `pip install sbpjax[plots]`.") from None
+        colours = {"load": "#9e9e9e", "put": "#c7a76c", "forward": "#4c8bd6", "backward": "#e07b39",
+                   "transfer": "#7bc47f", "update": "#9b59b6"}
+        rows = list(self.threads)
+        t0 = min((a.start for a in self.actions), default=0.0)
+        fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.5))
+        for a in self.actions:
+            y = rows.index(a.thread)
+            w = max(a.duration, 1e-9)
+            ax.broken_barh([(a.start - t0, w)], (y - 0.4, 0.8), facecolors=colours.get(a.kind, "#cccccc"),
+                           edgecolor="black", linewidth=0.3)
+            if a.microbatch is not None and a.kind in COMPUTE:
+                ax.text(a.start - t0 + w / 2, y, str(a.microbatch), ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels(rows)
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+        ax.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=len(colours))
+        ax.set_title(title or f"pipeline timeline: bubble {self.bubble:.3f}, makespan {self.makespan:.4g}s")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
