@@ -1,0 +1,212 @@
+"""Pipelined training steps against the non-pipelined step on the whole batch."""
+
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sbpjax as sj
+import sbpjax.pipeline as sjp
+
+D, MB = 8, 2  # feature width; rows per microbatch (fixed, so every m reuses the compiled stages)
+
+
+def layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def mlp(p, x):  # Megatron's MLP: column-parallel w1, row-parallel w2 under 2-way TP
+    return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _host(tree):
+    return jax.tree_util.tree_map(lambda t: np.asarray(t.numpy()), tree,
+                                  is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+
+
+def reference_step(fns, params, x, y, opt, opt_state=None):
+    """The non-pipelined step: one jitted value_and_grad of the whole model on the whole batch."""
+    def loss(ps):
+        h = x
+        for f, p in zip(fns, ps):
+            h = f(p, h)
+        return mse(h, y)
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    state = opt.init(params) if opt_state is None else opt_state
+    updates, _ = opt.update(grads, state, params)
+    return float(value), grads, optax.apply_updates(params, updates)
+
+
+def _assert_close(a, b):
+    jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-5, atol=2e-6), a, b)
+
+
+def _layer_params(rng):
+    return {"w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
+            "b": (0.1 * rng.normal(size=(D,))).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def one_device_stages():
+    rng = np.random.default_rng(0)
+    devs = jax.devices()
+    return {n: [sjp.Stage(layer, _layer_params(rng), sj.Placement(np.array([devs[i]]), ("d",)), name=f"layer{i}")
+                for i in range(n)] for n in (2, 4)}
+
+
+def _batch(m, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(m * MB, D)).astype(np.float32), rng.normal(size=(m * MB, D)).astype(np.float32))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_step_equals_the_whole_batch_step(one_device_stages, n, schedule):
+    stages = one_device_stages[n]
+    opt = optax.sgd(0.1)
+    for m in range(1, 9):  # m < p included: gradient accumulation over fewer microbatches than stages
+        x, y = _batch(m, seed=m)
+        before = [_host(st.params) for st in stages]
+        want_loss, want_grads, want_params = reference_step([layer] * n, before, x, y, opt)
+        result = sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=schedule).step(x, y)
+        assert result.loss == pytest.approx(want_loss, rel=2e-6)
+        _assert_close([_host(g) for g in result.grads], want_grads)
+        _assert_close([_host(st.params) for st in stages], want_params)
+        peaks = result.timeline.peak_live_activations()
+        expect = [m] * n if schedule == "gpipe" else [min(n - i, m) for i in range(n)]
+        assert all(peaks[i] <= expect[i] for i in range(n)) and peaks[n - 1] == expect[n - 1]
+        assert result.timeline.peak_activation_bytes()[0] == peaks[0] * MB * D * 4
+
+
+def test_interleaved_step_equals_the_whole_batch_step(one_device_stages):
+    # 4 stages on 2 device groups, 2 chunks each: stage s on group s % 2
+    rng = np.random.default_rng(3)
+    devs = jax.devices()
+    groups = [sj.Placement(np.array([devs[4 + d]]), ("d",)) for d in range(2)]
+    stages = [sjp.Stage(layer, _layer_params(rng), groups[s % 2]) for s in range(4)]
+    opt = optax.sgd(0.1)
+    for m in (2, 4):
+        x, y = _batch(m, seed=10 + m)
+        before = [_host(st.params) for st in stages]
+        want_loss, want_grads, want_params = reference_step([layer] * 4, before, x, y, opt)
+        result = sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=sjp.Interleaved1F1B(2)).step(x, y)
+        assert result.loss == pytest.approx(want_loss, rel=2e-6)
+        _assert_close([_host(g) for g in result.grads], want_grads)
+        _assert_close([_host(st.params) for st in stages], want_params)
+        assert set(result.timeline.threads) >= {"group0", "group1"}
+
+
+def test_tensor_parallel_stages_with_adam():
+    rng = np.random.default_rng(4)
+    devs = jax.devices()
+    layout = {"w1": (sj.S(1),), "w2": (sj.S(0),)}
+    params = [{"w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
+               "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32)} for _ in range(2)]
+    stages = [sjp.Stage(mlp, params[i], sj.Placement(np.array(devs[2 * i:2 * i + 2]), ("tp",)), param_sbp=layout)
+              for i in range(2)]
+    opt = optax.adam(1e-2)
+    pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="1f1b")
+    state = [opt.init(p) for p in params]
+    for step in range(2):  # the second step checks the optimizer state carried between steps
+        x, y = _batch(4, seed=20 + step)
+        before = [_host(st.params) for st in stages]
+        want_loss, want_grads, _ = reference_step([mlp, mlp], before, x, y, opt)
+        want_params = []
+        for i in range(2):
+            u, state[i] = opt.update(want_grads[i], state[i], before[i])
+            want_params.append(optax.apply_updates(before[i], u))
+        result = pipe.step(x, y)
+        assert result.loss == pytest.approx(want_loss, rel=2e-6)
+        _assert_close([_host(g) for g in result.grads], want_grads)
+        _assert_close([_host(st.params) for st in stages], want_params)
+        for st in stages:  # the weights keep their tensor-parallel layout
+            assert st.params["w1"].sbp == (sj.S(1),) and st.params["w2"].sbp == (sj.S(0),)
+
+
+def test_random_delays_give_the_same_numbers(one_device_stages):
+    stages = one_device_stages[4]
+    opt = optax.sgd(0.1)
+    x, y = _batch(6, seed=30)
+    start = [st.params for st in stages]
+    results = []
+    for delays in (False, True, True):
+        for st, p in zip(stages, start):
+            st.params = p
+        rng = random.Random(len(results))
+        lock = threading.Lock()
+
+        def before(spec, k):
+            with lock:
+                d = rng.choice([0, 0.0005, 0.003])
+            time.sleep(d)
+
+        r = sjp.Pipeline(stages, mse, opt, microbatches=6, schedule="1f1b",
+                         before_action=before if delays else None).step(x, y)
+        results.append((r.microbatch_losses, [_host(g) for g in r.grads], [_host(st.params) for st in stages]))
+    for other in results[1:]:
+        assert other[0] == results[0][0]
+        jax.tree_util.tree_map(np.testing.assert_array_equal, other[1:], results[0][1:])
+
+
+def test_loader_fault_is_reraised_with_its_microbatch(one_device_stages):
+    before = set(threading.enumerate())
+    x, y = _batch(4, seed=40)
+
+    def inputs(k):
+        if k == 2:
+            raise OSError("shard 2 is unreadable")
+        return x[k * MB:(k + 1) * MB]
+
+    pipe = sjp.Pipeline(one_device_stages[2], mse, optax.sgd(0.1), microbatches=4)
+    with pytest.raises(sjp.PipelineError, match="microbatch 2") as e:
+        pipe.step(inputs, y)
+    assert (e.value.kind, e.value.microbatch, e.value.stage) == ("load", 2, None)
+    assert isinstance(e.value.__cause__, OSError)
+    assert set(threading.enumerate()) == before
+
+
+def test_stage_fault_names_the_stage(one_device_stages):
+    stages = one_device_stages[2]
+    bad = sjp.Stage(lambda p, x: jnp.tanh(x @ p["w"][:3]), _layer_params(np.random.default_rng(5)),
+                    stages[1].placement, name="bad")
+    x, y = _batch(2, seed=41)
+    with pytest.raises(sjp.PipelineError) as e:
+        sjp.Pipeline([stages[0], bad], mse, optax.sgd(0.1), microbatches=2).step(x, y)
+    assert (e.value.kind, e.value.stage, e.value.microbatch) == ("forward", 1, 0)
+    assert "stage 1, microbatch 0" in str(e.value)
+
+
+def test_bad_input_raises_sbperror(one_device_stages):
+    stages = one_device_stages[2]
+    opt = optax.sgd(0.1)
+    with pytest.raises(sj.SBPError, match="do not split into 3 equal microbatches"):
+        sjp.Pipeline(stages, mse, opt, microbatches=3).step(*_batch(2, seed=0))
+    with pytest.raises(sj.SBPError, match="shares devices"):
+        overlapping = sj.Placement(np.array(jax.devices()[0:2]), ("d",))
+        sjp.Pipeline([stages[0], sjp.Stage(layer, _layer_params(np.random.default_rng(0)), overlapping)],
+                     mse, opt, microbatches=2)
+    with pytest.raises(sj.SBPError, match="v stages per group"):
+        sjp.Pipeline(stages, mse, opt, microbatches=2, schedule=sjp.Interleaved1F1B(2))
+    with pytest.raises(sj.SBPError, match="must be an sj.Placement"):
+        sjp.Stage(layer, _layer_params(np.random.default_rng(0)), jax.devices()[0])
+    with pytest.raises(sj.SBPError, match="param_sbp"):
+        sjp.Stage(layer, _layer_params(np.random.default_rng(0)), stages[0].placement, param_sbp={"w": (sj.B,)})
+    with pytest.raises(sj.SBPError, match="microbatches must be an int"):
+        sjp.Pipeline(stages, mse, opt, microbatches=0)
+
+
+def test_pipeline_simulates_its_own_graph(one_device_stages):
+    pipe = sjp.Pipeline(one_device_stages[4], mse, optax.sgd(0.1), microbatches=8, schedule="1f1b")
+    tl = pipe.simulate({"forward": 1.0, "backward": 2.0})
+    assert tl.makespan == (8 + 4 - 1) * 3.0
+    assert tl.peak_live_activations() == {0: 4, 1: 3, 2: 2, 3: 1}
