@@ -34,7 +34,7 @@ from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import DEFAULT_COST_MODEL, CostModel
 from sbpjax.layout import Geometry, Layout
 from sbpjax.placement import Placement
-from sbpjax.sbp import format_sbp, normalize_nd_sbp
+from sbpjax.sbp import Broadcast, Partial, format_sbp, normalize_nd_sbp
 
 # What each step op compiles to (the HLO collective), used to check plans
 # against compiled programs. P(max|min) reduce-scatter has no XLA primitive: it
@@ -200,6 +200,7 @@ class _Ctx:
         self.fill_ops = fill_ops
         self._p2p_cache: dict = {}
         self._box_cache: dict = {}
+        self._move_cache: dict = {}
 
     def g(self, group) -> int:
         return self.geom.splits(group)
@@ -254,14 +255,13 @@ class _Ctx:
             own = np.prod(np.clip(np.minimum(s0 + sn, d0 + dn) - np.maximum(s0, d0), 0, None), axis=1)
             missing = np.prod(dn, axis=1) - own
             # rounds: at least the number of other source pieces a device needs;
-            # pieces form a grid, so count per dim the source intervals the
-            # target box overlaps and multiply (minus the device's own piece)
+            # tiles are even, so the source pieces of dim d are equal intervals
+            # of width w: count those the target box overlaps, multiply over the
+            # dims (minus the device's own piece)
             need = np.ones(geom.n_devices, np.int64)
             for d in range(geom.ndim):
-                iv = np.unique(np.stack([s0[:, d], sn[:, d]], axis=1), axis=0)
-                lo = np.maximum(iv[None, :, 0], d0[:, d, None])
-                hi = np.minimum(iv[None, :, 0] + iv[None, :, 1], (d0 + dn)[:, d, None])
-                need *= (hi > lo).sum(axis=1)
+                w = geom.shape[d] // geom.splits(src.dims[d])
+                need *= -(-(d0[:, d] + dn[:, d]) // w) - d0[:, d] // w
             rounds = int((need - (own > 0)).max())
             if rounds:
                 nbytes = int(missing.sum()) * self.itemsize
@@ -317,7 +317,20 @@ def _reducible(layout: Layout, axis: int) -> bool:
     return all(op == ops[axis] for b, op in layout.partial if b > axis)
 
 
-def _moves(ctx: _Ctx, L: Layout, target: Layout):
+def _moves(ctx: _Ctx, L: Layout, target: Layout) -> list[Step]:
+    """Every move from ``L``: the target-free ones are cached on the context
+    (a class context serves many searches, which meet the same layouts)."""
+    local = ctx._move_cache.get(L)
+    if local is None:
+        local = ctx._move_cache[L] = list(_local_moves(ctx, L))
+    if L.partial == target.partial and L != target:
+        s = ctx.permute(L, target)
+        if s is not None:
+            return local + [s]
+    return local
+
+
+def _local_moves(ctx: _Ctx, L: Layout):
     grid = ctx.geom.grid
     ndim = ctx.geom.ndim
     partial = dict(L.partial)
@@ -363,11 +376,8 @@ def _moves(ctx: _Ctx, L: Layout, target: Layout):
         for op in ctx.fill_ops:
             yield ctx.step("zero_fill", L, Layout(L.dims, tuple(sorted(L.partial + ((a, op),)))),
                            (a,), reduce=op)
-    # Point-to-point exchanges: straight to the target, or to the nd-SBP order.
-    if L.partial == target.partial and L != target:
-        s = ctx.permute(L, target)
-        if s is not None:
-            yield s
+    # Point-to-point exchange to the nd-SBP order (the one straight to the
+    # target is added by _moves).
     if not L.canonical:
         s = ctx.permute(L, L.canonicalized())
         if s is not None:
@@ -559,27 +569,56 @@ def normalized_layout(sbp: Sequence, ndim: int, grid: Sequence[int]) -> Layout:
                   tuple((a, op) for a, op in L.partial if keep(a)))
 
 
+def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_sbp) -> int:
+    """A cheap bound that no boxing plan from ``src_sbp`` to ``dst_sbp`` beats.
+
+    Without partials it is the floor: the bytes each device must receive that it
+    does not hold. A partial source is bounded by the source with its partial
+    axes read as B: B -> P is a free fill, and the steps of any plan cost the
+    same on any values of one layout, so starting from B can only be cheaper.
+    A partial target needs nothing (S or B -> P is free), so its bound is 0.
+    The compiler uses it to skip candidate signatures without a search."""
+    ndim = len(shape)
+    if any(isinstance(s, Partial) for s in dst_sbp):
+        return 0
+    src_sbp = tuple(Broadcast() if isinstance(s, Partial) else s for s in src_sbp)
+    src = normalized_layout(src_sbp, ndim, placement.shape)
+    dst = normalized_layout(dst_sbp, ndim, placement.shape)
+    if src == dst:
+        return 0
+    return Geometry(tuple(shape), placement.shape).floor_bytes(src, dst, itemsize)
+
+
 _CACHE: dict = {}
 _STRUCTURES: dict = {}
+_CLASS_CTX: dict = {}
 
 
 def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
     """The search, shared by all shapes of one class.
 
-    When every dim divides by the number of devices, every layout is even and
-    every exchange tiles; each step's bytes are then |T| x itemsize times a
-    factor of the layouts alone, and paths of equal bytes differ in time only by
-    their latency terms. The cheapest step structure is the same for every such
-    shape, so it is found once per (placement, rank, layouts, cost model) and
-    re-costed for each shape (sj.jit asks for many shapes of a few ranks)."""
+    A dim that divides by the number of devices splits evenly under every
+    layout, so a step's bytes are its size times a factor of the layouts alone;
+    the dims that do not divide (often size-1 dims kept by a reduction) are part
+    of the class. Between two shapes of one class every step's bytes then scale
+    by the same ratio, and paths of equal bytes differ in time only by their
+    latency terms. The cheapest step structure is the same for the whole class,
+    so it is found once per (placement, class, layouts, cost model) and
+    re-costed for each shape (sj.jit asks for many shapes of a few classes).
+    All searches of a class run in one context (that of the first shape seen),
+    so the moves of the layouts they share are generated once."""
     shape = ctx.geom.shape
     n = placement.size
-    if not shape or any(d == 0 or d % n for d in shape):
+    if not shape or 0 in shape:
         return _search(ctx, src, dst)
-    key = (placement, len(shape), src, dst, repr(cm))
+    fixed_dims = tuple(None if d % n == 0 else d for d in shape)
+    cls = (placement, fixed_dims, ctx.fill_ops, repr(cm))
+    key = (cls, src, dst)
     if key not in _STRUCTURES:
-        _STRUCTURES[key] = _search(ctx, src, dst)
-        return _STRUCTURES[key]
+        class_ctx = _CLASS_CTX.setdefault(cls, ctx)
+        _STRUCTURES[key] = _search(class_ctx, src, dst)
+        if class_ctx is ctx:
+            return _STRUCTURES[key]
     return [ctx.restep(s) for s in _STRUCTURES[key]]
 
 

@@ -21,7 +21,7 @@ import warnings
 import numpy as np
 
 from sbpjax._errors import SBPError, SBPWarning
-from sbpjax.boxing.plan import BoxingPlan, plan_boxing
+from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
 from sbpjax.compiler.trace import Const, Node, Program, Var
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES, Sig
@@ -124,6 +124,10 @@ class Propagator:
         self.cm = cost_model
         self.layout: dict = {}  # id(var) -> nd-SBP
         self.versions: dict = {}  # id(var) -> {nd: True}: layouts already produced
+        self._plans: dict = {}  # (shape, dtype, src, dst) -> BoxingPlan
+        self._bounds: dict = {}  # (shape, dtype, src, dst) -> lower bound of its bytes
+        self._sigs: dict = {}  # id(node) -> its candidate signatures
+        self._choices: dict = {}  # (id(node), what the choice depends on) -> (ins, outs) | False
         self.warnings: list = []
         self.quiet = False
 
@@ -178,7 +182,28 @@ class Propagator:
         return self.layout[id(atom)]
 
     def plan(self, atom, src, dst):
-        return plan_boxing(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
+        # plan_boxing's own cache normalizes its arguments first; choices ask
+        # for the same few plans thousands of times, so look them up raw here
+        key = (atom.shape, atom.dtype, src, dst)
+        hit = self._plans.get(key)
+        if hit is None:
+            hit = self._plans[key] = plan_boxing(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
+        return hit
+
+    def bound(self, atom, src, dst) -> int:
+        """A lower bound of ``plan(atom, src, dst).bytes`` without a search."""
+        key = (atom.shape, atom.dtype, src, dst)
+        hit = self._bounds.get(key)
+        if hit is None:
+            hit = self._bounds[key] = bytes_lower_bound(atom.shape, np.dtype(atom.dtype).itemsize, self.pl,
+                                                        src, dst)
+        return hit
+
+    def cost_bound(self, atom, dst) -> int:
+        src = self.nd_of(atom)
+        if src == dst or (isinstance(atom, Var) and dst in self.versions.get(id(atom), ())):
+            return 0
+        return self.bound(atom, src, dst)
 
     def cost(self, atom, dst):
         src = self.nd_of(atom)
@@ -189,6 +214,13 @@ class Propagator:
 
     # -- one equation ---------------------------------------------------------
     def candidates(self, node: Node):
+        # a node's signatures depend on its equation only: computed once for all passes
+        hit = self._sigs.get(id(node))
+        if hit is None:
+            hit = self._sigs[id(node)] = self._candidates(node)
+        return hit
+
+    def _candidates(self, node: Node):
         rule = RULES.get(node.name)
         in_avals = [v.aval for v in node.eqn.invars]
         sigs = [s for s in rule.signatures(node.eqn, in_avals)
@@ -225,6 +257,22 @@ class Propagator:
                 warnings.warn(SBPWarning(msg), stacklevel=5)
             rep = (Broadcast(),) * len(self.grid)
             return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
+        # The choice depends only on the input layouts, the versions of the
+        # inputs that exist and the outputs' preferences: later passes reuse it
+        # wherever those are unchanged.
+        key = (id(node), tuple(cur),
+               tuple(frozenset(self.versions.get(id(a), ())) if isinstance(a, Var) else None for a in node.ins),
+               tuple(self.pref.get(id(o)) for o in node.outs))
+        best = self._choices.get(key)
+        if best is None:
+            best = self._choices[key] = self._best_signature(node, cur, sigs)
+        if best is False:
+            rep = (Broadcast(),) * len(self.grid)
+            return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
+        return self._decide(node, index, *best)
+
+    def _best_signature(self, node: Node, cur: list, sigs: list):
+        """(ins, outs) of the cheapest candidate, or False when none is even."""
         # rank 1-D candidates per axis, then cost the products exactly
         per_axis = []
         for a, p in enumerate(self.grid):
@@ -240,7 +288,10 @@ class Propagator:
                 scored.append((est, changed, partial_outs, fresh, k, s))
             scored.sort(key=lambda t: t[:5])
             per_axis.append([t[5] for t in scored[:_TOP_K]])
-        best = None
+        # Bound every product's bytes first (no searches), then cost them exactly
+        # in order of the bound until the bound exceeds the best bytes found:
+        # the rest cannot win, since bytes come first in the key.
+        bounded = []
         for order, combo in enumerate(itertools.product(*per_axis)):
             ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
             outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
@@ -249,6 +300,15 @@ class Propagator:
             if any(not self._partial_ok(nd) for nd in ins + outs):
                 continue
             debt = self._partial_debt(cur, ins, outs, node)
+            low = debt + sum(self.cost_bound(atom, nd) for atom, nd in zip(node.ins, ins))
+            low += sum(self.bound(o, nd, self.pref[id(o)]) for o, nd in zip(node.outs, outs)
+                       if self.pref.get(id(o)) not in (None, nd))
+            bounded.append((low, order, ins, outs, debt))
+        bounded.sort(key=lambda t: t[:2])
+        best = None
+        for low, order, ins, outs, debt in bounded:
+            if best is not None and low > best[0][0]:
+                break
             later, split_miss = self._preference_cost(outs, node)
             total = [debt + later, 0.0, 0]
             for atom, nd in zip(node.ins, ins):
@@ -267,9 +327,8 @@ class Propagator:
             if best is None or key < best[0]:
                 best = (key, ins, outs)
         if best is None:
-            rep = (Broadcast(),) * len(self.grid)
-            return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
-        return self._decide(node, index, best[1], best[2])
+            return False
+        return best[1], best[2]
 
     def _partial_debt(self, cur, ins, outs, node) -> int:
         """Bytes a new partial will cost later, charged when an op's partial
@@ -327,8 +386,10 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
             label = names[k] if names else f"argument leaf {k}"
             raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
     best, learned = None, {}
+    caches = ({}, {}, {}, {})  # plans, bounds, signatures, choices: shared by the passes
     for i in range(passes):
-        prop = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet=i > 0)
+        prop = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet=i > 0,
+                         caches=caches)
         total = sum(b.bytes for b in prop.boxings)
         if best is None or total < best[0]:
             best = (total, prop)
@@ -342,9 +403,10 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
     return best[1]
 
 
-def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet) -> Propagation:
+def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches) -> Propagation:
     pr = Propagator(program, placement, cost_model)
     pr.quiet = quiet
+    pr._plans, pr._bounds, pr._sigs, pr._choices = caches
     for v, nd in zip(program.inputs, in_sbp):
         pr.layout[id(v)] = nd
     pr.prefer(out_sbp)
