@@ -577,16 +577,22 @@ def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_s
     axes read as B: B -> P is a free fill, and the steps of any plan cost the
     same on any values of one layout, so starting from B can only be cheaper.
     A partial target needs nothing (S or B -> P is free), so its bound is 0.
+    A partial source must also be reduced: each element has one contribution
+    per coordinate of the partial axes (G of them), every move carries element
+    values and merges what two devices know, so some device holds the reduced
+    element only after G - 1 moves of it: at least (G - 1)|T| bytes.
     The compiler uses it to skip candidate signatures without a search."""
     ndim = len(shape)
     if any(isinstance(s, Partial) for s in dst_sbp):
         return 0
+    contributions = math.prod(placement.shape[a] for a, s in enumerate(src_sbp) if isinstance(s, Partial))
+    reduce_bytes = (contributions - 1) * math.prod(shape) * itemsize
     src_sbp = tuple(Broadcast() if isinstance(s, Partial) else s for s in src_sbp)
     src = normalized_layout(src_sbp, ndim, placement.shape)
     dst = normalized_layout(dst_sbp, ndim, placement.shape)
     if src == dst:
-        return 0
-    return Geometry(tuple(shape), placement.shape).floor_bytes(src, dst, itemsize)
+        return reduce_bytes
+    return max(reduce_bytes, Geometry(tuple(shape), placement.shape).floor_bytes(src, dst, itemsize))
 
 
 _CACHE: dict = {}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sbpjax as sj
-from sbpjax.boxing.plan import COLLECTIVE_OF
+from sbpjax.boxing.plan import COLLECTIVE_OF, bytes_lower_bound
 
 ALL_1D = [sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max, sj.P_min]
 
@@ -61,6 +61,23 @@ def test_pairs_without_partials_are_at_the_floor():
     for src, dst in itertools.product(itertools.product(vals, repeat=2), repeat=2):
         plan = sj.plan_boxing((64, 32), np.float32, pl, src, dst)
         assert plan.floor is not None and plan.bytes == plan.floor, str(plan)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (6, 5)])
+def test_bytes_lower_bound_never_exceeds_the_plan(shape):
+    """The bound the compiler uses to skip candidates without a search: below
+    every plan (all 2-D pairs, even and uneven), the floor when nothing is
+    partial, and exactly (G-1)|T| for a plain reduction."""
+    pl = sj.placement((2, 4), ("x", "y"))
+    T = int(np.prod(shape)) * 4
+    for src, dst in itertools.product(itertools.product(ALL_1D, repeat=2), repeat=2):
+        bound = bytes_lower_bound(shape, 4, pl, src, dst)
+        plan = sj.plan_boxing(shape, np.float32, pl, src, dst)
+        assert bound <= plan.bytes, (src, dst, bound, str(plan))
+        if plan.floor is not None:
+            assert bound == plan.floor, (src, dst)
+    assert bytes_lower_bound(shape, 4, pl, (sj.P, sj.P), (sj.B, sj.S(0))) == 7 * T
+    assert bytes_lower_bound(shape, 4, pl, (sj.P, sj.B), (sj.B, sj.B)) == T
 
 
 def test_floor_is_known_and_exact_by_hand():
