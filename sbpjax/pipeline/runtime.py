@@ -178,7 +178,7 @@ class ThreadedSystem(ActorSystem):
             what = f"microbatch {mb}" if mb is not None else "the step's update"
             err = PipelineError(
                 f"pipeline: {spec.kind} actor {spec.name!r} failed on {where}, {what}: "
-                f"{type(error.error).__name__}: {error.error}. Every actor was stopped.",
+                f"{type(error.error).__name__}: {str(error.error).rstrip('.')}. Every actor was stopped.",
                 spec.name, spec.kind, spec.stage, mb)
             err.__cause__ = error.error
             return err

@@ -1,0 +1,198 @@
+"""Pipeline benchmark: simulated schedules against theory, and the actor runtime on real work.
+
+    python benchmarks/pipeline.py            # default sizes (a few minutes on 8 CPU devices)
+    python benchmarks/pipeline.py --quick    # small sizes, same fields, under two minutes
+
+(a) Simulated clock: bubble fraction of GPipe, 1F1B and interleaved 1F1B
+(2 chunks per device) for p in {2, 4, 8} device groups and m in {p, 2p, 4p}
+microbatches, with uniform stage times (forward 1, backward 2 per stage or
+chunk), against the closed forms (p-1)/(m+p-1) and (p-1)/(vm+p-1).
+
+(b) Real run on CPU: 4 stages x 2-way tensor parallel (Megatron MLP blocks,
+sj.jit per stage) on 8 devices, 1F1B with 8 microbatches. Reports the runtime's
+own time per action (threads' time outside action bodies, per action) against
+the mean action time; the throughput ratio against one jitted non-pipelined
+train step of the same model on the same 8 devices (data parallel over all 8,
+GSPMD; its loss is checked against the pipeline's); and the peak live
+activation bytes per stage under GPipe and 1F1B (logical bytes of the stage
+inputs kept for the backward). Median over steps after a warm-up step.
+
+Writes ``benchmarks/results/pipeline.json`` and the real run's Gantt chart
+``benchmarks/results/pipeline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+import sbpjax as sj  # noqa: E402
+import sbpjax.pipeline as sjp  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+F, B = 1.0, 2.0
+
+
+def simulated_rows() -> list[dict]:
+    rows = []
+    for schedule in (sjp.GPipe(), sjp.OneFOneB(), sjp.Interleaved1F1B(2)):
+        for p in (2, 4, 8):
+            for m in (p, 2 * p, 4 * p):
+                tl = sjp.simulate(schedule, p, m, {"forward": F, "backward": B})
+                v = getattr(schedule, "chunks", 1)
+                rows.append({"schedule": schedule.name, "stages": p, "chunks": v, "microbatches": m,
+                             "bubble": tl.bubble, "theory": schedule.theory_bubble(p, m),
+                             "makespan": tl.makespan, "makespan_theory": (v * m + p - 1) * (F + B),
+                             "peak_live_activations": [tl.peak_live_activations()[s] for s in range(p * v)]})
+    return rows
+
+
+def block(p, x):
+    """A Megatron MLP block with a residual: w1 column-parallel, w2 row-parallel."""
+    return x + jax.nn.gelu(x @ p["w1"]) @ p["w2"]
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def init(n, d, seed=0):
+    r = np.random.default_rng(seed)
+    return [{"w1": (r.normal(size=(d, 4 * d)) / np.sqrt(d)).astype(np.float32),
+             "w2": (r.normal(size=(4 * d, d)) / np.sqrt(16 * d)).astype(np.float32)} for _ in range(n)]
+
+
+def make_pipeline(params, schedule, m, opt):
+    devs = jax.devices()
+    layout = {"w1": sj.S(1), "w2": sj.S(0)}
+    stages = [sjp.Stage(block, p, sj.Placement(np.array(devs[2 * i:2 * i + 2]), ("tp",)), param_sbp=layout,
+                        name=f"block{i}") for i, p in enumerate(params)]
+    return sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=schedule)
+
+
+def single_program(params, opt):
+    """The non-pipelined step on the same 8 devices: data parallel, parameters replicated (GSPMD)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("dp",))
+    rep, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("dp"))
+
+    def loss(ps, x, y):
+        for p in ps:
+            x = block(p, x)
+        return mse(x, y)
+
+    def step(ps, state, x, y):
+        value, grads = jax.value_and_grad(loss)(ps, x, y)
+        updates, state = opt.update(grads, state, ps)
+        return optax.apply_updates(ps, updates), state, value
+
+    fn = jax.jit(step, in_shardings=(rep, rep, rows, rows), out_shardings=(rep, rep, rep))
+    ps = jax.device_put(params, rep)
+    return fn, ps, jax.device_put(opt.init(params), rep), rows
+
+
+def real_run(quick: bool, steps: int, png: str) -> dict:
+    d = 128 if quick else 256
+    rows_per_mb, m, n = (8 if quick else 16), 8, 4
+    opt = optax.sgd(0.05)
+    params = init(n, d)
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(m * rows_per_mb, d)).astype(np.float32),
+                rng.normal(size=(m * rows_per_mb, d)).astype(np.float32)) for _ in range(steps + 1)]
+
+    # the single program first, from the same parameters: its loss checks the pipeline's
+    fn, ps, state, rows = single_program(params, opt)
+    x0, y0 = batches[0]
+    _, _, single_loss = fn(ps, state, jax.device_put(x0, rows), jax.device_put(y0, rows))
+    single_times = []
+    for x, y in batches[1:]:
+        xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+        t0 = time.perf_counter()
+        ps, state, loss = jax.block_until_ready(fn(ps, state, xs, ys))
+        single_times.append(time.perf_counter() - t0)
+
+    pipe = make_pipeline(params, "1f1b", m, opt)
+    first = pipe.step(*batches[0])  # compiles every stage
+    assert abs(first.loss - float(single_loss)) < 1e-5 * max(1.0, abs(float(single_loss))), \
+        (first.loss, float(single_loss))
+    step_times, overheads, action_ms = [], [], []
+    for x, y in batches[1:]:
+        t0 = time.perf_counter()
+        result = pipe.step(x, y)
+        step_times.append(time.perf_counter() - t0)
+        tl = result.timeline
+        overheads.append(1e6 * tl.overhead_per_action_s)
+        action_ms.append(1e3 * sum(a.duration for a in tl.actions) / len(tl.actions))
+    tl.gantt(png, title=f"benchmarks/pipeline.py: 4 stages x 2-way TP, 1F1B, m={m} (real run, CPU)")
+
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        other = sjp.Pipeline(pipe.stages, mse, opt, microbatches=m, schedule=schedule)
+        t = other.step(*batches[0]).timeline
+        peaks[schedule] = [t.peak_activation_bytes()[s] for s in range(n)]
+        peaks[schedule + "_registers"] = [t.peak_live_activations()[s] for s in range(n)]
+
+    step_s, single_s = statistics.median(step_times), statistics.median(single_times)
+    return {
+        "overhead_us_per_action": statistics.median(overheads),
+        "action_ms": statistics.median(action_ms),
+        "throughput_ratio_vs_single_program": single_s / step_s,
+        "peak_activation_bytes": {"gpipe": peaks["gpipe"], "1f1b": peaks["1f1b"]},
+        "peak_live_activation_registers": {"gpipe": peaks["gpipe_registers"], "1f1b": peaks["1f1b_registers"]},
+        "step_ms": 1e3 * step_s,
+        "single_program_step_ms": 1e3 * single_s,
+        "actions_per_step": len(tl.actions),
+        "bubble": tl.bubble,
+        "model": {"stages": n, "tensor_parallel": 2, "width": d, "rows_per_microbatch": rows_per_mb,
+                  "microbatches": m, "schedule": "1f1b"},
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--output", default=os.path.join(HERE, "results", "pipeline.json"))
+    args = ap.parse_args()
+    steps = args.steps or (5 if args.quick else 20)
+    png = os.path.splitext(args.output)[0] + ".png"
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+
+    sim = simulated_rows()
+    print(f"(a) simulated, forward {F:g}, backward {B:g} per stage (chunk)")
+    print(f"{'schedule':<12}{'p':>3}{'v':>3}{'m':>4}{'bubble':>12}{'theory':>12}{'makespan':>10}")
+    for r in sim:
+        print(f"{r['schedule']:<12}{r['stages']:>3}{r['chunks']:>3}{r['microbatches']:>4}{r['bubble']:>12.6f}"
+              f"{r['theory']:>12.6f}{r['makespan']:>10g}")
+    sim_ok = all(abs(r["bubble"] - r["theory"]) <= 1e-9 and r["makespan"] == r["makespan_theory"] for r in sim)
+    print(f"every simulated bubble equals theory (1e-9): {sim_ok}")
+
+    real = real_run(args.quick, steps, png)
+    print("\n(b) real run, 4 stages x 2-way TP on 8 CPU devices, 1F1B, m = 8")
+    print(f"runtime overhead per action   {real['overhead_us_per_action']:.1f} us (target <= 100)")
+    print(f"mean action time              {real['action_ms']:.3f} ms")
+    print(f"step time                     {real['step_ms']:.1f} ms (single program {real['single_program_step_ms']:.1f} ms)")
+    print(f"throughput vs single program  {real['throughput_ratio_vs_single_program']:.3f}")
+    print(f"peak activation bytes/stage   gpipe {real['peak_activation_bytes']['gpipe']}")
+    print(f"                              1f1b  {real['peak_activation_bytes']['1f1b']}")
+    targets = {"simulated_equals_theory": sim_ok, "overhead_le_100us": real["overhead_us_per_action"] <= 100}
+    with open(args.output, "w") as f:
+        json.dump({"config": {"quick": args.quick, "steps": steps, "devices": 8}, "simulated": sim, "real": real,
+                   "targets": targets}, f, indent=1)
+    print(f"\nwrote {args.output} and {png}; targets {targets}")
+
+
+if __name__ == "__main__":
+    main()
