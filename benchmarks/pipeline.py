@@ -183,7 +183,8 @@ def main():
     print("\n(b) real run, 4 stages x 2-way TP on 8 CPU devices, 1F1B, m = 8")
     print(f"runtime overhead per action   {real['overhead_us_per_action']:.1f} us (target <= 100)")
     print(f"mean action time              {real['action_ms']:.3f} ms")
-    print(f"step time                     {real['step_ms']:.1f} ms (single program {real['single_program_step_ms']:.1f} ms)")
+    print(f"step time                     {real['step_ms']:.1f} ms "
+          f"(single program {real['single_program_step_ms']:.1f} ms)")
     print(f"throughput vs single program  {real['throughput_ratio_vs_single_program']:.3f}")
     print(f"peak activation bytes/stage   gpipe {real['peak_activation_bytes']['gpipe']}")
     print(f"                              1f1b  {real['peak_activation_bytes']['1f1b']}")

@@ -285,7 +285,6 @@ def build_graph(schedule: Schedule, devices: int, microbatches: int, threads: St
     if schedule.flush:
         regs.append(RegisterSpec("flush", f"forward{last}", (f"backward{last}",), 1, every=m, reuse=m))
     orders = {}
-    if lists is not None:
-        for d, seq in lists.items():
-            orders[threads.per_stage[seq[0][1]] if seq else f"device{d}"] = [(f"{kind}{s}", k) for kind, s, k in seq]
+    if lists is not None:  # stage d runs on device d, so its thread is device d's
+        orders = {threads.per_stage[d]: [(f"{kind}{s}", k) for kind, s, k in seq] for d, seq in lists.items()}
     return ActorGraph(tuple(actors), tuple(regs), orders)

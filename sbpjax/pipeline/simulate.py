@@ -15,9 +15,9 @@ import heapq
 from collections.abc import Callable, Mapping
 
 from sbpjax._errors import SBPError
-from sbpjax.pipeline.actor import ActorGraph, ActorSystem
+from sbpjax.pipeline.actor import KINDS, ActorGraph, ActorSystem
 from sbpjax.pipeline.errors import PipelineStall
-from sbpjax.pipeline.schedule import StageThreads, as_schedule, build_graph
+from sbpjax.pipeline.schedule import as_schedule, build_graph
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
 
 Durations = Mapping[str, float] | Callable[[str, "int | None", "int | None"], float]
@@ -74,10 +74,10 @@ def duration_function(durations: Durations | None) -> Callable:
         durations = {"forward": 1.0, "backward": 2.0}
     if callable(durations):
         return durations
-    unknown = set(durations) - {"load", "put", "forward", "backward", "transfer", "update"}
+    unknown = set(durations) - set(KINDS)
     if unknown:
-        raise SBPError(f"simulate: unknown action kinds {sorted(unknown)} in durations; kinds are load, put, "
-                       "forward, backward, transfer, update.")
+        raise SBPError(f"simulate: unknown action kinds {sorted(unknown)} in durations; kinds are "
+                       f"{', '.join(KINDS)}.")
     table = dict(durations)
     return lambda kind, stage, microbatch: table.get(kind, 0.0)
 
@@ -98,7 +98,6 @@ def simulate(schedule, devices: int, microbatches: int, durations: Durations | N
     sched = as_schedule(schedule)
     if not isinstance(devices, int) or devices < 1:
         raise SBPError(f"simulate: devices must be an int >= 1, got {devices!r}.")
-    threads = StageThreads(tuple(f"device{sched.device_of(s, devices)}" for s in range(sched.stages(devices))))
-    graph = build_graph(sched, devices, microbatches, threads, data_registers=data_registers,
+    graph = build_graph(sched, devices, microbatches, data_registers=data_registers,
                         activation_registers=activation_registers, stash_counts=stash_counts)
     return simulate_graph(graph, durations)

@@ -98,6 +98,7 @@ def move(t: GlobalTensor, sbp: tuple, placement: Placement) -> GlobalTensor:
 class Stage:
     """One pipeline stage: ``fn(params, x) -> y`` on ``placement``.
 
+    A Flax module is a stage as ``Stage(module.apply, variables, placement)``.
     ``param_sbp``: the parameters' nd-SBPs (a matching pytree, or one nd-SBP for
     all; default B). ``in_sbp`` / ``out_sbp``: nd-SBPs of ``x`` and ``y``
     (default B). Inside, :func:`sbpjax.jit` chooses every other layout.
@@ -275,7 +276,11 @@ class Pipeline:
     def step(self, inputs, targets) -> StepResult:
         """One training step over the batch: ``inputs`` / ``targets`` are arrays
         whose dim 0 splits into ``microbatches`` equal microbatches, or functions
-        ``k -> microbatch k`` (called by the loader actors)."""
+        ``k -> microbatch k`` (called by the loader actors).
+
+        Raises :class:`PipelineError` (or :class:`PipelineStall`) when an action
+        fails (or nothing can act); stages whose update had already run by then
+        keep their new parameters."""
         m = self.microbatches
         load_inputs = self._feed("inputs", inputs, m)
         load_targets = self._feed("targets", targets, m)

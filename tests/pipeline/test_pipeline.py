@@ -210,3 +210,25 @@ def test_pipeline_simulates_its_own_graph(one_device_stages):
     tl = pipe.simulate({"forward": 1.0, "backward": 2.0})
     assert tl.makespan == (8 + 4 - 1) * 3.0
     assert tl.peak_live_activations() == {0: 4, 1: 3, 2: 2, 3: 1}
+
+
+def test_flax_modules_as_stages():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x + nn.tanh(nn.Dense(D)(x))
+
+    modules = [Block(), Block()]
+    x, y = _batch(4, seed=50)
+    variables = [m.init(jax.random.key(i), x[:MB]) for i, m in enumerate(modules)]
+    devs = jax.devices()
+    stages = [sjp.Stage(m.apply, v, sj.Placement(np.array([devs[6 + i]]), ("d",)))
+              for i, (m, v) in enumerate(zip(modules, variables))]
+    opt = optax.sgd(0.1)
+    want_loss, want_grads, want_params = reference_step([m.apply for m in modules], variables, x, y, opt)
+    result = sjp.Pipeline(stages, mse, opt, microbatches=4).step(x, y)
+    assert result.loss == pytest.approx(want_loss, rel=2e-6)
+    _assert_close([_host(g) for g in result.grads], want_grads)
+    _assert_close([_host(st.params) for st in stages], want_params)
