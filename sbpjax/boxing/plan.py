@@ -153,7 +153,7 @@ class BoxingPlan:
             rows.append((str(i), s.label(), ",".join(s.axes) or "-",
                          s.src.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.src_sbp),
                          s.dst.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.dst_sbp),
-                         _human(s.bytes), _ratio(s.bytes, t)))
+                         human_bytes(s.bytes), _ratio(s.bytes, t)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [head]
         if len(rows) == 1:
@@ -161,9 +161,9 @@ class BoxingPlan:
         else:
             for r in rows:
                 lines.append("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
-        tail = f"  total {_human(self.bytes)} ({_ratio(self.bytes, t)}|T|)"
+        tail = f"  total {human_bytes(self.bytes)} ({_ratio(self.bytes, t)}|T|)"
         if self.floor is not None:
-            tail += f", floor {_human(self.floor)} ({_ratio(self.floor, t)}|T|)"
+            tail += f", floor {human_bytes(self.floor)} ({_ratio(self.floor, t)}|T|)"
         tail += f", est. {self.time() * 1e3:.3f} ms"
         lines.append(tail)
         return "\n".join(lines)
@@ -171,7 +171,8 @@ class BoxingPlan:
     __repr__ = __str__
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -102,6 +102,17 @@ def state_sbp(state, param_sbp, replicated: tuple):
     return jax.tree_util.tree_map_with_path(pick, state)
 
 
+def _leaf_paths(tree) -> list:
+    """Key paths of the leaves of an ((args), {kwargs}) tree structure."""
+    dummy = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
+    return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def _leaf_name(path) -> str:
+    """``args[0]['fc1']['kernel']`` or ``kwargs['x']``: where a leaf sits in the call."""
+    return ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+
+
 def _broadcast_spec(spec, tree, what):
     """Expand an in_sbp / out_sbp prefix pytree to one entry per leaf of ``tree``."""
     if spec is None:
@@ -168,7 +179,7 @@ class CompiledFunction:
             out_specs = [None if s is None else normalize_nd_sbp(s, self.placement.ndim, len(o.shape),
                                                                    f"out_sbp of output leaf {k}")
                          for k, (s, o) in enumerate(zip(raw, program.outputs))]
-        names = [f"argument leaf {k} {t.shape}" for k, t in enumerate(gts)]
+        names = [f"{_leaf_name(path)} {t.shape}" for path, t in zip(_leaf_paths(tree), gts)]
         prop = propagate(program, self.placement, [t.sbp for t in gts], out_specs, self.cost_model, names)
         fn = lowering.build(prop)
         self.last_overhead_s = time.perf_counter() - t0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from sbpjax.boxing.plan import human_bytes
 from sbpjax.compiler.propagate import Propagation
 from sbpjax.sbp import format_sbp
 
@@ -38,6 +39,21 @@ class Explanation:
         """(primitive, source, input nd-SBPs, output nd-SBPs) per op."""
         return [(d.node.name, d.node.source, d.in_sbp, d.out_sbp) for d in self.propagation.decisions]
 
+    def summary(self) -> str:
+        """A few lines for logs: op and boxing counts, and bytes per collective."""
+        prop = self.propagation
+        counts: dict = {}
+        for b in self.boxings:
+            for s in b.plan.steps:
+                n, nbytes = counts.get(s.op, (0, 0))
+                counts[s.op] = (n + 1, nbytes + s.bytes)
+        lines = [f"sj.jit on {prop.placement!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
+                 f"{human_bytes(self.bytes)} per step (bytes received, all devices)"]
+        for op, (n, nbytes) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
+            lines.append(f"  {op:<15} x{n:<4} {human_bytes(nbytes)}")
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         prop = self.propagation
         pl = prop.placement
@@ -66,3 +82,4 @@ class Explanation:
         return "\n".join(lines)
 
     __repr__ = __str__
+

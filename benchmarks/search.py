@@ -1,0 +1,285 @@
+"""Strategy-search benchmark (AutoDDL): search quality and speed, 3-D scaling, Fig. 3, GPT-3.
+
+    python benchmarks/search.py            # full sizes (a few minutes)
+    python benchmarks/search.py --quick    # same fields, smaller searches, under two minutes
+
+* mlp: AutoDDL's 4-layer MLP (32768, 16384, 4096, 2048, 512; 8192 tokens) on 128
+  and 4096 devices: coordinate descent and Metropolis-Hastings cost relative to the
+  exhaustive optimum and their time relative to exhaustive (Fig. 8). Prices are
+  built once; times are the algorithms' own.
+* scaling_3d: one training step of two n x n layers, compiled (not run) on 8 and 64
+  forced CPU devices in a subprocess, for Megatron 1-D (column then row), 2-D
+  (1, a, b) and the 3-D (q, q, q) layouts. ``bytes_per_device``: the volume of the
+  tensors each device communicates (collective buffers, from ``sj.collectives``),
+  AutoDDL 4.4.2's measure, whose exponent in p is fitted; ``received_bytes_per_device``:
+  OneFlow Table 2 bytes received (ring factors (g-1)/g included).
+* fig3: one transformer attention layer (h 8192, 1024 x 1024 tokens, 64 heads) on
+  64 devices, stacked 8 deep and tied, memory limited to 16 GB per device:
+  forward activation communication of the searched strategy over Megatron's best
+  (data x model parallel, the best split of 64 that fits).
+* gpt3: GPT-3 175B (96 layers, h 12288, 96 heads, 2048 tokens x 1024 sequences)
+  on 1024 devices (128 nodes x 8 GPUs): search wall time including pricing.
+* rank: predicted time vs measured step time of 10 strategies of an MLP train
+  step on 8 CPU devices (cost model calibrated here): Spearman correlation; and
+  predicted == measured bytes for each.
+Writes ``benchmarks/results/search.json`` and ``search.png`` (cost vs search time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import sbpjax as sj  # noqa: E402
+import sbpjax.search as ss  # noqa: E402
+from sbpjax.search.cost import ClosedForm, out_layout  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mlp_section(device_counts, restarts, steps):
+    rows = []
+    ops = ss.mlp("mlp", 8192, [32768, 16384, 4096, 2048, 512])
+    for p in device_counts:
+        grid = ss.Grid(p, "x")
+        tables = ss.tables_for(ops, grid)
+        t0 = time.perf_counter()
+        opt = ss.search(ops, grid, method="exhaustive", tables=tables)
+        t_ex = time.perf_counter() - t0
+        rows.append({"devices": p, "method": "exhaustive", "cost_ratio_to_optimum": 1.0,
+                     "time_ratio_to_exhaustive": 1.0, "seconds": t_ex, "strategy": [lp.choice.label(grid) for lp in opt.layers]})
+        for method, kw in (("coordinate_descent", {"restarts": restarts}), ("metropolis_hastings", {"steps": steps})):
+            t0 = time.perf_counter()
+            st = ss.search(ops, grid, method=method, tables=tables, seed=0, **kw)
+            t = time.perf_counter() - t0
+            rows.append({"devices": p, "method": method, "cost_ratio_to_optimum": st.cost / opt.cost,
+                         "time_ratio_to_exhaustive": t / t_ex, "seconds": t,
+                         "strategy": [lp.choice.label(grid) for lp in st.layers]})
+    return rows
+
+
+SCALING = textwrap.dedent("""
+    import json, sys
+    import numpy as np, jax, jax.numpy as jnp
+    import sbpjax as sj, sbpjax.search as ss
+    n = int(sys.argv[1])
+    out = []
+    for p, layouts in ((8, {"1d": [(1, 8, 1), (1, 1, 8)], "2d": [(1, 2, 4)] * 2, "3d": [(2, 2, 2)] * 2}),
+                       (64, {"1d": [(1, 64, 1), (1, 1, 64)], "2d": [(1, 8, 8)] * 2, "3d": [(4, 4, 4)] * 2})):
+        pl = sj.placement(p, "x")
+        grid = ss.Grid.from_placement(pl)
+        ops = [ss.MatmulOp("l0", n, n, n, param="l0", from_data=True), ss.MatmulOp("l1", n, n, n, param="l1")]
+        by_deg = {c.degrees(grid): c for c in ss.choices(grid)}
+        for name, degs in layouts.items():
+            st = ss.evaluate(ops, grid, {"l0": by_deg[degs[0]], "l1": by_deg[degs[1]]}, placement=pl)
+            def loss(params, x):
+                h = jnp.tanh(st.matmul(x, params["l0"], "l0"))
+                return jnp.sum(st.matmul(h, params["l1"], "l1") ** 2)
+            def step(params, x):
+                return jax.tree.map(lambda w, g: w - 0.1 * g, params, st.synced(jax.grad(loss)(params, x)))
+            params = {k: jax.ShapeDtypeStruct((n, n), jnp.float32) for k in ("l0", "l1")}
+            f = sj.jit(step, placement=st.placement, in_sbp=(st.param_sbp(params), st.input_sbp()),
+                       out_sbp=st.param_sbp(params))
+            cs = sj.collectives(f.lower(params, jax.ShapeDtypeStruct((n, n), jnp.float32)).compile())
+            received = sum(c.bytes for c in cs) / p
+            # the buffer each device communicates, from the bytes it receives:
+            # all-reduce 2(g-1)/g n, others (g-1)/g n (reduce-scatter: of its input), permute n
+            def payload(c):
+                g = c.group_size
+                per = c.bytes / (c.group_size * c.num_groups)
+                if c.op == "collective-permute":
+                    return per
+                return per * g / (g - 1) / (2 if c.op == "all-reduce" else 1)
+            volume = sum(payload(c) * c.group_size * c.num_groups for c in cs) / p
+            out.append({"p": p, "layout": name, "bytes_per_device": volume, "received_bytes_per_device": received,
+                        "predicted_bytes": st.bytes, "measured_bytes": sum(c.bytes for c in cs)})
+    print(json.dumps(out))
+""")
+
+
+def scaling_section(n):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-c", SCALING, str(n)], env=env, capture_output=True, text=True,
+                         timeout=1800, check=True)
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    fits = {}
+    for layout in ("1d", "2d", "3d"):
+        b = {r["p"]: r for r in rows if r["layout"] == layout}
+        fits[layout] = {k: -math.log(b[64][k] / b[8][k]) / math.log(8)
+                        for k in ("bytes_per_device", "received_bytes_per_device")}
+    return rows, fits
+
+
+def fig3_section(restarts):
+    h, batch, seq, heads, layers = 8192, 1024, 1024, 64, 8
+    grid = ss.Grid(64, "x")
+    ops = ss.repeat(lambda name, tie: ss.attention(name, batch, seq, h, heads, tie=tie), layers)
+    memory = ss.MemoryModel(bytes_per_param=16, activations=False, limit=16e9)
+    tables = ss.tables_for(ops, grid, objective="time", memory=memory)
+    best = ss.search(ops, grid, tables=tables, restarts=restarts)
+    by_deg = {c.degrees(grid): c for c in ss.choices(grid)}
+    megatron = []
+    for dp in (1, 2, 4, 8, 16, 32, 64):
+        mp = 64 // dp
+        pick = {"layers.*.qkv": by_deg[(dp, mp, 1)], "layers.*.out": by_deg[(dp, 1, mp)]}
+        try:
+            st = ss.evaluate(ops, grid, pick, tables=tables)
+        except sj.SBPError:
+            continue  # this split does not divide the heads
+        if st.memory <= memory.limit:
+            megatron.append((st.cost, dp, st))
+    _, dp, mega = min(megatron, key=lambda m: m[0])
+
+    def forward_activation_elems(st):
+        """Per device, forward only: the output reductions and the boxings between ops."""
+        cf = ClosedForm(grid)
+        total = 0.0
+        for i, lp in enumerate(st.layers):
+            op = ops[i]
+            total += cf.output(op, lp.choice, lp.out_dim).bytes / 2
+            if i + 1 < len(st.layers):
+                total += cf.edge(op, lp.choice, lp.out_dim, st.layers[i + 1].choice).bytes / 2
+        return total / op.itemsize / grid.size / layers
+
+    a, m = forward_activation_elems(best), forward_activation_elems(mega)
+    return {"fig3_ratio_vs_megatron": a / m, "fig3_searched_elements_per_device": a,
+            "fig3_megatron_elements_per_device": m, "fig3_megatron_data_parallel": dp,
+            "fig3_searched": [lp.choice.label(grid) for lp in best.layers[:2]],
+            "fig3_searched_time_ratio_vs_megatron": best.time / mega.time}
+
+
+def gpt3_section():
+    cm = sj.CostModel(alpha={"node": 2e-5, "gpu": 2e-6}, beta={"node": 8e-11, "gpu": 4e-12})
+    grid = ss.Grid((128, 8), ("node", "gpu"), cost_model=cm)
+    ops = ss.gpt(96, 12288, 96, batch=1024, seq=2048, vocab=51200, itemsize=2)
+    t0 = time.perf_counter()
+    st = ss.search(ops, grid, memory=ss.MemoryModel(bytes_per_param=16, activations=False, limit=80e9))
+    return time.perf_counter() - t0, st
+
+
+def rank_section(n_strategies, repeats):
+    sys.path.insert(0, os.path.join(ROOT, "tests", "search"))
+    from test_apply import mlp_program
+
+    pl = sj.placement(8, "x")
+    grid0 = ss.Grid.from_placement(pl)
+    fine = grid0.fine_placement(pl)
+    # calibrate on the fine axes the programs run on; the grid prices its axis at their mean
+    cf = sj.calibrate(fine, sizes=(1 << 14, 1 << 18, 1 << 20), repeats=3)
+    cm = sj.CostModel(alpha={"x": float(np.mean([cf.axis_alpha(a) for a in fine.axis_names]))},
+                      beta={"x": float(np.mean([cf.axis_beta(a) for a in fine.axis_names]))})
+    grid = ss.Grid.from_placement(pl, cm)
+    dims, tokens = [1024, 2048, 2048, 1024], 16
+    ops = ss.mlp("mlp", tokens, dims)
+    names = [o.name for o in ops]
+    r = np.random.default_rng(0)
+    params = {k: (r.normal(size=(o.k, o.n)) / np.sqrt(o.k)).astype(np.float32) for k, o in zip(names, ops)}
+    x = r.normal(size=(tokens, dims[0])).astype(np.float32)
+    y = r.normal(size=(tokens, dims[-1])).astype(np.float32)
+    tables = ss.tables_for(ops, grid, placement=pl)
+    sts = [ss.search(ops, grid, placement=pl, tables=tables)]
+    rng = np.random.default_rng(5)
+    while len(sts) < n_strategies:
+        sts.append(ss.evaluate(ops, grid, {g: o[rng.integers(len(o))] for g, o in zip(tables.groups, tables.options)},
+                               placement=pl, tables=tables))
+    rows = []
+    for st in sts:
+        step, _ = mlp_program(st, names)
+        sbp = st.param_sbp(params)
+        f = sj.jit(step, placement=st.placement, in_sbp=(sbp, st.input_sbp(), st.output_sbp()), out_sbp=(sbp, None))
+        measured = sum(c.bytes for c in sj.collectives(f.lower(params, x, y).compile()))
+        args = ({k: sj.to_global(v, st.placement, sbp[k]) for k, v in params.items()},
+                sj.to_global(x, st.placement, st.input_sbp()), sj.to_global(y, st.placement, st.output_sbp()))
+        jax.block_until_ready(f(*args)[1].physical)
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args)[1].physical)
+            samples.append(time.perf_counter() - t0)
+        rows.append({"strategy": [lp.choice.label(grid) for lp in st.layers], "predicted_bytes": st.bytes,
+                     "measured_bytes": measured, "predicted_time": st.time,
+                     "measured_step_time": statistics.median(samples)})
+    rho = ss.spearman([r["predicted_time"] for r in rows], [r["measured_step_time"] for r in rows])
+    return rows, rho
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    marks = {"exhaustive": "s", "coordinate_descent": "o", "metropolis_hastings": "^"}
+    for p in sorted({r["devices"] for r in rows}):
+        for r in rows:
+            if r["devices"] == p:
+                ax.scatter(r["time_ratio_to_exhaustive"], r["cost_ratio_to_optimum"], marker=marks[r["method"]],
+                           label=f"{r['method']} ({p} devices)")
+    ax.set_xscale("log")
+    ax.set_xlabel("search time relative to exhaustive")
+    ax.set_ylabel("cost relative to optimum")
+    ax.set_title("AutoDDL 4-layer MLP (Fig. 8)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--output", default=os.path.join(HERE, "results", "search.json"))
+    args = ap.parse_args()
+    q = args.quick
+    out = {}
+    t0 = time.perf_counter()
+    out["mlp"] = mlp_section([128, 1024] if q else [128, 4096], restarts=8, steps=2000)
+    for r in out["mlp"]:
+        print(f"mlp {r['devices']:5d} {r['method']:20s} cost/opt {r['cost_ratio_to_optimum']:.4f} "
+              f"time/exhaustive {r['time_ratio_to_exhaustive']:.2e} ({r['seconds']:.3g} s)")
+    rows, fits = scaling_section(256 if q else 1024)
+    out["scaling_3d"] = rows
+    out["scaling_exponents"] = fits
+    for r in rows:
+        print(f"scaling p={r['p']:3d} {r['layout']}: {r['bytes_per_device']:.4g} B/device communicated, "
+              f"{r['received_bytes_per_device']:.4g} received; predicted {r['predicted_bytes']:.0f} "
+              f"measured {r['measured_bytes']:.0f}")
+    print("exponents in p:", fits)
+    out.update(fig3_section(restarts=8))
+    print(f"fig3: searched {out['fig3_searched']} vs Megatron DP{out['fig3_megatron_data_parallel']}: "
+          f"activation ratio {out['fig3_ratio_vs_megatron']:.3f}")
+    secs, st = gpt3_section()
+    out["gpt3_1024_search_seconds"] = secs
+    out["gpt3_strategy"] = [f"{lp.name}: {lp.choice.label(st.grid)}" for lp in st.layers[:7]]
+    print(f"gpt3 175B on 1024 devices: search {secs:.2f} s")
+    rank_rows, rho = rank_section(10, 5 if q else 9)
+    out["rank"] = rank_rows
+    out["rank_spearman"] = rho
+    print(f"rank: Spearman {rho:.3f} over {len(rank_rows)} strategies; bytes predicted == measured: "
+          f"{all(r['predicted_bytes'] == r['measured_bytes'] for r in rank_rows)}")
+    out["quick"] = q
+    out["wall_seconds"] = time.perf_counter() - t0
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
+    with open(args.output, "w") as fh:
+        json.dump(out, fh, indent=1)
+    plot(out["mlp"], os.path.splitext(args.output)[0] + ".png")
+    print(f"wrote {args.output} ({out['wall_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
