@@ -55,7 +55,7 @@ def functional_step(graphdef, template, optimizer):
     def step(params, opt_state, batch):
         def objective(p):
             state = jax.tree.map(lambda v: v, template)
-            state.replace_by_pure_dict(p)
+            nnx.replace_by_pure_dict(state, p)
             return loss_fn(nnx.merge(graphdef, state), batch)
 
         loss, grads = jax.value_and_grad(objective)(params)
@@ -97,7 +97,7 @@ def gpt_vs_gspmd(cfg, repeats, rng):
 def reference_step(cfg, optimizer, batch_):
     vocab, seq, d, heads, layers, _ = cfg
     graphdef, state = nnx.split(build(vocab, seq, d, heads, layers))
-    params = state.to_pure_dict()
+    params = nnx.to_pure_dict(state)
     new_params, _, loss = jax.jit(functional_step(graphdef, state, optimizer))(params, optimizer.init(params), batch_)
     return new_params, float(loss)
 
@@ -108,7 +108,7 @@ def run_both(cfg, pl, optimizer, batch_):
     out = {}
     model = build(vocab, seq, d, heads, layers)
     graphdef, state = nnx.split(model)
-    params = state.to_pure_dict()
+    params = nnx.to_pure_dict(state)
     step = functional_step(graphdef, state, optimizer)
 
     sjf.annotate(model, HYBRID_RULES)

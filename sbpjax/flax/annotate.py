@@ -102,7 +102,7 @@ def annotate(model, rules):
 
 def get_sbp(model, placement: Placement | None = None):
     """The layout tree of ``model``'s parameters: a nested dict shaped like
-    ``nnx.state(model, nnx.Param).to_pure_dict()`` with each parameter's nd-SBP.
+    ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` with each parameter's nd-SBP.
 
     Without ``placement`` unannotated parameters are ``None``; with it every
     entry is a checked nd-SBP of the placement's rank and unannotated ones are B."""

@@ -216,13 +216,13 @@ class Trainer:
         self.placement = placement
         self.graphdef, params_state, self.rest = nnx.split(model, nnx.Param, ...)
         self._template = params_state
-        pure = params_state.to_pure_dict()
+        pure = nnx.to_pure_dict(params_state)
         template = self._template
         graphdef, rest = self.graphdef, self.rest
 
         def model_loss(params, batch):
             state = jax.tree.map(lambda v: v, template)
-            state.replace_by_pure_dict(params)
+            nnx.replace_by_pure_dict(state, params)
             return loss_fn(nnx.merge(graphdef, state, rest), batch)
 
         self.train_step = TrainStep(model_loss, optimizer, placement, get_sbp(model, placement), batch_sbp,
@@ -239,7 +239,7 @@ class Trainer:
     def model(self):
         """The trained model with logical parameter values (plain arrays)."""
         state = jax.tree.map(lambda v: v, self._template)
-        state.replace_by_pure_dict(jax.tree.map(lambda t: jnp.asarray(t.numpy()), self.params, is_leaf=_is_gt))
+        nnx.replace_by_pure_dict(state, jax.tree.map(lambda t: jnp.asarray(t.numpy()), self.params, is_leaf=_is_gt))
         return nnx.merge(self.graphdef, state, self.rest)
 
     def state_bytes_per_device(self) -> dict:

@@ -1,0 +1,209 @@
+"""Training with sbpjax.flax equals the single-device program; ZeRO and bf16 compute."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import sbpjax as sj
+import sbpjax.flax as sjf
+from sbpjax import B, S
+
+D, H, N = 16, 64, 16
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(D, H, rngs=rngs)
+        self.fc2 = nnx.Linear(H, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def data(seed=0, steps=3):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(N, D)).astype(np.float32), rng.normal(size=(N, D)).astype(np.float32))
+            for _ in range(steps)]
+
+
+def reference(optimizer, batches):
+    """The single-device NNX program: losses and final parameters."""
+    model = MLP(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, b)) for b in batches]
+    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def trained(trainer):
+    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model(), nnx.Param)))
+
+
+def assert_same_training(trainer, optimizer, batches):
+    losses = [trainer.step(b) for b in batches]
+    ref_losses, ref_params = reference(optimizer, batches)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(trained(trainer)), jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+LAYOUTS = {
+    # name: (placement shape, axis names, parameter rules, batch layout)
+    "data": ((8,), ("x",), {}, (S(0),)),
+    "tensor": ((8,), ("x",), {"fc1.kernel": (S(1),), "fc1.bias": (S(0),), "fc2.kernel": (S(0),)}, (B,)),
+    "2d": ((2, 4), ("x", "y"), {"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)), "fc2.kernel": (B, S(0))},
+           (S(0), B)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("make_opt", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adamw(1e-2)],
+                         ids=["sgd", "adamw"])
+def test_training_equals_single_device(name, make_opt):
+    shape, names, rules, batch_sbp = LAYOUTS[name]
+    pl = sj.placement(shape, names)
+    model = MLP(nnx.Rngs(0))
+    sjf.annotate(model, rules)
+    trainer = sjf.Trainer(model, make_opt(), loss_fn, pl, batch_sbp=batch_sbp)
+    # optimizer state takes its parameter's layout
+    mu = trainer.opt_state[0].trace if hasattr(trainer.opt_state[0], "trace") else trainer.opt_state[0].mu
+    for k, rule in rules.items():
+        mod, leaf = k.split(".")
+        assert trainer.params[mod][leaf].sbp == rule
+        assert mu[mod][leaf].sbp == rule
+    assert_same_training(trainer, make_opt(), data())
+
+
+def test_measured_bytes_equal_the_plan():
+    pl = sj.placement((2, 4), ("x", "y"))
+    model = MLP(nnx.Rngs(0))
+    sjf.annotate(model, LAYOUTS["2d"][2])
+    trainer = sjf.Trainer(model, optax.adamw(1e-2), loss_fn, pl, batch_sbp=(S(0), B))
+    batch = data(steps=1)[0]
+    compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, batch).compile()
+    assert sum(c.bytes for c in sj.collectives(compiled)) == trainer.explain(batch).bytes > 0
+
+
+def test_zero_splits_master_weights_and_state_and_trains_the_same():
+    pl = sj.placement(8, "x")
+    batches = data()
+    dp = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adamw(1e-2), loss_fn, pl, batch_sbp=(S(0),))
+    zero = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adamw(1e-2), loss_fn, pl, batch_sbp=(S(0),), zero=True)
+    # OneFlow Fig. 14: master weights and optimizer state S(0) over the data axis
+    for mod in ("fc1", "fc2"):
+        for leaf in ("kernel", "bias"):
+            assert zero.params[mod][leaf].sbp == (S(0),)
+            assert zero.opt_state[0].mu[mod][leaf].sbp == (S(0),)
+            assert zero.opt_state[0].nu[mod][leaf].sbp == (S(0),)
+    assert zero.opt_state[0].count.sbp == (B,)
+    ref_losses, _ = reference(optax.adamw(1e-2), batches)
+    np.testing.assert_allclose([zero.step(b) for b in batches], ref_losses, rtol=1e-5)
+    np.testing.assert_allclose([dp.step(b) for b in batches], ref_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(trained(zero)), jax.tree.leaves(trained(dp))):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    z, d = zero.state_bytes_per_device(), dp.state_bytes_per_device()
+    n_params = 2 * D * H + H + D
+    assert d["params"] == 4 * n_params and z["params"] == d["params"] // 8
+    assert z["opt_state"] <= d["opt_state"] / 8 + 64  # + the step count, replicated
+    # gradients are reduce-scattered, never all-reduced whole; weights all-gathered
+    ops = {}
+    for c in sj.collectives(zero.train_step.lower(zero.params, zero.opt_state, batches[0]).compile()):
+        ops[c.op] = ops.get(c.op, 0) + c.bytes
+    assert ops.get("reduce-scatter", 0) == 7 * 4 * n_params and ops.get("all-gather", 0) == 7 * 4 * n_params
+    assert ops.get("all-reduce", 0) <= 2 * 7 * 4 * 8  # only the scalar loss (and nothing parameter-sized)
+
+
+def test_bf16_compute_keeps_fp32_master_and_gathers_bf16():
+    pl = sj.placement(8, "x")
+    batch = data(steps=1)[0]
+    trainer = sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), zero=True,
+                          compute_dtype=jnp.bfloat16)
+    gathers = [b for b in trainer.explain(batch).boxings if b.src == (S(0),) and b.dst == (B,)]
+    assert gathers and all(np.dtype(b.plan.dtype) == jnp.bfloat16 for b in gathers)
+    loss = trainer.step(batch)
+    assert all(t.dtype == np.float32 for t in jax.tree.leaves(trainer.params, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)))
+
+    # the single-device program with the same casts
+    model = MLP(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def ref_loss(p):
+        s = jax.tree.map(lambda v: v, state)
+        nnx.replace_by_pure_dict(s, jax.tree.map(lambda v: v.astype(jnp.bfloat16), p))
+        return loss_fn(nnx.merge(graphdef, s), batch).astype(jnp.float32)
+
+    params = nnx.to_pure_dict(state)
+    want, grads = jax.jit(jax.value_and_grad(ref_loss))(params)
+    # bf16 keeps 8 bits of mantissa: sums in another order differ in the third digit
+    np.testing.assert_allclose(loss, float(want), rtol=2e-2)
+    new = trained(trainer)
+    for got, p, g in zip(jax.tree.leaves(new), jax.tree.leaves(params), jax.tree.leaves(grads)):
+        step = np.asarray(p) - 0.1 * np.asarray(g)
+        np.testing.assert_allclose(got, step, atol=0.1 * 2e-2 * np.abs(np.asarray(g)).max() + 1e-7)
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(H, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (B, S(1))))(x)
+        return nn.Dense(D, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (B, S(0))))(
+            jax.nn.gelu(x))
+
+
+def test_linen_train_step_equals_single_device():
+    pl = sj.placement((2, 4), ("x", "y"))
+    batches = data()
+    variables = LinenMLP().init(jax.random.key(0), batches[0][0])
+    params = sjf.linen.unbox(variables["params"])
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.mean((LinenMLP().apply({"params": p}, x) - y) ** 2)
+
+    step = sjf.TrainStep(loss, optax.adamw(1e-2), pl, sjf.linen.get_sbp(variables["params"], pl), (S(0), B))
+    gp, gs = step.init(params)
+    assert gp["Dense_0"]["kernel"].sbp == (B, S(1))
+    losses = []
+    for b in batches:
+        gp, gs, value = step(gp, gs, b)
+        losses.append(float(value.numpy()))
+    opt = optax.adamw(1e-2)
+    p, s = params, opt.init(params)
+    ref = []
+    for b in batches:
+        value, g = jax.value_and_grad(loss)(p, b)
+        u, s = opt.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        ref.append(float(value))
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(gp, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), jax.tree.leaves(p)):
+        np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def test_errors():
+    pl = sj.placement(8, "x")
+    step = sjf.TrainStep(lambda p, b: jnp.sum(p["w"] * b), optax.sgd(0.1), pl, None, (S(0),))
+    with pytest.raises(sj.SBPError, match=r"call step.init\(params\) first"):
+        step({"w": 1.0}, None, np.ones(8, np.float32))
+    with pytest.raises(sj.SBPError, match="zero=True needs a data axis"):
+        sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(B,), zero=True)
+    with pytest.raises(sj.SBPError, match="the placement's axes are"):
+        sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), zero="data")
+    with pytest.raises(sj.SBPError, match="param_sbp does not match"):
+        sjf.TrainStep(lambda p, b: p["w"].sum(), optax.sgd(0.1), pl, {"v": (B,)}, (B,)).init(
+            {"w": np.ones(8, np.float32)})
