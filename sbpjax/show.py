@@ -21,6 +21,8 @@ values, so a tensor inside ``jax.jit`` can be shown too.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from sbpjax._errors import SBPError
@@ -59,7 +61,7 @@ class _Picture:
                 start, size = box[dim]
                 cuts |= {start, start + size}
         cuts = sorted(cuts)
-        return list(zip(cuts[:-1], cuts[1:]))
+        return list(itertools.pairwise(cuts))
 
     def _holders(self, row_band, col_band) -> list:
         # the bands of the dims actually shown (a scalar shows none, a vector only columns)
@@ -197,9 +199,10 @@ def _check_tensor(t, where: str) -> GlobalTensor:
     return t
 
 
-def _print_rich(pic: _Picture, rich) -> None:
+def _print_rich(pic: _Picture) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     partial = bool(pic.layout.partial)
     table = Table(show_lines=True)
@@ -215,7 +218,7 @@ def _print_rich(pic: _Picture, rich) -> None:
             text = ",".join(map(str, holders))
             # one colour per device where one device holds the cell; partial terms in italics
             style = palette[order[holders[0]] % len(palette)] if len(holders) == 1 else ""
-            styled.append(rich.text.Text(text, style=(style + " italic").strip() if partial else style))
+            styled.append(Text(text, style=(style + " italic").strip() if partial else style))
         table.add_row(pic.band_label(band, pic.shown == 2), *styled)
     console = Console()
     console.print(pic.title(), highlight=False)
@@ -229,9 +232,9 @@ def _print_rich(pic: _Picture, rich) -> None:
 
 
 def _figure(pic: _Picture, figsize):
+    import matplotlib
     from matplotlib.figure import Figure  # not pyplot: no global state, fine under Agg
     from matplotlib.patches import Patch, Rectangle
-    import matplotlib
 
     n = len(pic.devices)
     cmap = matplotlib.colormaps["tab10" if n <= 10 else "tab20" if n <= 20 else "hsv"]
@@ -306,12 +309,12 @@ def show(t: GlobalTensor, kind: str = "text", *, figsize=None):
                            "pip install 'sbpjax[plots]', or use kind='text'.") from None
         return _figure(_Picture(t), figsize)
     try:
-        import rich.text
-    except ImportError:
+        import rich  # noqa: F401
+    except ImportError:  # rich is in the plots extra; plain text needs nothing
         print(layout_text(t))
         return None
-    _print_rich(_Picture(t), rich)
+    _print_rich(_Picture(t))
     return None
 
 
-__all__ = ["show", "layout_text"]
+__all__ = ["layout_text", "show"]
