@@ -9,6 +9,10 @@ the target placement), then boxes ``Y`` to the target layout. The choice of
 
 The move itself runs eagerly, one ``device_put`` per piece, so it cannot be
 traced under ``jit``/``grad``; the pipeline runtime calls it between stages.
+When both placements have the same grid shape and the tensor keeps one even
+S/B layout, each device's block goes whole to the device at the same grid
+position: the move is then a single ``device_put`` of the physical array (the
+plan and its bytes are the same; only the per-piece loop is skipped).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import BoxingPlan, Step, normalized_layout, plan_boxing
+from jax.sharding import NamedSharding
+
 from sbpjax.layout import Geometry
 from sbpjax.sbp import Broadcast, Split
 
@@ -112,6 +118,13 @@ def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, in
     X = src_side.dst_layout
     Y = dst_side.src_layout
     gs, gd = Geometry(plan.shape, src_pl.shape), Geometry(plan.shape, dst_pl.shape)
+    if _block_for_block(plan, gs):
+        # An even S/B physical array is the logical array itself, so resharding it
+        # onto the same spec over the target mesh sends each block whole to the
+        # device at the same grid position: what the loop below would move.
+        spec = gd.partition_spec(Y, dst_pl.axis_names)
+        out = jax.device_put(data, NamedSharding(dst_pl.mesh, spec))
+        return out, transfer_bytes(plan.shape, plan.dtype.itemsize, dst_pl, plan.dst_sbp)[0]
     shards = {s.device.id: s.data for s in data.addressable_shards}
     # Source blocks that hold distinct pieces, by their split coordinates; replicas
     # along broadcast axes are used in turn so no single device sends everything.
@@ -146,3 +159,12 @@ def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, in
     if dst_side.steps:
         out = boxing_fn(dst_side)(out)
     return out, int(moved)
+
+
+def _block_for_block(plan: TransferPlan, src_geometry: Geometry) -> bool:
+    """Whether the move keeps one even S/B layout on grids of the same shape."""
+    return (plan.placement.shape == plan.dst_placement.shape
+            and not plan.src_side.steps and not plan.dst_side.steps
+            and not plan.src_layout.partial
+            and plan.src_layout == plan.dst_layout
+            and src_geometry.even(plan.src_layout))

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 import sbpjax as sj
+from sbpjax.boxing import transfer
 from sbpjax.boxing.transfer import execute_transfer
+from sbpjax.layout import Geometry
 
 SBP = [sj.S(0), sj.S(1), sj.B, sj.P]
 
@@ -57,3 +59,42 @@ def test_transfer_cannot_be_traced(stages):
     t = sj.to_global(np.ones((4, 4), np.float32), pa, (sj.S(0), sj.B))
     with pytest.raises(sj.SBPError, match="runs eagerly"):
         jax.jit(lambda g: g.to_global(sbp=sj.B, placement=pb).physical)(t)
+
+
+@pytest.mark.parametrize("sbp", [(sj.S(0), sj.S(1)), (sj.S(1), sj.B), (sj.B, sj.B), (sj.S(0), sj.S(0))], ids=str)
+def test_same_grid_same_layout_is_one_device_put(sbp, monkeypatch):
+    # 2x2 -> 2x2 on other devices, an even S/B layout kept: the fast path; its
+    # values and bytes must be those of the general per-piece move
+    d = jax.devices()
+    pa = sj.Placement(np.array(d[:4]).reshape(2, 2), ("a", "b"))
+    pb = sj.Placement(np.array([d[7], d[5], d[6], d[4]]).reshape(2, 2), ("c", "d"))  # another device order
+    x = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    t = sj.to_global(x, pa, sbp)
+    plan = sj.plan_boxing(x.shape, x.dtype, pa, sbp, sbp, dst_placement=pb)
+    assert transfer._block_for_block(plan, Geometry(x.shape, pa.shape))
+    fast, fast_bytes = execute_transfer(plan, t.physical)
+    monkeypatch.setattr(transfer, "_block_for_block", lambda *a: False)
+    slow, slow_bytes = execute_transfer(plan, t.physical)
+    [move] = [s for s in plan.steps if s.op == "transfer"]
+    assert fast_bytes == slow_bytes == move.bytes == plan.bytes
+    assert fast.sharding == slow.sharding
+    by_device = {s.device: np.asarray(s.data) for s in slow.addressable_shards}
+    for s in fast.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), by_device[s.device])
+    u = sj.GlobalTensor(fast, x.shape, x.dtype, pb, sbp)
+    np.testing.assert_array_equal(u.numpy(), x)
+    np.testing.assert_array_equal(t.to_global(placement=pb).numpy(), x)  # the public route
+    for c in np.ndindex(2, 2):  # each target device holds the block of the source device at its grid position
+        np.testing.assert_array_equal(u.local_tensors()[c], t.local_tensors()[c])
+
+
+def test_uneven_changed_or_partial_layouts_take_the_general_path(stages):
+    d = jax.devices()
+    pa, pb = sj.placement(2, "a"), sj.Placement(np.array(d[4:6]), ("b",))
+    plans = [sj.plan_boxing((9, 4), np.float32, pa, sj.S(0), sj.S(0), dst_placement=pb),  # uneven
+             sj.plan_boxing((8, 4), np.float32, pa, sj.S(0), sj.S(1), dst_placement=pb),  # changed
+             sj.plan_boxing((8, 4), np.float32, pa, sj.P, sj.P, dst_placement=pb)]        # partial
+    plans.append(sj.plan_boxing((8, 4), np.float32, stages[0], (sj.B, sj.B), sj.B,      # 2x2 -> 3
+                                dst_placement=stages[1]))
+    for plan in plans:
+        assert not transfer._block_for_block(plan, Geometry(plan.shape, plan.placement.shape))
