@@ -32,6 +32,7 @@ from sbpjax.sbp import (
     split,
 )
 from sbpjax.tensor import GlobalTensor, from_local_tensors, to_global
+from sbpjax.show import layout_text, show
 from sbpjax.compiler.api import CompiledFunction, constrain, jit
 
 __version__ = "0.1.0"
@@ -46,4 +47,5 @@ __all__ = [
     "plan_boxing", "BoxingPlan", "Step", "CostModel", "calibrate",
     "collectives", "Collective",
     "jit", "constrain", "CompiledFunction",
+    "show", "layout_text",
 ]

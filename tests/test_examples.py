@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -55,3 +56,23 @@ def test_compiler_benchmark_quick(tmp_path):
     for name in ("megatron_mlp_fwd_bwd_2x4", "transformer_step_data", "uvw", "model_parallel_softmax_ce"):
         r = rows[name]
         assert r["sbpjax_bytes"] <= r["gspmd_bytes"] and r["sbpjax_bytes"] <= r["handwritten_bytes"], r
+
+
+@pytest.mark.slow
+def test_gpt_hybrid_demo_learns():
+    out = _run(["examples/gpt_hybrid.py", "--steps", "60", "--seq", "32"], 900).stdout
+    assert "all_reduce" in out and "per step (bytes received, all devices)" in out  # the plan summary
+    first, last = map(float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", out).groups())
+    assert last < first - 0.3, out[-500:]
+
+
+@pytest.mark.slow
+def test_train_benchmark_quick(tmp_path):
+    path = tmp_path / "train.json"
+    _run(["benchmarks/train.py", "--quick", "--output", str(path)], 900)  # checks every value itself
+    r = json.loads(path.read_text())
+    assert {"sbpjax_bytes", "gspmd_bytes", "time_ratio_vs_gspmd", "zero_state_bytes_per_device",
+            "dp_state_bytes_per_device"} <= set(r)
+    assert r["sbpjax_bytes"] == r["sbpjax_explained_bytes"]
+    assert r["sbpjax_bytes"] <= r["gspmd_bytes"]
+    assert r["zero_state_bytes_per_device"] <= r["dp_state_bytes_per_device"] / 8 * 1.05

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.compiler.api import constrain, is_nd_sbp, jit, state_sbp
 from sbpjax.flax.annotate import get_sbp
@@ -241,6 +242,16 @@ class Trainer:
         state = jax.tree.map(lambda v: v, self._template)
         nnx.replace_by_pure_dict(state, jax.tree.map(lambda t: jnp.asarray(t.numpy()), self.params, is_leaf=_is_gt))
         return nnx.merge(self.graphdef, state, self.rest)
+
+    def save(self, path) -> None:
+        """Save parameters and optimizer state with orbax (``sbpjax.checkpoint``)."""
+        checkpoint.save(path, {"params": self.params, "opt_state": self.opt_state})
+
+    def restore(self, path) -> None:
+        """Load a state saved by any Trainer of the same model and optimizer,
+        whatever its placement and layouts, into this Trainer's layouts."""
+        state = checkpoint.restore(path, {"params": self.params, "opt_state": self.opt_state})
+        self.params, self.opt_state = state["params"], state["opt_state"]
 
     def state_bytes_per_device(self) -> dict:
         """Bytes the most loaded device holds: parameters and optimizer state."""
