@@ -43,6 +43,7 @@ class ActorSpec:
     per_step: bool = False
 
     def microbatch(self, k: int) -> int | None:
+        """The microbatch of action ``k`` (None for a per-step action)."""
         return None if self.per_step else k
 
 
@@ -60,26 +61,41 @@ class ActorGraph:
     orders: dict = dataclasses.field(default_factory=dict)
 
     def threads(self) -> list[str]:
+        """Thread names in the order their actors first appear."""
         seen: dict[str, None] = {}
         for a in self.actors:
             seen.setdefault(a.thread, None)
         return list(seen)
 
 
+class InBox:
+    """A consumer's view of one input register: the slots announced by ``req``
+    and not yet acked. ``len(readable)`` is the actor's in counter for it."""
+
+    __slots__ = ("name", "producer", "readable", "register_index", "reuse")
+
+    def __init__(self, register: Register, producer: int):
+        self.name = register.spec.name
+        self.register_index = register.index
+        self.producer = producer           # actor index the ack goes back to
+        self.reuse = register.spec.reuse
+        self.readable: deque = deque()     # [slot, value, reads left] per announced slot
+
+    def head(self):
+        return self.readable[0][1]
+
+
 class Actor:
     """The run-time state of one actor: in-boxes (in counters) and its registers."""
 
-    __slots__ = ("spec", "index", "done", "inbox", "input_names", "outputs", "ordered")
+    __slots__ = ("done", "inboxes", "index", "ordered", "outputs", "spec")
 
     def __init__(self, spec: ActorSpec, index: int):
         self.spec = spec
         self.index = index
         self.done = 0
-        # one entry per input register: (register index, producer index, reuse, readable slots);
-        # a readable slot is [slot, value, reads left]; the deque length is the in counter
-        self.inbox: list[tuple[int, int, int, deque]] = []
-        self.input_names: list[str] = []  # the register each in-box belongs to, in the same order
-        self.outputs: list[Register] = []
+        self.inboxes: list[InBox] = []
+        self.outputs: list[Register] = []  # registers it writes (their free slots are its out counters)
         self.ordered = False  # True when its thread's action list decides its turn
 
     @property
@@ -89,8 +105,8 @@ class Actor:
     def ready(self) -> bool:
         if self.done == self.spec.actions:
             return False
-        for _, _, _, slots in self.inbox:
-            if not slots:
+        for box in self.inboxes:
+            if not box.readable:
                 return False
         k = self.done
         for reg in self.outputs:
@@ -98,14 +114,14 @@ class Actor:
                 return False
         return True
 
-    def waiting_for(self, registers: list[Register], actors: list[Actor]) -> str:
+    def waiting_for(self, actors: list[Actor]) -> str:
         """Why this actor cannot act now, in words (for the stall detector)."""
         if self.finished:
             return "finished"
         why = []
-        for reg_index, producer, _, slots in self.inbox:
-            if not slots:
-                why.append(f"a req on {registers[reg_index].spec.name!r} from {actors[producer].spec.name}")
+        for box in self.inboxes:
+            if not box.readable:
+                why.append(f"a req on {box.name!r} from {actors[box.producer].spec.name}")
         k = self.done
         for reg in self.outputs:
             if not reg.free and reg.spec.writes_on(k):
@@ -135,8 +151,7 @@ class ActorSystem:
             producer = by_name[reg.spec.producer]
             producer.outputs.append(reg)
             for c in reg.spec.consumers:
-                by_name[c].inbox.append((reg.index, producer.index, reg.spec.reuse, deque()))
-                by_name[c].input_names.append(reg.spec.name)
+                by_name[c].inboxes.append(InBox(reg, producer.index))
         self._consumers = [[by_name[c] for c in reg.spec.consumers] for reg in self.registers]
         self.thread_names = graph.threads()
         self.thread_actors = {t: [a for a in self.actors if a.spec.thread == t] for t in self.thread_names}
@@ -155,11 +170,17 @@ class ActorSystem:
         raise NotImplementedError
 
     def send(self, dst: Actor, msg: tuple) -> None:
+        """Deliver ``msg`` to the FIFO queue of ``dst``'s thread."""
         raise NotImplementedError
 
     def nbytes(self, value) -> int:
         """Bytes a value holds (counted for activation registers only)."""
         return 0
+
+    def stopping(self) -> bool:
+        """True once the run is being abandoned (a failure elsewhere): no new
+        action starts, even one that its registers would allow."""
+        return False
 
     # -- protocol -----------------------------------------------------------------
     def start(self, thread: str) -> None:
@@ -168,18 +189,22 @@ class ActorSystem:
             self._act_until_blocked(thread, actor)
 
     def handle(self, thread: str, msg: tuple) -> None:
+        """Take one message off ``thread``'s queue: a ``req`` raises the receiver's
+        in counter, an ``ack`` frees a slot of its register; then the receiver
+        acts for as long as it can."""
         kind, dst, reg_index, slot, value = msg
         actor = self.actors[dst]
         if kind == REQ:
-            for r, _, reuse, slots in actor.inbox:
-                if r == reg_index:
-                    slots.append([slot, value, reuse])
+            for box in actor.inboxes:
+                if box.register_index == reg_index:
+                    box.readable.append([slot, value, box.reuse])
                     break
         else:
             self.registers[reg_index].ack(slot)
         self._act_until_blocked(thread, actor)
 
     def thread_finished(self, thread: str) -> bool:
+        """Every actor bound to ``thread`` has done all its actions."""
         return all(a.finished for a in self.thread_actors[thread])
 
     def _may_act(self, thread: str, actor: Actor) -> bool:
@@ -193,7 +218,7 @@ class ActorSystem:
     def _act_until_blocked(self, thread: str, actor: Actor) -> None:
         """Act while the actor stays ready (OneFlow's act-until-fail); on a thread
         with an action list, the actor whose turn comes next gets its chance too."""
-        while True:
+        while not self.stopping():
             if self._may_act(thread, actor):
                 self._act(thread, actor)
                 continue
@@ -207,7 +232,7 @@ class ActorSystem:
 
     def _act(self, thread: str, actor: Actor) -> None:
         k = actor.done
-        inputs = {name: box[3][0][1] for name, box in zip(actor.input_names, actor.inbox)}
+        inputs = {box.name: box.head() for box in actor.inboxes}
         values = self.execute(actor, k, inputs)
         actor.done += 1
         if actor.ordered:
@@ -220,13 +245,12 @@ class ActorSystem:
             slot = reg.write(self.nbytes(value) if spec.activation else 0)
             for dst in self._consumers[reg.index]:
                 self.send(dst, (REQ, dst.index, reg.index, slot, value))
-        for reg_index, producer, _, slots in actor.inbox:
-            head = slots[0]
+        for box in actor.inboxes:
+            head = box.readable[0]
             head[2] -= 1
             if head[2] == 0:
-                slots.popleft()
-                dst = self.actors[producer]
-                self.send(dst, (ACK, producer, reg_index, head[0], None))
+                box.readable.popleft()
+                self.send(self.actors[box.producer], (ACK, box.producer, box.register_index, head[0], None))
 
     # -- reports ------------------------------------------------------------------
     def stall_report(self) -> str:
@@ -242,7 +266,7 @@ class ActorSystem:
                             nxt = self.actors[seq[c][0]]
                             turn = f"; the action list of thread {t!r} gives the turn to {nxt.spec.name} first"
                     lines.append(f"  {a.spec.name} (thread {t!r}, {a.done}/{a.spec.actions} actions done) "
-                                 f"{a.waiting_for(self.registers, self.actors)}{turn}")
+                                 f"{a.waiting_for(self.actors)}{turn}")
         return "\n".join(lines)
 
     def register_stats(self) -> tuple[RegisterStats, ...]:
@@ -258,6 +282,11 @@ def validate_graph(graph: ActorGraph) -> None:
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise SBPError(f"actor graph: actor names must be unique; repeated: {dup}.")
+    for a in graph.actors:
+        if a.kind not in KINDS:
+            raise SBPError(f"actor graph: actor {a.name!r} has kind {a.kind!r}; kinds are {', '.join(KINDS)}.")
+        if a.actions < 0:
+            raise SBPError(f"actor graph: actor {a.name!r} acts {a.actions} times; give a count >= 0.")
     known = set(names)
     by_name = {a.name: a for a in graph.actors}
     for r in graph.registers:

@@ -5,15 +5,20 @@ queue with its own thread; the host loader and the host-to-device copies have
 theirs. A thread pops messages from its queue in arrival order and hands each
 to its actor, which acts as long as its registers allow. Threads never look at
 each other's actors; messages are the only link, so there is no central
-scheduler. The caller's thread only starts the threads, watches for failures
-and stalls, and joins them.
+scheduler. The caller's thread only starts the threads, sleeps until they are
+all done or one reports a failure or a stall, and joins them.
 
 Failures: the first action that raises stops every thread (each finishes the
-action it is in, then exits) and the caller gets a :class:`PipelineError` that
-names the actor, its stage and microbatch. Stalls: when no thread has handled
-a message for ``stall_timeout`` seconds and all of them wait on empty queues,
-the caller gets a :class:`PipelineStall` naming what each actor waits for.
-Either way no thread outlives :meth:`ThreadedSystem.run`.
+action it is in, starts no other, then exits) and the caller gets a
+:class:`PipelineError` that names the actor, its stage and microbatch.
+
+Stalls are detected exactly, with no timeout and no polling: a message is *in
+flight* from the moment it is queued until its handling ends, and only a thread
+that is not waiting on its queue sends one. So when every thread that still has
+work waits on its queue and nothing is in flight, nothing can ever happen again;
+the last thread to wait (or to leave) says so, and the caller gets a :class:`PipelineStall` naming
+what each unfinished actor waits for. Either way no thread outlives
+:meth:`ThreadedSystem.run`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from sbpjax._errors import SBPError
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec, ActorSystem
 from sbpjax.pipeline.errors import PipelineError, PipelineStall
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
@@ -49,25 +55,29 @@ class ThreadedSystem(ActorSystem):
     """
 
     def __init__(self, graph: ActorGraph, bodies: dict[str, Body], *, nbytes: Callable | None = None,
-                 before_action: Callable | None = None, stall_timeout: float = 30.0, poll: float = 0.01):
+                 before_action: Callable | None = None):
         super().__init__(graph)
+        missing = [a.spec.name for a in self.actors if a.spec.name not in bodies]
+        if missing:
+            raise SBPError(f"ThreadedSystem: no body for actors {missing}; give bodies[name](k, inputs) -> "
+                           "outputs for every actor of the graph.")
         self._bodies = [bodies[a.spec.name] for a in self.actors]
         self._nbytes = nbytes
         self._before = before_action
-        self._stall_timeout = stall_timeout
-        self._poll = poll
         self._queues = {t: queue.SimpleQueue() for t in self.thread_names}
-        self._queue_of = [self._queues[a.spec.thread] for a in self.actors]
+        self._thread_of = [a.spec.thread for a in self.actors]
+        # per thread, written only by that thread (read by the caller after join)
         self._records = {t: [] for t in self.thread_names}
         self._busy_s = {t: 0.0 for t in self.thread_names}   # handling messages, bodies included
         self._body_s = {t: 0.0 for t in self.thread_names}
-        self._idle = {t: False for t in self.thread_names}
-        self._handled = 0  # progress counter read by the stall detector
+        # shared between threads, under _lock: who still runs, who waits, what is in flight
+        self._lock = threading.Lock()
+        self._live = set(self.thread_names)  # threads with unfinished actors
+        self._waiting = 0                    # live threads blocked on their queue
+        self._in_flight = 0                  # messages queued to a live thread and not yet handled
         self._failure: BaseException | None = None
         self._failed = threading.Event()
-        self._wake = threading.Event()  # set when every thread has left, or on a failure
-        self._lock = threading.Lock()
-        self._running = 0
+        self._wake = threading.Event()  # set when every thread has left, or on a failure or a stall
         self._local = threading.local()
         self._t0 = 0.0
 
@@ -75,8 +85,17 @@ class ThreadedSystem(ActorSystem):
     def nbytes(self, value) -> int:
         return self._nbytes(value) if self._nbytes is not None else 0
 
+    def stopping(self) -> bool:
+        return self._failed.is_set()
+
     def send(self, dst, msg):
-        self._queue_of[dst.index].put(msg)
+        thread = self._thread_of[dst.index]
+        with self._lock:
+            # A thread whose actors are all done has left; what it is sent now is an
+            # ack for a register nobody will write again, so it is dropped.
+            if thread in self._live:
+                self._in_flight += 1
+                self._queues[thread].put(msg)
 
     def execute(self, actor, k, inputs):
         spec = actor.spec
@@ -104,24 +123,52 @@ class ThreadedSystem(ActorSystem):
             self.start(name)
             busy += time.perf_counter() - t
             while not self.thread_finished(name) and not self._failed.is_set():
-                self._idle[name] = True
+                if self._wait_would_stall():
+                    self._stalled()
+                    break
                 msg = q.get()
                 t = time.perf_counter()
-                self._idle[name] = False
+                with self._lock:
+                    self._waiting -= 1
                 if msg is _STOP:
                     break
                 self.handle(name, msg)
-                self._handled += 1  # a progress signal for the stall detector: a lost increment is harmless
+                with self._lock:
+                    self._in_flight -= 1
                 busy += time.perf_counter() - t
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             self._fail(e)
         finally:
             self._busy_s[name] = busy
-            self._idle[name] = True
-            with self._lock:
-                self._running -= 1
-                if self._running == 0:
-                    self._wake.set()
+            self._leave(name)
+
+    def _wait_would_stall(self) -> bool:
+        """Count this thread as waiting; True if that leaves nothing that can move."""
+        with self._lock:
+            self._waiting += 1
+            return self._waiting == len(self._live) and self._in_flight == 0
+
+    def _leave(self, name: str) -> None:
+        with self._lock:
+            self._live.discard(name)
+            # messages still queued to it are no longer in flight (see send)
+            q = self._queues[name]
+            while not q.empty():
+                if q.get() is not _STOP:
+                    self._in_flight -= 1
+            done = not self._live
+            stalled = not done and self._waiting == len(self._live) and self._in_flight == 0
+        if done:
+            self._wake.set()
+        elif stalled and not self._failed.is_set():
+            self._stalled()
+
+    def _stalled(self) -> None:
+        # every live thread waits on an empty queue, so the actors' state is still
+        self._fail(PipelineStall(
+            "pipeline stalled: no actor can act and the step is not finished. Unfinished actors:\n"
+            f"{self.stall_report()}\nGive the registers named above more slots "
+            "(stash_counts / activation_registers / data_registers) or fix the action lists."))
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -129,46 +176,32 @@ class ThreadedSystem(ActorSystem):
                 return
             self._failure = error
             self._failed.set()
+            for q in self._queues.values():
+                q.put(_STOP)
         self._wake.set()
-        for q in self._queues.values():
-            q.put(_STOP)
 
     def run(self) -> Timeline:
         """Run the step; return its timeline, or raise what went wrong."""
         threads = [threading.Thread(target=self._thread_main, args=(t,), name=THREAD_PREFIX + t, daemon=True)
                    for t in self.thread_names]
-        self._running = len(threads)
+        started = []
         self._t0 = time.perf_counter()
         try:
             for th in threads:
                 th.start()
-            self._watch()
+                started.append(th)
+            self._wake.wait()  # interruptible: Ctrl-C lands in the except below
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop every thread first
             self._fail(e)
             raise
         finally:
-            for th in threads:
+            for th in started:
                 th.join()
         if self._failure is not None:
             raise self._describe(self._failure)
         records = sorted((r for rs in self._records.values() for r in rs), key=lambda r: r.start)
         overhead = sum(self._busy_s.values()) - sum(self._body_s.values())
         return Timeline(tuple(records), self.register_stats(), tuple(self.thread_names), overhead)
-
-    def _watch(self) -> None:
-        """Wait for the threads; stop them all on a failure or a stall."""
-        last, since = -1, time.perf_counter()
-        while not self._wake.wait(self._poll):
-            now = time.perf_counter()
-            if self._handled != last:
-                last, since = self._handled, now
-            elif now - since > self._stall_timeout and all(self._idle.values()):
-                report = self.stall_report()
-                self._fail(PipelineStall(
-                    f"pipeline stalled: no actor could act for {self._stall_timeout:g}s and the step is not "
-                    f"finished. Unfinished actors:\n{report}\nGive the registers named above more slots "
-                    "(stash_counts / activation_registers) or fix the action lists."))
-                return
 
     def _describe(self, error: BaseException) -> BaseException:
         if isinstance(error, _ActionFailed):

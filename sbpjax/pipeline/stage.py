@@ -33,11 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.api import is_nd_sbp, jit, state_sbp
-from sbpjax.layout import Geometry
 from sbpjax.pipeline.runtime import ThreadedSystem
 from sbpjax.pipeline.schedule import StageThreads, as_schedule, build_graph
 from sbpjax.pipeline.simulate import Durations, simulate_graph
@@ -76,23 +74,15 @@ def _logical_nbytes(value) -> int:
 
 
 def _ready(tree):
+    """Wait for the values: an action ends when its work is done, so the
+    timeline shows real durations and a register never holds pending work."""
     return jax.block_until_ready(tree)
 
 
-def move(t: GlobalTensor, sbp: tuple, placement: Placement) -> GlobalTensor:
-    """Box ``t`` onto another stage's ``(placement, sbp)``.
-
-    When both ends have the same grid shape and nd-SBP, the block of each device
-    goes to the device at the same grid position, so the whole move is one
-    ``jax.device_put`` of the physical array: the bytes of the boxing plan's
-    transfer step (|T| for S, p|T| for B) without its per-piece Python loop.
-    Anything else goes through the boxing planner (``to_global(placement=...)``).
-    """
-    if t.placement.shape == placement.shape and t.sbp == sbp and t.placement != placement:
-        spec = Geometry(t.shape, placement.shape).partition_spec(t.layout, placement.axis_names)
-        data = jax.device_put(t.physical, NamedSharding(placement.mesh, spec))
-        return GlobalTensor(data, t.shape, t.dtype, placement, sbp)
-    return t.to_global(sbp=sbp, placement=placement)
+def _move(t: GlobalTensor, sbp: tuple, placement: Placement) -> GlobalTensor:
+    """Box ``t`` onto another stage's ``(placement, sbp)`` (disjoint-placement
+    boxing; same grid and layout is one ``device_put``, see sbpjax.boxing.transfer)."""
+    return _ready(t.to_global(sbp=sbp, placement=placement))
 
 
 class Stage:
@@ -212,14 +202,14 @@ class Pipeline:
     slots of the loader / put registers and of the registers between stages;
     ``stash_counts`` overrides the schedule's forward-to-backward slots per
     stage. ``before_action(actor_spec, k)`` is called before every action (for
-    tracing, injected delays or faults). ``stall_timeout``: seconds without
-    progress, all threads idle, before a :class:`PipelineStall`.
+    tracing, injected delays or faults). A step that cannot finish raises
+    :class:`PipelineStall` as soon as no actor can act.
     """
 
     def __init__(self, stages: Sequence[Stage], loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                  microbatches: int, schedule="1f1b", target_sbp=None, data_registers: int = 2,
                  activation_registers: int = 2, stash_counts: Sequence[int] | None = None,
-                 before_action: Callable | None = None, stall_timeout: float = 30.0):
+                 before_action: Callable | None = None):
         stages = list(stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise SBPError("Pipeline: stages must be a non-empty list of sbpjax.pipeline.Stage.")
@@ -243,7 +233,6 @@ class Pipeline:
         self.programs = [_StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer,
                                         self.target_sbp) for i, st in enumerate(stages)]
         self.before_action = before_action
-        self.stall_timeout = stall_timeout
 
     def _device_groups(self, stages) -> list[Placement]:
         groups: list[Placement] = []
@@ -286,8 +275,7 @@ class Pipeline:
         load_targets = self._feed("targets", targets, m)
         losses: list = [None] * m
         bodies = self._bodies(load_inputs, load_targets, losses)
-        system = ThreadedSystem(self.graph, bodies, nbytes=_logical_nbytes, before_action=self.before_action,
-                                stall_timeout=self.stall_timeout)
+        system = ThreadedSystem(self.graph, bodies, nbytes=_logical_nbytes, before_action=self.before_action)
         try:
             timeline = system.run()
         finally:
@@ -333,12 +321,11 @@ class Pipeline:
             if s < last:
                 nxt = stages[s + 1]
                 bodies[f"transfer:act{s}->{s + 1}"] = (
-                    lambda k, v, s=s, nxt=nxt: {f"in{s + 1}": _ready(move(v[f"out{s}"], nxt.in_sbp, nxt.placement))})
+                    lambda k, v, s=s, nxt=nxt: {f"in{s + 1}": _move(v[f"out{s}"], nxt.in_sbp, nxt.placement)})
             if s > 0:
                 prev = stages[s - 1]
                 bodies[f"transfer:grad{s}->{s - 1}"] = (
-                    lambda k, v, s=s, prev=prev: {f"dy{s - 1}": _ready(move(v[f"dx{s}"], prev.out_sbp,
-                                                                             prev.placement))})
+                    lambda k, v, s=s, prev=prev: {f"dy{s - 1}": _move(v[f"dx{s}"], prev.out_sbp, prev.placement)})
         return bodies
 
     def _input_name(self, s: int) -> str:
