@@ -23,7 +23,6 @@ work by hand. :class:`ActionList` takes such a per-device order;
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec
@@ -41,6 +40,7 @@ class Schedule:
         return devices
 
     def device_of(self, stage: int, devices: int) -> int:
+        """The device group that runs ``stage`` (round robin, for interleaving)."""
         return stage % devices
 
     def check(self, devices: int, microbatches: int) -> None:
@@ -183,7 +183,6 @@ class Interleaved1F1B(ActionList):
         return f"Interleaved1F1B(chunks={self.chunks})"
 
 
-@functools.lru_cache(maxsize=64)
 def megatron_interleaved(p: int, v: int, m: int) -> dict[int, list]:
     """Megatron-LM's interleaved 1F1B order, per device.
 
