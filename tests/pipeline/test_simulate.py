@@ -120,18 +120,22 @@ def test_data_loading_overlaps_the_first_stage():
     assert fwd0[0].start == 0.5 + 0.2
 
 
+def _random_durations(rng):
+    """A duration per (kind, stage, microbatch), drawn once."""
+    table = {}
+
+    def duration(kind, stage, microbatch):
+        return table.setdefault((kind, stage, microbatch), rng.choice([0.0, 0.5, 1.0, 3.0, 7.0]))
+    return duration
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", sjp.Interleaved1F1B(2)])
 def test_random_durations_never_deadlock(schedule):
     rng = random.Random(0)
     for trial in range(30):
         p = rng.choice([2, 4])
         m = p * rng.choice([1, 2, 3])
-        table = {}
-
-        def duration(kind, stage, microbatch):
-            return table.setdefault((kind, stage, microbatch), rng.choice([0.0, 0.5, 1.0, 3.0, 7.0]))
-
-        tl = sjp.simulate(schedule, p, m, duration)
+        tl = sjp.simulate(schedule, p, m, _random_durations(rng))
         n_stages = p * (2 if isinstance(schedule, sjp.Interleaved1F1B) else 1)
         assert len(tl.of_kind("forward")) == len(tl.of_kind("backward")) == n_stages * m
         assert len(tl.of_kind("update")) == n_stages
