@@ -24,11 +24,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import BoxingPlan, Step, normalized_layout, plan_boxing
-from jax.sharding import NamedSharding
-
 from sbpjax.layout import Geometry
 from sbpjax.sbp import Broadcast, Split
 
