@@ -1,6 +1,6 @@
 """Pipeline benchmark: simulated schedules against theory, and the actor runtime on real work.
 
-    python benchmarks/pipeline.py            # default sizes (a few minutes on 8 CPU devices)
+    python benchmarks/pipeline.py            # default sizes (about 20 s on 8 CPU devices)
     python benchmarks/pipeline.py --quick    # small sizes, same fields, under two minutes
 
 (a) Simulated clock: bubble fraction of GPipe, 1F1B and interleaved 1F1B
@@ -11,9 +11,10 @@ chunk), against the closed forms (p-1)/(m+p-1) and (p-1)/(vm+p-1).
 (b) Real run on CPU: 4 stages x 2-way tensor parallel (Megatron MLP blocks,
 sj.jit per stage) on 8 devices, 1F1B with 8 microbatches. Reports the runtime's
 own time per action (threads' time outside action bodies, per action) against
-the mean action time; the throughput ratio against one jitted non-pipelined
+the mean action time, and the wall time per action of a step whose actions do
+nothing (the floor: thread start/join, messages and wake-ups included); the throughput ratio against one jitted non-pipelined
 train step of the same model on the same 8 devices (data parallel over all 8,
-GSPMD; its loss is checked against the pipeline's); and the peak live
+GSPMD; its loss is checked against the pipeline's; the two alternate step by step); and the peak live
 activation bytes per stage under GPipe and 1F1B (logical bytes of the stage
 inputs kept for the backward). Median over steps after a warm-up step.
 
@@ -103,6 +104,19 @@ def single_program(params, opt):
     return fn, ps, jax.device_put(opt.init(params), rep), rows
 
 
+def empty_step_us_per_action(repeats: int) -> float:
+    """Wall time of a whole 1F1B step (4 stages, m = 8) whose actions do nothing,
+    per action: thread start and join, messages, wake-ups; the runtime's floor."""
+    graph = sjp.build_graph(sjp.OneFOneB(), 4, 8)
+    bodies = {a.name: (lambda k, inputs: {}) for a in graph.actors}
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sjp.ThreadedSystem(graph, bodies).run()
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times) / sum(a.actions for a in graph.actors)
+
+
 def real_run(quick: bool, steps: int, png: str) -> dict:
     d = 128 if quick else 256
     rows_per_mb, m, n = (8 if quick else 16), 8, 4
@@ -112,23 +126,21 @@ def real_run(quick: bool, steps: int, png: str) -> dict:
     batches = [(rng.normal(size=(m * rows_per_mb, d)).astype(np.float32),
                 rng.normal(size=(m * rows_per_mb, d)).astype(np.float32)) for _ in range(steps + 1)]
 
-    # the single program first, from the same parameters: its loss checks the pipeline's
+    # both warm up on the first batch from the same parameters: the single program's loss checks the pipeline's
     fn, ps, state, rows = single_program(params, opt)
     x0, y0 = batches[0]
-    _, _, single_loss = fn(ps, state, jax.device_put(x0, rows), jax.device_put(y0, rows))
-    single_times = []
+    *_, single_loss = fn(ps, state, jax.device_put(x0, rows), jax.device_put(y0, rows))
+    pipe = make_pipeline(params, "1f1b", m, opt)
+    first = pipe.step(x0, y0)  # compiles every stage
+    assert abs(first.loss - float(single_loss)) < 1e-5 * max(1.0, abs(float(single_loss))), \
+        (first.loss, float(single_loss))
+    # then they alternate, step by step, so that both see the same load on the machine
+    single_times, step_times, overheads, action_ms = [], [], [], []
     for x, y in batches[1:]:
         xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
         t0 = time.perf_counter()
-        ps, state, loss = jax.block_until_ready(fn(ps, state, xs, ys))
+        ps, state, _ = jax.block_until_ready(fn(ps, state, xs, ys))
         single_times.append(time.perf_counter() - t0)
-
-    pipe = make_pipeline(params, "1f1b", m, opt)
-    first = pipe.step(*batches[0])  # compiles every stage
-    assert abs(first.loss - float(single_loss)) < 1e-5 * max(1.0, abs(float(single_loss))), \
-        (first.loss, float(single_loss))
-    step_times, overheads, action_ms = [], [], []
-    for x, y in batches[1:]:
         t0 = time.perf_counter()
         result = pipe.step(x, y)
         step_times.append(time.perf_counter() - t0)
@@ -146,6 +158,7 @@ def real_run(quick: bool, steps: int, png: str) -> dict:
 
     step_s, single_s = statistics.median(step_times), statistics.median(single_times)
     return {
+        "empty_step_us_per_action": empty_step_us_per_action(20 if quick else 100),
         "overhead_us_per_action": statistics.median(overheads),
         "action_ms": statistics.median(action_ms),
         "throughput_ratio_vs_single_program": single_s / step_s,
@@ -182,6 +195,7 @@ def main():
     real = real_run(args.quick, steps, png)
     print("\n(b) real run, 4 stages x 2-way TP on 8 CPU devices, 1F1B, m = 8")
     print(f"runtime overhead per action   {real['overhead_us_per_action']:.1f} us (target <= 100)")
+    print(f"empty-action step, per action {real['empty_step_us_per_action']:.1f} us (wall, threads included)")
     print(f"mean action time              {real['action_ms']:.3f} ms")
     print(f"step time                     {real['step_ms']:.1f} ms "
           f"(single program {real['single_program_step_ms']:.1f} ms)")
