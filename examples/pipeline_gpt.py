@@ -98,7 +98,7 @@ def batch(rows, seed):
     return windows[:, :-1], windows[:, 1:]
 
 
-def reference_step(params, tokens, labels, opt):
+def reference_step(params, tokens, labels):
     """The non-pipelined step: the whole model, one jitted value_and_grad on the whole batch."""
     def loss(ps):
         h = tokens
@@ -149,7 +149,7 @@ def main():
         print(f"  {st.name}: {st.placement!r}")
 
     tokens, labels = batch(m * args.rows, seed=0)
-    want_loss, want_grads = reference_step(params, tokens, labels, opt)
+    want_loss, want_grads = reference_step(params, tokens, labels)
     t0 = time.perf_counter()
     first = pipe.step(tokens, labels)
     print(f"step 0 (compiles every stage): {time.perf_counter() - t0:.1f}s, loss {first.loss:.5f}")

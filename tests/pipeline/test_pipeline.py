@@ -33,7 +33,7 @@ def _host(tree):
                                   is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
 
 
-def reference_step(fns, params, x, y, opt, opt_state=None):
+def reference_step(fns, params, x, y, opt):
     """The non-pipelined step: one jitted value_and_grad of the whole model on the whole batch."""
     def loss(ps):
         h = x
@@ -42,8 +42,7 @@ def reference_step(fns, params, x, y, opt, opt_state=None):
         return mse(h, y)
 
     value, grads = jax.jit(jax.value_and_grad(loss))(params)
-    state = opt.init(params) if opt_state is None else opt_state
-    updates, _ = opt.update(grads, state, params)
+    updates, _ = opt.update(grads, opt.init(params), params)
     return float(value), grads, optax.apply_updates(params, updates)
 
 
