@@ -12,9 +12,10 @@ chunk), against the closed forms (p-1)/(m+p-1) and (p-1)/(vm+p-1).
 sj.jit per stage) on 8 devices, 1F1B with 8 microbatches. Reports the runtime's
 own time per action (threads' time outside action bodies, per action) against
 the mean action time, and the wall time per action of a step whose actions do
-nothing (the floor: thread start/join, messages and wake-ups included); the throughput ratio against one jitted non-pipelined
-train step of the same model on the same 8 devices (data parallel over all 8,
-GSPMD; its loss is checked against the pipeline's; the two alternate step by step); and the peak live
+nothing (the floor: thread start/join, messages and wake-ups included); the
+throughput ratio against one jitted non-pipelined train step of the same model
+on the same 8 devices (data parallel over all 8, GSPMD; its loss is checked
+against the pipeline's; the two alternate step by step); and the peak live
 activation bytes per stage under GPipe and 1F1B (logical bytes of the stage
 inputs kept for the backward). Median over steps after a warm-up step.
 
