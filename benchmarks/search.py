@@ -18,7 +18,8 @@
   forward activation communication of the searched strategy over Megatron's best
   (data x model parallel, the best split of 64 that fits).
 * gpt3: GPT-3 175B (96 layers, h 12288, 96 heads, 2048 tokens x 1024 sequences)
-  on 1024 devices (128 nodes x 8 GPUs): search wall time including pricing.
+  on 1024 devices: search wall time including pricing (one network; the full run
+  also times a 128 nodes x 8 GPUs grid, whose space is 10x larger).
 * rank: predicted time vs measured step time of 10 strategies of an MLP train
   step on 8 CPU devices (cost model calibrated here): Spearman correlation; and
   predicted == measured bytes for each.
@@ -41,13 +42,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-import sbpjax as sj  # noqa: E402
-import sbpjax.search as ss  # noqa: E402
-from sbpjax.search.cost import ClosedForm, out_layout  # noqa: E402
+import sbpjax as sj
+import sbpjax.search as ss
+from sbpjax.search.cost import ClosedForm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -79,35 +79,39 @@ SCALING = textwrap.dedent("""
     import sbpjax as sj, sbpjax.search as ss
     n = int(sys.argv[1])
     out = []
-    for p, layouts in ((8, {"1d": [(1, 8, 1), (1, 1, 8)], "2d": [(1, 2, 4)] * 2, "3d": [(2, 2, 2)] * 2}),
-                       (64, {"1d": [(1, 64, 1), (1, 1, 64)], "2d": [(1, 8, 8)] * 2, "3d": [(4, 4, 4)] * 2})):
-        pl = sj.placement(p, "x")
-        grid = ss.Grid.from_placement(pl)
+    # each family on a placement whose whole axes take the roles (Grid refine=False):
+    # 1-D Megatron (column then row), 2-D (column x row), 3-D (data x column x row)
+    cases = [(8, "1d", (8,), [("C",), ("R",)]), (8, "2d", (2, 4), [("C", "R")] * 2),
+             (8, "3d", (2, 2, 2), [("D", "C", "R")] * 2), (64, "1d", (64,), [("C",), ("R",)]),
+             (64, "2d", (8, 8), [("C", "R")] * 2), (64, "3d", (4, 4, 4), [("D", "C", "R")] * 2)]
+    runs = {"D": (1, 0, 0), "C": (0, 1, 0), "R": (0, 0, 1)}
+    for p, name, shape, roles in cases:
+        pl = sj.placement(shape, tuple(f"a{i}" for i in range(len(shape))))
+        grid = ss.Grid.from_placement(pl, refine=False)
         ops = [ss.MatmulOp("l0", n, n, n, param="l0", from_data=True), ss.MatmulOp("l1", n, n, n, param="l1")]
-        by_deg = {c.degrees(grid): c for c in ss.choices(grid)}
-        for name, degs in layouts.items():
-            st = ss.evaluate(ops, grid, {"l0": by_deg[degs[0]], "l1": by_deg[degs[1]]}, placement=pl)
-            def loss(params, x):
-                h = jnp.tanh(st.matmul(x, params["l0"], "l0"))
-                return jnp.sum(st.matmul(h, params["l1"], "l1") ** 2)
-            def step(params, x):
-                return jax.tree.map(lambda w, g: w - 0.1 * g, params, st.synced(jax.grad(loss)(params, x)))
-            params = {k: jax.ShapeDtypeStruct((n, n), jnp.float32) for k in ("l0", "l1")}
-            f = sj.jit(step, placement=st.placement, in_sbp=(st.param_sbp(params), st.input_sbp()),
-                       out_sbp=st.param_sbp(params))
-            cs = sj.collectives(f.lower(params, jax.ShapeDtypeStruct((n, n), jnp.float32)).compile())
-            received = sum(c.bytes for c in cs) / p
-            # the buffer each device communicates, from the bytes it receives:
-            # all-reduce 2(g-1)/g n, others (g-1)/g n (reduce-scatter: of its input), permute n
-            def payload(c):
-                g = c.group_size
-                per = c.bytes / (c.group_size * c.num_groups)
-                if c.op == "collective-permute":
-                    return per
-                return per * g / (g - 1) / (2 if c.op == "all-reduce" else 1)
-            volume = sum(payload(c) * c.group_size * c.num_groups for c in cs) / p
-            out.append({"p": p, "layout": name, "bytes_per_device": volume, "received_bytes_per_device": received,
-                        "predicted_bytes": st.bytes, "measured_bytes": sum(c.bytes for c in cs)})
+        pick = {op.name: ss.Choice(tuple(runs[r] for r in rs)) for op, rs in zip(ops, roles)}
+        st = ss.evaluate(ops, grid, pick, placement=pl)
+        def loss(params, x):
+            h = jnp.tanh(st.matmul(x, params["l0"], "l0"))
+            return jnp.sum(st.matmul(h, params["l1"], "l1") ** 2)
+        def step(params, x):
+            return jax.tree.map(lambda w, g: w - 0.1 * g, params, st.synced(jax.grad(loss)(params, x)))
+        params = {k: np.zeros((n, n), np.float32) for k in ("l0", "l1")}
+        f = sj.jit(step, placement=st.placement, in_sbp=(st.param_sbp(params), st.input_sbp()),
+                   out_sbp=st.param_sbp(params))
+        cs = sj.collectives(f.lower(params, np.zeros((n, n), np.float32)).compile())
+        received = sum(c.bytes for c in cs) / p
+        # the buffer each device communicates, from the bytes it receives:
+        # all-reduce 2(g-1)/g n, others (g-1)/g n (reduce-scatter: of its input), permute n
+        def payload(c):
+            g = c.group_size
+            per = c.bytes / (c.group_size * c.num_groups)
+            if c.op == "collective-permute":
+                return per
+            return per * g / (g - 1) / (2 if c.op == "all-reduce" else 1)
+        volume = sum(payload(c) * c.group_size * c.num_groups for c in cs) / p
+        out.append({"p": p, "layout": name, "bytes_per_device": volume, "received_bytes_per_device": received,
+                    "predicted_bytes": st.bytes, "measured_bytes": sum(c.bytes for c in cs)})
     print(json.dumps(out))
 """)
 
@@ -163,9 +167,7 @@ def fig3_section(restarts):
             "fig3_searched_time_ratio_vs_megatron": best.time / mega.time}
 
 
-def gpt3_section():
-    cm = sj.CostModel(alpha={"node": 2e-5, "gpu": 2e-6}, beta={"node": 8e-11, "gpu": 4e-12})
-    grid = ss.Grid((128, 8), ("node", "gpu"), cost_model=cm)
+def gpt3_section(grid):
     ops = ss.gpt(96, 12288, 96, batch=1024, seq=2048, vocab=51200, itemsize=2)
     t0 = time.perf_counter()
     st = ss.search(ops, grid, memory=ss.MemoryModel(bytes_per_param=16, activations=False, limit=80e9))
@@ -263,10 +265,16 @@ def main():
     out.update(fig3_section(restarts=8))
     print(f"fig3: searched {out['fig3_searched']} vs Megatron DP{out['fig3_megatron_data_parallel']}: "
           f"activation ratio {out['fig3_ratio_vs_megatron']:.3f}")
-    secs, st = gpt3_section()
+    secs, st = gpt3_section(ss.Grid(1024, "x", cost_model=sj.CostModel(alpha=2e-5, beta=8e-11)))
     out["gpt3_1024_search_seconds"] = secs
-    out["gpt3_strategy"] = [f"{lp.name}: {lp.choice.label(st.grid)}" for lp in st.layers[:7]]
+    out["gpt3_strategy"] = [f"{lp.name}: {lp.choice.label(st.grid)}" for lp in st.layers[:6]]
     print(f"gpt3 175B on 1024 devices: search {secs:.2f} s")
+    if not q:  # the same on a cluster grid, each axis factored on its own (a 10x larger space)
+        cluster = sj.CostModel(alpha={"node": 2e-5, "gpu": 2e-6}, beta={"node": 8e-11, "gpu": 4e-12})
+        secs, st = gpt3_section(ss.Grid((128, 8), ("node", "gpu"), cost_model=cluster))
+        out["gpt3_1024_cluster_128x8_search_seconds"] = secs
+        out["gpt3_cluster_strategy"] = [f"{lp.name}: {lp.choice.label(st.grid)}" for lp in st.layers[:6]]
+        print(f"gpt3 175B on 128 nodes x 8 GPUs: search {secs:.2f} s")
     rank_rows, rho = rank_section(10, 5 if q else 9)
     out["rank"] = rank_rows
     out["rank_spearman"] = rho

@@ -17,10 +17,25 @@ from __future__ import annotations
 import time
 
 from sbpjax._errors import SBPError
-from sbpjax.search.algorithms import Problem, coordinate_descent, exhaustive, metropolis_hastings
+from sbpjax.search.algorithms import (
+    Problem,
+    coordinate_descent,
+    exhaustive,
+    metropolis_hastings,
+)
 from sbpjax.search.cost import ClosedForm, MemoryModel, Planned, Price, build_tables
-from sbpjax.search.layers import (MatmulOp, attention, conv, dense, embedding, from_program, gpt, mlp, repeat,
-                                  transformer)
+from sbpjax.search.layers import (
+    MatmulOp,
+    attention,
+    conv,
+    dense,
+    embedding,
+    from_program,
+    gpt,
+    mlp,
+    repeat,
+    transformer,
+)
 from sbpjax.search.space import Choice, Grid, choices
 from sbpjax.search.strategy import LayerPlan, Strategy, build, spearman
 
@@ -28,7 +43,7 @@ METHODS = ("exhaustive", "coordinate_descent", "metropolis_hastings")
 
 
 def search(ops, grid: Grid, *, method: str = "coordinate_descent", objective: str = "time",
-           memory: MemoryModel = MemoryModel(), placement=None, seed: int = 0, restarts: int = 8,
+           memory: MemoryModel | None = None, placement=None, seed: int = 0, restarts: int = 8,
            steps: int = 2000, temperature: float = 0.05, progress: bool = False, tables=None) -> Strategy:
     """The cheapest per-layer layouts of ``ops`` (a list of :class:`MatmulOp`) on ``grid``.
 
@@ -57,17 +72,21 @@ def search(ops, grid: Grid, *, method: str = "coordinate_descent", objective: st
     return build(tables, assign, grid, method, time.perf_counter() - t0, placement)
 
 
-def tables_for(ops, grid: Grid, *, objective: str = "time", memory: MemoryModel = MemoryModel(), placement=None):
-    """Prices of every choice of every op (reuse them across :func:`search` calls)."""
+def tables_for(ops, grid: Grid, *, objective: str = "time", memory: MemoryModel | None = None, placement=None,
+               options: list | None = None):
+    """Prices of every choice (or of ``options`` only) of every op; reuse them across
+    :func:`search` calls."""
     pricer = Planned(grid, placement) if placement is not None else ClosedForm(grid)
-    return build_tables(ops, grid, pricer, objective=objective, memory=memory)
+    return build_tables(ops, grid, pricer, objective=objective, memory=memory, options=options)
 
 
-def evaluate(ops, grid: Grid, assignment: dict, *, objective: str = "time", memory: MemoryModel = MemoryModel(),
+def evaluate(ops, grid: Grid, assignment: dict, *, objective: str = "time", memory: MemoryModel | None = None,
              placement=None, tables=None) -> Strategy:
     """The strategy (and its costs) of a hand-picked assignment ``{tie key or op name: Choice}``
     (e.g. Megatron's layouts, to compare with a search)."""
-    tables = tables or tables_for(ops, grid, objective=objective, memory=memory, placement=placement)
+    if tables is None:  # price only the choices asked for
+        tables = tables_for(ops, grid, objective=objective, memory=memory, placement=placement,
+                            options=list(dict.fromkeys(assignment.values())))
     assign = []
     for key, opts in zip(tables.groups, tables.options):
         if key not in assignment:
@@ -80,9 +99,30 @@ def evaluate(ops, grid: Grid, assignment: dict, *, objective: str = "time", memo
 
 
 __all__ = [
-    "search", "evaluate", "tables_for", "METHODS",
-    "Grid", "Choice", "choices", "MemoryModel", "Price",
-    "MatmulOp", "dense", "embedding", "attention", "conv", "transformer", "mlp", "repeat", "gpt", "from_program",
-    "Strategy", "LayerPlan", "spearman",
-    "exhaustive", "coordinate_descent", "metropolis_hastings", "Problem",
+    "METHODS",
+    "Choice",
+    "Grid",
+    "LayerPlan",
+    "MatmulOp",
+    "MemoryModel",
+    "Price",
+    "Problem",
+    "Strategy",
+    "attention",
+    "choices",
+    "conv",
+    "coordinate_descent",
+    "dense",
+    "embedding",
+    "evaluate",
+    "exhaustive",
+    "from_program",
+    "gpt",
+    "metropolis_hastings",
+    "mlp",
+    "repeat",
+    "search",
+    "spearman",
+    "tables_for",
+    "transformer",
 ]

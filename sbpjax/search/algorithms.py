@@ -160,8 +160,8 @@ def _descend(problem: Problem, assign: list) -> list:
         changed = False
         for g in range(len(assign)):
             v = problem.local(assign, g)
-            a = int(np.argmin(v))
-            if v[a] < v[assign[g]] - 1e-12 * max(1.0, abs(v[a])):
+            a, cur = int(np.argmin(v)), v[assign[g]]
+            if np.isfinite(v[a]) and (not np.isfinite(cur) or v[a] < cur - 1e-12 * max(1.0, abs(v[a]))):
                 assign[g] = a
                 changed = True
     return assign

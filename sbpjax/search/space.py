@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -60,11 +60,12 @@ class Grid:
 
     ``fine_sizes``: the prime refinement of every axis, outer axis first;
     ``fine_owner[i]``: the axis that fine axis ``i`` refines; ``fine_names``:
-    ``"<axis><j>"``, e.g. ``x0, x1, x2`` for an axis ``x`` of 8.
+    ``"<axis><j>"``, e.g. ``x0, x1, x2`` for an axis ``x`` of 8. With
+    ``refine=False`` every axis stays one fine axis (its devices take one role).
     """
 
     def __init__(self, shape: int | Sequence[int], axis_names: Sequence[str] | str | None = None,
-                 cost_model: CostModel | None = None):
+                 cost_model: CostModel | None = None, refine: bool = True):
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         if not shape or any(not isinstance(s, (int, np.integer)) or s < 1 for s in shape):
             raise SBPError(f"Grid: axis sizes must be positive ints, got {shape}; e.g. Grid((16, 8), ('node', 'gpu')).")
@@ -78,16 +79,18 @@ class Grid:
         self.shape = tuple(int(s) for s in shape)
         self.axis_names = axis_names
         self.cost_model = cost_model or CostModel()
-        self.axis_factors = tuple(prime_factors(s) for s in self.shape)
+        # refine=False keeps every axis whole: each gives all its devices to one role
+        # (a smaller space, and fewer axes for the planner on large real placements)
+        self.axis_factors = tuple(prime_factors(s) if refine else ((s,) if s > 1 else ()) for s in self.shape)
         self.fine_sizes = tuple(f for fs in self.axis_factors for f in fs)
         self.fine_owner = tuple(a for a, fs in enumerate(self.axis_factors) for _ in fs)
         self.fine_names = tuple(f"{self.axis_names[a]}{j}" for a, fs in enumerate(self.axis_factors)
                                 for j in range(len(fs)))
 
     @classmethod
-    def from_placement(cls, placement, cost_model: CostModel | None = None) -> "Grid":
+    def from_placement(cls, placement, cost_model: CostModel | None = None, refine: bool = True) -> Grid:
         """The grid of a real placement (its axis names and sizes)."""
-        return cls(placement.shape, placement.axis_names, cost_model)
+        return cls(placement.shape, placement.axis_names, cost_model, refine)
 
     @property
     def size(self) -> int:

@@ -104,7 +104,7 @@ class Strategy:
                            f"{self.grid.shape} to apply it.")
         return self.grid.fine_placement(self.placement_)
 
-    def on(self, placement) -> "Strategy":
+    def on(self, placement) -> Strategy:
         """The same strategy bound to a real placement of the grid's shape."""
         self.grid.fine_placement(placement)  # checks the shape
         return dataclasses.replace(self, placement_=placement)
@@ -192,8 +192,9 @@ class Strategy:
                          format_sbp(lp.out_sbp), _human(lp.redistribution.bytes), _human(lp.sync.bytes),
                          _human(lp.memory)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        lines = [f"Strategy on {self.grid!r} ({self.method}, objective {self.objective}, "
-                 f"search {self.search_seconds:.3g} s); layouts over fine axes {', '.join(self.grid.fine_names)}"]
+        head = (f"Strategy on {self.grid!r} ({self.method}, objective {self.objective}, "
+                f"search {self.search_seconds:.3g} s); layouts over fine axes {', '.join(self.grid.fine_names)}")
+        lines = [head]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"  total {_human(self.bytes)} per step (redistribution {_human(self.redistribution_bytes)}, "
                      f"grad sync {_human(self.sync_bytes)}), est. {self.time * 1e3:.4g} ms, "

@@ -3,7 +3,6 @@
 import itertools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,8 +14,9 @@ def _small():
     return ss.mlp("mlp", 256, [512, 256, 128, 64]), ss.Grid(16, "x")
 
 
-def _brute(ops, grid, memory=ss.MemoryModel()):
+def _brute(ops, grid, memory=None):
     """Every assignment priced from the strategy's own per-layer breakdown."""
+    memory = memory or ss.MemoryModel()
     t = ss.tables_for(ops, grid, memory=memory)
     best = None
     for combo in itertools.product(*t.options):
@@ -116,7 +116,7 @@ def test_errors():
     with pytest.raises(sj.SBPError, match="no layer"):
         ss.search(ops, grid)["nope"]
     with pytest.raises(sj.SBPError, match="abstract Grid"):
-        ss.search(ops, grid).placement
+        _ = ss.search(ops, grid).placement
     with pytest.raises(sj.SBPError, match="positive"):
         ss.Grid(0, "x")
     with pytest.raises(sj.SBPError, match="objective"):

@@ -1,0 +1,34 @@
+"""The search benchmark runs (--quick) and its figures meet the issue's targets."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.slow
+def test_search_benchmark_quick(tmp_path):
+    path = tmp_path / "search.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    subprocess.run([sys.executable, "benchmarks/search.py", "--quick", "--output", str(path)], cwd=ROOT, env=env,
+                   capture_output=True, text=True, timeout=900, check=True)
+    data = json.loads(path.read_text())
+    assert (tmp_path / "search.png").exists()
+    mlp = data["mlp"]
+    assert all({"devices", "method", "cost_ratio_to_optimum", "time_ratio_to_exhaustive"} <= set(r) for r in mlp)
+    for r in mlp:
+        if r["method"] == "coordinate_descent":
+            assert r["cost_ratio_to_optimum"] <= 1.01 and r["time_ratio_to_exhaustive"] <= 0.01, r
+        assert r["cost_ratio_to_optimum"] >= 1.0 - 1e-12, r  # nothing beats the exhaustive optimum
+    rows = data["scaling_3d"]
+    assert {(r["p"], r["layout"]) for r in rows} == {(p, f) for p in (8, 64) for f in ("1d", "2d", "3d")}
+    assert all(r["predicted_bytes"] == r["measured_bytes"] for r in rows)
+    assert abs(data["scaling_exponents"]["3d"]["bytes_per_device"] - 2 / 3) <= 0.05
+    assert data["fig3_ratio_vs_megatron"] <= 0.6
+    assert data["gpt3_1024_search_seconds"] <= 10
+    assert all(r["predicted_bytes"] == r["measured_bytes"] for r in data["rank"])
+    assert len(data["rank"]) >= 8 and data["rank_spearman"] >= 0.8
