@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import sbpjax as sj
@@ -174,10 +175,24 @@ def gpt3_section(grid):
     return time.perf_counter() - t0, st
 
 
-def rank_section(n_strategies, repeats):
-    sys.path.insert(0, os.path.join(ROOT, "tests", "search"))
-    from test_apply import mlp_program
+def mlp_program(strategy, names):
+    """A train step (SGD) of a gelu MLP laid out by ``strategy``."""
+    def loss(params, x, y):
+        h = x
+        for i, name in enumerate(names):
+            h = strategy.matmul(h, params[name], name)
+            if i < len(names) - 1:
+                h = jax.nn.gelu(h)
+        return jnp.mean((h - y) ** 2)
 
+    def step(params, x, y):
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, strategy.synced(grads)), value
+
+    return step, loss
+
+
+def rank_section(n_strategies, repeats):
     pl = sj.placement(8, "x")
     grid0 = ss.Grid.from_placement(pl)
     fine = grid0.fine_placement(pl)
