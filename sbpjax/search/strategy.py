@@ -24,6 +24,7 @@ import re
 import numpy as np
 
 from sbpjax._errors import SBPError
+from sbpjax.boxing.plan import human_bytes
 from sbpjax.sbp import format_sbp
 from sbpjax.search.cost import Price, Tables
 from sbpjax.search.space import Choice, Grid
@@ -189,16 +190,16 @@ class Strategy:
         rows = [("layer", "choice", "X", "W", "out", "redistribution", "grad sync", "memory/dev")]
         for lp in self.layers:
             rows.append((lp.name, lp.choice.label(self.grid), format_sbp(lp.x_sbp), format_sbp(lp.w_sbp),
-                         format_sbp(lp.out_sbp), _human(lp.redistribution.bytes), _human(lp.sync.bytes),
-                         _human(lp.memory)))
+                         format_sbp(lp.out_sbp), human_bytes(lp.redistribution.bytes), human_bytes(lp.sync.bytes),
+                         human_bytes(lp.memory)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         head = (f"Strategy on {self.grid!r} ({self.method}, objective {self.objective}, "
                 f"search {self.search_seconds:.3g} s); layouts over fine axes {', '.join(self.grid.fine_names)}")
         lines = [head]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"  total {_human(self.bytes)} per step (redistribution {_human(self.redistribution_bytes)}, "
-                     f"grad sync {_human(self.sync_bytes)}), est. {self.time * 1e3:.4g} ms, "
-                     f"memory {_human(self.memory)} per device")
+        lines.append(f"  total {human_bytes(self.bytes)} per step (redistribution {human_bytes(self.redistribution_bytes)}, "
+                     f"grad sync {human_bytes(self.sync_bytes)}), est. {self.time * 1e3:.4g} ms, "
+                     f"memory {human_bytes(self.memory)} per device")
         return "\n".join(lines)
 
     __str__ = table
@@ -208,14 +209,6 @@ def _plain(keystr: str) -> str:
     """``"['w1']"`` -> ``"w1"``; ``"['a']['b']"`` -> ``"a.b"`` (dict and attribute keys)."""
     parts = re.findall(r"\[['\"]?([^'\"\]]+)['\"]?\]|\.([A-Za-z_]\w*)", keystr)
     return ".".join(a or b for a, b in parts)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 _PINNED: dict = {}
