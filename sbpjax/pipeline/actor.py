@@ -14,6 +14,7 @@ when its messages arrive.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections import deque
 
@@ -131,7 +132,7 @@ class Actor:
         return "waits for " + " and ".join(why) if why else "ready (not yet given its turn)"
 
 
-class ActorSystem:
+class ActorSystem(abc.ABC):
     """The message protocol shared by every driver.
 
     A driver calls :meth:`start` once per thread and :meth:`handle` for each
@@ -164,14 +165,15 @@ class ActorSystem:
         self.actions = sum(s.actions for s in graph.actors)
 
     # -- driver hooks -----------------------------------------------------------
+    @abc.abstractmethod
     def execute(self, actor: Actor, k: int, inputs: dict) -> dict:
         """Run (or simulate) action ``k`` of ``actor`` on ``{register name: value}``
-        of its inputs; return ``{register name: value}`` for the registers it writes."""
-        raise NotImplementedError
+        of its inputs; return ``{register name: value}`` for the registers it writes.
+        The threaded runtime runs JAX work; the simulator advances a clock."""
 
+    @abc.abstractmethod
     def send(self, dst: Actor, msg: tuple) -> None:
         """Deliver ``msg`` to the FIFO queue of ``dst``'s thread."""
-        raise NotImplementedError
 
     def nbytes(self, value) -> int:
         """Bytes a value holds (counted for activation registers only)."""

@@ -22,6 +22,7 @@ work by hand. :class:`ActionList` takes such a per-device order;
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 from sbpjax._errors import SBPError
@@ -29,7 +30,7 @@ from sbpjax.pipeline.actor import ActorGraph, ActorSpec
 from sbpjax.pipeline.register import RegisterSpec
 
 
-class Schedule:
+class Schedule(abc.ABC):
     """How a step's microbatches flow: register counts and, optionally, action lists."""
 
     name = "schedule"
@@ -46,9 +47,10 @@ class Schedule:
     def check(self, devices: int, microbatches: int) -> None:
         """Raise :class:`SBPError` if the schedule cannot run this configuration."""
 
+    @abc.abstractmethod
     def stash_counts(self, devices: int, microbatches: int) -> list[int]:
-        """Slots of each stage's forward-to-backward register."""
-        raise NotImplementedError
+        """Slots of each stage's forward-to-backward register (what makes GPipe
+        or 1F1B: each schedule answers this)."""
 
     def action_lists(self, devices: int, microbatches: int) -> dict[int, list] | None:
         """Per device, the ordered ``(kind, stage, microbatch)`` it runs; None when
