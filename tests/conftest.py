@@ -66,3 +66,35 @@ def pl8():
 @pytest.fixture(scope="session")
 def pl24():
     return sj.placement((2, 4), ("x", "y"))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(args, timeout):
+    """Run ``python *args`` from the repository root on 8 CPU devices (raises
+    on a non-zero exit); the examples' and benchmarks' smoke tests use it."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, check=True)
+
+
+def nnx_single_device(model, optimizer, loss_fn, batches):
+    """The plain NNX program on one device, the reference for sbpjax.flax
+    training: its losses and final parameters (a pure dict of numpy arrays)."""
+    import jax
+    from flax import nnx
+
+    opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, b)) for b in batches]
+    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))

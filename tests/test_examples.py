@@ -1,20 +1,10 @@
 """Examples and benchmarks run (small settings) and their outputs hold."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _run(args, timeout):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=True)
+from conftest import run_script as _run
 
 
 @pytest.mark.slow

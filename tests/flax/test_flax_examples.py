@@ -4,13 +4,12 @@ program, and each example runs (small settings) and prints what it claims."""
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
+from conftest import nnx_single_device, run_script
 from flax import nnx
 
 import sbpjax as sj
@@ -27,18 +26,7 @@ def load_example(name):
     return module
 
 
-def single_device(model, optimizer, loss_fn, batches):
-    """The plain NNX program on one device: losses and final parameters."""
-    opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    losses = [float(step(model, opt, b)) for b in batches]
-    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
 
 
 def assert_same_training(build, optimizer, loss_fn, batches, placement, batch_sbp, **trainer_options):
@@ -47,7 +35,7 @@ def assert_same_training(build, optimizer, loss_fn, batches, placement, batch_sb
     Returns the trainer."""
     trainer = sjf.Trainer(build(), optimizer, loss_fn, placement, batch_sbp=batch_sbp, **trainer_options)
     losses = [trainer.step(b) for b in batches]
-    ref_losses, ref_params = single_device(build(), optimizer, loss_fn, batches)
+    ref_losses, ref_params = nnx_single_device(build(), optimizer, loss_fn, batches)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model(), nnx.Param)))
     assert jax.tree.structure(got) == jax.tree.structure(ref_params)
@@ -145,9 +133,7 @@ def test_zero_example_equals_single_device(pl8, zero):
 
 
 def run_example(name, *args, timeout=600):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, f"examples/{name}.py", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout, check=True).stdout
+    return run_script([f"examples/{name}.py", *args], timeout).stdout
 
 
 def falling_loss(out):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import nnx_single_device
 from flax import linen as nn
 from flax import nnx
 
@@ -37,17 +38,7 @@ def data(seed=0, steps=3):
 
 def reference(optimizer, batches):
     """The single-device NNX program: losses and final parameters."""
-    model = MLP(nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        opt.update(model, grads)
-        return loss
-
-    losses = [float(step(model, opt, b)) for b in batches]
-    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return nnx_single_device(MLP(nnx.Rngs(0)), optimizer, loss_fn, batches)
 
 
 def trained(trainer):

@@ -1,21 +1,15 @@
 """The search benchmark runs (--quick) and its figures meet the issue's targets."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import run_script
 
 
 @pytest.mark.slow
 def test_search_benchmark_quick(tmp_path):
     path = tmp_path / "search.json"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    subprocess.run([sys.executable, "benchmarks/search.py", "--quick", "--output", str(path)], cwd=ROOT, env=env,
-                   capture_output=True, text=True, timeout=900, check=True)
+    run_script(["benchmarks/search.py", "--quick", "--output", str(path)], 900)
     data = json.loads(path.read_text())
     assert (tmp_path / "search.png").exists()
     mlp = data["mlp"]
