@@ -150,14 +150,19 @@ class Geometry:
                 body.append(tuple(axis_names[a] for a in axes))
         return PartitionSpec(*lead, *body)
 
-    def floor_bytes(self, src: Layout, dst: Layout, itemsize: int) -> int:
-        """Bytes every device must receive that it does not already hold (summed)."""
-        total = 0
+    def overlap(self, src: Layout, dst: Layout) -> tuple[int, int]:
+        """(elements all devices hold under ``dst``, of those the ones the same
+        device already holds under ``src``), summed over devices."""
+        held = kept = 0
         for c in self.coords:
             a, b = self.local_box(src, c), self.local_box(dst, c)
-            vol = math.prod(s for _, s in b)
-            inter = math.prod(
+            held += math.prod(s for _, s in b)
+            kept += math.prod(
                 max(0, min(s1 + n1, s2 + n2) - max(s1, s2)) for (s1, n1), (s2, n2) in zip(a, b)
             )
-            total += vol - inter
-        return total * itemsize
+        return held, kept
+
+    def floor_bytes(self, src: Layout, dst: Layout, itemsize: int) -> int:
+        """Bytes every device must receive that it does not already hold (summed)."""
+        held, kept = self.overlap(src, dst)
+        return (held - kept) * itemsize

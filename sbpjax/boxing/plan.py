@@ -574,26 +574,49 @@ def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_s
     """A cheap bound that no boxing plan from ``src_sbp`` to ``dst_sbp`` beats.
 
     Without partials it is the floor: the bytes each device must receive that it
-    does not hold. A partial source is bounded by the source with its partial
-    axes read as B: B -> P is a free fill, and the steps of any plan cost the
-    same on any values of one layout, so starting from B can only be cheaper.
-    A partial target needs nothing (S or B -> P is free), so its bound is 0.
-    A partial source must also be reduced: each element has one contribution
-    per coordinate of the partial axes (G of them), every move carries element
-    values and merges what two devices know, so some device holds the reduced
-    element only after G - 1 moves of it: at least (G - 1)|T| bytes.
+    does not hold. A partial target needs nothing (S or B -> P is free), so its
+    bound is 0. A partial source is bounded two ways, and the larger counts:
+
+    * the floor of the source with its partial axes read as B: B -> P is a free
+      fill, and the steps of any plan cost the same on any values of one
+      layout, so starting from B can only be cheaper;
+    * counting messages per element. Element ``e`` has G contributions (G: the
+      product of the partial axes' sizes), held by the devices ``H`` that hold
+      ``e`` in the source; the devices ``D`` that hold ``e`` in the target need
+      all of them. Every move carries values and merges what two devices know
+      (a message), so information from each contribution must reach each
+      device of ``D``. Put all moves in one order. Before the first device of
+      ``D`` knows the sum, the messages join G holders (or G holders and a
+      device with none) into one: at least G - 1 messages, or G when no device
+      of ``D`` holds a contribution. Afterwards every other device of ``D``
+      still needs a message: |D| - 1 more. For a reduce-scatter that is
+      (G - 1)|T|, for an all-reduce 2(G - 1)|T|, as for the ring algorithms.
+      |D| is the product of the target's unsplit axes; a device in both D and H
+      stays there when any axis free in both layouts changes, so the number of
+      elements with D and H meeting is the devices' summed overlap divided by
+      the product of those axes' sizes.
+
     The compiler uses it to skip candidate signatures without a search."""
     ndim = len(shape)
     if any(isinstance(s, Partial) for s in dst_sbp):
         return 0
-    contributions = math.prod(placement.shape[a] for a, s in enumerate(src_sbp) if isinstance(s, Partial))
-    reduce_bytes = (contributions - 1) * math.prod(shape) * itemsize
+    grid = placement.shape
+    contributions = math.prod(grid[a] for a, s in enumerate(src_sbp) if isinstance(s, Partial))
     src_sbp = tuple(Broadcast() if isinstance(s, Partial) else s for s in src_sbp)
-    src = normalized_layout(src_sbp, ndim, placement.shape)
-    dst = normalized_layout(dst_sbp, ndim, placement.shape)
-    if src == dst:
-        return reduce_bytes
-    return max(reduce_bytes, Geometry(tuple(shape), placement.shape).floor_bytes(src, dst, itemsize))
+    src = normalized_layout(src_sbp, ndim, grid)
+    dst = normalized_layout(dst_sbp, ndim, grid)
+    if contributions == 1 and src == dst:
+        return 0
+    held, kept = Geometry(tuple(shape), grid).overlap(src, dst)
+    floor = held - kept
+    if contributions == 1:
+        return floor * itemsize
+    dst_split, src_split = dst.split_axes(), src.split_axes()
+    receivers = math.prod(g for a, g in enumerate(grid) if a not in dst_split)
+    free_in_both = math.prod(g for a, g in enumerate(grid) if a not in dst_split and a not in src_split)
+    elements = math.prod(shape)
+    messages = elements * (contributions + receivers - 1) - kept // free_in_both
+    return max(floor, messages) * itemsize
 
 
 _CACHE: dict = {}

@@ -128,6 +128,7 @@ class Propagator:
         self._bounds: dict = {}  # (shape, dtype, src, dst) -> lower bound of its bytes
         self._sigs: dict = {}  # id(node) -> its candidate signatures
         self._choices: dict = {}  # (id(node), what the choice depends on) -> (ins, outs) | False
+        self._evens: dict = {}  # (nd-SBP, shape) -> whether every split divides
         self.warnings: list = []
         self.quiet = False
 
@@ -273,6 +274,9 @@ class Propagator:
 
     def _best_signature(self, node: Node, cur: list, sigs: list):
         """(ins, outs) of the cheapest candidate, or False when none is even."""
+        free = self._free_signature(node, cur, sigs)
+        if free is not None:
+            return free
         # rank 1-D candidates per axis, then cost the products exactly
         per_axis = []
         for a, p in enumerate(self.grid):
@@ -288,17 +292,20 @@ class Propagator:
                 scored.append((est, changed, partial_outs, fresh, k, s))
             scored.sort(key=lambda t: t[:5])
             per_axis.append([t[5] for t in scored[:_TOP_K]])
+        combos = []
+        for order, combo in enumerate(itertools.product(*per_axis)):
+            ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
+            outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
+            if not all(self._even(nd, v.shape) for nd, v in zip(ins + outs, list(node.ins) + node.outs)):
+                continue
+            if any(not self._partial_ok(nd) for nd in ins + outs):
+                continue
+            combos.append((order, ins, outs))
         # Bound every product's bytes first (no searches), then cost them exactly
         # in order of the bound until the bound exceeds the best bytes found:
         # the rest cannot win, since bytes come first in the key.
         bounded = []
-        for order, combo in enumerate(itertools.product(*per_axis)):
-            ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
-            outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
-            if not all(_even(nd, v.shape, self.grid) for nd, v in zip(ins + outs, list(node.ins) + node.outs)):
-                continue
-            if any(not self._partial_ok(nd) for nd in ins + outs):
-                continue
+        for order, ins, outs in combos:
             debt = self._partial_debt(cur, ins, outs, node)
             low = debt + sum(self.cost_bound(atom, nd) for atom, nd in zip(node.ins, ins))
             low += sum(self.bound(o, nd, self.pref[id(o)]) for o, nd in zip(node.outs, outs)
@@ -329,6 +336,60 @@ class Propagator:
         if best is None:
             return False
         return best[1], best[2]
+
+    def _free_signature(self, node: Node, cur: list, sigs: list):
+        """The winner of ``_best_signature`` found without ranking or costing,
+        when there is one: a candidate that takes every input as it is (no
+        boxing), and so makes no partial debt, has key (0, False, 0, False, 0.0, 0,
+        fresh, order), which no candidate that boxes an input can beat (it
+        counts at least one boxing), provided no input has other versions (a
+        boxing to an existing version is free and counts none) and no output
+        has a preferred layout (missing it costs bytes). Such candidates are
+        the first of each axis' ranking (estimate 0, nothing changed), so their
+        product order is known without ranking the rest. Most ops of a program
+        (elementwise chains on one layout) end here."""
+        if any(self.versions.get(id(a)) for a in node.ins if isinstance(a, Var)):
+            return None
+        if any(id(o) in self.pref for o in node.outs) or not all(self._partial_ok(nd) for nd in cur):
+            return None
+        per_axis, sizes = [], []
+        for a, p in enumerate(self.grid):
+            if p == 1:
+                if any(not isinstance(c[a], Broadcast) for c in cur):
+                    return None
+                per_axis.append([Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))])
+                sizes.append(1)
+                continue
+            split_in = any(isinstance(c[a], Split) for c in cur)
+            same = sorted((sum(isinstance(q, Partial) for q in s.outs),
+                           sum(isinstance(q, Split) for q in s.outs) * (not split_in), k, s)
+                          for k, s in enumerate(sigs) if all(c[a] == q for c, q in zip(cur, s.ins)))
+            if not same:
+                return None
+            per_axis.append([t[3] for t in same[:_TOP_K]])
+            sizes.append(min(_TOP_K, len(sigs)))
+        strides = [math.prod(sizes[a + 1:]) for a in range(len(sizes))]
+        best = None
+        for idx in itertools.product(*[range(len(c)) for c in per_axis]):
+            combo = [per_axis[a][i] for a, i in enumerate(idx)]
+            outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
+            if not all(self._even(nd, o.shape) for nd, o in zip(outs, node.outs)):
+                continue
+            if any(not self._partial_ok(nd) for nd in outs):
+                continue  # (no debt: debt comes from an input boxed to a partial)
+            fresh = sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
+                        for nd in outs for a in range(len(nd)))
+            order = sum(i * st for i, st in zip(idx, strides))
+            if best is None or (fresh, order) < best[0]:
+                best = ((fresh, order), list(cur), outs)
+        return None if best is None else (best[1], best[2])
+
+    def _even(self, nd, shape) -> bool:
+        key = (nd, shape)
+        hit = self._evens.get(key)
+        if hit is None:
+            hit = self._evens[key] = _even(nd, shape, self.grid)
+        return hit
 
     def _partial_debt(self, cur, ins, outs, node) -> int:
         """Bytes a new partial will cost later, charged when an op's partial
@@ -386,7 +447,7 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
             label = names[k] if names else f"argument leaf {k}"
             raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
     best, learned = None, {}
-    caches = ({}, {}, {}, {})  # plans, bounds, signatures, choices: shared by the passes
+    caches = ({}, {}, {}, {}, {})  # plans, bounds, signatures, choices, evenness: shared by the passes
     for i in range(passes):
         prop = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet=i > 0,
                          caches=caches)
@@ -406,7 +467,7 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
 def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches) -> Propagation:
     pr = Propagator(program, placement, cost_model)
     pr.quiet = quiet
-    pr._plans, pr._bounds, pr._sigs, pr._choices = caches
+    pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches
     for v, nd in zip(program.inputs, in_sbp):
         pr.layout[id(v)] = nd
     pr.prefer(out_sbp)
