@@ -9,15 +9,21 @@ data, tensor and 2-D layouts; (c) ``U @ V @ W`` with U S(1), V S(0), W B;
 (d) a model-parallel softmax cross-entropy over 8 class shards. For each:
 bytes moved by sbpjax (measured in the compiled program), by GSPMD (``jax.jit``
 given the same input and parameter shardings) and by a hand-written
-``shard_map``; time ratios (median of repeats, same process); and sbpjax's
-trace + propagation + lowering time as a share of XLA's compile time. Every
-program's result is checked against the single-device program.
+``shard_map``; time ratios (medians of interleaved repeats, same process); and
+sbpjax's trace + propagation time as a share of XLA's compile time (medians over
+cold compiles after the first, with sbpjax's planner caches cleared before
+each; the first compile of the process is reported too, as
+``overhead_share_first``). Python's garbage collector is paused while timing,
+as ``timeit`` does. Every program's result is checked against the
+single-device program.
 Writes ``benchmarks/results/compiler.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -35,7 +41,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as PS  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
-from sbpjax.boxing.plan import normalized_layout  # noqa: E402
+from sbpjax.boxing.plan import clear_caches, normalized_layout  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: E402
 from sbpjax.layout import Geometry  # noqa: E402
 
@@ -47,14 +53,52 @@ def collective_bytes(compiled) -> int:
     return sum(c.bytes for c in sj.collectives(compiled))
 
 
-def median_time(fn, args, repeats):
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def median_times(runs, repeats, min_seconds=2.0):
+    """Median seconds per call of each ``(fn, args)`` in ``runs``, timed in
+    interleaved rounds (one call of each per round) so that a change in the
+    machine's load falls on all of them alike; at least ``repeats`` rounds and
+    at least ``min_seconds`` of them (short programs get more rounds)."""
+    t0 = time.perf_counter()
+    for fn, args in runs:
         jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    rounds = max(repeats, min(200, int(min_seconds / max(time.perf_counter() - t0, 1e-6))))
+    samples = [[] for _ in runs]
+    with gc_paused():
+        for _ in range(rounds):
+            for k, (fn, args) in enumerate(runs):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                samples[k].append(time.perf_counter() - t0)
+    return [statistics.median(s) for s in samples]
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic collector off while timing (timeit's convention): with
+    JAX loaded a full collection takes ~50 ms, and where one lands is chance."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def compile_overheads(fn, pl, leaves_sbp, out_sbp, g_args, samples):
+    """(sbpjax seconds, XLA seconds) of ``samples`` cold compiles: each a new
+    ``sj.jit`` with the planner's caches cleared (so trace and propagation are
+    redone from nothing) and a new lowering for XLA to compile."""
+    ours, xla = [], []
+    for _ in range(samples):
+        clear_caches()
+        f = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp)
+        with gc_paused():
+            lowered = f.lower(*g_args)
+            t0 = time.perf_counter()
+            lowered.compile()
+            xla.append(time.perf_counter() - t0)
+        ours.append(f.last_overhead_s)  # trace + propagation + building the shard_map
+    return ours, xla
 
 
 def spec_of(nd, ndim, pl):
@@ -196,7 +240,7 @@ def handwritten_ce(mesh):
 # ---------------------------------------------------------------------------
 
 
-def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, check):
+def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, check, compile_samples):
     """fn: the program; leaves_sbp: in_sbp pytree; args: host values;
     handwritten: (jitted fn, its args) or None."""
     row = {"name": name}
@@ -206,19 +250,20 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     gargs = f._globals(args, {})[0]
     tree = jax.tree_util.tree_structure((args, {}), is_leaf=is_gt)
     g_args, _ = jax.tree_util.tree_unflatten(tree, gargs)
-    lowered = f.lower(*g_args)
-    sj_overhead = f.last_overhead_s  # trace + propagation + building the shard_map
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    xla_compile = time.perf_counter() - t1
+    # The first compile of a process also warms JAX's and sbpjax's code paths;
+    # the share is the median over cold compiles (planner caches cleared).
+    ours, xla = compile_overheads(fn, pl, leaves_sbp, out_sbp, g_args, 1 + compile_samples)
+    row["overhead_share"] = statistics.median(ours[1:]) / statistics.median(xla[1:])
+    row["overhead_share_first"] = ours[0] / xla[0]
+    row["sbpjax_overhead_ms"] = statistics.median(ours[1:]) * 1e3
+    row["xla_compile_ms"] = statistics.median(xla[1:]) * 1e3
+    compiled = f.lower(*g_args).compile()
     row["sbpjax_bytes"] = collective_bytes(compiled)
     row["sbpjax_explained_bytes"] = f.explain(*g_args).bytes
-    row["overhead_share"] = sj_overhead / xla_compile
     phys = [t.physical for t in gargs]
     prog = f._compile(gargs, tree)[1]
     sj_out = f(*g_args)
     check("sbpjax", jax.tree.map(lambda t: t.numpy(), sj_out, is_leaf=is_gt))
-    t_sj = median_time(prog, phys, repeats)
     # GSPMD: jax.jit with the same input shardings (explicit out shardings for outputs we box)
     in_shardings = [NamedSharding(pl.mesh, spec_of(t.sbp, t.ndim, pl)) for t in gargs]
     flat_args = [t.to_jax() for t in gargs]
@@ -231,17 +276,17 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     g_compiled = gspmd.lower(*flat_args).compile()
     row["gspmd_bytes"] = collective_bytes(g_compiled)
     check("gspmd", jax.tree.map(np.asarray, gspmd(*flat_args)))
-    t_g = median_time(gspmd, flat_args, repeats)
-    row["time_ratio_vs_gspmd"] = t_sj / t_g
+    runs = [(prog, phys), (gspmd, flat_args)]
     if handwritten is not None:
         hw, hw_args = handwritten
         row["handwritten_bytes"] = collective_bytes(hw.lower(*hw_args).compile())
         check("handwritten", jax.tree.map(np.asarray, hw(*hw_args)))
-        t_h = median_time(hw, hw_args, repeats)
-        row["time_ratio_vs_handwritten"] = t_sj / t_h
+        runs.append((hw, hw_args))
     else:
         row["handwritten_bytes"] = None
-        row["time_ratio_vs_handwritten"] = None
+    t_sj, t_g, *t_h = median_times(runs, repeats)
+    row["time_ratio_vs_gspmd"] = t_sj / t_g
+    row["time_ratio_vs_handwritten"] = t_sj / t_h[0] if t_h else None
     row["sbpjax_ms"], row["gspmd_ms"] = t_sj * 1e3, t_g * 1e3
     return row
 
@@ -261,9 +306,12 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--compile-samples", type=int, default=None,
+                    help="cold compiles per program after the first (median taken)")
     ap.add_argument("--output", default=os.path.join(HERE, "results", "compiler.json"))
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 10)
+    samples = args.compile_samples or (2 if args.quick else 5)
     q = args.quick
     rng = np.random.default_rng(0)
     pl8 = sj.placement(8, "x")
@@ -282,7 +330,7 @@ def main():
     hw_args = [jax.device_put(v, NamedSharding(pl24.mesh, s)) for v, s in
                [(mp["w1"], PS(None, "y")), (mp["w2"], PS("y", None)), (x, PS("x")), (t, PS("x"))]]
     rows.append(run_program("megatron_mlp_fwd_bwd_2x4", grad_fn, pl24, (psbp, (S0, B), (S0, B)), (mp, x, t),
-                            (None, psbp), (hw, hw_args), repeats, make_check("mlp", ref, 2e-4)))
+                            (None, psbp), (hw, hw_args), repeats, make_check("mlp", ref, 2e-4), samples))
 
     # (b) transformer block train step: data, tensor, 2-D
     vocab, dm, hid, heads, tt, bb = (64, 32, 64, 8, 8, 16) if q else (1024, 256, 1024, 8, 64, 32)
@@ -324,7 +372,7 @@ def main():
                    put(labels, dspec)]
         rows.append(run_program(f"transformer_step_{kind}", step, pl, (ps, ss, data_sbp, data_sbp),
                                 (bp, state, tokens, labels), (ps, ss, rep), (hw, hw_args), repeats,
-                                make_check(f"transformer_{kind}", ref, 2e-3)))
+                                make_check(f"transformer_{kind}", ref, 2e-3), samples))
 
     # (c) U @ V @ W
     m = 64 if q else 1024
@@ -334,7 +382,7 @@ def main():
     hw_args = [jax.device_put(U, NamedSharding(pl8.mesh, PS(None, "x"))),
                jax.device_put(V, NamedSharding(pl8.mesh, PS("x", None))), jax.device_put(W, NamedSharding(pl8.mesh, PS()))]
     rows.append(run_program("uvw", uvw, pl8, ((S1,), (S0,), (B,)), (U, V, W), (B,), (hw, hw_args), repeats,
-                            make_check("uvw", uvw(U, V, W), 1e-3)))
+                            make_check("uvw", uvw(U, V, W), 1e-3), samples))
 
     # (d) model-parallel softmax cross-entropy over 8 class shards
     nn, cc = (32, 256) if q else (512, 16384)
@@ -343,7 +391,7 @@ def main():
     hw = handwritten_ce(pl8.mesh)
     hw_args = [jax.device_put(Z, NamedSharding(pl8.mesh, PS(None, "x"))), jax.device_put(Y, NamedSharding(pl8.mesh, PS()))]
     rows.append(run_program("model_parallel_softmax_ce", ce, pl8, ((S1,), (B,)), (Z, Y), (B,), (hw, hw_args),
-                            repeats, make_check("ce", ce(Z, Y), 1e-4)))
+                            repeats, make_check("ce", ce(Z, Y), 1e-4), samples))
 
     print(f"{'program':<30}{'sbpjax B':>12}{'gspmd B':>12}{'hand B':>12}{'t/gspmd':>9}{'t/hand':>8}{'overhead':>10}")
     for r in rows:
@@ -353,7 +401,9 @@ def main():
               f"{r['time_ratio_vs_gspmd']:>9.2f}{th:>8}{r['overhead_share']:>10.3f}")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"config": {"quick": q, "repeats": repeats, "devices": 8}, "programs": rows}, f, indent=1)
+        json.dump({"config": {"quick": q, "repeats": repeats, "compile_samples": samples, "devices": 8,
+                              "timing": "medians; calls interleaved across programs; gc paused while timed"},
+                   "programs": rows}, f, indent=1)
     print(f"wrote {args.output}")
 
 

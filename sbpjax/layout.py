@@ -18,6 +18,7 @@ device keeps its own partial term.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from typing import Sequence
@@ -80,6 +81,12 @@ class Layout:
         return f"{text}[{'; '.join(orders)}]"
 
 
+@functools.lru_cache(maxsize=4096)
+def geometry(shape: tuple, grid: tuple) -> "Geometry":
+    """A shared :class:`Geometry` for ``shape`` on ``grid`` (its box cache with it)."""
+    return Geometry(shape, grid)
+
+
 def balanced_piece(n: int, p: int, i: int) -> tuple[int, int]:
     """(start, size) of piece ``i`` when ``n`` is split in ``p`` balanced pieces:
     the first ``n % p`` pieces get one extra element."""
@@ -96,6 +103,7 @@ class Geometry:
         self.ndim = len(self.shape)
         self.n_devices = int(np.prod(self.grid))
         self.coords = list(itertools.product(*[range(g) for g in self.grid]))
+        self._boxes: dict = {}  # layout -> every device's local box, in coords order
 
     def dim_range(self, axes: Sequence[int], d: int, coord) -> tuple[int, int]:
         start, size = 0, self.shape[d]
@@ -107,6 +115,14 @@ class Geometry:
     def local_box(self, layout: Layout, coord) -> tuple:
         """Per dim (start, size) of the device's local piece."""
         return tuple(self.dim_range(layout.dims[d], d, coord) for d in range(self.ndim))
+
+    def boxes(self, layout: Layout) -> list:
+        """``local_box`` of every device, in ``coords`` order (kept: the
+        planner and its bounds ask for the same layouts many times)."""
+        hit = self._boxes.get(layout)
+        if hit is None:
+            hit = self._boxes[layout] = [self.local_box(layout, c) for c in self.coords]
+        return hit
 
     def padded_dim(self, axes: Sequence[int], d: int) -> int:
         size = self.shape[d]
@@ -154,8 +170,7 @@ class Geometry:
         """(elements all devices hold under ``dst``, of those the ones the same
         device already holds under ``src``), summed over devices."""
         held = kept = 0
-        for c in self.coords:
-            a, b = self.local_box(src, c), self.local_box(dst, c)
+        for a, b in zip(self.boxes(src), self.boxes(dst)):
             held += math.prod(s for _, s in b)
             kept += math.prod(
                 max(0, min(s1 + n1, s2 + n2) - max(s1, s2)) for (s1, n1), (s2, n2) in zip(a, b)

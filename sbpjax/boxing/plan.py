@@ -32,7 +32,7 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import DEFAULT_COST_MODEL, CostModel
-from sbpjax.layout import Geometry, Layout
+from sbpjax.layout import Geometry, Layout, geometry
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, format_sbp, normalize_nd_sbp
 
@@ -193,7 +193,7 @@ class _Ctx:
     """What the move generator needs: geometry, item size, names, cost model."""
 
     def __init__(self, shape, itemsize, placement: Placement, cm: CostModel, fill_ops):
-        self.geom = Geometry(shape, placement.shape)
+        self.geom = geometry(tuple(shape), placement.shape)
         self.itemsize = itemsize
         self.names = placement.axis_names
         self.n_axes = placement.ndim
@@ -236,7 +236,7 @@ class _Ctx:
     def boxes(self, layout: Layout):
         """(starts, sizes) arrays [n_devices, ndim] of every device's local box."""
         if layout not in self._box_cache:
-            b = np.asarray([self.geom.local_box(layout, c) for c in self.geom.coords], np.int64)
+            b = np.asarray(self.geom.boxes(layout), np.int64)
             b = b.reshape(self.geom.n_devices, self.geom.ndim, 2)
             self._box_cache[layout] = (b[..., 0], b[..., 1])
         return self._box_cache[layout]
@@ -597,17 +597,24 @@ def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_s
       the product of those axes' sizes.
 
     The compiler uses it to skip candidate signatures without a search."""
+    key = (tuple(shape), itemsize, placement.shape, tuple(src_sbp), tuple(dst_sbp))
+    hit = _BOUNDS.get(key)
+    if hit is None:
+        hit = _BOUNDS[key] = _bytes_lower_bound(key[0], itemsize, placement.shape, key[3], key[4])
+    return hit
+
+
+def _bytes_lower_bound(shape: tuple, itemsize: int, grid: tuple, src_sbp: tuple, dst_sbp: tuple) -> int:
     ndim = len(shape)
     if any(isinstance(s, Partial) for s in dst_sbp):
         return 0
-    grid = placement.shape
     contributions = math.prod(grid[a] for a, s in enumerate(src_sbp) if isinstance(s, Partial))
     src_sbp = tuple(Broadcast() if isinstance(s, Partial) else s for s in src_sbp)
     src = normalized_layout(src_sbp, ndim, grid)
     dst = normalized_layout(dst_sbp, ndim, grid)
     if contributions == 1 and src == dst:
         return 0
-    held, kept = Geometry(tuple(shape), grid).overlap(src, dst)
+    held, kept = geometry(shape, grid).overlap(src, dst)
     floor = held - kept
     if contributions == 1:
         return floor * itemsize
@@ -620,6 +627,16 @@ def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_s
 
 
 _CACHE: dict = {}
+_BOUNDS: dict = {}
+
+
+def clear_caches() -> None:
+    """Forget every plan, bound and move computed so far (they are kept for
+    the life of the process; benchmarks clear them to time a cold planner)."""
+    for cache in (_CACHE, _BOUNDS, _STRUCTURES, _CLASS_CTX):
+        cache.clear()
+    geometry.cache_clear()
+
 _STRUCTURES: dict = {}
 _CLASS_CTX: dict = {}
 
