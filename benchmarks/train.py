@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 import sbpjax.flax as sjf  # noqa: E402
-from compiler import collective_bytes, median_time, spec_of  # noqa: E402
+from compiler import collective_bytes, median_times, spec_of  # noqa: E402
 from gpt_hybrid import BATCH_SBP, HYBRID_RULES, build, loss_fn  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp  # noqa: E402
 
@@ -87,8 +87,8 @@ def gpt_vs_gspmd(cfg, repeats, rng):
                     np.testing.assert_allclose(got, np.asarray(want), rtol=2e-4, atol=1e-6, err_msg=who)
     r = checked["adamw"]
     np.testing.assert_allclose(r["sbpjax_result"][1], r["gspmd_result"][1], rtol=2e-5)
-    t_sj = median_time(r["sbpjax_program"], r["sbpjax_args"], repeats)
-    t_g = median_time(r["gspmd_program"], r["gspmd_args"], repeats)
+    t_sj, t_g = median_times([(r["sbpjax_program"], r["sbpjax_args"]), (r["gspmd_program"], r["gspmd_args"])],
+                             repeats)
     return {"sbpjax_bytes": r["sbpjax_bytes"], "sbpjax_explained_bytes": r["sbpjax_explained_bytes"],
             "gspmd_bytes": r["gspmd_bytes"], "time_ratio_vs_gspmd": t_sj / t_g, "sbpjax_ms": t_sj * 1e3,
             "gspmd_ms": t_g * 1e3, "plan_summary": r["plan_summary"]}
