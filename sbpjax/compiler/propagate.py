@@ -129,8 +129,10 @@ class Propagator:
         self._sigs: dict = {}  # id(node) -> its candidate signatures
         self._choices: dict = {}  # (id(node), what the choice depends on) -> (ins, outs) | False
         self._evens: dict = {}  # (nd-SBP, shape) -> whether every split divides
+        self.uses: dict = {}  # id(var) -> how many ops and outputs use it
         self.warnings: list = []
         self.quiet = False
+        self.rank_with_prefs = False
 
     def prefer(self, out_sbp):
         """Layouts values would like to end in: an output's ``out_sbp``, carried
@@ -168,6 +170,21 @@ class Propagator:
                 cost += self.plan(o, nd, want).bytes
                 split_miss |= not any(isinstance(q, Partial) for q in nd)
         return cost, split_miss
+
+    def _spread_partials(self, outs, node) -> int:
+        """Partial outputs that must be reduced (their preferred layout is not
+        partial) and have more than one use. Deferring a reduction is free only
+        while the partial has one consumer: with two, each may carry it on into
+        its own partial result and each of those is reduced (an SGD momentum
+        trace and the update computed from it: two all-reduces where reducing
+        the gradient once suffices)."""
+        n = 0
+        for o, nd in zip(node.outs, outs):
+            want = self.pref.get(id(o))
+            if (want is not None and any(isinstance(q, Partial) for q in nd)
+                    and not any(isinstance(q, Partial) for q in want) and self.uses.get(id(o), 0) > 1):
+                n += 1
+        return n
 
     def _stale_partial_uses(self, ins, node) -> int:
         """Inputs used as partials although a reduced version already exists."""
@@ -263,7 +280,8 @@ class Propagator:
         # wherever those are unchanged.
         key = (id(node), tuple(cur),
                tuple(frozenset(self.versions.get(id(a), ())) if isinstance(a, Var) else None for a in node.ins),
-               tuple(self.pref.get(id(o)) for o in node.outs))
+               tuple(self.pref.get(id(o)) for o in node.outs),
+               self.rank_with_prefs and any(id(o) in self.pref for o in node.outs))
         best = self._choices.get(key)
         if best is None:
             best = self._choices[key] = self._best_signature(node, cur, sigs)
@@ -283,15 +301,30 @@ class Propagator:
             if p == 1:
                 per_axis.append([Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))])
                 continue
-            scored = []
+            # outputs' preferred layouts count too: a candidate that is free now
+            # but must be boxed to the preference later ranks behind one that
+            # boxes a small input now (a row vector gathered before a broadcast
+            # instead of the broadcast's result all-to-all'd)
+            wants = [(self.pref[id(o)][a], _nbytes(o), j) for j, o in enumerate(node.outs) if id(o) in self.pref]
+            # an input already boxed to another layout for an earlier consumer is
+            # free in that layout again
+            have = [list(self.versions.get(id(i), ())) if isinstance(i, Var) else [] for i in node.ins]
+            scored, with_pref = [], []
             for k, s in enumerate(sigs):
-                est = sum(_estimate(c[a], q, _nbytes(i), p) for c, q, i in zip(cur, s.ins, node.ins))
+                est = sum(0.0 if any(v[a] == q for v in vs) else _estimate(c[a], q, _nbytes(i), p)
+                          for c, q, i, vs in zip(cur, s.ins, node.ins, have))
+                later = sum(_estimate(s.outs[j], want, nbytes, p) for want, nbytes, j in wants)
                 changed = sum(c[a] != q for c, q in zip(cur, s.ins))
                 partial_outs = sum(isinstance(q, Partial) for q in s.outs)
                 fresh = sum(isinstance(q, Split) for q in s.outs) * (not any(isinstance(c[a], Split) for c in cur))
                 scored.append((est, changed, partial_outs, fresh, k, s))
+                with_pref.append((est + later, changed, partial_outs, fresh, k, s))
             scored.sort(key=lambda t: t[:5])
-            per_axis.append([t[5] for t in scored[:_TOP_K]])
+            keep = [t[5] for t in scored[:_TOP_K]]
+            if wants and self.rank_with_prefs:
+                with_pref.sort(key=lambda t: t[:5])
+                keep += [t[5] for t in with_pref[:1] if t[5] not in keep]
+            per_axis.append(keep)
         combos = []
         for order, combo in enumerate(itertools.product(*per_axis)):
             ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
@@ -330,7 +363,8 @@ class Propagator:
             stale = self._stale_partial_uses(ins, node)
             fresh = sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
                         for nd in outs for a in range(len(nd)))
-            key = (total[0], debt > 0, stale, split_miss, round(total[1], 15), total[2], fresh, order)
+            key = (total[0], debt > 0, stale, split_miss, self._spread_partials(outs, node), round(total[1], 15),
+                   total[2], fresh, order)
             if best is None or key < best[0]:
                 best = (key, ins, outs)
         if best is None:
@@ -447,30 +481,52 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
             label = names[k] if names else f"argument leaf {k}"
             raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
     best, learned = None, {}
-    caches = ({}, {}, {}, {}, {})  # plans, bounds, signatures, choices, evenness: shared by the passes
-    for i in range(passes):
-        prop = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet=i > 0,
-                         caches=caches)
+    uses: dict = {}  # id(var) -> how many ops and outputs use it
+    for atom in [a for node in program.nodes for a in node.ins] + list(program.outputs):
+        if isinstance(atom, Var):
+            uses[id(atom)] = uses.get(id(atom), 0) + 1
+    # plans, bounds, signatures, choices, evenness, uses: shared by the passes
+    caches = ({}, {}, {}, {}, {}, uses)
+
+    def learn(prop) -> dict:
+        out = {}
+        for b in prop.boxings:
+            if isinstance(b.var, Var) and b.node_index is not None and not any(isinstance(q, Partial) for q in b.dst):
+                out.setdefault(id(b.var), b.dst)
+        return out
+
+    def run(learned, rank_with_prefs):
+        nonlocal best
+        prop = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet=best is not None,
+                         caches=caches, rank_with_prefs=rank_with_prefs)
         total = sum(b.bytes for b in prop.boxings)
         if best is None or total < best[0]:
             best = (total, prop)
-        new = {}
-        for b in prop.boxings:
-            if isinstance(b.var, Var) and b.node_index is not None and not any(isinstance(q, Partial) for q in b.dst):
-                new.setdefault(id(b.var), b.dst)
+        return prop
+
+    for _ in range(passes):
+        new = learn(run(learned, False))
         if not new or new == learned:
             break
         learned = new
+    # One more pass whose candidate ranking also counts the learned layouts
+    # (see Propagator.rank_with_prefs); kept only when it moves fewer bytes.
+    learned = learn(best[1])
+    if learned:
+        run(learned, True)
     return best[1]
 
 
-def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches) -> Propagation:
+def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches,
+              rank_with_prefs=False) -> Propagation:
     pr = Propagator(program, placement, cost_model)
     pr.quiet = quiet
-    pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches
+    pr.rank_with_prefs = rank_with_prefs
+    pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches[:5]
     for v, nd in zip(program.inputs, in_sbp):
         pr.layout[id(v)] = nd
     pr.prefer(out_sbp)
+    pr.uses = caches[5]
     for key, nd in learned.items():
         pr.pref.setdefault(key, nd)
     decisions = [pr.choose(node, i) for i, node in enumerate(program.nodes)]

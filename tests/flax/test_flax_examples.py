@@ -177,6 +177,8 @@ def test_zero_runs():
     out = run_example("zero", "--steps", "30", "--bf16")
     ratios = dict(re.findall(r"^  (ZeRO(?: \+ bf16)?) +\d+ +\d+ +\d+ +([\d.]+)$", out, re.M))
     assert float(ratios["ZeRO"]) < 0.13 and float(ratios["ZeRO + bf16"]) < 0.13
-    assert "ZeRO vs data parallel: largest relative difference 0.0e+00" in out
+    # the same sums in another order (a reduce-scatter where data parallel all-reduces): float32 rounding
+    fp32 = float(re.search(r"ZeRO vs data parallel: largest relative difference ([\d.e+-]+)", out).group(1))
+    assert fp32 < 1e-5
     bf16 = float(re.search(r"ZeRO \+ bf16 vs data parallel: largest relative difference ([\d.e+-]+)", out).group(1))
     assert bf16 < 2e-2  # bf16 keeps 8 bits of mantissa
