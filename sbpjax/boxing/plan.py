@@ -612,8 +612,8 @@ def _bytes_lower_bound(shape: tuple, itemsize: int, grid: tuple, src_sbp: tuple,
     src_sbp = tuple(Broadcast() if isinstance(s, Partial) else s for s in src_sbp)
     src = normalized_layout(src_sbp, ndim, grid)
     dst = normalized_layout(dst_sbp, ndim, grid)
-    if contributions == 1 and src == dst:
-        return 0
+    if contributions == 1 and (src == dst or not src.split_axes()):
+        return 0  # every device already holds what it needs
     held, kept = geometry(shape, grid).overlap(src, dst)
     floor = held - kept
     if contributions == 1:

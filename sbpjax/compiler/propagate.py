@@ -132,7 +132,11 @@ class Propagator:
         self.uses: dict = {}  # id(var) -> how many ops and outputs use it
         self.warnings: list = []
         self.quiet = False
+        # Rank candidates also by the cost of boxing outputs to their preferred
+        # layouts (a last pass only: it helps some programs and hurts others,
+        # so propagate() keeps it only where it moves fewer bytes).
         self.rank_with_prefs = False
+        self.ranked_apart = False  # whether that ranking would have kept another candidate
 
     def prefer(self, out_sbp):
         """Layouts values would like to end in: an output's ``out_sbp``, carried
@@ -282,9 +286,12 @@ class Propagator:
                tuple(frozenset(self.versions.get(id(a), ())) if isinstance(a, Var) else None for a in node.ins),
                tuple(self.pref.get(id(o)) for o in node.outs),
                self.rank_with_prefs and any(id(o) in self.pref for o in node.outs))
-        best = self._choices.get(key)
-        if best is None:
-            best = self._choices[key] = self._best_signature(node, cur, sigs)
+        hit = self._choices.get(key)
+        if hit is None:
+            self._ranked_apart = False
+            hit = self._choices[key] = (self._best_signature(node, cur, sigs), self._ranked_apart)
+        best, ranked_apart = hit
+        self.ranked_apart |= ranked_apart
         if best is False:
             rep = (Broadcast(),) * len(self.grid)
             return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
@@ -321,9 +328,12 @@ class Propagator:
                 with_pref.append((est + later, changed, partial_outs, fresh, k, s))
             scored.sort(key=lambda t: t[:5])
             keep = [t[5] for t in scored[:_TOP_K]]
-            if wants and self.rank_with_prefs:
-                with_pref.sort(key=lambda t: t[:5])
-                keep += [t[5] for t in with_pref[:1] if t[5] not in keep]
+            if wants:
+                top = min(with_pref, key=lambda t: t[:5])[5]
+                if top not in keep:
+                    self._ranked_apart = True
+                    if self.rank_with_prefs:
+                        keep.append(top)
             per_axis.append(keep)
         combos = []
         for order, combo in enumerate(itertools.product(*per_axis)):
@@ -495,10 +505,13 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
                 out.setdefault(id(b.var), b.dst)
         return out
 
+    ranked_apart = False
+
     def run(learned, rank_with_prefs):
-        nonlocal best
-        prop = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet=best is not None,
-                         caches=caches, rank_with_prefs=rank_with_prefs)
+        nonlocal best, ranked_apart
+        prop, apart = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned,
+                                quiet=best is not None, caches=caches, rank_with_prefs=rank_with_prefs)
+        ranked_apart |= apart
         total = sum(b.bytes for b in prop.boxings)
         if best is None or total < best[0]:
             best = (total, prop)
@@ -510,15 +523,16 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
             break
         learned = new
     # One more pass whose candidate ranking also counts the learned layouts
-    # (see Propagator.rank_with_prefs); kept only when it moves fewer bytes.
+    # (see Propagator.rank_with_prefs), when that ranking would have kept a
+    # candidate the passes did not consider; kept only when it moves fewer bytes.
     learned = learn(best[1])
-    if learned:
+    if learned and ranked_apart:
         run(learned, True)
     return best[1]
 
 
 def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches,
-              rank_with_prefs=False) -> Propagation:
+              rank_with_prefs=False) -> tuple[Propagation, bool]:
     pr = Propagator(program, placement, cost_model)
     pr.quiet = quiet
     pr.rank_with_prefs = rank_with_prefs
@@ -542,4 +556,4 @@ def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, c
         plan = pr.plan(atom, have, want)
         out_boxings.append(Boxing(atom, have, want, plan, f"output {k}", None))
         final.append(want)
-    return Propagation(program, placement, list(in_sbp), decisions, out_boxings, final, pr.warnings)
+    return Propagation(program, placement, list(in_sbp), decisions, out_boxings, final, pr.warnings), pr.ranked_apart
