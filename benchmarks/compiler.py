@@ -46,6 +46,7 @@ from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: E402
 from sbpjax.layout import Geometry  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ONLY: list = []  # --only: program name parts to run
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
 
 
@@ -242,7 +243,9 @@ def handwritten_ce(mesh):
 
 def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, check, compile_samples):
     """fn: the program; leaves_sbp: in_sbp pytree; args: host values;
-    handwritten: (jitted fn, its args) or None."""
+    handwritten: (jitted fn, its args) or None. None when --only skips it."""
+    if ONLY and not any(o in name for o in ONLY):
+        return None
     row = {"name": name}
     f = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp)
     is_gt = lambda v: isinstance(v, sj.GlobalTensor)  # noqa: E731
@@ -306,10 +309,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--only", default="", help="comma-separated parts of program names to run (all by default)")
     ap.add_argument("--compile-samples", type=int, default=None,
                     help="cold compiles per program after the first (median taken)")
     ap.add_argument("--output", default=os.path.join(HERE, "results", "compiler.json"))
     args = ap.parse_args()
+    global ONLY
+    ONLY = [o for o in (args.only or "").split(",") if o]
     repeats = args.repeats or (3 if args.quick else 10)
     samples = args.compile_samples or (2 if args.quick else 5)
     q = args.quick
@@ -393,6 +399,7 @@ def main():
     rows.append(run_program("model_parallel_softmax_ce", ce, pl8, ((S1,), (B,)), (Z, Y), (B,), (hw, hw_args),
                             repeats, make_check("ce", ce(Z, Y), 1e-4), samples))
 
+    rows = [r for r in rows if r is not None]
     print(f"{'program':<30}{'sbpjax B':>12}{'gspmd B':>12}{'hand B':>12}{'t/gspmd':>9}{'t/hand':>8}{'overhead':>10}")
     for r in rows:
         hb = "-" if r["handwritten_bytes"] is None else str(r["handwritten_bytes"])

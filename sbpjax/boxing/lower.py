@@ -215,13 +215,24 @@ def _scatter_sum(x, axis, d, g):
     return lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
 
 
+def _gather(x, axis, d):
+    """all_gather (tiled) over dim ``d``. XLA's CPU all-gather is ~4x slower on
+    a non-leading dim (measured at 1024x256 f32 on 8 devices: 3.3 ms against
+    0.8 ms on dim 0), so the pieces are gathered on a new leading dim and moved
+    into place locally (the same bytes cross devices)."""
+    if d == 0 or math.prod(x.shape[:d]) == 1:
+        return lax.all_gather(x, axis, axis=d, tiled=True)
+    y = jnp.moveaxis(lax.all_gather(x, axis, axis=0), 0, d)  # [..., piece, row in piece, ...]
+    return y.reshape(x.shape[:d] + (y.shape[d] * x.shape[d],) + x.shape[d + 1:])
+
+
 def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
     op, group, d = step.op, step.group, step.dim
     axes = tuple(names[a] for a in group)
     even = geom.even(step.src) and geom.even(step.dst)
     g = geom.splits(group)
     if op == "all_gather":
-        y = lax.all_gather(x, _axis_arg(axes), axis=d, tiled=True)
+        y = _gather(x, _axis_arg(axes), d)
         if not even:
             dep, tab = tables.compact(step.dst.dims[d], group, d)
             y = jnp.take(y, tables.lookup(dep, tab), axis=d)
