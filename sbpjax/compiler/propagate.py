@@ -4,11 +4,19 @@ Walking the flat program in order, each primitive takes, among the nd
 signatures its rule allows (one 1-D signature per placement axis), the one
 whose input boxings cost least given the layouts its inputs already have:
 fewest bytes (including the later reduction of a partial made by
-zero-filling an input, see ``Propagator._partial_debt``), then alpha-beta time, then fewest inputs
-changed, then the rule's order (deterministic). A value boxed once to a layout is reused by every
-consumer that wants that layout. Partials are therefore kept while they stay
-valid, and a boxing appears exactly where a producer's layout is not one its
-consumer can take. ``sj.constrain`` and ``out_sbp`` force layouts.
+zero-filling an input, see ``Propagator._partial_debt``, and boxing outputs to
+the layouts they are wanted in later), then the tie-breaks listed in
+``Propagator._best_signature``, then alpha-beta time, then fewest inputs
+changed, then the rule's order (deterministic). A value boxed once to a layout
+is reused by every consumer that wants that layout. Partials are therefore
+kept while they stay valid, and a boxing appears exactly where a producer's
+layout is not one its consumer can take. ``sj.constrain`` and ``out_sbp``
+force layouts.
+
+Speed: most ops take their inputs as they are (``_free_signature`` finds
+those without costing anything); for the rest, 1-D candidates are ranked per
+axis, their products bounded with ``plan.bytes_lower_bound`` and searched
+exactly only while the bound can still win.
 """
 
 from __future__ import annotations
@@ -365,9 +373,10 @@ class Propagator:
                 c = self.cost(atom, nd)
                 total = [total[0] + c[0], total[1] + c[1], total[2] + c[2]]
             # Ties: no new debt; no input used as a partial when a reduced version
-            # exists; no split output that must be gathered back; then time (which
-            # defers a partial's reduction when paying now or later costs the same
-            # bytes, as OneFlow keeps partials); then fewer boxings; then no splits
+            # exists; no split output that must be gathered back; no partial with
+            # several uses left to be reduced later; then time (which defers a
+            # partial's reduction when paying now or later costs the same bytes,
+            # as OneFlow keeps partials); then fewer boxings; then no splits
             # invented from nothing (an iota, a broadcast of a B value: they must be
             # undone where they meet B data); then the rule's order.
             stale = self._stale_partial_uses(ins, node)
@@ -384,8 +393,8 @@ class Propagator:
     def _free_signature(self, node: Node, cur: list, sigs: list):
         """The winner of ``_best_signature`` found without ranking or costing,
         when there is one: a candidate that takes every input as it is (no
-        boxing), and so makes no partial debt, has key (0, False, 0, False, 0.0, 0,
-        fresh, order), which no candidate that boxes an input can beat (it
+        boxing), and so makes no partial debt, has key (0, False, 0, False, 0, 0.0,
+        0, fresh, order), which no candidate that boxes an input can beat (it
         counts at least one boxing), provided no input has other versions (a
         boxing to an existing version is free and counts none) and no output
         has a preferred layout (missing it costs bytes). Such candidates are
