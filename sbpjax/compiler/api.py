@@ -59,14 +59,44 @@ jax.interpreters.ad.primitive_jvps[constrain_p] = _constrain_jvp
 jax.interpreters.batching.primitive_batchers[constrain_p] = _constrain_batch
 
 
-def constrain(x, sbp):
-    """Inside a function compiled by ``sj.jit``: force ``x`` to the nd-SBP ``sbp``
-    here (a boxing point). Outside ``sj.jit`` it returns ``x`` unchanged."""
+def _as_nd(sbp) -> tuple:
     if isinstance(sbp, str):
-        sbp = parse_sbp(sbp)
-    elif isinstance(sbp, (Split, Broadcast, Partial)):
-        sbp = (sbp,)
-    return constrain_p.bind(x, sbp=tuple(sbp))
+        return tuple(parse_sbp(sbp))
+    if isinstance(sbp, (Split, Broadcast, Partial)):
+        return (sbp,)
+    return tuple(sbp)
+
+
+def constrain(x, sbp, grad_sbp=None):
+    """Inside a function compiled by ``sj.jit``: force ``x`` to the nd-SBP ``sbp``
+    here (a boxing point). Outside ``sj.jit`` it returns ``x`` unchanged.
+
+    The layout applies to the value only; under ``jax.grad`` its cotangent
+    takes whatever layout is cheapest. ``grad_sbp`` forces the cotangent too,
+    where the backward pass passes this point (e.g. keep the gradient of
+    class-split logits S(1) rather than letting it go through S(0)). It is a
+    separate layout because a value's natural cotangent often differs: the
+    cotangent of a B value used on split data is a partial sum."""
+    sbp = _as_nd(sbp)
+    if grad_sbp is None:
+        return constrain_p.bind(x, sbp=sbp)
+    return _constrain_both(x, sbp, _as_nd(grad_sbp))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _constrain_both(x, sbp, grad_sbp):
+    return constrain_p.bind(x, sbp=sbp)
+
+
+def _constrain_both_fwd(x, sbp, grad_sbp):
+    return constrain_p.bind(x, sbp=sbp), None
+
+
+def _constrain_both_bwd(sbp, grad_sbp, _, ct):
+    return (constrain_p.bind(ct, sbp=grad_sbp),)
+
+
+_constrain_both.defvjp(_constrain_both_fwd, _constrain_both_bwd)
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 
 import jax
 import numpy as np
@@ -78,11 +79,22 @@ class Program:
     out_tree: object
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def source_of(eqn) -> str:
+    """The user's line that made ``eqn``: the innermost frame outside JAX, the
+    standard library and sbpjax itself (``sj.constrain`` and the Flax wrappers
+    are called from the user's code, which is what a plan should point at)."""
     try:
         from jax._src import source_info_util
 
-        return source_info_util.summarize(eqn.source_info) or "<unknown>"
+        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
+        frame = next((f for f in frames if not f.file_name.startswith(_PACKAGE)), frames[0] if frames else None)
+        if frame is None:
+            return "<unknown>"
+        column = f":{frame.start_column}" if frame.start_column else ""
+        return f"{frame.file_name}:{frame.start_line}{column} ({frame.function_name})"
     except Exception:  # noqa: BLE001 - source info is a nicety
         return "<unknown>"
 

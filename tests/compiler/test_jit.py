@@ -311,6 +311,31 @@ def test_constrain_forces_a_layout(pl8):
     assert np.allclose(sj.constrain(jnp.ones(3), sj.B), 1)  # outside sj.jit: identity
 
 
+def test_constrain_grad_sbp_pins_the_cotangent(pl8):
+    """``grad_sbp`` forces the cotangent where the backward pass crosses the
+    constraint; without it the cotangent follows the value's layout."""
+    X = rng().normal(size=(16, 8)).astype(np.float32)
+    W = rng(1).normal(size=(8, 32)).astype(np.float32)
+
+    def loss(w, x, grad_sbp):
+        h = sj.constrain(x @ w, S0, grad_sbp=grad_sbp)
+        return jnp.sum(jnp.tanh(h) ** 2)
+
+    want = jax.grad(loss)(W, X, None)
+    cotangent_layouts = {}
+    for grad_sbp in (None, S1):
+        f = sj.jit(jax.grad(lambda w, x: loss(w, x, grad_sbp)), placement=pl8, in_sbp=((B,), (S0,)),
+                   out_sbp=(B,))
+        np.testing.assert_allclose(f(W, X).numpy(), want, rtol=1e-5, atol=1e-5)
+        e = f.explain(W, X)
+        constrained = [d for d in e.ops if d[0] == "sbp_constrain"]
+        assert all(src.startswith(__file__) for _, src, _, _ in constrained)  # the user's line
+        cotangent_layouts[grad_sbp] = [outs[0] for _, _, _, outs in constrained[1:]]
+        assert measured(f, W, X) == e.bytes
+    assert cotangent_layouts == {None: [], S1: [(S1,)]}
+    assert sj.constrain(jnp.ones(3), sj.B, grad_sbp=sj.B).shape == (3,)  # outside sj.jit: identity
+
+
 def test_out_sbp_boxes_outputs_and_plain_arrays_are_broadcast(pl8):
     X = rng().normal(size=(16, 8)).astype(np.float32)
     f = sj.jit(lambda x: x.sum(0), placement=pl8, in_sbp=(S0,), out_sbp=S0)
