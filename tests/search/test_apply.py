@@ -1,32 +1,29 @@
 """Strategies applied to real programs on 8 devices: the bytes the search predicts
 are the bytes the compiled program moves, and the values are right."""
 
+import importlib.util
+import pathlib
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sbpjax as sj
 import sbpjax.search as ss
 
+
+def _benchmark_module():
+    """benchmarks/search.py, whose ``mlp_program`` (an SGD step of an MLP laid
+    out by a strategy) these tests check against its predictions."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "search.py"
+    spec = importlib.util.spec_from_file_location("search_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mlp_program = _benchmark_module().mlp_program
 DIMS, TOKENS = [64, 128, 32, 16], 64
-
-
-def mlp_program(strategy, names):
-    def loss(params, x, y):
-        h = x
-        for i, name in enumerate(names):
-            h = strategy.matmul(h, params[name], name)
-            if i < len(names) - 1:
-                h = jax.nn.gelu(h)
-        return jnp.mean((h - y) ** 2)
-
-    def step(params, x, y):
-        value, grads = jax.value_and_grad(loss)(params, x, y)
-        grads = strategy.synced(grads)
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
-
-    return step, loss
 
 
 def setup(seed=0):
