@@ -114,7 +114,7 @@ def run_both(cfg, pl, optimizer, batch_):
     sjf.annotate(model, HYBRID_RULES)
     trainer = sjf.Trainer(model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP)
     ts = trainer.train_step
-    gbatch = tuple(sj.to_global(v, pl, BATCH_SBP) for v in batch_)
+    gbatch = (tuple(sj.to_global(v, pl, BATCH_SBP) for v in batch_), trainer.state)  # the batch and the model's state
     out["sbpjax_bytes"] = collective_bytes(ts.lower(trainer.params, trainer.opt_state, gbatch).compile())
     explanation = ts.explain(trainer.params, trainer.opt_state, gbatch)
     out["sbpjax_explained_bytes"], out["plan_summary"] = explanation.bytes, explanation.summary()
@@ -122,7 +122,7 @@ def run_both(cfg, pl, optimizer, batch_):
     tree = jax.tree_util.tree_structure(((trainer.params, trainer.opt_state, gbatch), {}), is_leaf=_is_gt)
     out["sbpjax_program"] = ts._fn._compile(leaves, tree)[1]  # the jitted shard_map on local arrays
     out["sbpjax_args"] = [t.physical for t in leaves]
-    new_params, _, loss = ts(trainer.params, trainer.opt_state, gbatch)
+    new_params, _, loss, _ = ts(trainer.params, trainer.opt_state, gbatch)
     out["sbpjax_result"] = (jax.tree.map(lambda t: t.numpy(), new_params, is_leaf=_is_gt), float(loss.numpy()))
 
     # GSPMD with the same layouts as NamedShardings
@@ -154,9 +154,8 @@ def zero_vs_dp(cfg, rng):
         per = trainer.state_bytes_per_device()
         out[f"{name}_state_bytes_per_device"] = per["params"] + per["opt_state"]
         out[f"{name}_detail"] = per
-        out[f"{name}_step_bytes"] = collective_bytes(trainer.train_step.lower(
-            trainer.params, trainer.opt_state, tuple(sj.to_global(v, pl, (sj.S(0),)) for v in (tokens, labels))
-        ).compile())
+        out[f"{name}_step_bytes"] = collective_bytes(trainer.lower(
+            tuple(sj.to_global(v, pl, (sj.S(0),)) for v in (tokens, labels))).compile())
     np.testing.assert_allclose(losses["zero"], losses["dp"], rtol=1e-5)  # same training, less memory
     out["zero_over_dp"] = out["zero_state_bytes_per_device"] / out["dp_state_bytes_per_device"]
     return out

@@ -135,7 +135,7 @@ def build(n_in: int, hidden: int, features: int, classes: int, scale: float = 16
 
 def step_collectives(trainer, batch):
     """The collectives of the compiled train step (forward, backward, update)."""
-    return sj.collectives(trainer.train_step.lower(trainer.params, trainer.opt_state, batch).compile())
+    return sj.collectives(trainer.lower(batch).compile())
 
 
 def main(argv=None):

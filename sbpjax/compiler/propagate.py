@@ -26,7 +26,6 @@ import itertools
 import math
 import warnings
 
-import numpy as np
 
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
@@ -80,7 +79,7 @@ class Propagation:
 
 
 def _nbytes(var) -> int:
-    return int(math.prod(var.shape)) * np.dtype(var.dtype).itemsize
+    return int(math.prod(var.shape)) * var.dtype.itemsize
 
 
 def _valid_for(sbp, shape) -> bool:
@@ -225,7 +224,7 @@ class Propagator:
         key = (atom.shape, atom.dtype, src, dst)
         hit = self._bounds.get(key)
         if hit is None:
-            hit = self._bounds[key] = bytes_lower_bound(atom.shape, np.dtype(atom.dtype).itemsize, self.pl,
+            hit = self._bounds[key] = bytes_lower_bound(atom.shape, atom.dtype.itemsize, self.pl,
                                                         src, dst)
         return hit
 

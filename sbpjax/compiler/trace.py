@@ -99,6 +99,15 @@ def source_of(eqn) -> str:
         return "<unknown>"
 
 
+def _dtype(d):
+    """A NumPy dtype, or JAX's own for extended dtypes (typed PRNG keys, whose
+    ``itemsize`` is their key data's)."""
+    try:
+        return np.dtype(d)
+    except TypeError:
+        return d
+
+
 def _inner_jaxpr(eqn):
     for k in _JAXPR_KEYS:
         j = eqn.params.get(k)
@@ -116,7 +125,7 @@ def trace(fn, leaves_avals, in_tree) -> Program:
 
     closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
     out_tree = jax.tree_util.tree_structure(out_shape)
-    inputs = [Var(tuple(a.shape), np.dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
+    inputs = [Var(tuple(a.shape), _dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
     nodes: list = []
     outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes)
     nodes = _dce(nodes, outs)
@@ -151,7 +160,7 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
         if key is not None and key in cse:
             outs = cse[key]
         else:
-            outs = [Var(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.outvars]
+            outs = [Var(tuple(v.aval.shape), _dtype(v.aval.dtype)) for v in eqn.outvars]
             nodes.append(Node(eqn, ins, outs, source_of(eqn)))
             if key is not None:
                 cse[key] = outs

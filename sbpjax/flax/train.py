@@ -75,13 +75,15 @@ class TrainStep:
     """One optimizer step, compiled by ``sj.jit`` into a single ``shard_map``.
 
     ``loss_fn(params, batch) -> scalar loss`` (or ``(loss, aux)`` with
-    ``has_aux=True``); ``param_sbp`` is a tree like ``params`` of nd-SBPs (the
+    ``has_aux=True``; ``aux_sbp`` lays ``aux`` out, as chosen by default);
+    ``param_sbp`` is a tree like ``params`` of nd-SBPs (the
     compute layouts; ``None`` or a missing annotation means B); ``batch_sbp`` a
     tree (or one nd-SBP) for the batch.
     """
 
     def __init__(self, loss_fn, optimizer: optax.GradientTransformation, placement: Placement, param_sbp,
-                 batch_sbp, *, zero=False, compute_dtype=None, has_aux: bool = False, cost_model=None):
+                 batch_sbp, *, zero=False, compute_dtype=None, has_aux: bool = False, aux_sbp=None,
+                 cost_model=None):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.placement = placement
@@ -90,6 +92,7 @@ class TrainStep:
         self.zero = zero
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
         self.has_aux = has_aux
+        self.aux_sbp = aux_sbp
         self.cost_model = cost_model
         self.stored_sbp = None
         self._fn = None
@@ -162,7 +165,7 @@ class TrainStep:
             return (params, opt_state, loss, aux) if has_aux else (params, opt_state, loss)
 
         rep = (Broadcast(),) * self.placement.ndim
-        outs = (self.stored_sbp, self.opt_sbp, rep) + ((None,) if has_aux else ())
+        outs = (self.stored_sbp, self.opt_sbp, rep) + ((self.aux_sbp,) if has_aux else ())
         self._fn = jit(step, placement=self.placement, in_sbp=(self.stored_sbp, self.opt_sbp, self.batch_sbp),
                        out_sbp=outs, cost_model=self.cost_model)
 
@@ -186,6 +189,19 @@ class TrainStep:
         return self._fn.lower(params, opt_state, batch)
 
 
+def _is_key(v) -> bool:
+    return hasattr(v, "dtype") and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+
+
+def _unwrap_keys(tree):
+    return jax.tree.map(lambda v: jax.random.key_data(v) if _is_key(v) else v, tree)
+
+
+def _wrap_keys(tree, impls):
+    return jax.tree.map(lambda v, impl: v if impl is None else jax.random.wrap_key_data(v, impl=impl), tree, impls,
+                        is_leaf=lambda v: v is None)
+
+
 def bytes_per_device(tree) -> int:
     """The largest number of bytes any one device holds for the global tensors
     in ``tree`` (measured from the local arrays, padding included)."""
@@ -207,51 +223,72 @@ class Trainer:
         print(trainer.explain(batch).summary())
         model = trainer.model()             # the trained model, unplaced (numpy values)
 
-    Other state of the model (non-Param variables) is passed in as B and left
-    unchanged: models whose forward pass updates state (BatchNorm statistics,
-    dropout RNG counters) are not supported by the Trainer yet.
+    The model's other state (every non-Param variable: BatchNorm statistics,
+    dropout RNG keys and counters) goes through the step too: it is B, the
+    forward pass may update it (statistics over a split batch are reduced
+    across devices), and the step returns it, as ``nnx.jit`` of the same
+    step would. RNG keys travel as their key data and are rewrapped inside.
     """
 
     def __init__(self, model, optimizer, loss_fn, placement: Placement, *, batch_sbp, zero=False,
                  compute_dtype=None, cost_model=None):
         self.placement = placement
-        self.graphdef, params_state, self.rest = nnx.split(model, nnx.Param, ...)
-        self._template = params_state
+        self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+        self._template, self._rest_template = params_state, rest
         pure = nnx.to_pure_dict(params_state)
-        template = self._template
-        graphdef, rest = self.graphdef, self.rest
+        rest_pure = nnx.to_pure_dict(rest)
+        # typed PRNG keys cannot be global tensors: carry their key data (uint32)
+        self._key_impls = jax.tree.map(lambda v: jax.random.key_impl(v) if _is_key(v) else None, rest_pure)
+        template, rest_template, graphdef, impls = params_state, rest, self.graphdef, self._key_impls
 
-        def model_loss(params, batch):
+        def model_loss(params, batch_and_state):
+            batch, rest_data = batch_and_state
             state = jax.tree.map(lambda v: v, template)
             nnx.replace_by_pure_dict(state, params)
-            return loss_fn(nnx.merge(graphdef, state, rest), batch)
+            other = jax.tree.map(lambda v: v, rest_template)
+            nnx.replace_by_pure_dict(other, _wrap_keys(rest_data, impls))
+            model = nnx.merge(graphdef, state, other)
+            loss = loss_fn(model, batch)
+            updated = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
+            return loss, _unwrap_keys(updated)
 
-        self.train_step = TrainStep(model_loss, optimizer, placement, get_sbp(model, placement), batch_sbp,
-                                    zero=zero, compute_dtype=compute_dtype, cost_model=cost_model)
+        rep = (Broadcast(),) * placement.ndim
+        self.train_step = TrainStep(model_loss, optimizer, placement, get_sbp(model, placement), (batch_sbp, rep),
+                                    zero=zero, compute_dtype=compute_dtype, has_aux=True, aux_sbp=rep,
+                                    cost_model=cost_model)
         self.params, self.opt_state = self.train_step.init(pure)
+        self.state = jax.tree.map(lambda v: to_global(np.asarray(v), placement, rep), _unwrap_keys(rest_pure))
 
     def step(self, batch) -> float:
-        self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state, batch)
+        self.params, self.opt_state, loss, self.state = self.train_step(self.params, self.opt_state,
+                                                                         (batch, self.state))
         return float(loss.numpy())
 
     def explain(self, batch):
-        return self.train_step.explain(self.params, self.opt_state, batch)
+        return self.train_step.explain(self.params, self.opt_state, (batch, self.state))
+
+    def lower(self, batch):
+        """The ``jax.stages.Lowered`` of one step (``.compile()`` it, read ``sj.collectives``)."""
+        return self.train_step.lower(self.params, self.opt_state, (batch, self.state))
 
     def model(self):
-        """The trained model with logical parameter values (plain arrays)."""
+        """The trained model with logical values (plain arrays), its state included."""
+        logical = lambda tree: jax.tree.map(lambda t: jnp.asarray(t.numpy()), tree, is_leaf=_is_gt)  # noqa: E731
         state = jax.tree.map(lambda v: v, self._template)
-        nnx.replace_by_pure_dict(state, jax.tree.map(lambda t: jnp.asarray(t.numpy()), self.params, is_leaf=_is_gt))
-        return nnx.merge(self.graphdef, state, self.rest)
+        nnx.replace_by_pure_dict(state, logical(self.params))
+        other = jax.tree.map(lambda v: v, self._rest_template)
+        nnx.replace_by_pure_dict(other, _wrap_keys(logical(self.state), self._key_impls))
+        return nnx.merge(self.graphdef, state, other)
 
     def save(self, path) -> None:
-        """Save parameters and optimizer state with orbax (``sbpjax.checkpoint``)."""
-        checkpoint.save(path, {"params": self.params, "opt_state": self.opt_state})
+        """Save parameters, optimizer state and model state with orbax (``sbpjax.checkpoint``)."""
+        checkpoint.save(path, {"params": self.params, "opt_state": self.opt_state, "state": self.state})
 
     def restore(self, path) -> None:
         """Load a state saved by any Trainer of the same model and optimizer,
         whatever its placement and layouts, into this Trainer's layouts."""
-        state = checkpoint.restore(path, {"params": self.params, "opt_state": self.opt_state})
-        self.params, self.opt_state = state["params"], state["opt_state"]
+        saved = checkpoint.restore(path, {"params": self.params, "opt_state": self.opt_state, "state": self.state})
+        self.params, self.opt_state, self.state = saved["params"], saved["opt_state"], saved["state"]
 
     def state_bytes_per_device(self) -> dict:
         """Bytes the most loaded device holds: parameters and optimizer state."""

@@ -115,3 +115,14 @@ def select(eqn, in_avals):
 # the inputs too (used by the compiler to carry output preferences backwards).
 ELEMENTWISE = frozenset(NONLINEAR) | {"add", "sub", "add_any", "mul", "div", "neg", "max", "min",
                                       "convert_element_type", "copy", "copy_p", "stop_gradient", "select_n"}
+
+
+@register("bitcast_convert_type")
+def bitcast(eqn, in_avals):
+    """``y_i = bitcast(x_i)``: each element's bits read as another type (random
+    floats are made this way). Between types of one width the shape is kept;
+    otherwise a trailing dim is added or removed, so the leading dims can split."""
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    in_shape = tuple(in_avals[0].shape)
+    keep = [d for d in range(min(len(in_shape), len(out_shape))) if in_shape[d] == out_shape[d]]
+    return [Sig((Split(d),), (Split(d),)) for d in keep] + [Sig((B,), (B,))]

@@ -195,6 +195,9 @@ FAMILIES = {
     "dot_batch": (lambda a, b: jnp.einsum("bij,bjk->bik", a, b), [(8, 8, 8), (8, 8, 16)]),
     "iota_slice": (lambda a: a + jnp.arange(16)[None, :] + jax.lax.dynamic_slice(a, (0, 0), (8, 16)), [(8, 16)]),
     "softmax": (lambda a: jax.nn.softmax(a, axis=-1) @ jnp.ones((16, 4)), [(8, 16)]),
+    # same width (shape kept) and f32 -> 4 x u8 (a trailing dim added), back to numbers
+    "bitcast": (lambda a: jax.lax.bitcast_convert_type(a + 1, jnp.int32).astype(jnp.float32) / 2 ** 23
+                + jax.lax.bitcast_convert_type(a, jnp.uint8).astype(jnp.float32).sum(-1), [(8, 16)]),
 }
 LAYOUTS = [S0, S1, B, P]
 

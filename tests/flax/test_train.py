@@ -80,13 +80,51 @@ def test_training_equals_single_device(name, make_opt):
     assert_same_training(trainer, make_opt(), data())
 
 
+class NormDropNet(nnx.Module):
+    """State the forward pass updates: BatchNorm statistics and a dropout RNG."""
+
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(D, H, rngs=rngs)
+        self.bn = nnx.BatchNorm(H, momentum=0.8, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.fc2 = nnx.Linear(H, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(self.drop(jax.nn.relu(self.bn(self.fc1(x)))))
+
+
+@pytest.mark.parametrize("name", ["data", "2d"])
+def test_batchnorm_statistics_and_dropout_keys_follow_the_single_device_program(name):
+    shape, names, rules, batch_sbp = LAYOUTS[name]
+    pl = sj.placement(shape, names)
+    trainer = sjf.Trainer(sjf.annotate(NormDropNet(nnx.Rngs(0)), rules), optax.sgd(0.1), loss_fn, pl,
+                          batch_sbp=batch_sbp)
+    batches = data(n=64)
+    reference = NormDropNet(nnx.Rngs(0))
+    ref_losses, ref_params = nnx_single_device(reference, optax.sgd(0.1), loss_fn, batches)
+    np.testing.assert_allclose([trainer.step(b) for b in batches], ref_losses, rtol=1e-5)
+    trained = trainer.model()
+    for got, want in zip(jax.tree.leaves(nnx.to_pure_dict(nnx.state(trained, nnx.Param))),
+                         jax.tree.leaves(ref_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    # the running statistics moved (3 updates of momentum 0.8) and equal the reference's
+    got_stats = nnx.to_pure_dict(nnx.state(trained, nnx.BatchStat))
+    want_stats = nnx.to_pure_dict(nnx.state(reference, nnx.BatchStat))
+    assert np.abs(np.asarray(got_stats["bn"]["mean"])).max() > 1e-3
+    for k in ("mean", "var"):
+        np.testing.assert_allclose(got_stats["bn"][k], want_stats["bn"][k], rtol=1e-5, atol=1e-6)
+    # the dropout stream advanced once per step, from the same key
+    assert int(trained.drop.rngs.count[...]) == int(reference.drop.rngs.count[...]) == 3
+    assert trainer.state["bn"]["mean"].sbp == (B,) * pl.ndim
+
+
 def test_measured_bytes_equal_the_plan():
     pl = sj.placement((2, 4), ("x", "y"))
     model = MLP(nnx.Rngs(0))
     sjf.annotate(model, LAYOUTS["2d"][2])
     trainer = sjf.Trainer(model, optax.adamw(1e-2), loss_fn, pl, batch_sbp=(S(0), B))
     batch = data(steps=1)[0]
-    compiled = trainer.train_step.lower(trainer.params, trainer.opt_state, batch).compile()
+    compiled = trainer.lower(batch).compile()
     assert sum(c.bytes for c in sj.collectives(compiled)) == trainer.explain(batch).bytes > 0
 
 
@@ -116,13 +154,13 @@ def test_zero_splits_master_weights_and_state_and_trains_the_same():
     assert z["opt_state"] <= d["opt_state"] / 8 + 64  # + the step count, replicated
     # gradients are reduce-scattered, never all-reduced whole; weights all-gathered
     ops = {}
-    for c in sj.collectives(zero.train_step.lower(zero.params, zero.opt_state, batches[0]).compile()):
+    for c in sj.collectives(zero.lower(batches[0]).compile()):
         ops[c.op] = ops.get(c.op, 0) + c.bytes
     assert ops.get("reduce-scatter", 0) == 7 * 4 * n_params and ops.get("all-gather", 0) == 7 * 4 * n_params
     assert ops.get("all-reduce", 0) <= 2 * 7 * 4 * 8  # only the scalar loss (and nothing parameter-sized)
     # with 16 rows the compiler finds a plan cheaper than Fig. 14's
     small = data()[0]
-    measured = sum(c.bytes for c in sj.collectives(zero.train_step.lower(zero.params, zero.opt_state, small).compile()))
+    measured = sum(c.bytes for c in sj.collectives(zero.lower(small).compile()))
     assert measured == zero.explain(small).bytes < 2 * 7 * 4 * n_params
 
 
