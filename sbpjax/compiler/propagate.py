@@ -26,7 +26,6 @@ import itertools
 import math
 import warnings
 
-
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
 from sbpjax.compiler.trace import Const, Node, Program, Var
