@@ -89,8 +89,13 @@ def source_of(eqn) -> str:
     try:
         from jax._src import source_info_util
 
-        frames = list(source_info_util.user_frames(eqn.source_info.traceback))
-        frame = next((f for f in frames if not f.file_name.startswith(_PACKAGE)), frames[0] if frames else None)
+        frame = first = None
+        for f in source_info_util.user_frames(eqn.source_info.traceback):
+            first = first or f
+            if not f.file_name.startswith(_PACKAGE):
+                frame = f
+                break
+        frame = frame or first
         if frame is None:
             return "<unknown>"
         column = f":{frame.start_column}" if frame.start_column else ""
