@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -41,6 +40,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,7 @@ import numpy as np
 import sbpjax as sj
 import sbpjax.search as ss
 from sbpjax.search.cost import ClosedForm
+from compiler import median_times  # noqa: E402 - interleaved timing rounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -214,7 +215,7 @@ def rank_section(n_strategies, repeats):
     while len(sts) < n_strategies:
         sts.append(ss.evaluate(ops, grid, {g: o[rng.integers(len(o))] for g, o in zip(tables.groups, tables.options)},
                                placement=pl, tables=tables))
-    rows = []
+    rows, runs = [], []
     for st in sts:
         step, _ = mlp_program(st, names)
         sbp = st.param_sbp(params)
@@ -222,15 +223,13 @@ def rank_section(n_strategies, repeats):
         measured = sum(c.bytes for c in sj.collectives(f.lower(params, x, y).compile()))
         args = ({k: sj.to_global(v, st.placement, sbp[k]) for k, v in params.items()},
                 sj.to_global(x, st.placement, st.input_sbp()), sj.to_global(y, st.placement, st.output_sbp()))
-        jax.block_until_ready(f(*args)[1].physical)
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args)[1].physical)
-            samples.append(time.perf_counter() - t0)
+        runs.append((lambda *a, f=f: f(*a)[1].physical, args))
         rows.append({"strategy": [lp.choice.label(grid) for lp in st.layers], "predicted_bytes": st.bytes,
-                     "measured_bytes": measured, "predicted_time": st.time,
-                     "measured_step_time": statistics.median(samples)})
+                     "measured_bytes": measured, "predicted_time": st.time})
+    # all strategies timed in interleaved rounds, so a change of the machine's
+    # load falls on all of them alike (timed one after another, it reorders them)
+    for row, t in zip(rows, median_times(runs, repeats)):
+        row["measured_step_time"] = t
     rho = ss.spearman([r["predicted_time"] for r in rows], [r["measured_step_time"] for r in rows])
     return rows, rho
 
