@@ -104,6 +104,22 @@ def _estimate(src, dst, nbytes, p) -> float:
     return (p - 1) * nbytes if isinstance(dst, Split) else 2 * (p - 1) * nbytes
 
 
+def _axis_ties(sig, cur, a) -> tuple:
+    """How a 1-D candidate on axis ``a`` ranks after its estimate and the
+    inputs it changes: fewer partial outputs, then fewer splits invented where
+    no input is split. ``_best_signature`` and ``_free_signature`` share it, so
+    the shortcut sees the ranking the full path would."""
+    partial_outs = sum(isinstance(q, Partial) for q in sig.outs)
+    fresh = sum(isinstance(q, Split) for q in sig.outs) * (not any(isinstance(c[a], Split) for c in cur))
+    return partial_outs, fresh
+
+
+def _fresh_splits(outs, cur) -> int:
+    """Output splits on axes where no input is split (made from nothing)."""
+    return sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
+               for nd in outs for a in range(len(nd)))
+
+
 def uneven_error(what, shape, nd, placement, where) -> SBPError:
     counts = {}
     for a, s in enumerate(nd):
@@ -328,10 +344,8 @@ class Propagator:
                           for c, q, i, vs in zip(cur, s.ins, node.ins, have))
                 later = sum(_estimate(s.outs[j], want, nbytes, p) for want, nbytes, j in wants)
                 changed = sum(c[a] != q for c, q in zip(cur, s.ins))
-                partial_outs = sum(isinstance(q, Partial) for q in s.outs)
-                fresh = sum(isinstance(q, Split) for q in s.outs) * (not any(isinstance(c[a], Split) for c in cur))
-                scored.append((est, changed, partial_outs, fresh, k, s))
-                with_pref.append((est + later, changed, partial_outs, fresh, k, s))
+                scored.append((est, changed, *_axis_ties(s, cur, a), k, s))
+                with_pref.append((est + later, changed, *_axis_ties(s, cur, a), k, s))
             scored.sort(key=lambda t: t[:5])
             keep = [t[5] for t in scored[:_TOP_K]]
             if wants:
@@ -378,8 +392,7 @@ class Propagator:
             # invented from nothing (an iota, a broadcast of a B value: they must be
             # undone where they meet B data); then the rule's order.
             stale = self._stale_partial_uses(ins, node)
-            fresh = sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
-                        for nd in outs for a in range(len(nd)))
+            fresh = _fresh_splits(outs, cur)
             key = (total[0], debt > 0, stale, split_miss, self._spread_partials(outs, node), round(total[1], 15),
                    total[2], fresh, order)
             if best is None or key < best[0]:
@@ -411,9 +424,7 @@ class Propagator:
                 per_axis.append([Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))])
                 sizes.append(1)
                 continue
-            split_in = any(isinstance(c[a], Split) for c in cur)
-            same = sorted((sum(isinstance(q, Partial) for q in s.outs),
-                           sum(isinstance(q, Split) for q in s.outs) * (not split_in), k, s)
+            same = sorted((*_axis_ties(s, cur, a), k, s)
                           for k, s in enumerate(sigs) if all(c[a] == q for c, q in zip(cur, s.ins)))
             if not same:
                 return None
@@ -428,8 +439,7 @@ class Propagator:
                 continue
             if any(not self._partial_ok(nd) for nd in outs):
                 continue  # (no debt: debt comes from an input boxed to a partial)
-            fresh = sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
-                        for nd in outs for a in range(len(nd)))
+            fresh = _fresh_splits(outs, cur)
             order = sum(i * st for i, st in zip(idx, strides))
             if best is None or (fresh, order) < best[0]:
                 best = ((fresh, order), list(cur), outs)
@@ -502,8 +512,7 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
     for atom in [a for node in program.nodes for a in node.ins] + list(program.outputs):
         if isinstance(atom, Var):
             uses[id(atom)] = uses.get(id(atom), 0) + 1
-    # plans, bounds, signatures, choices, evenness, uses: shared by the passes
-    caches = ({}, {}, {}, {}, {}, uses)
+    caches = ({}, {}, {}, {}, {})  # plans, bounds, signatures, choices, evenness: shared by the passes
 
     def learn(prop) -> dict:
         out = {}
@@ -517,7 +526,8 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
     def run(learned, rank_with_prefs):
         nonlocal best, ranked_apart
         prop, apart = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned,
-                                quiet=best is not None, caches=caches, rank_with_prefs=rank_with_prefs)
+                                quiet=best is not None, caches=caches, uses=uses,
+                                rank_with_prefs=rank_with_prefs)
         ranked_apart |= apart
         total = sum(b.bytes for b in prop.boxings)
         if best is None or total < best[0]:
@@ -538,16 +548,16 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
     return best[1]
 
 
-def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches,
+def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches, uses,
               rank_with_prefs=False) -> tuple[Propagation, bool]:
     pr = Propagator(program, placement, cost_model)
     pr.quiet = quiet
     pr.rank_with_prefs = rank_with_prefs
-    pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches[:5]
+    pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches
     for v, nd in zip(program.inputs, in_sbp):
         pr.layout[id(v)] = nd
     pr.prefer(out_sbp)
-    pr.uses = caches[5]
+    pr.uses = uses
     for key, nd in learned.items():
         pr.pref.setdefault(key, nd)
     decisions = [pr.choose(node, i) for i, node in enumerate(program.nodes)]
