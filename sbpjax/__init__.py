@@ -6,10 +6,12 @@
     u = t.to_global(sbp=(sj.B, sj.S(1)))      # boxing with the cheapest collectives
     print(sj.plan_boxing(x.shape, x.dtype, pl, t.sbp, u.sbp))
 
-See DESIGN.md for the semantics and the public contract.
+The documentation (concepts, tutorial, guides, API reference) is built from
+docs/ in the source tree: ``bash scripts/docs.sh``.
 """
 
 from sbpjax._errors import SBPError, SBPWarning
+from sbpjax._version import __version__
 from sbpjax.boxing.cost import CostModel, calibrate
 from sbpjax.boxing.plan import BoxingPlan, Step, plan_boxing
 from sbpjax.comm import Collective, collectives
@@ -35,10 +37,8 @@ from sbpjax.tensor import GlobalTensor, from_local_tensors, to_global
 from sbpjax.show import layout_text, show
 from sbpjax.compiler.api import CompiledFunction, constrain, jit
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "SBPError", "SBPWarning",
+    "__version__", "SBPError", "SBPWarning",
     "S", "B", "P", "P_max", "P_min",
     "split", "broadcast", "partial_sum", "partial_max", "partial_min",
     "Split", "Broadcast", "Partial", "parse_sbp", "format_sbp",
