@@ -106,15 +106,84 @@ def _parse_groups(line: str, num_devices: int | None):
         if m.group(3):
             ids = ids.transpose([int(v) for v in m.group(3).split(",")])
         return ids.reshape(out_shape).tolist()
-    # Newer XLA prints mesh-based groups with an explicit device list; each
-    # sub-group is then given by its own parenthesised id list when present.
-    m = re.search(r"device_ids=\(([\d,\s()]*)\)", line)
-    if m:
-        inner = re.findall(r"\(([\d,\s]*)\)", m.group(1))
-        if inner:
-            return [[int(v) for v in g.split(",") if v.strip()] for g in inner]
-        return [[int(v) for v in m.group(1).split(",") if v.strip()]]
+    if "replica_groups=mesh[" in line or "replica_groups=maximal_mesh[" in line:
+        return _mesh_groups(line)
     return None
+
+
+_MESH_AXIS = re.compile(r"'?([^'=,\s]+)'?=(\d+)")
+_GROUP_AXIS = re.compile(r"'?([^':,{}\s]+)'?(?::\((\d+)\)(\d+))?")
+
+
+def _mesh_groups(line: str) -> list[list[int]]:
+    """Groups of the mesh form XLA prints from jax 0.11 on (Shardy meshes).
+
+    ``replica_groups=mesh['x'=2,'y'=4] {'y'}`` means: the devices of a 2x4
+    mesh (logical ids in row-major order unless ``, device_ids=(...)``
+    follows the axes), one group for every coordinate of the axes not listed,
+    members ordered by the listed axes (``{'y','x'}`` orders y before x). A
+    listed axis may be a sub-axis ``'y':(pre)size``: axis y read as
+    (pre, size, rest), major first, and only its middle factor grouped.
+    ``maximal_mesh[device_id=N]`` is one device.
+    """
+    m = re.search(r"replica_groups=maximal_mesh\[device_id=(\d+)\]", line)
+    if m:
+        return [[int(m.group(1))]]
+    start = line.index("replica_groups=mesh[") + len("replica_groups=mesh[")
+    end = line.index("]", start)
+    axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(line[start:end])]
+    shape = [size for _, size in axes]
+    rest = line[end + 1:]
+    ids = np.arange(int(np.prod(shape)))
+    dm = re.match(r"\s*,\s*device_ids=\(", rest)
+    if dm:
+        depth, i = 1, dm.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(rest[i], 0)
+            i += 1
+        ids = _device_id_list(rest[dm.end():i - 1], int(np.prod(shape)))
+        rest = rest[i:]
+    gm = re.match(r"\s*\{([^}]*)\}", rest)
+    listed = [(n, int(pre) if pre else None, int(sz) if sz else None)
+              for n, pre, sz in _GROUP_AXIS.findall(gm.group(1) if gm else "")]
+    names = [n for n, _ in axes]
+    # Each mesh axis becomes its factors, major first (a sub-axis's pre-size
+    # is the product of the factors before it), cut where a listed sub-axis
+    # starts or ends; a listed (sub-)axis is then a run of factors.
+    cuts = {a: {1, size} for a, size in axes}
+    for n, pre, sz in listed:
+        if n not in cuts:
+            raise ValueError(f"collective groups name axis {n!r}, not in mesh {names}: {line.strip()[:200]}")
+        if pre is not None:
+            cuts[n] |= {pre, pre * sz}
+    factors, first = [], {}  # first[axis][pre-size] = index of that factor
+    for n, _ in axes:
+        bounds = sorted(cuts[n])
+        first[n] = {}
+        for lo, hi in zip(bounds, bounds[1:]):
+            first[n][lo] = len(factors)
+            factors.append(hi // lo)
+    grid = ids.reshape(factors)
+    grouped = []
+    for n, pre, sz in listed:
+        lo, hi = (pre, pre * sz) if pre is not None else (1, dict(axes)[n])
+        grouped += [k for p0, k in sorted(first[n].items()) if lo <= p0 < hi]
+    others = [k for k in range(grid.ndim) if k not in grouped]
+    size = int(np.prod([grid.shape[k] for k in grouped])) if grouped else 1
+    return grid.transpose(others + grouped).reshape(-1, size).tolist()
+
+
+def _device_id_list(text: str, n: int) -> np.ndarray:
+    """A mesh's ``device_ids=(...)``: an iota form ``[2,4]<=[4,2]T(1,0)`` or
+    a flat list of ids."""
+    m = re.fullmatch(r"\s*(?:\[[\d,]+\])?<=\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if m:
+        src = [int(v) for v in m.group(1).split(",")]
+        ids = np.arange(n).reshape(src)
+        if m.group(2):
+            ids = ids.transpose([int(v) for v in m.group(2).split(",")])
+        return ids.reshape(-1)
+    return np.array([int(v) for v in re.findall(r"\d+", text)])
 
 
 def _computations(text: str) -> dict:
