@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 import sbpjax.flax as sjf  # noqa: E402
@@ -167,14 +167,6 @@ def build(vocab: int, seq: int, d: int, heads: int, layers: int, seed: int = 0) 
     return GPT(-(-vocab // 8) * 8, seq, d, heads, layers, nnx.Rngs(seed))
 
 
-def progress(i: int, n: int, loss: float, t0: float, width: int = 30):
-    done = int(width * (i + 1) / n)
-    rate = (i + 1) / max(time.perf_counter() - t0, 1e-9)
-    sys.stdout.write(f"\r  [{'#' * done}{'.' * (width - done)}] step {i + 1}/{n}  loss {loss:.3f}  "
-                     f"{rate:.1f} steps/s")
-    sys.stdout.flush()
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
@@ -203,13 +195,13 @@ def main(argv=None):
     if args.show_plan:
         print(explanation)
 
-    t0 = time.perf_counter()
     losses = []
-    for i in range(args.steps):
-        losses.append(trainer.step(data.next()))
-        if i % 10 == 0 or i == args.steps - 1:
-            progress(i, args.steps, losses[-1], t0)
-    print()
+    # tqdm's disable=None: a bar on a terminal, nothing when the output is a pipe or a log
+    with tqdm(range(args.steps), desc="train", unit="step", disable=None, file=sys.stdout) as bar:
+        for i in bar:
+            losses.append(trainer.step(data.next()))
+            if i % 10 == 0 or i == args.steps - 1:
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
     k = max(1, min(20, args.steps // 5))
     print(f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
           f"(uniform guess: {np.log(data.vocab):.3f})")

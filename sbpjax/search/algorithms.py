@@ -11,8 +11,6 @@ a time. Memory is summed the same way and an assignment over the limit costs inf
 from __future__ import annotations
 
 import math
-import sys
-import time
 
 import numpy as np
 
@@ -21,29 +19,29 @@ from sbpjax.search.cost import Tables
 
 
 class Progress:
-    """A one-line text progress bar on stderr (no dependency); silent when disabled."""
+    """A progress bar (tqdm) on stderr; silent when disabled, and when enabled but
+    stderr is not a terminal (tqdm's ``disable=None``), so logs stay clean."""
 
     def __init__(self, total: int, label: str, enabled: bool):
         self.total, self.label, self.enabled = max(int(total), 1), label, enabled
-        self.done, self._last = 0, 0.0
+        self.done = 0
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc=label, disable=None, leave=True, mininterval=0.1)
 
     def update(self, n: int = 1, best: float | None = None):
         self.done += n
-        if not self.enabled:
+        if self._bar is None:
             return
-        now = time.perf_counter()
-        if now - self._last < 0.1 and self.done < self.total:
-            return
-        self._last = now
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(30 * frac)
-        tail = f" best {best:.4g}" if best is not None else ""
-        sys.stderr.write(f"\r{self.label} [{bar:<30}] {100 * frac:5.1f}%{tail}")
-        sys.stderr.flush()
+        if best is not None:
+            self._bar.set_postfix_str(f"best {best:.4g}", refresh=False)
+        self._bar.update(n)
 
     def close(self):
-        if self.enabled:
-            sys.stderr.write("\n")
+        if self._bar is not None:
+            self._bar.close()
 
 
 class Problem:
