@@ -27,6 +27,7 @@ NONLINEAR = (
     "shift_right_logical", "shift_right_arithmetic", "lgamma", "digamma", "bessel_i0e",
     "bessel_i1e", "igamma", "igammac", "random_gamma_grad", "imag", "real", "conj",
     "complex", "exp2", "polygamma", "zeta", "regularized_incomplete_beta",
+    "one_minus_square",  # 1 - x**2, new in jax 0.11 (tanh, asin, acos, atanh derivatives)
 )
 
 
