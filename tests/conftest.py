@@ -98,3 +98,19 @@ def nnx_single_device(model, optimizer, loss_fn, batches):
 
     losses = [float(step(model, opt, b)) for b in batches]
     return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def assert_close(actual, desired, *, rtol, err_msg=""):
+    """``np.testing.assert_allclose`` with an ``atol`` scaled to the values:
+    ``rtol`` times the largest ``|desired|``.
+
+    A float result that is a sum depends on the summation order, which differs
+    between machines, partitionings and XLA versions; its error is a few ulps
+    of the largest terms, not of the result, so an element that happens to
+    land near zero (a matmul entry of -0.0084 among entries of order 1) can
+    miss a purely relative tolerance while being exact to the precision of the
+    computation."""
+    desired = np.asarray(desired, dtype=np.float64)
+    scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+    np.testing.assert_allclose(np.asarray(actual, dtype=np.float64), desired, rtol=rtol, atol=rtol * scale,
+                               err_msg=err_msg)

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import assert_close
+
 import sbpjax as sj
 
 SBP = [sj.S(0), sj.S(1), sj.B, sj.P]
@@ -51,7 +53,7 @@ def test_grad_matches_finite_differences(pl24):
         e[idx] = eps
         fd = (loss(x + e) - loss(x - e)) / (2 * eps)
         # float32 central differences: truncation ~eps^2, rounding ~1e-7/eps
-        np.testing.assert_allclose(g[idx], fd, rtol=1e-3)
+        assert_close(g[idx], fd, rtol=1e-3)
 
 
 def test_backward_uses_the_transpose_collective(pl8):

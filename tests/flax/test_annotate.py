@@ -7,6 +7,8 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
+from conftest import assert_close
+
 import sbpjax as sj
 import sbpjax.flax as sjf
 from sbpjax import B, P, S
@@ -80,7 +82,7 @@ def test_place_and_unplace():
     sjf.unplace(m)
     x = np.ones((3, 8), np.float32)
     ref = MLP(8, 16, nnx.Rngs(0))
-    np.testing.assert_allclose(np.asarray(m(x)), np.asarray(ref(x)), rtol=1e-6)
+    assert_close(np.asarray(m(x)), np.asarray(ref(x)), rtol=1e-6)
 
 
 def test_sbp_module_annotates_an_existing_class_and_its_call():
@@ -92,8 +94,8 @@ def test_sbp_module_annotates_an_existing_class_and_its_call():
     assert sjf.get_sbp(layer) == {"kernel": (S(1),), "bias": (S(0),)}
     assert nnx.Linear(4, 4, rngs=nnx.Rngs(0)).kernel.get_metadata().get("sbp") is None  # original untouched
     x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(layer(x)), x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...]),
-                               rtol=1e-5)  # outside sj.jit nothing changes
+    # outside sj.jit nothing changes
+    assert_close(np.asarray(layer(x)), x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...]), rtol=1e-5)
 
     graphdef, state = nnx.split(layer)
     params = nnx.to_pure_dict(state)
@@ -106,7 +108,7 @@ def test_sbp_module_annotates_an_existing_class_and_its_call():
     f = sj.jit(fwd, placement=pl, in_sbp=(sjf.get_sbp(layer, pl), (S(0),)))
     y = f(params, x)
     assert y.sbp == (S(1),)  # the declared output layout
-    np.testing.assert_allclose(y.numpy(), x @ params["kernel"] + params["bias"], rtol=1e-5)
+    assert_close(y.numpy(), x @ params["kernel"] + params["bias"], rtol=1e-5)
     # the declared input layout B forces x (given split by rows) to be gathered first
     assert any(b.src == (S(0),) and b.dst == (B,) for b in f.explain(params, x).boxings)
 
@@ -140,7 +142,7 @@ def test_linen_boxes_and_get_sbp():
     plain = sjf.linen.unbox(variables["params"])
     assert isinstance(plain["Dense_0"]["kernel"], jax.Array)
     # apply works on the boxed variables as on plain ones
-    np.testing.assert_allclose(np.asarray(LinenMLP().apply(variables, x)),
-                               np.asarray(LinenMLP().apply({"params": plain}, x)), rtol=1e-6)
+    assert_close(np.asarray(LinenMLP().apply(variables, x)), np.asarray(LinenMLP().apply({"params": plain}, x)),
+                 rtol=1e-6)
     assert sjf.linen.get_sbp(variables["params"])["Dense_0"]["bias"] is None
     assert P  # imported names used across this module's tests

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import nnx_single_device, run_script
+from conftest import assert_close, nnx_single_device, run_script
 from flax import nnx
 
 import sbpjax as sj
@@ -36,7 +36,7 @@ def assert_same_training(build, optimizer, loss_fn, batches, placement, batch_sb
     trainer = sjf.Trainer(build(), optimizer, loss_fn, placement, batch_sbp=batch_sbp, **trainer_options)
     losses = [trainer.step(b) for b in batches]
     ref_losses, ref_params = nnx_single_device(build(), optimizer, loss_fn, batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_close(losses, ref_losses, rtol=1e-5)
     got = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model(), nnx.Param)))
     assert jax.tree.structure(got) == jax.tree.structure(ref_params)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref_params)):

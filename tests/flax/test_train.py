@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import nnx_single_device
+from conftest import assert_close, nnx_single_device
 from flax import linen as nn
 from flax import nnx
 
@@ -48,7 +48,7 @@ def trained(trainer):
 def assert_same_training(trainer, optimizer, batches):
     losses = [trainer.step(b) for b in batches]
     ref_losses, ref_params = reference(optimizer, batches)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_close(losses, ref_losses, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(trained(trainer)), jax.tree.leaves(ref_params)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
@@ -102,7 +102,7 @@ def test_batchnorm_statistics_and_dropout_keys_follow_the_single_device_program(
     batches = data(n=64)
     reference = NormDropNet(nnx.Rngs(0))
     ref_losses, ref_params = nnx_single_device(reference, optax.sgd(0.1), loss_fn, batches)
-    np.testing.assert_allclose([trainer.step(b) for b in batches], ref_losses, rtol=1e-5)
+    assert_close([trainer.step(b) for b in batches], ref_losses, rtol=1e-5)
     trained = trainer.model()
     for got, want in zip(jax.tree.leaves(nnx.to_pure_dict(nnx.state(trained, nnx.Param))),
                          jax.tree.leaves(ref_params)):
@@ -144,8 +144,8 @@ def test_zero_splits_master_weights_and_state_and_trains_the_same():
             assert zero.opt_state[0].nu[mod][leaf].sbp == (S(0),)
     assert zero.opt_state[0].count.sbp == (B,)
     ref_losses, _ = reference(optax.adamw(1e-2), batches)
-    np.testing.assert_allclose([zero.step(b) for b in batches], ref_losses, rtol=1e-5)
-    np.testing.assert_allclose([dp.step(b) for b in batches], ref_losses, rtol=1e-5)
+    assert_close([zero.step(b) for b in batches], ref_losses, rtol=1e-5)
+    assert_close([dp.step(b) for b in batches], ref_losses, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(trained(zero)), jax.tree.leaves(trained(dp))):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     z, d = zero.state_bytes_per_device(), dp.state_bytes_per_device()
@@ -186,7 +186,7 @@ def test_bf16_compute_keeps_fp32_master_and_gathers_bf16():
     params = nnx.to_pure_dict(state)
     want, grads = jax.jit(jax.value_and_grad(ref_loss))(params)
     # bf16 keeps 8 bits of mantissa: sums in another order differ in the third digit
-    np.testing.assert_allclose(loss, float(want), rtol=2e-2)
+    assert_close(loss, float(want), rtol=2e-2)
     new = trained(trainer)
     for got, p, g in zip(jax.tree.leaves(new), jax.tree.leaves(params), jax.tree.leaves(grads)):
         step = np.asarray(p) - 0.1 * np.asarray(g)
@@ -226,7 +226,7 @@ def test_linen_train_step_equals_single_device():
         u, s = opt.update(g, s, p)
         p = optax.apply_updates(p, u)
         ref.append(float(value))
-    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    assert_close(losses, ref, rtol=1e-5)
     for got, want in zip(jax.tree.leaves(gp, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), jax.tree.leaves(p)):
         np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-4, atol=1e-6)
 
@@ -274,4 +274,4 @@ def test_checkpoint_resume_gives_the_same_losses(tmp_path, layout):
     if layout == "same":
         assert again == continued
     else:
-        np.testing.assert_allclose(again, continued, rtol=1e-6)
+        assert_close(again, continued, rtol=1e-6)

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import assert_close
+
 import sbpjax as sj
 import sbpjax.search as ss
 
@@ -66,7 +68,7 @@ def check(st, names, params, x, y):
     new, loss = f(params, x, y)
     _, ref_loss = mlp_program(st, names)  # outside sj.jit the pins are identities
     want_loss, want_grads = jax.value_and_grad(ref_loss)(params, x, y)
-    np.testing.assert_allclose(loss.numpy(), want_loss, rtol=1e-5)
+    assert_close(loss.numpy(), want_loss, rtol=1e-5)
     for k in params:
         np.testing.assert_allclose(new[k].numpy(), params[k] - 0.1 * np.asarray(want_grads[k]), rtol=1e-4,
                                    atol=1e-6, err_msg=k)
