@@ -3,4 +3,4 @@
 # layout given by a few annotations (examples/gpt_hybrid.py). Extra arguments go
 # to the demo (e.g. --steps 100). The boxing tour: python examples/boxing_tour.py.
 source "$(dirname "$0")/env.sh"
-exec .venv/bin/python examples/gpt_hybrid.py "$@"
+exec "$VENV/bin/python" examples/gpt_hybrid.py "$@"

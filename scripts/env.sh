@@ -1,17 +1,31 @@
-# Sourced by demo.sh and test.sh: create or reuse .venv and install sbpjax with
-# the extras for tests and plots from pyproject.toml (re-installed only when
-# pyproject.toml changes).
+# Sourced by demo.sh and test.sh: create or reuse a virtual environment and
+# install sbpjax with the extras for tests and plots from pyproject.toml
+# (re-installed only when pyproject.toml changes).
+#
+# PYTHON picks the interpreter (default python3, whose environment is .venv);
+# any other gets its own environment, .venv-py<major.minor>, so the two
+# supported ends (Python 3.11 with jax 0.10.2, Python 3.12+ with the newest
+# jax) live side by side: PYTHON=python3.12 bash scripts/test.sh
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+if ! "$PY" -c "import sys" >/dev/null 2>&1; then
+  echo "scripts/env.sh: cannot run PYTHON=$PY" >&2
+  exit 2
 fi
-stamp=.venv/.sbpjax-installed
+if [ -z "${PYTHON:-}" ]; then
+  VENV=.venv
+else
+  VENV=.venv-py$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+stamp=$VENV/.sbpjax-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e ".[test,plots]"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip
+  "$VENV/bin/python" -m pip install --quiet -e ".[test,plots]"
   echo "$want" > "$stamp"
 fi
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
