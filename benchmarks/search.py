@@ -45,11 +45,11 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import jax
 import jax.numpy as jnp
 import numpy as np
+from compiler import median_times  # noqa: E402 - interleaved timing rounds
 
 import sbpjax as sj
 import sbpjax.search as ss
 from sbpjax.search.cost import ClosedForm
-from compiler import median_times  # noqa: E402 - interleaved timing rounds
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,7 +64,8 @@ def mlp_section(device_counts, restarts, steps):
         opt = ss.search(ops, grid, method="exhaustive", tables=tables)
         t_ex = time.perf_counter() - t0
         rows.append({"devices": p, "method": "exhaustive", "cost_ratio_to_optimum": 1.0,
-                     "time_ratio_to_exhaustive": 1.0, "seconds": t_ex, "strategy": [lp.choice.label(grid) for lp in opt.layers]})
+                     "time_ratio_to_exhaustive": 1.0, "seconds": t_ex,
+                     "strategy": [lp.choice.label(grid) for lp in opt.layers]})
         for method, kw in (("coordinate_descent", {"restarts": restarts}), ("metropolis_hastings", {"steps": steps})):
             t0 = time.perf_counter()
             st = ss.search(ops, grid, method=method, tables=tables, seed=0, **kw)

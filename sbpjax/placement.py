@@ -7,7 +7,7 @@ piece ``i`` on the ``i``-th device along that axis.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -45,7 +45,7 @@ class Placement:
             )
         if devs.size == 0:
             raise SBPError(f"Placement: the device grid {devs.shape} is empty.")
-        ids = [getattr(d, "id", None) for d in devs.flat]
+        ids: list = [getattr(d, "id", None) for d in devs.flat]
         if any(i is None for i in ids):
             bad = next(d for d in devs.flat if getattr(d, "id", None) is None)
             raise SBPError(f"Placement: {bad!r} is not a jax.Device; use jax.devices().")
@@ -107,7 +107,7 @@ class Placement:
             raise SBPError(f"placement axis {axis} out of range for {self.ndim} axes.")
         return axis
 
-    def __getitem__(self, index) -> "Placement":
+    def __getitem__(self, index) -> Placement:
         """A sub-placement: numpy indexing of the grid; integer indices drop axes."""
         if not isinstance(index, tuple):
             index = (index,)
@@ -122,7 +122,7 @@ class Placement:
         return Placement(sub, names)
 
     def subset(self, devices: Sequence, axis_names: Sequence[str] | None = None,
-               shape: Sequence[int] | None = None) -> "Placement":
+               shape: Sequence[int] | None = None) -> Placement:
         """A placement over ``devices`` (all from this one), reshaped to ``shape``."""
         own = set(self.device_ids)
         for d in devices:
@@ -137,10 +137,10 @@ class Placement:
         )
         return Placement(devs, names)
 
-    def is_disjoint(self, other: "Placement") -> bool:
+    def is_disjoint(self, other: Placement) -> bool:
         return not set(self.device_ids) & set(other.device_ids)
 
-    def same_devices(self, other: "Placement") -> bool:
+    def same_devices(self, other: Placement) -> bool:
         return self.shape == other.shape and self.device_ids == other.device_ids
 
     # -- identity -------------------------------------------------------------

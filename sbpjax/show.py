@@ -60,8 +60,7 @@ class _Picture:
             if self.holds_something(box):
                 start, size = box[dim]
                 cuts |= {start, start + size}
-        cuts = sorted(cuts)
-        return list(itertools.pairwise(cuts))
+        return list(itertools.pairwise(sorted(cuts)))
 
     def _holders(self, row_band, col_band) -> list:
         # the bands of the dims actually shown (a scalar shows none, a vector only columns)

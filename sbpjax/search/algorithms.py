@@ -105,7 +105,7 @@ def exhaustive(problem: Problem, progress: bool = False) -> tuple[list, float]:
     total = math.prod(problem.sizes[:-1])
     bar = Progress(total, "exhaustive", progress)
     last = n - 1
-    best = [math.inf, None]
+    best: list = [math.inf, None]  # [cost, assignment]
     limit = problem.limit if problem.limit is not None else math.inf
     base_vec = problem.unary[last] + problem.diag[last]
     # edges among the first n-1 groups, by their later group; edges to the last group

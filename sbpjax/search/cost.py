@@ -311,7 +311,7 @@ def build_tables(ops: Sequence[MatmulOp], grid: Grid, pricer, *, objective: str 
     # tied ops have identical shapes: price each group, and each edge between two
     # groups, once, and share the arrays among the repetitions
     unary, pair, dims, mem = [], [], [], []
-    parts = {"sync": [], "output": [], "edge": []}
+    parts: dict[str, list] = {"sync": [], "output": [], "edge": []}
     group_cache: dict = {}
     edge_cache: dict = {}
     for i, op in enumerate(ops):

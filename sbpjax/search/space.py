@@ -138,8 +138,9 @@ class Choice:
     def degrees(self, grid: Grid) -> tuple[int, int, int]:
         """(p0, p1, p2): the data, column and row parallel degrees over the whole grid."""
         roles = self.roles()
-        return tuple(math.prod(s for s, r in zip(grid.fine_sizes, roles) if r == role)
-                     for role in (DATA, COLUMN, ROW))
+        p0, p1, p2 = (math.prod(s for s, r in zip(grid.fine_sizes, roles) if r == role)
+                      for role in (DATA, COLUMN, ROW))
+        return p0, p1, p2
 
     def per_axis(self, grid: Grid) -> dict:
         """``{axis name: (p0, p1, p2)}``: the factorization of every placement axis."""

@@ -197,7 +197,8 @@ class Strategy:
                 f"search {self.search_seconds:.3g} s); layouts over fine axes {', '.join(self.grid.fine_names)}")
         lines = [head]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"  total {human_bytes(self.bytes)} per step (redistribution {human_bytes(self.redistribution_bytes)}, "
+        lines.append(f"  total {human_bytes(self.bytes)} per step "
+                     f"(redistribution {human_bytes(self.redistribution_bytes)}, "
                      f"grad sync {human_bytes(self.sync_bytes)}), est. {self.time * 1e3:.4g} ms, "
                      f"memory {human_bytes(self.memory)} per device")
         return "\n".join(lines)
