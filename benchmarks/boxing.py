@@ -11,8 +11,8 @@ bytes GSPMD uses for the same conversion (``jax.jit`` with in/out
 P(max|min) is not expressible), the floor (pairs without partials) and the
 time ratio sbpjax / GSPMD (median of repeats, both timed in the same process).
 
-GSPMD baselines may abort the process or give wrong values (DESIGN.md, "How we
-measure"), so cases run in worker subprocesses that are restarted after a
+GSPMD baselines may abort the process or give wrong values (see "How sbpjax is
+measured" in docs/comparison.md), so cases run in worker subprocesses that are restarted after a
 crash, and every GSPMD result is checked against the logical value. Writes
 ``benchmarks/results/boxing.json``.
 """

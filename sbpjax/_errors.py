@@ -1,6 +1,6 @@
 """The one exception type users see.
 
-Every message says what is wrong, where, and how to fix it (DESIGN.md).
+Every message says what is wrong, where, and how to fix it.
 """
 
 

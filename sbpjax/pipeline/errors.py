@@ -9,7 +9,7 @@ class PipelineError(SBPError):
     """An action failed; every actor was stopped. ``__cause__`` is the original
     exception; ``actor``, ``kind``, ``stage`` and ``microbatch`` say where.
 
-    An :class:`SBPError` like every error sbpjax raises (DESIGN.md), so one
+    An :class:`SBPError` like every error sbpjax raises, so one
     ``except sj.SBPError`` covers a pipeline step too."""
 
     def __init__(self, message: str, actor: str | None = None, kind: str | None = None,
