@@ -24,7 +24,8 @@ from jax.interpreters import mlir
 from sbpjax._errors import SBPError
 from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.explain import Explanation
-from sbpjax.compiler.propagate import CONSTRAIN, propagate
+from sbpjax.compiler.propagate import CONSTRAIN
+from sbpjax.compiler.solve import choose
 from sbpjax.compiler.trace import trace
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp, parse_sbp
@@ -162,7 +163,8 @@ def _broadcast_spec(spec, tree, what):
 class CompiledFunction:
     """What ``sj.jit`` returns: call it, ``explain`` it, ``lower`` it."""
 
-    def __init__(self, fn, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None):
+    def __init__(self, fn, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
+                 solve_time_limit=10.0):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
         self.fn = fn
@@ -170,6 +172,8 @@ class CompiledFunction:
         self.in_sbp = in_sbp
         self.out_sbp = out_sbp
         self.cost_model = cost_model
+        self.solver = solver
+        self.solve_time_limit = solve_time_limit
         self._cache: dict = {}
         self.last_overhead_s = 0.0
         functools.update_wrapper(self, fn)
@@ -210,7 +214,8 @@ class CompiledFunction:
                                                                    f"out_sbp of output leaf {k}")
                          for k, (s, o) in enumerate(zip(raw, program.outputs))]
         names = [f"{_leaf_name(path)} {t.shape}" for path, t in zip(_leaf_paths(tree), gts)]
-        prop = propagate(program, self.placement, [t.sbp for t in gts], out_specs, self.cost_model, names)
+        prop = choose(program, self.placement, [t.sbp for t in gts], out_specs, self.cost_model, names,
+                      solver=self.solver, time_limit=self.solve_time_limit)
         fn = lowering.build(prop)
         self.last_overhead_s = time.perf_counter() - t0
         entry = (prop, fn)
@@ -242,14 +247,21 @@ class CompiledFunction:
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
 
 
-def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None):
+def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
+        solve_time_limit=10.0):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
+
+    ``solver="ilp"`` (default) chooses every layout for the program as a whole
+    (an integer program solved by HiGHS within ``solve_time_limit`` seconds;
+    the greedy choice is kept if it moves no more bytes or the solve fails, and
+    ``explain()`` says which was used); ``solver="greedy"`` is the fast
+    op-by-op pass, for prototyping.
 
     Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
     ``@functools.partial(sj.jit, placement=pl)``."""
     if fn is None:
-        return lambda f: CompiledFunction(f, placement, in_sbp, out_sbp, cost_model)
-    return CompiledFunction(fn, placement, in_sbp, out_sbp, cost_model)
+        return lambda f: CompiledFunction(f, placement, in_sbp, out_sbp, cost_model, solver, solve_time_limit)
+    return CompiledFunction(fn, placement, in_sbp, out_sbp, cost_model, solver, solve_time_limit)
 
 
 __all__ = ["jit", "constrain", "CompiledFunction", "is_nd_sbp", "state_sbp"]

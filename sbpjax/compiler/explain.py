@@ -31,6 +31,13 @@ class Explanation:
         return int(sum(b.bytes for b in self.boxings))
 
     @property
+    def choice(self):
+        """How the layouts were chosen (``sbpjax.compiler.solve.Choice``): ``method``
+        ("ilp" or "greedy"), ``reason`` greedy was kept, the ILP's ``objective``,
+        proven ``bound`` and ``gap``, ``solve_s``, ``greedy_bytes``."""
+        return self.propagation.choice
+
+    @property
     def warnings(self) -> list:
         return self.propagation.warnings
 
@@ -49,6 +56,8 @@ class Explanation:
                 counts[s.op] = (n + 1, nbytes + s.bytes)
         lines = [f"sj.jit on {prop.placement!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
                  f"{human_bytes(self.bytes)} per step (bytes received, all devices)"]
+        if prop.choice is not None:
+            lines.append("  " + prop.choice.describe())
         for op, (n, nbytes) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {op:<15} x{n:<4} {human_bytes(nbytes)}")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -59,6 +68,8 @@ class Explanation:
         pl = prop.placement
         lines = [f"sj.jit on {pl!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
                  f"{self.bytes} B planned"]
+        if prop.choice is not None:
+            lines.append("  " + prop.choice.describe())
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
         for i, d in enumerate(prop.decisions):
             box = "; ".join(f"{_short(b.src)}->{_short(b.dst)} "

@@ -71,6 +71,7 @@ class Propagation:
     out_boxings: list
     out_sbp: list
     warnings: list
+    choice: object = None  # how the layouts were chosen (sbpjax.compiler.solve.Choice)
 
     @property
     def boxings(self) -> list:
@@ -496,7 +497,7 @@ class Propagator:
 
 
 def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: list | None,
-              cost_model=None, names=None, passes: int = 3) -> Propagation:
+              cost_model=None, names=None, passes: int = 3, caches=None) -> Propagation:
     """Choose layouts for every value; ``out_sbp[k]`` None keeps the chosen one.
 
     The greedy pass is repeated: each later pass also prefers, for every value
@@ -512,7 +513,9 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
     for atom in [a for node in program.nodes for a in node.ins] + list(program.outputs):
         if isinstance(atom, Var):
             uses[id(atom)] = uses.get(id(atom), 0) + 1
-    caches = ({}, {}, {}, {}, {})  # plans, bounds, signatures, choices, evenness: shared by the passes
+    # plans, bounds, signatures, choices, evenness: shared by the passes (and
+    # by the whole-program solver when it passes its own)
+    caches = caches if caches is not None else ({}, {}, {}, {}, {})
 
     def learn(prop) -> dict:
         out = {}
