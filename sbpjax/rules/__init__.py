@@ -78,4 +78,4 @@ def shape_of(aval) -> Sequence[int]:
 
 
 # Import the families so their rules register themselves.
-from sbpjax.rules import control, dot, elementwise, index, reduce, shape  # noqa: E402,F401
+from sbpjax.rules import control, dot, elementwise, index, reduce, shape, window  # noqa: E402,F401

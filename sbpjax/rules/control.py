@@ -1,5 +1,5 @@
 """Primitives every device runs on the whole value: random number generation
-(every device draws the same numbers from a broadcast key), sorting along a dim.
+(every device draws the same numbers from a broadcast key), sorting and top-k along a dim.
 
 Control flow (``scan``, ``while``, ``cond``) and primitives without a rule are
 handled by the compiler: their operands are boxed to B and they run whole on
@@ -28,3 +28,16 @@ def sort(eqn, in_avals):
     n_in, n_out = len(in_avals), len(eqn.outvars)
     return [Sig((Split(d),) * n_in, (Split(d),) * n_out) for d in range(rank(in_avals[0])) if d != dim] + [
         Sig((B,) * n_in, (B,) * n_out)]
+
+
+@register("top_k", "approx_top_k")
+def top_k(eqn, in_avals):
+    """``values_i, indices_i = top_k(x_i)`` for splits off the searched dim
+    (the last one for ``lax.top_k``; ``reduction_dimension`` for
+    ``approx_max_k``): each row is searched whole where it lives, so a top-2
+    MoE router with tokens split stays split."""
+    r = rank(in_avals[0])
+    dim = eqn.params.get("axis", eqn.params.get("reduction_dimension", -1))
+    dim = dim % r if r else 0
+    n_out = len(eqn.outvars)
+    return [Sig((Split(d),), (Split(d),) * n_out) for d in range(r) if d != dim] + [Sig((B,), (B,) * n_out)]

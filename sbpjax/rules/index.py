@@ -133,3 +133,23 @@ def local_scatter_add(eqn, ins, ctx):
 set_local("scatter-add", "scatter_add")(local_scatter_add)
 
 
+
+
+@register("scatter")
+def scatter(eqn, in_avals):
+    """``x.at[idx].set(u)``: ``y_i = scatter(x_i, idx, u_i)`` for an operand split
+    on a window dim the updates cover whole, or on a batching dim shared with
+    the indices and updates. A set replaces values, so no partial passes."""
+    uw, inserted, to_operand, op_batch, idx_batch = _scatter_dims(eqn)
+    xs, ishape, us = shape_of(in_avals[0]), shape_of(in_avals[1]), shape_of(in_avals[2])
+    update_scatter = [j for j in range(len(us)) if j not in uw]
+    sigs = []
+    for pos, k in enumerate(range(len(ishape) - 1)):
+        if k in idx_batch:
+            od = op_batch[idx_batch.index(k)]
+            sigs.append(Sig((Split(od), Split(k), Split(update_scatter[pos])), (Split(od),)))
+    window = [d for d in range(len(xs)) if d not in inserted and d not in op_batch]
+    for k, d in enumerate(window):
+        if us[uw[k]] == xs[d] and d not in to_operand:
+            sigs.append(Sig((Split(d), B, Split(uw[k])), (Split(d),)))
+    return sigs + [Sig((B, B, B), (B,))]

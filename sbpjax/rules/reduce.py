@@ -51,3 +51,14 @@ def cumulative(eqn, in_avals):
     if keep:
         sigs.append(Sig((P(keep),), (P(keep),)))
     return sigs + [Sig((B,), (B,))]
+
+
+@register("reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
+def kept_dim_reduction(eqn, in_avals):
+    """``y_i = reduce(x_i)`` for splits of kept dims only: a product (or a
+    logical and / or / xor) over a split dim has no partial kind here, so
+    that dim is reduced whole."""
+    axes = tuple(eqn.params["axes"])
+    sigs = [Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
+            for d in range(rank(in_avals[0])) if d not in axes]
+    return sigs + [Sig((B,), (B,))]

@@ -200,3 +200,24 @@ set_local("slice")(local_slice)
 set_local("dynamic_slice")(local_dynamic_slice)
 
 
+
+
+@register("split")
+def split(eqn, in_avals):
+    """``y_i = split(x_i)`` into pieces along a dim the input is not split on
+    (``q, k, v = jnp.split(qkv, 3, axis=-1)``): every piece keeps the input's
+    split; splitting only selects elements, so every partial kind survives."""
+    axis = eqn.params["axis"]
+    n_out = len(eqn.outvars)
+    return [Sig((Split(d),), (Split(d),) * n_out) for d in range(rank(in_avals[0])) if d != axis] + _partials(
+        1, n_out) + [Sig((B,), (B,) * n_out)]
+
+
+@register("device_put")
+def device_put(eqn, in_avals):
+    """``jax.device_put`` inside a traced function is the identity on values:
+    every layout passes through (operands of one shape share a split)."""
+    n = len(in_avals)
+    shapes = {tuple(shape_of(a)) for a in in_avals}
+    sigs = [Sig((Split(d),) * n, (Split(d),) * n) for d in range(rank(in_avals[0]))] if len(shapes) == 1 else []
+    return sigs + _partials(n, n) + [Sig((B,) * n, (B,) * n)]
