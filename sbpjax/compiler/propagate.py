@@ -134,9 +134,24 @@ def uneven_error(what, shape, nd, placement, where) -> SBPError:
             return SBPError(
                 f"{what} {where}: dim {d} of size {shape[d]} is split {p} ways over axis '{names}' "
                 f"({shape[d]} % {p} = {shape[d] % p}); sj.jit needs even splits for now. Pad dim {d} "
-                f"to {pad}, or give it a layout that does not split it ({format_sbp(nd)})."
+                f"to {pad}, or {_even_alternative(shape, nd, placement, d, axes)}."
             )
     return SBPError(f"{what} {where}: uneven layout {format_sbp(nd)} for shape {shape}.")
+
+
+def _even_alternative(shape, nd, placement, dim, axes) -> str:
+    """A layout that does not split ``dim`` over ``axes`` unevenly: the same
+    axes split another dim they divide (not already split), else B there."""
+    p = math.prod(placement.shape[a] for a in axes)
+    taken = {s.dim for s in nd if isinstance(s, Split)}
+    other = [d for d in range(len(shape)) if d != dim and d not in taken and shape[d] % p == 0 and shape[d] >= p]
+    if other:
+        alt = tuple(Split(other[0]) if a in axes else s for a, s in enumerate(nd))
+        why = f"split dim {other[0]} (size {shape[other[0]]}) there instead"
+    else:
+        alt = tuple(Broadcast() if a in axes else s for a, s in enumerate(nd))
+        why = f"keep it whole over '{','.join(placement.axis_names[a] for a in axes)}'"
+    return f"{why}: {format_sbp(alt)}"
 
 
 class Propagator:

@@ -79,3 +79,18 @@ def test_rule_keeps_the_split_and_matches_one_device(pl8, name):
     e = f.explain(t)
     assert sum(c.bytes for c in sj.collectives(compiled)) == e.bytes
     assert e.bytes == 0, str(e)  # the split is kept end to end: nothing moves
+
+
+@pytest.mark.parametrize("shape,sbp,hint", [
+    ((12, 16), (S0,), "split dim 1 (size 16) there instead: (S(1))"),
+    ((12, 5), (S0,), "keep it whole over 'x': (B)"),
+])
+def test_uneven_split_error_proposes_a_layout_that_works(pl8, shape, sbp, hint):
+    x = np.ones(shape, np.float32)
+    f = sj.jit(lambda v: v * 2, placement=pl8, in_sbp=sbp)
+    with pytest.raises(sj.SBPError) as err:
+        f(x)
+    msg = str(err.value)
+    assert "12 % 8 = 4" in msg and hint in msg
+    fixed = sj.parse_sbp(hint.rsplit(": ", 1)[1])
+    np.testing.assert_array_equal(sj.jit(lambda v: v * 2, placement=pl8, in_sbp=fixed)(x).numpy(), x * 2)
