@@ -11,6 +11,8 @@ Dead equations are removed so every boxing left in the plan is one XLA runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 import itertools
 import os
 
@@ -82,17 +84,34 @@ class Program:
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Folders whose frames are never the user's line: sbpjax itself and the
+    libraries a model is written with (Flax's modules and transforms such as
+    ``nnx.scan``, optax's updates), found without importing them."""
+    dirs = [_PACKAGE]
+    for name in ("flax", "optax", "orbax", "chex"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        for d in (spec.submodule_search_locations or []) if spec else []:
+            dirs.append(os.path.abspath(d) + os.sep)
+    return tuple(dirs)
+
+
 def source_of(eqn) -> str:
     """The user's line that made ``eqn``: the innermost frame outside JAX, the
-    standard library and sbpjax itself (``sj.constrain`` and the Flax wrappers
-    are called from the user's code, which is what a plan should point at)."""
+    standard library, sbpjax itself, Flax and optax (``sj.constrain``, the Flax
+    layers and transforms are called from the user's code, which is what a plan
+    or a warning should point at)."""
     try:
         from jax._src import source_info_util
 
         frame = first = None
         for f in source_info_util.user_frames(eqn.source_info.traceback):
             first = first or f
-            if not f.file_name.startswith(_PACKAGE):
+            if not f.file_name.startswith(_library_dirs()):
                 frame = f
                 break
         frame = frame or first
