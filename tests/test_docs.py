@@ -1,0 +1,103 @@
+"""The documentation runs as shown.
+
+Every ```python block of a page is executed, in order, in one fresh process per
+page (so a page may build on its earlier blocks), on 8 simulated CPU devices and
+in a temporary working directory. Blocks fenced as ```text, ```bash or ```py are
+shown but not run (```py marks a fragment, e.g. one that needs several hosts).
+The README's "A first look" runs too, and the site builds in strict mode when
+the docs extra is installed (``pip install -e ".[docs]"``; scripts/docs.sh).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+FAST = {"index.md", "tutorial.md"}  # the rest are marked slow (they train models)
+_BLOCK = re.compile(r"^```python[^\n]*\n(.*?)^```", re.M | re.S)
+
+
+def python_blocks(text: str) -> list[str]:
+    return _BLOCK.findall(text)
+
+
+def _pages() -> list:
+    pages = []
+    for path in sorted(DOCS.rglob("*.md")):
+        rel = path.relative_to(DOCS).as_posix()
+        if not python_blocks(path.read_text()):
+            continue
+        marks = [] if rel in FAST else [pytest.mark.slow]
+        pages.append(pytest.param(rel, marks=marks, id=rel))
+    return pages
+
+
+def _run(code: str, where: str, tmp_path: Path, timeout: int = 900) -> str:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               MPLBACKEND="Agg")
+    script = tmp_path / "page.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{where} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_page_code_runs(page, tmp_path):
+    blocks = python_blocks((DOCS / page).read_text())
+    code = "\n\n".join(f"# --- block {i + 1} of docs/{page}\n{b}" for i, b in enumerate(blocks))
+    _run(code, f"docs/{page}", tmp_path)
+
+
+def test_readme_first_look_runs(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## A first look", 1)[1].split("\n## ", 1)[0]
+    blocks = python_blocks(section)
+    assert blocks, "README.md: no python block under 'A first look'"
+    out = _run("\n\n".join(blocks), "README.md 'A first look'", tmp_path)
+    assert "total 12.00 KiB" in out  # the plan printed below the block in the README
+
+
+def test_tutorial_is_a_fast_page():
+    assert python_blocks((DOCS / "tutorial.md").read_text())
+    assert python_blocks((DOCS / "index.md").read_text())
+
+
+_OUTSIDE = re.compile(r"\.\./shared|DESIGN\.md")
+
+
+def test_no_reference_outside_the_repository():
+    """Users get the repository, nothing beside it: no file may send them elsewhere."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not files:
+        pytest.skip("not a git checkout")
+    bad = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".toml", ".yml", ".yaml", ".sh", ".ipynb", ".txt", ".cfg"}:
+            continue
+        if not path.is_file() or name == "tests/test_docs.py":
+            continue
+        for no, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if _OUTSIDE.search(line):
+                bad.append(f"{name}:{no}: {line.strip()}")
+    assert not bad, "references to files outside the repository:\n" + "\n".join(bad)
+
+
+def test_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings")
+    pytest.importorskip("mkdocs_jupyter")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
