@@ -101,3 +101,37 @@ def test_site_builds_strictly(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _fmt_int(n) -> str:
+    return f"{int(n):,}"
+
+
+def test_comparison_quotes_the_benchmark_results():
+    """The figures of docs/comparison.md are those of benchmarks/results/*.json: rerunning a
+    benchmark without updating the page fails here."""
+    import json
+
+    page = (DOCS / "comparison.md").read_text()
+    results = ROOT / "benchmarks" / "results"
+    boxing = json.loads((results / "boxing.json").read_text())["summary"]
+    compiler = {p["name"]: p for p in json.loads((results / "compiler.json").read_text())["programs"]}
+    train = json.loads((results / "train.json").read_text())
+    pipeline = json.loads((results / "pipeline.json").read_text())["real"]
+    quoted = [
+        f"In all {boxing['measured_equals_plan']} cases",
+        f"move {boxing['two_d_plan_T']:g} |T| with sbpjax and\n  {boxing['two_d_gspmd_T_over_expressible']:g} |T| with GSPMD",
+        f"{boxing['no_partial_plan_T']:g} |T| in total",
+        f"against {boxing['no_partial_gspmd_T']:g} |T| for GSPMD",
+        f"GSPMD's is {boxing['median_time_ratio_vs_gspmd']:.2f}",
+        f"{_fmt_int(train['sbpjax_bytes'])} bytes with\nsbpjax against {_fmt_int(train['gspmd_bytes'])} with GSPMD",
+        f"at {train['time_ratio_vs_gspmd']:.2f} of GSPMD's time",
+        f"costs\n{pipeline['overhead_us_per_action']:.0f} us per action",
+        f"{pipeline['throughput_ratio_vs_single_program']:.2f} times the throughput",
+    ]
+    for r in compiler.values():
+        quoted.append(f"| {_fmt_int(r['sbpjax_bytes'])} | {_fmt_int(r['gspmd_bytes'])} | "
+                      f"{_fmt_int(r['handwritten_bytes'])} | {r['time_ratio_vs_gspmd']:.2f} | "
+                      f"{r['time_ratio_vs_handwritten']:.2f} |")
+    missing = [q for q in quoted if q not in page]
+    assert not missing, "docs/comparison.md does not quote benchmarks/results as they are now:\n" + "\n".join(missing)
