@@ -25,12 +25,10 @@ from sbpjax._errors import SBPError
 from sbpjax.boxing.lower import boxing_fn
 from sbpjax.boxing.plan import normalized_layout, plan_boxing
 from sbpjax.boxing.transfer import execute_transfer
+from sbpjax.dtypes import canonical_dtype, check_partial_dtype
 from sbpjax.layout import Geometry, Layout
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp
-
-_NP_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
-
 
 def _is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
@@ -126,25 +124,26 @@ class GlobalTensor:
         return out
 
     def numpy(self) -> np.ndarray:
-        """The logical value (partials reduced) as numpy."""
+        """The logical value (partials reduced) as numpy.
+
+        A partial is reduced on the devices, by the same boxing as
+        ``to_global(sbp=...)`` to the layout without partials, so the host reads
+        exactly what the devices compute (integer sums wrap around in the dtype;
+        low-precision float sums round as the device collective does; max/min
+        propagate NaN like ``jnp.max``)."""
         layout = self.layout
+        if layout.partial and not _is_traced(self._data):
+            return self.to_global(sbp=_reduced(self._sbp)).numpy()
         geom = Geometry(self._shape, self._placement.shape)
         blocks = self._blocks()
         if len(blocks) != geom.n_devices:
             raise SBPError("numpy(): some devices of this placement belong to another process; "
                            "gather the tensor to a placement this process can see first.")
-        paxes = [a for a, _ in layout.partial]
-        terms = np.zeros(tuple(geom.grid[a] for a in paxes) + self._shape, self._dtype)
-        lead = (0,) * len(paxes)
+        out = np.zeros(self._shape, self._dtype)
         for c, block in blocks.items():
             box = geom.local_box(layout, c)
-            local = block[lead + tuple(slice(0, n) for _, n in box)]
-            terms[tuple(c[a] for a in paxes) + tuple(slice(s, s + n) for s, n in box)] = local
-        # axis 0 applies first, so the innermost partial is reduced first
-        for _, op in reversed(layout.partial):
-            terms = _NP_REDUCE[op](terms, axis=len(paxes) - 1)
-            paxes.pop()
-        return np.asarray(terms, self._dtype)
+            out[tuple(slice(s, s + n) for s, n in box)] = block[tuple(slice(0, n) for _, n in box)]
+        return out
 
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy()
@@ -195,6 +194,7 @@ class GlobalTensor:
         sbp = self._sbp if sbp is None else normalize_nd_sbp(sbp, placement.ndim, self.ndim, "to_global(sbp=...)")
         if placement == self._placement and sbp == self._sbp:
             return self
+        check_partial_dtype(self._dtype, sbp, "to_global(sbp=...)")
         plan = plan_boxing(self._shape, self._dtype, self._placement, self._sbp, sbp,
                            dst_placement=None if placement == self._placement else placement)
         if plan.dst_placement is not None:
@@ -247,7 +247,8 @@ def to_global(x, placement: Placement, sbp) -> GlobalTensor:
         x = np.asarray(x)
     shape = tuple(x.shape)
     sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "to_global")
-    dtype = np.dtype(x.dtype)
+    dtype = canonical_dtype(x.dtype)  # what the devices will hold (no float64 without x64)
+    check_partial_dtype(dtype, sbp, "to_global")
     layout = normalized_layout(sbp, len(shape), placement.shape)
     geom = Geometry(shape, placement.shape)
     if not layout.partial and geom.even(layout):
@@ -297,7 +298,8 @@ def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTenso
     if grid.shape != placement.shape:
         raise SBPError(f"from_local_tensors: got a grid of shape {grid.shape} of local tensors, the "
                        f"placement has shape {placement.shape}.")
-    dtype = np.result_type(*[g.dtype for g in grid.flat])
+    dtype = canonical_dtype(np.result_type(*[g.dtype for g in grid.flat]))
+    check_partial_dtype(dtype, sbp, "from_local_tensors")
     blocks = {}
     for c in geom.coords:
         box = geom.local_box(layout, c)
@@ -336,7 +338,7 @@ def _check_broadcast_copies(grid, geom, layout, placement, sbp):
         key = tuple(c[a] for a in sorted(varying))
         if key in groups:
             ref_c = groups[key]
-            if not np.array_equal(grid[c], grid[ref_c], equal_nan=grid[c].dtype.kind == "f"):
+            if not np.array_equal(grid[c], grid[ref_c], equal_nan=jnp.issubdtype(grid[c].dtype, jnp.inexact)):
                 raise SBPError(
                     f"from_local_tensors: devices at grid positions {ref_c} and {c} differ only along "
                     f"broadcast axes of sbp {format_sbp(sbp)}, so they must hold equal local tensors, "

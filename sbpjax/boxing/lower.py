@@ -35,14 +35,40 @@ from sbpjax.layout import Geometry, Layout
 # ---------------------------------------------------------------------------
 
 
+def _ordered_key(x, op):
+    """Floats as integers of the same width whose order is IEEE's total order,
+    with every NaN made the extreme that ``op`` picks (+NaN for max, -NaN for
+    min). XLA's CPU max/min all-reduce drops NaN; an integer all-reduce over
+    these keys keeps it, as ``jnp.max`` / ``jnp.min`` do, in one collective of
+    the same bytes."""
+    nan = jnp.array(jnp.nan if op == "max" else -jnp.nan, x.dtype)
+    bits = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), nan, x), _INT_OF_WIDTH[x.dtype.itemsize])
+    return _flip_negative(bits)
+
+
+def _flip_negative(bits):
+    # negative floats order backwards as signed integers; flipping all but the
+    # sign bit reverses them (and is its own inverse)
+    return jnp.where(bits < 0, bits ^ jnp.array(jnp.iinfo(bits.dtype).max, bits.dtype), bits)
+
+
+_INT_OF_WIDTH = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
 def _preduce_extreme(x, axes, op):
-    return lax.pmax(x, axes) if op == "max" else lax.pmin(x, axes)
+    reduce = lax.pmax if op == "max" else lax.pmin
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        key = reduce(_ordered_key(x, op), axes)
+        y = lax.bitcast_convert_type(_flip_negative(key), x.dtype)
+        return jnp.where(jnp.isnan(y), jnp.array(jnp.nan, x.dtype), y)  # -NaN (min's key) back to NaN
+    return reduce(x, axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def preduce_extreme(x, axes, op):
     """pmax / pmin whose gradient goes to the devices holding the extreme
-    (split evenly between ties, as ``jnp.max`` does)."""
+    (split evenly between ties, as ``jnp.max`` does). NaN propagates, as in
+    ``jnp.max``; ``+0.0`` counts as larger than ``-0.0``."""
     return _preduce_extreme(x, axes, op)
 
 
@@ -68,6 +94,8 @@ def fill_value(op: str, dtype):
     dtype = jnp.dtype(dtype)
     if op == "sum":
         return jnp.zeros((), dtype)
+    if dtype == jnp.bool_:
+        return jnp.array(op == "min", dtype)  # identity of or (max) / and (min)
     if jnp.issubdtype(dtype, jnp.floating):
         return jnp.array(-jnp.inf if op == "max" else jnp.inf, dtype)
     info = jnp.iinfo(dtype)

@@ -6,9 +6,14 @@
 
 Arguments are global tensors (their own layout) or plain arrays (laid out as
 ``in_sbp`` says, B by default). ``in_sbp``/``out_sbp`` are pytrees matching the
-arguments / outputs whose leaves are nd-SBPs (or text); a single nd-SBP stands
-for a whole subtree; ``None`` means "as given" for inputs and "as chosen" for
-outputs. Results are global tensors (partials stay partial unless ``out_sbp``
+arguments / outputs whose leaves are nd-SBPs; a single nd-SBP stands for a
+whole subtree; ``None`` means "as given" for inputs and "as chosen" for
+outputs. One rule reads them, for SBP values and text alike: a string is
+always one whole nd-SBP (``"S(0), B"``); a tuple of single SBPs (``(S(0), B)``
+or ``("S(0)", "B")``) is one nd-SBP, except on a 1-D placement with more than
+one entry, where it is one SBP per argument; a tuple mixing single SBPs with nested entries on a placement of 2 or more axes
+is an error. Partials are checked against the dtype table
+(:mod:`sbpjax.dtypes`). Results are global tensors (partials stay partial unless ``out_sbp``
 asks otherwise).
 """
 
@@ -27,6 +32,7 @@ from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.propagate import CONSTRAIN
 from sbpjax.compiler.solve import choose
 from sbpjax.compiler.trace import trace
+from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp, parse_sbp
 from sbpjax.tensor import GlobalTensor, to_global
@@ -144,10 +150,60 @@ def _leaf_name(path) -> str:
     return ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
 
 
-def _broadcast_spec(spec, tree, what):
+def _one_sbp(v):
+    """``v`` as a single SBP value (an SBP, or text naming exactly one), else None."""
+    if isinstance(v, (Split, Broadcast, Partial)):
+        return v
+    if isinstance(v, str):
+        parsed = parse_sbp(v)
+        return parsed[0] if len(parsed) == 1 else None
+    return None
+
+
+def _canonical_spec(spec, ndim: int, what: str):
+    """An in_sbp / out_sbp tree with every nd-SBP written as a tuple of SBP values.
+
+    The rule (the same for SBP values and their text): a string is always one
+    whole nd-SBP ("S(0), B"); a tuple or list of single SBPs is one nd-SBP,
+    except on a 1-D placement with other than one entry, where it is one bare
+    SBP per entry of the argument tree (bare SBPs stand for nd-SBPs only on a
+    1-D placement, so the two readings never compete); any other container is
+    a tree whose entries follow the same rule."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        return parse_sbp(spec)
+    if isinstance(spec, (Split, Broadcast, Partial)):
+        return (spec,)
+    if isinstance(spec, (tuple, list)):
+        single = [_one_sbp(v) for v in spec]
+        n_single = sum(s is not None for s in single)
+        if spec and n_single == len(spec):
+            if ndim == 1 and len(spec) != 1:
+                return _rebuild(spec, [(s,) for s in single])
+            return tuple(single)  # one nd-SBP (its length is checked against the placement later)
+        if n_single and ndim > 1:
+            raise SBPError(
+                f"sj.jit: {what} entry {spec!r} mixes single SBPs with nested entries on a placement with "
+                f"{ndim} axes, so it is neither one nd-SBP nor a tree of them. Give every leaf as a full "
+                f"nd-SBP ({ndim} SBPs: a tuple, or text like 'S(0), B').")
+        return _rebuild(spec, [_canonical_spec(v, ndim, what) for v in spec])
+    if isinstance(spec, dict):
+        return type(spec)((k, _canonical_spec(v, ndim, what)) for k, v in spec.items())
+    return spec  # other pytree nodes: matched against the values as they are
+
+
+def _rebuild(container, items):
+    if isinstance(container, tuple) and hasattr(container, "_fields"):  # a namedtuple
+        return type(container)(*items)
+    return type(container)(items)
+
+
+def _broadcast_spec(spec, tree, what, ndim):
     """Expand an in_sbp / out_sbp prefix pytree to one entry per leaf of ``tree``."""
     if spec is None:
         return [None] * tree.num_leaves
+    spec = _canonical_spec(spec, ndim, what)
     try:
         return jax.tree_util.tree_flatten(
             jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
@@ -164,7 +220,7 @@ class CompiledFunction:
     """What ``sj.jit`` returns: call it, ``explain`` it, ``lower`` it."""
 
     def __init__(self, fn, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
-                 solve_time_limit=10.0):
+                 solve_time_limit=30.0):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
         self.fn = fn
@@ -183,7 +239,7 @@ class CompiledFunction:
         is_gt = lambda v: isinstance(v, GlobalTensor)  # noqa: E731
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_gt)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_gt)
-        specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp")  # keyword arguments: as given, or B
+        specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)  # keyword arguments: as given, or B
         specs += [None] * (len(leaves) - len(specs))
         out = []
         pl = self.placement
@@ -209,10 +265,13 @@ class CompiledFunction:
         program = trace(self.fn, avals, tree)
         out_specs = None
         if self.out_sbp is not None:
-            raw = _broadcast_spec(self.out_sbp, program.out_tree, "out_sbp")
+            raw = _broadcast_spec(self.out_sbp, program.out_tree, "out_sbp", self.placement.ndim)
             out_specs = [None if s is None else normalize_nd_sbp(s, self.placement.ndim, len(o.shape),
                                                                    f"out_sbp of output leaf {k}")
                          for k, (s, o) in enumerate(zip(raw, program.outputs))]
+            for k, (nd, o) in enumerate(zip(out_specs, program.outputs)):
+                if nd is not None:
+                    check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
         names = [f"{_leaf_name(path)} {t.shape}" for path, t in zip(_leaf_paths(tree), gts)]
         prop = choose(program, self.placement, [t.sbp for t in gts], out_specs, self.cost_model, names,
                       solver=self.solver, time_limit=self.solve_time_limit)
@@ -248,7 +307,7 @@ class CompiledFunction:
 
 
 def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
-        solve_time_limit=10.0):
+        solve_time_limit=30.0):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
     ``solver="ilp"`` (default) chooses every layout for the program as a whole
@@ -258,7 +317,16 @@ def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=
     op-by-op pass, for prototyping.
 
     Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
-    ``@functools.partial(sj.jit, placement=pl)``."""
+    ``@functools.partial(sj.jit, placement=pl)``.
+
+    ``in_sbp`` / ``out_sbp``: pytree prefixes of the arguments / outputs whose
+    leaves are nd-SBPs. A string is always one whole nd-SBP; a tuple of single
+    SBPs (objects or text, which mean the same) is one nd-SBP, except on a 1-D
+    placement with more than one entry, where it is one SBP per argument:
+    on ``sj.placement(8, "x")``, ``in_sbp=(S(0), B)`` and ``("S(0)", "B")``
+    both give the first argument S(0) and the second B; on a 2x4 placement both
+    give every argument (S(0), B). A tuple mixing single SBPs with nested
+    entries on a placement of 2 or more axes is an SBPError (ambiguous)."""
     if fn is None:
         return lambda f: CompiledFunction(f, placement, in_sbp, out_sbp, cost_model, solver, solve_time_limit)
     return CompiledFunction(fn, placement, in_sbp, out_sbp, cost_model, solver, solve_time_limit)
