@@ -94,3 +94,16 @@ def test_uneven_split_error_proposes_a_layout_that_works(pl8, shape, sbp, hint):
     assert "12 % 8 = 4" in msg and hint in msg
     fixed = sj.parse_sbp(hint.rsplit(": ", 1)[1])
     np.testing.assert_array_equal(sj.jit(lambda v: v * 2, placement=pl8, in_sbp=fixed)(x).numpy(), x * 2)
+
+
+def test_docs_coverage_page_is_the_registry():
+    """docs/ops.md is generated from the rule registry; regenerate it with
+    ``python -m sbpjax.rules.coverage > docs/ops.md`` after adding a rule."""
+    import pathlib
+
+    from sbpjax.rules.coverage import coverage, markdown
+
+    page = pathlib.Path(__file__).resolve().parents[2] / "docs" / "ops.md"
+    assert page.read_text() == markdown()
+    names = {r["primitive"] for r in coverage()}
+    assert {"top_k", "split", "reduce_window_max", "select_and_scatter_add", "one_minus_square"} <= names
