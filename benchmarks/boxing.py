@@ -116,10 +116,18 @@ def worker(args):
         plan = sj.plan_boxing(shape, np.float32, pl, src, dst)
         t = sj.to_global(x, pl, src)
         row = {
-            "placement": key, "src": sj.format_sbp(src), "dst": sj.format_sbp(dst),
-            "plan_bytes": plan.bytes, "floor": plan.floor, "steps": [s.label() for s in plan.steps],
-            "measured_bytes": 0, "gspmd_bytes": None, "gspmd_status": "not expressible",
-            "time_ratio_vs_gspmd": None, "sbpjax_s": None, "gspmd_s": None,
+            "placement": key,
+            "src": sj.format_sbp(src),
+            "dst": sj.format_sbp(dst),
+            "plan_bytes": plan.bytes,
+            "floor": plan.floor,
+            "steps": [s.label() for s in plan.steps],
+            "measured_bytes": 0,
+            "gspmd_bytes": None,
+            "gspmd_status": "not expressible",
+            "time_ratio_vs_gspmd": None,
+            "sbpjax_s": None,
+            "gspmd_s": None,
         }
         if plan.steps:
             fn = boxing_fn(plan)
@@ -162,9 +170,21 @@ def run_cases(args):
         out_file = os.path.join(tmp, "rows.jsonl")
         start, skip_gspmd = 0, set()
         while start < len(cases):
-            cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--cases", cases_file,
-                   "--out", out_file, "--start", str(start), "--size", str(args.size),
-                   "--repeats", str(args.repeats)]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--worker",
+                "--cases",
+                cases_file,
+                "--out",
+                out_file,
+                "--start",
+                str(start),
+                "--size",
+                str(args.size),
+                "--repeats",
+                str(args.repeats),
+            ]
             if start in skip_gspmd:
                 cmd.append("--no-gspmd")
                 cmd += ["--stop-after", str(start)]
@@ -185,8 +205,11 @@ def run_cases(args):
                 start += 1
                 continue
             crashed = started if started is not None else done
-            print(f"  worker stopped at case {crashed} ({cases[crashed]}): "
-                  f"{(proc.stderr or '').strip().splitlines()[-1:]}; restarting", flush=True)
+            print(
+                f"  worker stopped at case {crashed} ({cases[crashed]}): "
+                f"{(proc.stderr or '').strip().splitlines()[-1:]}; restarting",
+                flush=True,
+            )
             skip_gspmd.add(crashed)
             start = crashed
     return [rows[i] for i in range(len(cases))]
@@ -199,8 +222,11 @@ def summarize(rows, size):
     expressible = [r for r in two if r["gspmd_bytes"] is not None]
     no_partial = [r for r in two if r["floor"] is not None]
     ratios = [r["time_ratio_vs_gspmd"] for r in rows if r["time_ratio_vs_gspmd"] is not None]
-    worse = [r for r in rows if r["gspmd_bytes"] is not None and r["gspmd_status"] == "ok"
-             and r["plan_bytes"] > r["gspmd_bytes"]]
+    worse = [
+        r
+        for r in rows
+        if r["gspmd_bytes"] is not None and r["gspmd_status"] == "ok" and r["plan_bytes"] > r["gspmd_bytes"]
+    ]
     return {
         "tensor_bytes": T,
         "cases": len(rows),
@@ -211,13 +237,22 @@ def summarize(rows, size):
         "two_d_gspmd_T_over_expressible": sum(r["gspmd_bytes"] for r in expressible) / T,
         "two_d_plan_T_over_gspmd_expressible": sum(r["plan_bytes"] for r in expressible) / T,
         "gspmd_expressible_pairs": len(expressible),
-        "gspmd_wrong_value_pairs": [f"{r['placement']} {r['src']}->{r['dst']}" for r in rows
-                                    if r["gspmd_status"] == "wrong values"],
-        "gspmd_aborted_pairs": [f"{r['placement']} {r['src']}->{r['dst']}" for r in rows
-                                if r["gspmd_status"] == "aborted the process"],
-        "gspmd_error_pairs": [f"{r['placement']} {r['src']}->{r['dst']}: {r['gspmd_status']}" for r in rows
-                              if r["gspmd_status"].startswith("error")],
-        "pairs_where_sbpjax_moves_more_than_gspmd": [f"{r['placement']} {r['src']}->{r['dst']}" for r in worse],
+        "gspmd_wrong_value_pairs": [
+            f"{r['placement']} {r['src']}->{r['dst']}" for r in rows if r["gspmd_status"] == "wrong values"
+        ],
+        "gspmd_aborted_pairs": [
+            f"{r['placement']} {r['src']}->{r['dst']}"
+            for r in rows
+            if r["gspmd_status"] == "aborted the process"
+        ],
+        "gspmd_error_pairs": [
+            f"{r['placement']} {r['src']}->{r['dst']}: {r['gspmd_status']}"
+            for r in rows
+            if r["gspmd_status"].startswith("error")
+        ],
+        "pairs_where_sbpjax_moves_more_than_gspmd": [
+            f"{r['placement']} {r['src']}->{r['dst']}" for r in worse
+        ],
         "no_partial_pairs": len(no_partial),
         "no_partial_floor_T": sum(r["floor"] for r in no_partial) / T,
         "no_partial_plan_T": sum(r["plan_bytes"] for r in no_partial) / T,
@@ -230,16 +265,20 @@ def summarize(rows, size):
 
 def print_table(rows, size):
     T = size * size * 4
-    print(f"{'placement':<9} {'src':<14} {'dst':<14} {'plan|T|':>8} {'meas|T|':>8} {'gspmd|T|':>9} "
-          f"{'floor|T|':>9} {'t/gspmd':>8}  steps")
+    print(
+        f"{'placement':<9} {'src':<14} {'dst':<14} {'plan|T|':>8} {'meas|T|':>8} {'gspmd|T|':>9} "
+        f"{'floor|T|':>9} {'t/gspmd':>8}  steps"
+    )
     for r in rows:
         g = "-" if r["gspmd_bytes"] is None else f"{r['gspmd_bytes'] / T:.4g}"
         if r["gspmd_status"] not in ("ok", "not expressible"):
             g += "!"
         f = "-" if r["floor"] is None else f"{r['floor'] / T:.4g}"
         tr = "-" if r["time_ratio_vs_gspmd"] is None else f"{r['time_ratio_vs_gspmd']:.2f}"
-        print(f"{r['placement']:<9} {r['src']:<14} {r['dst']:<14} {r['plan_bytes'] / T:>8.4g} "
-              f"{r['measured_bytes'] / T:>8.4g} {g:>9} {f:>9} {tr:>8}  {', '.join(r['steps'])}")
+        print(
+            f"{r['placement']:<9} {r['src']:<14} {r['dst']:<14} {r['plan_bytes'] / T:>8.4g} "
+            f"{r['measured_bytes'] / T:>8.4g} {g:>9} {f:>9} {tr:>8}  {', '.join(r['steps'])}"
+        )
 
 
 def main():
@@ -270,9 +309,21 @@ def main():
         print(f"  {k}: {v}")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"config": {"shape": [args.size, args.size], "dtype": "float32", "repeats": args.repeats,
-                              "devices": 8, "quick": args.quick},
-                   "summary": summary, "cases": rows}, f, indent=1)
+        json.dump(
+            {
+                "config": {
+                    "shape": [args.size, args.size],
+                    "dtype": "float32",
+                    "repeats": args.repeats,
+                    "devices": 8,
+                    "quick": args.quick,
+                },
+                "summary": summary,
+                "cases": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.output}")
 
 

@@ -55,10 +55,19 @@ def simulated_rows() -> list[dict]:
             for m in (p, 2 * p, 4 * p):
                 tl = sjp.simulate(schedule, p, m, {"forward": F, "backward": B})
                 v = getattr(schedule, "chunks", 1)
-                rows.append({"schedule": schedule.name, "stages": p, "chunks": v, "microbatches": m,
-                             "bubble": tl.bubble, "theory": schedule.theory_bubble(p, m),
-                             "makespan": tl.makespan, "makespan_theory": (v * m + p - 1) * (F + B),
-                             "peak_live_activations": [tl.peak_live_activations()[s] for s in range(p * v)]})
+                rows.append(
+                    {
+                        "schedule": schedule.name,
+                        "stages": p,
+                        "chunks": v,
+                        "microbatches": m,
+                        "bubble": tl.bubble,
+                        "theory": schedule.theory_bubble(p, m),
+                        "makespan": tl.makespan,
+                        "makespan_theory": (v * m + p - 1) * (F + B),
+                        "peak_live_activations": [tl.peak_live_activations()[s] for s in range(p * v)],
+                    }
+                )
     return rows
 
 
@@ -73,15 +82,28 @@ def mse(y, t):
 
 def init(n, d, seed=0):
     r = np.random.default_rng(seed)
-    return [{"w1": (r.normal(size=(d, 4 * d)) / np.sqrt(d)).astype(np.float32),
-             "w2": (r.normal(size=(4 * d, d)) / np.sqrt(16 * d)).astype(np.float32)} for _ in range(n)]
+    return [
+        {
+            "w1": (r.normal(size=(d, 4 * d)) / np.sqrt(d)).astype(np.float32),
+            "w2": (r.normal(size=(4 * d, d)) / np.sqrt(16 * d)).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
 
 
 def make_pipeline(params, schedule, m, opt):
     devs = jax.devices()
     layout = {"w1": sj.S(1), "w2": sj.S(0)}
-    stages = [sjp.Stage(block, p, sj.Placement(np.array(devs[2 * i:2 * i + 2]), ("tp",)), param_sbp=layout,
-                        name=f"block{i}") for i, p in enumerate(params)]
+    stages = [
+        sjp.Stage(
+            block,
+            p,
+            sj.Placement(np.array(devs[2 * i : 2 * i + 2]), ("tp",)),
+            param_sbp=layout,
+            name=f"block{i}",
+        )
+        for i, p in enumerate(params)
+    ]
     return sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=schedule)
 
 
@@ -124,8 +146,13 @@ def real_run(quick: bool, steps: int, png: str) -> dict:
     opt = optax.sgd(0.05)
     params = init(n, d)
     rng = np.random.default_rng(1)
-    batches = [(rng.normal(size=(m * rows_per_mb, d)).astype(np.float32),
-                rng.normal(size=(m * rows_per_mb, d)).astype(np.float32)) for _ in range(steps + 1)]
+    batches = [
+        (
+            rng.normal(size=(m * rows_per_mb, d)).astype(np.float32),
+            rng.normal(size=(m * rows_per_mb, d)).astype(np.float32),
+        )
+        for _ in range(steps + 1)
+    ]
 
     # both warm up on the first batch from the same parameters: the single program's loss checks the pipeline's
     fn, ps, state, rows = single_program(params, opt)
@@ -133,8 +160,10 @@ def real_run(quick: bool, steps: int, png: str) -> dict:
     *_, single_loss = fn(ps, state, jax.device_put(x0, rows), jax.device_put(y0, rows))
     pipe = make_pipeline(params, "1f1b", m, opt)
     first = pipe.step(x0, y0)  # compiles every stage
-    assert abs(first.loss - float(single_loss)) < 1e-5 * max(1.0, abs(float(single_loss))), \
-        (first.loss, float(single_loss))
+    assert abs(first.loss - float(single_loss)) < 1e-5 * max(1.0, abs(float(single_loss))), (
+        first.loss,
+        float(single_loss),
+    )
     # then they alternate, step by step, so that both see the same load on the machine
     single_times, step_times, overheads, action_ms = [], [], [], []
     for x, y in batches[1:]:
@@ -164,13 +193,22 @@ def real_run(quick: bool, steps: int, png: str) -> dict:
         "action_ms": statistics.median(action_ms),
         "throughput_ratio_vs_single_program": single_s / step_s,
         "peak_activation_bytes": {"gpipe": peaks["gpipe"], "1f1b": peaks["1f1b"]},
-        "peak_live_activation_registers": {"gpipe": peaks["gpipe_registers"], "1f1b": peaks["1f1b_registers"]},
+        "peak_live_activation_registers": {
+            "gpipe": peaks["gpipe_registers"],
+            "1f1b": peaks["1f1b_registers"],
+        },
         "step_ms": 1e3 * step_s,
         "single_program_step_ms": 1e3 * single_s,
         "actions_per_step": len(tl.actions),
         "bubble": tl.bubble,
-        "model": {"stages": n, "tensor_parallel": 2, "width": d, "rows_per_microbatch": rows_per_mb,
-                  "microbatches": m, "schedule": "1f1b"},
+        "model": {
+            "stages": n,
+            "tensor_parallel": 2,
+            "width": d,
+            "rows_per_microbatch": rows_per_mb,
+            "microbatches": m,
+            "schedule": "1f1b",
+        },
     }
 
 
@@ -188,9 +226,13 @@ def main():
     print(f"(a) simulated, forward {F:g}, backward {B:g} per stage (chunk)")
     print(f"{'schedule':<12}{'p':>3}{'v':>3}{'m':>4}{'bubble':>12}{'theory':>12}{'makespan':>10}")
     for r in sim:
-        print(f"{r['schedule']:<12}{r['stages']:>3}{r['chunks']:>3}{r['microbatches']:>4}{r['bubble']:>12.6f}"
-              f"{r['theory']:>12.6f}{r['makespan']:>10g}")
-    sim_ok = all(abs(r["bubble"] - r["theory"]) <= 1e-9 and r["makespan"] == r["makespan_theory"] for r in sim)
+        print(
+            f"{r['schedule']:<12}{r['stages']:>3}{r['chunks']:>3}{r['microbatches']:>4}{r['bubble']:>12.6f}"
+            f"{r['theory']:>12.6f}{r['makespan']:>10g}"
+        )
+    sim_ok = all(
+        abs(r["bubble"] - r["theory"]) <= 1e-9 and r["makespan"] == r["makespan_theory"] for r in sim
+    )
     print(f"every simulated bubble equals theory (1e-9): {sim_ok}")
 
     real = real_run(args.quick, steps, png)
@@ -198,15 +240,25 @@ def main():
     print(f"runtime overhead per action   {real['overhead_us_per_action']:.1f} us (target <= 100)")
     print(f"empty-action step, per action {real['empty_step_us_per_action']:.1f} us (wall, threads included)")
     print(f"mean action time              {real['action_ms']:.3f} ms")
-    print(f"step time                     {real['step_ms']:.1f} ms "
-          f"(single program {real['single_program_step_ms']:.1f} ms)")
+    print(
+        f"step time                     {real['step_ms']:.1f} ms "
+        f"(single program {real['single_program_step_ms']:.1f} ms)"
+    )
     print(f"throughput vs single program  {real['throughput_ratio_vs_single_program']:.3f}")
     print(f"peak activation bytes/stage   gpipe {real['peak_activation_bytes']['gpipe']}")
     print(f"                              1f1b  {real['peak_activation_bytes']['1f1b']}")
     targets = {"simulated_equals_theory": sim_ok, "overhead_le_100us": real["overhead_us_per_action"] <= 100}
     with open(args.output, "w") as f:
-        json.dump({"config": {"quick": args.quick, "steps": steps, "devices": 8}, "simulated": sim, "real": real,
-                   "targets": targets}, f, indent=1)
+        json.dump(
+            {
+                "config": {"quick": args.quick, "steps": steps, "devices": 8},
+                "simulated": sim,
+                "real": real,
+                "targets": targets,
+            },
+            f,
+            indent=1,
+        )
     print(f"\nwrote {args.output} and {png}; targets {targets}")
 
 

@@ -63,16 +63,33 @@ def mlp_section(device_counts, restarts, steps):
         t0 = time.perf_counter()
         opt = ss.search(ops, grid, method="exhaustive", tables=tables)
         t_ex = time.perf_counter() - t0
-        rows.append({"devices": p, "method": "exhaustive", "cost_ratio_to_optimum": 1.0,
-                     "time_ratio_to_exhaustive": 1.0, "seconds": t_ex,
-                     "strategy": [lp.choice.label(grid) for lp in opt.layers]})
-        for method, kw in (("coordinate_descent", {"restarts": restarts}), ("metropolis_hastings", {"steps": steps})):
+        rows.append(
+            {
+                "devices": p,
+                "method": "exhaustive",
+                "cost_ratio_to_optimum": 1.0,
+                "time_ratio_to_exhaustive": 1.0,
+                "seconds": t_ex,
+                "strategy": [lp.choice.label(grid) for lp in opt.layers],
+            }
+        )
+        for method, kw in (
+            ("coordinate_descent", {"restarts": restarts}),
+            ("metropolis_hastings", {"steps": steps}),
+        ):
             t0 = time.perf_counter()
             st = ss.search(ops, grid, method=method, tables=tables, seed=0, **kw)
             t = time.perf_counter() - t0
-            rows.append({"devices": p, "method": method, "cost_ratio_to_optimum": st.cost / opt.cost,
-                         "time_ratio_to_exhaustive": t / t_ex, "seconds": t,
-                         "strategy": [lp.choice.label(grid) for lp in st.layers]})
+            rows.append(
+                {
+                    "devices": p,
+                    "method": method,
+                    "cost_ratio_to_optimum": st.cost / opt.cost,
+                    "time_ratio_to_exhaustive": t / t_ex,
+                    "seconds": t,
+                    "strategy": [lp.choice.label(grid) for lp in st.layers],
+                }
+            )
     return rows
 
 
@@ -121,14 +138,22 @@ SCALING = textwrap.dedent("""
 
 def scaling_section(n):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, "-c", SCALING, str(n)], env=env, capture_output=True, text=True,
-                         timeout=1800, check=True)
+    res = subprocess.run(
+        [sys.executable, "-c", SCALING, str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     fits = {}
     for layout in ("1d", "2d", "3d"):
         b = {r["p"]: r for r in rows if r["layout"] == layout}
-        fits[layout] = {k: -math.log(b[64][k] / b[8][k]) / math.log(8)
-                        for k in ("bytes_per_device", "received_bytes_per_device")}
+        fits[layout] = {
+            k: -math.log(b[64][k] / b[8][k]) / math.log(8)
+            for k in ("bytes_per_device", "received_bytes_per_device")
+        }
     return rows, fits
 
 
@@ -164,10 +189,14 @@ def fig3_section(restarts):
         return total / op.itemsize / grid.size / layers
 
     a, m = forward_activation_elems(best), forward_activation_elems(mega)
-    return {"fig3_ratio_vs_megatron": a / m, "fig3_searched_elements_per_device": a,
-            "fig3_megatron_elements_per_device": m, "fig3_megatron_data_parallel": dp,
-            "fig3_searched": [lp.choice.label(grid) for lp in best.layers[:2]],
-            "fig3_searched_time_ratio_vs_megatron": best.time / mega.time}
+    return {
+        "fig3_ratio_vs_megatron": a / m,
+        "fig3_searched_elements_per_device": a,
+        "fig3_megatron_elements_per_device": m,
+        "fig3_megatron_data_parallel": dp,
+        "fig3_searched": [lp.choice.label(grid) for lp in best.layers[:2]],
+        "fig3_searched_time_ratio_vs_megatron": best.time / mega.time,
+    }
 
 
 def gpt3_section(grid):
@@ -179,6 +208,7 @@ def gpt3_section(grid):
 
 def mlp_program(strategy, names):
     """A train step (SGD) of a gelu MLP laid out by ``strategy``."""
+
     def loss(params, x, y):
         h = x
         for i, name in enumerate(names):
@@ -200,8 +230,10 @@ def rank_section(n_strategies, repeats):
     fine = grid0.fine_placement(pl)
     # calibrate on the fine axes the programs run on; the grid prices its axis at their mean
     cf = sj.calibrate(fine, sizes=(1 << 14, 1 << 18, 1 << 20), repeats=3)
-    cm = sj.CostModel(alpha={"x": float(np.mean([cf.axis_alpha(a) for a in fine.axis_names]))},
-                      beta={"x": float(np.mean([cf.axis_beta(a) for a in fine.axis_names]))})
+    cm = sj.CostModel(
+        alpha={"x": float(np.mean([cf.axis_alpha(a) for a in fine.axis_names]))},
+        beta={"x": float(np.mean([cf.axis_beta(a) for a in fine.axis_names]))},
+    )
     grid = ss.Grid.from_placement(pl, cm)
     dims, tokens = [1024, 2048, 2048, 1024], 16
     ops = ss.mlp("mlp", tokens, dims)
@@ -214,19 +246,37 @@ def rank_section(n_strategies, repeats):
     sts = [ss.search(ops, grid, placement=pl, tables=tables)]
     rng = np.random.default_rng(5)
     while len(sts) < n_strategies:
-        sts.append(ss.evaluate(ops, grid, {g: o[rng.integers(len(o))] for g, o in zip(tables.groups, tables.options)},
-                               placement=pl, tables=tables))
+        sts.append(
+            ss.evaluate(
+                ops,
+                grid,
+                {g: o[rng.integers(len(o))] for g, o in zip(tables.groups, tables.options)},
+                placement=pl,
+                tables=tables,
+            )
+        )
     rows, runs = [], []
     for st in sts:
         step, _ = mlp_program(st, names)
         sbp = st.param_sbp(params)
-        f = sj.jit(step, placement=st.placement, in_sbp=(sbp, st.input_sbp(), st.output_sbp()), out_sbp=(sbp, None))
+        f = sj.jit(
+            step, placement=st.placement, in_sbp=(sbp, st.input_sbp(), st.output_sbp()), out_sbp=(sbp, None)
+        )
         measured = sum(c.bytes for c in sj.collectives(f.lower(params, x, y).compile()))
-        args = ({k: sj.to_global(v, st.placement, sbp[k]) for k, v in params.items()},
-                sj.to_global(x, st.placement, st.input_sbp()), sj.to_global(y, st.placement, st.output_sbp()))
+        args = (
+            {k: sj.to_global(v, st.placement, sbp[k]) for k, v in params.items()},
+            sj.to_global(x, st.placement, st.input_sbp()),
+            sj.to_global(y, st.placement, st.output_sbp()),
+        )
         runs.append((lambda *a, f=f: f(*a)[1].physical, args))
-        rows.append({"strategy": [lp.choice.label(grid) for lp in st.layers], "predicted_bytes": st.bytes,
-                     "measured_bytes": measured, "predicted_time": st.time})
+        rows.append(
+            {
+                "strategy": [lp.choice.label(grid) for lp in st.layers],
+                "predicted_bytes": st.bytes,
+                "measured_bytes": measured,
+                "predicted_time": st.time,
+            }
+        )
     # all strategies timed in interleaved rounds, so a change of the machine's
     # load falls on all of them alike (timed one after another, it reorders them)
     for row, t in zip(rows, median_times(runs, repeats)):
@@ -246,8 +296,12 @@ def plot(rows, path):
     for p in sorted({r["devices"] for r in rows}):
         for r in rows:
             if r["devices"] == p:
-                ax.scatter(r["time_ratio_to_exhaustive"], r["cost_ratio_to_optimum"], marker=marks[r["method"]],
-                           label=f"{r['method']} ({p} devices)")
+                ax.scatter(
+                    r["time_ratio_to_exhaustive"],
+                    r["cost_ratio_to_optimum"],
+                    marker=marks[r["method"]],
+                    label=f"{r['method']} ({p} devices)",
+                )
     ax.set_xscale("log")
     ax.set_xlabel("search time relative to exhaustive")
     ax.set_ylabel("cost relative to optimum")
@@ -267,19 +321,25 @@ def main():
     t0 = time.perf_counter()
     out["mlp"] = mlp_section([128, 1024] if q else [128, 4096], restarts=8, steps=2000)
     for r in out["mlp"]:
-        print(f"mlp {r['devices']:5d} {r['method']:20s} cost/opt {r['cost_ratio_to_optimum']:.4f} "
-              f"time/exhaustive {r['time_ratio_to_exhaustive']:.2e} ({r['seconds']:.3g} s)")
+        print(
+            f"mlp {r['devices']:5d} {r['method']:20s} cost/opt {r['cost_ratio_to_optimum']:.4f} "
+            f"time/exhaustive {r['time_ratio_to_exhaustive']:.2e} ({r['seconds']:.3g} s)"
+        )
     rows, fits = scaling_section(256 if q else 1024)
     out["scaling_3d"] = rows
     out["scaling_exponents"] = fits
     for r in rows:
-        print(f"scaling p={r['p']:3d} {r['layout']}: {r['bytes_per_device']:.4g} B/device communicated, "
-              f"{r['received_bytes_per_device']:.4g} received; predicted {r['predicted_bytes']:.0f} "
-              f"measured {r['measured_bytes']:.0f}")
+        print(
+            f"scaling p={r['p']:3d} {r['layout']}: {r['bytes_per_device']:.4g} B/device communicated, "
+            f"{r['received_bytes_per_device']:.4g} received; predicted {r['predicted_bytes']:.0f} "
+            f"measured {r['measured_bytes']:.0f}"
+        )
     print("exponents in p:", fits)
     out.update(fig3_section(restarts=8))
-    print(f"fig3: searched {out['fig3_searched']} vs Megatron DP{out['fig3_megatron_data_parallel']}: "
-          f"activation ratio {out['fig3_ratio_vs_megatron']:.3f}")
+    print(
+        f"fig3: searched {out['fig3_searched']} vs Megatron DP{out['fig3_megatron_data_parallel']}: "
+        f"activation ratio {out['fig3_ratio_vs_megatron']:.3f}"
+    )
     secs, st = gpt3_section(ss.Grid(1024, "x", cost_model=sj.CostModel(alpha=2e-5, beta=8e-11)))
     out["gpt3_1024_search_seconds"] = secs
     out["gpt3_strategy"] = [f"{lp.name}: {lp.choice.label(st.grid)}" for lp in st.layers[:6]]
@@ -293,8 +353,10 @@ def main():
     rank_rows, rho = rank_section(10, 5 if q else 9)
     out["rank"] = rank_rows
     out["rank_spearman"] = rho
-    print(f"rank: Spearman {rho:.3f} over {len(rank_rows)} strategies; bytes predicted == measured: "
-          f"{all(r['predicted_bytes'] == r['measured_bytes'] for r in rank_rows)}")
+    print(
+        f"rank: Spearman {rho:.3f} over {len(rank_rows)} strategies; bytes predicted == measured: "
+        f"{all(r['predicted_bytes'] == r['measured_bytes'] for r in rank_rows)}"
+    )
     out["quick"] = q
     out["wall_seconds"] = time.perf_counter() - t0
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

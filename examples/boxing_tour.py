@@ -34,8 +34,10 @@ def tour(pl, sbps, x, show_full):
         total += plan.bytes
         floor = "-" if plan.floor is None else f"{plan.floor / T:.3g}"
         steps = ", ".join(f"{s.label()}[{','.join(s.axes)}]" for s in plan.steps) or "(nothing)"
-        print(f"{sj.format_sbp(src):<16}{sj.format_sbp(dst):<16}{plan.bytes:>12}{plan.bytes / T:>8.3g}"
-              f"{floor:>10}  {steps}")
+        print(
+            f"{sj.format_sbp(src):<16}{sj.format_sbp(dst):<16}{plan.bytes:>12}{plan.bytes / T:>8.3g}"
+            f"{floor:>10}  {steps}"
+        )
     print(f"total {total / T:.4g}|T| over {len(sbps) ** 2} transitions; every value checked.")
     for src, dst in show_full:
         print()
@@ -55,10 +57,12 @@ def main():
     # 1-D transitions over the 4 devices of one row of the grid (a sub-placement)
     tour(pl[0], [(s,) for s in one_d], x, [((sj.P_max,), (sj.S(1),))])
     two_d = list(itertools.product([sj.S(0), sj.S(1), sj.B, sj.P], repeat=2))
-    interesting = [((sj.S(0), sj.S(0)), (sj.B, sj.S(0))),  # conflicting nested splits
-                   ((sj.S(0), sj.S(1)), (sj.S(1), sj.S(0))),  # point-to-point at the floor
-                   ((sj.P, sj.S(0)), (sj.S(0), sj.S(0))),  # reduce-scatter into another split order
-                   ((sj.P, sj.P), (sj.B, sj.B))]  # hierarchical all-reduce
+    interesting = [
+        ((sj.S(0), sj.S(0)), (sj.B, sj.S(0))),  # conflicting nested splits
+        ((sj.S(0), sj.S(1)), (sj.S(1), sj.S(0))),  # point-to-point at the floor
+        ((sj.P, sj.S(0)), (sj.S(0), sj.S(0))),  # reduce-scatter into another split order
+        ((sj.P, sj.P), (sj.B, sj.B)),
+    ]  # hierarchical all-reduce
     tour(pl, two_d, x, interesting if not args.quick else interesting[:2])
 
 

@@ -41,8 +41,10 @@ def load_digits(test_fraction: float = 0.25, seed: int = 0):
     try:
         from sklearn.datasets import load_digits as sklearn_digits
     except ImportError:
-        sys.exit("data_parallel.py needs scikit-learn for the digits data set: "
-                 "pip install 'sbpjax[examples]' (or pip install scikit-learn).")
+        sys.exit(
+            "data_parallel.py needs scikit-learn for the digits data set: "
+            "pip install 'sbpjax[examples]' (or pip install scikit-learn)."
+        )
     digits = sklearn_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int32)
@@ -117,8 +119,10 @@ def main(argv=None):
             print(f"  step {i + 1:>5}/{args.steps}  loss {losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
     k = max(1, min(20, args.steps // 5))
-    print(f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
-          f"({args.steps / seconds:.0f} steps/s)")
+    print(
+        f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
+        f"({args.steps / seconds:.0f} steps/s)"
+    )
     trained = trainer.model()
     test_accuracy = accuracy(trained, x_test, y_test)
     print(f"accuracy: train {accuracy(trained, x_train, y_train):.1%}, test {test_accuracy:.1%}")

@@ -36,8 +36,24 @@ from sbpjax import B, S  # noqa: E402
 
 # -- data ------------------------------------------------------------------------
 
-_MODULES = ["collections", "functools", "itertools", "json", "pathlib", "re", "string", "textwrap",
-            "argparse", "logging", "unittest", "typing", "dataclasses", "heapq", "bisect", "random"]
+_MODULES = [
+    "collections",
+    "functools",
+    "itertools",
+    "json",
+    "pathlib",
+    "re",
+    "string",
+    "textwrap",
+    "argparse",
+    "logging",
+    "unittest",
+    "typing",
+    "dataclasses",
+    "heapq",
+    "bisect",
+    "random",
+]
 
 
 def load_text() -> str:
@@ -50,8 +66,11 @@ def load_text() -> str:
     for name in _MODULES:
         mod = importlib.import_module(name)
         for obj in [mod] + [getattr(mod, n) for n in sorted(dir(mod)) if not n.startswith("_")]:
-            doc = inspect.getdoc(obj) if (inspect.ismodule(obj) or inspect.isclass(obj)
-                                           or inspect.isfunction(obj)) else None
+            doc = (
+                inspect.getdoc(obj)
+                if (inspect.ismodule(obj) or inspect.isclass(obj) or inspect.isfunction(obj))
+                else None
+            )
             if doc and len(doc) > 80:
                 parts.append(doc)
     text = "\n\n".join(dict.fromkeys(parts))  # drop repeats, keep the order
@@ -188,8 +207,9 @@ def main(argv=None):
     n_params = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     print(f"GPT: {args.layers} layers, d_model {args.d_model}, {args.heads} heads, {n_params} parameters")
 
-    trainer = sjf.Trainer(model, optax.adamw(args.lr, weight_decay=0.01), loss_fn, pl, batch_sbp=BATCH_SBP,
-                          zero=args.zero)
+    trainer = sjf.Trainer(
+        model, optax.adamw(args.lr, weight_decay=0.01), loss_fn, pl, batch_sbp=BATCH_SBP, zero=args.zero
+    )
     explanation = trainer.explain(data.next())
     print(explanation.summary())
     if args.show_plan:
@@ -203,8 +223,10 @@ def main(argv=None):
             if i % 10 == 0 or i == args.steps - 1:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}")
     k = max(1, min(20, args.steps // 5))
-    print(f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
-          f"(uniform guess: {np.log(data.vocab):.3f})")
+    print(
+        f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
+        f"(uniform guess: {np.log(data.vocab):.3f})"
+    )
     return losses
 
 

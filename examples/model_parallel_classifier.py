@@ -128,8 +128,9 @@ RULES = {"classes": (S(1),)}  # split by class over the 8 devices
 BATCH_SBP = (S(0),)  # inputs and labels split by example
 
 
-def build(n_in: int, hidden: int, features: int, classes: int, scale: float = 16.0,
-          seed: int = 0) -> CosineClassifier:
+def build(
+    n_in: int, hidden: int, features: int, classes: int, scale: float = 16.0, seed: int = 0
+) -> CosineClassifier:
     return sjf.annotate(CosineClassifier(n_in, hidden, features, classes, scale, nnx.Rngs(seed)), RULES)
 
 
@@ -159,12 +160,16 @@ def main(argv=None):
     print(trainer.explain(batch).summary())
 
     logits_bytes = args.batch * args.classes * 4
-    print(f"collectives of the compiled step (the logits are {logits_bytes} B, {logits_bytes // 8} B per device):")
+    print(
+        f"collectives of the compiled step (the logits are {logits_bytes} B, {logits_bytes // 8} B per device):"
+    )
     collectives = sorted(step_collectives(trainer, batch), key=lambda c: -c.bytes_per_device)
     for c in collectives:
         print(f"  {c.op:<15} {int(c.bytes_per_device):>9} B received per device  {c.shape}")
-    print(f"largest collective: {int(collectives[0].bytes_per_device)} B per device, "
-          f"{collectives[0].bytes_per_device / logits_bytes:.1%} of the logits")
+    print(
+        f"largest collective: {int(collectives[0].bytes_per_device)} B per device, "
+        f"{collectives[0].bytes_per_device / logits_bytes:.1%} of the logits"
+    )
 
     t0 = time.perf_counter()
     losses = []
@@ -174,8 +179,10 @@ def main(argv=None):
             print(f"  step {i + 1:>5}/{args.steps}  loss {losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
     k = max(1, min(20, args.steps // 5))
-    print(f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
-          f"(uniform guess: {np.log(args.classes):.3f}; {args.steps / seconds:.0f} steps/s)")
+    print(
+        f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
+        f"(uniform guess: {np.log(args.classes):.3f}; {args.steps / seconds:.0f} steps/s)"
+    )
     test_accuracy = accuracy(trainer.model(), *data.sample(4096))
     print(f"accuracy on fresh examples: {test_accuracy:.1%} (chance {1 / args.classes:.2%})")
     return losses, test_accuracy

@@ -70,10 +70,22 @@ def cross_entropy(logits, labels):
 STAGE_FNS = [first_stage, block, block, last_stage]
 
 # Megatron's tensor-parallel layout, written as SBP over the stage's "tp" axis
-BLOCK_SBP = {"wq": sj.S(1), "wk": sj.S(1), "wv": sj.S(1), "wo": sj.S(0), "w1": sj.S(1), "w2": sj.S(0),
-             "g1": sj.B, "g2": sj.B}
-STAGE_SBP = [{"block": BLOCK_SBP, "emb": sj.B, "pos": sj.B}, BLOCK_SBP, BLOCK_SBP,
-             {"block": BLOCK_SBP, "g": sj.B, "head": sj.S(1)}]
+BLOCK_SBP = {
+    "wq": sj.S(1),
+    "wk": sj.S(1),
+    "wv": sj.S(1),
+    "wo": sj.S(0),
+    "w1": sj.S(1),
+    "w2": sj.S(0),
+    "g1": sj.B,
+    "g2": sj.B,
+}
+STAGE_SBP = [
+    {"block": BLOCK_SBP, "emb": sj.B, "pos": sj.B},
+    BLOCK_SBP,
+    BLOCK_SBP,
+    {"block": BLOCK_SBP, "g": sj.B, "head": sj.S(1)},
+]
 
 
 def init_params(seed=0):
@@ -83,23 +95,36 @@ def init_params(seed=0):
         return (r.normal(size=shape) / np.sqrt(shape[0])).astype(np.float32)
 
     def blk():
-        return {"wq": w(D, D), "wk": w(D, D), "wv": w(D, D), "wo": w(D, D) / 2, "w1": w(D, 4 * D),
-                "w2": w(4 * D, D) / 2, "g1": np.ones(D, np.float32), "g2": np.ones(D, np.float32)}
+        return {
+            "wq": w(D, D),
+            "wk": w(D, D),
+            "wv": w(D, D),
+            "wo": w(D, D) / 2,
+            "w1": w(D, 4 * D),
+            "w2": w(4 * D, D) / 2,
+            "g1": np.ones(D, np.float32),
+            "g2": np.ones(D, np.float32),
+        }
 
-    return [{"block": blk(), "emb": w(V, D), "pos": (0.1 * r.normal(size=(T, D))).astype(np.float32)},
-            blk(), blk(), {"block": blk(), "g": np.ones(D, np.float32), "head": w(D, V)}]
+    return [
+        {"block": blk(), "emb": w(V, D), "pos": (0.1 * r.normal(size=(T, D))).astype(np.float32)},
+        blk(),
+        blk(),
+        {"block": blk(), "g": np.ones(D, np.float32), "head": w(D, V)},
+    ]
 
 
 def batch(rows, seed):
     """Windows of the repeated sentence at random offsets: next-character prediction."""
     ids = np.array([VOCAB.index(c) for c in TEXT * 4], np.int32)
     starts = np.random.default_rng(seed).integers(0, len(TEXT), size=rows)
-    windows = np.stack([ids[s:s + T + 1] for s in starts])
+    windows = np.stack([ids[s : s + T + 1] for s in starts])
     return windows[:, :-1], windows[:, 1:]
 
 
 def reference_step(params, tokens, labels):
     """The non-pipelined step: the whole model, one jitted value_and_grad on the whole batch."""
+
     def loss(ps):
         h = tokens
         for f, p in zip(STAGE_FNS, ps):
@@ -114,18 +139,32 @@ def build(schedule, microbatches, params, opt, load_delay):
     devices = jax.devices()
     if len(devices) < 8:
         raise SystemExit("needs 8 devices; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8")
-    stages = [sjp.Stage(fn, p, sj.Placement(np.array(devices[2 * i:2 * i + 2]), ("tp",)), param_sbp=sbp,
-                        name=f"stage{i}")
-              for i, (fn, p, sbp) in enumerate(zip(STAGE_FNS, params, STAGE_SBP))]
+    stages = [
+        sjp.Stage(
+            fn,
+            p,
+            sj.Placement(np.array(devices[2 * i : 2 * i + 2]), ("tp",)),
+            param_sbp=sbp,
+            name=f"stage{i}",
+        )
+        for i, (fn, p, sbp) in enumerate(zip(STAGE_FNS, params, STAGE_SBP))
+    ]
 
     def slow_loader(delay):  # a loader with some per-microbatch work, as tokenisation would be
         def before(spec, k):
             if spec.kind == "load":
                 time.sleep(delay)
+
         return before
 
-    return sjp.Pipeline(stages, cross_entropy, opt, microbatches=microbatches, schedule=schedule,
-                        before_action=slow_loader(load_delay) if load_delay else None)
+    return sjp.Pipeline(
+        stages,
+        cross_entropy,
+        opt,
+        microbatches=microbatches,
+        schedule=schedule,
+        before_action=slow_loader(load_delay) if load_delay else None,
+    )
 
 
 def main():
@@ -143,8 +182,10 @@ def main():
     params = init_params()
 
     pipe = build(args.schedule, m, params, opt, load_delay=0.001)
-    print(f"{len(pipe.stages)} stages x 2-way tensor parallel, schedule {args.schedule}, {m} microbatches "
-          f"of {args.rows} sequences of {T} tokens")
+    print(
+        f"{len(pipe.stages)} stages x 2-way tensor parallel, schedule {args.schedule}, {m} microbatches "
+        f"of {args.rows} sequences of {T} tokens"
+    )
     for st in pipe.stages:
         print(f"  {st.name}: {st.placement!r}")
 
@@ -153,9 +194,14 @@ def main():
     t0 = time.perf_counter()
     first = pipe.step(tokens, labels)
     print(f"step 0 (compiles every stage): {time.perf_counter() - t0:.1f}s, loss {first.loss:.5f}")
-    worst = max(float(np.max(np.abs(np.asarray(g.numpy()) - w))) for gs, ws in zip(first.grads, want_grads)
-                for g, w in zip(jax.tree_util.tree_leaves(gs, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)),
-                                jax.tree_util.tree_leaves(ws)))
+    worst = max(
+        float(np.max(np.abs(np.asarray(g.numpy()) - w)))
+        for gs, ws in zip(first.grads, want_grads)
+        for g, w in zip(
+            jax.tree_util.tree_leaves(gs, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)),
+            jax.tree_util.tree_leaves(ws),
+        )
+    )
     assert abs(first.loss - want_loss) < 1e-5 * max(1.0, abs(want_loss)), (first.loss, want_loss)
     assert worst < 1e-4, worst
     print(f"  equals the non-pipelined step: loss {want_loss:.5f}, largest gradient difference {worst:.2e}")
@@ -169,8 +215,10 @@ def main():
     assert result.loss < first.loss, "the loss should fall"
     tl = result.timeline
     print(f"\n{per_step * 1e3:.1f} ms per step; last step's {tl}")
-    print(f"runtime overhead {1e6 * tl.overhead_per_action_s:.1f} us per action "
-          f"(mean action {1e3 * sum(a.duration for a in tl.actions) / len(tl.actions):.2f} ms)")
+    print(
+        f"runtime overhead {1e6 * tl.overhead_per_action_s:.1f} us per action "
+        f"(mean action {1e3 * sum(a.duration for a in tl.actions) / len(tl.actions):.2f} ms)"
+    )
     load = [a for a in tl.actions if a.kind == "load" and a.actor == "load:inputs"]
     fwd0 = [a for a in tl.actions if a.actor == "forward0"]
     overlaps = sum(any(lo.start < f.end and f.start < lo.end for f in fwd0) for lo in load)
@@ -178,16 +226,23 @@ def main():
 
     # memory: the same model under GPipe keeps every microbatch's stage input until the flush
     other = "gpipe" if args.schedule == "1f1b" else "1f1b"
-    other_tl = sjp.Pipeline(pipe.stages, cross_entropy, opt, microbatches=m, schedule=other).step(
-        tokens, labels).timeline  # the same stages: their compiled programs are reused
+    other_tl = (
+        sjp.Pipeline(pipe.stages, cross_entropy, opt, microbatches=m, schedule=other)
+        .step(tokens, labels)
+        .timeline
+    )  # the same stages: their compiled programs are reused
     for name, t in ((args.schedule, tl), (other, other_tl)):
         peaks = t.peak_live_activations()
         nbytes = t.peak_activation_bytes()
-        print(f"{name:>6}: peak live activation registers per stage {[peaks[i] for i in range(4)]}, "
-              f"bytes {[nbytes[i] for i in range(4)]}")
+        print(
+            f"{name:>6}: peak live activation registers per stage {[peaks[i] for i in range(4)]}, "
+            f"bytes {[nbytes[i] for i in range(4)]}"
+        )
     sim = pipe.simulate({"forward": 1.0, "backward": 2.0})
-    print(f"simulated with F=1, B=2: makespan {sim.makespan:g} = (m + p - 1)(F + B) = {(m + 3) * 3:g}, "
-          f"bubble {sim.bubble:.3f}")
+    print(
+        f"simulated with F=1, B=2: makespan {sim.makespan:g} = (m + p - 1)(F + B) = {(m + 3) * 3:g}, "
+        f"bubble {sim.bubble:.3f}"
+    )
     print(f"timeline written to {tl.gantt(args.png, title=f'pipeline_gpt: {args.schedule}, m={m}')}")
 
 

@@ -95,7 +95,7 @@ def auc(scores, labels) -> float:
     # average ranks over ties
     _, first, counts = np.unique(sorted_scores, return_index=True, return_counts=True)
     for start, count in zip(first, counts):
-        ranks[order[start:start + count]] = start + (count + 1) / 2
+        ranks[order[start : start + count]] = start + (count + 1) / 2
     pos = labels > 0.5
     n_pos, n_neg = pos.sum(), (~pos).sum()
     return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
@@ -110,8 +110,9 @@ class WideAndDeep(nnx.Module):
         self.deep = nnx.Embed(vocab, dim, rngs=rngs)
         # the first dense layer contracts over (field, dim) at once, so the dim
         # split of the deep embeddings is its contraction split
-        self.fc1 = nnx.Param(nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2)(
-            rngs.params(), (fields, dim, hidden)))
+        self.fc1 = nnx.Param(
+            nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2)(rngs.params(), (fields, dim, hidden))
+        )
         self.fc1_bias = nnx.Param(jnp.zeros(hidden))
         self.fc2 = nnx.Linear(hidden, hidden, rngs=rngs)
         self.out = nnx.Linear(hidden, 1, rngs=rngs)
@@ -154,8 +155,10 @@ def main(argv=None):
     data = Clicks(args.fields, args.vocab_per_field)
     pl = sj.placement(8, "x")
     vocab = args.fields * args.vocab_per_field
-    print(f"{args.fields} fields, vocabulary {vocab}: wide table {vocab}x1 split S(0), deep table "
-          f"{vocab}x{args.dim} split S(1), over {pl!r}")
+    print(
+        f"{args.fields} fields, vocabulary {vocab}: wide table {vocab}x1 split S(0), deep table "
+        f"{vocab}x{args.dim} split S(1), over {pl!r}"
+    )
     model = build(args.fields, args.vocab_per_field, args.dim, args.hidden)
     trainer = sjf.Trainer(model, optax.adam(args.lr), loss_fn, pl, batch_sbp=BATCH_SBP)
     ids, labels, _ = data.sample(args.batch)
@@ -170,13 +173,17 @@ def main(argv=None):
             print(f"  step {i + 1:>5}/{args.steps}  loss {losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
     k = max(1, min(20, args.steps // 5))
-    print(f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
-          f"({args.steps / seconds:.0f} steps/s)")
+    print(
+        f"loss: first {k} steps {np.mean(losses[:k]):.3f} -> last {k} steps {np.mean(losses[-k:]):.3f} "
+        f"({args.steps / seconds:.0f} steps/s)"
+    )
     ids, labels, p_true = data.sample(20000)
     logits = np.asarray(trainer.model()(ids))
     test_auc = auc(logits, labels)
-    print(f"held-out AUC {test_auc:.3f} (true probabilities: {auc(p_true, labels):.3f}); "
-          f"accuracy {np.mean((logits > 0) == (labels > 0.5)):.1%} (always 'no click': {1 - labels.mean():.1%})")
+    print(
+        f"held-out AUC {test_auc:.3f} (true probabilities: {auc(p_true, labels):.3f}); "
+        f"accuracy {np.mean((logits > 0) == (labels > 0.5)):.1%} (always 'no click': {1 - labels.mean():.1%})"
+    )
     return losses, test_auc
 
 

@@ -127,7 +127,9 @@ def main(argv=None):
     for name in runs:
         if name != "data parallel":
             diff = np.max(np.abs(np.asarray(losses[name]) - dp) / dp)
-            print(f"losses, {name} vs data parallel: largest relative difference {diff:.1e} over {args.steps} steps")
+            print(
+                f"losses, {name} vs data parallel: largest relative difference {diff:.1e} over {args.steps} steps"
+            )
     print(f"loss: {dp[0]:.5f} -> {dp[-1]:.5f}")
     return losses, memory
 

@@ -37,12 +37,8 @@ class Placement:
                 f"Placement: a device grid of shape {devs.shape} needs {devs.ndim} axis names, "
                 f"got {len(axis_names)}: {axis_names}."
             )
-        if len(set(axis_names)) != len(axis_names) or not all(
-            isinstance(n, str) and n for n in axis_names
-        ):
-            raise SBPError(
-                f"Placement: axis names must be distinct non-empty strings, got {axis_names}."
-            )
+        if len(set(axis_names)) != len(axis_names) or not all(isinstance(n, str) and n for n in axis_names):
+            raise SBPError(f"Placement: axis names must be distinct non-empty strings, got {axis_names}.")
         if devs.size == 0:
             raise SBPError(f"Placement: the device grid {devs.shape} is empty.")
         ids: list = [getattr(d, "id", None) for d in devs.flat]
@@ -121,8 +117,9 @@ class Placement:
             return Placement(np.asarray([sub], dtype=object), (self._axis_names[-1],))
         return Placement(sub, names)
 
-    def subset(self, devices: Sequence, axis_names: Sequence[str] | None = None,
-               shape: Sequence[int] | None = None) -> Placement:
+    def subset(
+        self, devices: Sequence, axis_names: Sequence[str] | None = None, shape: Sequence[int] | None = None
+    ) -> Placement:
         """A placement over ``devices`` (all from this one), reshaped to ``shape``."""
         own = set(self.device_ids)
         for d in devices:
@@ -131,9 +128,13 @@ class Placement:
         devs = np.asarray(list(devices), dtype=object)
         if shape is not None:
             devs = devs.reshape(tuple(shape))
-        names = axis_names if axis_names is not None else tuple(
-            f"{self._axis_names[0]}{i}" if devs.ndim > 1 else self._axis_names[0]
-            for i in range(devs.ndim)
+        names = (
+            axis_names
+            if axis_names is not None
+            else tuple(
+                f"{self._axis_names[0]}{i}" if devs.ndim > 1 else self._axis_names[0]
+                for i in range(devs.ndim)
+            )
         )
         return Placement(devs, names)
 
@@ -159,8 +160,9 @@ class Placement:
         return f"Placement({axes}; devices {ids})"
 
 
-def placement(shape: int | Sequence[int], axis_names: Sequence[str] | str | None = None,
-              devices: Sequence | None = None) -> Placement:
+def placement(
+    shape: int | Sequence[int], axis_names: Sequence[str] | str | None = None, devices: Sequence | None = None
+) -> Placement:
     """A placement of ``prod(shape)`` devices, the first ones of ``jax.devices()``
     (or of ``devices``), in order.
 

@@ -77,8 +77,10 @@ class _Picture:
     def title(self) -> str:
         t, pl = self.tensor, self.tensor.placement
         axes = ", ".join(f"{n}={s}" for n, s in zip(pl.axis_names, pl.shape))
-        return (f"shape {t.shape} {t.dtype.name}, sbp {format_sbp(t.sbp)}, "
-                f"placement ({axes}) devices {_grid_ids(pl)}")
+        return (
+            f"shape {t.shape} {t.dtype.name}, sbp {format_sbp(t.sbp)}, "
+            f"placement ({axes}) devices {_grid_ids(pl)}"
+        )
 
     def reading(self) -> str:
         nd = self.tensor.ndim
@@ -89,8 +91,10 @@ class _Picture:
         text = "rows: dim 0, columns: dim 1; a cell lists the devices holding that block"
         if nd > 2:
             folded = "dim 2 is" if nd == 3 else f"dims 2..{nd - 1} are"
-            text += (f"; {folded} folded into the cells (a cell lists every device "
-                     "holding any part of them; see the boxes below)")
+            text += (
+                f"; {folded} folded into the cells (a cell lists every device "
+                "holding any part of them; see the boxes below)"
+            )
         return text
 
     def legend(self) -> list:
@@ -104,17 +108,23 @@ class _Picture:
                 lines.append(f"{name} has size 1: any SBP on it is the same as B")
             elif a in partial_ops:
                 op = partial_ops[a]
-                lines.append(f"P({op}) over {name}: the devices of each group hold one term each; "
-                             f"the value is the {op} of their terms: {groups}")
+                lines.append(
+                    f"P({op}) over {name}: the devices of each group hold one term each; "
+                    f"the value is the {op} of their terms: {groups}"
+                )
             elif a not in split_dim:
                 lines.append(f"B over {name}: the devices of each group hold copies: {groups}")
             elif split_dim[a] >= 2:
-                lines.append(f"S({split_dim[a]}) over {name}: folded dim {split_dim[a]} is split; "
-                             f"the devices of each group hold different parts of it: {groups}")
+                lines.append(
+                    f"S({split_dim[a]}) over {name}: folded dim {split_dim[a]} is split; "
+                    f"the devices of each group hold different parts of it: {groups}"
+                )
         empty = [str(dev) for _, dev, box in self.devices if not self.holds_something(box)]
         if empty and t.size > 0:
-            lines.append(f"holding nothing (a balanced split of a dim into more pieces than it has "
-                         f"elements leaves some empty): devices {','.join(empty)}")
+            lines.append(
+                f"holding nothing (a balanced split of a dim into more pieces than it has "
+                f"elements leaves some empty): devices {','.join(empty)}"
+            )
         return lines
 
     def box_lines(self) -> list:
@@ -180,8 +190,10 @@ def _plain_grid(pic: _Picture) -> list:
     col_labels = [pic.band_label(b, pic.shown >= 1) for b in pic.col_bands]
     cells = [[",".join(map(str, h)) for h in row] for row in pic.cells]
     lead = max(len(s) for s in row_labels + [""])
-    widths = [max([len(col_labels[j])] + [len(cells[i][j]) for i in range(len(cells))])
-              for j in range(len(col_labels))]
+    widths = [
+        max([len(col_labels[j])] + [len(cells[i][j]) for i in range(len(cells))])
+        for j in range(len(col_labels))
+    ]
 
     def line(first, items):
         return " | ".join([first.ljust(lead)] + [s.ljust(w) for s, w in zip(items, widths)]).rstrip()
@@ -193,8 +205,10 @@ def _plain_grid(pic: _Picture) -> list:
 
 def _check_tensor(t, where: str) -> GlobalTensor:
     if not isinstance(t, GlobalTensor):
-        raise SBPError(f"{where}: expected an sj.GlobalTensor, got {type(t).__name__}; lay a "
-                       "plain array out first with sj.to_global(x, placement, sbp).")
+        raise SBPError(
+            f"{where}: expected an sj.GlobalTensor, got {type(t).__name__}; lay a "
+            "plain array out first with sj.to_global(x, placement, sbp)."
+        )
     return t
 
 
@@ -208,8 +222,20 @@ def _print_rich(pic: _Picture) -> None:
     table.add_column("")
     for band in pic.col_bands:
         table.add_column(pic.band_label(band, pic.shown >= 1))
-    palette = ["red", "green", "blue", "magenta", "cyan", "yellow", "bright_red", "bright_green",
-               "bright_blue", "bright_magenta", "bright_cyan", "bright_yellow"]
+    palette = [
+        "red",
+        "green",
+        "blue",
+        "magenta",
+        "cyan",
+        "yellow",
+        "bright_red",
+        "bright_green",
+        "bright_blue",
+        "bright_magenta",
+        "bright_cyan",
+        "bright_yellow",
+    ]
     order = {dev: k for k, (_, dev, _) in enumerate(pic.devices)}
     for band, row in zip(pic.row_bands, pic.cells):
         styled = []
@@ -251,13 +277,19 @@ def _figure(pic: _Picture, figsize):
             stripe = (c1 - c0) / max(len(holders), 1)
             for k, dev in enumerate(holders):
                 x0 = c0 + k * stripe
-                rect = Rectangle((x0, r0), stripe, r1 - r0, facecolor=colour[dev], hatch=hatch,
-                                 edgecolor="white", linewidth=0.8)
+                rect = Rectangle(
+                    (x0, r0),
+                    stripe,
+                    r1 - r0,
+                    facecolor=colour[dev],
+                    hatch=hatch,
+                    edgecolor="white",
+                    linewidth=0.8,
+                )
                 rect.set_gid(f"device {dev} rows {r0}:{r1} cols {c0}:{c1}")
                 ax.add_patch(rect)
                 if len(holders) <= 8:
-                    ax.text(x0 + stripe / 2, (r0 + r1) / 2, str(dev), ha="center", va="center",
-                            fontsize=8)
+                    ax.text(x0 + stripe / 2, (r0 + r1) / 2, str(dev), ha="center", va="center", fontsize=8)
             outline = Rectangle((c0, r0), c1 - c0, r1 - r0, fill=False, edgecolor="black", linewidth=1.5)
             outline.set_gid(f"cell rows {r0}:{r1} cols {c0}:{c1}")
             ax.add_patch(outline)
@@ -274,14 +306,16 @@ def _figure(pic: _Picture, figsize):
     ax.set_title(pic.title(), fontsize=9, wrap=True)
     notes = [pic.reading()] + pic.legend()
     if any(len(h) > 1 for row in pic.cells for h in row):
-        notes.append("a cell (black outline) held by k devices is drawn as k stripes: "
-                     "each of them holds the whole cell")
+        notes.append(
+            "a cell (black outline) held by k devices is drawn as k stripes: "
+            "each of them holds the whole cell"
+        )
     fig.supxlabel("\n".join(notes), x=0.01, ha="left", fontsize=7)  # constrained layout makes room
-    handles = [Patch(facecolor=colour[dev], label=f"device {dev}", hatch=hatch)
-               for _, dev, _ in pic.devices]
+    handles = [Patch(facecolor=colour[dev], label=f"device {dev}", hatch=hatch) for _, dev, _ in pic.devices]
     if pic.layout.partial:
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch=hatch,
-                             label="hatched: partial terms"))
+        handles.append(
+            Patch(facecolor="white", edgecolor="black", hatch=hatch, label="hatched: partial terms")
+        )
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     return fig
 
@@ -298,14 +332,17 @@ def show(t: GlobalTensor, kind: str = "text", *, figsize=None):
     """
     _check_tensor(t, "show")
     if kind not in _KINDS:
-        raise SBPError(f"show: unknown kind {kind!r}; use kind='text' (printed) or kind='figure' "
-                       "(a matplotlib Figure).")
+        raise SBPError(
+            f"show: unknown kind {kind!r}; use kind='text' (printed) or kind='figure' (a matplotlib Figure)."
+        )
     if kind == "figure":
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise SBPError("show(kind='figure') needs matplotlib; install it with "
-                           "pip install 'sbpjax[plots]', or use kind='text'.") from None
+            raise SBPError(
+                "show(kind='figure') needs matplotlib; install it with "
+                "pip install 'sbpjax[plots]', or use kind='text'."
+            ) from None
         return _figure(_Picture(t), figsize)
     try:
         import rich  # noqa: F401

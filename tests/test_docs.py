@@ -40,13 +40,17 @@ def _pages() -> list:
 
 
 def _run(code: str, where: str, tmp_path: Path, timeout: int = 900) -> str:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               MPLBACKEND="Agg")
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        MPLBACKEND="Agg",
+    )
     script = tmp_path / "page.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{where} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -97,9 +101,14 @@ def test_site_builds_strictly(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
     pytest.importorskip("mkdocs_jupyter")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -120,7 +129,8 @@ def test_comparison_quotes_the_benchmark_results():
     pipeline = json.loads((results / "pipeline.json").read_text())["real"]
     quoted = [
         f"In all {boxing['measured_equals_plan']} cases",
-        f"move {boxing['two_d_plan_T']:g} |T| with sbpjax and\n  {boxing['two_d_gspmd_T_over_expressible']:g} |T| with GSPMD",
+        f"move {boxing['two_d_plan_T']:g} |T| with sbpjax and\n"
+        f"  {boxing['two_d_gspmd_T_over_expressible']:g} |T| with GSPMD",
         f"{boxing['no_partial_plan_T']:g} |T| in total",
         f"against {boxing['no_partial_gspmd_T']:g} |T| for GSPMD",
         f"GSPMD's is {boxing['median_time_ratio_vs_gspmd']:.2f}",
@@ -130,8 +140,12 @@ def test_comparison_quotes_the_benchmark_results():
         f"{pipeline['throughput_ratio_vs_single_program']:.2f} times the throughput",
     ]
     for r in compiler.values():
-        quoted.append(f"| {_fmt_int(r['sbpjax_bytes'])} | {_fmt_int(r['gspmd_bytes'])} | "
-                      f"{_fmt_int(r['handwritten_bytes'])} | {r['time_ratio_vs_gspmd']:.2f} | "
-                      f"{r['time_ratio_vs_handwritten']:.2f} |")
+        quoted.append(
+            f"| {_fmt_int(r['sbpjax_bytes'])} | {_fmt_int(r['gspmd_bytes'])} | "
+            f"{_fmt_int(r['handwritten_bytes'])} | {r['time_ratio_vs_gspmd']:.2f} | "
+            f"{r['time_ratio_vs_handwritten']:.2f} |"
+        )
     missing = [q for q in quoted if q not in page]
-    assert not missing, "docs/comparison.md does not quote benchmarks/results as they are now:\n" + "\n".join(missing)
+    assert not missing, "docs/comparison.md does not quote benchmarks/results as they are now:\n" + "\n".join(
+        missing
+    )

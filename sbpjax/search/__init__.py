@@ -42,9 +42,21 @@ from sbpjax.search.strategy import LayerPlan, Strategy, build, spearman
 METHODS = ("exhaustive", "coordinate_descent", "metropolis_hastings")
 
 
-def search(ops, grid: Grid, *, method: str = "coordinate_descent", objective: str = "time",
-           memory: MemoryModel | None = None, placement=None, seed: int = 0, restarts: int = 8,
-           steps: int = 2000, temperature: float = 0.05, progress: bool = False, tables=None) -> Strategy:
+def search(
+    ops,
+    grid: Grid,
+    *,
+    method: str = "coordinate_descent",
+    objective: str = "time",
+    memory: MemoryModel | None = None,
+    placement=None,
+    seed: int = 0,
+    restarts: int = 8,
+    steps: int = 2000,
+    temperature: float = 0.05,
+    progress: bool = False,
+    tables=None,
+) -> Strategy:
     """The cheapest per-layer layouts of ``ops`` (a list of :class:`MatmulOp`) on ``grid``.
 
     ``method``: "exhaustive" (every assignment; small cases), "coordinate_descent"
@@ -72,28 +84,51 @@ def search(ops, grid: Grid, *, method: str = "coordinate_descent", objective: st
     return build(tables, assign, grid, method, time.perf_counter() - t0, placement)
 
 
-def tables_for(ops, grid: Grid, *, objective: str = "time", memory: MemoryModel | None = None, placement=None,
-               options: list | None = None):
+def tables_for(
+    ops,
+    grid: Grid,
+    *,
+    objective: str = "time",
+    memory: MemoryModel | None = None,
+    placement=None,
+    options: list | None = None,
+):
     """Prices of every choice (or of ``options`` only) of every op; reuse them across
     :func:`search` calls."""
     pricer = Planned(grid, placement) if placement is not None else ClosedForm(grid)
     return build_tables(ops, grid, pricer, objective=objective, memory=memory, options=options)
 
 
-def evaluate(ops, grid: Grid, assignment: dict, *, objective: str = "time", memory: MemoryModel | None = None,
-             placement=None, tables=None) -> Strategy:
+def evaluate(
+    ops,
+    grid: Grid,
+    assignment: dict,
+    *,
+    objective: str = "time",
+    memory: MemoryModel | None = None,
+    placement=None,
+    tables=None,
+) -> Strategy:
     """The strategy (and its costs) of a hand-picked assignment ``{tie key or op name: Choice}``
     (e.g. Megatron's layouts, to compare with a search)."""
     if tables is None:  # price only the choices asked for
-        tables = tables_for(ops, grid, objective=objective, memory=memory, placement=placement,
-                            options=list(dict.fromkeys(assignment.values())))
+        tables = tables_for(
+            ops,
+            grid,
+            objective=objective,
+            memory=memory,
+            placement=placement,
+            options=list(dict.fromkeys(assignment.values())),
+        )
     assign = []
     for key, opts in zip(tables.groups, tables.options):
         if key not in assignment:
             raise SBPError(f"evaluate: no choice for {key!r}; give one for each of {tables.groups}.")
         if assignment[key] not in opts:
-            raise SBPError(f"evaluate: {assignment[key].label(grid)} is not a valid choice for {key!r} "
-                           "(its dims do not divide); see sbpjax.search.choices.")
+            raise SBPError(
+                f"evaluate: {assignment[key].label(grid)} is not a valid choice for {key!r} "
+                "(its dims do not divide); see sbpjax.search.choices."
+            )
         assign.append(opts.index(assignment[key]))
     return build(tables, assign, grid, "given", 0.0, placement)
 

@@ -146,8 +146,10 @@ def exhaustive(problem: Problem, progress: bool = False) -> tuple[list, float]:
     return best[1], best[0]
 
 
-_NO_FIT = ("search: no strategy fits the memory limit of {limit:.4g} bytes per device. Raise "
-           "MemoryModel.limit, use more devices, or shrink the layers (gradient accumulation).")
+_NO_FIT = (
+    "search: no strategy fits the memory limit of {limit:.4g} bytes per device. Raise "
+    "MemoryModel.limit, use more devices, or shrink the layers (gradient accumulation)."
+)
 
 
 def _descend(problem: Problem, assign: list) -> list:
@@ -175,8 +177,9 @@ def _fit(problem: Problem, assign: list) -> list:
     return assign
 
 
-def coordinate_descent(problem: Problem, restarts: int = 8, seed: int = 0, progress: bool = False
-                       ) -> tuple[list, float]:
+def coordinate_descent(
+    problem: Problem, restarts: int = 8, seed: int = 0, progress: bool = False
+) -> tuple[list, float]:
     """AutoDDL's coordinate descent: from a random start, set each group in turn to
     its best option with the others fixed, until nothing changes; restart from new
     random starts (the first from the least-memory assignment) and keep the best."""
@@ -196,8 +199,9 @@ def coordinate_descent(problem: Problem, restarts: int = 8, seed: int = 0, progr
     return best, best_cost
 
 
-def metropolis_hastings(problem: Problem, steps: int = 2000, temperature: float = 0.05, seed: int = 0,
-                        progress: bool = False) -> tuple[list, float]:
+def metropolis_hastings(
+    problem: Problem, steps: int = 2000, temperature: float = 0.05, seed: int = 0, progress: bool = False
+) -> tuple[list, float]:
     """AutoDDL's Metropolis-Hastings: P(S) ~ exp(-cost(S) / (temperature * cost(S0))).
     Each step re-draws one random group's choice; a cheaper proposal is always
     accepted, a dearer one with probability exp(-increase / (temperature * cost(S0)))."""

@@ -118,7 +118,7 @@ def floor_fraction(src: Layout, dst: Layout, grid: Grid) -> float:
                 parent[find(x)] = find(y)
         classes = len({find(a) for a in range(k)})
         need = n / r ** sum(len(a) for a in dst.dims)
-        held = r ** classes / r ** sum(max(len(a), len(b)) for a, b in zip(src.dims, dst.dims))
+        held = r**classes / r ** sum(max(len(a), len(b)) for a, b in zip(src.dims, dst.dims))
         return need - held
     # fine axes of mixed primes: count device by device on a unit-sized shape
     shape = tuple(math.prod(sizes) for _ in src.dims)
@@ -135,8 +135,9 @@ def exchange_time(src: Layout, dst: Layout, nbytes_per_device: float, grid: Grid
 @functools.lru_cache(maxsize=1 << 20)
 def _exchange_group(src: Layout, dst: Layout, grid: Grid):
     """(devices, alpha, beta) of the group of fine axes whose SBP changes."""
-    moved = [a for a in range(len(grid.fine_sizes))
-             if _axis_state(src, a) != _axis_state(dst, a)] or list(range(len(grid.fine_sizes)))
+    moved = [a for a in range(len(grid.fine_sizes)) if _axis_state(src, a) != _axis_state(dst, a)] or list(
+        range(len(grid.fine_sizes))
+    )
     g = math.prod(grid.fine_sizes[a] for a in moved)
     return (g, *grid.cost_model.group(grid.fine_axis_names(moved)))
 
@@ -183,16 +184,20 @@ class ClosedForm:
         nbytes = 2 * (p2 - 1) * op.y_elems * op.itemsize
         if dim is None:
             return Price(nbytes, _group_time(self.grid, "all_reduce", c, ROW, local))
-        return Price(nbytes, _group_time(self.grid, "reduce_scatter", c, ROW, local)
-                     + _group_time(self.grid, "all_gather", c, ROW, local))
+        return Price(
+            nbytes,
+            _group_time(self.grid, "reduce_scatter", c, ROW, local)
+            + _group_time(self.grid, "all_gather", c, ROW, local),
+        )
 
     def sync(self, op: MatmulOp, c: Choice) -> Price:
         p0, p1, p2 = c.degrees(self.grid)
         if p0 == 1:
             return ZERO
         local = op.w_elems / (p1 * p2) * op.itemsize
-        return Price(2 * (p0 - 1) * op.w_elems * op.itemsize,
-                     _group_time(self.grid, "all_reduce", c, DATA, local))
+        return Price(
+            2 * (p0 - 1) * op.w_elems * op.itemsize, _group_time(self.grid, "all_reduce", c, DATA, local)
+        )
 
     def edge(self, op: MatmulOp, c: Choice, dim, nxt: Choice) -> Price:
         """The output of ``op`` boxed to the next op's input, forward and backward."""
@@ -215,8 +220,14 @@ class Planned:
     def _plan(self, shape, itemsize, src, dst) -> Price:
         import sbpjax as sj  # the boxing planner; imported late to keep this module light
 
-        plan = sj.plan_boxing(shape, np.dtype(f"f{itemsize}") if itemsize in (2, 4, 8) else np.float32,
-                              self.fine, src, dst, cost_model=_fine_cost_model(self.grid))
+        plan = sj.plan_boxing(
+            shape,
+            np.dtype(f"f{itemsize}") if itemsize in (2, 4, 8) else np.float32,
+            self.fine,
+            src,
+            dst,
+            cost_model=_fine_cost_model(self.grid),
+        )
         return Price(plan.bytes, plan.time())
 
     def output(self, op: MatmulOp, c: Choice, dim) -> Price:
@@ -224,7 +235,9 @@ class Planned:
             return ZERO
         out = c.out_sbp(dim) if dim is not None else c.dy_sbp()
         shape = (op.m, op.n)
-        return self._plan(shape, op.itemsize, c.y_sbp(), out) + self._plan(shape, op.itemsize, out, c.dy_sbp())
+        return self._plan(shape, op.itemsize, c.y_sbp(), out) + self._plan(
+            shape, op.itemsize, out, c.dy_sbp()
+        )
 
     def sync(self, op: MatmulOp, c: Choice) -> Price:
         return self._plan((op.k, op.n), op.itemsize, c.dw_sbp(), c.w_sbp())
@@ -232,8 +245,9 @@ class Planned:
     def edge(self, op: MatmulOp, c: Choice, dim, nxt: Choice) -> Price:
         out = c.out_sbp(dim) if dim is not None else c.dy_sbp()
         shape = (op.m, op.edge_n or op.n)
-        return (self._plan(shape, op.itemsize, out, nxt.x_sbp())
-                + self._plan(shape, op.itemsize, nxt.dx_sbp(), out))
+        return self._plan(shape, op.itemsize, out, nxt.x_sbp()) + self._plan(
+            shape, op.itemsize, nxt.dx_sbp(), out
+        )
 
 
 def _fine_cost_model(grid: Grid):
@@ -243,9 +257,12 @@ def _fine_cost_model(grid: Grid):
     cm = grid.cost_model
     names = grid.fine_names
     owner = [grid.axis_names[a] for a in grid.fine_owner]
-    return CostModel(alpha={f: cm.axis_alpha(o) for f, o in zip(names, owner)},
-                     beta={f: cm.axis_beta(o) for f, o in zip(names, owner)},
-                     default_alpha=cm.default_alpha, default_beta=cm.default_beta)
+    return CostModel(
+        alpha={f: cm.axis_alpha(o) for f, o in zip(names, owner)},
+        beta={f: cm.axis_beta(o) for f, o in zip(names, owner)},
+        default_alpha=cm.default_alpha,
+        default_beta=cm.default_beta,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -277,8 +294,15 @@ class Tables:
     memory_limit: float | None
 
 
-def build_tables(ops: Sequence[MatmulOp], grid: Grid, pricer, *, objective: str = "time",
-                 memory: MemoryModel | None = None, options: list | None = None) -> Tables:
+def build_tables(
+    ops: Sequence[MatmulOp],
+    grid: Grid,
+    pricer,
+    *,
+    objective: str = "time",
+    memory: MemoryModel | None = None,
+    options: list | None = None,
+) -> Tables:
     from sbpjax.search.space import choices
 
     memory = memory or MemoryModel()
@@ -289,8 +313,10 @@ def build_tables(ops: Sequence[MatmulOp], grid: Grid, pricer, *, objective: str 
     names = [op.name for op in ops]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise SBPError(f"search: layer names must be unique; {sorted(dup)} appear twice. Name repeated layers "
-                       "'layers.0', 'layers.1', ... and tie them with tie='layers.*'.")
+        raise SBPError(
+            f"search: layer names must be unique; {sorted(dup)} appear twice. Name repeated layers "
+            "'layers.0', 'layers.1', ... and tie them with tie='layers.*'."
+        )
     all_choices = options if options is not None else choices(grid)
     groups = list(dict.fromkeys(op.key for op in ops))
     op_group = np.asarray([groups.index(op.key) for op in ops])
@@ -299,13 +325,17 @@ def build_tables(ops: Sequence[MatmulOp], grid: Grid, pricer, *, objective: str 
         members = [op for op, og in zip(ops, op_group) if og == g]
         shapes = {(op.m, op.k, op.n, op.batch, op.heads, op.edge_n) for op in members}
         if len(shapes) > 1:
-            raise SBPError(f"search: tied layers {key!r} have different shapes {sorted(shapes, key=str)}; "
-                           "only identical layers can share a choice.")
+            raise SBPError(
+                f"search: tied layers {key!r} have different shapes {sorted(shapes, key=str)}; "
+                "only identical layers can share a choice."
+            )
         ok = [c for c in all_choices if all(op.fits(*c.degrees(grid)) for op in members)]
         if not ok:
             op = members[0]
-            raise SBPError(f"search: no factorization of {grid!r} divides layer {op.name!r} "
-                           f"(m={op.m}, k={op.k}, n={op.n}); pad its dims to multiples of the device count.")
+            raise SBPError(
+                f"search: no factorization of {grid!r} divides layer {op.name!r} "
+                f"(m={op.m}, k={op.k}, n={op.n}); pad its dims to multiples of the device count."
+            )
         opts.append(ok)
     pick = (lambda p: p.time) if objective == "time" else (lambda p: p.bytes)
     # tied ops have identical shapes: price each group, and each edge between two
@@ -319,8 +349,11 @@ def build_tables(ops: Sequence[MatmulOp], grid: Grid, pricer, *, objective: str 
         cs = opts[g]
         if g not in group_cache:
             sync = [pricer.sync(op, c) for c in cs]
-            group_cache[g] = (sync, np.asarray([pick(x) for x in sync]),
-                              np.asarray([op_memory(op, c.degrees(grid), memory) for c in cs]))
+            group_cache[g] = (
+                sync,
+                np.asarray([pick(x) for x in sync]),
+                np.asarray([op_memory(op, c.degrees(grid), memory) for c in cs]),
+            )
         sync, sync_cost, op_mem = group_cache[g]
         mem.append(op_mem)
         parts["sync"].append(sync)
@@ -337,8 +370,9 @@ def build_tables(ops: Sequence[MatmulOp], grid: Grid, pricer, *, objective: str 
         else:  # the last op's output goes to the loss: only its own reduction
             outs = []
             for c in cs:
-                best = min(((pricer.output(op, c, d), d) for d in out_dims(op, c, grid)),
-                           key=lambda od: pick(od[0]))
+                best = min(
+                    ((pricer.output(op, c, d), d) for d in out_dims(op, c, grid)), key=lambda od: pick(od[0])
+                )
                 outs.append(best)
             unary[-1] = unary[-1] + np.asarray([pick(o) for o, _ in outs])
             parts["output"].append(outs)

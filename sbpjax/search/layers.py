@@ -95,61 +95,134 @@ class MatmulOp:
         return n % (p1 * p2) == 0 and (self.heads is None or self.heads % (p1 * p2) == 0)
 
 
-def dense(name: str, tokens: int, d_in: int, d_out: int, *, itemsize: int = 4, tie: str | None = None,
-          param: str | None = None, from_data: bool = False) -> list[MatmulOp]:
+def dense(
+    name: str,
+    tokens: int,
+    d_in: int,
+    d_out: int,
+    *,
+    itemsize: int = 4,
+    tie: str | None = None,
+    param: str | None = None,
+    from_data: bool = False,
+) -> list[MatmulOp]:
     """A dense layer on ``tokens`` rows."""
     return [MatmulOp(name, tokens, d_in, d_out, itemsize, tie, param or name, from_data=from_data)]
 
 
-def embedding(name: str, tokens: int, vocab: int, d_model: int, *, itemsize: int = 4,
-              tie: str | None = None) -> list[MatmulOp]:
+def embedding(
+    name: str, tokens: int, vocab: int, d_model: int, *, itemsize: int = 4, tie: str | None = None
+) -> list[MatmulOp]:
     """A table lookup: a matmul of one-hot tokens with the ``vocab x d_model`` table;
     a vocabulary split (row role) gives partial sums."""
     return [MatmulOp(name, tokens, vocab, d_model, itemsize, tie, name, from_data=True)]
 
 
-def attention(name: str, batch: int, seq: int, d_model: int, heads: int, *, itemsize: int = 4,
-              tie: str | None = None) -> list[MatmulOp]:
+def attention(
+    name: str, batch: int, seq: int, d_model: int, heads: int, *, itemsize: int = 4, tie: str | None = None
+) -> list[MatmulOp]:
     """Self-attention: fused Q/K/V projection (``d -> 3d``), the core, output projection."""
     if d_model % heads:
         raise SBPError(f"attention {name!r}: d_model {d_model} is not a multiple of heads {heads}.")
     t = f"{tie}." if tie else None
-    return [MatmulOp(f"{name}.qkv", batch * seq, d_model, 3 * d_model, itemsize, t and t + "qkv",
-                     f"{name}.qkv", batch=batch, heads=heads, edge_n=d_model),
-            MatmulOp(f"{name}.out", batch * seq, d_model, d_model, itemsize, t and t + "out", f"{name}.out",
-                     batch=batch)]
+    return [
+        MatmulOp(
+            f"{name}.qkv",
+            batch * seq,
+            d_model,
+            3 * d_model,
+            itemsize,
+            t and t + "qkv",
+            f"{name}.qkv",
+            batch=batch,
+            heads=heads,
+            edge_n=d_model,
+        ),
+        MatmulOp(
+            f"{name}.out",
+            batch * seq,
+            d_model,
+            d_model,
+            itemsize,
+            t and t + "out",
+            f"{name}.out",
+            batch=batch,
+        ),
+    ]
 
 
-def mlp(name: str, tokens: int, dims: Sequence[int], *, itemsize: int = 4, tie: str | None = None
-        ) -> list[MatmulOp]:
+def mlp(
+    name: str, tokens: int, dims: Sequence[int], *, itemsize: int = 4, tie: str | None = None
+) -> list[MatmulOp]:
     """Dense layers ``dims[0] -> dims[1] -> ...`` (AutoDDL's MLP: 32768, 16384, 4096, 2048, 512)."""
     if len(dims) < 2:
         raise SBPError(f"mlp {name!r}: give at least two dims (input and output), got {list(dims)}.")
     t = f"{tie}." if tie else None
-    return [op for i in range(len(dims) - 1)
-            for op in dense(f"{name}.{i}", tokens, dims[i], dims[i + 1], itemsize=itemsize,
-                            tie=t and f"{t}{i}", from_data=(i == 0))]
+    return [
+        op
+        for i in range(len(dims) - 1)
+        for op in dense(
+            f"{name}.{i}",
+            tokens,
+            dims[i],
+            dims[i + 1],
+            itemsize=itemsize,
+            tie=t and f"{t}{i}",
+            from_data=(i == 0),
+        )
+    ]
 
 
-def conv(name: str, batch: int, height: int, width: int, c_in: int, c_out: int, kernel: int = 3, *,
-         itemsize: int = 4, tie: str | None = None) -> list[MatmulOp]:
+def conv(
+    name: str,
+    batch: int,
+    height: int,
+    width: int,
+    c_in: int,
+    c_out: int,
+    kernel: int = 3,
+    *,
+    itemsize: int = 4,
+    tie: str | None = None,
+) -> list[MatmulOp]:
     """A 'same' convolution as its im2col matmul: rows are pixels (the data split cuts
     the batch only), the row role splits input channels x taps, the column role
     output channels."""
-    return [MatmulOp(name, batch * height * width, c_in * kernel * kernel, c_out, itemsize, tie, name,
-                     batch=batch)]
+    return [
+        MatmulOp(
+            name, batch * height * width, c_in * kernel * kernel, c_out, itemsize, tie, name, batch=batch
+        )
+    ]
 
 
-def transformer(name: str, batch: int, seq: int, d_model: int, heads: int, *, ffn: int = 4,
-                itemsize: int = 4, tie: str | None = None) -> list[MatmulOp]:
+def transformer(
+    name: str,
+    batch: int,
+    seq: int,
+    d_model: int,
+    heads: int,
+    *,
+    ffn: int = 4,
+    itemsize: int = 4,
+    tie: str | None = None,
+) -> list[MatmulOp]:
     """One transformer layer: attention then a ``d -> ffn*d -> d`` MLP (layer norms
     and residual adds are elementwise on the residual stream and move nothing here)."""
     t = f"{tie}." if tie else None
-    return (attention(f"{name}.attn", batch, seq, d_model, heads, itemsize=itemsize, tie=t and t + "attn")
-            + dense(f"{name}.mlp.up", batch * seq, d_model, ffn * d_model, itemsize=itemsize,
-                    tie=t and t + "mlp.up")
-            + dense(f"{name}.mlp.down", batch * seq, ffn * d_model, d_model, itemsize=itemsize,
-                    tie=t and t + "mlp.down"))
+    return (
+        attention(f"{name}.attn", batch, seq, d_model, heads, itemsize=itemsize, tie=t and t + "attn")
+        + dense(
+            f"{name}.mlp.up", batch * seq, d_model, ffn * d_model, itemsize=itemsize, tie=t and t + "mlp.up"
+        )
+        + dense(
+            f"{name}.mlp.down",
+            batch * seq,
+            ffn * d_model,
+            d_model,
+            itemsize=itemsize,
+            tie=t and t + "mlp.down",
+        )
+    )
 
 
 def repeat(make, n: int, prefix: str = "layers", tied: bool = True) -> list[MatmulOp]:
@@ -161,13 +234,17 @@ def repeat(make, n: int, prefix: str = "layers", tied: bool = True) -> list[Matm
     return ops
 
 
-def gpt(n_layers: int, d_model: int, heads: int, batch: int, seq: int, vocab: int, *, itemsize: int = 2
-        ) -> list[MatmulOp]:
+def gpt(
+    n_layers: int, d_model: int, heads: int, batch: int, seq: int, vocab: int, *, itemsize: int = 2
+) -> list[MatmulOp]:
     """A GPT: token embedding, ``n_layers`` tied transformer layers, the output head."""
-    return (embedding("embed", batch * seq, vocab, d_model, itemsize=itemsize)
-            + repeat(lambda nm, t: transformer(nm, batch, seq, d_model, heads, itemsize=itemsize, tie=t),
-                     n_layers)
-            + dense("head", batch * seq, d_model, vocab, itemsize=itemsize))
+    return (
+        embedding("embed", batch * seq, vocab, d_model, itemsize=itemsize)
+        + repeat(
+            lambda nm, t: transformer(nm, batch, seq, d_model, heads, itemsize=itemsize, tie=t), n_layers
+        )
+        + dense("head", batch * seq, d_model, vocab, itemsize=itemsize)
+    )
 
 
 def from_program(fn, params, *args) -> list[MatmulOp]:
@@ -182,11 +259,13 @@ def from_program(fn, params, *args) -> list[MatmulOp]:
     from sbpjax.compiler.trace import trace
 
     leaves, in_tree = jax.tree_util.tree_flatten(((params, *args), {}))
-    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
-             for x in leaves]
+    avals = [
+        jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+        for x in leaves
+    ]
     program = trace(fn, avals, in_tree)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    param_of = {id(v): paths[i] for i, v in enumerate(program.inputs[:len(paths)])}
+    param_of = {id(v): paths[i] for i, v in enumerate(program.inputs[: len(paths)])}
     ops: list[MatmulOp] = []
     for node in program.nodes:
         if node.name != "dot_general":
@@ -196,15 +275,28 @@ def from_program(fn, params, *args) -> list[MatmulOp]:
         if id(w) not in param_of or len(w.shape) != 2 or lb or rb:
             continue
         if tuple(rc) != (0,) or tuple(lc) != (len(x.shape) - 1,):
-            raise SBPError(f"search.from_program: {node.source}: the product with parameter {param_of[id(w)]} "
-                           f"contracts dims {tuple(lc)} x {tuple(rc)}; the search models x @ w with x's last "
-                           "dim against w's first. Write it as x @ w, or list the layers by hand.")
+            raise SBPError(
+                f"search.from_program: {node.source}: the product with parameter {param_of[id(w)]} "
+                f"contracts dims {tuple(lc)} x {tuple(rc)}; the search models x @ w with x's last "
+                "dim against w's first. Write it as x @ w, or list the layers by hand."
+            )
         m = math.prod(x.shape[:-1])
         path = param_of[id(w)]
-        ops.append(MatmulOp(path, m, int(w.shape[0]), int(w.shape[1]), np.dtype(w.dtype).itemsize,
-                            param=path, from_data=not ops and id(x) in {id(v) for v in program.inputs}))
+        ops.append(
+            MatmulOp(
+                path,
+                m,
+                int(w.shape[0]),
+                int(w.shape[1]),
+                np.dtype(w.dtype).itemsize,
+                param=path,
+                from_data=not ops and id(x) in {id(v) for v in program.inputs},
+            )
+        )
     if not ops:
-        raise SBPError("search.from_program: found no matmul of an activation with a 2-D parameter in the "
-                       "program; pass the parameters as the first argument, or list the layers by hand "
-                       "(sbpjax.search.dense / mlp / transformer).")
+        raise SBPError(
+            "search.from_program: found no matmul of an activation with a 2-D parameter in the "
+            "program; pass the parameters as the first argument, or list the layers by hand "
+            "(sbpjax.search.dense / mlp / transformer)."
+        )
     return ops

@@ -64,11 +64,18 @@ class Grid:
     ``refine=False`` every axis stays one fine axis (its devices take one role).
     """
 
-    def __init__(self, shape: int | Sequence[int], axis_names: Sequence[str] | str | None = None,
-                 cost_model: CostModel | None = None, refine: bool = True):
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        axis_names: Sequence[str] | str | None = None,
+        cost_model: CostModel | None = None,
+        refine: bool = True,
+    ):
         shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
         if not shape or any(not isinstance(s, (int, np.integer)) or s < 1 for s in shape):
-            raise SBPError(f"Grid: axis sizes must be positive ints, got {shape}; e.g. Grid((16, 8), ('node', 'gpu')).")
+            raise SBPError(
+                f"Grid: axis sizes must be positive ints, got {shape}; e.g. Grid((16, 8), ('node', 'gpu'))."
+            )
         if axis_names is None:
             axis_names = tuple("xyzw"[i] if i < 4 else f"a{i}" for i in range(len(shape)))
         elif isinstance(axis_names, str):
@@ -84,8 +91,9 @@ class Grid:
         self.axis_factors = tuple(prime_factors(s) if refine else ((s,) if s > 1 else ()) for s in self.shape)
         self.fine_sizes = tuple(f for fs in self.axis_factors for f in fs)
         self.fine_owner = tuple(a for a, fs in enumerate(self.axis_factors) for _ in fs)
-        self.fine_names = tuple(f"{self.axis_names[a]}{j}" for a, fs in enumerate(self.axis_factors)
-                                for j in range(len(fs)))
+        self.fine_names = tuple(
+            f"{self.axis_names[a]}{j}" for a, fs in enumerate(self.axis_factors) for j in range(len(fs))
+        )
 
     @classmethod
     def from_placement(cls, placement, cost_model: CostModel | None = None, refine: bool = True) -> Grid:
@@ -102,8 +110,10 @@ class Grid:
         from sbpjax.placement import Placement
 
         if tuple(placement.shape) != self.shape:
-            raise SBPError(f"Grid.fine_placement: the placement has shape {placement.shape}, the grid {self.shape}; "
-                           "search on Grid.from_placement(placement) to apply a strategy to it.")
+            raise SBPError(
+                f"Grid.fine_placement: the placement has shape {placement.shape}, the grid {self.shape}; "
+                "search on Grid.from_placement(placement) to apply a strategy to it."
+            )
         if not self.fine_sizes:  # one device
             return placement
         return Placement(placement.devices.reshape(self.fine_sizes), self.fine_names)
@@ -114,8 +124,11 @@ class Grid:
         return tuple(dict.fromkeys(self.axis_names[self.fine_owner[i]] for i in fine_axes))
 
     def __eq__(self, other):
-        return (isinstance(other, Grid) and (self.shape, self.axis_names, repr(self.cost_model))
-                == (other.shape, other.axis_names, repr(other.cost_model)))
+        return isinstance(other, Grid) and (self.shape, self.axis_names, repr(self.cost_model)) == (
+            other.shape,
+            other.axis_names,
+            repr(other.cost_model),
+        )
 
     def __hash__(self):
         return hash((self.shape, self.axis_names))
@@ -138,14 +151,17 @@ class Choice:
     def degrees(self, grid: Grid) -> tuple[int, int, int]:
         """(p0, p1, p2): the data, column and row parallel degrees over the whole grid."""
         roles = self.roles()
-        p0, p1, p2 = (math.prod(s for s, r in zip(grid.fine_sizes, roles) if r == role)
-                      for role in (DATA, COLUMN, ROW))
+        p0, p1, p2 = (
+            math.prod(s for s, r in zip(grid.fine_sizes, roles) if r == role) for role in (DATA, COLUMN, ROW)
+        )
         return p0, p1, p2
 
     def per_axis(self, grid: Grid) -> dict:
         """``{axis name: (p0, p1, p2)}``: the factorization of every placement axis."""
-        return {name: (math.prod(fs[:d]), math.prod(fs[d:d + c]), math.prod(fs[d + c:]))
-                for name, fs, (d, c, _) in zip(grid.axis_names, grid.axis_factors, self.runs)}
+        return {
+            name: (math.prod(fs[:d]), math.prod(fs[d : d + c]), math.prod(fs[d + c :]))
+            for name, fs, (d, c, _) in zip(grid.axis_names, grid.axis_factors, self.runs)
+        }
 
     def fine_axes(self, role: str) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.roles()) if r == role)

@@ -100,9 +100,11 @@ class Strategy:
         """The placement the strategy was searched for, refined onto fine axes:
         pass it to ``sj.jit`` (layouts name one SBP per fine axis)."""
         if self.placement_ is None:
-            raise SBPError("Strategy.placement: this strategy was searched on an abstract Grid; call "
-                           "strategy.on(placement) with a placement of shape "
-                           f"{self.grid.shape} to apply it.")
+            raise SBPError(
+                "Strategy.placement: this strategy was searched on an abstract Grid; call "
+                "strategy.on(placement) with a placement of shape "
+                f"{self.grid.shape} to apply it."
+            )
         return self.grid.fine_placement(self.placement_)
 
     def on(self, placement) -> Strategy:
@@ -143,8 +145,10 @@ class Strategy:
         tree = jax.tree_util.tree_map_with_path(pick, params)
         missing = [p for p in flat if p not in paths]
         if missing:
-            raise SBPError(f"Strategy.param_sbp: no parameter at {missing} in the given tree; its paths are "
-                           f"{[jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]}.")
+            raise SBPError(
+                f"Strategy.param_sbp: no parameter at {missing} in the given tree; its paths are "
+                f"{[jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]}."
+            )
         return tree
 
     def rules(self) -> dict:
@@ -189,18 +193,31 @@ class Strategy:
     def table(self) -> str:
         rows = [("layer", "choice", "X", "W", "out", "redistribution", "grad sync", "memory/dev")]
         for lp in self.layers:
-            rows.append((lp.name, lp.choice.label(self.grid), format_sbp(lp.x_sbp), format_sbp(lp.w_sbp),
-                         format_sbp(lp.out_sbp), human_bytes(lp.redistribution.bytes), human_bytes(lp.sync.bytes),
-                         human_bytes(lp.memory)))
+            rows.append(
+                (
+                    lp.name,
+                    lp.choice.label(self.grid),
+                    format_sbp(lp.x_sbp),
+                    format_sbp(lp.w_sbp),
+                    format_sbp(lp.out_sbp),
+                    human_bytes(lp.redistribution.bytes),
+                    human_bytes(lp.sync.bytes),
+                    human_bytes(lp.memory),
+                )
+            )
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-        head = (f"Strategy on {self.grid!r} ({self.method}, objective {self.objective}, "
-                f"search {self.search_seconds:.3g} s); layouts over fine axes {', '.join(self.grid.fine_names)}")
+        head = (
+            f"Strategy on {self.grid!r} ({self.method}, objective {self.objective}, "
+            f"search {self.search_seconds:.3g} s); layouts over fine axes {', '.join(self.grid.fine_names)}"
+        )
         lines = [head]
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"  total {human_bytes(self.bytes)} per step "
-                     f"(redistribution {human_bytes(self.redistribution_bytes)}, "
-                     f"grad sync {human_bytes(self.sync_bytes)}), est. {self.time * 1e3:.4g} ms, "
-                     f"memory {human_bytes(self.memory)} per device")
+        lines.append(
+            f"  total {human_bytes(self.bytes)} per step "
+            f"(redistribution {human_bytes(self.redistribution_bytes)}, "
+            f"grad sync {human_bytes(self.sync_bytes)}), est. {self.time * 1e3:.4g} ms, "
+            f"memory {human_bytes(self.memory)} per device"
+        )
         return "\n".join(lines)
 
     __str__ = table
@@ -253,14 +270,28 @@ def build(tables: Tables, assign, grid: Grid, method: str, seconds: float, place
         else:
             redis, dim = tables.parts["output"][i][a]
         out = c.out_sbp(dim) if dim is not None else c.dy_sbp()
-        layers.append(LayerPlan(op.name, op.param, c, dim, c.x_sbp(), c.w_sbp(), out, redis,
-                                tables.parts["sync"][i][a], float(tables.memory[i][a])))
-    return Strategy(grid, layers, method, tables.objective, seconds, {op.name: op.tie for op in ops if op.tie},
-                    placement)
+        layers.append(
+            LayerPlan(
+                op.name,
+                op.param,
+                c,
+                dim,
+                c.x_sbp(),
+                c.w_sbp(),
+                out,
+                redis,
+                tables.parts["sync"][i][a],
+                float(tables.memory[i][a]),
+            )
+        )
+    return Strategy(
+        grid, layers, method, tables.objective, seconds, {op.name: op.tie for op in ops if op.tie}, placement
+    )
 
 
 def spearman(a, b) -> float:
     """Spearman rank correlation (average ranks for ties)."""
+
     def ranks(v):
         v = np.asarray(v, float)
         order = np.argsort(v, kind="stable")
@@ -269,5 +300,6 @@ def spearman(a, b) -> float:
         for x in np.unique(v):
             r[v == x] = r[v == x].mean()
         return r
+
     ra, rb = ranks(a), ranks(b)
     return float(np.corrcoef(ra, rb)[0, 1])
