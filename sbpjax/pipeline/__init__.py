@@ -16,7 +16,7 @@ device group, FIFO queues) or on a simulated clock.
 """
 
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec
-from sbpjax.pipeline.errors import PipelineError, PipelineStall
+from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout
 from sbpjax.pipeline.register import RegisterSpec
 from sbpjax.pipeline.runtime import ThreadedSystem
 from sbpjax.pipeline.schedule import (
@@ -38,5 +38,5 @@ __all__ = [
     "simulate", "simulate_graph", "build_graph",
     "Timeline", "ActionRecord", "RegisterStats",
     "ActorGraph", "ActorSpec", "RegisterSpec", "ThreadedSystem",
-    "PipelineError", "PipelineStall",
+    "PipelineError", "PipelineStall", "PipelineTimeout",
 ]

@@ -21,3 +21,9 @@ class PipelineError(SBPError):
 class PipelineStall(PipelineError):
     """No actor can act and the step is not finished: register counts or action
     lists leave some actor waiting forever. The message names who waits for what."""
+
+
+class PipelineTimeout(PipelineError):
+    """An action ran past its deadline (``Pipeline(action_timeout=...)``): a
+    stage that blocks. Every actor was stopped; the message names the stage,
+    microbatch and action."""

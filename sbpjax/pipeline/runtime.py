@@ -17,8 +17,19 @@ flight* from the moment it is queued until its handling ends, and only a thread
 that is not waiting on its queue sends one. So when every thread that still has
 work waits on its queue and nothing is in flight, nothing can ever happen again;
 the last thread to wait (or to leave) says so, and the caller gets a :class:`PipelineStall` naming
-what each unfinished actor waits for. Either way no thread outlives
-:meth:`ThreadedSystem.run`.
+what each unfinished actor waits for. 
+Deadlines: a stage that blocks (a hung collective, a body waiting on something
+that never comes) is not a stall, since its thread is not waiting on its queue.
+``action_timeout(spec)`` gives each action a deadline; the caller's thread
+checks the actions in progress a few times a second and, past a deadline,
+stops every thread and raises :class:`PipelineTimeout` naming the stage,
+microbatch and action. Ctrl-C (``KeyboardInterrupt`` in the caller's thread)
+stops every thread the same way and is re-raised.
+
+No thread outlives :meth:`ThreadedSystem.run`, except one stuck inside an
+action body: Python cannot stop a thread, so after ``grace_s`` seconds it is
+left behind (a daemon, named in the error); it starts no other action and
+nothing it produces is used.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from collections.abc import Callable
 
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec, ActorSystem
-from sbpjax.pipeline.errors import PipelineError, PipelineStall
+from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
 
 THREAD_PREFIX = "sbpjax-pipeline:"
@@ -52,10 +63,16 @@ class ThreadedSystem(ActorSystem):
     ``before_action(spec, k)``, if given, is called on the actor's thread just
     before each action body (tests use it for random delays and injected faults).
     ``nbytes(value)`` counts the bytes of values written to activation registers.
+    ``action_timeout(spec) -> seconds or None``: each action's deadline (None:
+    none). ``grace_s``: how long a stopped step waits for its threads to finish
+    the action they are in before leaving a stuck one behind.
     """
 
+    POLL_S = 0.05  # how often the caller's thread looks at the deadlines
+
     def __init__(self, graph: ActorGraph, bodies: dict[str, Body], *, nbytes: Callable | None = None,
-                 before_action: Callable | None = None):
+                 before_action: Callable | None = None, action_timeout: Callable | None = None,
+                 grace_s: float = 2.0):
         super().__init__(graph)
         missing = [a.spec.name for a in self.actors if a.spec.name not in bodies]
         if missing:
@@ -80,6 +97,9 @@ class ThreadedSystem(ActorSystem):
         self._wake = threading.Event()  # set when every thread has left, or on a failure or a stall
         self._local = threading.local()
         self._t0 = 0.0
+        self._timeout = action_timeout
+        self._grace_s = grace_s
+        self._running: dict = {}  # thread -> (spec, k, start) of its action in progress, under _lock
 
     # -- driver hooks -------------------------------------------------------------
     def nbytes(self, value) -> int:
@@ -99,15 +119,20 @@ class ThreadedSystem(ActorSystem):
 
     def execute(self, actor, k, inputs):
         spec = actor.spec
+        thread = self._local.name
         start = time.perf_counter()
+        with self._lock:
+            self._running[thread] = (spec, k, start)
         try:
             if self._before is not None:
                 self._before(spec, k)
             out = self._bodies[actor.index](k, inputs)
         except BaseException as e:
             raise _ActionFailed(spec, k, e) from e
+        finally:
+            with self._lock:
+                self._running.pop(thread, None)
         end = time.perf_counter()
-        thread = self._local.name
         self._body_s[thread] += end - start
         self._records[thread].append(ActionRecord(spec.name, spec.kind, spec.stage, spec.microbatch(k),
                                                   thread, start - self._t0, end - self._t0))
@@ -190,18 +215,56 @@ class ThreadedSystem(ActorSystem):
             for th in threads:
                 th.start()
                 started.append(th)
-            self._wake.wait()  # interruptible: Ctrl-C lands in the except below
+            # a timed wait, so deadlines are checked and Ctrl-C lands at once
+            while not self._wake.wait(self.POLL_S):
+                self._check_deadlines()
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop every thread first
             self._fail(e)
+            self._join(started)
             raise
-        finally:
-            for th in started:
-                th.join()
+        stuck = self._join(started)
         if self._failure is not None:
-            raise self._describe(self._failure)
+            err = self._describe(self._failure)
+            if stuck:
+                err.args = (f"{err.args[0]} Left behind, still inside an action (Python cannot stop a thread; "
+                            f"nothing it produces is used): {', '.join(stuck)}.",)
+            raise err
         records = sorted((r for rs in self._records.values() for r in rs), key=lambda r: r.start)
         overhead = sum(self._busy_s.values()) - sum(self._body_s.values())
         return Timeline(tuple(records), self.register_stats(), tuple(self.thread_names), overhead)
+
+    def _join(self, threads) -> list[str]:
+        """Join every thread; after a failure wait at most ``grace_s`` in all and
+        return the names of the actions whose threads are still inside them."""
+        if not self._failed.is_set():
+            for th in threads:
+                th.join()
+            return []
+        until = time.perf_counter() + self._grace_s
+        for th in threads:
+            th.join(max(0.0, until - time.perf_counter()))
+        with self._lock:
+            return [f"{spec.name} on thread {t}" for t, (spec, _, _) in self._running.items()
+                    if any(th.is_alive() and th.name == THREAD_PREFIX + t for th in threads)]
+
+    def _check_deadlines(self) -> None:
+        if self._timeout is None:
+            return
+        now = time.perf_counter()
+        with self._lock:
+            running = list(self._running.values())
+        for spec, k, start in running:
+            limit = self._timeout(spec)
+            if limit is not None and now - start > limit:
+                mb = spec.microbatch(k)
+                where = f"stage {spec.stage}" if spec.stage is not None else "the host"
+                what = f"microbatch {mb}" if mb is not None else "the step's update"
+                self._fail(PipelineTimeout(
+                    f"pipeline: {spec.kind} actor {spec.name!r} on {where}, {what} has run {now - start:.1f} s, "
+                    f"past its deadline of {limit:.1f} s; every actor was stopped. If the action is legitimately "
+                    "this slow (a first compile, a large batch), raise Pipeline(action_timeout=...); otherwise "
+                    "look for what it waits on.", spec.name, spec.kind, spec.stage, mb))
+                return
 
     def _describe(self, error: BaseException) -> BaseException:
         if isinstance(error, _ActionFailed):

@@ -204,12 +204,26 @@ class Pipeline:
     stage. ``before_action(actor_spec, k)`` is called before every action (for
     tracing, injected delays or faults). A step that cannot finish raises
     :class:`PipelineStall` as soon as no actor can act.
+
+    ``action_timeout``: each action's deadline in seconds, past which the step
+    stops every actor and raises :class:`PipelineTimeout` naming the stage,
+    microbatch and action. ``"auto"`` (default): ``FIRST_STEP_TIMEOUT_S`` until
+    a step has finished (the first one compiles), then the larger of
+    ``MIN_TIMEOUT_S`` and ``TIMEOUT_FACTOR`` times the slowest action of the
+    same kind in the last finished step. A number: that many seconds for every
+    action; ``None``: no deadline. ``check_finite=True`` checks every stage's
+    forward output, the loss and, before the update, every gradient, and
+    raises naming the stage where a NaN or infinity first appears.
     """
+
+    FIRST_STEP_TIMEOUT_S = 600.0
+    MIN_TIMEOUT_S = 30.0
+    TIMEOUT_FACTOR = 20.0
 
     def __init__(self, stages: Sequence[Stage], loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                  microbatches: int, schedule="1f1b", target_sbp=None, data_registers: int = 2,
                  activation_registers: int = 2, stash_counts: Sequence[int] | None = None,
-                 before_action: Callable | None = None):
+                 before_action: Callable | None = None, action_timeout="auto", check_finite: bool = False):
         stages = list(stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise SBPError("Pipeline: stages must be a non-empty list of sbpjax.pipeline.Stage.")
@@ -233,6 +247,12 @@ class Pipeline:
         self.programs = [_StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer,
                                         self.target_sbp) for i, st in enumerate(stages)]
         self.before_action = before_action
+        if not (action_timeout is None or action_timeout == "auto"
+                or (isinstance(action_timeout, (int, float)) and action_timeout > 0)):
+            raise SBPError(f"Pipeline: action_timeout={action_timeout!r}; give seconds (> 0), 'auto' or None.")
+        self.action_timeout = action_timeout
+        self.check_finite = check_finite
+        self._slowest: dict | None = None  # kind -> slowest action (s) of the last finished step
 
     def _device_groups(self, stages) -> list[Placement]:
         groups: list[Placement] = []
@@ -267,22 +287,45 @@ class Pipeline:
         whose dim 0 splits into ``microbatches`` equal microbatches, or functions
         ``k -> microbatch k`` (called by the loader actors).
 
-        Raises :class:`PipelineError` (or :class:`PipelineStall`) when an action
-        fails (or nothing can act); stages whose update had already run by then
-        keep their new parameters."""
+        Raises :class:`PipelineError` (:class:`PipelineStall`,
+        :class:`PipelineTimeout`) when an action fails, nothing can act or an
+        action passes its deadline; Ctrl-C stops every actor and re-raises
+        ``KeyboardInterrupt``. The update is all or none: each stage's new
+        parameters and optimizer state are kept aside and become current only
+        when every action of the step has succeeded, so after any failure every
+        stage has its parameters from before the step."""
         m = self.microbatches
         load_inputs = self._feed("inputs", inputs, m)
         load_targets = self._feed("targets", targets, m)
         losses: list = [None] * m
-        bodies = self._bodies(load_inputs, load_targets, losses)
-        system = ThreadedSystem(self.graph, bodies, nbytes=_logical_nbytes, before_action=self.before_action)
+        pending: list = [None] * len(self.stages)
+        bodies = self._bodies(load_inputs, load_targets, losses, pending)
+        system = ThreadedSystem(self.graph, bodies, nbytes=_logical_nbytes, before_action=self.before_action,
+                                action_timeout=self._deadline())
         try:
             timeline = system.run()
+            values = [float(np.asarray(loss.numpy())) for loss in losses]  # read before anything changes
         finally:
             for prog in self.programs:
                 prog.acc = prog.zeros
-        values = [float(np.asarray(loss.numpy())) for loss in losses]
+        for stage, prog, (params, state, grads) in zip(self.stages, self.programs, pending):
+            stage.params, prog.state, prog.grads = params, state, grads
+        self._slowest = {}
+        for r in timeline.actions:
+            self._slowest[r.kind] = max(self._slowest.get(r.kind, 0.0), r.end - r.start)
         return StepResult(float(np.mean(values)), tuple(values), [prog.grads for prog in self.programs], timeline)
+
+    def _deadline(self):
+        """``spec -> seconds or None`` for the runtime (see ``action_timeout``)."""
+        setting = self.action_timeout
+        if setting is None:
+            return None
+        if setting != "auto":
+            return lambda spec: float(setting)
+        if self._slowest is None:
+            return lambda spec: self.FIRST_STEP_TIMEOUT_S
+        slowest = dict(self._slowest)
+        return lambda spec: max(self.MIN_TIMEOUT_S, self.TIMEOUT_FACTOR * slowest.get(spec.kind, 0.0))
 
     def simulate(self, durations: Durations | None = None) -> Timeline:
         """The same actor graph on the simulated clock (see :func:`simulate`)."""
@@ -302,7 +345,7 @@ class Pipeline:
         size = shape[0] // m
         return lambda k: np.asarray(data[k * size:(k + 1) * size])
 
-    def _bodies(self, load_inputs, load_targets, losses) -> dict:
+    def _bodies(self, load_inputs, load_targets, losses, pending) -> dict:
         stages, n, m = self.stages, len(self.stages), self.microbatches
         last = n - 1
         scale = np.float32(1.0 / m)
@@ -317,7 +360,7 @@ class Pipeline:
         for s in range(n):
             bodies[f"forward{s}"] = self._forward_body(s, losses)
             bodies[f"backward{s}"] = self._backward_body(s, scale)
-            bodies[f"update{s}"] = self._update_body(s)
+            bodies[f"update{s}"] = self._update_body(s, pending)
             if s < last:
                 nxt = stages[s + 1]
                 bodies[f"transfer:act{s}->{s + 1}"] = (
@@ -331,18 +374,35 @@ class Pipeline:
     def _input_name(self, s: int) -> str:
         return "inputs" if s == 0 else f"in{s}"
 
+    def _check(self, s: int, what: str, tree) -> None:
+        """With ``check_finite``: raise naming stage ``s`` if ``tree`` holds a NaN or infinity."""
+        if not self.check_finite:
+            return
+        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_global)[0]
+        for path, t in leaves:
+            if isinstance(t, GlobalTensor) and jnp.issubdtype(t.dtype, jnp.inexact):
+                bad = int(np.size(t.numpy()) - np.count_nonzero(np.isfinite(t.numpy())))
+                if bad:
+                    raise FloatingPointError(
+                        f"stage {s} ({self.stages[s].name!r}): {bad} non-finite value(s) (NaN or inf) in its {what}"
+                        f"{jax.tree_util.keystr(path)}; nothing was updated. Look at this stage's inputs and "
+                        "parameters, or lower the learning rate.")
+
     def _forward_body(self, s: int, losses: list):
         prog, stage, x_name = self.programs[s], self.stages[s], self._input_name(s)
         if s == len(self.stages) - 1:
             def forward_last(k, v):
                 x, t = v[x_name], v["targets"]
                 losses[k] = _ready(prog.forward(stage.params, x, t))
+                self._check(s, "loss", losses[k])
                 return {f"stash{s}": (x, t)}
             return forward_last
 
         def forward(k, v):
             x = v[x_name]
-            return {f"out{s}": _ready(prog.forward(stage.params, x)), f"stash{s}": x}
+            y = _ready(prog.forward(stage.params, x))
+            self._check(s, "forward output", y)
+            return {f"out{s}": y, f"stash{s}": x}
         return forward
 
     def _backward_body(self, s: int, scale):
@@ -357,15 +417,18 @@ class Pipeline:
                 out = prog.backward(stage.params, v[f"stash{s}"], v[f"dy{s}"], prog.acc)
             dx, prog.acc = (None, out) if first else out
             _ready(prog.acc)
+            if not first:  # the gradient this stage sends back: where a NaN made here shows first
+                self._check(s, "input gradient", dx)
             return {f"dx{s}": _ready(dx), f"grads{s}": prog.acc}
         return backward
 
-    def _update_body(self, s: int):
+    def _update_body(self, s: int, pending: list):
         prog, stage = self.programs[s], self.stages[s]
 
         def update(k, v):
             grads = v[f"grads{s}"]
-            stage.params, prog.state = _ready(prog.update(stage.params, prog.state, grads))
-            prog.grads = grads
+            self._check(s, "gradient", grads)
+            params, state = _ready(prog.update(stage.params, prog.state, grads))
+            pending[s] = (params, state, grads)  # made current by step() once every stage has succeeded
             return {}
         return update

@@ -1,0 +1,225 @@
+"""Pipeline faults: a blocking stage, Ctrl-C, NaN, a failing update; each stops
+the step, names where, and leaves every stage's parameters as before the step."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sbpjax as sj
+import sbpjax.pipeline as sjp
+
+D, MB = 8, 2
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _params(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
+            "b": (0.1 * rng.normal(size=(D,))).astype(np.float32)}
+
+
+def _stages(fns, names=None):
+    devs = jax.devices()
+    return [sjp.Stage(fn, _params(i), sj.Placement(np.array([devs[i]]), ("d",)),
+                      name=(names[i] if names else f"layer{i}")) for i, fn in enumerate(fns)]
+
+
+def _batch(m, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(m * MB, D)).astype(np.float32), rng.normal(size=(m * MB, D)).astype(np.float32))
+
+
+def _snapshot(pipe):
+    """Every stage's parameters and optimizer state, as host arrays."""
+    def host(tree):
+        return jax.tree_util.tree_map(lambda t: np.array(t.numpy()), tree,
+                                      is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+    return [host(st.params) for st in pipe.stages], [host(prog.state) for prog in pipe.programs]
+
+
+def _assert_unchanged(before, after):
+    jax.tree_util.tree_map(np.testing.assert_array_equal, before, after)
+
+
+def test_blocking_stage_raises_within_the_deadline(no_leftover_threads_after_release):
+    release = no_leftover_threads_after_release
+    pipe = sjp.Pipeline(_stages([layer, layer, layer]), mse, optax.sgd(0.1), microbatches=4)
+    x, y = _batch(4)
+    pipe.step(x, y)  # compiles; later steps get the deadline
+    before = _snapshot(pipe)
+
+    def block(spec, k):
+        if spec.name == "forward1" and k == 2:
+            release.wait()  # a stage that never returns (a hung collective, a dead peer)
+
+    pipe.before_action = block
+    pipe.action_timeout = 1.5
+    t0 = time.perf_counter()
+    with pytest.raises(sjp.PipelineTimeout) as e:
+        pipe.step(x, y)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.5 + 5.0, elapsed
+    assert (e.value.stage, e.value.microbatch, e.value.kind, e.value.actor) == (1, 2, "forward", "forward1")
+    assert "stage 1, microbatch 2" in str(e.value) and "deadline of 1.5 s" in str(e.value)
+    assert "Left behind" in str(e.value) and "forward1" in str(e.value)
+    _assert_unchanged(before, _snapshot(pipe))
+    # only the stuck thread is still alive, and only until what it waits on returns
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("sbpjax-pipeline:")]
+    assert alive == ["sbpjax-pipeline:group1"], alive
+
+
+@pytest.fixture
+def no_leftover_threads_after_release():
+    release = threading.Event()
+    before = set(threading.enumerate())
+    yield release
+    release.set()
+    deadline = time.time() + 10
+    while set(threading.enumerate()) - before and time.time() < deadline:
+        time.sleep(0.05)
+    assert set(threading.enumerate()) == before
+
+
+def test_default_deadline_follows_the_last_step():
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), microbatches=2)
+    spec = pipe.graph.actors[0]
+    assert pipe._deadline()(spec) == pipe.FIRST_STEP_TIMEOUT_S
+    result = pipe.step(*_batch(2))
+    slowest = max(r.end - r.start for r in result.timeline.actions if r.kind == spec.kind)
+    assert pipe._deadline()(spec) == max(pipe.MIN_TIMEOUT_S, pipe.TIMEOUT_FACTOR * slowest)
+    pipe.action_timeout = None
+    assert pipe._deadline() is None
+    with pytest.raises(sj.SBPError, match="action_timeout"):
+        sjp.Pipeline(pipe.stages, mse, optax.sgd(0.1), microbatches=2, action_timeout=-1)
+
+
+SIGINT_SCRIPT = textwrap.dedent("""
+    import os, sys, threading, time
+    sys.path.insert(0, os.path.join({root!r}, "tests", "pipeline"))
+    import numpy as np, optax
+    import sbpjax.pipeline as sjp
+    from test_faults import _batch, _snapshot, _stages, layer, mse, _assert_unchanged
+
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), microbatches=4, action_timeout=None)
+    x, y = _batch(4)
+    pipe.step(x, y)
+    before = _snapshot(pipe)
+    never = threading.Event()
+
+    def block(spec, k):
+        if spec.name == "backward1" and k == 1:
+            print("BLOCKED", flush=True)
+            never.wait()
+
+    pipe.before_action = block
+    t0 = None
+    try:
+        pipe.step(x, y)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    _assert_unchanged(before, _snapshot(pipe))
+    print("UNCHANGED", flush=True)
+    pipe.before_action = None
+    pipe.step(x, y)  # the pipeline still works after the interrupted step
+    print("STEPPED AGAIN", flush=True)
+""")
+
+
+def test_one_sigint_stops_a_step(tmp_path):
+    script = tmp_path / "sigint_step.py"
+    script.write_text(SIGINT_SCRIPT.format(root=ROOT))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("BLOCKED"):
+                break
+        assert lines and lines[-1].startswith("BLOCKED"), "".join(lines)
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGINT)  # once
+        out, _ = proc.communicate(timeout=60)
+        lines.append(out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines)
+    assert proc.returncode == 0, text
+    assert "INTERRUPTED" in text and "UNCHANGED" in text and "STEPPED AGAIN" in text, text
+    assert time.perf_counter() - t0 < 30
+
+
+def test_nan_stage_is_named_when_checked():
+    def nan_layer(p, x):
+        return layer(p, x) * jnp.nan
+
+    stages = _stages([layer, nan_layer, layer], names=["first", "poisoned", "last"])
+    pipe = sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=2, check_finite=True)
+    before = _snapshot(pipe)
+    with pytest.raises(sjp.PipelineError) as e:
+        pipe.step(*_batch(2))
+    assert e.value.stage == 1 and e.value.kind == "forward"
+    assert "stage 1 ('poisoned')" in str(e.value) and "forward output" in str(e.value)
+    _assert_unchanged(before, _snapshot(pipe))
+    # without the check the step runs and the NaN reaches every parameter it touches
+    unchecked = sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=2)
+    assert np.isnan(unchecked.step(*_batch(2)).loss)
+
+
+def test_nan_gradient_names_the_stage_that_made_it():
+    def nan_grad_layer(p, x):  # finite forward; sqrt at 0 has an infinite slope: 0 * inf = NaN backward
+        return layer(p, x) + jnp.sqrt(x * 0.0)
+
+    stages = _stages([layer, nan_grad_layer, layer], names=["first", "sqrt", "last"])
+    pipe = sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=2, check_finite=True)
+    before = _snapshot(pipe)
+    with pytest.raises(sjp.PipelineError) as e:
+        pipe.step(*_batch(2))
+    assert e.value.stage == 1 and e.value.kind == "backward", str(e.value)
+    assert "stage 1 ('sqrt')" in str(e.value) and "input gradient" in str(e.value)
+    _assert_unchanged(before, _snapshot(pipe))
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_failing_update_changes_no_stage(failing):
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.adam(1e-2), microbatches=4)
+    x, y = _batch(4)
+    pipe.step(x, y)  # adam's state is no longer its initial zeros
+    before = _snapshot(pipe)
+    done = []
+
+    def fault(spec, k):
+        if spec.kind == "update":
+            if spec.stage == failing:
+                time.sleep(0.3)  # let the other stage's update finish first
+                raise RuntimeError("device lost during the update")
+            done.append(spec.stage)
+
+    pipe.before_action = fault
+    with pytest.raises(sjp.PipelineError, match="device lost") as e:
+        pipe.step(x, y)
+    assert (e.value.kind, e.value.stage) == ("update", failing)
+    _assert_unchanged(before, _snapshot(pipe))
+    # and the next step is the step that would have run: from the same parameters
+    pipe.before_action = None
+    again = pipe.step(x, y)
+    assert np.isfinite(again.loss)
