@@ -29,11 +29,22 @@ Atomicity: orbax writes into ``<path>.orbax-checkpoint-tmp-<time>`` and renames 
 to ``path`` only when every array is written, so ``path`` either holds a whole
 checkpoint or does not exist. :func:`save` checks the leaves before writing and
 removes the temporary folder if orbax fails, so nothing half-written is left.
+
+Integrity: :func:`save` then lists every file of the checkpoint with its size
+and SHA-256 in ``sbpjax_manifest.json``. :func:`restore` checks them before
+reading anything and raises :class:`CheckpointError` whose ``kind`` says which
+of three things is wrong, naming the file: ``"missing"`` (no checkpoint at the
+path), ``"incomplete"`` (a save that did not finish, or a file that is gone)
+or ``"corrupted"`` (a file whose size or contents changed since the save, or
+that orbax cannot read). A checkpoint without the manifest (written by another
+tool) is read as it is; what orbax cannot read is then reported as corrupted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import shutil
 
@@ -49,6 +60,19 @@ from sbpjax.sbp import Broadcast, Partial, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, to_global
 
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's folder for a save in progress
+
+_MANIFEST = "sbpjax_manifest.json"
+
+
+class CheckpointError(SBPError):
+    """A checkpoint that cannot be restored. ``kind``: ``"missing"``,
+    ``"incomplete"`` or ``"corrupted"``; ``file``: the file at fault (None
+    when it is the folder)."""
+
+    def __init__(self, message: str, kind: str, file: str | None = None):
+        super().__init__(message)
+        self.kind, self.file = kind, file
+
 
 _NO_ORBAX = ("sbpjax.checkpoint needs orbax-checkpoint, which is not installed. "
              "Install it with: pip install 'sbpjax[checkpoint]' (or pip install orbax-checkpoint).")
@@ -155,6 +179,79 @@ def save(path, tree) -> None:
         for entry in _unfinished_saves(path) - before:
             shutil.rmtree(os.path.join(os.path.dirname(path), entry), ignore_errors=True)
         raise
+    if jax.process_index() == 0:
+        _write_manifest(path)
+
+
+# -- integrity ---------------------------------------------------------------------
+
+def _files(path: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(path):
+        out.extend(os.path.relpath(os.path.join(root, n), path) for n in names)
+    return sorted(f for f in out if f != _MANIFEST)
+
+
+def _sha256(file: str) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_manifest(path: str) -> None:
+    entries = {f: {"size": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
+               for f in _files(path)}
+    tmp = os.path.join(path, _MANIFEST + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump({"format": 1, "files": entries}, fh, indent=1, sort_keys=True)
+    os.replace(tmp, os.path.join(path, _MANIFEST))  # the manifest appears whole or not at all
+
+
+def _check_present(path: str) -> None:
+    """Raise CheckpointError unless ``path`` is a checkpoint folder whose files
+    are those the save wrote (see the module docstring)."""
+    if not os.path.exists(path):
+        unfinished = sorted(_unfinished_saves(path))
+        if unfinished:
+            raise CheckpointError(
+                f"checkpoint.restore: the checkpoint at {path} is incomplete: a save to it did not finish "
+                f"(it left {os.path.join(os.path.dirname(path), unfinished[0])}). Save it again, or restore an "
+                "earlier checkpoint.", "incomplete", os.path.join(os.path.dirname(path), unfinished[0]))
+        raise CheckpointError(f"checkpoint.restore: no checkpoint at {path}. Check the path; a checkpoint is "
+                              "the folder that checkpoint.save(path, tree) created.", "missing")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint.restore: {path} is a file, not a checkpoint folder; it is corrupted "
+                              "or not a checkpoint. A checkpoint is the folder checkpoint.save(path, tree) "
+                              "created.", "corrupted", path)
+    manifest = os.path.join(path, _MANIFEST)
+    if not os.path.exists(manifest):
+        return  # written by another tool: nothing to check against
+    try:
+        with open(manifest) as fh:
+            entries = json.load(fh)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is corrupted: its file list "
+                              f"{manifest} cannot be read ({e}).", "corrupted", manifest) from None
+    for rel, info in sorted(entries.items()):
+        file = os.path.join(path, rel)
+        if not os.path.exists(file):
+            raise CheckpointError(
+                f"checkpoint.restore: the checkpoint at {path} is incomplete: {file} is missing (the save "
+                "wrote it; it was removed or not copied). Copy the whole folder again, or restore an earlier "
+                "checkpoint.", "incomplete", file)
+        size = os.path.getsize(file)
+        if size != info["size"]:
+            raise CheckpointError(
+                f"checkpoint.restore: the checkpoint at {path} is corrupted: {file} has {size} bytes, the save "
+                f"wrote {info['size']} ({'truncated' if size < info['size'] else 'overwritten'}). Restore an "
+                "earlier checkpoint or copy this one again.", "corrupted", file)
+        if _sha256(file) != info["sha256"]:
+            raise CheckpointError(
+                f"checkpoint.restore: the checkpoint at {path} is corrupted: the contents of {file} changed "
+                "since the save (its SHA-256 differs). Restore an earlier checkpoint or copy this one again.",
+                "corrupted", file)
 
 
 # -- restore -----------------------------------------------------------------------
@@ -273,23 +370,37 @@ def restore(path, target):
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
-    unfinished = sorted(_unfinished_saves(path))
-    hint = f" (a save to it did not complete: it left {unfinished[0]})" if unfinished else ""
-    saved = _saved_leaves(ocp, path)
+    _check_present(path)
+    try:
+        saved = _saved_leaves(ocp, path)
+    except Exception as e:  # noqa: BLE001 - orbax raises many kinds on bad metadata
+        saved, cause = None, e
+    else:
+        cause = None
     if saved is None:
-        raise SBPError(f"checkpoint.restore: no checkpoint at {path}{hint}. Check the path; a "
-                       "checkpoint is the folder that checkpoint.save(path, tree) created.")
+        meta = os.path.join(path, "_METADATA")
+        if not os.path.exists(meta):
+            raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is incomplete: {meta} is "
+                                  "missing. Save it again, or restore an earlier checkpoint.", "incomplete", meta)
+        raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is corrupted: orbax cannot read its "
+                              f"metadata ({meta} or the files it names)"
+                              + (f": {type(cause).__name__}: {cause}" if cause else "") + ".", "corrupted", meta)
     names, leaves, treedef = _flatten(target)
     _check_names(path, saved, names)
     per_leaf = [_restore_args(ocp, path, n, x, saved[n]) for n, x in zip(names, leaves)]
     restore_args = jax.tree_util.tree_unflatten(treedef, [args for args, _ in per_leaf])
     # orbax takes the tree structure from the item; the restore args say what to read
     item = jax.tree_util.tree_unflatten(treedef, [0] * len(leaves))
-    values = ocp.PyTreeCheckpointer().restore(
-        path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    try:
+        values = ocp.PyTreeCheckpointer().restore(
+            path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    except Exception as e:  # noqa: BLE001 - tensorstore / orbax read errors
+        raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is corrupted: reading its arrays "
+                              f"failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}).", "corrupted",
+                              None) from e
     read = treedef.flatten_up_to(values)
     return jax.tree_util.tree_unflatten(
         treedef, [v if finish is None else finish(v) for v, (_, finish) in zip(read, per_leaf)])
 
 
-__all__ = ["LayoutSpec", "layout", "restore", "save"]
+__all__ = ["CheckpointError", "LayoutSpec", "layout", "restore", "save"]

@@ -5,6 +5,7 @@ tensors against ``reference_local`` (nested np.array_split, apart from sbpjax).
 """
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -185,11 +186,11 @@ def test_restore_errors_say_what_where_and_how_to_fix(tmp_path):
     with pytest.raises(sj.SBPError, match=r"no checkpoint at .*missing.*Check the path"):
         checkpoint.restore(tmp_path / "missing", {"a": {"w": lay}, "step": 0})
     (tmp_path / "killed.orbax-checkpoint-tmp-1700000000").mkdir()  # as a process killed mid-save leaves
-    with pytest.raises(sj.SBPError, match=r"no checkpoint at .*killed \(a save to it did not complete: "
-                                          r"it left killed\.orbax-checkpoint-tmp-1700000000\)"):
+    with pytest.raises(sj.SBPError, match=r"checkpoint at .*killed is incomplete: a save to it did not finish "
+                                          r"\(it left .*killed\.orbax-checkpoint-tmp-1700000000\)"):
         checkpoint.restore(tmp_path / "killed", {"a": {"w": lay}, "step": 0})
     (tmp_path / "empty").mkdir()
-    with pytest.raises(sj.SBPError, match=r"no checkpoint at .*empty"):
+    with pytest.raises(sj.SBPError, match=r"checkpoint at .*empty is incomplete: .*empty/_METADATA is missing"):
         checkpoint.restore(tmp_path / "empty", {"a": {"w": lay}, "step": 0})
     with pytest.raises(sj.SBPError, match=r"target has leaves the checkpoint lacks: a\.v.*"
                                           r"checkpoint has leaves the target lacks: a\.w"):
@@ -214,3 +215,61 @@ def test_restore_errors_say_what_where_and_how_to_fix(tmp_path):
         checkpoint.layout(pl, sj.B)
     with pytest.raises(sj.SBPError, match=r"placement must be an sj.Placement"):
         checkpoint.layout((2, 4), (sj.B, sj.B))
+
+
+def _damage(file, how):
+    data = open(file, "rb").read()
+    if how == "delete":
+        os.remove(file)
+    elif how == "truncate":
+        open(file, "wb").write(data[: len(data) // 2])
+    else:  # same size, other bytes
+        open(file, "wb").write(bytes(b ^ 0x5A for b in data) if data else b"")
+
+
+@pytest.mark.parametrize("how,kind", [("delete", "incomplete"), ("truncate", "corrupted"), ("garble", "corrupted")])
+def test_damaged_checkpoints_name_the_file(tmp_path, how, kind):
+    pl = sj.placement((2, 4), ("x", "y"))
+    tree = {"w": sj.to_global(np.arange(48, dtype=np.float32).reshape(8, 6), pl, (sj.S(0), sj.B)),
+            "b": np.ones(3, np.float32), "step": 7}
+    checkpoint.save(tmp_path / "orig", tree)
+    files = sorted(str(p.relative_to(tmp_path / "orig")) for p in (tmp_path / "orig").rglob("*") if p.is_file())
+    assert "sbpjax_manifest.json" in files and "_METADATA" in files
+    for rel in files:
+        if rel == "sbpjax_manifest.json" or (how == "garble" and os.path.getsize(tmp_path / "orig" / rel) == 0):
+            continue
+        copy = tmp_path / f"{how}-{rel.replace('/', '_')}"
+        shutil.copytree(tmp_path / "orig", copy)
+        _damage(copy / rel, how)
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            checkpoint.restore(copy, tree)
+        assert e.value.kind == kind and e.value.file == str(copy / rel), str(e.value)
+        assert f"is {kind}: " in str(e.value) and str(copy / rel) in str(e.value)
+    restored = checkpoint.restore(tmp_path / "orig", tree)  # the original is untouched and whole
+    np.testing.assert_array_equal(restored["w"].numpy(), tree["w"].numpy())
+
+
+def test_missing_file_and_foreign_checkpoints(tmp_path):
+    pl = sj.placement(8, "x")
+    tree = {"w": sj.to_global(np.arange(16, dtype=np.float32), pl, sj.S(0))}
+    with pytest.raises(checkpoint.CheckpointError, match="no checkpoint at") as e:
+        checkpoint.restore(tmp_path / "nothing", tree)
+    assert e.value.kind == "missing"
+    (tmp_path / "afile").write_text("not a checkpoint")
+    with pytest.raises(checkpoint.CheckpointError, match="is a file, not a checkpoint folder") as e:
+        checkpoint.restore(tmp_path / "afile", tree)
+    assert e.value.kind == "corrupted" and e.value.file == str(tmp_path / "afile")
+    # a checkpoint without sbpjax's file list (another tool's): orbax's own failures are "corrupted"
+    checkpoint.save(tmp_path / "c", tree)
+    os.remove(tmp_path / "c" / "sbpjax_manifest.json")
+    np.testing.assert_array_equal(checkpoint.restore(tmp_path / "c", tree)["w"].numpy(), np.arange(16))
+    _damage(tmp_path / "c" / "_METADATA", "garble")
+    with pytest.raises(checkpoint.CheckpointError, match=r"is corrupted: orbax cannot read its metadata") as e:
+        checkpoint.restore(tmp_path / "c", tree)
+    assert e.value.kind == "corrupted" and e.value.file.endswith("_METADATA")
+    # an unreadable file list is itself named
+    checkpoint.save(tmp_path / "d", tree)
+    (tmp_path / "d" / "sbpjax_manifest.json").write_text("{not json")
+    with pytest.raises(checkpoint.CheckpointError, match="its file list .* cannot be read") as e:
+        checkpoint.restore(tmp_path / "d", tree)
+    assert e.value.kind == "corrupted"

@@ -260,9 +260,14 @@ class Trainer:
         self.state = jax.tree.map(lambda v: to_global(np.asarray(v), placement, rep), _unwrap_keys(rest_pure))
 
     def step(self, batch) -> float:
-        self.params, self.opt_state, loss, self.state = self.train_step(self.params, self.opt_state,
-                                                                         (batch, self.state))
-        return float(loss.numpy())
+        """One training step; returns the loss. All or nothing: the step's results
+        (the loss read back included) are complete before the trainer's parameters,
+        optimizer state and model state change, so a step that raises (a bad batch,
+        a loss that cannot be read) leaves the trainer as it was and can be retried."""
+        params, opt_state, loss, state = self.train_step(self.params, self.opt_state, (batch, self.state))
+        value = float(loss.numpy())
+        self.params, self.opt_state, self.state = params, opt_state, state
+        return value
 
     def explain(self, batch):
         return self.train_step.explain(self.params, self.opt_state, (batch, self.state))
