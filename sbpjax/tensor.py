@@ -30,6 +30,7 @@ from sbpjax.layout import Geometry, Layout
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp
 
+
 def _is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
@@ -188,7 +189,7 @@ class GlobalTensor:
         return x
 
     # -- boxing --------------------------------------------------------------
-    def to_global(self, sbp=None, placement: Placement | None = None) -> "GlobalTensor":
+    def to_global(self, sbp=None, placement: Placement | None = None) -> GlobalTensor:
         """Box to another nd-SBP (and/or another placement). Same layout: ``self``."""
         placement = placement or self._placement
         sbp = self._sbp if sbp is None else normalize_nd_sbp(sbp, placement.ndim, self.ndim, "to_global(sbp=...)")

@@ -29,7 +29,6 @@ from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import BoxingPlan, Step, p2p_schedule
 from sbpjax.layout import Geometry, Layout
 
-
 # ---------------------------------------------------------------------------
 # Differentiable max / min all-reduce (lax.pmax has no differentiation rule).
 # ---------------------------------------------------------------------------

@@ -11,10 +11,10 @@ whole subtree; ``None`` means "as given" for inputs and "as chosen" for
 outputs. One rule reads them, for SBP values and text alike: a string is
 always one whole nd-SBP (``"S(0), B"``); a tuple of single SBPs (``(S(0), B)``
 or ``("S(0)", "B")``) is one nd-SBP, except on a 1-D placement with more than
-one entry, where it is one SBP per argument; a tuple mixing single SBPs with nested entries on a placement of 2 or more axes
-is an error. Partials are checked against the dtype table
-(:mod:`sbpjax.dtypes`). Results are global tensors (partials stay partial unless ``out_sbp``
-asks otherwise).
+one entry, where it is one SBP per argument; a tuple mixing single SBPs with
+nested entries on a placement of 2 or more axes is an error. Partials are
+checked against the dtype table (:mod:`sbpjax.dtypes`). Results are global
+tensors (partials stay partial unless ``out_sbp`` asks otherwise).
 """
 
 from __future__ import annotations
@@ -239,7 +239,8 @@ class CompiledFunction:
         is_gt = lambda v: isinstance(v, GlobalTensor)  # noqa: E731
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_gt)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_gt)
-        specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)  # keyword arguments: as given, or B
+        # keyword arguments: as given, or B
+        specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
         specs += [None] * (len(leaves) - len(specs))
         out = []
         pl = self.placement

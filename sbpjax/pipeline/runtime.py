@@ -17,7 +17,8 @@ flight* from the moment it is queued until its handling ends, and only a thread
 that is not waiting on its queue sends one. So when every thread that still has
 work waits on its queue and nothing is in flight, nothing can ever happen again;
 the last thread to wait (or to leave) says so, and the caller gets a :class:`PipelineStall` naming
-what each unfinished actor waits for. 
+what each unfinished actor waits for.
+
 Deadlines: a stage that blocks (a hung collective, a body waiting on something
 that never comes) is not a stall, since its thread is not waiting on its queue.
 ``action_timeout(spec)`` gives each action a deadline; the caller's thread
