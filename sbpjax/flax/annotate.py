@@ -10,6 +10,18 @@ The annotation is stored as the Variable's ``sbp`` metadata, the way
 ``nnx.with_partitioning`` stores ``out_sharding``; :func:`get_sbp` reads them
 back as a tree of nd-SBPs shaped like the model's parameters, and
 :func:`place` turns the parameters into global tensors.
+
+Stacked layers. ``nnx.vmap`` / ``nnx.scan`` over a layer's constructor stack
+its parameters along new leading dims (one per transform; Flax's default
+``out_axes=0``). A layout is written for one layer, so it must shift: a
+column-split kernel ``(B, S(1))`` of one layer is ``(B, S(2))`` of the stack,
+and the stacked dim itself is never split (each device runs every layer on its
+piece). The rank a layout was written for is kept beside it (``sbp_rank``;
+:func:`with_sbp` and :func:`sbp_module` record it when the layer is created,
+inside the transform, and ``annotate(..., stacked=k)`` says it for a model
+that is already stacked); :func:`get_sbp` shifts every split by the number of
+dims added since. A stack along another position than the leading dims needs
+its layout written for the stacked shape (``annotate`` without ``stacked``).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp, 
 from sbpjax.tensor import GlobalTensor, to_global
 
 METADATA_KEY = "sbp"
+RANK_KEY = "sbp_rank"  # the parameter rank the layout was written for (stacked layers shift it)
 
 
 def _as_sbp_tuple(sbp, where: str) -> tuple:
@@ -60,7 +73,16 @@ def with_sbp(initializer, sbp):
 
         nnx.Linear(512, 2048, kernel_init=with_sbp(nnx.initializers.lecun_normal(), (B, S(1))), rngs=rngs)
     """
-    return nnx.with_metadata(initializer, **{METADATA_KEY: _as_sbp_tuple(sbp, "with_sbp")})
+    sbp = _as_sbp_tuple(sbp, "with_sbp")
+
+    @functools.wraps(initializer)
+    def init(*args, **kwargs):
+        value = initializer(*args, **kwargs)
+        # Inside nnx.vmap / nnx.scan the value seen here is one layer's: its rank
+        # is the one the layout was written for (see "Stacked layers" above).
+        return nnx.variablelib.VariableMetadata(value, metadata={METADATA_KEY: sbp, RANK_KEY: jax.numpy.ndim(value)})
+
+    return init
 
 
 def _path_text(path) -> str:
@@ -72,7 +94,7 @@ def _params(module) -> list:
     return [(_path_text(path), node) for path, node in nnx.iter_graph(module) if isinstance(node, nnx.Param)]
 
 
-def annotate(model, rules):
+def annotate(model, rules, *, stacked: int = 0):
     """Set the layout of every parameter whose dotted path matches a pattern.
 
     ``rules``: a dict ``{pattern: sbp}`` or a list of pairs. Patterns are
@@ -80,7 +102,11 @@ def annotate(model, rules):
     (``*`` matches any text, dots included). The first matching rule wins,
     as in t5x/Haliax rule lists, so put specific patterns first. A pattern
     that matches no parameter is an error (it is almost always a typo).
-    Returns ``model`` (annotated in place)."""
+    ``stacked``: how many leading dims of the matched parameters were added by
+    ``nnx.vmap`` / ``nnx.scan`` (layer stacks); the layouts are then written for
+    one layer and shifted past those dims. Returns ``model`` (annotated in place)."""
+    if not isinstance(stacked, int) or stacked < 0:
+        raise SBPError(f"annotate: stacked={stacked!r}; give the number of leading stacked dims (0, 1, ...).")
     items = list(rules.items()) if isinstance(rules, dict) else list(rules)
     params = _params(model)
     used = [False] * len(items)
@@ -88,8 +114,13 @@ def annotate(model, rules):
         for k, (pattern, sbp) in enumerate(items):
             if fnmatch.fnmatchcase(path, pattern):
                 nd = _as_sbp_tuple(sbp, f"annotate rule {pattern!r}")
-                _check_rank(nd, var.get_value().ndim, f"annotate rule {pattern!r} on parameter '{path}'")
+                ndim = jax.numpy.ndim(var.get_value())
+                where = f"annotate rule {pattern!r} on parameter '{path}'"
+                if stacked > ndim:
+                    raise SBPError(f"{where}: stacked={stacked} but the parameter has only {ndim} dims.")
+                _check_rank(nd, ndim - stacked, where)
                 var.set_metadata(METADATA_KEY, nd)
+                var.set_metadata(RANK_KEY, ndim - stacked)
                 used[k] = True
                 break
     unused = [p for (p, _), u in zip(items, used) if not u]
@@ -110,16 +141,38 @@ def get_sbp(model, placement: Placement | None = None):
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Param):
             continue
-        sbp = node.get_metadata().get(METADATA_KEY)
+        meta = node.get_metadata()
+        sbp = meta.get(METADATA_KEY)
         where = f"parameter '{_path_text(path)}'"
+        ndim = jax.numpy.ndim(node.get_value())
+        if sbp is not None and meta.get(RANK_KEY) is not None:
+            sbp = shift_stacked(sbp, ndim - meta[RANK_KEY], where)
         if placement is not None:
             sbp = (Broadcast(),) * placement.ndim if sbp is None else normalize_nd_sbp(
-                sbp, placement.ndim, node.get_value().ndim, where)
+                sbp, placement.ndim, ndim, where)
         sub = tree
         for k in path[:-1]:
             sub = sub.setdefault(k, {})
         sub[path[-1]] = sbp
     return tree
+
+
+def shift_stacked(sbp: tuple, added: int, where: str, index: int = 0) -> tuple:
+    """``sbp`` of one layer as the layout of a stack that inserted ``added``
+    dims at ``index`` (negative: removed them): splits at or past ``index``
+    move by ``added``; the stacked dims are not split."""
+    if added == 0:
+        return sbp
+    removed = range(index, index - added) if added < 0 else range(0)
+    out = []
+    for s in sbp:
+        if isinstance(s, Split) and s.dim in removed:
+            raise SBPError(f"{where}: {format_sbp(sbp)} splits dim {s.dim}, a stacked dim being removed; "
+                           "a layer stack is never split along its layers.")
+        if isinstance(s, Split) and s.dim >= index:
+            s = Split(s.dim + added)
+        out.append(s)
+    return tuple(out)
 
 
 def place(model, placement: Placement):

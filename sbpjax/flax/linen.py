@@ -23,7 +23,7 @@ import jax
 from flax import linen as nn
 from flax import struct
 
-from sbpjax.flax.annotate import _as_sbp_tuple
+from sbpjax.flax.annotate import _as_sbp_tuple, shift_stacked
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
 
@@ -40,11 +40,14 @@ class SBPBoxed(struct.PyTreeNode, nn.meta.AxisMetadata):
     def replace_boxed(self, val):
         return self.replace(value=val)
 
-    def add_axis(self, index, params):  # nn.scan / nn.vmap add a leading axis: it is not split
-        return self.replace(sbp=self.sbp)
+    def add_axis(self, index, params):
+        """``nn.scan`` / ``nn.vmap`` stack the parameter along a new dim at
+        ``index`` (``variable_axes``): splits at or past it move one dim on,
+        the stacked dim is not split (as ``nn.Partitioned`` inserts its axis name)."""
+        return self.replace(sbp=shift_stacked(self.sbp, 1, "Linen parameter", index))
 
     def remove_axis(self, index, params):
-        return self.replace(sbp=self.sbp)
+        return self.replace(sbp=shift_stacked(self.sbp, -1, "Linen parameter", index))
 
 
 def with_sbp(initializer, sbp):

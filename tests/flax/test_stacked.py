@@ -1,0 +1,132 @@
+"""Layouts of stacked layers: nnx.vmap / nnx.scan and Linen nn.scan / nn.vmap
+add a leading layer dim; a layout written for one layer shifts past it."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+from flax import linen as nn
+from flax import nnx
+
+import sbpjax as sj
+import sbpjax.flax as sjf
+from sbpjax import B, S
+from sbpjax._errors import SBPWarning
+from sbpjax.flax.annotate import shift_stacked
+
+L, D, H = 3, 16, 32
+WANT = {"fc1": {"kernel": (B, S(2)), "bias": (B, S(1))}, "fc2": {"kernel": (B, S(1)), "bias": (B, B)}}
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs, annotated=True):
+        init = sjf.with_sbp if annotated else (lambda f, _: f)
+        self.fc1 = nnx.Linear(D, H, kernel_init=init(nnx.initializers.lecun_normal(), (B, S(1))),
+                              bias_init=init(nnx.initializers.normal(0.1), (B, S(0))), rngs=rngs)
+        self.fc2 = nnx.Linear(H, D, kernel_init=init(nnx.initializers.lecun_normal(), (B, S(0))), rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+MegatronBlock = sjf.sbp_module(Block, params={"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)),
+                                              "fc2.kernel": (B, S(0))})
+
+
+def stack(cls, **kw):
+    @nnx.split_rngs(splits=L)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return cls(rngs, **kw)
+
+    return make(nnx.Rngs(0))
+
+
+def scan_forward(graphdef, state, x):
+    model = nnx.merge(graphdef, state)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(h, block):
+        return block(h)
+
+    return run(x, model)
+
+
+@pytest.mark.parametrize("how", ["with_sbp", "sbp_module", "annotate_stacked"])
+def test_nnx_stacked_layouts_shift_past_the_layer_dim(how):
+    pl = sj.placement((2, 4), ("x", "y"))
+    if how == "with_sbp":
+        model = stack(Block)
+    elif how == "sbp_module":
+        model = stack(MegatronBlock, annotated=False)
+    else:
+        model = stack(Block, annotated=False)
+        sjf.annotate(model, {"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)), "fc2.kernel": (B, S(0))}, stacked=1)
+    assert model.fc1.kernel.get_value().shape == (L, D, H)
+    assert sjf.get_sbp(model, pl) == WANT
+
+    graphdef, state = nnx.split(model)
+    x = np.random.default_rng(0).normal(size=(8, D)).astype(np.float32)
+    want = scan_forward(graphdef, state, x)
+    f = sj.jit(lambda st, v: scan_forward(graphdef, st, v), placement=pl,
+               in_sbp=(jax.tree.map(lambda s: s, sjf.get_sbp(model, pl)), (S(0), B)))
+    params = nnx.to_pure_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SBPWarning)  # the scan itself still runs whole on every device
+        got = f(params, x)
+    assert_close(got.numpy(), np.asarray(want), rtol=1e-5)
+
+
+def test_annotate_stacked_checks_its_arguments():
+    model = stack(Block, annotated=False)
+    with pytest.raises(sj.SBPError, match="stacked="):
+        sjf.annotate(model, {"fc1.kernel": (B, S(1))}, stacked=-1)
+    with pytest.raises(sj.SBPError, match="splits dim 2 but the parameter has 2 dims"):
+        sjf.annotate(model, {"fc1.kernel": (B, S(2))}, stacked=1)  # written for the stack, not one layer
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.Dense(H, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (S(1),)),
+                     bias_init=sjf.linen.with_sbp(nn.initializers.normal(0.1), (S(0),)))(x)
+        out = nn.Dense(D, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (S(0),)))(nn.gelu(h))
+        return x + out, None
+
+
+def test_linen_scan_shifts_splits_and_runs_like_one_device():
+    """The reported bug: under nn.scan the column split (B, S(1)) became a row
+    split and the bias's S(0) landed on the layer dim ("dim 0 of size 3 is split 4 ways")."""
+    pl = sj.placement(4, "y")
+    Stack = nn.scan(LinenBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=L)
+    x = np.random.default_rng(1).normal(size=(8, D)).astype(np.float32)
+    variables = Stack().init(jax.random.key(0), jnp.asarray(x), None)
+    sbp = sjf.linen.get_sbp(variables["params"], pl)
+    assert sbp["Dense_0"] == {"kernel": (S(2),), "bias": (S(1),)}
+    assert sbp["Dense_1"] == {"kernel": (S(1),), "bias": (B,)}
+    params = sjf.linen.unbox(variables["params"])
+    want, _ = Stack().apply({"params": params}, jnp.asarray(x), None)
+    f = sj.jit(lambda p, v: Stack().apply({"params": p}, v, None)[0], placement=pl, in_sbp=(sbp, (B,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SBPWarning)  # the scan itself still runs whole on every device
+        got = f(params, x)
+    assert_close(got.numpy(), np.asarray(want), rtol=1e-5)
+
+
+def test_linen_vmap_inserts_its_axis_where_it_says():
+    Stacked = nn.vmap(LinenBlock, variable_axes={"params": 1}, split_rngs={"params": True},
+                      in_axes=(0, None), out_axes=0, axis_size=2)
+    variables = Stacked().init(jax.random.key(0), jnp.ones((2, 4, D)), None)
+    sbp = sjf.linen.get_sbp(variables["params"])
+    assert jax.tree.map(jnp.shape, sjf.linen.unbox(variables["params"]))["Dense_0"]["kernel"] == (D, 2, H)
+    assert jax.tree.map(jnp.shape, sjf.linen.unbox(variables["params"]))["Dense_0"]["bias"] == (H, 2)
+    assert sbp["Dense_0"] == {"kernel": (S(2),), "bias": (S(0),)}  # kernel dim 1 -> 2; the bias's dim 0 is before it
+
+
+def test_shift_stacked_refuses_a_split_of_the_removed_dim():
+    assert shift_stacked((B, S(2)), -1, "p", 0) == (B, S(1))
+    with pytest.raises(sj.SBPError, match="never split along its layers"):
+        shift_stacked((S(0), B), -1, "p", 0)
