@@ -39,7 +39,9 @@ def _ordered_key(x, op):
     with every NaN made the extreme that ``op`` picks (+NaN for max, -NaN for
     min). XLA's CPU max/min all-reduce drops NaN; an integer all-reduce over
     these keys keeps it, as ``jnp.max`` / ``jnp.min`` do, in one collective of
-    the same bytes."""
+    the same bytes. (On GPU, XLA promotes a 16-bit integer all-reduce to 32
+    bits for NCCL, so float16/bfloat16 max/min move twice the bytes there;
+    NCCL's own float max gives no NaN guarantee either.)"""
     nan = jnp.array(jnp.nan if op == "max" else -jnp.nan, x.dtype)
     bits = lax.bitcast_convert_type(jnp.where(jnp.isnan(x), nan, x), _INT_OF_WIDTH[x.dtype.itemsize])
     return _flip_negative(bits)
