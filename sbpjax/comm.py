@@ -174,10 +174,11 @@ def _mesh_groups(line: str) -> list[list[int]]:
 
 
 def _device_id_list(text: str, n: int) -> np.ndarray:
-    """A mesh's ``device_ids=(...)``: an iota form ``[2,4]<=[4,2]T(1,0)`` or
-    a flat list of ids."""
-    m = re.fullmatch(r"\s*(?:\[[\d,]+\])?<=\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
-    if m:
+    """A mesh's ``device_ids=(...)``: an iota form (``[2,4]T(1,0)``: iota
+    reshaped to [2,4], transposed, read in order; also written
+    ``[8]<=[2,4]T(1,0)``) or a flat list of ids."""
+    m = re.fullmatch(r"\s*(?:\[[\d,]+\]<=)?\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+    if m and int(np.prod([int(v) for v in m.group(1).split(",")])) == n:
         src = [int(v) for v in m.group(1).split(",")]
         ids = np.arange(n).reshape(src)
         if m.group(2):

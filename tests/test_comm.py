@@ -104,6 +104,11 @@ GROUP_FORMS = [
     ("replica_groups={{0,4,1,5},{2,6,3,7}}", "replica_groups=mesh[x=2,y=4], device_ids=(0,4,1,5,2,6,3,7) {'y'}"),
     ("replica_groups={{0,1},{2,3},{4,5},{6,7}}", "replica_groups=mesh[x=2,y=4], device_ids=([2,4]<=[4,2]T(1,0)) {'x'}"),
     ("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=mesh['d'=8] {'d'}"),
+    # GSPMD on jax 0.10.2, a 2x4 mesh seen as 4x1x1x2 with a transposed device order
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}",
+     "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"),
+    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+     "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_3'}"),
     ("replica_groups={{3}}", "replica_groups=maximal_mesh[device_id=3] {}"),
 ]
 
