@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+from tqdm import tqdm
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "boxing.json")
 NAMES_1D = ["S(0)", "S(1)", "B", "P", "P(max)", "P(min)"]
@@ -161,10 +163,32 @@ def worker(args):
 # ---------------------------------------------------------------------------
 
 
+def _rows_written(out_file: str) -> int:
+    try:
+        with open(out_file) as f:  # a restarted worker may write a case again: count each once
+            return len({json.loads(line)["index"] for line in f if '"row"' in line})
+    except FileNotFoundError:
+        return 0
+
+
+def _run_worker(cmd, out_file: str, err_file: str, bar) -> subprocess.CompletedProcess:
+    """Run one worker to its end, moving the progress bar as its rows arrive."""
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        while proc.poll() is None:
+            time.sleep(0.5)
+            bar.update(max(_rows_written(out_file) - bar.n, 0))
+    bar.update(max(_rows_written(out_file) - bar.n, 0))
+    with open(err_file) as err:
+        return subprocess.CompletedProcess(cmd, proc.returncode, None, err.read())
+
+
 def run_cases(args):
     cases = all_cases()
     rows: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    # a bar on a terminal, nothing in a log (tqdm's disable=None); rows count across worker restarts
+    bar = tqdm(total=len(cases), desc="boxing cases", unit="case", disable=None)
+    with bar, tempfile.TemporaryDirectory() as tmp:
         cases_file = os.path.join(tmp, "cases.json")
         json.dump(cases, open(cases_file, "w"))
         out_file = os.path.join(tmp, "rows.jsonl")
@@ -188,7 +212,7 @@ def run_cases(args):
             if start in skip_gspmd:
                 cmd.append("--no-gspmd")
                 cmd += ["--stop-after", str(start)]
-            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            proc = _run_worker(cmd, out_file, os.path.join(tmp, "stderr.txt"), bar)
             started = None
             for line in open(out_file):
                 rec = json.loads(line)
