@@ -28,6 +28,7 @@ NONLINEAR = (
     "bessel_i1e", "igamma", "igammac", "random_gamma_grad", "imag", "real", "conj",
     "complex", "exp2", "polygamma", "zeta", "regularized_incomplete_beta",
     "one_minus_square",  # 1 - x**2, new in jax 0.11 (tanh, asin, acos, atanh derivatives)
+    "log2", "polynomial",  # new in jax 0.12 (jnp.log2; jnp.polyval with scalar coefficients: B)
 )
 
 

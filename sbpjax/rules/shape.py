@@ -221,3 +221,24 @@ def device_put(eqn, in_avals):
     shapes = {tuple(shape_of(a)) for a in in_avals}
     sigs = [Sig((Split(d),) * n, (Split(d),) * n) for d in range(rank(in_avals[0]))] if len(shapes) == 1 else []
     return sigs + _partials(n, n) + [Sig((B,) * n, (B,) * n)]
+
+
+@register("stack")
+def stack(eqn, in_avals):
+    """``y_i = stack(a_i, b_i, ..., axis)``: inputs split alike on dim d give
+    the stack split on d (d + 1 from ``axis`` on); partials of one kind stack
+    to that kind."""
+    axis = eqn.params["axis"]
+    n = len(in_avals)
+    return [Sig((Split(d),) * n, (Split(d + (d >= axis)),)) for d in range(rank(in_avals[0]))] + _partials(n) + [
+        Sig((B,) * n, (B,))]
+
+
+@register("unstack")
+def unstack(eqn, in_avals):
+    """``a_i, b_i, ... = unstack(x_i, axis)`` (jax 0.12 iterates an array this
+    way: ``q, k, v = qkv``) for splits off ``axis``; every partial passes."""
+    axis = eqn.params["axis"]
+    n_out = len(eqn.outvars)
+    return [Sig((Split(d),), (Split(d - (d > axis)),) * n_out) for d in range(rank(in_avals[0])) if d != axis] + (
+        _partials(1, n_out)) + [Sig((B,), (B,) * n_out)]

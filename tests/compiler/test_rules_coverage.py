@@ -55,6 +55,10 @@ CASES = {
     "max_pool_grad": (_grad(_pool_max), IMG, S0),
     "avg_pool_grad": (_grad(_pool_avg), IMG, S3),
     "generic_pool": (_pool_absmax, IMG, S0),
+    "iterate_rows": (lambda x: [r * 2 for r in x.reshape(4, 4, 24)], MAT, S1),  # unstack on jax 0.12
+    "stack": (lambda x: jnp.stack([x, 2 * x], axis=1), MAT, S1),
+    "stack_leading": (lambda x: jnp.stack([x, 2 * x]), MAT, S0),
+    "log2": (lambda x: jnp.log2(jnp.abs(x) + 1), MAT, S0),
 }
 
 
@@ -79,6 +83,19 @@ def test_rule_keeps_the_split_and_matches_one_device(pl8, name):
     e = f.explain(t)
     assert sum(c.bytes for c in sj.collectives(compiled)) == e.bytes
     assert e.bytes == 0, str(e)  # the split is kept end to end: nothing moves
+
+
+def test_polyval_stays_split_where_jax_has_a_polynomial_primitive(pl8):
+    """jax 0.12 evaluates ``jnp.polyval`` with one ``polynomial`` primitive;
+    older releases loop (``scan``), which runs whole on every device for now."""
+    fn = lambda x: jnp.polyval(jnp.array([1.0, -2.0, 3.0]), x)  # noqa: E731
+    if "polynomial" not in str(jax.make_jaxpr(fn)(jnp.ones(3))):
+        pytest.skip(f"jax {jax.__version__} spells polyval as a loop")
+    CASES["polyval"] = (fn, MAT, S1)
+    try:
+        test_rule_keeps_the_split_and_matches_one_device(pl8, "polyval")
+    finally:
+        del CASES["polyval"]
 
 
 @pytest.mark.parametrize("shape,sbp,hint", [
