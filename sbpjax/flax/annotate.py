@@ -35,6 +35,7 @@ from flax import nnx
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.api import constrain
+from sbpjax.flax.partitioning import sbp_from_metadata
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp, parse_sbp
 from sbpjax.tensor import GlobalTensor, to_global
@@ -131,12 +132,18 @@ def annotate(model, rules, *, stacked: int = 0):
     return model
 
 
-def get_sbp(model, placement: Placement | None = None):
+def get_sbp(model, placement: Placement | None = None, *, rules=None):
     """The layout tree of ``model``'s parameters: a nested dict shaped like
     ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` with each parameter's nd-SBP.
 
     Without ``placement`` unannotated parameters are ``None``; with it every
-    entry is a checked nd-SBP of the placement's rank and unannotated ones are B."""
+    entry is a checked nd-SBP of the placement's rank and unannotated ones are B.
+    With a placement, a parameter annotated for ``jax.sharding`` instead
+    (``nnx.with_partitioning``, mesh axis or logical names) is read as the
+    nd-SBP it means (see :mod:`sbpjax.flax.partitioning`); logical names are
+    resolved by ``rules`` (``[(logical, axis or None), ...]``), else by Flax's
+    ``nnx.logical_axis_rules`` context, else by the parameter's own sharding
+    when it already lives on this placement."""
     tree: dict = {}
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Param):
@@ -148,6 +155,8 @@ def get_sbp(model, placement: Placement | None = None):
         if sbp is not None and meta.get(RANK_KEY) is not None:
             sbp = shift_stacked(sbp, ndim - meta[RANK_KEY], where)
         if placement is not None:
+            if sbp is None:
+                sbp = sbp_from_metadata(meta, node.get_value(), placement, rules, where)
             sbp = (Broadcast(),) * placement.ndim if sbp is None else normalize_nd_sbp(
                 sbp, placement.ndim, ndim, where)
         sub = tree

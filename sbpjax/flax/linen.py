@@ -24,6 +24,7 @@ from flax import linen as nn
 from flax import struct
 
 from sbpjax.flax.annotate import _as_sbp_tuple, shift_stacked
+from sbpjax.flax.partitioning import context_rules, sbp_from_spec
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
 
@@ -65,16 +66,27 @@ def _is_boxed(v) -> bool:
     return isinstance(v, nn.meta.AxisMetadata)
 
 
-def get_sbp(params, placement: Placement | None = None):
-    """The layout tree of boxed Linen ``params`` (``None`` / B where unannotated)."""
+def get_sbp(params, placement: Placement | None = None, *, rules=None):
+    """The layout tree of boxed Linen ``params`` (``None`` / B where unannotated).
+
+    With a placement, parameters boxed for ``jax.sharding`` instead
+    (``nn.with_partitioning`` mesh axis names, ``nn.with_logical_partitioning``
+    logical names) are read as the nd-SBP they mean; logical names go through
+    ``rules`` (``[(logical, axis or None), ...]``, as for ``nn.logical_axis_rules``),
+    else the box's own rules, else Flax's active ``nn.logical_axis_rules``
+    (see :mod:`sbpjax.flax.partitioning`)."""
     def one(path, v):
         sbp = v.sbp if isinstance(v, SBPBoxed) else None
         if placement is None:
             return sbp
         value = v.unbox() if _is_boxed(v) else v
+        where = f"parameter {jax.tree_util.keystr(path)}"
+        if sbp is None and isinstance(v, nn.Partitioned):
+            own = getattr(v, "rules", None)
+            sbp = sbp_from_spec(v.names, placement, value.ndim, tuple(rules or own or context_rules()), where)
         if sbp is None:
             return (Broadcast(),) * placement.ndim
-        return normalize_nd_sbp(sbp, placement.ndim, value.ndim, f"parameter {jax.tree_util.keystr(path)}")
+        return normalize_nd_sbp(sbp, placement.ndim, value.ndim, where)
 
     return jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_boxed)
 
