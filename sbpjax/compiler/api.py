@@ -220,7 +220,7 @@ class CompiledFunction:
     """What ``sj.jit`` returns: call it, ``explain`` it, ``lower`` it."""
 
     def __init__(self, fn, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
-                 solve_time_limit=30.0):
+                 solve_time_limit=10.0):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
         self.fn = fn
@@ -308,7 +308,7 @@ class CompiledFunction:
 
 
 def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
-        solve_time_limit=30.0):
+        solve_time_limit=10.0):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
     ``solver="ilp"`` (default) chooses every layout for the program as a whole

@@ -31,7 +31,10 @@ until some consumer needs it reduced, where it costs its reduction once.
 
 Shrinking: ops with one candidate (constraints, unknown primitives) and
 values with one possible layout make no variables; candidates that are not
-even for the shapes are dropped; producer layouts that box to a needed layout
+even for the shapes are dropped; elementwise ops take their same-shape
+operands in their output's layout (halves the program on a GPT step and
+removes near-ties: gpt_hybrid at d_model 128 on 2x4 solves to a 0.02% gap in
+7 s instead of a 13% gap in 30 s); producer layouts that box to a needed layout
 for the same bytes share one column; and each value's layouts are limited to
 those flowing forward from the annotations (see ``_Domains``), which always
 include the greedy choice.
@@ -53,6 +56,7 @@ from sbpjax._errors import SBPError
 from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.rules import RULES
+from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
 
 # Beyond this many binaries the solve would not finish in interactive time on
@@ -93,6 +97,17 @@ class Choice:
                     f"{self.solve_s:.2f} s (+{self.build_s:.2f} s building); greedy would move "
                     f"{self.greedy_bytes} B")
         return f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
+
+
+def _cost(plan) -> float:
+    """A boxing's cost in the objective: its bytes, plus one per step that
+    moves data, so that of two boxings moving the same bytes the one with
+    fewer collectives wins (an all-reduce rather than a reduce-scatter and
+    an all-gather): the alpha term of the time model, in byte units small
+    enough never to outweigh a byte."""
+    moving = sum(1 for st in plan.steps if st.bytes > 0)
+    # integral (in 1/64 bytes) so that HiGHS can round its bounds up
+    return 64 * plan.bytes + moving if plan.bytes else 0.0
 
 
 class _Lin:
@@ -159,7 +174,14 @@ class _Domains:
         self.greedy = greedy.decisions
 
     def _uses(self, atom) -> set:
+        # An S or P over an axis of size 1 is B (a user's (B, S(1)) on an 8x1
+        # placement): the normalized form too. Gathering a split value to B is
+        # not offered (only greedy's own gathers are): bytes alone would then
+        # gather a small batch and run the whole step replicated on every
+        # device (Alpa likewise enumerates only strategies that use every
+        # device).
         base = self.dom.get(id(atom), set())
+        base = base | {tuple(Broadcast() if p == 1 else q for p, q in zip(self.grid, nd)) for nd in base}
         out = set(base)
         for nd in base:
             for a, q in enumerate(nd):
@@ -175,6 +197,15 @@ class _Domains:
             uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
             kept = [c for c in cs if c == keep_g or all(u is None or nd in u or nd == g
                                                         for u, nd, g in zip(uses, c[0], dec.in_sbp))]
+            if node.name in ELEMENTWISE:
+                # Elementwise ops take their same-shape operands in the output's
+                # layout (no operand zero-filled into a partial the others do not
+                # have): the same bytes, since any reduction of the result
+                # reduces a tensor of the same size, and far fewer near-equal
+                # alternatives for the solver to tell apart.
+                shape = node.outs[0].shape
+                kept = [c for c in kept if c == keep_g or all(
+                    nd == c[1][0] for a, nd in zip(node.ins, c[0]) if isinstance(a, Var) and a.shape == shape)]
             if keep_g not in kept:
                 kept.append(keep_g)
             cs = kept
@@ -271,7 +302,7 @@ def solve(program, placement, in_sbp, out_sbp, greedy: Propagation, cost_model=N
     for key, (atom, layouts) in needs.items():
         src = produced[key]
         for nd, uses in layouts.items():
-            pay = [(s, pr.plan(atom, s, nd).bytes) for s in src if s != nd]
+            pay = [(s, _cost(pr.plan(atom, s, nd))) for s in src if s != nd]
             pay = [(s, b) for s, b in pay if b > 0]
             if not pay:
                 continue
@@ -329,21 +360,21 @@ def solve(program, placement, in_sbp, out_sbp, greedy: Propagation, cost_model=N
         t1 = time.perf_counter()
         res = milp(c, integrality=integrality, bounds=(0, 1),
                    constraints=LinearConstraint(A, np.asarray(lo), np.asarray(hi)),
-                   options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-6})
+                   options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-3})
         choice.solve_s = time.perf_counter() - t1
         choice.status = res.message
         if res.x is None:
             choice.method, choice.reason = "greedy", f"HiGHS found no solution: {res.message}"
             return None, choice
         x_sol = res.x
-        choice.objective = float(res.fun) + const_cost
+        choice.objective = (float(res.fun) + const_cost) / 64
         bound = getattr(res, "mip_dual_bound", None)
         if bound is not None and np.isfinite(bound):
-            choice.bound = float(bound) + const_cost
+            choice.bound = (float(bound) + const_cost) / 64
             choice.gap = max(0.0, (choice.objective - choice.bound) / choice.objective) if choice.objective else 0.0
     else:
-        choice.objective = const_cost
-        choice.bound, choice.gap = const_cost, 0.0
+        choice.objective = const_cost / 64
+        choice.bound, choice.gap = choice.objective, 0.0
     prop = _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol)
     return prop, choice
 
