@@ -6,7 +6,8 @@ The random suite draws ``SBPJAX_EDGE_CASES`` cases (default 2000, the CI
 size; ``SBPJAX_EDGE_CASES=20000`` for a nightly-size run) from a fixed seed
 (``SBPJAX_EDGE_SEED``, default 0) over dtypes, partial kinds, 1-3-D and
 permuted placements, uneven and 0-size shapes, transfers between placements,
-eager and traced boxing. Each configuration runs ``SBPJAX_EDGE_DRAWS``
+eager boxing, boxing traced by ``jax.jit`` and by ``sj.jit`` (an output's
+``out_sbp``), and creation from the logical value. Each configuration runs ``SBPJAX_EDGE_DRAWS``
 (default 8) cases with fresh random data, so a compiled boxing serves several
 cases (compiling dominates the time; ``SBPJAX_EDGE_DRAWS=1`` makes every case
 a new configuration). Every case either builds and then boxes to exactly
@@ -182,6 +183,14 @@ def random_sbp(rng, n_axes, ndim):
     return tuple(out)
 
 
+def _even(shape, pl, sbp) -> bool:
+    ways: dict = {}
+    for a, s in enumerate(sbp):
+        if isinstance(s, Split):
+            ways[s.dim] = ways.get(s.dim, 1) * pl.shape[a]
+    return all(shape[d] % w == 0 for d, w in ways.items())
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     """The bytes of ``a``, with every NaN written as the same NaN (its sign and
     payload depend on the path, as in jnp, where NaN-ness does not)."""
@@ -211,7 +220,13 @@ def run_config(rng, pls, k, draws, seen):
         dst_pl = {"2x2hi": sj.Placement(d[4:8].reshape(2, 2), ("p", "q")),
                   "1d4hi": sj.Placement(d[[6, 4, 7, 5]], ("p",))}[str(rng.choice(TRANSFER_DST[name]))]
     dst = random_sbp(rng, dst_pl.ndim, len(shape))
-    traced = jax.jit(lambda v: v.to_global(sbp=dst)) if mode == "traced" else None
+    if mode == "traced" and rng.random() < 0.5 and _even(shape, pl, src) and _even(shape, pl, dst):
+        mode = "sj.jit"  # the whole-program compiler's boxing of an output (it needs even splits)
+    traced = None
+    if mode == "traced":
+        traced = jax.jit(lambda v: v.to_global(sbp=dst))
+    elif mode == "sj.jit":
+        traced = sj.jit(lambda v: v, placement=pl, out_sbp=dst)
     out = []
     for j in range(draws):
         special = bool(rng.random() < 0.4)
@@ -248,7 +263,7 @@ def _one_case(rng, pl, dst_pl, shape, dtype, src, dst, mode, traced, special, ms
     assert_matches(t.numpy(), want, mag, dtype, exact, msg + " [source numpy()]")
     if not _supported(dtype, dst):
         with pytest.raises(sj.SBPError, match=dtype.name):
-            t.to_global(sbp=dst, placement=dst_pl)
+            traced(t) if mode == "sj.jit" else t.to_global(sbp=dst, placement=dst_pl)
         return "refused"
     u = traced(t) if traced is not None else t.to_global(sbp=dst, placement=dst_pl)
     assert u.dtype == dtype and u.sbp == dst and u.placement == dst_pl, msg
@@ -289,7 +304,7 @@ def test_random_boxing_suite():
         assert {("dtype", d) for d in supported_dtypes} <= seen
         assert {("kind", k) for k in ("P", "P(max)", "P(min)")} <= seen
         assert {("placement", p) for p in placements()} <= seen
-        assert {("mode", m) for m in ("eager", "traced", "logical", "transfer")} <= seen
+        assert {("mode", m) for m in ("eager", "traced", "sj.jit", "logical", "transfer")} <= seen
         assert ("shape", (0, 3)) in seen and ("shape", ()) in seen and ("shape", (2, 3, 5)) in seen
     print(f"{n} cases on {configs} configurations: {counts}")
 

@@ -381,7 +381,8 @@ class Pipeline:
         leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_global)[0]
         for path, t in leaves:
             if isinstance(t, GlobalTensor) and jnp.issubdtype(t.dtype, jnp.inexact):
-                bad = int(np.size(t.numpy()) - np.count_nonzero(np.isfinite(t.numpy())))
+                value = t.numpy()
+                bad = int(value.size - np.count_nonzero(np.isfinite(value)))
                 if bad:
                     raise FloatingPointError(
                         f"stage {s} ({self.stages[s].name!r}): {bad} non-finite value(s) (NaN or inf) in its {what}"
