@@ -1,0 +1,169 @@
+"""Start one program as several JAX processes on this machine (like ``torchrun``).
+
+    python -m sbpjax.launch -n 2 --local-devices 4 train.py --steps 100
+
+starts ``-n`` copies of ``train.py``, each a JAX process of one distributed
+run: the launcher picks a free coordinator port on 127.0.0.1, gives process
+``i`` its rank, and calls ``jax.distributed.initialize`` in it before the
+script runs, so the script is the same one that runs on a single process
+(``jax.process_count()`` tells it where it is). ``--local-devices L`` gives
+every process ``L`` simulated CPU devices (``JAX_PLATFORMS=cpu``, with gloo,
+JAX's CPU collectives, between processes): 2 x 4 here behaves as a small pod.
+
+Output is streamed line by line with a ``[pI]`` prefix. When a process fails
+(non-zero exit, or killed), the launcher says which and with what, stops the
+others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that
+process's code, so a run never hangs on a peer that is waiting in a
+collective for a process that is gone. Ctrl-C stops every process the same way.
+
+On a cluster, call ``jax.distributed.initialize()`` yourself (SLURM and TPU
+pods are detected by JAX); nothing here is needed there. The launcher is for
+testing multi-process code on one machine and for single-node runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# Run in each child before the user's script: join the distributed run, then
+# run the script as __main__ with its own arguments.
+_BOOT = """
+import os, runpy, sys
+import jax
+jax.distributed.initialize(coordinator_address=os.environ["SBPJAX_COORDINATOR"],
+                           num_processes=int(os.environ["SBPJAX_NUM_PROCESSES"]),
+                           process_id=int(os.environ["SBPJAX_PROCESS_ID"]))
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if code:
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(code)
+except BaseException:
+    # Exit now: jax.distributed's shutdown at exit waits for the peers, which
+    # may be blocked in a collective with this process; the launcher stops them.
+    import traceback
+    traceback.print_exc()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(1)
+"""
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the coordinator binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(rank: int, nprocs: int, port: int, local_devices: int | None, base=None) -> dict:
+    """The environment of process ``rank``."""
+    env = dict(os.environ if base is None else base)
+    env.update(SBPJAX_COORDINATOR=f"127.0.0.1:{port}", SBPJAX_NUM_PROCESSES=str(nprocs),
+               SBPJAX_PROCESS_ID=str(rank), PYTHONUNBUFFERED="1")
+    if local_devices is not None:
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={local_devices}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _stream(rank: int, pipe, out, lock):
+    for line in iter(pipe.readline, ""):
+        with lock:
+            out.write(f"[p{rank}] {line}" if line.endswith("\n") else f"[p{rank}] {line}\n")
+            out.flush()
+    pipe.close()
+
+
+def _stop(procs, grace: float):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        left = deadline - time.monotonic()
+        try:
+            p.wait(timeout=max(left, 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(script: str, args=(), nprocs: int = 2, local_devices: int | None = None, port: int | None = None,
+           grace: float = 10.0, out=None) -> int:
+    """Run ``script`` as ``nprocs`` processes; returns the exit code (0 when all
+    succeeded, else the first failure's; see the module docstring)."""
+    if nprocs < 1:
+        raise ValueError(f"sbpjax.launch: -n must be at least 1, got {nprocs}.")
+    if not os.path.exists(script):
+        raise FileNotFoundError(f"sbpjax.launch: no script {script!r}.")
+    out = out or sys.stdout
+    port = port or free_port()
+    lock = threading.Lock()
+    procs, readers = [], []
+    for rank in range(nprocs):
+        p = subprocess.Popen([sys.executable, "-c", _BOOT, script, *args], env=child_env(rank, nprocs, port, local_devices),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        procs.append(p)
+        t = threading.Thread(target=_stream, args=(rank, p.stdout, out, lock), daemon=True)
+        t.start()
+        readers.append(t)
+    code = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                with lock:
+                    out.write(f"[launch] process {rank} {how}; stopping the other processes\n")
+                    out.flush()
+                _stop(procs, grace)
+                code = code if code > 0 else 128 - code
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        with lock:
+            out.write("[launch] interrupted; stopping every process\n")
+        _stop(procs, grace)
+        code = 130
+    for t in readers:
+        t.join(timeout=5)
+    return code
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sbpjax.launch", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-n", "--nprocs", type=int, default=2, help="number of processes (default 2)")
+    parser.add_argument("--local-devices", type=int, default=None,
+                        help="simulated CPU devices per process (sets JAX_PLATFORMS=cpu); default: the real ones")
+    parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping processes (default 10)")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    try:
+        return launch(ns.script, ns.args, ns.nprocs, ns.local_devices, ns.port, ns.grace)
+    except (ValueError, FileNotFoundError) as e:
+        print(e, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

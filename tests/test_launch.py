@@ -1,0 +1,77 @@
+"""python -m sbpjax.launch: N JAX processes on this machine, joined by
+jax.distributed (gloo between processes on CPU), output prefixed, and a
+failure in one process stopping the others within a bounded time."""
+
+import os
+import subprocess
+import sys
+import time
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SUM = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+local = np.full((4, 8), jax.process_index() + 1, np.float32)   # each process's rows
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), local, (8, 8))
+total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+print("rank", jax.process_index(), "of", jax.process_count(), "devices", jax.device_count(),
+      jax.local_device_count(), "sum", float(total), "args", __import__("sys").argv[1:])
+"""
+
+FAIL = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+if jax.process_index() == 1:
+    raise RuntimeError("deliberate failure in process 1")
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones((4, 8), np.float32), (8, 8))
+print("rank 0 waits in a collective for process 1", flush=True)
+print(float(jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x)))
+"""
+
+
+def launch(tmp_path, code, *args, timeout=120):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "sbpjax.launch", *args, str(script), "--flag", "7"], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout + r.stderr, time.monotonic() - start
+
+
+def test_two_processes_of_four_devices_run_one_program(tmp_path):
+    code, out, _ = launch(tmp_path, SUM, "-n", "2", "--local-devices", "4")
+    assert code == 0, out
+    for rank in (0, 1):  # rows of 1s and 2s: 32 * 1 + 32 * 2
+        assert f"[p{rank}] rank {rank} of 2 devices 8 4 sum 96.0 args ['--flag', '7']" in out, out
+
+
+def test_a_failing_process_stops_the_others_and_is_named(tmp_path):
+    code, out, seconds = launch(tmp_path, FAIL, "-n", "2", "--local-devices", "4", "--grace", "3")
+    assert code == 1, out
+    assert "[p1] RuntimeError: deliberate failure in process 1" in out
+    assert "[launch] process 1 exited with code 1; stopping the other processes" in out
+    assert seconds < 60, seconds  # process 0 was blocked in a collective: it was stopped, not waited for
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "sbpjax.launch", "-n", "2", str(tmp_path / "missing.py")],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 2 and "no script" in r.stderr
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_process_count_must_be_positive(tmp_path, n):
+    from sbpjax.launch import launch as run
+
+    script = tmp_path / "s.py"
+    script.write_text("print(1)\n")
+    with pytest.raises(ValueError, match="at least 1"):
+        run(str(script), nprocs=n)
