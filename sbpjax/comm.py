@@ -27,10 +27,29 @@ from fractions import Fraction
 import numpy as np
 
 _DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e3m4": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e4m3fnuz": 1,
+    "f8e5m2fnuz": 1,
+    "f8e3m4": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
 }
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _INSTR = re.compile(
@@ -133,7 +152,7 @@ def _mesh_groups(line: str) -> list[list[int]]:
     end = line.index("]", start)
     axes = [(name, int(size)) for name, size in _MESH_AXIS.findall(line[start:end])]
     shape = [size for _, size in axes]
-    rest = line[end + 1:]
+    rest = line[end + 1 :]
     ids = np.arange(int(np.prod(shape)))
     dm = re.match(r"\s*,\s*device_ids=\(", rest)
     if dm:
@@ -141,11 +160,13 @@ def _mesh_groups(line: str) -> list[list[int]]:
         while depth:
             depth += {"(": 1, ")": -1}.get(rest[i], 0)
             i += 1
-        ids = _device_id_list(rest[dm.end():i - 1], int(np.prod(shape)))
+        ids = _device_id_list(rest[dm.end() : i - 1], int(np.prod(shape)))
         rest = rest[i:]
     gm = re.match(r"\s*\{([^}]*)\}", rest)
-    listed = [(n, int(pre) if pre else None, int(sz) if sz else None)
-              for n, pre, sz in _GROUP_AXIS.findall(gm.group(1) if gm else "")]
+    listed = [
+        (n, int(pre) if pre else None, int(sz) if sz else None)
+        for n, pre, sz in _GROUP_AXIS.findall(gm.group(1) if gm else "")
+    ]
     names = [n for n, _ in axes]
     # Each mesh axis becomes its factors, major first (a sub-axis's pre-size
     # is the product of the factors before it), cut where a listed sub-axis
@@ -221,7 +242,9 @@ def _multipliers(comps: dict) -> dict:
             if re.search(r"\swhile\(", line):
                 tm = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 trip = int(tm.group(1)) if tm else 1
-            for key, names in re.findall(r"(body|calls|branch_computations|called_computations)=\{?([%\w.\-,\s]+)\}?", line):
+            for key, names in re.findall(
+                r"(body|calls|branch_computations|called_computations)=\{?([%\w.\-,\s]+)\}?", line
+            ):
                 for callee in re.findall(r"%?([\w.\-]+)", names):
                     if callee in by_name:
                         visit(by_name[callee], times * (trip if key == "body" else 1), depth + 1)
@@ -269,8 +292,11 @@ def collectives(compiled) -> list[Collective]:
                 moving = sum(1 for a, b in pairs if a != b)
                 if moving == 0:
                     continue
-                out.append(Collective(kind, 2, moving, float(n), int(n * moving * times), times, shape,
-                                      m.group("name")))
+                out.append(
+                    Collective(
+                        kind, 2, moving, float(n), int(n * moving * times), times, shape, m.group("name")
+                    )
+                )
                 continue
             groups = _parse_groups(line, num_devices) or [list(range(num_devices or 1))]
             g = len(groups[0])
@@ -283,7 +309,9 @@ def collectives(compiled) -> list[Collective]:
                 "all-to-all": Fraction(g - 1, g) * n,
             }[kind]
             total = per * g * len(groups) * times
-            out.append(Collective(kind, g, len(groups), float(per), int(total), times, shape, m.group("name")))
+            out.append(
+                Collective(kind, g, len(groups), float(per), int(total), times, shape, m.group("name"))
+            )
     return out
 
 
@@ -318,7 +346,9 @@ def summarize(compiled) -> str:
         return "no collectives"
     lines = [f"{'op':<19}{'group':>6}{'groups':>7}{'count':>6}{'bytes/device':>14}{'bytes':>14}"]
     for c in rows:
-        lines.append(f"{c.op:<19}{c.group_size:>6}{c.num_groups:>7}{c.count:>6}"
-                     f"{c.bytes_per_device:>14.0f}{c.bytes:>14}")
+        lines.append(
+            f"{c.op:<19}{c.group_size:>6}{c.num_groups:>7}{c.count:>6}"
+            f"{c.bytes_per_device:>14.0f}{c.bytes:>14}"
+        )
     lines.append(f"total {sum(c.bytes for c in rows)} B")
     return "\n".join(lines)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -69,10 +68,18 @@ def free_port() -> int:
 def child_env(rank: int, nprocs: int, port: int, local_devices: int | None, base=None) -> dict:
     """The environment of process ``rank``."""
     env = dict(os.environ if base is None else base)
-    env.update(SBPJAX_COORDINATOR=f"127.0.0.1:{port}", SBPJAX_NUM_PROCESSES=str(nprocs),
-               SBPJAX_PROCESS_ID=str(rank), PYTHONUNBUFFERED="1")
+    env.update(
+        SBPJAX_COORDINATOR=f"127.0.0.1:{port}",
+        SBPJAX_NUM_PROCESSES=str(nprocs),
+        SBPJAX_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",
+    )
     if local_devices is not None:
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={local_devices}"])
         env["JAX_PLATFORMS"] = "cpu"
     return env
@@ -100,8 +107,15 @@ def _stop(procs, grace: float):
             p.wait()
 
 
-def launch(script: str, args=(), nprocs: int = 2, local_devices: int | None = None, port: int | None = None,
-           grace: float = 10.0, out=None) -> int:
+def launch(
+    script: str,
+    args=(),
+    nprocs: int = 2,
+    local_devices: int | None = None,
+    port: int | None = None,
+    grace: float = 10.0,
+    out=None,
+) -> int:
     """Run ``script`` as ``nprocs`` processes; returns the exit code (0 when all
     succeeded, else the first failure's; see the module docstring)."""
     if nprocs < 1:
@@ -113,8 +127,14 @@ def launch(script: str, args=(), nprocs: int = 2, local_devices: int | None = No
     lock = threading.Lock()
     procs, readers = [], []
     for rank in range(nprocs):
-        p = subprocess.Popen([sys.executable, "-c", _BOOT, script, *args], env=child_env(rank, nprocs, port, local_devices),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, script, *args],
+            env=child_env(rank, nprocs, port, local_devices),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         procs.append(p)
         t = threading.Thread(target=_stream, args=(rank, p.stdout, out, lock), daemon=True)
         t.start()
@@ -147,14 +167,27 @@ def launch(script: str, args=(), nprocs: int = 2, local_devices: int | None = No
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sbpjax.launch", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m sbpjax.launch",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-n", "--nprocs", type=int, default=2, help="number of processes (default 2)")
-    parser.add_argument("--local-devices", type=int, default=None,
-                        help="simulated CPU devices per process (sets JAX_PLATFORMS=cpu); default: the real ones")
-    parser.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
-    parser.add_argument("--grace", type=float, default=10.0,
-                        help="seconds between SIGTERM and SIGKILL when stopping processes (default 10)")
+    parser.add_argument(
+        "--local-devices",
+        type=int,
+        default=None,
+        help="simulated CPU devices per process (sets JAX_PLATFORMS=cpu); default: the real ones",
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping processes (default 10)",
+    )
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)

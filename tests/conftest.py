@@ -78,8 +78,15 @@ def run_script(args, timeout):
     import sys
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout, check=True)
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+    )
 
 
 def nnx_single_device(model, optimizer, loss_fn, batches):
@@ -116,5 +123,6 @@ def assert_close(actual, desired, *, rtol, scale=None, err_msg=""):
     desired = np.asarray(desired, dtype=np.float64)
     own = float(np.max(np.abs(desired))) if desired.size else 0.0
     scale = max(own, float(scale or 0.0))
-    np.testing.assert_allclose(np.asarray(actual, dtype=np.float64), desired, rtol=rtol, atol=rtol * scale,
-                               err_msg=err_msg)
+    np.testing.assert_allclose(
+        np.asarray(actual, dtype=np.float64), desired, rtol=rtol, atol=rtol * scale, err_msg=err_msg
+    )

@@ -66,6 +66,7 @@ def test_reader_on_a_compiled_loop(pl8):
     def body(x):
         def step(c, _):
             return lax.ppermute(c, "x", [(i, (i + 1) % 8) for i in range(8)]), None
+
         y, _ = lax.scan(step, x, None, length=5)
         return lax.psum(y, "x")
 
@@ -79,8 +80,15 @@ def test_reader_on_a_compiled_loop(pl8):
 
 
 def test_reader_takes_lowered_and_compiled(pl8):
-    f = jax.jit(jax.shard_map(lambda x: lax.all_gather(x, "x", tiled=True), mesh=pl8.mesh,
-                              in_specs=PS("x"), out_specs=PS(), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: lax.all_gather(x, "x", tiled=True),
+            mesh=pl8.mesh,
+            in_specs=PS("x"),
+            out_specs=PS(),
+            check_vma=False,
+        )
+    )
     x = np.zeros((16, 4), np.float32)
     lowered = f.lower(x)
     a, b = sj.collectives(lowered), sj.collectives(lowered.compile())
@@ -101,14 +109,24 @@ GROUP_FORMS = [
     ("replica_groups={{0,1},{2,3},{4,5},{6,7}}", "replica_groups=mesh['x'=2,'y'=4] {'y':(2)2}"),
     ("replica_groups={{0,2},{1,3},{4,6},{5,7}}", "replica_groups=mesh['x'=2,'y'=4] {'y':(1)2}"),
     ("replica_groups={{0,2},{1,3},{4,6},{5,7}}", "replica_groups=[4,2]<=[2,2,2]T(0,2,1)"),
-    ("replica_groups={{0,4,1,5},{2,6,3,7}}", "replica_groups=mesh[x=2,y=4], device_ids=(0,4,1,5,2,6,3,7) {'y'}"),
-    ("replica_groups={{0,1},{2,3},{4,5},{6,7}}", "replica_groups=mesh[x=2,y=4], device_ids=([2,4]<=[4,2]T(1,0)) {'x'}"),
+    (
+        "replica_groups={{0,4,1,5},{2,6,3,7}}",
+        "replica_groups=mesh[x=2,y=4], device_ids=(0,4,1,5,2,6,3,7) {'y'}",
+    ),
+    (
+        "replica_groups={{0,1},{2,3},{4,5},{6,7}}",
+        "replica_groups=mesh[x=2,y=4], device_ids=([2,4]<=[4,2]T(1,0)) {'x'}",
+    ),
     ("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=mesh['d'=8] {'d'}"),
     # GSPMD on jax 0.10.2, a 2x4 mesh seen as 4x1x1x2 with a transposed device order
-    ("replica_groups={{0,1,2,3},{4,5,6,7}}",
-     "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_0'}"),
-    ("replica_groups={{0,4},{1,5},{2,6},{3,7}}",
-     "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_3'}"),
+    (
+        "replica_groups={{0,1,2,3},{4,5,6,7}}",
+        "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_0'}",
+    ),
+    (
+        "replica_groups={{0,4},{1,5},{2,6},{3,7}}",
+        "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=1,'axis_3'=2], device_ids=([2,4]T(1,0)) {'axis_3'}",
+    ),
     ("replica_groups={{3}}", "replica_groups=maximal_mesh[device_id=3] {}"),
 ]
 
@@ -121,18 +139,24 @@ def test_every_group_form_reads_as_its_explicit_list(explicit, other):
     want = _parse_groups(line.replace("GROUPS", explicit), 8)
     assert _parse_groups(line.replace("GROUPS", other), 8) == want
     # and the bytes of a whole instruction agree too
-    hlo = HLO.replace("replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add",
-                      other + ", use_global_device_ids=true, to_apply=%add")
-    ref = HLO.replace("replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add",
-                      explicit + ", use_global_device_ids=true, to_apply=%add")
+    hlo = HLO.replace(
+        "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add",
+        other + ", use_global_device_ids=true, to_apply=%add",
+    )
+    ref = HLO.replace(
+        "replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add",
+        explicit + ", use_global_device_ids=true, to_apply=%add",
+    )
     assert total_bytes(hlo) == total_bytes(ref)
 
 
 def test_mesh_form_all_to_all_over_one_axis_is_groups_of_that_axis():
     # jax 0.12 printed this all-to-all over y as one group of 8 before (448 B, not 384 B).
-    line = ("  %all-to-all = (f32[8,16]{1,0}, f32[8,16]{1,0}, f32[8,16]{1,0}, f32[8,16]{1,0}) "
-            "all-to-all(%a, %b, %c, %d), channel_id=1, replica_groups=mesh['x'=2,'y'=4] {'y'}, "
-            "metadata={op_name=\"jit(f)/shard_map/all_to_all\"}")
+    line = (
+        "  %all-to-all = (f32[8,16]{1,0}, f32[8,16]{1,0}, f32[8,16]{1,0}, f32[8,16]{1,0}) "
+        "all-to-all(%a, %b, %c, %d), channel_id=1, replica_groups=mesh['x'=2,'y'=4] {'y'}, "
+        'metadata={op_name="jit(f)/shard_map/all_to_all"}'
+    )
     hlo = "HloModule m, num_partitions=8\n\nENTRY %main () -> f32[] {\n" + line + "\n}\n"
     [c] = sj.collectives(hlo)
     assert (c.group_size, c.num_groups) == (4, 2)
@@ -158,11 +182,17 @@ def test_compiled_collectives_match_their_formula_on_this_jax(pl24, op, axes):
             return lax.psum_scatter(a, axes, scatter_dimension=0, tiled=True)
         return lax.all_to_all(a, axes, 0, 1, tiled=True)
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PS("x", "y"), out_specs=PS("x", "y"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=PS("x", "y"), out_specs=PS("x", "y"), check_vma=False)
+    )
     found = [c for c in sj.collectives(f.lower(x).compile()) if c.group_size > 1]
     assert len(found) == 1, found
     [c] = found
     assert (c.group_size, c.num_groups) == (g, 8 // g)
-    per = {"psum": 2 * (g - 1) / g * local, "all_gather": (g - 1) * local,
-           "psum_scatter": (g - 1) * local / g, "all_to_all": (g - 1) / g * local}[op]
+    per = {
+        "psum": 2 * (g - 1) / g * local,
+        "all_gather": (g - 1) * local,
+        "psum_scatter": (g - 1) * local / g,
+        "all_to_all": (g - 1) / g * local,
+    }[op]
     assert c.bytes_per_device == per and c.bytes == per * 8

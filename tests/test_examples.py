@@ -37,8 +37,15 @@ def test_compiler_benchmark_quick(tmp_path):
     path = tmp_path / "compiler.json"
     _run(["benchmarks/compiler.py", "--quick", "--output", str(path)], 900)  # checks every value itself
     rows = {r["name"]: r for r in json.loads(path.read_text())["programs"]}
-    fields = {"name", "sbpjax_bytes", "gspmd_bytes", "handwritten_bytes", "time_ratio_vs_gspmd",
-              "time_ratio_vs_handwritten", "overhead_share"}
+    fields = {
+        "name",
+        "sbpjax_bytes",
+        "gspmd_bytes",
+        "handwritten_bytes",
+        "time_ratio_vs_gspmd",
+        "time_ratio_vs_handwritten",
+        "overhead_share",
+    }
     assert len(rows) == 6 and all(fields <= set(r) for r in rows.values())
     for r in rows.values():
         assert r["sbpjax_bytes"] == r["sbpjax_explained_bytes"], r["name"]  # the plan is what runs
@@ -52,7 +59,9 @@ def test_compiler_benchmark_quick(tmp_path):
 def test_gpt_hybrid_demo_learns():
     out = _run(["examples/gpt_hybrid.py", "--steps", "60", "--seq", "32"], 900).stdout
     assert "all_reduce" in out and "per step (bytes received, all devices)" in out  # the plan summary
-    first, last = map(float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", out).groups())
+    first, last = map(
+        float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", out).groups()
+    )
     assert last < first - 0.3, out[-500:]
 
 
@@ -61,8 +70,13 @@ def test_train_benchmark_quick(tmp_path):
     path = tmp_path / "train.json"
     _run(["benchmarks/train.py", "--quick", "--output", str(path)], 900)  # checks every value itself
     r = json.loads(path.read_text())
-    assert {"sbpjax_bytes", "gspmd_bytes", "time_ratio_vs_gspmd", "zero_state_bytes_per_device",
-            "dp_state_bytes_per_device"} <= set(r)
+    assert {
+        "sbpjax_bytes",
+        "gspmd_bytes",
+        "time_ratio_vs_gspmd",
+        "zero_state_bytes_per_device",
+        "dp_state_bytes_per_device",
+    } <= set(r)
     assert r["sbpjax_bytes"] == r["sbpjax_explained_bytes"]
     assert r["sbpjax_bytes"] <= r["gspmd_bytes"]
     assert r["zero_state_bytes_per_device"] <= r["dp_state_bytes_per_device"] / 8 * 1.05

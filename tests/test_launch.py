@@ -5,8 +5,8 @@ failure in one process stopping the others within a bounded time."""
 import os
 import subprocess
 import sys
-import time
 import textwrap
+import time
 
 import pytest
 
@@ -41,8 +41,13 @@ def launch(tmp_path, code, *args, timeout=120):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     start = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "sbpjax.launch", *args, str(script), "--flag", "7"], env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "sbpjax.launch", *args, str(script), "--flag", "7"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return r.returncode, r.stdout + r.stderr, time.monotonic() - start
 
 
@@ -62,8 +67,12 @@ def test_a_failing_process_stops_the_others_and_is_named(tmp_path):
 
 
 def test_bad_arguments_are_refused(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "sbpjax.launch", "-n", "2", str(tmp_path / "missing.py")],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, "-m", "sbpjax.launch", "-n", "2", str(tmp_path / "missing.py")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 2 and "no script" in r.stderr
 
 

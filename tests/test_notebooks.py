@@ -16,8 +16,9 @@ import build  # noqa: E402  (notebooks/build.py: the cells of every notebook)
 @pytest.mark.parametrize("name", sorted(build.NOTEBOOKS))
 def test_notebook_is_built_from_build_py(name):
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
-    assert [c.source for c in nb.cells] == [src for _, src in build.NOTEBOOKS[name]], \
+    assert [c.source for c in nb.cells] == [src for _, src in build.NOTEBOOKS[name]], (
         f"{name} is stale: run python notebooks/build.py --execute"
+    )
 
 
 @pytest.mark.slow

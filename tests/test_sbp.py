@@ -14,10 +14,17 @@ def test_values_and_long_names():
     assert {sj.S(0), sj.S(0), sj.B} == {sj.S(0), sj.B}  # hashable
 
 
-@pytest.mark.parametrize("value, text", [
-    (sj.S(0), "S(0)"), (sj.S(3), "S(3)"), (sj.B, "B"), (sj.P, "P"),
-    (sj.P_max, "P(max)"), (sj.P_min, "P(min)"),
-])
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (sj.S(0), "S(0)"),
+        (sj.S(3), "S(3)"),
+        (sj.B, "B"),
+        (sj.P, "P"),
+        (sj.P_max, "P(max)"),
+        (sj.P_min, "P(min)"),
+    ],
+)
 def test_print_round_trips(value, text):
     assert str(value) == repr(value) == text
     assert sj.parse_sbp(text) == (value,)

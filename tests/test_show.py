@@ -41,8 +41,8 @@ def _pl(kind):
 
 CASES = [  # (placement, shape, nd-SBP)
     ("1d", (8, 6), (sj.S(0),)),
-    ("1d", (5, 11), (sj.S(1),)),          # uneven: 11 = 2+2+2+1+1+1+1+1
-    ("1d", (3, 4), (sj.S(0),)),           # more pieces than rows: empty pieces
+    ("1d", (5, 11), (sj.S(1),)),  # uneven: 11 = 2+2+2+1+1+1+1+1
+    ("1d", (3, 4), (sj.S(0),)),  # more pieces than rows: empty pieces
     ("1d", (4, 4), (sj.B,)),
     ("1d", (4, 4), (sj.P,)),
     ("1d", (13,), (sj.S(0),)),
@@ -58,7 +58,7 @@ CASES = [  # (placement, shape, nd-SBP)
     ("2x4", (4, 3, 5), (sj.S(0), sj.S(2))),  # dim 2 folded into the cells
     ("2x4", (13,), (sj.S(0), sj.S(0))),
     ("2x4", (), (sj.P, sj.B)),
-    ("perm", (8, 6), (sj.S(0), sj.S(1))),    # user device order is kept
+    ("perm", (8, 6), (sj.S(0), sj.S(1))),  # user device order is kept
     ("perm", (10, 7), (sj.S(1), sj.S(0))),
     ("perm", (5, 6), (sj.P, sj.S(0))),
 ]
@@ -88,13 +88,16 @@ def _parse(text):
         m = re.fullmatch(r"device (\d+) \((.*)\): (.*)", line)
         if m:
             coord = tuple(int(kv.split("=")[1]) for kv in m.group(2).split(", "))
-            box = () if m.group(3) == "the whole scalar" else tuple(
-                slice(*map(int, part.split(":"))) for part in m.group(3).strip("[]").split(", "))
+            box = (
+                ()
+                if m.group(3) == "the whole scalar"
+                else tuple(slice(*map(int, part.split(":"))) for part in m.group(3).strip("[]").split(", "))
+            )
             boxes[int(m.group(1))] = (coord, box)
     header = lines.index(next(line for line in lines if re.fullmatch(r"-+(\+-+)+", line))) - 1
     col_bands = [c.strip() for c in lines[header].split("|")[1:]]
     cells = []
-    for line in lines[header + 2:]:
+    for line in lines[header + 2 :]:
         if not line.strip():
             break
         row, *items = [c.strip() for c in line.split("|")]
@@ -129,12 +132,20 @@ def test_text_boxes_and_cells_match_the_semantics(case):
     shown = min(len(shape), 2)
     area = 0
     for row, col, holders in cells:
-        bands = ([_band(row, shape[0]), _band(col, shape[1])] if shown == 2
-                 else [_band(col, shape[0])] if shown == 1 else [])
+        bands = (
+            [_band(row, shape[0]), _band(col, shape[1])]
+            if shown == 2
+            else [_band(col, shape[0])]
+            if shown == 1
+            else []
+        )
         cell = set((x[tuple(bands)].ravel() // folded).tolist())
         area += len(cell)
-        want = {dev for dev, (_, piece) in pieces.items()
-                if piece.size and cell <= set((piece.ravel() // folded).tolist())}
+        want = {
+            dev
+            for dev, (_, piece) in pieces.items()
+            if piece.size and cell <= set((piece.ravel() // folded).tolist())
+        }
         assert holders == want, (row, col)
     assert area == math.prod(shape[:2])
 
@@ -157,8 +168,10 @@ def test_text_format_example_from_the_docstring():
 def test_text_explains_partial_broadcast_folded_and_empty():
     pl = sj.placement((2, 4), ("x", "y"))
     partial = layout_text(sj.to_global(np.zeros((4, 4), np.float32), pl, (sj.S(0), sj.P)))
-    assert ("P(sum) over y: the devices of each group hold one term each; the value is the sum "
-            "of their terms: 0,1,2,3 | 4,5,6,7") in partial
+    assert (
+        "P(sum) over y: the devices of each group hold one term each; the value is the sum "
+        "of their terms: 0,1,2,3 | 4,5,6,7"
+    ) in partial
     copies = layout_text(sj.to_global(np.zeros((4, 4), np.float32), pl, (sj.B, sj.S(1))))
     assert "B over x: the devices of each group hold copies: 0,4 | 1,5 | 2,6 | 3,7" in copies
     folded = layout_text(sj.to_global(np.zeros((2, 2, 8, 3), np.float32), pl, (sj.S(2), sj.S(3))))
@@ -166,8 +179,9 @@ def test_text_explains_partial_broadcast_folded_and_empty():
     assert "S(2) over x: folded dim 2 is split" in folded and "S(3) over y" in folded
     empty = layout_text(sj.to_global(np.zeros((3,), np.float32), sj.placement(8, "x"), sj.S(0)))
     assert "devices 3,4,5,6,7" in empty
-    size1 = layout_text(sj.to_global(np.zeros((4,), np.float32), sj.placement((1, 8), ("a", "b")),
-                                     (sj.P, sj.S(0))))
+    size1 = layout_text(
+        sj.to_global(np.zeros((4,), np.float32), sj.placement((1, 8), ("a", "b")), (sj.P, sj.S(0)))
+    )
     assert "a has size 1: any SBP on it is the same as B" in size1
 
 
@@ -219,8 +233,9 @@ def test_figure_draws_each_device_over_exactly_its_box(case):
     covered = {dev: 0 for dev in pieces}
     colours = {}
     for patch in stripes:
-        dev, r0, r1, c0, c1 = map(int, re.fullmatch(r"device (\d+) rows (\d+):(\d+) cols (\d+):(\d+)",
-                                                    patch.get_gid()).groups())
+        dev, r0, r1, c0, c1 = map(
+            int, re.fullmatch(r"device (\d+) rows (\d+):(\d+) cols (\d+):(\d+)", patch.get_gid()).groups()
+        )
         block = x[r0:r1, c0:c1] if len(shape) == 2 else x[c0:c1] if len(shape) == 1 else x
         assert np.isin(block, pieces[dev][1]).all()
         covered[dev] += block.size

@@ -54,8 +54,10 @@ class Explanation:
             for s in b.plan.steps:
                 n, nbytes = counts.get(s.op, (0, 0))
                 counts[s.op] = (n + 1, nbytes + s.bytes)
-        lines = [f"sj.jit on {prop.placement!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
-                 f"{human_bytes(self.bytes)} per step (bytes received, all devices)"]
+        lines = [
+            f"sj.jit on {prop.placement!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
+            f"{human_bytes(self.bytes)} per step (bytes received, all devices)"
+        ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())
         for op, (n, nbytes) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
@@ -66,20 +68,41 @@ class Explanation:
     def __str__(self) -> str:
         prop = self.propagation
         pl = prop.placement
-        lines = [f"sj.jit on {pl!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
-                 f"{self.bytes} B planned"]
+        lines = [
+            f"sj.jit on {pl!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
+            f"{self.bytes} B planned"
+        ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
         for i, d in enumerate(prop.decisions):
-            box = "; ".join(f"{_short(b.src)}->{_short(b.dst)} "
-                            f"[{', '.join(s.label() for s in b.plan.steps) or 'free'}]" for b in d.boxings)
-            rows.append((str(i), d.node.name, " | ".join(_short(n) for n in d.in_sbp),
-                         " | ".join(_short(n) for n in d.out_sbp), box,
-                         str(sum(b.bytes for b in d.boxings)) if d.boxings else "", d.node.source))
+            box = "; ".join(
+                f"{_short(b.src)}->{_short(b.dst)} [{', '.join(s.label() for s in b.plan.steps) or 'free'}]"
+                for b in d.boxings
+            )
+            rows.append(
+                (
+                    str(i),
+                    d.node.name,
+                    " | ".join(_short(n) for n in d.in_sbp),
+                    " | ".join(_short(n) for n in d.out_sbp),
+                    box,
+                    str(sum(b.bytes for b in d.boxings)) if d.boxings else "",
+                    d.node.source,
+                )
+            )
         for b in prop.out_boxings:
-            rows.append(("out", "", _short(b.src), _short(b.dst),
-                         f"[{', '.join(s.label() for s in b.plan.steps)}]", str(b.bytes), b.where))
+            rows.append(
+                (
+                    "out",
+                    "",
+                    _short(b.src),
+                    _short(b.dst),
+                    f"[{', '.join(s.label() for s in b.plan.steps)}]",
+                    str(b.bytes),
+                    b.where,
+                )
+            )
         widths = [min(max(len(r[c]) for r in rows), 60) for c in range(len(rows[0]))]
         for r in rows:
             lines.append("  " + "  ".join(v[:60].ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -87,10 +110,11 @@ class Explanation:
         for b in self.boxings:
             for s in b.plan.steps:
                 by_kind[s.op] = by_kind.get(s.op, 0) + s.bytes
-        lines.append("  totals: " + (", ".join(f"{k} {v} B" for k, v in sorted(by_kind.items())) or "no communication"))
+        lines.append(
+            "  totals: " + (", ".join(f"{k} {v} B" for k, v in sorted(by_kind.items())) or "no communication")
+        )
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
 
     __repr__ = __str__
-

@@ -24,8 +24,18 @@ try:  # the public home moved across JAX versions
 except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal
 
-INLINE = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2"}
+INLINE = {
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "checkpoint",
+    "remat",
+    "remat2",
+}
 _JAXPR_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _ids = itertools.count()
 

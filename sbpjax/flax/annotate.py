@@ -56,16 +56,19 @@ def _as_sbp_tuple(sbp, where: str) -> tuple:
     except TypeError:
         items = None
     if not items or not all(isinstance(s, (Split, Broadcast, Partial)) for s in items):
-        raise SBPError(f"{where}: {sbp!r} is not an SBP, a tuple of SBPs or SBP text; write e.g. (B, S(1)) "
-                       "or \"B, S(1)\".")
+        raise SBPError(
+            f'{where}: {sbp!r} is not an SBP, a tuple of SBPs or SBP text; write e.g. (B, S(1)) or "B, S(1)".'
+        )
     return items
 
 
 def _check_rank(sbp: tuple, ndim: int, where: str):
     for s in sbp:
         if isinstance(s, Split) and s.dim >= ndim:
-            raise SBPError(f"{where}: {format_sbp(sbp)} splits dim {s.dim} but the parameter has {ndim} dims; "
-                           f"split a dim in 0..{ndim - 1} or use B.")
+            raise SBPError(
+                f"{where}: {format_sbp(sbp)} splits dim {s.dim} but the parameter has {ndim} dims; "
+                f"split a dim in 0..{ndim - 1} or use B."
+            )
 
 
 def with_sbp(initializer, sbp):
@@ -81,7 +84,9 @@ def with_sbp(initializer, sbp):
         value = initializer(*args, **kwargs)
         # Inside nnx.vmap / nnx.scan the value seen here is one layer's: its rank
         # is the one the layout was written for (see "Stacked layers" above).
-        return nnx.variablelib.VariableMetadata(value, metadata={METADATA_KEY: sbp, RANK_KEY: jax.numpy.ndim(value)})
+        return nnx.variablelib.VariableMetadata(
+            value, metadata={METADATA_KEY: sbp, RANK_KEY: jax.numpy.ndim(value)}
+        )
 
     return init
 
@@ -127,8 +132,10 @@ def annotate(model, rules, *, stacked: int = 0):
     unused = [p for (p, _), u in zip(items, used) if not u]
     if unused:
         known = ", ".join(p for p, _ in params[:12]) + (" ..." if len(params) > 12 else "")
-        raise SBPError(f"annotate: rule(s) {unused} match no parameter of {type(model).__name__}. Parameter "
-                       f"paths are dotted, e.g. {known}.")
+        raise SBPError(
+            f"annotate: rule(s) {unused} match no parameter of {type(model).__name__}. Parameter "
+            f"paths are dotted, e.g. {known}."
+        )
     return model
 
 
@@ -157,8 +164,11 @@ def get_sbp(model, placement: Placement | None = None, *, rules=None):
         if placement is not None:
             if sbp is None:
                 sbp = sbp_from_metadata(meta, node.get_value(), placement, rules, where)
-            sbp = (Broadcast(),) * placement.ndim if sbp is None else normalize_nd_sbp(
-                sbp, placement.ndim, ndim, where)
+            sbp = (
+                (Broadcast(),) * placement.ndim
+                if sbp is None
+                else normalize_nd_sbp(sbp, placement.ndim, ndim, where)
+            )
         sub = tree
         for k in path[:-1]:
             sub = sub.setdefault(k, {})
@@ -176,8 +186,10 @@ def shift_stacked(sbp: tuple, added: int, where: str, index: int = 0) -> tuple:
     out = []
     for s in sbp:
         if isinstance(s, Split) and s.dim in removed:
-            raise SBPError(f"{where}: {format_sbp(sbp)} splits dim {s.dim}, a stacked dim being removed; "
-                           "a layer stack is never split along its layers.")
+            raise SBPError(
+                f"{where}: {format_sbp(sbp)} splits dim {s.dim}, a stacked dim being removed; "
+                "a layer stack is never split along its layers."
+            )
         if isinstance(s, Split) and s.dim >= index:
             s = Split(s.dim + added)
         out.append(s)
@@ -236,8 +248,10 @@ def sbp_module(cls=None, *, params=None, inputs=None, outputs=None):
     if cls is None:
         return functools.partial(sbp_module, params=params, inputs=inputs, outputs=outputs)
     if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
-        raise SBPError(f"sbp_module: {cls!r} is not an nnx.Module class; decorate a class such as nnx.Linear "
-                       "or your own `class Block(nnx.Module)`.")
+        raise SBPError(
+            f"sbp_module: {cls!r} is not an nnx.Module class; decorate a class such as nnx.Linear "
+            "or your own `class Block(nnx.Module)`."
+        )
     per_arg = inputs is not None and not _is_single_sbp(inputs)
 
     def __init__(self, *args, **kwargs):
@@ -249,15 +263,24 @@ def sbp_module(cls=None, *, params=None, inputs=None, outputs=None):
         if inputs is not None:
             specs = inputs if per_arg else (inputs,)
             if len(specs) > len(args):
-                raise SBPError(f"{cls.__name__}: inputs= gives {len(specs)} layouts but the call has "
-                               f"{len(args)} positional arguments.")
-            args = tuple(_constrain_tree(a, s) for a, s in zip(args, specs)) + args[len(specs):]
+                raise SBPError(
+                    f"{cls.__name__}: inputs= gives {len(specs)} layouts but the call has "
+                    f"{len(args)} positional arguments."
+                )
+            args = tuple(_constrain_tree(a, s) for a, s in zip(args, specs)) + args[len(specs) :]
         out = cls.__call__(self, *args, **kwargs)
         return _constrain_tree(out, outputs)
 
     def body(ns):
-        ns.update(__init__=__init__, __call__=__call__, __doc__=cls.__doc__, __module__=cls.__module__,
-                  __sbp_params__=params, __sbp_inputs__=inputs, __sbp_outputs__=outputs)
+        ns.update(
+            __init__=__init__,
+            __call__=__call__,
+            __doc__=cls.__doc__,
+            __module__=cls.__module__,
+            __sbp_params__=params,
+            __sbp_inputs__=inputs,
+            __sbp_outputs__=outputs,
+        )
 
     new = types.new_class(cls.__name__, (cls,), exec_body=body)
     new.__qualname__ = cls.__qualname__

@@ -75,6 +75,7 @@ def get_sbp(params, placement: Placement | None = None, *, rules=None):
     ``rules`` (``[(logical, axis or None), ...]``, as for ``nn.logical_axis_rules``),
     else the box's own rules, else Flax's active ``nn.logical_axis_rules``
     (see :mod:`sbpjax.flax.partitioning`)."""
+
     def one(path, v):
         sbp = v.sbp if isinstance(v, SBPBoxed) else None
         if placement is None:

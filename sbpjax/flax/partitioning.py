@@ -20,7 +20,8 @@ Partial values have no PartitionSpec form; write them with ``sjf.with_sbp``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from sbpjax._errors import SBPError
 from sbpjax.placement import Placement
@@ -54,9 +55,11 @@ def _mesh_axes(entry, names: Sequence[str], rules, where: str) -> tuple:
             continue
         target = next((t for logical, t in rules if logical == item), _MISSING)
         if target is _MISSING:
-            raise SBPError(f"{where}: sharding name {item!r} is neither an axis of the placement {tuple(names)} "
-                           f"nor a logical name with a rule (rules: {list(rules) or 'none'}). Pass rules=[(name, "
-                           f"axis), ...] or create the model inside nnx.logical_axis_rules(...).")
+            raise SBPError(
+                f"{where}: sharding name {item!r} is neither an axis of the placement {tuple(names)} "
+                f"nor a logical name with a rule (rules: {list(rules) or 'none'}). Pass rules=[(name, "
+                f"axis), ...] or create the model inside nnx.logical_axis_rules(...)."
+            )
         out.extend(_mesh_axes(target, names, (), where))
     return tuple(out)
 
@@ -64,7 +67,9 @@ def _mesh_axes(entry, names: Sequence[str], rules, where: str) -> tuple:
 _MISSING = object()
 
 
-def sbp_from_spec(spec: Sequence[Any], placement: Placement, ndim: int, rules=(), where: str = "parameter") -> tuple:
+def sbp_from_spec(
+    spec: Sequence[Any], placement: Placement, ndim: int, rules=(), where: str = "parameter"
+) -> tuple:
     """The nd-SBP a PartitionSpec-like ``spec`` (one entry per dim) means on ``placement``."""
     names = placement.axis_names
     spec = tuple(spec)
@@ -75,9 +80,11 @@ def sbp_from_spec(spec: Sequence[Any], placement: Placement, ndim: int, rules=()
         axes = _mesh_axes(entry, names, tuple(rules), where)
         index = [names.index(a) for a in axes]
         if index != sorted(index):
-            raise SBPError(f"{where}: sharding {spec} splits dim {d} over {axes}, outermost first; an nd-SBP "
-                           f"nests splits in placement axis order {tuple(names)}, so name them in that order "
-                           "(or order the placement's axes that way).")
+            raise SBPError(
+                f"{where}: sharding {spec} splits dim {d} over {axes}, outermost first; an nd-SBP "
+                f"nests splits in placement axis order {tuple(names)}, so name them in that order "
+                "(or order the placement's axes that way)."
+            )
         for a in index:
             if not isinstance(nd[a], Broadcast):
                 raise SBPError(f"{where}: sharding {spec} uses placement axis '{names[a]}' twice.")
@@ -93,7 +100,8 @@ def sbp_from_value(value, placement: Placement, where: str) -> tuple | None:
     if mesh is None or spec is None:
         return None
     same = tuple(mesh.axis_names) == tuple(placement.axis_names) and tuple(
-        d.id for d in mesh.devices.flat) == tuple(placement.device_ids)
+        d.id for d in mesh.devices.flat
+    ) == tuple(placement.device_ids)
     if not same:
         return None
     return sbp_from_spec(spec, placement, len(value.shape), (), where)
@@ -114,4 +122,3 @@ def sbp_from_metadata(metadata: dict, value, placement: Placement, rules, where:
         if from_value is None:
             raise
         return from_value
-

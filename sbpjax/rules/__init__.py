@@ -15,7 +15,7 @@ is bound again on local tensors with shape parameters rescaled to local shapes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from sbpjax.sbp import Broadcast, Partial
 

@@ -11,8 +11,18 @@ from __future__ import annotations
 from sbpjax.rules import B, Sig, rank, register
 from sbpjax.sbp import Split
 
-RANDOM = ("random_bits", "random_seed", "random_wrap", "random_unwrap", "random_fold_in",
-          "random_split", "threefry2x32", "random_clone", "rng_bit_generator", "rng_uniform")
+RANDOM = (
+    "random_bits",
+    "random_seed",
+    "random_wrap",
+    "random_unwrap",
+    "random_fold_in",
+    "random_split",
+    "threefry2x32",
+    "random_clone",
+    "rng_bit_generator",
+    "rng_uniform",
+)
 
 
 @register(*RANDOM)
@@ -27,7 +37,8 @@ def sort(eqn, in_avals):
     dim = eqn.params["dimension"]
     n_in, n_out = len(in_avals), len(eqn.outvars)
     return [Sig((Split(d),) * n_in, (Split(d),) * n_out) for d in range(rank(in_avals[0])) if d != dim] + [
-        Sig((B,) * n_in, (B,) * n_out)]
+        Sig((B,) * n_in, (B,) * n_out)
+    ]
 
 
 @register("top_k", "approx_top_k")

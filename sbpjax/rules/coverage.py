@@ -31,13 +31,15 @@ def coverage() -> list[dict]:
     for name in sorted(RULES):
         rule = RULES[name]
         fn = rule.signatures
-        rows.append({
-            "primitive": name,
-            "family": fn.__module__.rsplit(".", 1)[-1],
-            "rule": fn.__name__,
-            "local": rule.local is not None,
-            "allows": _summary(fn),
-        })
+        rows.append(
+            {
+                "primitive": name,
+                "family": fn.__module__.rsplit(".", 1)[-1],
+                "rule": fn.__name__,
+                "local": rule.local is not None,
+                "allows": _summary(fn),
+            }
+        )
     return rows
 
 

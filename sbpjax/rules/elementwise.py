@@ -19,16 +19,75 @@ from sbpjax.rules import B, P, Sig, rank, register
 from sbpjax.sbp import Split
 
 NONLINEAR = (
-    "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erfc", "erf_inv",
-    "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh",
-    "sqrt", "rsqrt", "cbrt", "integer_pow", "pow", "abs", "sign", "floor", "ceil", "round",
-    "is_finite", "not", "and", "or", "xor", "eq", "ne", "lt", "le", "gt", "ge", "rem",
-    "atan2", "nextafter", "square", "clamp", "population_count", "shift_left",
-    "shift_right_logical", "shift_right_arithmetic", "lgamma", "digamma", "bessel_i0e",
-    "bessel_i1e", "igamma", "igammac", "random_gamma_grad", "imag", "real", "conj",
-    "complex", "exp2", "polygamma", "zeta", "regularized_incomplete_beta",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "sin",
+    "cos",
+    "tan",
+    "asin",
+    "acos",
+    "atan",
+    "sinh",
+    "cosh",
+    "asinh",
+    "acosh",
+    "atanh",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "integer_pow",
+    "pow",
+    "abs",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "is_finite",
+    "not",
+    "and",
+    "or",
+    "xor",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "rem",
+    "atan2",
+    "nextafter",
+    "square",
+    "clamp",
+    "population_count",
+    "shift_left",
+    "shift_right_logical",
+    "shift_right_arithmetic",
+    "lgamma",
+    "digamma",
+    "bessel_i0e",
+    "bessel_i1e",
+    "igamma",
+    "igammac",
+    "random_gamma_grad",
+    "imag",
+    "real",
+    "conj",
+    "complex",
+    "exp2",
+    "polygamma",
+    "zeta",
+    "regularized_incomplete_beta",
     "one_minus_square",  # 1 - x**2, new in jax 0.11 (tanh, asin, acos, atanh derivatives)
-    "log2", "polynomial",  # new in jax 0.12 (jnp.log2; jnp.polyval with scalar coefficients: B)
+    "log2",
+    "polynomial",  # new in jax 0.12 (jnp.log2; jnp.polyval with scalar coefficients: B)
 )
 
 
@@ -38,8 +97,9 @@ def _split_and_broadcast(eqn, in_avals):
     sigs = []
     for d in range(len(out_shape)):
         # an operand of size 1 along d is broadcast there (jaxprs allow it): B
-        ins = tuple(Split(d) if rank(a) == len(out_shape) and a.shape[d] == out_shape[d] else B
-                    for a in in_avals)
+        ins = tuple(
+            Split(d) if rank(a) == len(out_shape) and a.shape[d] == out_shape[d] else B for a in in_avals
+        )
         sigs.append(Sig(ins, (Split(d),) * len(eqn.outvars)))
     sigs.append(Sig((B,) * len(in_avals), (B,) * len(eqn.outvars)))
     return sigs
@@ -73,7 +133,10 @@ def divide(eqn, in_avals):
 def negate(eqn, in_avals):
     """``-x``: ``-sum_i x_i = sum_i -x_i``; ``-max_i x_i = min_i -x_i``."""
     return _split_and_broadcast(eqn, in_avals) + [
-        Sig((P(),), (P(),)), Sig((P("max"),), (P("min"),)), Sig((P("min"),), (P("max"),))]
+        Sig((P(),), (P(),)),
+        Sig((P("max"),), (P("min"),)),
+        Sig((P("min"),), (P("max"),)),
+    ]
 
 
 @register("max", "min")
@@ -82,22 +145,29 @@ def extreme(eqn, in_avals):
     ``max(max_i a_i, b) = max_i max(a_i, b)``."""
     op = eqn.primitive.name
     return _split_and_broadcast(eqn, in_avals) + [
-        Sig((P(op), P(op)), (P(op),)), Sig((P(op), B), (P(op),)), Sig((B, P(op)), (P(op),))]
+        Sig((P(op), P(op)), (P(op),)),
+        Sig((P(op), B), (P(op),)),
+        Sig((B, P(op)), (P(op),)),
+    ]
 
 
-@register("convert_element_type", "reduce_precision", "copy", "copy_p", "stop_gradient",
-          "optimization_barrier")
+@register(
+    "convert_element_type", "reduce_precision", "copy", "copy_p", "stop_gradient", "optimization_barrier"
+)
 def passthrough(eqn, in_avals):
     """``y_i = cast(x_i)``: a cast is monotone (keeps P(max), P(min)) and, between
     floating types or from integers to floats, linear up to rounding (keeps P(sum))."""
     import numpy as np
 
     n = len(in_avals)
-    sigs = _split_and_broadcast(eqn, in_avals) + [Sig((P("max"),) * n, (P("max"),) * n),
-                                                  Sig((P("min"),) * n, (P("min"),) * n)]
+    sigs = _split_and_broadcast(eqn, in_avals) + [
+        Sig((P("max"),) * n, (P("max"),) * n),
+        Sig((P("min"),) * n, (P("min"),) * n),
+    ]
     out_dtype = eqn.outvars[0].aval.dtype
     if np.issubdtype(out_dtype, np.floating) or all(
-            np.issubdtype(a.dtype, np.integer) and np.issubdtype(out_dtype, np.integer) for a in in_avals):
+        np.issubdtype(a.dtype, np.integer) and np.issubdtype(out_dtype, np.integer) for a in in_avals
+    ):
         sigs.append(Sig((P(),) * n, (P(),) * n))
     return sigs
 
@@ -115,8 +185,21 @@ def select(eqn, in_avals):
 
 # Same-shape elementwise primitives: a layout wanted at the output is wanted at
 # the inputs too (used by the compiler to carry output preferences backwards).
-ELEMENTWISE = frozenset(NONLINEAR) | {"add", "sub", "add_any", "mul", "div", "neg", "max", "min",
-                                      "convert_element_type", "copy", "copy_p", "stop_gradient", "select_n"}
+ELEMENTWISE = frozenset(NONLINEAR) | {
+    "add",
+    "sub",
+    "add_any",
+    "mul",
+    "div",
+    "neg",
+    "max",
+    "min",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "stop_gradient",
+    "select_n",
+}
 
 
 @register("bitcast_convert_type")

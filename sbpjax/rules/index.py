@@ -21,8 +21,13 @@ from sbpjax.sbp import Split
 
 def _gather_dims(eqn):
     dn = eqn.params["dimension_numbers"]
-    return (tuple(dn.offset_dims), tuple(dn.collapsed_slice_dims), tuple(dn.start_index_map),
-            tuple(getattr(dn, "operand_batching_dims", ())), tuple(getattr(dn, "start_indices_batching_dims", ())))
+    return (
+        tuple(dn.offset_dims),
+        tuple(dn.collapsed_slice_dims),
+        tuple(dn.start_index_map),
+        tuple(getattr(dn, "operand_batching_dims", ())),
+        tuple(getattr(dn, "start_indices_batching_dims", ())),
+    )
 
 
 @register("gather")
@@ -61,8 +66,9 @@ def local_gather(eqn, ins, ctx):
     _, collapsed, start_map, _, _ = _gather_dims(eqn)
     params = dict(eqn.params)
     # window dims taken whole: the slice size is the local size
-    params["slice_sizes"] = tuple(x.shape[d] if params["slice_sizes"][d] == xs[d] else params["slice_sizes"][d]
-                                  for d in range(len(xs)))
+    params["slice_sizes"] = tuple(
+        x.shape[d] if params["slice_sizes"][d] == xs[d] else params["slice_sizes"][d] for d in range(len(xs))
+    )
     split_indexed = [d for d in start_map if ctx.is_split(ctx.in_nd[0], d)]
     if not split_indexed:
         return [lax.gather_p.bind(x, idx, **params)]
@@ -88,9 +94,13 @@ set_local("gather")(local_gather)
 
 def _scatter_dims(eqn):
     dn = eqn.params["dimension_numbers"]
-    return (tuple(dn.update_window_dims), tuple(dn.inserted_window_dims),
-            tuple(dn.scatter_dims_to_operand_dims), tuple(getattr(dn, "operand_batching_dims", ())),
-            tuple(getattr(dn, "scatter_indices_batching_dims", ())))
+    return (
+        tuple(dn.update_window_dims),
+        tuple(dn.inserted_window_dims),
+        tuple(dn.scatter_dims_to_operand_dims),
+        tuple(getattr(dn, "operand_batching_dims", ())),
+        tuple(getattr(dn, "scatter_indices_batching_dims", ())),
+    )
 
 
 @register("scatter-add", "scatter_add")
@@ -131,8 +141,6 @@ def local_scatter_add(eqn, ins, ctx):
 
 
 set_local("scatter-add", "scatter_add")(local_scatter_add)
-
-
 
 
 @register("scatter")

@@ -36,8 +36,11 @@ def reduction(eqn, in_avals):
 def arg_reduction(eqn, in_avals):
     """``y_i = argmax(x_i, axis)``: only splits of other dims."""
     axes = tuple(eqn.params["axes"])
-    sigs = [Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
-            for d in range(rank(in_avals[0])) if d not in axes]
+    sigs = [
+        Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
+        for d in range(rank(in_avals[0]))
+        if d not in axes
+    ]
     return sigs + [Sig((B,), (B,))]
 
 
@@ -59,6 +62,9 @@ def kept_dim_reduction(eqn, in_avals):
     logical and / or / xor) over a split dim has no partial kind here, so
     that dim is reduced whole."""
     axes = tuple(eqn.params["axes"])
-    sigs = [Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
-            for d in range(rank(in_avals[0])) if d not in axes]
+    sigs = [
+        Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
+        for d in range(rank(in_avals[0]))
+        if d not in axes
+    ]
     return sigs + [Sig((B,), (B,))]

@@ -31,7 +31,11 @@ def _partials(n_in, n_out=1):
 def transpose(eqn, in_avals):
     """``y_i = transpose(x_i)``: S(d) -> S(perm.index(d))."""
     perm = tuple(eqn.params["permutation"])
-    return [Sig((Split(d),), (Split(perm.index(d)),)) for d in range(len(perm))] + _partials(1) + [Sig((B,), (B,))]
+    return (
+        [Sig((Split(d),), (Split(perm.index(d)),)) for d in range(len(perm))]
+        + _partials(1)
+        + [Sig((B,), (B,))]
+    )
 
 
 @register("broadcast_in_dim")
@@ -41,8 +45,11 @@ def broadcast_in_dim(eqn, in_avals):
     bd = tuple(eqn.params["broadcast_dimensions"])
     out_shape = tuple(eqn.params["shape"])
     in_shape = shape_of(in_avals[0])
-    sigs = [Sig((Split(d),), (Split(bd[d]),)) for d in range(len(in_shape))
-            if in_shape[d] == out_shape[bd[d]] and in_shape[d] > 1]
+    sigs = [
+        Sig((Split(d),), (Split(bd[d]),))
+        for d in range(len(in_shape))
+        if in_shape[d] == out_shape[bd[d]] and in_shape[d] > 1
+    ]
     for j in range(len(out_shape)):
         if j not in bd or in_shape[bd.index(j)] == 1:
             sigs.append(Sig((B,), (Split(j),)))
@@ -84,8 +91,15 @@ def reshape(eqn, in_avals):
 def squeeze(eqn, in_avals):
     """``y_i = squeeze(x_i)``: S(d) -> S(d - removed dims before d)."""
     dims = tuple(eqn.params["dimensions"])
-    return [Sig((Split(d),), (Split(d - sum(x < d for x in dims)),))
-            for d in range(rank(in_avals[0])) if d not in dims] + _partials(1) + [Sig((B,), (B,))]
+    return (
+        [
+            Sig((Split(d),), (Split(d - sum(x < d for x in dims)),))
+            for d in range(rank(in_avals[0]))
+            if d not in dims
+        ]
+        + _partials(1)
+        + [Sig((B,), (B,))]
+    )
 
 
 @register("expand_dims")
@@ -93,7 +107,11 @@ def expand_dims(eqn, in_avals):
     dims = tuple(eqn.params["dimensions"])
     out_rank = rank(in_avals[0]) + len(dims)
     kept = [j for j in range(out_rank) if j not in dims]
-    return [Sig((Split(d),), (Split(kept[d]),)) for d in range(rank(in_avals[0]))] + _partials(1) + [Sig((B,), (B,))]
+    return (
+        [Sig((Split(d),), (Split(kept[d]),)) for d in range(rank(in_avals[0]))]
+        + _partials(1)
+        + [Sig((B,), (B,))]
+    )
 
 
 @register("concatenate")
@@ -102,22 +120,30 @@ def concatenate(eqn, in_avals):
     of one op concatenate to that partial."""
     dim = eqn.params["dimension"]
     n = len(in_avals)
-    return [Sig((Split(d),) * n, (Split(d),)) for d in range(rank(in_avals[0])) if d != dim] + _partials(n) + [
-        Sig((B,) * n, (B,))]
+    return (
+        [Sig((Split(d),) * n, (Split(d),)) for d in range(rank(in_avals[0])) if d != dim]
+        + _partials(n)
+        + [Sig((B,) * n, (B,))]
+    )
 
 
 @register("pad")
 def pad(eqn, in_avals):
     """``y_i = pad(x_i, v)`` for splits of dims without padding; v broadcast."""
     cfg = eqn.params["padding_config"]
-    return [Sig((Split(d), B), (Split(d),)) for d, c in enumerate(cfg) if tuple(c) == (0, 0, 0)] + [Sig((B, B), (B,))]
+    return [Sig((Split(d), B), (Split(d),)) for d, c in enumerate(cfg) if tuple(c) == (0, 0, 0)] + [
+        Sig((B, B), (B,))
+    ]
 
 
 @register("rev")
 def rev(eqn, in_avals):
     dims = tuple(eqn.params["dimensions"])
-    return [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0])) if d not in dims] + _partials(1) + [
-        Sig((B,), (B,))]
+    return (
+        [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0])) if d not in dims]
+        + _partials(1)
+        + [Sig((B,), (B,))]
+    )
 
 
 @register("slice")
@@ -137,8 +163,11 @@ def dynamic_slice(eqn, in_avals):
     n = shape_of(in_avals[0])
     k = len(in_avals) - 1
     full = [d for d in range(len(n)) if sizes[d] == n[d]]
-    return [Sig((Split(d),) + (B,) * k, (Split(d),)) for d in full] + [
-        Sig((P(op),) + (B,) * k, (P(op),)) for op in ALL_P] + [Sig((B,) * (k + 1), (B,))]
+    return (
+        [Sig((Split(d),) + (B,) * k, (Split(d),)) for d in full]
+        + [Sig((P(op),) + (B,) * k, (P(op),)) for op in ALL_P]
+        + [Sig((B,) * (k + 1), (B,))]
+    )
 
 
 @register("dynamic_update_slice")
@@ -149,7 +178,9 @@ def dynamic_update_slice(eqn, in_avals):
     k = len(in_avals) - 2
     full = [d for d in range(len(n)) if n[d] == u[d]]
     return [Sig((Split(d), Split(d)) + (B,) * k, (Split(d),)) for d in full] + [
-        Sig((P(), P()) + (B,) * k, (P(),)), Sig((B,) * (k + 2), (B,))]
+        Sig((P(), P()) + (B,) * k, (P(),)),
+        Sig((B,) * (k + 2), (B,)),
+    ]
 
 
 @register("iota")
@@ -180,16 +211,20 @@ def local_slice(eqn, ins, ctx):
     x = ins[0]
     n = shape_of(eqn.invars[0].aval)
     start = list(p["start_indices"])
-    limit = [x.shape[d] if (start[d] == 0 and p["limit_indices"][d] == n[d]) else p["limit_indices"][d]
-             for d in range(len(n))]
+    limit = [
+        x.shape[d] if (start[d] == 0 and p["limit_indices"][d] == n[d]) else p["limit_indices"][d]
+        for d in range(len(n))
+    ]
     return [lax.slice(x, start, limit, p["strides"])]
 
 
 def local_dynamic_slice(eqn, ins, ctx):
     x = ins[0]
     n = shape_of(eqn.invars[0].aval)
-    sizes = [x.shape[d] if eqn.params["slice_sizes"][d] == n[d] else eqn.params["slice_sizes"][d]
-             for d in range(len(n))]
+    sizes = [
+        x.shape[d] if eqn.params["slice_sizes"][d] == n[d] else eqn.params["slice_sizes"][d]
+        for d in range(len(n))
+    ]
     return [lax.dynamic_slice(x, ins[1:], sizes)]
 
 
@@ -200,8 +235,6 @@ set_local("slice")(local_slice)
 set_local("dynamic_slice")(local_dynamic_slice)
 
 
-
-
 @register("split")
 def split(eqn, in_avals):
     """``y_i = split(x_i)`` into pieces along a dim the input is not split on
@@ -209,8 +242,11 @@ def split(eqn, in_avals):
     split; splitting only selects elements, so every partial kind survives."""
     axis = eqn.params["axis"]
     n_out = len(eqn.outvars)
-    return [Sig((Split(d),), (Split(d),) * n_out) for d in range(rank(in_avals[0])) if d != axis] + _partials(
-        1, n_out) + [Sig((B,), (B,) * n_out)]
+    return (
+        [Sig((Split(d),), (Split(d),) * n_out) for d in range(rank(in_avals[0])) if d != axis]
+        + _partials(1, n_out)
+        + [Sig((B,), (B,) * n_out)]
+    )
 
 
 @register("device_put")
@@ -219,7 +255,9 @@ def device_put(eqn, in_avals):
     every layout passes through (operands of one shape share a split)."""
     n = len(in_avals)
     shapes = {tuple(shape_of(a)) for a in in_avals}
-    sigs = [Sig((Split(d),) * n, (Split(d),) * n) for d in range(rank(in_avals[0]))] if len(shapes) == 1 else []
+    sigs = (
+        [Sig((Split(d),) * n, (Split(d),) * n) for d in range(rank(in_avals[0]))] if len(shapes) == 1 else []
+    )
     return sigs + _partials(n, n) + [Sig((B,) * n, (B,) * n)]
 
 
@@ -230,8 +268,11 @@ def stack(eqn, in_avals):
     to that kind."""
     axis = eqn.params["axis"]
     n = len(in_avals)
-    return [Sig((Split(d),) * n, (Split(d + (d >= axis)),)) for d in range(rank(in_avals[0]))] + _partials(n) + [
-        Sig((B,) * n, (B,))]
+    return (
+        [Sig((Split(d),) * n, (Split(d + (d >= axis)),)) for d in range(rank(in_avals[0]))]
+        + _partials(n)
+        + [Sig((B,) * n, (B,))]
+    )
 
 
 @register("unstack")
@@ -240,5 +281,8 @@ def unstack(eqn, in_avals):
     way: ``q, k, v = qkv``) for splits off ``axis``; every partial passes."""
     axis = eqn.params["axis"]
     n_out = len(eqn.outvars)
-    return [Sig((Split(d),), (Split(d - (d > axis)),) * n_out) for d in range(rank(in_avals[0])) if d != axis] + (
-        _partials(1, n_out)) + [Sig((B,), (B,) * n_out)]
+    return (
+        [Sig((Split(d),), (Split(d - (d > axis)),) * n_out) for d in range(rank(in_avals[0])) if d != axis]
+        + (_partials(1, n_out))
+        + [Sig((B,), (B,) * n_out)]
+    )

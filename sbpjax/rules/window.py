@@ -29,14 +29,19 @@ def _untouched_dims(eqn, r: int) -> list[int]:
     padding = tuple(tuple(c) for c in p.get("padding", ((0, 0),) * r))
     base = tuple(p.get("base_dilation", ones))
     dil = tuple(p.get("window_dilation", ones))
-    return [d for d in range(r)
-            if window[d] == 1 and strides[d] == 1 and padding[d] == (0, 0) and base[d] == 1 and dil[d] == 1]
+    return [
+        d
+        for d in range(r)
+        if window[d] == 1 and strides[d] == 1 and padding[d] == (0, 0) and base[d] == 1 and dil[d] == 1
+    ]
 
 
 @register("reduce_window_sum", "reduce_window_max", "reduce_window_min")
 def pooling(eqn, in_avals):
     """``y_i = pool(x_i)`` for splits of untouched dims; the matching partial passes."""
-    op = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}[eqn.primitive.name]
+    op = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}[
+        eqn.primitive.name
+    ]
     splits = [Sig((Split(d),), (Split(d),)) for d in _untouched_dims(eqn, rank(in_avals[0]))]
     return splits + [Sig((P(op),), (P(op),)), Sig((B,), (B,))]
 
@@ -46,7 +51,9 @@ def reduce_window(eqn, in_avals):
     """A general window reduction (operands, then one scalar init value each):
     splits of untouched dims, init values broadcast."""
     n = len(eqn.outvars)
-    splits = [Sig((Split(d),) * n + (B,) * n, (Split(d),) * n) for d in _untouched_dims(eqn, rank(in_avals[0]))]
+    splits = [
+        Sig((Split(d),) * n + (B,) * n, (Split(d),) * n) for d in _untouched_dims(eqn, rank(in_avals[0]))
+    ]
     return splits + [Sig((B,) * (2 * n), (B,) * n)]
 
 

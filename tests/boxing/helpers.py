@@ -36,7 +36,9 @@ def check_boxing(pl, x, src, dst):
         measured = sum(c.bytes * itemsize // c.itemsize for c in found)
         assert measured == plan.bytes, (str(plan), found)
         want_kinds = Counter(s.collective for s in plan.steps if s.collective and s.bytes)
-        got_kinds = Counter(c.op for c in found for _ in range(c.count if c.op != "collective-permute" else 1))
+        got_kinds = Counter(
+            c.op for c in found for _ in range(c.count if c.op != "collective-permute" else 1)
+        )
         if "collective-permute" in want_kinds:
             # one collective-permute per round
             want_kinds["collective-permute"] = sum(s.rounds for s in plan.steps if s.op == "permute")

@@ -7,7 +7,9 @@ import sbpjax as sj
 def test_ring_formulas():
     cm = sj.CostModel(alpha=2e-6, beta=1e-9)
     n = 1 << 20
-    assert cm.collective_time("all_reduce", ("x",), 8, n) == pytest.approx(2 * 7 * 2e-6 + 2 * 7 / 8 * n * 1e-9)
+    assert cm.collective_time("all_reduce", ("x",), 8, n) == pytest.approx(
+        2 * 7 * 2e-6 + 2 * 7 / 8 * n * 1e-9
+    )
     for op in ("all_gather", "reduce_scatter", "all_to_all"):
         assert cm.collective_time(op, ("x",), 4, n) == pytest.approx(3 * 2e-6 + 3 / 4 * n * 1e-9)
     assert cm.collective_time("all_reduce", ("x",), 1, n) == 0.0
@@ -17,7 +19,9 @@ def test_per_axis_parameters_and_groups():
     cm = sj.CostModel(alpha={"node": 1e-5, "gpu": 1e-6}, beta={"node": 8e-11, "gpu": 4e-12})
     assert cm.group(("gpu",)) == (1e-6, 4e-12)
     assert cm.group(("node", "gpu")) == (1e-5, 8e-11)  # a group runs at its slowest axis
-    assert cm.collective_time("all_gather", ("gpu",), 8, 1e6) < cm.collective_time("all_gather", ("node",), 8, 1e6)
+    assert cm.collective_time("all_gather", ("gpu",), 8, 1e6) < cm.collective_time(
+        "all_gather", ("node",), 8, 1e6
+    )
     with pytest.raises(sj.SBPError, match="no time formula"):
         cm.collective_time("broadcast", ("gpu",), 8, 1.0)
 

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import assert_close
 
 import sbpjax as sj
@@ -21,6 +20,7 @@ def test_grad_through_every_2d_boxing(src, pl24):
     x = rng.normal(size=(8, 12)).astype(np.float32)
     w = rng.normal(size=(8, 12)).astype(np.float32)
     for dst in itertools.product(OUT, repeat=2):
+
         def loss(v, dst=dst):
             u = sj.to_global(v, pl24, src).to_global(sbp=dst)
             return jnp.sum(u.to_jax() ** 2 * w)

@@ -51,8 +51,16 @@ def test_table_2_collectives():
     assert op(sj.S(1), sj.P) == ["zero_fill"] and op(sj.B, sj.P_max) == ["zero_fill"]
     pmax = sj.plan_boxing((64, 64), np.float32, pl, sj.P_max, sj.S(0)).steps[0]
     assert pmax.op == "reduce_scatter" and pmax.reduce == "max" and pmax.collective == "all-to-all"
-    assert set(COLLECTIVE_OF) >= {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                                  "local_slice", "zero_fill", "transfer", "permute"}
+    assert set(COLLECTIVE_OF) >= {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "local_slice",
+        "zero_fill",
+        "transfer",
+        "permute",
+    }
 
 
 def test_pairs_without_partials_are_at_the_floor():
@@ -69,7 +77,7 @@ def test_bytes_lower_bound_never_exceeds_the_plan(shape, grid):
     """The bound the compiler uses to skip candidates without a search: below
     every plan (all pairs, even and uneven), the floor when nothing is partial,
     and the plan itself for most even partial sources."""
-    pl = sj.placement(grid, ("x", "y", "z")[:len(grid)])
+    pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
     pairs = list(itertools.product(itertools.product(ALL_1D, repeat=len(grid)), repeat=2))
     if len(grid) == 3:  # 4096 pairs: a fixed sample of 500 keeps the test fast
         pairs = [pairs[i] for i in np.random.default_rng(0).choice(len(pairs), 500, replace=False)]
@@ -80,7 +88,9 @@ def test_bytes_lower_bound_never_exceeds_the_plan(shape, grid):
         assert bound <= plan.bytes, (src, dst, bound, str(plan))
         if plan.floor is not None:
             assert bound == plan.floor, (src, dst)
-        if any(isinstance(s, sj.sbp.Partial) for s in src) and not any(isinstance(s, sj.sbp.Partial) for s in dst):
+        if any(isinstance(s, sj.sbp.Partial) for s in src) and not any(
+            isinstance(s, sj.sbp.Partial) for s in dst
+        ):
             partial_sources += 1
             exact += bound == plan.bytes
     if shape == (64, 32):  # all pairs: 53 of 63 on 2x4, 733 of 999 on 2x2x2

@@ -34,8 +34,9 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_64_devices_plans_fast_and_compiled_bytes_match():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=900, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, check=True
+    ).stdout
     res = json.loads(out.strip().splitlines()[-1])
     assert res["worst_plan_seconds"] < 2.0
     for src, dst, planned, measured, at_floor in res["checked"]:

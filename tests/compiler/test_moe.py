@@ -32,16 +32,22 @@ def moe_loss(p, x):
     return jnp.mean((y - x) ** 2)
 
 
-@pytest.mark.parametrize("grid,tokens,experts,specs", [
-    ((8,), (S0,), (S0,), (PS("x"), PS("x"))),
-    ((2, 4), (S0, S0), (B, S0), (PS(("x", "y")), PS("y"))),
-], ids=["8-expert-parallel", "2x4-data-x-expert"])
+@pytest.mark.parametrize(
+    "grid,tokens,experts,specs",
+    [
+        ((8,), (S0,), (S0,), (PS("x"), PS("x"))),
+        ((2, 4), (S0, S0), (B, S0), (PS(("x", "y")), PS("y"))),
+    ],
+    ids=["8-expert-parallel", "2x4-data-x-expert"],
+)
 def test_top2_moe_step(grid, tokens, experts, specs):
-    pl = sj.placement(grid, ("x", "y")[:len(grid)])
+    pl = sj.placement(grid, ("x", "y")[: len(grid)])
     rng = np.random.default_rng(0)
-    p = {"router": rng.normal(size=(D, E)).astype(np.float32),
-         "w1": (0.1 * rng.normal(size=(E, D, H))).astype(np.float32),
-         "w2": (0.1 * rng.normal(size=(E, H, D))).astype(np.float32)}
+    p = {
+        "router": rng.normal(size=(D, E)).astype(np.float32),
+        "w1": (0.1 * rng.normal(size=(E, D, H))).astype(np.float32),
+        "w2": (0.1 * rng.normal(size=(E, H, D))).astype(np.float32),
+    }
     x = rng.normal(size=(T, D)).astype(np.float32)
     replicated = (B,) * len(grid)
     p_sbp = {"router": replicated, "w1": experts, "w2": experts}

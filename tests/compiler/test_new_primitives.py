@@ -21,8 +21,11 @@ from sbpjax._errors import SBPWarning
 S0 = sj.S(0)
 
 
-@pytest.mark.parametrize("fn", [jnp.tanh, jnp.arcsin, jnp.arccos, jnp.arctanh, jax.nn.gelu],
-                         ids=["tanh", "asin", "acos", "atanh", "gelu"])
+@pytest.mark.parametrize(
+    "fn",
+    [jnp.tanh, jnp.arcsin, jnp.arccos, jnp.arctanh, jax.nn.gelu],
+    ids=["tanh", "asin", "acos", "atanh", "gelu"],
+)
 def test_elementwise_derivatives_stay_split_and_move_nothing(pl8, fn):
     x = np.random.default_rng(0).uniform(-0.9, 0.9, size=(16, 8)).astype(np.float32)
 

@@ -30,8 +30,11 @@ class Block(nnx.Module):
 class ResNet(nnx.Module):
     def __init__(self, rngs):
         self.stem, self.bn = nnx.Conv(3, 16, (3, 3), rngs=rngs), nnx.BatchNorm(16, rngs=rngs)
-        self.blocks = nnx.List([Block(16, rngs), Block(16, rngs)]) if hasattr(nnx, "List") else [
-            Block(16, rngs), Block(16, rngs)]
+        self.blocks = (
+            nnx.List([Block(16, rngs), Block(16, rngs)])
+            if hasattr(nnx, "List")
+            else [Block(16, rngs), Block(16, rngs)]
+        )
         self.head = nnx.Linear(16, 10, rngs=rngs)
 
     def __call__(self, x):
@@ -69,15 +72,20 @@ def test_data_parallel_resnet_with_batchnorm_moves_no_more_than_gspmd(pl8):
     # one scale for the whole model: the conv biases before a BatchNorm have an
     # analytically zero gradient, so their updates are rounding noise
     scale = max(float(np.abs(w).max()) for w in jax.tree.leaves((want_p, want_s)))
-    for got, want in zip(jax.tree.leaves((new_p, new_s), is_leaf=lambda v: isinstance(v, sj.GlobalTensor)),
-                         jax.tree.leaves((want_p, want_s))):
+    for got, want in zip(
+        jax.tree.leaves((new_p, new_s), is_leaf=lambda v: isinstance(v, sj.GlobalTensor)),
+        jax.tree.leaves((want_p, want_s)),
+    ):
         assert_close(got.numpy(), want, rtol=1e-5, scale=scale)
 
     ours = sum(c.bytes for c in sj.collectives(compiled))
     assert ours == f.explain(p, s, x, y).bytes
     shard = lambda spec: NamedSharding(pl8.mesh, spec)  # noqa: E731
     rep = lambda tree: jax.tree.map(lambda _: shard(PS()), tree)  # noqa: E731
-    g = jax.jit(step, in_shardings=(rep(p), rep(s), shard(PS("x")), shard(PS("x"))),
-                out_shardings=(shard(PS()), rep(p), rep(s)))
+    g = jax.jit(
+        step,
+        in_shardings=(rep(p), rep(s), shard(PS("x")), shard(PS("x"))),
+        out_shardings=(shard(PS()), rep(p), rep(s)),
+    )
     theirs = sum(c.bytes for c in sj.collectives(g.lower(p, s, x, y).compile()))
     assert ours <= theirs, (ours, theirs)

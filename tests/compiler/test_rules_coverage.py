@@ -31,8 +31,9 @@ def _pool_avg(x):
 
 
 def _pool_absmax(x):  # a computation XLA has no named primitive for: generic reduce_window
-    return lax.reduce_window(x, 0.0, lambda a, b: jnp.maximum(jnp.abs(a), jnp.abs(b)), (1, 2, 2, 1),
-                             (1, 2, 2, 1), "VALID")
+    return lax.reduce_window(
+        x, 0.0, lambda a, b: jnp.maximum(jnp.abs(a), jnp.abs(b)), (1, 2, 2, 1), (1, 2, 2, 1), "VALID"
+    )
 
 
 def _grad(f):
@@ -73,7 +74,9 @@ def test_rule_keeps_the_split_and_matches_one_device(pl8, name):
         got = f(t)
         compiled = f.lower(t).compile()
     want = jax.jit(fn)(x)
-    for g, w in zip(jax.tree.leaves(got, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), jax.tree.leaves(want)):
+    for g, w in zip(
+        jax.tree.leaves(got, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), jax.tree.leaves(want)
+    ):
         g = g.numpy()
         assert g.shape == w.shape and g.dtype == w.dtype
         if np.issubdtype(w.dtype, np.floating):
@@ -98,10 +101,13 @@ def test_polyval_stays_split_where_jax_has_a_polynomial_primitive(pl8):
         del CASES["polyval"]
 
 
-@pytest.mark.parametrize("shape,sbp,hint", [
-    ((12, 16), (S0,), "split dim 1 (size 16) there instead: (S(1))"),
-    ((12, 5), (S0,), "keep it whole over 'x': (B)"),
-])
+@pytest.mark.parametrize(
+    "shape,sbp,hint",
+    [
+        ((12, 16), (S0,), "split dim 1 (size 16) there instead: (S(1))"),
+        ((12, 5), (S0,), "keep it whole over 'x': (B)"),
+    ],
+)
 def test_uneven_split_error_proposes_a_layout_that_works(pl8, shape, sbp, hint):
     x = np.ones(shape, np.float32)
     f = sj.jit(lambda v: v * 2, placement=pl8, in_sbp=sbp)

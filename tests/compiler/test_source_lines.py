@@ -4,7 +4,6 @@ import os
 import warnings
 
 import flax
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -4,10 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 from flax import linen as nn
 from flax import nnx
-
-from conftest import assert_close
 
 import sbpjax as sj
 import sbpjax.flax as sjf
@@ -43,8 +42,14 @@ def test_with_sbp_is_metadata_read_by_get_sbp():
 
 def test_annotate_patterns_first_match_wins():
     m = Stack(nnx.Rngs(0))
-    sjf.annotate(m, [("blocks.0.fc1.kernel", (S(0), B)), ("blocks.*.fc1.kernel", (B, S(1))),
-                     ("blocks.*.fc2.kernel", "B, S(0)")])
+    sjf.annotate(
+        m,
+        [
+            ("blocks.0.fc1.kernel", (S(0), B)),
+            ("blocks.*.fc1.kernel", (B, S(1))),
+            ("blocks.*.fc2.kernel", "B, S(0)"),
+        ],
+    )
     got = sjf.get_sbp(m)
     assert got["blocks"][0]["fc1"]["kernel"] == (S(0), B)
     assert got["blocks"][1]["fc1"]["kernel"] == (B, S(1))
@@ -87,15 +92,18 @@ def test_place_and_unplace():
 
 def test_sbp_module_annotates_an_existing_class_and_its_call():
     pl = sj.placement(8, "x")
-    Column = sjf.sbp_module(nnx.Linear, params={"kernel": (S(1),), "bias": (S(0),)}, inputs=(B,),
-                            outputs=(S(1),))
+    Column = sjf.sbp_module(
+        nnx.Linear, params={"kernel": (S(1),), "bias": (S(0),)}, inputs=(B,), outputs=(S(1),)
+    )
     assert Column.__name__ == "Linear" and Column is not nnx.Linear
     layer = Column(16, 32, rngs=nnx.Rngs(0))
     assert sjf.get_sbp(layer) == {"kernel": (S(1),), "bias": (S(0),)}
     assert nnx.Linear(4, 4, rngs=nnx.Rngs(0)).kernel.get_metadata().get("sbp") is None  # original untouched
     x = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
     # outside sj.jit nothing changes
-    assert_close(np.asarray(layer(x)), x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...]), rtol=1e-5)
+    assert_close(
+        np.asarray(layer(x)), x @ np.asarray(layer.kernel[...]) + np.asarray(layer.bias[...]), rtol=1e-5
+    )
 
     graphdef, state = nnx.split(layer)
     params = nnx.to_pure_dict(state)
@@ -129,7 +137,8 @@ class LinenMLP(nn.Module):
     def __call__(self, x):
         x = nn.Dense(16, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (B, S(1))))(x)
         return nn.Dense(8, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (B, S(0))))(
-            jax.nn.relu(x))
+            jax.nn.relu(x)
+        )
 
 
 def test_linen_boxes_and_get_sbp():
@@ -142,7 +151,10 @@ def test_linen_boxes_and_get_sbp():
     plain = sjf.linen.unbox(variables["params"])
     assert isinstance(plain["Dense_0"]["kernel"], jax.Array)
     # apply works on the boxed variables as on plain ones
-    assert_close(np.asarray(LinenMLP().apply(variables, x)), np.asarray(LinenMLP().apply({"params": plain}, x)),
-                 rtol=1e-6)
+    assert_close(
+        np.asarray(LinenMLP().apply(variables, x)),
+        np.asarray(LinenMLP().apply({"params": plain}, x)),
+        rtol=1e-6,
+    )
     assert sjf.linen.get_sbp(variables["params"])["Dense_0"]["bias"] is None
     assert P  # imported names used across this module's tests

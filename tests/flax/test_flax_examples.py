@@ -20,13 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def load_example(name):
     """An example file as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", os.path.join(ROOT, "examples", f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"examples_{name}", os.path.join(ROOT, "examples", f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-
 
 
 def assert_same_training(build, optimizer, loss_fn, batches, placement, batch_sbp, **trainer_options):
@@ -52,8 +51,9 @@ def test_data_parallel_equals_single_device(pl8):
     (x, y), _ = ex.load_digits()
     data = ex.batches(x, y, batch=64)
     batches = [next(data) for _ in range(3)]
-    assert_same_training(lambda: ex.build(hidden=32), optax.sgd(0.1, momentum=0.9), ex.loss_fn, batches, pl8,
-                         ex.BATCH_SBP)
+    assert_same_training(
+        lambda: ex.build(hidden=32), optax.sgd(0.1, momentum=0.9), ex.loss_fn, batches, pl8, ex.BATCH_SBP
+    )
     # the example's step (Adam): parameters B, so each gradient comes out P(sum)
     # and is all-reduced, once; the loss is the only other all-reduce
     trainer = sjf.Trainer(ex.build(hidden=32), optax.adam(3e-3), ex.loss_fn, pl8, batch_sbp=ex.BATCH_SBP)
@@ -67,8 +67,14 @@ def test_model_parallel_classifier_equals_single_device(pl8):
     ex = load_example("model_parallel_classifier")
     data = ex.Identities(classes=1024, dim=16, noise=0.5)
     batches = [data.sample(64) for _ in range(3)]
-    trainer = assert_same_training(lambda: ex.build(16, 32, 32, 1024), optax.sgd(0.1, momentum=0.9),
-                                   ex.loss_fn, batches, pl8, ex.BATCH_SBP)
+    trainer = assert_same_training(
+        lambda: ex.build(16, 32, 32, 1024),
+        optax.sgd(0.1, momentum=0.9),
+        ex.loss_fn,
+        batches,
+        pl8,
+        ex.BATCH_SBP,
+    )
     assert trainer.params["classes"].sbp == (sj.S(1),)
 
 
@@ -78,8 +84,9 @@ def test_model_parallel_classifier_moves_no_logits(pl8):
     ex = load_example("model_parallel_classifier")
     batch_size, classes = 64, 1024
     data = ex.Identities(classes=classes, dim=16, noise=0.5)
-    trainer = sjf.Trainer(ex.build(16, 32, 32, classes), optax.adam(1e-2), ex.loss_fn, pl8,
-                          batch_sbp=ex.BATCH_SBP)
+    trainer = sjf.Trainer(
+        ex.build(16, 32, 32, classes), optax.adam(1e-2), ex.loss_fn, pl8, batch_sbp=ex.BATCH_SBP
+    )
     batch = data.sample(batch_size)
     collectives = ex.step_collectives(trainer, batch)
     logits_bytes = batch_size * classes * 4
@@ -89,7 +96,9 @@ def test_model_parallel_classifier_moves_no_logits(pl8):
     assert max(c.bytes_per_device for c in collectives) < logits_bytes / 8
     assert not [c for c in collectives if c.op == "all-to-all"]
     # the partial max and sum: all-reduces of one number per example
-    assert sum(1 for c in collectives if c.op == "all-reduce" and c.shape.startswith(f"f32[{batch_size}")) == 2
+    assert (
+        sum(1 for c in collectives if c.op == "all-reduce" and c.shape.startswith(f"f32[{batch_size}")) == 2
+    )
     # and the compiled program is the plan
     assert sum(c.bytes for c in collectives) == trainer.explain(batch).bytes
 
@@ -98,8 +107,9 @@ def test_wide_and_deep_equals_single_device(pl8):
     ex = load_example("wide_and_deep")
     data = ex.Clicks(fields=8, vocab_per_field=64)
     batches = [data.sample(64)[:2] for _ in range(3)]
-    trainer = assert_same_training(lambda: ex.build(8, 64, 16, 32), optax.sgd(0.1, momentum=0.9), ex.loss_fn,
-                                   batches, pl8, ex.BATCH_SBP)
+    trainer = assert_same_training(
+        lambda: ex.build(8, 64, 16, 32), optax.sgd(0.1, momentum=0.9), ex.loss_fn, batches, pl8, ex.BATCH_SBP
+    )
     assert trainer.params["wide"]["embedding"].sbp == (sj.S(0),)
     assert trainer.params["deep"]["embedding"].sbp == (sj.S(1),)
 
@@ -120,8 +130,9 @@ def test_zero_example_equals_single_device(pl8, zero):
     shape = (16, 64, 2, 16)
     teacher = ex.Teacher(*shape)
     batches = [teacher.sample(32) for _ in range(3)]
-    trainer = assert_same_training(lambda: ex.build(*shape), optax.adam(1e-2), ex.loss_fn, batches, pl8,
-                                   ex.BATCH_SBP, zero=zero)
+    trainer = assert_same_training(
+        lambda: ex.build(*shape), optax.adam(1e-2), ex.loss_fn, batches, pl8, ex.BATCH_SBP, zero=zero
+    )
     if zero:
         dp = sjf.Trainer(ex.build(*shape), optax.adam(1e-2), ex.loss_fn, pl8, batch_sbp=ex.BATCH_SBP)
         z, d = trainer.state_bytes_per_device(), dp.state_bytes_per_device()
@@ -137,7 +148,9 @@ def run_example(name, *args, timeout=600):
 
 
 def falling_loss(out):
-    first, last = map(float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", out).groups())
+    first, last = map(
+        float, re.search(r"loss: first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", out).groups()
+    )
     return first, last
 
 
@@ -154,11 +167,25 @@ def test_data_parallel_runs():
 def test_model_parallel_classifier_runs():
     # a backbone small next to the logits, so its gradient all-reduce stays
     # under one device's share of them (the bound below)
-    out = run_example("model_parallel_classifier", "--classes", "2048", "--hidden", "64", "--features", "64",
-                      "--steps", "300", "--batch", "128")
+    out = run_example(
+        "model_parallel_classifier",
+        "--classes",
+        "2048",
+        "--hidden",
+        "64",
+        "--features",
+        "64",
+        "--steps",
+        "300",
+        "--batch",
+        "128",
+    )
     first, last = falling_loss(out)
     assert last < first / 2
-    assert float(re.search(r"largest collective: \d+ B per device, ([\d.]+)% of the logits", out).group(1)) < 12.5
+    assert (
+        float(re.search(r"largest collective: \d+ B per device, ([\d.]+)% of the logits", out).group(1))
+        < 12.5
+    )
     assert float(re.search(r"accuracy on fresh examples: ([\d.]+)%", out).group(1)) > 30  # chance: 0.05%
 
 
@@ -167,8 +194,9 @@ def test_wide_and_deep_runs():
     out = run_example("wide_and_deep", "--steps", "200")
     first, last = falling_loss(out)
     assert last < first
-    model_auc, true_auc = map(float, re.search(r"held-out AUC ([\d.]+) \(true probabilities: ([\d.]+)\)",
-                                               out).groups())
+    model_auc, true_auc = map(
+        float, re.search(r"held-out AUC ([\d.]+) \(true probabilities: ([\d.]+)\)", out).groups()
+    )
     assert 0.7 < model_auc <= true_auc + 0.01
 
 
@@ -180,5 +208,7 @@ def test_zero_runs():
     # the same sums in another order (a reduce-scatter where data parallel all-reduces): float32 rounding
     fp32 = float(re.search(r"ZeRO vs data parallel: largest relative difference ([\d.e+-]+)", out).group(1))
     assert fp32 < 1e-5
-    bf16 = float(re.search(r"ZeRO \+ bf16 vs data parallel: largest relative difference ([\d.e+-]+)", out).group(1))
+    bf16 = float(
+        re.search(r"ZeRO \+ bf16 vs data parallel: largest relative difference ([\d.e+-]+)", out).group(1)
+    )
     assert bf16 < 2e-2  # bf16 keeps 8 bits of mantissa

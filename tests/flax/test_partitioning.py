@@ -30,18 +30,44 @@ class DecoderLM(nnx.Module):
 
     def __init__(self, rngs):
         dense = nnx.initializers.lecun_normal()
-        self.embed = nnx.Embed(VOCAB, EMBED, embedding_init=part(nnx.initializers.normal(0.02), ("vocab", "embed")),
-                               rngs=rngs)
-        self.norm = nnx.LayerNorm(EMBED, scale_init=part(nnx.initializers.ones_init(), ("embed",)),
-                                  bias_init=part(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs)
-        self.qkv = nnx.LinearGeneral(EMBED, (3, HEADS, EMBED // HEADS), kernel_init=part(dense, ("embed", None, "heads", "kv")),
-                                     use_bias=False, rngs=rngs)
-        self.out = nnx.LinearGeneral((HEADS, EMBED // HEADS), EMBED, axis=(-2, -1),
-                                     kernel_init=part(dense, ("heads", "kv", "embed")), use_bias=False, rngs=rngs)
-        self.fc1 = nnx.Linear(EMBED, MLP, kernel_init=part(dense, ("embed", "mlp")),
-                              bias_init=part(nnx.initializers.zeros_init(), ("mlp",)), rngs=rngs)
-        self.fc2 = nnx.Linear(MLP, EMBED, kernel_init=part(dense, ("mlp", "embed")),
-                              bias_init=part(nnx.initializers.zeros_init(), ("embed",)), rngs=rngs)
+        self.embed = nnx.Embed(
+            VOCAB, EMBED, embedding_init=part(nnx.initializers.normal(0.02), ("vocab", "embed")), rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(
+            EMBED,
+            scale_init=part(nnx.initializers.ones_init(), ("embed",)),
+            bias_init=part(nnx.initializers.zeros_init(), ("embed",)),
+            rngs=rngs,
+        )
+        self.qkv = nnx.LinearGeneral(
+            EMBED,
+            (3, HEADS, EMBED // HEADS),
+            kernel_init=part(dense, ("embed", None, "heads", "kv")),
+            use_bias=False,
+            rngs=rngs,
+        )
+        self.out = nnx.LinearGeneral(
+            (HEADS, EMBED // HEADS),
+            EMBED,
+            axis=(-2, -1),
+            kernel_init=part(dense, ("heads", "kv", "embed")),
+            use_bias=False,
+            rngs=rngs,
+        )
+        self.fc1 = nnx.Linear(
+            EMBED,
+            MLP,
+            kernel_init=part(dense, ("embed", "mlp")),
+            bias_init=part(nnx.initializers.zeros_init(), ("mlp",)),
+            rngs=rngs,
+        )
+        self.fc2 = nnx.Linear(
+            MLP,
+            EMBED,
+            kernel_init=part(dense, ("mlp", "embed")),
+            bias_init=part(nnx.initializers.zeros_init(), ("embed",)),
+            rngs=rngs,
+        )
 
     def __call__(self, tokens):
         x = self.embed(tokens)
@@ -67,9 +93,14 @@ def batches(n=3):
     return out
 
 
-WANT = {"embed": {"embedding": (B, S(0))}, "fc1": {"kernel": (B, S(1)), "bias": (B, S(0))},
-        "fc2": {"kernel": (B, S(0)), "bias": (B, B)}, "qkv": {"kernel": (B, S(2))},
-        "out": {"kernel": (B, S(0))}, "norm": {"scale": (B, B), "bias": (B, B)}}
+WANT = {
+    "embed": {"embedding": (B, S(0))},
+    "fc1": {"kernel": (B, S(1)), "bias": (B, S(0))},
+    "fc2": {"kernel": (B, S(0)), "bias": (B, B)},
+    "qkv": {"kernel": (B, S(2))},
+    "out": {"kernel": (B, S(0))},
+    "norm": {"scale": (B, B), "bias": (B, B)},
+}
 
 
 @pytest.mark.slow
@@ -105,12 +136,18 @@ def test_linen_partitioned_and_logically_partitioned():
     class Model(nn.Module):
         @nn.compact
         def __call__(self, x):
-            x = nn.Dense(16, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))(x)
-            return nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("y", None)))(x)
+            x = nn.Dense(
+                16, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            )(x)
+            return nn.Dense(4, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("y", None)))(
+                x
+            )
 
     params = Model().init(jax.random.key(0), jnp.ones((2, 8)))["params"]
     assert sjf.linen.get_sbp(params, pl, rules=[("embed", None), ("mlp", "y")]) == {
-        "Dense_0": {"kernel": (B, S(1)), "bias": (B, B)}, "Dense_1": {"kernel": (B, S(0)), "bias": (B, B)}}
+        "Dense_0": {"kernel": (B, S(1)), "bias": (B, B)},
+        "Dense_1": {"kernel": (B, S(0)), "bias": (B, B)},
+    }
     with nn.logical_axis_rules([("embed", "x"), ("mlp", "y")]):
         assert sjf.linen.get_sbp(params, pl)["Dense_0"]["kernel"] == (S(0), S(1))
 

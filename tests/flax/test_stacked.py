@@ -24,16 +24,22 @@ WANT = {"fc1": {"kernel": (B, S(2)), "bias": (B, S(1))}, "fc2": {"kernel": (B, S
 class Block(nnx.Module):
     def __init__(self, rngs, annotated=True):
         init = sjf.with_sbp if annotated else (lambda f, _: f)
-        self.fc1 = nnx.Linear(D, H, kernel_init=init(nnx.initializers.lecun_normal(), (B, S(1))),
-                              bias_init=init(nnx.initializers.normal(0.1), (B, S(0))), rngs=rngs)
+        self.fc1 = nnx.Linear(
+            D,
+            H,
+            kernel_init=init(nnx.initializers.lecun_normal(), (B, S(1))),
+            bias_init=init(nnx.initializers.normal(0.1), (B, S(0))),
+            rngs=rngs,
+        )
         self.fc2 = nnx.Linear(H, D, kernel_init=init(nnx.initializers.lecun_normal(), (B, S(0))), rngs=rngs)
 
     def __call__(self, x):
         return x + self.fc2(jax.nn.gelu(self.fc1(x)))
 
 
-MegatronBlock = sjf.sbp_module(Block, params={"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)),
-                                              "fc2.kernel": (B, S(0))})
+MegatronBlock = sjf.sbp_module(
+    Block, params={"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)), "fc2.kernel": (B, S(0))}
+)
 
 
 def stack(cls, **kw):
@@ -64,15 +70,20 @@ def test_nnx_stacked_layouts_shift_past_the_layer_dim(how):
         model = stack(MegatronBlock, annotated=False)
     else:
         model = stack(Block, annotated=False)
-        sjf.annotate(model, {"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)), "fc2.kernel": (B, S(0))}, stacked=1)
+        sjf.annotate(
+            model, {"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)), "fc2.kernel": (B, S(0))}, stacked=1
+        )
     assert model.fc1.kernel.get_value().shape == (L, D, H)
     assert sjf.get_sbp(model, pl) == WANT
 
     graphdef, state = nnx.split(model)
     x = np.random.default_rng(0).normal(size=(8, D)).astype(np.float32)
     want = scan_forward(graphdef, state, x)
-    f = sj.jit(lambda st, v: scan_forward(graphdef, st, v), placement=pl,
-               in_sbp=(jax.tree.map(lambda s: s, sjf.get_sbp(model, pl)), (S(0), B)))
+    f = sj.jit(
+        lambda st, v: scan_forward(graphdef, st, v),
+        placement=pl,
+        in_sbp=(jax.tree.map(lambda s: s, sjf.get_sbp(model, pl)), (S(0), B)),
+    )
     params = nnx.to_pure_dict(state)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SBPWarning)  # the scan itself still runs whole on every device
@@ -91,8 +102,11 @@ def test_annotate_stacked_checks_its_arguments():
 class LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):
-        h = nn.Dense(H, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (S(1),)),
-                     bias_init=sjf.linen.with_sbp(nn.initializers.normal(0.1), (S(0),)))(x)
+        h = nn.Dense(
+            H,
+            kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (S(1),)),
+            bias_init=sjf.linen.with_sbp(nn.initializers.normal(0.1), (S(0),)),
+        )(x)
         out = nn.Dense(D, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (S(0),)))(nn.gelu(h))
         return x + out, None
 
@@ -117,13 +131,22 @@ def test_linen_scan_shifts_splits_and_runs_like_one_device():
 
 
 def test_linen_vmap_inserts_its_axis_where_it_says():
-    Stacked = nn.vmap(LinenBlock, variable_axes={"params": 1}, split_rngs={"params": True},
-                      in_axes=(0, None), out_axes=0, axis_size=2)
+    Stacked = nn.vmap(
+        LinenBlock,
+        variable_axes={"params": 1},
+        split_rngs={"params": True},
+        in_axes=(0, None),
+        out_axes=0,
+        axis_size=2,
+    )
     variables = Stacked().init(jax.random.key(0), jnp.ones((2, 4, D)), None)
     sbp = sjf.linen.get_sbp(variables["params"])
     assert jax.tree.map(jnp.shape, sjf.linen.unbox(variables["params"]))["Dense_0"]["kernel"] == (D, 2, H)
     assert jax.tree.map(jnp.shape, sjf.linen.unbox(variables["params"]))["Dense_0"]["bias"] == (H, 2)
-    assert sbp["Dense_0"] == {"kernel": (S(2),), "bias": (S(0),)}  # kernel dim 1 -> 2; the bias's dim 0 is before it
+    assert sbp["Dense_0"] == {
+        "kernel": (S(2),),
+        "bias": (S(0),),
+    }  # kernel dim 1 -> 2; the bias's dim 0 is before it
 
 
 def test_shift_stacked_refuses_a_split_of_the_removed_dim():

@@ -7,7 +7,6 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-
 from conftest import assert_close
 
 import sbpjax as sj
@@ -40,8 +39,12 @@ def setup(seed=0):
 
 def compile_strategy(st, names, params):
     step, _ = mlp_program(st, names)
-    return sj.jit(step, placement=st.placement, in_sbp=(st.param_sbp(params), st.input_sbp(), st.output_sbp()),
-                  out_sbp=(st.param_sbp(params), None))
+    return sj.jit(
+        step,
+        placement=st.placement,
+        in_sbp=(st.param_sbp(params), st.input_sbp(), st.output_sbp()),
+        out_sbp=(st.param_sbp(params), None),
+    )
 
 
 def measured(f, *args):
@@ -70,8 +73,9 @@ def check(st, names, params, x, y):
     want_loss, want_grads = jax.value_and_grad(ref_loss)(params, x, y)
     assert_close(loss.numpy(), want_loss, rtol=1e-5)
     for k in params:
-        np.testing.assert_allclose(new[k].numpy(), params[k] - 0.1 * np.asarray(want_grads[k]), rtol=1e-4,
-                                   atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(
+            new[k].numpy(), params[k] - 0.1 * np.asarray(want_grads[k]), rtol=1e-4, atol=1e-6, err_msg=k
+        )
 
 
 def test_searched_strategy_moves_the_predicted_bytes():

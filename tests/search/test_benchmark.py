@@ -13,7 +13,9 @@ def test_search_benchmark_quick(tmp_path):
     data = json.loads(path.read_text())
     assert (tmp_path / "search.png").exists()
     mlp = data["mlp"]
-    assert all({"devices", "method", "cost_ratio_to_optimum", "time_ratio_to_exhaustive"} <= set(r) for r in mlp)
+    assert all(
+        {"devices", "method", "cost_ratio_to_optimum", "time_ratio_to_exhaustive"} <= set(r) for r in mlp
+    )
     for r in mlp:
         if r["method"] == "coordinate_descent":
             assert r["cost_ratio_to_optimum"] <= 1.01 and r["time_ratio_to_exhaustive"] <= 0.01, r

@@ -75,20 +75,27 @@ def test_three_d_matmul_is_in_the_space_and_wins_at_scale():
     three_d = next(c for c in ss.choices(grid) if c.degrees(grid) == (4, 4, 4))
     assert three_d.x_sbp()[0] == sj.S(0) and three_d.x_sbp()[2] == sj.B and three_d.x_sbp()[4] == sj.S(1)
     ops = ss.repeat(lambda name, tie: ss.dense(name, 4096, 4096, 4096, tie=tie), 4)
-    st = ss.search(ops, grid, method="exhaustive", objective="bytes", memory=ss.MemoryModel(activations=False))
+    st = ss.search(
+        ops, grid, method="exhaustive", objective="bytes", memory=ss.MemoryModel(activations=False)
+    )
     assert all(d > 1 for d in st.layers[0].choice.degrees(grid))
 
 
 def test_layers_from_a_traced_program():
-    params = {"w1": np.zeros((16, 32), np.float32), "w2": np.zeros((32, 8), np.float32),
-              "b": np.zeros((32,), np.float32)}
+    params = {
+        "w1": np.zeros((16, 32), np.float32),
+        "w2": np.zeros((32, 8), np.float32),
+        "b": np.zeros((32,), np.float32),
+    }
 
     def fwd(p, x):
         return jax.nn.relu(x @ p["w1"] + p["b"]) @ p["w2"]
 
     ops = ss.from_program(fwd, params, np.zeros((4, 6, 16), np.float32))
-    assert [(o.param, o.m, o.k, o.n, o.from_data) for o in ops] == [("['w1']", 24, 16, 32, True),
-                                                                   ("['w2']", 24, 32, 8, False)]
+    assert [(o.param, o.m, o.k, o.n, o.from_data) for o in ops] == [
+        ("['w1']", 24, 16, 32, True),
+        ("['w2']", 24, 32, 8, False),
+    ]
     with pytest.raises(sj.SBPError, match="no matmul"):
         ss.from_program(lambda p, x: x * 2, params, np.zeros((4, 16), np.float32))
 

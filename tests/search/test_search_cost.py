@@ -13,8 +13,10 @@ from sbpjax.search.space import Grid
 
 def _grid_cases():
     yield sj.placement(8, "x"), sj.CostModel()
-    yield sj.placement((2, 4), ("node", "gpu")), sj.CostModel(alpha={"node": 3e-5, "gpu": 2e-6},
-                                                              beta={"node": 8e-11, "gpu": 4e-12})
+    yield (
+        sj.placement((2, 4), ("node", "gpu")),
+        sj.CostModel(alpha={"node": 3e-5, "gpu": 2e-6}, beta={"node": 8e-11, "gpu": 4e-12}),
+    )
 
 
 @pytest.mark.parametrize("pl, cm", list(_grid_cases()), ids=["8", "2x4"])
@@ -27,8 +29,13 @@ def test_forward_boxing_reaches_the_planner_exactly(pl, cm):
     n = 0
     for c, nxt in itertools.product(ss.choices(grid), repeat=2):
         for d in out_dims(op, c, grid):
-            plan = sj.plan_boxing((64, 64), np.float32, grid.fine_placement(pl),
-                                  c.out_sbp(d) if d is not None else c.dy_sbp(), nxt.x_sbp())
+            plan = sj.plan_boxing(
+                (64, 64),
+                np.float32,
+                grid.fine_placement(pl),
+                c.out_sbp(d) if d is not None else c.dy_sbp(),
+                nxt.x_sbp(),
+            )
             forward = closed.edge(op, c, d, nxt).bytes / 2  # the closed form prices both passes alike
             assert forward == plan.bytes, (c.label(grid), d, nxt.label(grid))
             n += 1
@@ -93,11 +100,12 @@ def test_table_2_rows():
     op = ss.MatmulOp("a", 64, 64, 64)
     T = 64 * 64 * 4
     closed = ClosedForm(grid)
-    data, column, row = (next(c for c in ss.choices(grid) if c.degrees(grid) == d)
-                         for d in [(8, 1, 1), (1, 8, 1), (1, 1, 8)])
-    assert closed.sync(op, data).bytes == 2 * (p - 1) * T           # all-reduce of B weights
-    assert closed.sync(op, column).bytes == 0                          # split weights: none
-    assert closed.output(op, row, 1).bytes == 2 * (p - 1) * T          # reduce-scatter + its dual all-gather
+    data, column, row = (
+        next(c for c in ss.choices(grid) if c.degrees(grid) == d) for d in [(8, 1, 1), (1, 8, 1), (1, 1, 8)]
+    )
+    assert closed.sync(op, data).bytes == 2 * (p - 1) * T  # all-reduce of B weights
+    assert closed.sync(op, column).bytes == 0  # split weights: none
+    assert closed.output(op, row, 1).bytes == 2 * (p - 1) * T  # reduce-scatter + its dual all-gather
     assert closed.edge(op, column, 1, column).bytes == 2 * (p - 1) * T  # S(1) -> B: all-gather, twice
     assert closed.edge(op, data, 0, data).bytes == 0
     assert closed.edge(op, data, 0, row).bytes == 2 * (p - 1) / p * T  # S(0) -> S(1): all-to-all
