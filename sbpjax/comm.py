@@ -163,21 +163,23 @@ def _mesh_groups(line: str) -> list[list[int]]:
         ids = _device_id_list(rest[dm.end() : i - 1], int(np.prod(shape)))
         rest = rest[i:]
     gm = re.match(r"\s*\{([^}]*)\}", rest)
-    listed = [
-        (n, int(pre) if pre else None, int(sz) if sz else None)
-        for n, pre, sz in _GROUP_AXIS.findall(gm.group(1) if gm else "")
-    ]
     names = [n for n, _ in axes]
+    sizes = dict(axes)
+    # Each listed (sub-)axis as the range [lo, hi) of pre-sizes it covers: a
+    # whole axis is [1, its size); a sub-axis (pre)size is [pre, pre * size).
+    listed: list[tuple[str, int, int]] = []
+    for n, pre, sz in _GROUP_AXIS.findall(gm.group(1) if gm else ""):
+        if n not in sizes:
+            raise ValueError(f"collective groups name axis {n!r}, not in mesh {names}: {line.strip()[:200]}")
+        listed.append((n, int(pre), int(pre) * int(sz)) if pre else (n, 1, sizes[n]))
     # Each mesh axis becomes its factors, major first (a sub-axis's pre-size
     # is the product of the factors before it), cut where a listed sub-axis
     # starts or ends; a listed (sub-)axis is then a run of factors.
     cuts = {a: {1, size} for a, size in axes}
-    for n, pre, sz in listed:
-        if n not in cuts:
-            raise ValueError(f"collective groups name axis {n!r}, not in mesh {names}: {line.strip()[:200]}")
-        if pre is not None:
-            cuts[n] |= {pre, pre * sz}
-    factors, first = [], {}  # first[axis][pre-size] = index of that factor
+    for n, lo, hi in listed:
+        cuts[n] |= {lo, hi}
+    factors: list[int] = []
+    first: dict[str, dict[int, int]] = {}  # first[axis][pre-size] = index of that factor
     for n, _ in axes:
         bounds = sorted(cuts[n])
         first[n] = {}
@@ -186,8 +188,7 @@ def _mesh_groups(line: str) -> list[list[int]]:
             factors.append(hi // lo)
     grid = ids.reshape(factors)
     grouped = []
-    for n, pre, sz in listed:
-        lo, hi = (pre, pre * sz) if pre is not None else (1, dict(axes)[n])
+    for n, lo, hi in listed:
         grouped += [k for p0, k in sorted(first[n].items()) if lo <= p0 < hi]
     others = [k for k in range(grid.ndim) if k not in grouped]
     size = int(np.prod([grid.shape[k] for k in grouped])) if grouped else 1

@@ -11,6 +11,7 @@ Dead equations are removed so every boxing left in the plan is one XLA runs.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 import functools
 import importlib.util
 import itertools
@@ -22,7 +23,7 @@ import numpy as np
 try:  # the public home moved across JAX versions
     from jax.extend.core import Literal as _Literal
 except ImportError:  # pragma: no cover
-    from jax.core import Literal as _Literal
+    from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
 INLINE = {
     "pjit",
@@ -73,7 +74,7 @@ class Node:
     """One primitive application: the original equation (its params and avals
     feed the rules) with the flat program's inputs and outputs."""
 
-    eqn: object
+    eqn: Any  # a jax.core.JaxprEqn (its module moved across JAX versions)
     ins: list
     outs: list
     source: str
