@@ -11,11 +11,11 @@ Dead equations are removed so every boxing left in the plan is one XLA runs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 import functools
 import importlib.util
 import itertools
 import os
+from typing import Any
 
 import jax
 import numpy as np
