@@ -6,7 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import sbpjax as sj
 from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: F401 - re-exported for the tests
+
+S0_, S1_, B_ = sj.S(0), sj.S(1), sj.B
 
 D, H, HEADS, T, BATCH, VOCAB = 16, 32, 4, 8, 8, 32
 
@@ -63,3 +66,63 @@ def train_step(loss_fn, opt):
 
 def adamw():
     return optax.adamw(1e-2, weight_decay=0.1)
+
+
+# ---------------------------------------------------------------------------
+# Parameterized GPT and MLP train steps (the whole-program choice's sweep)
+# ---------------------------------------------------------------------------
+
+def gpt_params(d, layers, vocab, hidden=None, seed=0):
+    """A GPT of ``layers`` pre-norm blocks (attention + GELU MLP), tied to nothing."""
+    r = np.random.default_rng(seed)
+    hidden = hidden or 4 * d
+    n = lambda *s: (r.normal(size=s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
+    blocks = [{"wq": n(d, d), "wk": n(d, d), "wv": n(d, d), "wo": n(d, d), "w1": n(d, hidden),
+               "w2": n(hidden, d), "g1": np.ones((d,), np.float32), "g2": np.ones((d,), np.float32)}
+              for _ in range(layers)]
+    return {"emb": n(vocab, d), "blocks": blocks, "head": n(d, vocab)}
+
+
+def gpt_loss(p, tokens, labels, heads):
+    x = p["emb"][tokens]
+    b, t, d = x.shape
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for blk in p["blocks"]:
+        h = layernorm(x, blk["g1"])
+        q, k, v = ((h @ blk[w]).reshape(b, t, heads, d // heads) for w in ("wq", "wk", "wv"))
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads)
+        att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d) @ blk["wo"]
+        x = x + jax.nn.gelu(layernorm(x, blk["g2"]) @ blk["w1"]) @ blk["w2"]
+    lp = jax.nn.log_softmax(x @ p["head"], axis=-1)
+    return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], axis=-1))
+
+
+def gpt_sbp(params, kind, n_axes):
+    """Layouts of a GPT's parameters: "dp" (all B), "megatron" (column-split
+    q/k/v/w1/head and row-split wo/w2 over the last axis, the rest B)."""
+    rep = (B_,) * n_axes
+    col, row = rep[:-1] + (S1_,), rep[:-1] + (S0_,)
+    if kind == "dp":
+        return jax.tree.map(lambda _: rep, params)
+    blk = {"wq": col, "wk": col, "wv": col, "wo": row, "w1": col, "w2": row, "g1": rep, "g2": rep}
+    return {"emb": rep, "blocks": [dict(blk) for _ in params["blocks"]], "head": col}
+
+
+def deep_mlp_params(d, layers, seed=0):
+    r = np.random.default_rng(seed)
+    return {f"w{i}": (r.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32) for i in range(2 * layers)}
+
+
+def deep_mlp_loss(p, x, y):
+    h = x
+    for i in range(len(p) // 2):
+        h = h + jax.nn.gelu(h @ p[f"w{2 * i}"]) @ p[f"w{2 * i + 1}"]
+    return jnp.mean((h - y) ** 2)
+
+
+def deep_mlp_sbp(params, kind, n_axes):
+    rep = (B_,) * n_axes
+    if kind == "dp":
+        return {k: rep for k in params}
+    return {k: rep[:-1] + ((S1_,) if int(k[1:]) % 2 == 0 else (S0_,)) for k in params}
