@@ -155,6 +155,9 @@ def _candidates(pr: Propagator, node, grid):
     return out
 
 
+_HEAVY = ("dot_general", "conv_general_dilated")
+
+
 class _Domains:
     """Which layouts each value may take, to keep the integer program small.
 
@@ -163,10 +166,12 @@ class _Domains:
     value can be in without an invented conversion: a producer layout, one of
     its partials reduced (to B or to a split of any dim, the layouts a
     reduction makes), or the layout the greedy pass used. The greedy choice is
-    always kept, so the program's optimum is never worse than greedy; layouts
+    kept (except a contraction computed whole on an axis, below), so the
+    program's optimum is at most greedy's bytes; layouts
     flow forward from the annotations as they do in GSPMD's propagation, so a
     choice that keeps a parameter's split through its matmuls is in the space
-    even where greedy gathered it."""
+    even where greedy gathered it. Contractions computed whole on an axis are
+    left out where another candidate exists (see ``restrict``)."""
 
     def __init__(self, program, placement, in_sbp, greedy):
         self.grid = placement.shape
@@ -206,7 +211,19 @@ class _Domains:
                 shape = node.outs[0].shape
                 kept = [c for c in kept if c == keep_g or all(
                     nd == c[1][0] for a, nd in zip(node.ins, c[0]) if isinstance(a, Var) and a.shape == shape)]
-            if keep_g not in kept:
+            if node.name in _HEAVY:
+                # Alpa's rule: a contraction uses every device. Computing it whole
+                # on every device of an axis moves the fewest bytes when weights
+                # are smaller than activations (gather the weights, never reduce)
+                # but multiplies its time by the axis size (8x a tensor-parallel
+                # step); such candidates stay out unless nothing else is left.
+                # The greedy choice may be one (it is then not kept), so the
+                # guarantee against greedy is the comparison in choose().
+                spread = [c for c in kept if not any(
+                    p > 1 and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
+                    for a, p in enumerate(self.grid))]
+                kept = spread or kept
+            elif keep_g not in kept:
                 kept.append(keep_g)
             cs = kept
         for j, o in enumerate(node.outs):
@@ -325,9 +342,8 @@ def solve(program, placement, in_sbp, out_sbp, greedy: Propagation, cost_model=N
             # u[S]: the version is made from producer layout S; sum_S u = w and
             # u[S] <= x[S]. Tighter than y >= x + w - 1 (whose LP relaxation
             # is free at any fractional point): fractional needs must be met by
-            # producer mass of matching layouts. Layouts boxing for free share
-            # one column.
-            # Producer layouts costing the same bytes share one column.
+            # producer mass of matching layouts. Producer layouts costing the
+            # same (free ones included) share one column.
             costs = dict(pay)
             groups: dict = {}
             for s in src:
