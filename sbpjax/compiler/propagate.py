@@ -29,6 +29,7 @@ import warnings
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
 from sbpjax.compiler.trace import Const, Node, Program, Var
+from sbpjax.dtypes import partial_supported
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES, Sig
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp
@@ -80,6 +81,13 @@ class Propagation:
 
 def _nbytes(var) -> int:
     return int(math.prod(var.shape)) * var.dtype.itemsize
+
+
+def _dtype_ok(sbp, dtype) -> bool:
+    """A partial only where the dtype table allows it (``sbpjax.dtypes``): a
+    rule's algebra may hold for the values (a bool select of P(sum) cases) and
+    still make a partial no collective can reduce."""
+    return not isinstance(sbp, Partial) or partial_supported(dtype, sbp.op)
 
 
 def _valid_for(sbp, shape) -> bool:
@@ -285,8 +293,8 @@ class Propagator:
         in_avals = [v.aval for v in node.eqn.invars]
         sigs = [s for s in rule.signatures(node.eqn, in_avals)
                 if len(s.ins) == len(node.ins) and len(s.outs) == len(node.outs)
-                and all(_valid_for(q, a.shape) for q, a in zip(s.ins, node.ins))
-                and all(_valid_for(q, o.shape) for q, o in zip(s.outs, node.outs))]
+                and all(_valid_for(q, a.shape) and _dtype_ok(q, a.dtype) for q, a in zip(s.ins, node.ins))
+                and all(_valid_for(q, o.shape) and _dtype_ok(q, o.dtype) for q, o in zip(s.outs, node.outs))]
         return sigs
 
     def choose(self, node: Node, index: int) -> Decision:

@@ -15,6 +15,9 @@ full value: S or B inputs only.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
+
 from sbpjax.rules import B, P, Sig, rank, register
 from sbpjax.sbp import Split
 
@@ -151,25 +154,58 @@ def extreme(eqn, in_avals):
     ]
 
 
-@register(
-    "convert_element_type", "reduce_precision", "copy", "copy_p", "stop_gradient", "optimization_barrier"
-)
+@register("reduce_precision", "copy", "copy_p", "stop_gradient", "optimization_barrier")
 def passthrough(eqn, in_avals):
-    """``y_i = cast(x_i)``: a cast is monotone (keeps P(max), P(min)) and, between
-    floating types or from integers to floats, linear up to rounding (keeps P(sum))."""
-    import numpy as np
-
+    """``y_i = x_i`` (up to rounding for ``reduce_precision``): every layout and
+    every partial passes."""
     n = len(in_avals)
-    sigs = _split_and_broadcast(eqn, in_avals) + [
-        Sig((P("max"),) * n, (P("max"),) * n),
-        Sig((P("min"),) * n, (P("min"),) * n),
-    ]
-    out_dtype = eqn.outvars[0].aval.dtype
-    if np.issubdtype(out_dtype, np.floating) or all(
-        np.issubdtype(a.dtype, np.integer) and np.issubdtype(out_dtype, np.integer) for a in in_avals
-    ):
-        sigs.append(Sig((P(),) * n, (P(),) * n))
-    return sigs
+    return _split_and_broadcast(eqn, in_avals) + [Sig((P(op),) * n, (P(op),) * n) for op in ("sum", "max", "min")]
+
+
+def _kind(dtype) -> str:
+    """b(ool), i(nt), u(int), f(loat) or c(omplex), bfloat16 included."""
+    if np.dtype(dtype) == np.bool_:
+        return "b"
+    for k, t in (("f", jnp.floating), ("c", jnp.complexfloating), ("i", jnp.signedinteger), ("u", jnp.unsignedinteger)):
+        if jnp.issubdtype(dtype, t):
+            return k
+    return "?"
+
+
+def cast_keeps_partial(src, dst, op: str) -> bool:
+    """Whether ``cast(op_i x_i) == op_i cast(x_i)`` for every value.
+
+    P(sum): casts between floats are linear up to rounding; an integer cast to
+    the same or a narrower width is arithmetic modulo 2**bits, which commutes
+    with a wrapping sum. A widening or int-to-float cast does not: the partial
+    sum of int8 terms wraps (100 + 100 = -56) where the cast terms would not.
+    P(max)/P(min): monotone casts only: float to float, int or bool to float,
+    float to int (truncation), and int to a wider int that does not drop the
+    sign. A cast to bool (x != 0) or a narrowing / sign-changing integer cast
+    reorders values (-1 -> True, 0 -> False; int32 200 -> int8 -56).
+    """
+    s, d = _kind(src), _kind(dst)
+    wider = np.dtype(dst).itemsize > np.dtype(src).itemsize
+    if np.dtype(src) == np.dtype(dst):
+        return True
+    if op == "sum":
+        return (s == d == "f") or (s in "iu" and d in "iu" and not wider)
+    if d == "f":
+        return s in "bfiu"
+    if d in "iu":
+        if s == "f" or s == "b":
+            return True
+        return s in "iu" and wider and (d == "i" or s == "u")
+    return False
+
+
+@register("convert_element_type")
+def convert(eqn, in_avals):
+    """``y_i = cast(x_i)``: splits and broadcast; a partial passes where the cast
+    commutes with its reduction (:func:`cast_keeps_partial`)."""
+    src, dst = in_avals[0].dtype, eqn.outvars[0].aval.dtype
+    return _split_and_broadcast(eqn, in_avals) + [
+        Sig((P(op),), (P(op),)) for op in ("sum", "max", "min") if cast_keeps_partial(src, dst, op)]
 
 
 @register("select_n")

@@ -130,3 +130,26 @@ def test_docs_coverage_page_is_the_registry():
     assert page.read_text() == markdown()
     names = {r["primitive"] for r in coverage()}
     assert {"top_k", "split", "reduce_window_max", "select_and_scatter_add", "one_minus_square"} <= names
+
+
+# A cast of a partial: reduce first unless the cast commutes with the reduction.
+# Each case's values make the wrong order give a wrong answer.
+CAST_CASES = {
+    # per-device maxima -1 and 0: max is 0 -> False, but any(-1 != 0, 0 != 0) is True
+    "max_to_bool": (lambda x: x.max(0).astype(bool), np.array([[-1.0], [-3.0], [0.0], [-2.0]] * 2, np.float32)),
+    # int32 200 and 100 -> int8: max is 200 -> -56, but max(-56, 100) is 100
+    "max_narrowing": (lambda x: x.max(0).astype(jnp.int8), np.array([[200], [100]] * 4, np.int32)),
+    # int8 sums wrap (8 x 100 = 800 -> 32); cast terms would sum to 800
+    "sum_widening": (lambda x: x.sum(0, dtype=jnp.int8).astype(jnp.int32), np.full((8, 1), 100, np.int8)),
+    "sum_int_to_float": (lambda x: x.sum(0, dtype=jnp.int8).astype(jnp.float32), np.full((8, 1), 100, np.int8)),
+    # these commute: the partial passes through the cast and is reduced after it
+    "sum_float_narrowing": (lambda x: x.sum(0).astype(jnp.bfloat16), np.arange(8.0, dtype=np.float32)[:, None]),
+    "max_int_to_float": (lambda x: x.max(0).astype(jnp.float32), np.array([[3], [-7]] * 4, np.int32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAST_CASES))
+def test_a_cast_of_a_partial_equals_the_cast_of_the_value(pl8, name):
+    fn, x = CAST_CASES[name]
+    got = sj.jit(fn, placement=pl8, in_sbp=(S0,), out_sbp=B)(x).numpy()
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(fn)(x)))
