@@ -34,13 +34,13 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from compiler import collective_bytes, median_times, spec_of  # noqa: E402
 from flax import nnx  # noqa: E402
+from gpt_hybrid import BATCH_SBP, HYBRID_RULES, build, loss_fn  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 import sbpjax.flax as sjf  # noqa: E402
-from compiler import collective_bytes, median_times, spec_of  # noqa: E402
-from gpt_hybrid import BATCH_SBP, HYBRID_RULES, build, loss_fn  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,6 +52,7 @@ def _is_gt(v):
 
 def functional_step(graphdef, template, optimizer):
     """The train step on a pure dict of parameters, for jax.jit and the reference."""
+
     def step(params, opt_state, batch):
         def objective(p):
             state = jax.tree.map(lambda v: v, template)
@@ -61,6 +62,7 @@ def functional_step(graphdef, template, optimizer):
         loss, grads = jax.value_and_grad(objective)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
     return step
 
 
@@ -87,18 +89,27 @@ def gpt_vs_gspmd(cfg, repeats, rng):
                     np.testing.assert_allclose(got, np.asarray(want), rtol=2e-4, atol=1e-6, err_msg=who)
     r = checked["adamw"]
     np.testing.assert_allclose(r["sbpjax_result"][1], r["gspmd_result"][1], rtol=2e-5)
-    t_sj, t_g = median_times([(r["sbpjax_program"], r["sbpjax_args"]), (r["gspmd_program"], r["gspmd_args"])],
-                             repeats)
-    return {"sbpjax_bytes": r["sbpjax_bytes"], "sbpjax_explained_bytes": r["sbpjax_explained_bytes"],
-            "gspmd_bytes": r["gspmd_bytes"], "time_ratio_vs_gspmd": t_sj / t_g, "sbpjax_ms": t_sj * 1e3,
-            "gspmd_ms": t_g * 1e3, "plan_summary": r["plan_summary"]}
+    t_sj, t_g = median_times(
+        [(r["sbpjax_program"], r["sbpjax_args"]), (r["gspmd_program"], r["gspmd_args"])], repeats
+    )
+    return {
+        "sbpjax_bytes": r["sbpjax_bytes"],
+        "sbpjax_explained_bytes": r["sbpjax_explained_bytes"],
+        "gspmd_bytes": r["gspmd_bytes"],
+        "time_ratio_vs_gspmd": t_sj / t_g,
+        "sbpjax_ms": t_sj * 1e3,
+        "gspmd_ms": t_g * 1e3,
+        "plan_summary": r["plan_summary"],
+    }
 
 
 def reference_step(cfg, optimizer, batch_):
     vocab, seq, d, heads, layers, _ = cfg
     graphdef, state = nnx.split(build(vocab, seq, d, heads, layers))
     params = nnx.to_pure_dict(state)
-    new_params, _, loss = jax.jit(functional_step(graphdef, state, optimizer))(params, optimizer.init(params), batch_)
+    new_params, _, loss = jax.jit(functional_step(graphdef, state, optimizer))(
+        params, optimizer.init(params), batch_
+    )
     return new_params, float(loss)
 
 
@@ -114,7 +125,10 @@ def run_both(cfg, pl, optimizer, batch_):
     sjf.annotate(model, HYBRID_RULES)
     trainer = sjf.Trainer(model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP)
     ts = trainer.train_step
-    gbatch = (tuple(sj.to_global(v, pl, BATCH_SBP) for v in batch_), trainer.state)  # the batch and the model's state
+    gbatch = (
+        tuple(sj.to_global(v, pl, BATCH_SBP) for v in batch_),
+        trainer.state,
+    )  # the batch and the model's state
     out["sbpjax_bytes"] = collective_bytes(ts.lower(trainer.params, trainer.opt_state, gbatch).compile())
     explanation = ts.explain(trainer.params, trainer.opt_state, gbatch)
     out["sbpjax_explained_bytes"], out["plan_summary"] = explanation.bytes, explanation.summary()
@@ -123,7 +137,10 @@ def run_both(cfg, pl, optimizer, batch_):
     out["sbpjax_program"] = ts._fn._compile(leaves, tree)[1]  # the jitted shard_map on local arrays
     out["sbpjax_args"] = [t.physical for t in leaves]
     new_params, _, loss, _ = ts(trainer.params, trainer.opt_state, gbatch)
-    out["sbpjax_result"] = (jax.tree.map(lambda t: t.numpy(), new_params, is_leaf=_is_gt), float(loss.numpy()))
+    out["sbpjax_result"] = (
+        jax.tree.map(lambda t: t.numpy(), new_params, is_leaf=_is_gt),
+        float(loss.numpy()),
+    )
 
     # GSPMD with the same layouts as NamedShardings
     shard = lambda nd, leaf: NamedSharding(pl.mesh, spec_of(nd, np.ndim(leaf), pl))  # noqa: E731
@@ -148,14 +165,21 @@ def zero_vs_dp(cfg, rng):
     labels = rng.integers(0, vocab, size=(batch, seq)).astype(np.int32)
     out, losses = {}, {}
     for name, zero in [("dp", False), ("zero", True)]:
-        trainer = sjf.Trainer(build(vocab, seq, d, heads, layers), optax.adamw(1e-3), loss_fn, pl,
-                              batch_sbp=(sj.S(0),), zero=zero)
+        trainer = sjf.Trainer(
+            build(vocab, seq, d, heads, layers),
+            optax.adamw(1e-3),
+            loss_fn,
+            pl,
+            batch_sbp=(sj.S(0),),
+            zero=zero,
+        )
         losses[name] = [trainer.step((tokens, labels)) for _ in range(2)]
         per = trainer.state_bytes_per_device()
         out[f"{name}_state_bytes_per_device"] = per["params"] + per["opt_state"]
         out[f"{name}_detail"] = per
-        out[f"{name}_step_bytes"] = collective_bytes(trainer.lower(
-            tuple(sj.to_global(v, pl, (sj.S(0),)) for v in (tokens, labels))).compile())
+        out[f"{name}_step_bytes"] = collective_bytes(
+            trainer.lower(tuple(sj.to_global(v, pl, (sj.S(0),)) for v in (tokens, labels))).compile()
+        )
     np.testing.assert_allclose(losses["zero"], losses["dp"], rtol=1e-5)  # same training, less memory
     out["zero_over_dp"] = out["zero_state_bytes_per_device"] / out["dp_state_bytes_per_device"]
     return out
@@ -175,10 +199,14 @@ def main():
     result.update(gpt_vs_gspmd(cfg, repeats, rng))
     result.update(zero_vs_dp(cfg, rng))
     print(result.pop("plan_summary"))
-    print(f"GPT step on 2x4: sbpjax {result['sbpjax_bytes']} B (plan {result['sbpjax_explained_bytes']} B), "
-          f"GSPMD {result['gspmd_bytes']} B; time sbpjax/GSPMD {result['time_ratio_vs_gspmd']:.2f}")
-    print(f"state per device on 8: ZeRO {result['zero_state_bytes_per_device']} B, data parallel "
-          f"{result['dp_state_bytes_per_device']} B (ratio {result['zero_over_dp']:.4f}, 1/8 = 0.125)")
+    print(
+        f"GPT step on 2x4: sbpjax {result['sbpjax_bytes']} B (plan {result['sbpjax_explained_bytes']} B), "
+        f"GSPMD {result['gspmd_bytes']} B; time sbpjax/GSPMD {result['time_ratio_vs_gspmd']:.2f}"
+    )
+    print(
+        f"state per device on 8: ZeRO {result['zero_state_bytes_per_device']} B, data parallel "
+        f"{result['dp_state_bytes_per_device']} B (ratio {result['zero_over_dp']:.4f}, 1/8 = 0.125)"
+    )
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=1)

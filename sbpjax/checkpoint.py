@@ -74,8 +74,10 @@ class CheckpointError(SBPError):
         self.kind, self.file = kind, file
 
 
-_NO_ORBAX = ("sbpjax.checkpoint needs orbax-checkpoint, which is not installed. "
-             "Install it with: pip install 'sbpjax[checkpoint]' (or pip install orbax-checkpoint).")
+_NO_ORBAX = (
+    "sbpjax.checkpoint needs orbax-checkpoint, which is not installed. "
+    "Install it with: pip install 'sbpjax[checkpoint]' (or pip install orbax-checkpoint)."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +95,10 @@ def layout(placement: Placement, sbp) -> LayoutSpec:
     ``checkpoint.layout(sj.placement(8, "x"), sj.S(1))``; a 1-D placement takes a bare SBP.
     """
     if not isinstance(placement, Placement):
-        raise SBPError(f"checkpoint.layout: placement must be an sj.Placement, got "
-                       f"{type(placement).__name__}; make one with sj.placement(shape, axis_names).")
+        raise SBPError(
+            f"checkpoint.layout: placement must be an sj.Placement, got "
+            f"{type(placement).__name__}; make one with sj.placement(shape, axis_names)."
+        )
     normalize_nd_sbp(sbp, placement.ndim, None, "checkpoint.layout")  # split dims are checked at restore
     return LayoutSpec(placement, sbp)
 
@@ -141,19 +145,25 @@ _SAVABLE = "a GlobalTensor, a jax.Array, a numpy array or scalar, a Python int o
 def _savable(name: str, leaf):
     if isinstance(leaf, GlobalTensor):
         if isinstance(leaf.physical, jax.core.Tracer):
-            raise SBPError(f"checkpoint.save: leaf '{name}' is a traced value (inside jax.jit or "
-                           "jax.grad); save concrete values, outside the jitted function.")
+            raise SBPError(
+                f"checkpoint.save: leaf '{name}' is a traced value (inside jax.jit or "
+                "jax.grad); save concrete values, outside the jitted function."
+            )
         reduced = _reduced_sbp(leaf.sbp)
         if reduced != leaf.sbp:  # a partial's value is the reduction of its terms
             leaf = leaf.to_global(sbp=reduced)
         return leaf.to_jax()
     if isinstance(leaf, jax.core.Tracer):
-        raise SBPError(f"checkpoint.save: leaf '{name}' is a traced value (inside jax.jit or "
-                       "jax.grad); save concrete values, outside the jitted function.")
+        raise SBPError(
+            f"checkpoint.save: leaf '{name}' is a traced value (inside jax.jit or "
+            "jax.grad); save concrete values, outside the jitted function."
+        )
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or type(leaf) in (int, float):
         return leaf
-    raise SBPError(f"checkpoint.save: leaf '{name}' is a {type(leaf).__name__}; a checkpoint leaf "
-                   f"must be {_SAVABLE}. Convert it or leave it out of the saved tree.")
+    raise SBPError(
+        f"checkpoint.save: leaf '{name}' is a {type(leaf).__name__}; a checkpoint leaf "
+        f"must be {_SAVABLE}. Convert it or leave it out of the saved tree."
+    )
 
 
 def save(path, tree) -> None:
@@ -167,8 +177,10 @@ def save(path, tree) -> None:
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path):
-        raise SBPError(f"checkpoint.save: {path} already exists; save each checkpoint to a new "
-                       "folder (e.g. one per step) or delete the old one first.")
+        raise SBPError(
+            f"checkpoint.save: {path} already exists; save each checkpoint to a new "
+            "folder (e.g. one per step) or delete the old one first."
+        )
     names, leaves, treedef = _flatten(tree)
     item = jax.tree_util.tree_unflatten(treedef, [_savable(n, x) for n, x in zip(names, leaves)])
     before = _unfinished_saves(path)
@@ -184,6 +196,7 @@ def save(path, tree) -> None:
 
 
 # -- integrity ---------------------------------------------------------------------
+
 
 def _files(path: str) -> list[str]:
     out = []
@@ -201,8 +214,10 @@ def _sha256(file: str) -> str:
 
 
 def _write_manifest(path: str) -> None:
-    entries = {f: {"size": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
-               for f in _files(path)}
+    entries = {
+        f: {"size": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
+        for f in _files(path)
+    }
     tmp = os.path.join(path, _MANIFEST + ".tmp")
     with open(tmp, "w") as fh:
         json.dump({"format": 1, "files": entries}, fh, indent=1, sort_keys=True)
@@ -218,13 +233,23 @@ def _check_present(path: str) -> None:
             raise CheckpointError(
                 f"checkpoint.restore: the checkpoint at {path} is incomplete: a save to it did not finish "
                 f"(it left {os.path.join(os.path.dirname(path), unfinished[0])}). Save it again, or restore an "
-                "earlier checkpoint.", "incomplete", os.path.join(os.path.dirname(path), unfinished[0]))
-        raise CheckpointError(f"checkpoint.restore: no checkpoint at {path}. Check the path; a checkpoint is "
-                              "the folder that checkpoint.save(path, tree) created.", "missing")
+                "earlier checkpoint.",
+                "incomplete",
+                os.path.join(os.path.dirname(path), unfinished[0]),
+            )
+        raise CheckpointError(
+            f"checkpoint.restore: no checkpoint at {path}. Check the path; a checkpoint is "
+            "the folder that checkpoint.save(path, tree) created.",
+            "missing",
+        )
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint.restore: {path} is a file, not a checkpoint folder; it is corrupted "
-                              "or not a checkpoint. A checkpoint is the folder checkpoint.save(path, tree) "
-                              "created.", "corrupted", path)
+        raise CheckpointError(
+            f"checkpoint.restore: {path} is a file, not a checkpoint folder; it is corrupted "
+            "or not a checkpoint. A checkpoint is the folder checkpoint.save(path, tree) "
+            "created.",
+            "corrupted",
+            path,
+        )
     manifest = os.path.join(path, _MANIFEST)
     if not os.path.exists(manifest):
         return  # written by another tool: nothing to check against
@@ -232,29 +257,42 @@ def _check_present(path: str) -> None:
         with open(manifest) as fh:
             entries = json.load(fh)["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is corrupted: its file list "
-                              f"{manifest} cannot be read ({e}).", "corrupted", manifest) from None
+        raise CheckpointError(
+            f"checkpoint.restore: the checkpoint at {path} is corrupted: its file list "
+            f"{manifest} cannot be read ({e}).",
+            "corrupted",
+            manifest,
+        ) from None
     for rel, info in sorted(entries.items()):
         file = os.path.join(path, rel)
         if not os.path.exists(file):
             raise CheckpointError(
                 f"checkpoint.restore: the checkpoint at {path} is incomplete: {file} is missing (the save "
                 "wrote it; it was removed or not copied). Copy the whole folder again, or restore an earlier "
-                "checkpoint.", "incomplete", file)
+                "checkpoint.",
+                "incomplete",
+                file,
+            )
         size = os.path.getsize(file)
         if size != info["size"]:
             raise CheckpointError(
                 f"checkpoint.restore: the checkpoint at {path} is corrupted: {file} has {size} bytes, the save "
                 f"wrote {info['size']} ({'truncated' if size < info['size'] else 'overwritten'}). Restore an "
-                "earlier checkpoint or copy this one again.", "corrupted", file)
+                "earlier checkpoint or copy this one again.",
+                "corrupted",
+                file,
+            )
         if _sha256(file) != info["sha256"]:
             raise CheckpointError(
                 f"checkpoint.restore: the checkpoint at {path} is corrupted: the contents of {file} changed "
                 "since the save (its SHA-256 differs). Restore an earlier checkpoint or copy this one again.",
-                "corrupted", file)
+                "corrupted",
+                file,
+            )
 
 
 # -- restore -----------------------------------------------------------------------
+
 
 def _saved_leaves(ocp, path: str) -> dict | None:
     """Leaf name -> orbax metadata (shape, dtype) of what the checkpoint holds;
@@ -264,8 +302,9 @@ def _saved_leaves(ocp, path: str) -> dict | None:
     meta = ocp.PyTreeCheckpointer().metadata(path)
     if meta is None or meta.item_metadata is None:
         return None
-    flat = jax.tree_util.tree_leaves(meta.item_metadata.tree,
-                                     is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "name"))
+    flat = jax.tree_util.tree_leaves(
+        meta.item_metadata.tree, is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "name")
+    )
     return {m.name: m for m in flat}
 
 
@@ -278,9 +317,11 @@ def _check_names(path: str, saved: dict, wanted: list) -> None:
             parts.append(f"the target has leaves the checkpoint lacks: {', '.join(missing)}")
         if extra:
             parts.append(f"the checkpoint has leaves the target lacks: {', '.join(extra)}")
-        raise SBPError(f"checkpoint.restore({path}): the target's tree does not match the saved "
-                       f"tree; {'; '.join(parts)}. Give a target with the saved structure "
-                       f"(saved leaves: {', '.join(sorted(saved))}).")
+        raise SBPError(
+            f"checkpoint.restore({path}): the target's tree does not match the saved "
+            f"tree; {'; '.join(parts)}. Give a target with the saved structure "
+            f"(saved leaves: {', '.join(sorted(saved))})."
+        )
 
 
 def _check_shape_dtype(path: str, name: str, meta, shape, dtype) -> None:
@@ -290,7 +331,8 @@ def _check_shape_dtype(path: str, name: str, meta, shape, dtype) -> None:
             f"checkpoint.restore({path}): leaf '{name}' was saved with shape {saved_shape} and dtype "
             f"{saved_dtype.name}, but the target asks for shape {tuple(shape)} and dtype "
             f"{np.dtype(dtype).name}. Restore into a target of the saved shape and dtype "
-            "(checkpoint.layout(placement, sbp) takes them from the checkpoint), then convert.")
+            "(checkpoint.layout(placement, sbp) takes them from the checkpoint), then convert."
+        )
 
 
 @dataclasses.dataclass
@@ -316,8 +358,9 @@ def _plan_global(path, name, leaf, meta) -> _GlobalLeaf:
         placement, sbp = leaf.placement, leaf.sbp
     else:
         placement = leaf.placement
-        sbp = normalize_nd_sbp(leaf.sbp, placement.ndim, len(meta.shape),
-                               f"checkpoint.restore: leaf '{name}'")
+        sbp = normalize_nd_sbp(
+            leaf.sbp, placement.ndim, len(meta.shape), f"checkpoint.restore: leaf '{name}'"
+        )
     shape, dtype = tuple(meta.shape), np.dtype(meta.dtype)
     read = normalized_layout(_reduced_sbp(sbp), len(shape), placement.shape)
     geom = Geometry(shape, placement.shape)
@@ -342,7 +385,8 @@ def _restore_args(ocp, path, name, leaf, meta):
     if isinstance(leaf, (np.ndarray, np.generic)):
         _check_shape_dtype(path, name, meta, leaf.shape, leaf.dtype)
         return ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype), (
-            (lambda v: np.asarray(v, leaf.dtype)[()]) if isinstance(leaf, np.generic) else None)
+            (lambda v: np.asarray(v, leaf.dtype)[()]) if isinstance(leaf, np.generic) else None
+        )
     if type(leaf) in (int, float):
         kind = np.dtype(meta.dtype).kind
         if tuple(meta.shape) != () or (type(leaf) is int) != (kind in "iu"):
@@ -350,12 +394,15 @@ def _restore_args(ocp, path, name, leaf, meta):
                 f"checkpoint.restore({path}): leaf '{name}' was saved with shape {tuple(meta.shape)} "
                 f"and dtype {np.dtype(meta.dtype).name}, but the target is a Python {type(leaf).__name__}. "
                 "Give a target leaf of the saved kind (an int for an integer scalar, a float for a "
-                "floating one, an array otherwise).")
+                "floating one, an array otherwise)."
+            )
         return ocp.RestoreArgs(restore_type=type(leaf)), None
-    raise SBPError(f"checkpoint.restore: target leaf '{name}' is a {type(leaf).__name__}; a target "
-                   "leaf must be a GlobalTensor or checkpoint.layout(placement, sbp) (a global tensor "
-                   "comes back), a jax.Array (restored with its sharding), a numpy array or scalar, "
-                   "or a Python int or float.")
+    raise SBPError(
+        f"checkpoint.restore: target leaf '{name}' is a {type(leaf).__name__}; a target "
+        "leaf must be a GlobalTensor or checkpoint.layout(placement, sbp) (a global tensor "
+        "comes back), a jax.Array (restored with its sharding), a numpy array or scalar, "
+        "or a Python int or float."
+    )
 
 
 def restore(path, target):
@@ -380,11 +427,20 @@ def restore(path, target):
     if saved is None:
         meta = os.path.join(path, "_METADATA")
         if not os.path.exists(meta):
-            raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is incomplete: {meta} is "
-                                  "missing. Save it again, or restore an earlier checkpoint.", "incomplete", meta)
-        raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is corrupted: orbax cannot read its "
-                              f"metadata ({meta} or the files it names)"
-                              + (f": {type(cause).__name__}: {cause}" if cause else "") + ".", "corrupted", meta)
+            raise CheckpointError(
+                f"checkpoint.restore: the checkpoint at {path} is incomplete: {meta} is "
+                "missing. Save it again, or restore an earlier checkpoint.",
+                "incomplete",
+                meta,
+            )
+        raise CheckpointError(
+            f"checkpoint.restore: the checkpoint at {path} is corrupted: orbax cannot read its "
+            f"metadata ({meta} or the files it names)"
+            + (f": {type(cause).__name__}: {cause}" if cause else "")
+            + ".",
+            "corrupted",
+            meta,
+        )
     names, leaves, treedef = _flatten(target)
     _check_names(path, saved, names)
     per_leaf = [_restore_args(ocp, path, n, x, saved[n]) for n, x in zip(names, leaves)]
@@ -393,14 +449,19 @@ def restore(path, target):
     item = jax.tree_util.tree_unflatten(treedef, [0] * len(leaves))
     try:
         values = ocp.PyTreeCheckpointer().restore(
-            path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+            path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
+        )
     except Exception as e:  # noqa: BLE001 - tensorstore / orbax read errors
-        raise CheckpointError(f"checkpoint.restore: the checkpoint at {path} is corrupted: reading its arrays "
-                              f"failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}).", "corrupted",
-                              None) from e
+        raise CheckpointError(
+            f"checkpoint.restore: the checkpoint at {path} is corrupted: reading its arrays "
+            f"failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}).",
+            "corrupted",
+            None,
+        ) from e
     read = treedef.flatten_up_to(values)
     return jax.tree_util.tree_unflatten(
-        treedef, [v if finish is None else finish(v) for v, (_, finish) in zip(read, per_leaf)])
+        treedef, [v if finish is None else finish(v) for v, (_, finish) in zip(read, per_leaf)]
+    )
 
 
 __all__ = ["CheckpointError", "LayoutSpec", "layout", "restore", "save"]

@@ -51,11 +51,11 @@ PARTIAL_OPS_BY_CLASS = {
 
 _ALTERNATIVE = {
     ("bool", "sum"): "a sum of bools is a count, not a bool: cast to an integer dtype first "
-                     "(x.astype(jnp.int32)), or use P(max) for 'any' / P(min) for 'all'",
+    "(x.astype(jnp.int32)), or use P(max) for 'any' / P(min) for 'all'",
     ("complex", "max"): "complex numbers have no order: use P(sum), or lay out a real value "
-                        "(jnp.abs(x) or x.real) as P(max)",
+    "(jnp.abs(x) or x.real) as P(max)",
     ("complex", "min"): "complex numbers have no order: use P(sum), or lay out a real value "
-                        "(jnp.abs(x) or x.real) as P(min)",
+    "(jnp.abs(x) or x.real) as P(min)",
 }
 
 
@@ -97,11 +97,22 @@ def check_partial_dtype(dtype, sbp, where: str) -> None:
             alt = _ALTERNATIVE.get((cls, s.op))
             if alt is None:
                 ok = PARTIAL_OPS_BY_CLASS[cls]
-                alt = (f"{name} supports {', '.join(f'P({o})' for o in ok)}" if ok else
-                       f"{name} cannot be partial at all: cast to float32/bfloat16 (or an integer dtype) "
-                       "before making it partial, or keep it S/B")
-            raise SBPError(f"{where}: {s} (placement axis {axis}) is not supported for dtype {name}; {alt}. "
-                           "Supported pairs: sbpjax.dtypes.PARTIAL_OPS_BY_CLASS.")
+                alt = (
+                    f"{name} supports {', '.join(f'P({o})' for o in ok)}"
+                    if ok
+                    else f"{name} cannot be partial at all: cast to float32/bfloat16 (or an integer dtype) "
+                    "before making it partial, or keep it S/B"
+                )
+            raise SBPError(
+                f"{where}: {s} (placement axis {axis}) is not supported for dtype {name}; {alt}. "
+                "Supported pairs: sbpjax.dtypes.PARTIAL_OPS_BY_CLASS."
+            )
 
 
-__all__ = ["PARTIAL_OPS_BY_CLASS", "canonical_dtype", "check_partial_dtype", "dtype_class", "partial_supported"]
+__all__ = [
+    "PARTIAL_OPS_BY_CLASS",
+    "canonical_dtype",
+    "check_partial_dtype",
+    "dtype_class",
+    "partial_supported",
+]

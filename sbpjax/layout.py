@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from jax.sharding import PartitionSpec
@@ -38,7 +38,7 @@ class Layout:
     partial: tuple = ()
 
     @staticmethod
-    def from_nd_sbp(sbp: Sequence, ndim: int) -> "Layout":
+    def from_nd_sbp(sbp: Sequence, ndim: int) -> Layout:
         dims = [[] for _ in range(ndim)]
         partial = []
         for axis, s in enumerate(sbp):
@@ -52,7 +52,7 @@ class Layout:
     def canonical(self) -> bool:
         return all(list(d) == sorted(d) for d in self.dims)
 
-    def canonicalized(self) -> "Layout":
+    def canonicalized(self) -> Layout:
         return Layout(tuple(tuple(sorted(d)) for d in self.dims), self.partial)
 
     def to_nd_sbp(self, n_axes: int) -> tuple:
@@ -82,7 +82,7 @@ class Layout:
 
 
 @functools.lru_cache(maxsize=4096)
-def geometry(shape: tuple, grid: tuple) -> "Geometry":
+def geometry(shape: tuple, grid: tuple) -> Geometry:
     """A shared :class:`Geometry` for ``shape`` on ``grid`` (its box cache with it)."""
     return Geometry(shape, grid)
 
@@ -139,15 +139,12 @@ class Geometry:
 
     def even(self, layout: Layout) -> bool:
         """True when every split divides exactly (no padding anywhere)."""
-        return all(
-            self.shape[d] % self.splits(layout.dims[d]) == 0 for d in range(self.ndim)
-        )
+        return all(self.shape[d] % self.splits(layout.dims[d]) == 0 for d in range(self.ndim))
 
     def physical_shape(self, layout: Layout) -> tuple:
         lead = tuple(self.grid[a] for a, _ in layout.partial)
         body = tuple(
-            self.padded_dim(layout.dims[d], d) * self.splits(layout.dims[d])
-            for d in range(self.ndim)
+            self.padded_dim(layout.dims[d], d) * self.splits(layout.dims[d]) for d in range(self.ndim)
         )
         return lead + body
 
@@ -172,9 +169,7 @@ class Geometry:
         held = kept = 0
         for a, b in zip(self.boxes(src), self.boxes(dst)):
             held += math.prod(s for _, s in b)
-            kept += math.prod(
-                max(0, min(s1 + n1, s2 + n2) - max(s1, s2)) for (s1, n1), (s2, n2) in zip(a, b)
-            )
+            kept += math.prod(max(0, min(s1 + n1, s2 + n2) - max(s1, s2)) for (s1, n1), (s2, n2) in zip(a, b))
         return held, kept
 
     def floor_bytes(self, src: Layout, dst: Layout, itemsize: int) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from typing import Iterable, Sequence, Union
+from collections.abc import Iterable, Sequence
 
 from sbpjax._errors import SBPError
 
@@ -65,9 +65,7 @@ class Partial:
 
     def __post_init__(self):
         if self.op not in PARTIAL_OPS:
-            raise SBPError(
-                f"P({self.op!r}): unknown partial op; use one of {', '.join(PARTIAL_OPS)}."
-            )
+            raise SBPError(f"P({self.op!r}): unknown partial op; use one of {', '.join(PARTIAL_OPS)}.")
 
     def __repr__(self):
         return "P" if self.op == "sum" else f"P({self.op})"
@@ -75,7 +73,7 @@ class Partial:
     __str__ = __repr__
 
 
-SBP = Union[Split, Broadcast, Partial]
+SBP = Split | Broadcast | Partial
 NdSbp = tuple  # tuple[SBP, ...], one per placement axis, outer first
 
 
@@ -183,9 +181,7 @@ def as_sbp(value, where: str = "sbp"):
     )
 
 
-def normalize_nd_sbp(
-    sbp, placement_ndim: int, tensor_ndim: int | None = None, where: str = "sbp"
-) -> tuple:
+def normalize_nd_sbp(sbp, placement_ndim: int, tensor_ndim: int | None = None, where: str = "sbp") -> tuple:
     """Turn user input into an nd-SBP tuple and check it.
 
     Accepts a tuple/list of SBPs, text, or (for a 1-D placement) a bare SBP.

@@ -95,15 +95,19 @@ class GlobalTensor:
         return self._data
 
     def __repr__(self):
-        return (f"GlobalTensor(shape={self._shape}, dtype={self._dtype.name}, "
-                f"sbp={format_sbp(self._sbp)}, placement={self._placement!r})")
+        return (
+            f"GlobalTensor(shape={self._shape}, dtype={self._dtype.name}, "
+            f"sbp={format_sbp(self._sbp)}, placement={self._placement!r})"
+        )
 
     # -- values --------------------------------------------------------------
     def _blocks(self) -> dict:
         """Device coordinate -> that device's padded block, as numpy."""
         if _is_traced(self._data):
-            raise SBPError("numpy()/local_tensors() need concrete values; they cannot run "
-                           "inside jax.jit or jax.grad. Use to_jax() there (S/B layouts).")
+            raise SBPError(
+                "numpy()/local_tensors() need concrete values; they cannot run "
+                "inside jax.jit or jax.grad. Use to_jax() there (S/B layouts)."
+            )
         by_id = {s.device.id: s for s in self._data.addressable_shards}
         geom = Geometry(self._shape, self._placement.shape)
         out = {}
@@ -138,8 +142,10 @@ class GlobalTensor:
         geom = Geometry(self._shape, self._placement.shape)
         blocks = self._blocks()
         if len(blocks) != geom.n_devices:
-            raise SBPError("numpy(): some devices of this placement belong to another process; "
-                           "gather the tensor to a placement this process can see first.")
+            raise SBPError(
+                "numpy(): some devices of this placement belong to another process; "
+                "gather the tensor to a placement this process can see first."
+            )
         out = np.zeros(self._shape, self._dtype)
         for c, block in blocks.items():
             box = geom.local_box(layout, c)
@@ -192,12 +198,22 @@ class GlobalTensor:
     def to_global(self, sbp=None, placement: Placement | None = None) -> GlobalTensor:
         """Box to another nd-SBP (and/or another placement). Same layout: ``self``."""
         placement = placement or self._placement
-        sbp = self._sbp if sbp is None else normalize_nd_sbp(sbp, placement.ndim, self.ndim, "to_global(sbp=...)")
+        sbp = (
+            self._sbp
+            if sbp is None
+            else normalize_nd_sbp(sbp, placement.ndim, self.ndim, "to_global(sbp=...)")
+        )
         if placement == self._placement and sbp == self._sbp:
             return self
         check_partial_dtype(self._dtype, sbp, "to_global(sbp=...)")
-        plan = plan_boxing(self._shape, self._dtype, self._placement, self._sbp, sbp,
-                           dst_placement=None if placement == self._placement else placement)
+        plan = plan_boxing(
+            self._shape,
+            self._dtype,
+            self._placement,
+            self._sbp,
+            sbp,
+            dst_placement=None if placement == self._placement else placement,
+        )
         if plan.dst_placement is not None:
             data, _ = execute_transfer(plan, self._data)
         elif plan.steps:
@@ -242,8 +258,10 @@ def to_global(x, placement: Placement, sbp) -> GlobalTensor:
     if isinstance(x, GlobalTensor):
         return x.to_global(sbp=sbp, placement=placement)
     if not isinstance(placement, Placement):
-        raise SBPError(f"to_global: placement must be an sj.Placement, got {type(placement).__name__}; "
-                       "make one with sj.placement(shape, axis_names).")
+        raise SBPError(
+            f"to_global: placement must be an sj.Placement, got {type(placement).__name__}; "
+            "make one with sj.placement(shape, axis_names)."
+        )
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         x = np.asarray(x)
     shape = tuple(x.shape)
@@ -294,11 +312,15 @@ def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTenso
         for c in geom.coords:
             grid[c] = np.asarray(src[c])
     except (IndexError, TypeError, ValueError) as e:
-        raise SBPError(f"from_local_tensors: expected one local tensor per device in a grid of shape "
-                       f"{placement.shape}; could not read it ({e}).") from None
+        raise SBPError(
+            f"from_local_tensors: expected one local tensor per device in a grid of shape "
+            f"{placement.shape}; could not read it ({e})."
+        ) from None
     if grid.shape != placement.shape:
-        raise SBPError(f"from_local_tensors: got a grid of shape {grid.shape} of local tensors, the "
-                       f"placement has shape {placement.shape}.")
+        raise SBPError(
+            f"from_local_tensors: got a grid of shape {grid.shape} of local tensors, the "
+            f"placement has shape {placement.shape}."
+        )
     dtype = canonical_dtype(np.result_type(*[g.dtype for g in grid.flat]))
     check_partial_dtype(dtype, sbp, "from_local_tensors")
     blocks = {}
@@ -325,8 +347,10 @@ def _explain_local(shape, sbp, placement, coord) -> str:
     parts = []
     for a, s in enumerate(sbp):
         if isinstance(s, Split) and placement.shape[a] > 1:
-            parts.append(f"dim {s.dim} split {placement.shape[a]} ways on axis "
-                         f"'{placement.axis_names[a]}' (piece {coord[a]})")
+            parts.append(
+                f"dim {s.dim} split {placement.shape[a]} ways on axis "
+                f"'{placement.axis_names[a]}' (piece {coord[a]})"
+            )
     return "(" + "; ".join(parts) + ")" if parts else "(no splits: the whole shape)"
 
 

@@ -29,15 +29,18 @@ LEAVES = {
     "even_f32": RNG.standard_normal((8, 16)).astype(np.float32),
     "uneven_f32": RNG.standard_normal((7, 10)).astype(np.float32),
     "bf16": RNG.standard_normal((6, 12)).astype(jnp.bfloat16),
-    "int32": RNG.integers(-2**31, 2**31 - 1, size=(9, 5), dtype=np.int32),
+    "int32": RNG.integers(-(2**31), 2**31 - 1, size=(9, 5), dtype=np.int32),
 }
 
 
 def _saved_from_s0_b(tmp_path):
     """Every leaf saved from (S(0), B) on 2x4, with a Python int and an int32 count."""
     pl = sj.placement((2, 4), ("x", "y"))
-    tree = {"params": {k: sj.to_global(v, pl, (sj.S(0), sj.B)) for k, v in LEAVES.items()},
-            "step": 12, "count": jnp.int32(12)}
+    tree = {
+        "params": {k: sj.to_global(v, pl, (sj.S(0), sj.B)) for k, v in LEAVES.items()},
+        "step": 12,
+        "count": jnp.int32(12),
+    }
     path = tmp_path / "ckpt"
     checkpoint.save(path, tree)
     return path
@@ -52,8 +55,9 @@ def _placement(kind):
     if kind == "sub4":  # the second row of 2x4: devices that saved other pieces
         return sj.placement((2, 4), ("x", "y"))[1]
     # a 2x4 grid in an order of the user's own
-    return sj.Placement(np.array([devs[i] for i in [5, 2, 7, 0, 3, 6, 1, 4]], dtype=object)
-                        .reshape(2, 4), ("a", "b"))
+    return sj.Placement(
+        np.array([devs[i] for i in [5, 2, 7, 0, 3, 6, 1, 4]], dtype=object).reshape(2, 4), ("a", "b")
+    )
 
 
 TARGETS = [  # (placement, nd-SBP)
@@ -65,7 +69,7 @@ TARGETS = [  # (placement, nd-SBP)
     ("sub4", (sj.S(0),)),
     ("sub4", (sj.B,)),
     ("perm", (sj.S(1), sj.S(0))),
-    ("2x4", (sj.P, sj.S(1))),   # partial target: restored reduced, then B -> P (free)
+    ("2x4", (sj.P, sj.S(1))),  # partial target: restored reduced, then B -> P (free)
     ("1d8", (sj.P_max,)),
 ]
 
@@ -88,8 +92,9 @@ def _check_restored(t, x, pl, sbp):
 def test_restore_into_another_layout_is_bit_exact(tmp_path, target):
     path = _saved_from_s0_b(tmp_path)
     pl, sbp = _placement(target[0]), target[1]
-    out = checkpoint.restore(path, {"params": {k: checkpoint.layout(pl, sbp) for k in LEAVES},
-                                    "step": 0, "count": jnp.int32(0)})
+    out = checkpoint.restore(
+        path, {"params": {k: checkpoint.layout(pl, sbp) for k in LEAVES}, "step": 0, "count": jnp.int32(0)}
+    )
     for k, x in LEAVES.items():
         _check_restored(out["params"][k], x, pl, sbp)
     assert out["step"] == 12 and type(out["step"]) is int
@@ -99,8 +104,9 @@ def test_restore_into_another_layout_is_bit_exact(tmp_path, target):
 def test_even_layouts_are_read_straight_into_their_sharding(tmp_path):
     path = _saved_from_s0_b(tmp_path)
     pl = sj.placement((2, 4), ("x", "y"))
-    out = checkpoint.restore(path, {"params": {k: checkpoint.layout(pl, (sj.B, sj.S(1))) for k in LEAVES},
-                                    "step": 0, "count": 0})
+    out = checkpoint.restore(
+        path, {"params": {k: checkpoint.layout(pl, (sj.B, sj.S(1))) for k in LEAVES}, "step": 0, "count": 0}
+    )
     t = out["params"]["even_f32"]  # 16 columns divide by 4: orbax reads shards onto devices
     assert t.physical.sharding == NamedSharding(pl.mesh, PartitionSpec(None, "y"))
     x = LEAVES["even_f32"]
@@ -111,8 +117,11 @@ def test_even_layouts_are_read_straight_into_their_sharding(tmp_path):
 def test_restore_into_a_global_tensor_target_uses_its_layout(tmp_path):
     path = _saved_from_s0_b(tmp_path)
     pl = sj.placement(8, "x")
-    target = {"params": {k: sj.to_global(np.zeros_like(v), pl, sj.S(0)) for k, v in LEAVES.items()},
-              "step": 0, "count": jnp.int32(0)}
+    target = {
+        "params": {k: sj.to_global(np.zeros_like(v), pl, sj.S(0)) for k, v in LEAVES.items()},
+        "step": 0,
+        "count": jnp.int32(0),
+    }
     out = checkpoint.restore(path, target)
     for k, x in LEAVES.items():
         _check_restored(out["params"][k], x, pl, (sj.S(0),))
@@ -138,8 +147,7 @@ def test_partials_are_reduced_when_saved(tmp_path, op):
 def test_plain_leaves_and_an_optax_state_round_trip(tmp_path):
     params = {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4, jnp.bfloat16)}
     opt = optax.adam(1e-3).init(params)
-    tree = {"opt": opt, "np": np.arange(5, dtype=np.int64), "scalar": np.float32(2.5),
-            "lr": 0.125, "step": 3}
+    tree = {"opt": opt, "np": np.arange(5, dtype=np.int64), "scalar": np.float32(2.5), "lr": 0.125, "step": 3}
     checkpoint.save(tmp_path / "c", tree)
     out = checkpoint.restore(tmp_path / "c", jax.tree.map(lambda v: v, tree))
     assert jax.tree.structure(out) == jax.tree.structure(tree)
@@ -186,26 +194,40 @@ def test_restore_errors_say_what_where_and_how_to_fix(tmp_path):
     with pytest.raises(sj.SBPError, match=r"no checkpoint at .*missing.*Check the path"):
         checkpoint.restore(tmp_path / "missing", {"a": {"w": lay}, "step": 0})
     (tmp_path / "killed.orbax-checkpoint-tmp-1700000000").mkdir()  # as a process killed mid-save leaves
-    with pytest.raises(sj.SBPError, match=r"checkpoint at .*killed is incomplete: a save to it did not finish "
-                                          r"\(it left .*killed\.orbax-checkpoint-tmp-1700000000\)"):
+    with pytest.raises(
+        sj.SBPError,
+        match=r"checkpoint at .*killed is incomplete: a save to it did not finish "
+        r"\(it left .*killed\.orbax-checkpoint-tmp-1700000000\)",
+    ):
         checkpoint.restore(tmp_path / "killed", {"a": {"w": lay}, "step": 0})
     (tmp_path / "empty").mkdir()
-    with pytest.raises(sj.SBPError, match=r"checkpoint at .*empty is incomplete: .*empty/_METADATA is missing"):
+    with pytest.raises(
+        sj.SBPError, match=r"checkpoint at .*empty is incomplete: .*empty/_METADATA is missing"
+    ):
         checkpoint.restore(tmp_path / "empty", {"a": {"w": lay}, "step": 0})
-    with pytest.raises(sj.SBPError, match=r"target has leaves the checkpoint lacks: a\.v.*"
-                                          r"checkpoint has leaves the target lacks: a\.w"):
+    with pytest.raises(
+        sj.SBPError,
+        match=r"target has leaves the checkpoint lacks: a\.v.*"
+        r"checkpoint has leaves the target lacks: a\.w",
+    ):
         checkpoint.restore(tmp_path / "c", {"a": {"v": lay}, "step": 0})
     with pytest.raises(sj.SBPError, match=r"checkpoint has leaves the target lacks: step"):
         checkpoint.restore(tmp_path / "c", {"a": {"w": lay}})
     wrong_shape = sj.to_global(np.zeros((4, 5), np.float32), pl, (sj.S(0), sj.B))
-    with pytest.raises(sj.SBPError, match=r"leaf 'a\.w' was saved with shape \(4, 6\) and dtype float32, "
-                                          r"but the target asks for shape \(4, 5\)"):
+    with pytest.raises(
+        sj.SBPError,
+        match=r"leaf 'a\.w' was saved with shape \(4, 6\) and dtype float32, "
+        r"but the target asks for shape \(4, 5\)",
+    ):
         checkpoint.restore(tmp_path / "c", {"a": {"w": wrong_shape}, "step": 0})
     wrong_dtype = sj.to_global(np.zeros((4, 6), np.int32), pl, (sj.S(0), sj.B))
     with pytest.raises(sj.SBPError, match=r"and dtype int32\. Restore into a target of the saved"):
         checkpoint.restore(tmp_path / "c", {"a": {"w": wrong_dtype}, "step": 0})
-    with pytest.raises(sj.SBPError, match=r"leaf 'step' was saved with shape \(\) and dtype int64, "
-                                          r"but the target is a Python float"):
+    with pytest.raises(
+        sj.SBPError,
+        match=r"leaf 'step' was saved with shape \(\) and dtype int64, "
+        r"but the target is a Python float",
+    ):
         checkpoint.restore(tmp_path / "c", {"a": {"w": lay}, "step": 0.0})
     with pytest.raises(sj.SBPError, match=r"leaf 'a\.w'.*splits dim 2, but the tensor has 2 dims"):
         checkpoint.restore(tmp_path / "c", {"a": {"w": checkpoint.layout(pl, (sj.S(2), sj.B))}, "step": 0})
@@ -227,16 +249,25 @@ def _damage(file, how):
         open(file, "wb").write(bytes(b ^ 0x5A for b in data) if data else b"")
 
 
-@pytest.mark.parametrize("how,kind", [("delete", "incomplete"), ("truncate", "corrupted"), ("garble", "corrupted")])
+@pytest.mark.parametrize(
+    "how,kind", [("delete", "incomplete"), ("truncate", "corrupted"), ("garble", "corrupted")]
+)
 def test_damaged_checkpoints_name_the_file(tmp_path, how, kind):
     pl = sj.placement((2, 4), ("x", "y"))
-    tree = {"w": sj.to_global(np.arange(48, dtype=np.float32).reshape(8, 6), pl, (sj.S(0), sj.B)),
-            "b": np.ones(3, np.float32), "step": 7}
+    tree = {
+        "w": sj.to_global(np.arange(48, dtype=np.float32).reshape(8, 6), pl, (sj.S(0), sj.B)),
+        "b": np.ones(3, np.float32),
+        "step": 7,
+    }
     checkpoint.save(tmp_path / "orig", tree)
-    files = sorted(str(p.relative_to(tmp_path / "orig")) for p in (tmp_path / "orig").rglob("*") if p.is_file())
+    files = sorted(
+        str(p.relative_to(tmp_path / "orig")) for p in (tmp_path / "orig").rglob("*") if p.is_file()
+    )
     assert "sbpjax_manifest.json" in files and "_METADATA" in files
     for rel in files:
-        if rel == "sbpjax_manifest.json" or (how == "garble" and os.path.getsize(tmp_path / "orig" / rel) == 0):
+        if rel == "sbpjax_manifest.json" or (
+            how == "garble" and os.path.getsize(tmp_path / "orig" / rel) == 0
+        ):
             continue
         copy = tmp_path / f"{how}-{rel.replace('/', '_')}"
         shutil.copytree(tmp_path / "orig", copy)
@@ -264,7 +295,9 @@ def test_missing_file_and_foreign_checkpoints(tmp_path):
     os.remove(tmp_path / "c" / "sbpjax_manifest.json")
     np.testing.assert_array_equal(checkpoint.restore(tmp_path / "c", tree)["w"].numpy(), np.arange(16))
     _damage(tmp_path / "c" / "_METADATA", "garble")
-    with pytest.raises(checkpoint.CheckpointError, match=r"is corrupted: orbax cannot read its metadata") as e:
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"is corrupted: orbax cannot read its metadata"
+    ) as e:
         checkpoint.restore(tmp_path / "c", tree)
     assert e.value.kind == "corrupted" and e.value.file.endswith("_METADATA")
     # an unreadable file list is itself named

@@ -29,8 +29,19 @@ import sbpjax as sj
 from sbpjax.dtypes import partial_supported
 from sbpjax.sbp import Partial, Split
 
-DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.int32, np.uint32, np.float16, jnp.bfloat16, np.float32,
-          np.complex64, ml_dtypes.float8_e4m3fn]
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.int32,
+    np.uint32,
+    np.float16,
+    jnp.bfloat16,
+    np.float32,
+    np.complex64,
+    ml_dtypes.float8_e4m3fn,
+]
 DTYPES = [np.dtype(d) for d in DTYPES]
 OPS = ("sum", "max", "min")
 
@@ -52,7 +63,7 @@ def _reduce(stack: np.ndarray, op: str, dtype: np.dtype) -> np.ndarray:
             return stack.astype(wide).sum(axis=0)
     if jnp.issubdtype(dtype, jnp.floating):
         wide = stack.astype(np.float64)
-        return (wide.max(axis=0) if op == "max" else wide.min(axis=0))
+        return wide.max(axis=0) if op == "max" else wide.min(axis=0)
     return stack.max(axis=0) if op == "max" else stack.min(axis=0)
 
 
@@ -63,8 +74,11 @@ def oracle(locals_: np.ndarray, sbp, dtype) -> tuple[np.ndarray, np.ndarray]:
     def go(prefix, axis):
         if axis == len(sbp):
             v = np.asarray(locals_[tuple(prefix)])
-            mag = np.abs(v.astype(np.complex128 if dtype.kind == "c" else np.float64)) if v.dtype != np.bool_ \
+            mag = (
+                np.abs(v.astype(np.complex128 if dtype.kind == "c" else np.float64))
+                if v.dtype != np.bool_
                 else np.zeros(v.shape)
+            )
             return v, mag
         parts = [go(prefix + [i], axis + 1) for i in range(locals_.shape[axis])]
         s = sbp[axis]
@@ -78,7 +92,9 @@ def oracle(locals_: np.ndarray, sbp, dtype) -> tuple[np.ndarray, np.ndarray]:
     return go([], 0)
 
 
-def assert_matches(got: np.ndarray, want: np.ndarray, mag: np.ndarray, dtype: np.dtype, exact: bool, msg: str):
+def assert_matches(
+    got: np.ndarray, want: np.ndarray, mag: np.ndarray, dtype: np.dtype, exact: bool, msg: str
+):
     """Exact where the oracle is exact (integers, bool, max/min, layouts without
     partials); float sums within ``eps(dtype)`` times the summed magnitudes of the
     terms (the error of adding them in any order), elementwise. Non-finite
@@ -131,8 +147,9 @@ def random_values(rng, shape, dtype: np.dtype, special: bool, ops) -> np.ndarray
 def random_locals(rng, pl, sbp, shape, dtype, special):
     """One local tensor per device for ``sbp`` (partials: independent terms;
     broadcast axes: equal copies), with the shapes the balanced split gives."""
-    probe = sj.to_global(np.zeros(shape, np.float32), pl,
-                         tuple(s if isinstance(s, Split) else sj.B for s in sbp))
+    probe = sj.to_global(
+        np.zeros(shape, np.float32), pl, tuple(s if isinstance(s, Split) else sj.B for s in sbp)
+    )
     shapes = np.empty(pl.shape, object)
     for c, v in np.ndenumerate(probe.local_tensors()):
         shapes[c] = v.shape
@@ -213,12 +230,16 @@ def run_config(rng, pls, k, draws, seen):
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     dtype = DTYPES[int(rng.integers(len(DTYPES)))]
     src = random_sbp(rng, pl.ndim, len(shape))
-    mode = str(rng.choice(["eager", "eager", "traced", "logical"] + (["transfer"] if name in TRANSFER_DST else [])))
+    mode = str(
+        rng.choice(["eager", "eager", "traced", "logical"] + (["transfer"] if name in TRANSFER_DST else []))
+    )
     dst_pl = pl
     if mode == "transfer":
         d = np.array(jax.devices()[:8])
-        dst_pl = {"2x2hi": sj.Placement(d[4:8].reshape(2, 2), ("p", "q")),
-                  "1d4hi": sj.Placement(d[[6, 4, 7, 5]], ("p",))}[str(rng.choice(TRANSFER_DST[name]))]
+        dst_pl = {
+            "2x2hi": sj.Placement(d[4:8].reshape(2, 2), ("p", "q")),
+            "1d4hi": sj.Placement(d[[6, 4, 7, 5]], ("p",)),
+        }[str(rng.choice(TRANSFER_DST[name]))]
     dst = random_sbp(rng, dst_pl.ndim, len(shape))
     if mode == "traced" and rng.random() < 0.5 and _even(shape, pl, src) and _even(shape, pl, dst):
         mode = "sj.jit"  # the whole-program compiler's boxing of an output (it needs even splits)
@@ -230,13 +251,17 @@ def run_config(rng, pls, k, draws, seen):
     out = []
     for j in range(draws):
         special = bool(rng.random() < 0.4)
-        msg = (f"config {k} draw {j}: {dtype.name} {shape} on {name} {sj.format_sbp(src)} -> "
-               f"{sj.format_sbp(dst)} ({mode}{', NaN/inf/extremes' if special else ''})")
+        msg = (
+            f"config {k} draw {j}: {dtype.name} {shape} on {name} {sj.format_sbp(src)} -> "
+            f"{sj.format_sbp(dst)} ({mode}{', NaN/inf/extremes' if special else ''})"
+        )
         outcome = _one_case(rng, pl, dst_pl, shape, dtype, src, dst, mode, traced, special, msg)
         out.append(outcome)
         if outcome == "value":
-            seen.update({("dtype", dtype.name), ("placement", name), ("mode", mode), ("shape", shape)}
-                        | {("kind", str(s)) for s in src + dst if isinstance(s, Partial)})
+            seen.update(
+                {("dtype", dtype.name), ("placement", name), ("mode", mode), ("shape", shape)}
+                | {("kind", str(s)) for s in src + dst if isinstance(s, Partial)}
+            )
     return out
 
 
@@ -313,8 +338,13 @@ def test_random_boxing_suite():
 # The table, enforced at every place a layout is made
 # ---------------------------------------------------------------------------
 
-UNSUPPORTED = [(np.bool_, "sum"), (np.complex64, "max"), (np.complex64, "min"),
-               (ml_dtypes.float8_e4m3fn, "sum"), (ml_dtypes.float8_e4m3fn, "max")]
+UNSUPPORTED = [
+    (np.bool_, "sum"),
+    (np.complex64, "max"),
+    (np.complex64, "min"),
+    (ml_dtypes.float8_e4m3fn, "sum"),
+    (ml_dtypes.float8_e4m3fn, "max"),
+]
 
 
 @pytest.mark.parametrize("dtype,op", UNSUPPORTED, ids=lambda v: getattr(v, "__name__", str(v)))
@@ -348,11 +378,18 @@ def test_refusals_name_the_alternative(pl8):
 
 def test_dtype_is_what_the_devices_hold(pl8):
     assert not jax.config.jax_enable_x64
-    for given, held in [(np.float64, np.float32), (np.int64, np.int32), (np.uint64, np.uint32),
-                        (np.complex128, np.complex64)]:
+    for given, held in [
+        (np.float64, np.float32),
+        (np.int64, np.int32),
+        (np.uint64, np.uint32),
+        (np.complex128, np.complex64),
+    ]:
         x = np.arange(8).astype(given)
-        for t in (sj.to_global(x, pl8, sj.S(0)), sj.from_local_tensors(list(x.reshape(8, 1)), pl8, sj.S(0), (8,)),
-                  sj.to_global(x, pl8, sj.P)):
+        for t in (
+            sj.to_global(x, pl8, sj.S(0)),
+            sj.from_local_tensors(list(x.reshape(8, 1)), pl8, sj.S(0), (8,)),
+            sj.to_global(x, pl8, sj.P),
+        ):
             assert t.dtype == held and t.physical.dtype == held and t.numpy().dtype == held
             np.testing.assert_array_equal(t.numpy(), x.astype(held))
 
@@ -444,7 +481,9 @@ def test_sj_jit_outputs_keep_nan(op, pl8):
     np.testing.assert_array_equal(t.numpy(), g(t).numpy())
 
 
-@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.int32, np.uint32], ids=lambda d: d.__name__)
+@pytest.mark.parametrize(
+    "dtype", [np.int8, np.uint8, np.int16, np.int32, np.uint32], ids=lambda d: d.__name__
+)
 @pytest.mark.parametrize("op", OPS)
 def test_integer_extremes_and_wraparound(dtype, op, pl8, pl24):
     info = np.iinfo(dtype)
@@ -475,8 +514,9 @@ def test_integer_extremes_and_wraparound(dtype, op, pl8, pl24):
 
 
 def test_int8_sum_wraps_as_documented(pl8):
-    t = sj.from_local_tensors([np.array([100], np.int8), np.array([100], np.int8)] + [np.zeros(1, np.int8)] * 6,
-                              pl8, sj.P, (1,))
+    t = sj.from_local_tensors(
+        [np.array([100], np.int8), np.array([100], np.int8)] + [np.zeros(1, np.int8)] * 6, pl8, sj.P, (1,)
+    )
     assert t.numpy().tolist() == [-56] and t.to_global(sbp=sj.B).numpy().tolist() == [-56]
 
 
@@ -495,8 +535,12 @@ def test_in_sbp_objects_and_text_mean_the_same(pl8, pl24):
     # 1-D placement: a tuple of single SBPs of another length is one per argument
     assert seen(pl8, (sj.S(0), sj.B), x, y) == seen(pl8, ("S(0)", "B"), x, y) == [(sj.S(0),), (sj.B,)]
     # one entry per placement axis: one nd-SBP for every argument, objects or text
-    assert seen(pl24, (sj.S(0), sj.B), x, y) == seen(pl24, ("S(0)", "B"), x, y) == seen(pl24, "S(0), B", x, y) \
+    assert (
+        seen(pl24, (sj.S(0), sj.B), x, y)
+        == seen(pl24, ("S(0)", "B"), x, y)
+        == seen(pl24, "S(0), B", x, y)
         == [(sj.S(0), sj.B)] * 2
+    )
     # a string is always one nd-SBP
     assert seen(pl8, "S(1)", x, y) == [(sj.S(1),)] * 2
     assert seen(pl24, ((sj.S(0), sj.B), "B, S(1)"), x, y) == [(sj.S(0), sj.B), (sj.B, sj.S(1))]

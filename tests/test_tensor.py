@@ -53,8 +53,9 @@ def test_oneflow_figure_4():
     assert s1[0].tolist() == [[1], [3]] and s1[1].tolist() == [[2], [4]]
     assert b[0].tolist() == b[1].tolist() == [[1, 2], [3, 4]]
     # the paper's partial-sum example: these two local tensors sum to x
-    p = sj.from_local_tensors([np.array([[1, 1], [1, 0]], np.float32), np.array([[0, 1], [2, 4]], np.float32)],
-                              pl, sj.P, (2, 2))
+    p = sj.from_local_tensors(
+        [np.array([[1, 1], [1, 0]], np.float32), np.array([[0, 1], [2, 4]], np.float32)], pl, sj.P, (2, 2)
+    )
     np.testing.assert_array_equal(p.numpy(), x)
     assert p.local_tensors()[1].tolist() == [[0, 1], [2, 4]]
     # and boxing it to each of the other layouts gives the figure's columns
@@ -63,7 +64,9 @@ def test_oneflow_figure_4():
     assert p.to_global(sbp=sj.B).local_tensors()[1].tolist() == [[1, 2], [3, 4]]
 
 
-@pytest.mark.parametrize("sbp", list(itertools.product([sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max], repeat=2)), ids=str)
+@pytest.mark.parametrize(
+    "sbp", list(itertools.product([sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max], repeat=2)), ids=str
+)
 def test_from_local_tensors_round_trip_2d(sbp, pl24):
     x = np.random.default_rng(2).integers(-9, 9, size=(5, 9)).astype(np.int32)
     t = sj.to_global(x, pl24, sbp)
@@ -155,8 +158,11 @@ def test_pytree_and_jit(pl24):
 def test_from_local_tensors_errors(pl8, pl24):
     x = np.zeros((10, 4), np.float32)
     locs = sj.to_global(x, pl8, sj.S(0)).local_tensors()
-    with pytest.raises(sj.SBPError, match=r"grid position \(2,\) holds a local tensor of shape \(1, 4\), but logical "
-                                          r"shape \(11, 4\).*gives it shape \(2, 4\).*dim 0 split 8 ways"):
+    with pytest.raises(
+        sj.SBPError,
+        match=r"grid position \(2,\) holds a local tensor of shape \(1, 4\), but logical "
+        r"shape \(11, 4\).*gives it shape \(2, 4\).*dim 0 split 8 ways",
+    ):
         sj.from_local_tensors(locs, pl8, sj.S(0), (11, 4))
     with pytest.raises(sj.SBPError, match="one local tensor per device"):
         sj.from_local_tensors([np.zeros(2)] * 3, pl8, sj.B, (2,))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -84,8 +84,9 @@ class CostModel:
 DEFAULT_COST_MODEL = CostModel()
 
 
-def calibrate(placement, sizes: Sequence[int] = (1 << 12, 1 << 15, 1 << 18, 1 << 20),
-              repeats: int = 5) -> CostModel:
+def calibrate(
+    placement, sizes: Sequence[int] = (1 << 12, 1 << 15, 1 << 18, 1 << 20), repeats: int = 5
+) -> CostModel:
     """Time the real collectives over each placement axis and fit alpha, beta.
 
     For every axis, message size and collective (all-reduce, all-gather,
@@ -118,10 +119,14 @@ def calibrate(placement, sizes: Sequence[int] = (1 << 12, 1 << 15, 1 << 18, 1 <<
             n = max(p, (nbytes // 4) // p * p)  # float32 elements, a multiple of p
             for op, body in bodies.items():
                 local = n // p if op == "all_gather" else n
-                fn = jax.jit(jax.shard_map(body, mesh=placement.mesh, in_specs=stacked,
-                                           out_specs=stacked, check_vma=False))
-                x = jax.device_put(jnp.ones((placement.size, local), jnp.float32),
-                                   NamedSharding(placement.mesh, stacked))
+                fn = jax.jit(
+                    jax.shard_map(
+                        body, mesh=placement.mesh, in_specs=stacked, out_specs=stacked, check_vma=False
+                    )
+                )
+                x = jax.device_put(
+                    jnp.ones((placement.size, local), jnp.float32), NamedSharding(placement.mesh, stacked)
+                )
                 fn(x).block_until_ready()
                 samples = []
                 for _ in range(repeats):

@@ -151,7 +151,7 @@ class _Tables:
             out = np.zeros(Mp, np.int32)
             for k, m in enumerate(self.members(c, group)):
                 cs, cn = geom.dim_range(parent + group, d, m)
-                out[cs - ps: cs - ps + cn] = k * Mc + np.arange(cn)
+                out[cs - ps : cs - ps + cn] = k * Mc + np.arange(cn)
             return out
 
         return parent, self.table(parent, fn)
@@ -192,7 +192,7 @@ class _Tables:
             ps, _ = geom.dim_range(parent, d, c)
             cs, cn = geom.dim_range(child, d, c)
             out = np.full(Mp, Mc, np.int32)
-            out[cs - ps: cs - ps + cn] = np.arange(cn)
+            out[cs - ps : cs - ps + cn] = np.arange(cn)
             return out
 
         return child, self.table(child, fn)
@@ -237,7 +237,7 @@ def _scatter_sum(x, axis, d, g):
     cross devices)."""
     if d == 0 or math.prod(x.shape[:d]) == 1:
         return lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True)
-    pre, post = x.shape[:d], x.shape[d + 1:]
+    pre, post = x.shape[:d], x.shape[d + 1 :]
     chunk = x.shape[d] // g
     y = jnp.moveaxis(x.reshape(pre + (g, chunk) + post), d, 0)
     y = y.reshape((g * pre[0],) + pre[1:] + (chunk,) + post)
@@ -252,7 +252,7 @@ def _gather(x, axis, d):
     if d == 0 or math.prod(x.shape[:d]) == 1:
         return lax.all_gather(x, axis, axis=d, tiled=True)
     y = jnp.moveaxis(lax.all_gather(x, axis, axis=0), 0, d)  # [..., piece, row in piece, ...]
-    return y.reshape(x.shape[:d] + (y.shape[d] * x.shape[d],) + x.shape[d + 1:])
+    return y.reshape(x.shape[:d] + (y.shape[d] * x.shape[d],) + x.shape[d + 1 :])
 
 
 def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
@@ -284,7 +284,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
             return _scatter_sum(x, _axis_arg(axes), d, g)
         # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
         shape = x.shape
-        chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1:])
+        chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1 :])
         got = lax.all_to_all(chunks, _axis_arg(axes), split_axis=d, concat_axis=d, tiled=True)
         return jnp.max(got, axis=d) if step.reduce == "max" else jnp.min(got, axis=d)
     if op == "all_reduce":
@@ -345,8 +345,14 @@ def boxing_fn(plan: BoxingPlan):
 
     Cached per (shape, dtype, placement, source layout, target layout, steps).
     """
-    key = (plan.shape, np.dtype(plan.dtype).str, plan.placement, plan.src_layout,
-           plan.dst_layout, tuple(str(s) for s in plan.steps))
+    key = (
+        plan.shape,
+        np.dtype(plan.dtype).str,
+        plan.placement,
+        plan.src_layout,
+        plan.dst_layout,
+        tuple(str(s) for s in plan.steps),
+    )
     fn = _FN_CACHE.get(key)
     if fn is None:
         fn = _build(plan)

@@ -26,7 +26,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -102,9 +102,11 @@ class Step:
         return op
 
     def __str__(self):
-        return (f"{self.label()} over {','.join(self.axes) or '-'}: "
-                f"{self.src.describe(self.n_axes, self.axis_names)} -> "
-                f"{self.dst.describe(self.n_axes, self.axis_names)}, {self.bytes} B")
+        return (
+            f"{self.label()} over {','.join(self.axes) or '-'}: "
+            f"{self.src.describe(self.n_axes, self.axis_names)} -> "
+            f"{self.dst.describe(self.n_axes, self.axis_names)}, {self.bytes} B"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,14 +148,23 @@ class BoxingPlan:
         where = f"{self.placement!r}"
         if self.dst_placement is not None:
             where += f" -> {self.dst_placement!r}"
-        head = (f"boxing {self.shape} {np.dtype(self.dtype).name} on {where}: "
-                f"{format_sbp(self.src_sbp)} -> {format_sbp(self.dst_sbp)}")
+        head = (
+            f"boxing {self.shape} {np.dtype(self.dtype).name} on {where}: "
+            f"{format_sbp(self.src_sbp)} -> {format_sbp(self.dst_sbp)}"
+        )
         rows = [("#", "step", "axes", "from", "to", "bytes", "|T|")]
         for i, s in enumerate(self.steps, 1):
-            rows.append((str(i), s.label(), ",".join(s.axes) or "-",
-                         s.src.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.src_sbp),
-                         s.dst.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.dst_sbp),
-                         human_bytes(s.bytes), _ratio(s.bytes, t)))
+            rows.append(
+                (
+                    str(i),
+                    s.label(),
+                    ",".join(s.axes) or "-",
+                    s.src.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.src_sbp),
+                    s.dst.describe(s.n_axes, s.axis_names) if s.op != "transfer" else format_sbp(s.dst_sbp),
+                    human_bytes(s.bytes),
+                    _ratio(s.bytes, t),
+                )
+            )
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = [head]
         if len(rows) == 1:
@@ -230,8 +241,18 @@ class _Ctx:
             block = math.prod(geom.padded(src)) * isz
             nbytes = (D // g) * 2 * (g - 1) * block
             t = self.cm.collective_time(op, names, g, block)
-        return Step(op=op, axes=names, bytes=int(nbytes), src=src, dst=dst, time=t, group=tuple(group),
-                    n_axes=self.n_axes, axis_names=tuple(self.names), **kw)
+        return Step(
+            op=op,
+            axes=names,
+            bytes=int(nbytes),
+            src=src,
+            dst=dst,
+            time=t,
+            group=tuple(group),
+            n_axes=self.n_axes,
+            axis_names=tuple(self.names),
+            **kw,
+        )
 
     def boxes(self, layout: Layout):
         """(starts, sizes) arrays [n_devices, ndim] of every device's local box."""
@@ -266,13 +287,25 @@ class _Ctx:
             rounds = int((need - (own > 0)).max())
             if rounds:
                 nbytes = int(missing.sum()) * self.itemsize
-                moved = tuple(a for a in range(len(geom.grid))
-                              if any(a in d for d in src.dims) or any(a in d for d in dst.dims))
+                moved = tuple(
+                    a
+                    for a in range(len(geom.grid))
+                    if any(a in d for d in src.dims) or any(a in d for d in dst.dims)
+                )
                 names = tuple(self.names[a] for a in moved)
                 per_round = [float(missing.max()) * self.itemsize / rounds] * rounds
-                step = Step(op="permute", axes=names, bytes=nbytes, src=src, dst=dst,
-                            time=self.cm.p2p_time(names, per_round), group=moved, rounds=rounds,
-                            n_axes=self.n_axes, axis_names=tuple(self.names))
+                step = Step(
+                    op="permute",
+                    axes=names,
+                    bytes=nbytes,
+                    src=src,
+                    dst=dst,
+                    time=self.cm.p2p_time(names, per_round),
+                    group=moved,
+                    rounds=rounds,
+                    n_axes=self.n_axes,
+                    axis_names=tuple(self.names),
+                )
         self._p2p_cache[key] = step
         return step
 
@@ -280,7 +313,9 @@ class _Ctx:
         """The same move (op, layouts, group) costed for this context's shape and model."""
         if step.op == "permute":
             return self.exact(self.permute(step.src, step.dst))
-        return self.step(step.op, step.src, step.dst, step.group, reduce=step.reduce, dim=step.dim, dim2=step.dim2)
+        return self.step(
+            step.op, step.src, step.dst, step.group, reduce=step.reduce, dim=step.dim, dim2=step.dim2
+        )
 
     def exact(self, step: Step) -> Step:
         """The permute step with its real schedule (rounds and time)."""
@@ -372,11 +407,13 @@ def _local_moves(ctx: _Ctx, L: Layout):
         if a in split_axes or a in partial or grid[a] == 1:
             continue
         for d in range(ndim):
-            yield ctx.step("local_slice", L, Layout(_with_dims(L, {d: L.dims[d] + (a,)}), L.partial),
-                           (a,), dim=d)
+            yield ctx.step(
+                "local_slice", L, Layout(_with_dims(L, {d: L.dims[d] + (a,)}), L.partial), (a,), dim=d
+            )
         for op in ctx.fill_ops:
-            yield ctx.step("zero_fill", L, Layout(L.dims, tuple(sorted(L.partial + ((a, op),)))),
-                           (a,), reduce=op)
+            yield ctx.step(
+                "zero_fill", L, Layout(L.dims, tuple(sorted(L.partial + ((a, op),)))), (a,), reduce=op
+            )
     # Point-to-point exchange to the nd-SBP order (the one straight to the
     # target is added by _moves).
     if not L.canonical:
@@ -515,7 +552,7 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
     offset = math.prod(src_local)  # received tiles follow the own tiles in the pool
     for pairs, k in _rounds(pair_tiles, D):
         send = np.zeros((D, k), np.int32)
-        for (u, v) in pairs:
+        for u, v in pairs:
             for j, t in enumerate(pair_tiles[(u, v)]):
                 send[u, j] = src_pos[u][t]
                 recv_slot[(v, t)] = offset + j
@@ -531,8 +568,17 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
         for u, v in pairs:
             cu, cv = geom.coords[u], geom.coords[v]
             used |= {a for a in range(len(geom.grid)) if cu[a] != cv[a]}
-    return P2PSchedule(tuple(tiles), tuple(tile_shape), int(math.prod(tile_shape)), tuple(rounds),
-                       tuple(sends), gather, src_local, dst_local, tuple(sorted(used)))
+    return P2PSchedule(
+        tuple(tiles),
+        tuple(tile_shape),
+        int(math.prod(tile_shape)),
+        tuple(rounds),
+        tuple(sends),
+        gather,
+        src_local,
+        dst_local,
+        tuple(sorted(used)),
+    )
 
 
 def _rounds(pair_tiles: dict, D: int) -> list:
@@ -566,8 +612,10 @@ def normalized_layout(sbp: Sequence, ndim: int, grid: Sequence[int]) -> Layout:
     """The layout of an nd-SBP; S or P over an axis of size 1 is the same as B."""
     L = Layout.from_nd_sbp(sbp, ndim)
     keep = lambda a: grid[a] > 1  # noqa: E731
-    return Layout(tuple(tuple(a for a in axes if keep(a)) for axes in L.dims),
-                  tuple((a, op) for a, op in L.partial if keep(a)))
+    return Layout(
+        tuple(tuple(a for a in axes if keep(a)) for axes in L.dims),
+        tuple((a, op) for a, op in L.partial if keep(a)),
+    )
 
 
 def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_sbp) -> int:
@@ -637,6 +685,7 @@ def clear_caches() -> None:
         cache.clear()
     geometry.cache_clear()
 
+
 _STRUCTURES: dict = {}
 _CLASS_CTX: dict = {}
 
@@ -669,9 +718,15 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
     return [ctx.restep(s) for s in _STRUCTURES[key]]
 
 
-def plan_boxing(shape, dtype, placement: Placement, src_sbp, dst_sbp,
-                dst_placement: Placement | None = None, cost_model: CostModel | None = None
-                ) -> BoxingPlan:
+def plan_boxing(
+    shape,
+    dtype,
+    placement: Placement,
+    src_sbp,
+    dst_sbp,
+    dst_placement: Placement | None = None,
+    cost_model: CostModel | None = None,
+) -> BoxingPlan:
     """The cheapest boxing of a ``shape``/``dtype`` tensor from ``src_sbp`` on
     ``placement`` to ``dst_sbp`` (on ``dst_placement`` when given)."""
     shape = tuple(int(s) for s in shape)

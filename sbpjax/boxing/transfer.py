@@ -51,8 +51,10 @@ def plan_transfer(shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp, cm) -> BoxingP
     if not src_layout.partial:
         src_side = plan_boxing(shape, dtype, src_pl, src_sbp, src_sbp, cost_model=cm)
     else:
-        cands = [plan_boxing(shape, dtype, src_pl, src_sbp, x, cost_model=cm)
-                 for x in _no_partial_sbps(src_pl.ndim, len(shape))]
+        cands = [
+            plan_boxing(shape, dtype, src_pl, src_sbp, x, cost_model=cm)
+            for x in _no_partial_sbps(src_pl.ndim, len(shape))
+        ]
         src_side = min(cands, key=lambda p: (p.bytes, p.time(), len(p.steps)))
     best = None
     ys = _no_partial_sbps(dst_pl.ndim, len(shape))
@@ -64,13 +66,33 @@ def plan_transfer(shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp, cm) -> BoxingP
         if best is None or key < best[0]:
             best = (key, y, total, t_time, dst_side)
     _, y, total, t_time, dst_side = best
-    move = _TransferStep(op="transfer", axes=(), bytes=total, src=src_side.dst_layout,
-                         dst=dst_side.src_layout, time=t_time, n_axes=dst_pl.ndim,
-                         axis_names=dst_pl.axis_names, src_nd=src_side.dst_sbp, dst_nd=y)
+    move = _TransferStep(
+        op="transfer",
+        axes=(),
+        bytes=total,
+        src=src_side.dst_layout,
+        dst=dst_side.src_layout,
+        time=t_time,
+        n_axes=dst_pl.ndim,
+        axis_names=dst_pl.axis_names,
+        src_nd=src_side.dst_sbp,
+        dst_nd=y,
+    )
     steps = tuple(src_side.steps) + (move,) + tuple(dst_side.steps)
-    return TransferPlan(tuple(shape), np.dtype(dtype), src_pl, src_sbp, dst_sbp, steps, dst_pl, None,
-                        src_layout, normalized_layout(dst_sbp, len(shape), dst_pl.shape),
-                        src_side=src_side, dst_side=dst_side)
+    return TransferPlan(
+        tuple(shape),
+        np.dtype(dtype),
+        src_pl,
+        src_sbp,
+        dst_sbp,
+        steps,
+        dst_pl,
+        None,
+        src_layout,
+        normalized_layout(dst_sbp, len(shape), dst_pl.shape),
+        src_side=src_side,
+        dst_side=dst_side,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +176,8 @@ def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, in
                 break
         blocks.append(block)
     out = jax.make_array_from_single_device_arrays(
-        gd.physical_shape(Y), layout_sharding(gd, Y, dst_pl), blocks)
+        gd.physical_shape(Y), layout_sharding(gd, Y, dst_pl), blocks
+    )
     if dst_side.steps:
         out = boxing_fn(dst_side)(out)
     return out, int(moved)
@@ -162,8 +185,11 @@ def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, in
 
 def _block_for_block(plan: TransferPlan, src_geometry: Geometry) -> bool:
     """Whether the move keeps one even S/B layout on grids of the same shape."""
-    return (plan.placement.shape == plan.dst_placement.shape
-            and not plan.src_side.steps and not plan.dst_side.steps
-            and not plan.src_layout.partial
-            and plan.src_layout == plan.dst_layout
-            and src_geometry.even(plan.src_layout))
+    return (
+        plan.placement.shape == plan.dst_placement.shape
+        and not plan.src_side.steps
+        and not plan.dst_side.steps
+        and not plan.src_layout.partial
+        and plan.src_layout == plan.dst_layout
+        and src_geometry.even(plan.src_layout)
+    )

@@ -51,24 +51,29 @@ def zero_layout(nd: tuple, shape, placement: Placement, axis: int) -> tuple:
         return nd
     for dim in range(len(shape)):
         splits = placement.shape[axis] * math.prod(
-            placement.shape[a] for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim)
+            placement.shape[a] for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim
+        )
         if shape[dim] % splits == 0:
-            return nd[:axis] + (Split(dim),) + nd[axis + 1:]
+            return nd[:axis] + (Split(dim),) + nd[axis + 1 :]
     return nd
 
 
 def _data_axis(batch_sbp, placement: Placement, zero) -> int:
     if isinstance(zero, str):
         if zero not in placement.axis_names:
-            raise SBPError(f"zero={zero!r}: the placement's axes are {placement.axis_names}; name one of them.")
+            raise SBPError(
+                f"zero={zero!r}: the placement's axes are {placement.axis_names}; name one of them."
+            )
         return placement.axis_names.index(zero)
     for nd in jax.tree.leaves(batch_sbp, is_leaf=is_nd_sbp):
         if is_nd_sbp(nd):
             for a, s in enumerate(nd):
                 if isinstance(s, Split) and s.dim == 0 and placement.shape[a] > 1:
                     return a
-    raise SBPError("zero=True needs a data axis: no batch leaf is split on dim 0 (S(0)). Split the batch over "
-                   "an axis in batch_sbp, or name the axis, e.g. zero='x'.")
+    raise SBPError(
+        "zero=True needs a data axis: no batch leaf is split on dim 0 (S(0)). Split the batch over "
+        "an axis in batch_sbp, or name the axis, e.g. zero='x'."
+    )
 
 
 class TrainStep:
@@ -81,9 +86,20 @@ class TrainStep:
     tree (or one nd-SBP) for the batch.
     """
 
-    def __init__(self, loss_fn, optimizer: optax.GradientTransformation, placement: Placement, param_sbp,
-                 batch_sbp, *, zero=False, compute_dtype=None, has_aux: bool = False, aux_sbp=None,
-                 cost_model=None):
+    def __init__(
+        self,
+        loss_fn,
+        optimizer: optax.GradientTransformation,
+        placement: Placement,
+        param_sbp,
+        batch_sbp,
+        *,
+        zero=False,
+        compute_dtype=None,
+        has_aux: bool = False,
+        aux_sbp=None,
+        cost_model=None,
+    ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.placement = placement
@@ -105,12 +121,22 @@ class TrainStep:
         try:
             given = tree.flatten_up_to(self.param_sbp) if self.param_sbp is not None else [None] * len(leaves)
         except (ValueError, TypeError) as e:
-            raise SBPError(f"TrainStep: param_sbp does not match the parameters' structure ({e}). Give a tree "
-                           "shaped like the parameters (get_sbp(model, placement) builds one).") from None
-        paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_gt)[0]]
-        compute = [rep if nd is None else normalize_nd_sbp(nd, pl.ndim, len(np.shape(v)) if not _is_gt(v) else v.ndim,
-                                                           f"param_sbp of parameter {p}")
-                   for v, nd, p in zip(leaves, given, paths)]
+            raise SBPError(
+                f"TrainStep: param_sbp does not match the parameters' structure ({e}). Give a tree "
+                "shaped like the parameters (get_sbp(model, placement) builds one)."
+            ) from None
+        paths = [
+            jax.tree_util.keystr(k)
+            for k, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_gt)[0]
+        ]
+        compute = [
+            rep
+            if nd is None
+            else normalize_nd_sbp(
+                nd, pl.ndim, len(np.shape(v)) if not _is_gt(v) else v.ndim, f"param_sbp of parameter {p}"
+            )
+            for v, nd, p in zip(leaves, given, paths)
+        ]
         stored = compute
         if self.zero:
             axis = _data_axis(self.batch_sbp, pl, self.zero)
@@ -124,18 +150,22 @@ class TrainStep:
         self._tree, self._compute, self.stored_sbp = tree, compute, jax.tree_util.tree_unflatten(tree, stored)
         pl = self.placement
         leaves = jax.tree_util.tree_leaves(params, is_leaf=_is_gt)
-        placed = [v.to_global(sbp=nd, placement=pl) if _is_gt(v) else to_global(np.asarray(v), pl, nd)
-                  for v, nd in zip(leaves, stored)]
+        placed = [
+            v.to_global(sbp=nd, placement=pl) if _is_gt(v) else to_global(np.asarray(v), pl, nd)
+            for v, nd in zip(leaves, stored)
+        ]
         params_g = jax.tree_util.tree_unflatten(tree, placed)
-        logical = jax.tree_util.tree_unflatten(tree, [jnp.asarray(np.asarray(v.numpy() if _is_gt(v) else v))
-                                                      for v in leaves])
+        logical = jax.tree_util.tree_unflatten(
+            tree, [jnp.asarray(np.asarray(v.numpy() if _is_gt(v) else v)) for v in leaves]
+        )
         opt_state = self.optimizer.init(logical)
         rep = (Broadcast(),) * pl.ndim
         self.opt_sbp = state_sbp(opt_state, self.stored_sbp, rep)
         opt_leaves, opt_tree = jax.tree_util.tree_flatten(opt_state)
         opt_sbp_leaves = opt_tree.flatten_up_to(self.opt_sbp)
         opt_g = jax.tree_util.tree_unflatten(
-            opt_tree, [to_global(np.asarray(v), pl, nd) for v, nd in zip(opt_leaves, opt_sbp_leaves)])
+            opt_tree, [to_global(np.asarray(v), pl, nd) for v, nd in zip(opt_leaves, opt_sbp_leaves)]
+        )
         self._build()
         return params_g, opt_g
 
@@ -166,13 +196,20 @@ class TrainStep:
 
         rep = (Broadcast(),) * self.placement.ndim
         outs = (self.stored_sbp, self.opt_sbp, rep) + ((self.aux_sbp,) if has_aux else ())
-        self._fn = jit(step, placement=self.placement, in_sbp=(self.stored_sbp, self.opt_sbp, self.batch_sbp),
-                       out_sbp=outs, cost_model=self.cost_model)
+        self._fn = jit(
+            step,
+            placement=self.placement,
+            in_sbp=(self.stored_sbp, self.opt_sbp, self.batch_sbp),
+            out_sbp=outs,
+            cost_model=self.cost_model,
+        )
 
     def _ready(self):
         if self._fn is None:
-            raise SBPError("TrainStep: call step.init(params) first; it lays out the parameters and the "
-                           "optimizer state and builds the program.")
+            raise SBPError(
+                "TrainStep: call step.init(params) first; it lays out the parameters and the "
+                "optimizer state and builds the program."
+            )
 
     def __call__(self, params, opt_state, batch):
         """``(params, opt_state, loss)`` after one step (``aux`` last with has_aux)."""
@@ -198,8 +235,12 @@ def _unwrap_keys(tree):
 
 
 def _wrap_keys(tree, impls):
-    return jax.tree.map(lambda v, impl: v if impl is None else jax.random.wrap_key_data(v, impl=impl), tree, impls,
-                        is_leaf=lambda v: v is None)
+    return jax.tree.map(
+        lambda v, impl: v if impl is None else jax.random.wrap_key_data(v, impl=impl),
+        tree,
+        impls,
+        is_leaf=lambda v: v is None,
+    )
 
 
 def bytes_per_device(tree) -> int:
@@ -230,8 +271,18 @@ class Trainer:
     step would. RNG keys travel as their key data and are rewrapped inside.
     """
 
-    def __init__(self, model, optimizer, loss_fn, placement: Placement, *, batch_sbp, zero=False,
-                 compute_dtype=None, cost_model=None):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        loss_fn,
+        placement: Placement,
+        *,
+        batch_sbp,
+        zero=False,
+        compute_dtype=None,
+        cost_model=None,
+    ):
         self.placement = placement
         self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
         self._template, self._rest_template = params_state, rest
@@ -253,9 +304,18 @@ class Trainer:
             return loss, _unwrap_keys(updated)
 
         rep = (Broadcast(),) * placement.ndim
-        self.train_step = TrainStep(model_loss, optimizer, placement, get_sbp(model, placement), (batch_sbp, rep),
-                                    zero=zero, compute_dtype=compute_dtype, has_aux=True, aux_sbp=rep,
-                                    cost_model=cost_model)
+        self.train_step = TrainStep(
+            model_loss,
+            optimizer,
+            placement,
+            get_sbp(model, placement),
+            (batch_sbp, rep),
+            zero=zero,
+            compute_dtype=compute_dtype,
+            has_aux=True,
+            aux_sbp=rep,
+            cost_model=cost_model,
+        )
         self.params, self.opt_state = self.train_step.init(pure)
         self.state = jax.tree.map(lambda v: to_global(np.asarray(v), placement, rep), _unwrap_keys(rest_pure))
 
@@ -292,7 +352,9 @@ class Trainer:
     def restore(self, path) -> None:
         """Load a state saved by any Trainer of the same model and optimizer,
         whatever its placement and layouts, into this Trainer's layouts."""
-        saved = checkpoint.restore(path, {"params": self.params, "opt_state": self.opt_state, "state": self.state})
+        saved = checkpoint.restore(
+            path, {"params": self.params, "opt_state": self.opt_state, "state": self.state}
+        )
         self.params, self.opt_state, self.state = saved["params"], saved["opt_state"], saved["state"]
 
     def state_bytes_per_device(self) -> dict:

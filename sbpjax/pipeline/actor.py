@@ -78,9 +78,9 @@ class InBox:
     def __init__(self, register: Register, producer: int):
         self.name = register.spec.name
         self.register_index = register.index
-        self.producer = producer           # actor index the ack goes back to
+        self.producer = producer  # actor index the ack goes back to
         self.reuse = register.spec.reuse
-        self.readable: deque = deque()     # [slot, value, reads left] per announced slot
+        self.readable: deque = deque()  # [slot, value, reads left] per announced slot
 
     def head(self):
         return self.readable[0][1]
@@ -127,8 +127,10 @@ class Actor:
         for reg in self.outputs:
             if not reg.free and reg.spec.writes_on(k):
                 holders = ", ".join(reg.spec.consumers)
-                why.append(f"an ack freeing one of the {reg.spec.count} slot(s) of {reg.spec.name!r} "
-                           f"(held by {holders})")
+                why.append(
+                    f"an ack freeing one of the {reg.spec.count} slot(s) of {reg.spec.name!r} "
+                    f"(held by {holders})"
+                )
         return "waits for " + " and ".join(why) if why else "ready (not yet given its turn)"
 
 
@@ -266,16 +268,28 @@ class ActorSystem(abc.ABC):
                         seq, c = self.orders[t], self.cursor[t]
                         if c < len(seq) and seq[c][0] != a.index:
                             nxt = self.actors[seq[c][0]]
-                            turn = f"; the action list of thread {t!r} gives the turn to {nxt.spec.name} first"
-                    lines.append(f"  {a.spec.name} (thread {t!r}, {a.done}/{a.spec.actions} actions done) "
-                                 f"{a.waiting_for(self.actors)}{turn}")
+                            turn = (
+                                f"; the action list of thread {t!r} gives the turn to {nxt.spec.name} first"
+                            )
+                    lines.append(
+                        f"  {a.spec.name} (thread {t!r}, {a.done}/{a.spec.actions} actions done) "
+                        f"{a.waiting_for(self.actors)}{turn}"
+                    )
         return "\n".join(lines)
 
     def register_stats(self) -> tuple[RegisterStats, ...]:
         """Per register: its count, and the most slots (and activation bytes) it held."""
-        return tuple(RegisterStats(r.spec.name, r.spec.count, r.peak_live, r.peak_bytes, r.spec.activation,
-                                   self._by_name[r.spec.producer].spec.stage)
-                     for r in self.registers)
+        return tuple(
+            RegisterStats(
+                r.spec.name,
+                r.spec.count,
+                r.peak_live,
+                r.peak_bytes,
+                r.spec.activation,
+                self._by_name[r.spec.producer].spec.stage,
+            )
+            for r in self.registers
+        )
 
 
 def validate_graph(graph: ActorGraph) -> None:
@@ -286,7 +300,9 @@ def validate_graph(graph: ActorGraph) -> None:
         raise SBPError(f"actor graph: actor names must be unique; repeated: {dup}.")
     for a in graph.actors:
         if a.kind not in KINDS:
-            raise SBPError(f"actor graph: actor {a.name!r} has kind {a.kind!r}; kinds are {', '.join(KINDS)}.")
+            raise SBPError(
+                f"actor graph: actor {a.name!r} has kind {a.kind!r}; kinds are {', '.join(KINDS)}."
+            )
         if a.actions < 0:
             raise SBPError(f"actor graph: actor {a.name!r} acts {a.actions} times; give a count >= 0.")
     known = set(names)
@@ -296,21 +312,29 @@ def validate_graph(graph: ActorGraph) -> None:
             if who not in known:
                 raise SBPError(f"actor graph: register {r.name!r} names an unknown actor {who!r}.")
         if r.count < 1 or r.every < 1 or r.reuse < 1:
-            raise SBPError(f"actor graph: register {r.name!r} needs count, every and reuse >= 1 "
-                           f"(got count={r.count}, every={r.every}, reuse={r.reuse}).")
+            raise SBPError(
+                f"actor graph: register {r.name!r} needs count, every and reuse >= 1 "
+                f"(got count={r.count}, every={r.every}, reuse={r.reuse})."
+            )
     for thread, seq in graph.orders.items():
         seen: dict[str, int] = {}
         for pos, (name, k) in enumerate(seq):
             a = by_name.get(name)
             if a is None or a.thread != thread:
-                raise SBPError(f"action list of thread {thread!r}, entry {pos}: {name!r} is not an actor "
-                               f"bound to that thread.")
+                raise SBPError(
+                    f"action list of thread {thread!r}, entry {pos}: {name!r} is not an actor "
+                    f"bound to that thread."
+                )
             if k != seen.get(name, 0):
-                raise SBPError(f"action list of thread {thread!r}, entry {pos}: {name} microbatch {k} comes "
-                               f"out of order; each actor takes its microbatches 0, 1, 2, ... in turn "
-                               f"(expected {seen.get(name, 0)}).")
+                raise SBPError(
+                    f"action list of thread {thread!r}, entry {pos}: {name} microbatch {k} comes "
+                    f"out of order; each actor takes its microbatches 0, 1, 2, ... in turn "
+                    f"(expected {seen.get(name, 0)})."
+                )
             seen[name] = k + 1
         for name, n in seen.items():
             if n != by_name[name].actions:
-                raise SBPError(f"action list of thread {thread!r}: {name} is listed {n} times but acts "
-                               f"{by_name[name].actions} times per step; list every microbatch once.")
+                raise SBPError(
+                    f"action list of thread {thread!r}: {name} is listed {n} times but acts "
+                    f"{by_name[name].actions} times per step; list every microbatch once."
+                )

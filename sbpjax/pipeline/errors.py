@@ -12,8 +12,14 @@ class PipelineError(SBPError):
     An :class:`SBPError` like every error sbpjax raises, so one
     ``except sj.SBPError`` covers a pipeline step too."""
 
-    def __init__(self, message: str, actor: str | None = None, kind: str | None = None,
-                 stage: int | None = None, microbatch: int | None = None):
+    def __init__(
+        self,
+        message: str,
+        actor: str | None = None,
+        kind: str | None = None,
+        stage: int | None = None,
+        microbatch: int | None = None,
+    ):
         super().__init__(message)
         self.actor, self.kind, self.stage, self.microbatch = actor, kind, stage, microbatch
 

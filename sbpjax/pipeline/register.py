@@ -50,7 +50,7 @@ class Register:
         self.spec = spec
         self.index = index
         self.free = deque(range(spec.count))  # the out counter is len(free)
-        self.refs = [0] * spec.count          # reference counter per slot
+        self.refs = [0] * spec.count  # reference counter per slot
         self.nbytes = [0] * spec.count
         self.live = 0
         self.peak_live = 0

@@ -71,14 +71,23 @@ class ThreadedSystem(ActorSystem):
 
     POLL_S = 0.05  # how often the caller's thread looks at the deadlines
 
-    def __init__(self, graph: ActorGraph, bodies: dict[str, Body], *, nbytes: Callable | None = None,
-                 before_action: Callable | None = None, action_timeout: Callable | None = None,
-                 grace_s: float = 2.0):
+    def __init__(
+        self,
+        graph: ActorGraph,
+        bodies: dict[str, Body],
+        *,
+        nbytes: Callable | None = None,
+        before_action: Callable | None = None,
+        action_timeout: Callable | None = None,
+        grace_s: float = 2.0,
+    ):
         super().__init__(graph)
         missing = [a.spec.name for a in self.actors if a.spec.name not in bodies]
         if missing:
-            raise SBPError(f"ThreadedSystem: no body for actors {missing}; give bodies[name](k, inputs) -> "
-                           "outputs for every actor of the graph.")
+            raise SBPError(
+                f"ThreadedSystem: no body for actors {missing}; give bodies[name](k, inputs) -> "
+                "outputs for every actor of the graph."
+            )
         self._bodies = [bodies[a.spec.name] for a in self.actors]
         self._nbytes = nbytes
         self._before = before_action
@@ -86,13 +95,13 @@ class ThreadedSystem(ActorSystem):
         self._thread_of = [a.spec.thread for a in self.actors]
         # per thread, written only by that thread (read by the caller after join)
         self._records = {t: [] for t in self.thread_names}
-        self._busy_s = {t: 0.0 for t in self.thread_names}   # handling messages, bodies included
+        self._busy_s = {t: 0.0 for t in self.thread_names}  # handling messages, bodies included
         self._body_s = {t: 0.0 for t in self.thread_names}
         # shared between threads, under _lock: who still runs, who waits, what is in flight
         self._lock = threading.Lock()
         self._live = set(self.thread_names)  # threads with unfinished actors
-        self._waiting = 0                    # live threads blocked on their queue
-        self._in_flight = 0                  # messages queued to a live thread and not yet handled
+        self._waiting = 0  # live threads blocked on their queue
+        self._in_flight = 0  # messages queued to a live thread and not yet handled
         self._failure: BaseException | None = None
         self._failed = threading.Event()
         self._wake = threading.Event()  # set when every thread has left, or on a failure or a stall
@@ -135,8 +144,11 @@ class ThreadedSystem(ActorSystem):
                 self._running.pop(thread, None)
         end = time.perf_counter()
         self._body_s[thread] += end - start
-        self._records[thread].append(ActionRecord(spec.name, spec.kind, spec.stage, spec.microbatch(k),
-                                                  thread, start - self._t0, end - self._t0))
+        self._records[thread].append(
+            ActionRecord(
+                spec.name, spec.kind, spec.stage, spec.microbatch(k), thread, start - self._t0, end - self._t0
+            )
+        )
         return out
 
     # -- threads ------------------------------------------------------------------
@@ -191,10 +203,13 @@ class ThreadedSystem(ActorSystem):
 
     def _stalled(self) -> None:
         # every live thread waits on an empty queue, so the actors' state is still
-        self._fail(PipelineStall(
-            "pipeline stalled: no actor can act and the step is not finished. Unfinished actors:\n"
-            f"{self.stall_report()}\nGive the registers named above more slots "
-            "(stash_counts / activation_registers / data_registers) or fix the action lists."))
+        self._fail(
+            PipelineStall(
+                "pipeline stalled: no actor can act and the step is not finished. Unfinished actors:\n"
+                f"{self.stall_report()}\nGive the registers named above more slots "
+                "(stash_counts / activation_registers / data_registers) or fix the action lists."
+            )
+        )
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
@@ -208,8 +223,10 @@ class ThreadedSystem(ActorSystem):
 
     def run(self) -> Timeline:
         """Run the step; return its timeline, or raise what went wrong."""
-        threads = [threading.Thread(target=self._thread_main, args=(t,), name=THREAD_PREFIX + t, daemon=True)
-                   for t in self.thread_names]
+        threads = [
+            threading.Thread(target=self._thread_main, args=(t,), name=THREAD_PREFIX + t, daemon=True)
+            for t in self.thread_names
+        ]
         started = []
         self._t0 = time.perf_counter()
         try:
@@ -227,8 +244,10 @@ class ThreadedSystem(ActorSystem):
         if self._failure is not None:
             err = self._describe(self._failure)
             if stuck:
-                err.args = (f"{err.args[0]} Left behind, still inside an action (Python cannot stop a thread; "
-                            f"nothing it produces is used): {', '.join(stuck)}.",)
+                err.args = (
+                    f"{err.args[0]} Left behind, still inside an action (Python cannot stop a thread; "
+                    f"nothing it produces is used): {', '.join(stuck)}.",
+                )
             raise err
         records = sorted((r for rs in self._records.values() for r in rs), key=lambda r: r.start)
         overhead = sum(self._busy_s.values()) - sum(self._body_s.values())
@@ -245,8 +264,11 @@ class ThreadedSystem(ActorSystem):
         for th in threads:
             th.join(max(0.0, until - time.perf_counter()))
         with self._lock:
-            return [f"{spec.name} on thread {t}" for t, (spec, _, _) in self._running.items()
-                    if any(th.is_alive() and th.name == THREAD_PREFIX + t for th in threads)]
+            return [
+                f"{spec.name} on thread {t}"
+                for t, (spec, _, _) in self._running.items()
+                if any(th.is_alive() and th.name == THREAD_PREFIX + t for th in threads)
+            ]
 
     def _check_deadlines(self) -> None:
         if self._timeout is None:
@@ -260,11 +282,18 @@ class ThreadedSystem(ActorSystem):
                 mb = spec.microbatch(k)
                 where = f"stage {spec.stage}" if spec.stage is not None else "the host"
                 what = f"microbatch {mb}" if mb is not None else "the step's update"
-                self._fail(PipelineTimeout(
-                    f"pipeline: {spec.kind} actor {spec.name!r} on {where}, {what} has run {now - start:.1f} s, "
-                    f"past its deadline of {limit:.1f} s; every actor was stopped. If the action is legitimately "
-                    "this slow (a first compile, a large batch), raise Pipeline(action_timeout=...); otherwise "
-                    "look for what it waits on.", spec.name, spec.kind, spec.stage, mb))
+                self._fail(
+                    PipelineTimeout(
+                        f"pipeline: {spec.kind} actor {spec.name!r} on {where}, {what} has run {now - start:.1f} s, "
+                        f"past its deadline of {limit:.1f} s; every actor was stopped. If the action is legitimately "
+                        "this slow (a first compile, a large batch), raise Pipeline(action_timeout=...); otherwise "
+                        "look for what it waits on.",
+                        spec.name,
+                        spec.kind,
+                        spec.stage,
+                        mb,
+                    )
+                )
                 return
 
     def _describe(self, error: BaseException) -> BaseException:
@@ -276,7 +305,11 @@ class ThreadedSystem(ActorSystem):
             err = PipelineError(
                 f"pipeline: {spec.kind} actor {spec.name!r} failed on {where}, {what}: "
                 f"{type(error.error).__name__}: {str(error.error).rstrip('.')}. Every actor was stopped.",
-                spec.name, spec.kind, spec.stage, mb)
+                spec.name,
+                spec.kind,
+                spec.stage,
+                mb,
+            )
             err.__cause__ = error.error
             return err
         if isinstance(error, PipelineError):

@@ -46,6 +46,7 @@ class Schedule(abc.ABC):
 
     def check(self, devices: int, microbatches: int) -> None:
         """Raise :class:`SBPError` if the schedule cannot run this configuration."""
+        return None  # a hook: by default every configuration runs; schedules with limits override it
 
     @abc.abstractmethod
     def stash_counts(self, devices: int, microbatches: int) -> list[int]:
@@ -115,25 +116,39 @@ class ActionList(Schedule):
     def check(self, devices, microbatches):
         lists = self.action_lists(devices, microbatches)
         if sorted(lists) != list(range(devices)):
-            raise SBPError(f"ActionList: lists are given for devices {sorted(lists)} but the pipeline "
-                           f"has {devices} device groups; give one list per device 0..{devices - 1}.")
+            raise SBPError(
+                f"ActionList: lists are given for devices {sorted(lists)} but the pipeline "
+                f"has {devices} device groups; give one list per device 0..{devices - 1}."
+            )
         for d, seq in lists.items():
             for pos, (kind, s, k) in enumerate(seq):
                 if kind not in ("forward", "backward"):
-                    raise SBPError(f"ActionList: device {d}, entry {pos}: kind {kind!r}; use 'forward' or "
-                                   "'backward' (transfers, data and updates act on their own).")
+                    raise SBPError(
+                        f"ActionList: device {d}, entry {pos}: kind {kind!r}; use 'forward' or "
+                        "'backward' (transfers, data and updates act on their own)."
+                    )
                 if s % devices != d:
-                    raise SBPError(f"ActionList: device {d}, entry {pos}: stage {s} runs on device "
-                                   f"{s % devices} (stage s lives on device s % {devices}); move the entry.")
+                    raise SBPError(
+                        f"ActionList: device {d}, entry {pos}: stage {s} runs on device "
+                        f"{s % devices} (stage s lives on device s % {devices}); move the entry."
+                    )
                 if not 0 <= k < microbatches:
-                    raise SBPError(f"ActionList: device {d}, entry {pos}: microbatch {k} is outside "
-                                   f"0..{microbatches - 1}.")
+                    raise SBPError(
+                        f"ActionList: device {d}, entry {pos}: microbatch {k} is outside "
+                        f"0..{microbatches - 1}."
+                    )
         listed = {(kind, s) for seq in lists.values() for kind, s, _ in seq}
-        missing = [f"{kind} {s}" for s in range(self.stages(devices)) for kind in ("forward", "backward")
-                   if (kind, s) not in listed]
+        missing = [
+            f"{kind} {s}"
+            for s in range(self.stages(devices))
+            for kind in ("forward", "backward")
+            if (kind, s) not in listed
+        ]
         if missing:
-            raise SBPError(f"ActionList: {', '.join(missing)} never appear; list every stage's forward and "
-                           f"backward for microbatches 0..{microbatches - 1}.")
+            raise SBPError(
+                f"ActionList: {', '.join(missing)} never appear; list every stage's forward and "
+                f"backward for microbatches 0..{microbatches - 1}."
+            )
 
     def stash_counts(self, devices, microbatches):
         counts = [0] * self.stages(devices)
@@ -156,8 +171,10 @@ class Interleaved1F1B(ActionList):
 
     def __init__(self, chunks: int = 2):
         if not isinstance(chunks, int) or chunks < 1:
-            raise SBPError(f"Interleaved1F1B(chunks={chunks!r}): chunks is the number of model stages per "
-                           "device, an int >= 1.")
+            raise SBPError(
+                f"Interleaved1F1B(chunks={chunks!r}): chunks is the number of model stages per "
+                "device, an int >= 1."
+            )
         self.chunks = chunks
 
     def stages(self, devices):
@@ -168,7 +185,8 @@ class Interleaved1F1B(ActionList):
             raise SBPError(
                 f"Interleaved1F1B: {microbatches} microbatches do not divide into groups of {devices} "
                 f"(one per device); the interleaved order needs m % p == 0: use m = "
-                f"{-(-microbatches // devices) * devices} or a non-interleaved schedule.")
+                f"{-(-microbatches // devices) * devices} or a non-interleaved schedule."
+            )
         super().check(devices, microbatches)
 
     def action_lists(self, devices, microbatches):
@@ -218,8 +236,10 @@ def as_schedule(schedule) -> Schedule:
     names = {"gpipe": GPipe, "1f1b": OneFOneB}
     if isinstance(schedule, str) and schedule.lower() in names:
         return names[schedule.lower()]()
-    raise SBPError(f"unknown pipeline schedule {schedule!r}; use 'gpipe', '1f1b', Interleaved1F1B(chunks=v) "
-                   "or ActionList(lists).")
+    raise SBPError(
+        f"unknown pipeline schedule {schedule!r}; use 'gpipe', '1f1b', Interleaved1F1B(chunks=v) "
+        "or ActionList(lists)."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,9 +251,16 @@ class StageThreads:
     copy: str = "h2d"
 
 
-def build_graph(schedule: Schedule, devices: int, microbatches: int, threads: StageThreads | None = None, *,
-                data_registers: int = 2, activation_registers: int = 2,
-                stash_counts: list[int] | None = None) -> ActorGraph:
+def build_graph(
+    schedule: Schedule,
+    devices: int,
+    microbatches: int,
+    threads: StageThreads | None = None,
+    *,
+    data_registers: int = 2,
+    activation_registers: int = 2,
+    stash_counts: list[int] | None = None,
+) -> ActorGraph:
     """The actor graph of one training step.
 
     Data: for each feed (``inputs`` to the first stage, ``targets`` to the
@@ -262,27 +289,39 @@ def build_graph(schedule: Schedule, devices: int, microbatches: int, threads: St
     actors: list[ActorSpec] = []
     regs: list[RegisterSpec] = []
     for feed, stage in (("inputs", 0), ("targets", last)):
-        actors += [ActorSpec(f"load:{feed}", "load", None, threads.loader, m),
-                   ActorSpec(f"put:{feed}", "put", stage, threads.copy, m)]
-        regs += [RegisterSpec(f"host:{feed}", f"load:{feed}", (f"put:{feed}",), data_registers),
-                 RegisterSpec(feed, f"put:{feed}", (f"forward{stage}",), data_registers)]
+        actors += [
+            ActorSpec(f"load:{feed}", "load", None, threads.loader, m),
+            ActorSpec(f"put:{feed}", "put", stage, threads.copy, m),
+        ]
+        regs += [
+            RegisterSpec(f"host:{feed}", f"load:{feed}", (f"put:{feed}",), data_registers),
+            RegisterSpec(feed, f"put:{feed}", (f"forward{stage}",), data_registers),
+        ]
     for s in range(n):
         t = threads.per_stage[s]
-        actors += [ActorSpec(f"forward{s}", "forward", s, t, m),
-                   ActorSpec(f"backward{s}", "backward", s, t, m),
-                   ActorSpec(f"update{s}", "update", s, t, 1, per_step=True)]
-        regs += [RegisterSpec(f"stash{s}", f"forward{s}", (f"backward{s}",), stash[s], activation=True),
-                 RegisterSpec(f"grads{s}", f"backward{s}", (f"update{s}",), 1, every=m)]
+        actors += [
+            ActorSpec(f"forward{s}", "forward", s, t, m),
+            ActorSpec(f"backward{s}", "backward", s, t, m),
+            ActorSpec(f"update{s}", "update", s, t, 1, per_step=True),
+        ]
+        regs += [
+            RegisterSpec(f"stash{s}", f"forward{s}", (f"backward{s}",), stash[s], activation=True),
+            RegisterSpec(f"grads{s}", f"backward{s}", (f"update{s}",), 1, every=m),
+        ]
         if s < last:
             send = f"transfer:act{s}->{s + 1}"
             actors.append(ActorSpec(send, "transfer", s + 1, threads.per_stage[s + 1], m))
-            regs += [RegisterSpec(f"out{s}", f"forward{s}", (send,), between),
-                     RegisterSpec(f"in{s + 1}", send, (f"forward{s + 1}",), between)]
+            regs += [
+                RegisterSpec(f"out{s}", f"forward{s}", (send,), between),
+                RegisterSpec(f"in{s + 1}", send, (f"forward{s + 1}",), between),
+            ]
         if s > 0:
             send = f"transfer:grad{s}->{s - 1}"
             actors.append(ActorSpec(send, "transfer", s - 1, threads.per_stage[s - 1], m))
-            regs += [RegisterSpec(f"dx{s}", f"backward{s}", (send,), between),
-                     RegisterSpec(f"dy{s - 1}", send, (f"backward{s - 1}",), between)]
+            regs += [
+                RegisterSpec(f"dx{s}", f"backward{s}", (send,), between),
+                RegisterSpec(f"dy{s - 1}", send, (f"backward{s - 1}",), between),
+            ]
     if schedule.flush:
         regs.append(RegisterSpec("flush", f"forward{last}", (f"backward{last}",), 1, every=m, reuse=m))
     orders = {}

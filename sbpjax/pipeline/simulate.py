@@ -38,10 +38,13 @@ class _SimulatedSystem(ActorSystem):
         spec = actor.spec
         d = float(self._duration(spec.kind, spec.stage, spec.microbatch(k)))
         if d < 0:
-            raise SBPError(f"simulate: duration of {spec.name} microbatch {k} is {d}; durations must be >= 0.")
+            raise SBPError(
+                f"simulate: duration of {spec.name} microbatch {k} is {d}; durations must be >= 0."
+            )
         start, self._now = self._now, self._now + d
-        self.records.append(ActionRecord(spec.name, spec.kind, spec.stage, spec.microbatch(k), spec.thread,
-                                         start, self._now))
+        self.records.append(
+            ActionRecord(spec.name, spec.kind, spec.stage, spec.microbatch(k), spec.thread, start, self._now)
+        )
         return {}
 
     def send(self, dst, msg):
@@ -62,8 +65,9 @@ class _SimulatedSystem(ActorSystem):
             self.handle(thread, msg)
             self._free_at[thread] = self._now
         if not all(a.finished for a in self.actors):
-            raise PipelineStall("simulate: the step cannot finish; nothing is left to act on:\n"
-                                + self.stall_report())
+            raise PipelineStall(
+                "simulate: the step cannot finish; nothing is left to act on:\n" + self.stall_report()
+            )
         return Timeline(tuple(self.records), self.register_stats(), tuple(self.thread_names))
 
 
@@ -76,8 +80,9 @@ def duration_function(durations: Durations | None) -> Callable:
         return durations
     unknown = set(durations) - set(KINDS)
     if unknown:
-        raise SBPError(f"simulate: unknown action kinds {sorted(unknown)} in durations; kinds are "
-                       f"{', '.join(KINDS)}.")
+        raise SBPError(
+            f"simulate: unknown action kinds {sorted(unknown)} in durations; kinds are {', '.join(KINDS)}."
+        )
     table = dict(durations)
     return lambda kind, stage, microbatch: table.get(kind, 0.0)
 
@@ -87,9 +92,16 @@ def simulate_graph(graph: ActorGraph, durations: Durations | None = None) -> Tim
     return _SimulatedSystem(graph, duration_function(durations)).run()
 
 
-def simulate(schedule, devices: int, microbatches: int, durations: Durations | None = None, *,
-             data_registers: int = 2, activation_registers: int = 2,
-             stash_counts: list[int] | None = None) -> Timeline:
+def simulate(
+    schedule,
+    devices: int,
+    microbatches: int,
+    durations: Durations | None = None,
+    *,
+    data_registers: int = 2,
+    activation_registers: int = 2,
+    stash_counts: list[int] | None = None,
+) -> Timeline:
     """Simulate one training step of ``schedule`` on ``devices`` device groups.
 
     ``schedule``: 'gpipe', '1f1b', :class:`Interleaved1F1B` or :class:`ActionList`.
@@ -98,6 +110,12 @@ def simulate(schedule, devices: int, microbatches: int, durations: Durations | N
     sched = as_schedule(schedule)
     if not isinstance(devices, int) or devices < 1:
         raise SBPError(f"simulate: devices must be an int >= 1, got {devices!r}.")
-    graph = build_graph(sched, devices, microbatches, data_registers=data_registers,
-                        activation_registers=activation_registers, stash_counts=stash_counts)
+    graph = build_graph(
+        sched,
+        devices,
+        microbatches,
+        data_registers=data_registers,
+        activation_registers=activation_registers,
+        stash_counts=stash_counts,
+    )
     return simulate_graph(graph, durations)

@@ -53,15 +53,23 @@ def _param_layouts(params, param_sbp, placement: Placement, where: str):
     """One nd-SBP per parameter leaf: ``None`` -> all B; one nd-SBP -> every leaf."""
     if param_sbp is None or _is_layout_leaf(param_sbp):
         spec = (Broadcast(),) * placement.ndim if param_sbp is None else param_sbp
-        return jax.tree_util.tree_map(lambda x: normalize_nd_sbp(spec, placement.ndim, np.ndim(x), where), params)
+        return jax.tree_util.tree_map(
+            lambda x: normalize_nd_sbp(spec, placement.ndim, np.ndim(x), where), params
+        )
     try:
-        return jax.tree_util.tree_map(lambda s, x: normalize_nd_sbp(s, placement.ndim, np.ndim(x), where),
-                                      param_sbp, params, is_leaf=_is_layout_leaf)
+        return jax.tree_util.tree_map(
+            lambda s, x: normalize_nd_sbp(s, placement.ndim, np.ndim(x), where),
+            param_sbp,
+            params,
+            is_leaf=_is_layout_leaf,
+        )
     except (ValueError, TypeError) as e:
         if isinstance(e, SBPError):
             raise
-        raise SBPError(f"{where}: param_sbp does not match the structure of the parameters ({e}); give one "
-                       "nd-SBP per parameter leaf in the same pytree, or a single nd-SBP for all.") from None
+        raise SBPError(
+            f"{where}: param_sbp does not match the structure of the parameters ({e}); give one "
+            "nd-SBP per parameter leaf in the same pytree, or a single nd-SBP for all."
+        ) from None
 
 
 def _is_global(v) -> bool:
@@ -69,8 +77,11 @@ def _is_global(v) -> bool:
 
 
 def _logical_nbytes(value) -> int:
-    return sum(int(t.size) * t.dtype.itemsize for t in jax.tree_util.tree_leaves(value, is_leaf=_is_global)
-               if isinstance(t, (GlobalTensor, jax.Array, np.ndarray)))
+    return sum(
+        int(t.size) * t.dtype.itemsize
+        for t in jax.tree_util.tree_leaves(value, is_leaf=_is_global)
+        if isinstance(t, (GlobalTensor, jax.Array, np.ndarray))
+    )
 
 
 def _ready(tree):
@@ -94,23 +105,42 @@ class Stage:
     (default B). Inside, :func:`sbpjax.jit` chooses every other layout.
     """
 
-    def __init__(self, fn: Callable, params, placement: Placement, *, param_sbp=None, in_sbp=None,
-                 out_sbp=None, name: str | None = None):
+    def __init__(
+        self,
+        fn: Callable,
+        params,
+        placement: Placement,
+        *,
+        param_sbp=None,
+        in_sbp=None,
+        out_sbp=None,
+        name: str | None = None,
+    ):
         self.name = name or getattr(fn, "__name__", "stage")
         if not callable(fn):
-            raise SBPError(f"Stage {self.name!r}: fn must be a function fn(params, x) -> y, got {type(fn).__name__}.")
+            raise SBPError(
+                f"Stage {self.name!r}: fn must be a function fn(params, x) -> y, got {type(fn).__name__}."
+            )
         if not isinstance(placement, Placement):
-            raise SBPError(f"Stage {self.name!r}: placement must be an sj.Placement (e.g. "
-                           f"sj.Placement(np.array(jax.devices()[0:2]), ('tp',))), got {type(placement).__name__}.")
+            raise SBPError(
+                f"Stage {self.name!r}: placement must be an sj.Placement (e.g. "
+                f"sj.Placement(np.array(jax.devices()[0:2]), ('tp',))), got {type(placement).__name__}."
+            )
         self.fn = fn
         self.placement = placement
         host = jax.tree_util.tree_map(lambda p: np.asarray(p), params)
         self.param_sbp = _param_layouts(host, param_sbp, placement, f"Stage {self.name!r} param_sbp")
         rep = (Broadcast(),) * placement.ndim
-        self.in_sbp = rep if in_sbp is None else normalize_nd_sbp(in_sbp, placement.ndim, None,
-                                                                  f"Stage {self.name!r} in_sbp")
-        self.out_sbp = rep if out_sbp is None else normalize_nd_sbp(out_sbp, placement.ndim, None,
-                                                                    f"Stage {self.name!r} out_sbp")
+        self.in_sbp = (
+            rep
+            if in_sbp is None
+            else normalize_nd_sbp(in_sbp, placement.ndim, None, f"Stage {self.name!r} in_sbp")
+        )
+        self.out_sbp = (
+            rep
+            if out_sbp is None
+            else normalize_nd_sbp(out_sbp, placement.ndim, None, f"Stage {self.name!r} out_sbp")
+        )
         self.params = jax.tree_util.tree_map(lambda p, s: to_global(p, placement, s), host, self.param_sbp)
         self._compiled: dict = {}  # (loss, first?, optimizer, target layout) -> compiled programs
 
@@ -122,9 +152,9 @@ class Stage:
 class StepResult:
     """What one pipelined training step gives back."""
 
-    loss: float                    # mean of the microbatch losses
-    microbatch_losses: tuple       # per microbatch, in order
-    grads: list                    # per stage: the accumulated gradient pytree (global tensors)
+    loss: float  # mean of the microbatch losses
+    microbatch_losses: tuple  # per microbatch, in order
+    grads: list  # per stage: the accumulated gradient pytree (global tensors)
     timeline: Timeline
 
 
@@ -134,6 +164,7 @@ def _compile(stage: Stage, loss_fn: Callable | None, first: bool, optimizer, tar
     ps, xs, ys = stage.param_sbp, stage.in_sbp, stage.out_sbp
     rep = (Broadcast(),) * pl.ndim
     if loss_fn is not None:  # the last stage: its forward ends in the loss
+
         def forward(p, x, t):
             return loss_fn(fn(p, x), t)
 
@@ -145,9 +176,11 @@ def _compile(stage: Stage, loss_fn: Callable | None, first: bool, optimizer, tar
             return dx, _add(acc, dp)
 
         forward_c = jit(forward, placement=pl, in_sbp=(ps, xs, target_sbp), out_sbp=rep)
-        backward_c = jit(backward, placement=pl, in_sbp=(ps, xs, target_sbp, ps, rep),
-                         out_sbp=ps if first else (xs, ps))
+        backward_c = jit(
+            backward, placement=pl, in_sbp=(ps, xs, target_sbp, ps, rep), out_sbp=ps if first else (xs, ps)
+        )
     else:
+
         def backward(p, x, dy, acc):
             if first:  # the first stage's input needs no gradient (it may be integer tokens)
                 _, vjp = jax.vjp(lambda p: fn(p, x), p)
@@ -182,8 +215,9 @@ class _StagePrograms:
         if key not in stage._compiled:
             stage._compiled[key] = _compile(stage, loss_fn, first, optimizer, target_sbp, layout)
         self.forward, self.backward, self.update = stage._compiled[key]
-        self.zeros = jax.tree_util.tree_map(lambda t, s: to_global(np.zeros(t.shape, t.dtype), pl, s),
-                                            stage.params, ps, is_leaf=_is_global)
+        self.zeros = jax.tree_util.tree_map(
+            lambda t, s: to_global(np.zeros(t.shape, t.dtype), pl, s), stage.params, ps, is_leaf=_is_global
+        )
         self.acc = self.zeros
         self.grads = None
 
@@ -220,10 +254,22 @@ class Pipeline:
     MIN_TIMEOUT_S = 30.0
     TIMEOUT_FACTOR = 20.0
 
-    def __init__(self, stages: Sequence[Stage], loss_fn: Callable, optimizer: optax.GradientTransformation, *,
-                 microbatches: int, schedule="1f1b", target_sbp=None, data_registers: int = 2,
-                 activation_registers: int = 2, stash_counts: Sequence[int] | None = None,
-                 before_action: Callable | None = None, action_timeout="auto", check_finite: bool = False):
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        loss_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        *,
+        microbatches: int,
+        schedule="1f1b",
+        target_sbp=None,
+        data_registers: int = 2,
+        activation_registers: int = 2,
+        stash_counts: Sequence[int] | None = None,
+        before_action: Callable | None = None,
+        action_timeout="auto",
+        check_finite: bool = False,
+    ):
         stages = list(stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise SBPError("Pipeline: stages must be a non-empty list of sbpjax.pipeline.Stage.")
@@ -233,23 +279,41 @@ class Pipeline:
         self.groups = self._device_groups(stages)
         p = len(self.groups)
         if self.schedule.stages(p) != len(stages):
-            raise SBPError(f"Pipeline: {len(stages)} stages on {p} device groups, but {self.schedule!r} runs "
-                           f"{self.schedule.stages(p)} stages on {p} groups; give Interleaved1F1B(chunks=v) "
-                           f"v stages per group, other schedules one.")
+            raise SBPError(
+                f"Pipeline: {len(stages)} stages on {p} device groups, but {self.schedule!r} runs "
+                f"{self.schedule.stages(p)} stages on {p} groups; give Interleaved1F1B(chunks=v) "
+                f"v stages per group, other schedules one."
+            )
         last_pl = stages[-1].placement
-        self.target_sbp = ((Broadcast(),) * last_pl.ndim if target_sbp is None
-                           else normalize_nd_sbp(target_sbp, last_pl.ndim, None, "Pipeline target_sbp"))
+        self.target_sbp = (
+            (Broadcast(),) * last_pl.ndim
+            if target_sbp is None
+            else normalize_nd_sbp(target_sbp, last_pl.ndim, None, "Pipeline target_sbp")
+        )
         threads = StageThreads(tuple(f"group{self._group_of(s)}" for s in range(len(stages))))
-        self.graph = build_graph(self.schedule, p, microbatches, threads, data_registers=data_registers,
-                                 activation_registers=activation_registers,
-                                 stash_counts=None if stash_counts is None else list(stash_counts))
+        self.graph = build_graph(
+            self.schedule,
+            p,
+            microbatches,
+            threads,
+            data_registers=data_registers,
+            activation_registers=activation_registers,
+            stash_counts=None if stash_counts is None else list(stash_counts),
+        )
         n = len(stages)
-        self.programs = [_StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer,
-                                        self.target_sbp) for i, st in enumerate(stages)]
+        self.programs = [
+            _StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer, self.target_sbp)
+            for i, st in enumerate(stages)
+        ]
         self.before_action = before_action
-        if not (action_timeout is None or action_timeout == "auto"
-                or (isinstance(action_timeout, (int, float)) and action_timeout > 0)):
-            raise SBPError(f"Pipeline: action_timeout={action_timeout!r}; give seconds (> 0), 'auto' or None.")
+        if not (
+            action_timeout is None
+            or action_timeout == "auto"
+            or (isinstance(action_timeout, (int, float)) and action_timeout > 0)
+        ):
+            raise SBPError(
+                f"Pipeline: action_timeout={action_timeout!r}; give seconds (> 0), 'auto' or None."
+            )
         self.action_timeout = action_timeout
         self.check_finite = check_finite
         self._slowest: dict | None = None  # kind -> slowest action (s) of the last finished step
@@ -262,15 +326,19 @@ class Pipeline:
                 continue
             for g in groups:
                 if not pl.is_disjoint(g):
-                    raise SBPError(f"Pipeline: stage {s} ({st.name}) on {pl!r} shares devices with {g!r} but is "
-                                   "not the same placement; stages run on disjoint device groups (or on exactly "
-                                   "the same one, for interleaved schedules).")
+                    raise SBPError(
+                        f"Pipeline: stage {s} ({st.name}) on {pl!r} shares devices with {g!r} but is "
+                        "not the same placement; stages run on disjoint device groups (or on exactly "
+                        "the same one, for interleaved schedules)."
+                    )
             groups.append(pl)
         p = len(groups)
         for s, st in enumerate(stages):
             if st.placement != groups[s % p]:
-                raise SBPError(f"Pipeline: stage {s} ({st.name}) is on {st.placement!r} but with {p} device "
-                               f"groups stage {s} belongs on group {s % p}, {groups[s % p]!r}.")
+                raise SBPError(
+                    f"Pipeline: stage {s} ({st.name}) is on {st.placement!r} but with {p} device "
+                    f"groups stage {s} belongs on group {s % p}, {groups[s % p]!r}."
+                )
         return groups
 
     def _group_of(self, stage: int) -> int:
@@ -300,8 +368,13 @@ class Pipeline:
         losses: list = [None] * m
         pending: list = [None] * len(self.stages)
         bodies = self._bodies(load_inputs, load_targets, losses, pending)
-        system = ThreadedSystem(self.graph, bodies, nbytes=_logical_nbytes, before_action=self.before_action,
-                                action_timeout=self._deadline())
+        system = ThreadedSystem(
+            self.graph,
+            bodies,
+            nbytes=_logical_nbytes,
+            before_action=self.before_action,
+            action_timeout=self._deadline(),
+        )
         try:
             timeline = system.run()
             values = [float(np.asarray(loss.numpy())) for loss in losses]  # read before anything changes
@@ -313,7 +386,9 @@ class Pipeline:
         self._slowest = {}
         for r in timeline.actions:
             self._slowest[r.kind] = max(self._slowest.get(r.kind, 0.0), r.end - r.start)
-        return StepResult(float(np.mean(values)), tuple(values), [prog.grads for prog in self.programs], timeline)
+        return StepResult(
+            float(np.mean(values)), tuple(values), [prog.grads for prog in self.programs], timeline
+        )
 
     def _deadline(self):
         """``spec -> seconds or None`` for the runtime (see ``action_timeout``)."""
@@ -338,12 +413,14 @@ class Pipeline:
         shape = np.shape(data)
         if not shape or shape[0] % m:
             rows = shape[0] if shape else "no"
-            raise SBPError(f"Pipeline.step: {name} has {rows} rows (dim 0 of shape {shape}) which do not split into "
-                           f"{m} equal microbatches; equal microbatches make the accumulated gradient the whole "
-                           f"batch's gradient. Use a batch that is a multiple of {m}, or pass a function k -> "
-                           "microbatch.")
+            raise SBPError(
+                f"Pipeline.step: {name} has {rows} rows (dim 0 of shape {shape}) which do not split into "
+                f"{m} equal microbatches; equal microbatches make the accumulated gradient the whole "
+                f"batch's gradient. Use a batch that is a multiple of {m}, or pass a function k -> "
+                "microbatch."
+            )
         size = shape[0] // m
-        return lambda k: np.asarray(data[k * size:(k + 1) * size])
+        return lambda k: np.asarray(data[k * size : (k + 1) * size])
 
     def _bodies(self, load_inputs, load_targets, losses, pending) -> dict:
         stages, n, m = self.stages, len(self.stages), self.microbatches
@@ -352,10 +429,12 @@ class Pipeline:
         bodies: dict[str, Callable] = {
             "load:inputs": lambda k, _: {"host:inputs": load_inputs(k)},
             "load:targets": lambda k, _: {"host:targets": load_targets(k)},
-            "put:inputs": lambda k, v: {"inputs": _ready(to_global(v["host:inputs"], stages[0].placement,
-                                                                    stages[0].in_sbp))},
-            "put:targets": lambda k, v: {"targets": _ready(to_global(v["host:targets"], stages[last].placement,
-                                                                      self.target_sbp))},
+            "put:inputs": lambda k, v: {
+                "inputs": _ready(to_global(v["host:inputs"], stages[0].placement, stages[0].in_sbp))
+            },
+            "put:targets": lambda k, v: {
+                "targets": _ready(to_global(v["host:targets"], stages[last].placement, self.target_sbp))
+            },
         }
         for s in range(n):
             bodies[f"forward{s}"] = self._forward_body(s, losses)
@@ -363,12 +442,14 @@ class Pipeline:
             bodies[f"update{s}"] = self._update_body(s, pending)
             if s < last:
                 nxt = stages[s + 1]
-                bodies[f"transfer:act{s}->{s + 1}"] = (
-                    lambda k, v, s=s, nxt=nxt: {f"in{s + 1}": _move(v[f"out{s}"], nxt.in_sbp, nxt.placement)})
+                bodies[f"transfer:act{s}->{s + 1}"] = lambda k, v, s=s, nxt=nxt: {
+                    f"in{s + 1}": _move(v[f"out{s}"], nxt.in_sbp, nxt.placement)
+                }
             if s > 0:
                 prev = stages[s - 1]
-                bodies[f"transfer:grad{s}->{s - 1}"] = (
-                    lambda k, v, s=s, prev=prev: {f"dy{s - 1}": _move(v[f"dx{s}"], prev.out_sbp, prev.placement)})
+                bodies[f"transfer:grad{s}->{s - 1}"] = lambda k, v, s=s, prev=prev: {
+                    f"dy{s - 1}": _move(v[f"dx{s}"], prev.out_sbp, prev.placement)
+                }
         return bodies
 
     def _input_name(self, s: int) -> str:
@@ -387,16 +468,19 @@ class Pipeline:
                     raise FloatingPointError(
                         f"stage {s} ({self.stages[s].name!r}): {bad} non-finite value(s) (NaN or inf) in its {what}"
                         f"{jax.tree_util.keystr(path)}; nothing was updated. Look at this stage's inputs and "
-                        "parameters, or lower the learning rate.")
+                        "parameters, or lower the learning rate."
+                    )
 
     def _forward_body(self, s: int, losses: list):
         prog, stage, x_name = self.programs[s], self.stages[s], self._input_name(s)
         if s == len(self.stages) - 1:
+
             def forward_last(k, v):
                 x, t = v[x_name], v["targets"]
                 losses[k] = _ready(prog.forward(stage.params, x, t))
                 self._check(s, "loss", losses[k])
                 return {f"stash{s}": (x, t)}
+
             return forward_last
 
         def forward(k, v):
@@ -404,6 +488,7 @@ class Pipeline:
             y = _ready(prog.forward(stage.params, x))
             self._check(s, "forward output", y)
             return {f"out{s}": y, f"stash{s}": x}
+
         return forward
 
     def _backward_body(self, s: int, scale):
@@ -421,6 +506,7 @@ class Pipeline:
             if not first:  # the gradient this stage sends back: where a NaN made here shows first
                 self._check(s, "input gradient", dx)
             return {f"dx{s}": _ready(dx), f"grads{s}": prog.acc}
+
         return backward
 
     def _update_body(self, s: int, pending: list):
@@ -432,4 +518,5 @@ class Pipeline:
             params, state = _ready(prog.update(stage.params, prog.state, grads))
             pending[s] = (params, state, grads)  # made current by step() once every stage has succeeded
             return {}
+
         return update

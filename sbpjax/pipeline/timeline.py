@@ -110,9 +110,11 @@ class Timeline:
         s = self.summary()
         live = ", ".join(f"stage {k}: {v}" for k, v in sorted(s["peak_live_activations"].items()))
         kinds = ", ".join(f"{k} {v:.4g}s" for k, v in s["seconds_per_kind"].items())
-        return (f"Timeline: {s['actions']} actions on {len(self.threads)} threads, makespan "
-                f"{s['makespan']:.4g}s, bubble {s['bubble']:.3f}\n  peak live activation registers: {live}"
-                f"\n  busy time per kind: {kinds}")
+        return (
+            f"Timeline: {s['actions']} actions on {len(self.threads)} threads, makespan "
+            f"{s['makespan']:.4g}s, bubble {s['bubble']:.3f}\n  peak live activation registers: {live}"
+            f"\n  busy time per kind: {kinds}"
+        )
 
     def gantt(self, path: str, title: str | None = None) -> str:
         """Draw one row per thread, one box per action (colour by kind, label by
@@ -120,20 +122,34 @@ class Timeline:
         sbpjax[plots]``)."""
         try:
             import matplotlib
+
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            raise SBPError("Timeline.gantt needs matplotlib; install it with `pip install sbpjax[plots]`.") from None
-        colours = {"load": "#9e9e9e", "put": "#c7a76c", "forward": "#4c8bd6", "backward": "#e07b39",
-                   "transfer": "#7bc47f", "update": "#9b59b6"}
+            raise SBPError(
+                "Timeline.gantt needs matplotlib; install it with `pip install sbpjax[plots]`."
+            ) from None
+        colours = {
+            "load": "#9e9e9e",
+            "put": "#c7a76c",
+            "forward": "#4c8bd6",
+            "backward": "#e07b39",
+            "transfer": "#7bc47f",
+            "update": "#9b59b6",
+        }
         rows = list(self.threads)
         t0 = min((a.start for a in self.actions), default=0.0)
         fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.5))
         for a in self.actions:
             y = rows.index(a.thread)
             w = max(a.duration, 1e-9)
-            ax.broken_barh([(a.start - t0, w)], (y - 0.4, 0.8), facecolors=colours.get(a.kind, "#cccccc"),
-                           edgecolor="black", linewidth=0.3)
+            ax.broken_barh(
+                [(a.start - t0, w)],
+                (y - 0.4, 0.8),
+                facecolors=colours.get(a.kind, "#cccccc"),
+                edgecolor="black",
+                linewidth=0.3,
+            )
             if a.microbatch is not None and a.kind in COMPUTE:
                 ax.text(a.start - t0 + w / 2, y, str(a.microbatch), ha="center", va="center", fontsize=6)
         ax.set_yticks(range(len(rows)))

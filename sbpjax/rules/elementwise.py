@@ -159,14 +159,21 @@ def passthrough(eqn, in_avals):
     """``y_i = x_i`` (up to rounding for ``reduce_precision``): every layout and
     every partial passes."""
     n = len(in_avals)
-    return _split_and_broadcast(eqn, in_avals) + [Sig((P(op),) * n, (P(op),) * n) for op in ("sum", "max", "min")]
+    return _split_and_broadcast(eqn, in_avals) + [
+        Sig((P(op),) * n, (P(op),) * n) for op in ("sum", "max", "min")
+    ]
 
 
 def _kind(dtype) -> str:
     """b(ool), i(nt), u(int), f(loat) or c(omplex), bfloat16 included."""
     if np.dtype(dtype) == np.bool_:
         return "b"
-    for k, t in (("f", jnp.floating), ("c", jnp.complexfloating), ("i", jnp.signedinteger), ("u", jnp.unsignedinteger)):
+    for k, t in (
+        ("f", jnp.floating),
+        ("c", jnp.complexfloating),
+        ("i", jnp.signedinteger),
+        ("u", jnp.unsignedinteger),
+    ):
         if jnp.issubdtype(dtype, t):
             return k
     return "?"
@@ -205,7 +212,8 @@ def convert(eqn, in_avals):
     commutes with its reduction (:func:`cast_keeps_partial`)."""
     src, dst = in_avals[0].dtype, eqn.outvars[0].aval.dtype
     return _split_and_broadcast(eqn, in_avals) + [
-        Sig((P(op),), (P(op),)) for op in ("sum", "max", "min") if cast_keeps_partial(src, dst, op)]
+        Sig((P(op),), (P(op),)) for op in ("sum", "max", "min") if cast_keeps_partial(src, dst, op)
+    ]
 
 
 @register("select_n")

@@ -55,7 +55,9 @@ def _sample_3d(n=120, seed=0):
 SAMPLE_3D = _sample_3d()
 
 
-@pytest.mark.parametrize("src, dst", SAMPLE_3D, ids=[f"{sj.format_sbp(a)}->{sj.format_sbp(b)}" for a, b in SAMPLE_3D])
+@pytest.mark.parametrize(
+    "src, dst", SAMPLE_3D, ids=[f"{sj.format_sbp(a)}->{sj.format_sbp(b)}" for a, b in SAMPLE_3D]
+)
 def test_sample_3d_pairs(src, dst):
     pl = sj.placement((2, 2, 2), ("x", "y", "z"))
     shape = (8, 4) if hash((src, dst)) % 2 else (9, 6)
@@ -63,8 +65,15 @@ def test_sample_3d_pairs(src, dst):
 
 
 @pytest.mark.parametrize("dtype", [np.int32, "bfloat16"])
-@pytest.mark.parametrize("src, dst", [((sj.P_max, sj.S(0)), (sj.B, sj.B)), ((sj.P, sj.P), (sj.S(1), sj.S(0))),
-                                      ((sj.S(0), sj.S(1)), (sj.P_min, sj.S(0)))], ids=str)
+@pytest.mark.parametrize(
+    "src, dst",
+    [
+        ((sj.P_max, sj.S(0)), (sj.B, sj.B)),
+        ((sj.P, sj.P), (sj.S(1), sj.S(0))),
+        ((sj.S(0), sj.S(1)), (sj.P_min, sj.S(0))),
+    ],
+    ids=str,
+)
 def test_other_dtypes(dtype, src, dst, pl24):
     import jax.numpy as jnp
 
@@ -74,7 +83,11 @@ def test_other_dtypes(dtype, src, dst, pl24):
 
 def test_conflicting_nested_splits_are_at_the_floor(pl24):
     x = _data((16, 8))
-    for src, dst in [((sj.S(0), sj.S(0)), (sj.B, sj.S(0))), ((sj.S(0), sj.S(1)), (sj.S(1), sj.S(0))),
-                     ((sj.S(0), sj.S(0)), (sj.S(1), sj.S(1))), ((sj.B, sj.S(0)), (sj.S(0), sj.S(0)))]:
+    for src, dst in [
+        ((sj.S(0), sj.S(0)), (sj.B, sj.S(0))),
+        ((sj.S(0), sj.S(1)), (sj.S(1), sj.S(0))),
+        ((sj.S(0), sj.S(0)), (sj.S(1), sj.S(1))),
+        ((sj.B, sj.S(0)), (sj.S(0), sj.S(0))),
+    ]:
         plan = check_boxing(pl24, x, src, dst)
         assert plan.bytes == plan.floor, str(plan)

@@ -43,9 +43,16 @@ def test_table_2_disjoint_column(p1, p2):
     shape = (48, 24)
     T = 48 * 24 * 4
     expect = {  # OneFlow Table 2, disjoint column
-        ("S0", "S0"): T, ("S0", "S1"): T, ("S0", "B"): p2 * T, ("S0", "P"): T,
-        ("B", "S0"): T, ("B", "B"): p2 * T, ("B", "P"): T,
-        ("P", "S0"): p1 * T, ("P", "B"): (p1 + p2 - 1) * T, ("P", "P"): p1 * T,
+        ("S0", "S0"): T,
+        ("S0", "S1"): T,
+        ("S0", "B"): p2 * T,
+        ("S0", "P"): T,
+        ("B", "S0"): T,
+        ("B", "B"): p2 * T,
+        ("B", "P"): T,
+        ("P", "S0"): p1 * T,
+        ("P", "B"): (p1 + p2 - 1) * T,
+        ("P", "P"): p1 * T,
     }
     name = {"S0": sj.S(0), "S1": sj.S(1), "B": sj.B, "P": sj.P}
     for (a, b), want in expect.items():
@@ -61,7 +68,9 @@ def test_transfer_cannot_be_traced(stages):
         jax.jit(lambda g: g.to_global(sbp=sj.B, placement=pb).physical)(t)
 
 
-@pytest.mark.parametrize("sbp", [(sj.S(0), sj.S(1)), (sj.S(1), sj.B), (sj.B, sj.B), (sj.S(0), sj.S(0))], ids=str)
+@pytest.mark.parametrize(
+    "sbp", [(sj.S(0), sj.S(1)), (sj.S(1), sj.B), (sj.B, sj.B), (sj.S(0), sj.S(0))], ids=str
+)
 def test_same_grid_same_layout_is_one_device_put(sbp, monkeypatch):
     # 2x2 -> 2x2 on other devices, an even S/B layout kept: the fast path; its
     # values and bytes must be those of the general per-piece move
@@ -91,10 +100,20 @@ def test_same_grid_same_layout_is_one_device_put(sbp, monkeypatch):
 def test_uneven_changed_or_partial_layouts_take_the_general_path(stages):
     d = jax.devices()
     pa, pb = sj.placement(2, "a"), sj.Placement(np.array(d[4:6]), ("b",))
-    plans = [sj.plan_boxing((9, 4), np.float32, pa, sj.S(0), sj.S(0), dst_placement=pb),  # uneven
-             sj.plan_boxing((8, 4), np.float32, pa, sj.S(0), sj.S(1), dst_placement=pb),  # changed
-             sj.plan_boxing((8, 4), np.float32, pa, sj.P, sj.P, dst_placement=pb)]        # partial
-    plans.append(sj.plan_boxing((8, 4), np.float32, stages[0], (sj.B, sj.B), sj.B,      # 2x2 -> 3
-                                dst_placement=stages[1]))
+    plans = [
+        sj.plan_boxing((9, 4), np.float32, pa, sj.S(0), sj.S(0), dst_placement=pb),  # uneven
+        sj.plan_boxing((8, 4), np.float32, pa, sj.S(0), sj.S(1), dst_placement=pb),  # changed
+        sj.plan_boxing((8, 4), np.float32, pa, sj.P, sj.P, dst_placement=pb),
+    ]  # partial
+    plans.append(
+        sj.plan_boxing(
+            (8, 4),
+            np.float32,
+            stages[0],
+            (sj.B, sj.B),
+            sj.B,  # 2x2 -> 3
+            dst_placement=stages[1],
+        )
+    )
     for plan in plans:
         assert not transfer._block_for_block(plan, Geometry(plan.shape, plan.placement.shape))

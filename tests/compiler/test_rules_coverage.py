@@ -136,14 +136,23 @@ def test_docs_coverage_page_is_the_registry():
 # Each case's values make the wrong order give a wrong answer.
 CAST_CASES = {
     # per-device maxima -1 and 0: max is 0 -> False, but any(-1 != 0, 0 != 0) is True
-    "max_to_bool": (lambda x: x.max(0).astype(bool), np.array([[-1.0], [-3.0], [0.0], [-2.0]] * 2, np.float32)),
+    "max_to_bool": (
+        lambda x: x.max(0).astype(bool),
+        np.array([[-1.0], [-3.0], [0.0], [-2.0]] * 2, np.float32),
+    ),
     # int32 200 and 100 -> int8: max is 200 -> -56, but max(-56, 100) is 100
     "max_narrowing": (lambda x: x.max(0).astype(jnp.int8), np.array([[200], [100]] * 4, np.int32)),
     # int8 sums wrap (8 x 100 = 800 -> 32); cast terms would sum to 800
     "sum_widening": (lambda x: x.sum(0, dtype=jnp.int8).astype(jnp.int32), np.full((8, 1), 100, np.int8)),
-    "sum_int_to_float": (lambda x: x.sum(0, dtype=jnp.int8).astype(jnp.float32), np.full((8, 1), 100, np.int8)),
+    "sum_int_to_float": (
+        lambda x: x.sum(0, dtype=jnp.int8).astype(jnp.float32),
+        np.full((8, 1), 100, np.int8),
+    ),
     # these commute: the partial passes through the cast and is reduced after it
-    "sum_float_narrowing": (lambda x: x.sum(0).astype(jnp.bfloat16), np.arange(8.0, dtype=np.float32)[:, None]),
+    "sum_float_narrowing": (
+        lambda x: x.sum(0).astype(jnp.bfloat16),
+        np.arange(8.0, dtype=np.float32)[:, None],
+    ),
     "max_int_to_float": (lambda x: x.max(0).astype(jnp.float32), np.array([[3], [-7]] * 4, np.int32)),
 }
 

@@ -32,8 +32,10 @@ def loss_fn(model, batch):
 
 def data(seed=0, steps=3, n=N):
     rng = np.random.default_rng(seed)
-    return [(rng.normal(size=(n, D)).astype(np.float32), rng.normal(size=(n, D)).astype(np.float32))
-            for _ in range(steps)]
+    return [
+        (rng.normal(size=(n, D)).astype(np.float32), rng.normal(size=(n, D)).astype(np.float32))
+        for _ in range(steps)
+    ]
 
 
 def reference(optimizer, batches):
@@ -57,14 +59,19 @@ LAYOUTS = {
     # name: (placement shape, axis names, parameter rules, batch layout)
     "data": ((8,), ("x",), {}, (S(0),)),
     "tensor": ((8,), ("x",), {"fc1.kernel": (S(1),), "fc1.bias": (S(0),), "fc2.kernel": (S(0),)}, (B,)),
-    "2d": ((2, 4), ("x", "y"), {"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)), "fc2.kernel": (B, S(0))},
-           (S(0), B)),
+    "2d": (
+        (2, 4),
+        ("x", "y"),
+        {"fc1.kernel": (B, S(1)), "fc1.bias": (B, S(0)), "fc2.kernel": (B, S(0))},
+        (S(0), B),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-@pytest.mark.parametrize("make_opt", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adamw(1e-2)],
-                         ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "make_opt", [lambda: optax.sgd(0.1, momentum=0.9), lambda: optax.adamw(1e-2)], ids=["sgd", "adamw"]
+)
 def test_training_equals_single_device(name, make_opt):
     shape, names, rules, batch_sbp = LAYOUTS[name]
     pl = sj.placement(shape, names)
@@ -97,15 +104,17 @@ class NormDropNet(nnx.Module):
 def test_batchnorm_statistics_and_dropout_keys_follow_the_single_device_program(name):
     shape, names, rules, batch_sbp = LAYOUTS[name]
     pl = sj.placement(shape, names)
-    trainer = sjf.Trainer(sjf.annotate(NormDropNet(nnx.Rngs(0)), rules), optax.sgd(0.1), loss_fn, pl,
-                          batch_sbp=batch_sbp)
+    trainer = sjf.Trainer(
+        sjf.annotate(NormDropNet(nnx.Rngs(0)), rules), optax.sgd(0.1), loss_fn, pl, batch_sbp=batch_sbp
+    )
     batches = data(n=64)
     reference = NormDropNet(nnx.Rngs(0))
     ref_losses, ref_params = nnx_single_device(reference, optax.sgd(0.1), loss_fn, batches)
     assert_close([trainer.step(b) for b in batches], ref_losses, rtol=1e-5)
     trained = trainer.model()
-    for got, want in zip(jax.tree.leaves(nnx.to_pure_dict(nnx.state(trained, nnx.Param))),
-                         jax.tree.leaves(ref_params)):
+    for got, want in zip(
+        jax.tree.leaves(nnx.to_pure_dict(nnx.state(trained, nnx.Param))), jax.tree.leaves(ref_params)
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     # the running statistics moved (3 updates of momentum 0.8) and equal the reference's
     got_stats = nnx.to_pure_dict(nnx.state(trained, nnx.BatchStat))
@@ -167,12 +176,22 @@ def test_zero_splits_master_weights_and_state_and_trains_the_same():
 def test_bf16_compute_keeps_fp32_master_and_gathers_bf16():
     pl = sj.placement(8, "x")
     batch = data(steps=1)[0]
-    trainer = sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), zero=True,
-                          compute_dtype=jnp.bfloat16)
+    trainer = sjf.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.sgd(0.1),
+        loss_fn,
+        pl,
+        batch_sbp=(S(0),),
+        zero=True,
+        compute_dtype=jnp.bfloat16,
+    )
     gathers = [b for b in trainer.explain(batch).boxings if b.src == (S(0),) and b.dst == (B,)]
     assert gathers and all(np.dtype(b.plan.dtype) == jnp.bfloat16 for b in gathers)
     loss = trainer.step(batch)
-    assert all(t.dtype == np.float32 for t in jax.tree.leaves(trainer.params, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)))
+    assert all(
+        t.dtype == np.float32
+        for t in jax.tree.leaves(trainer.params, is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+    )
 
     # the single-device program with the same casts
     model = MLP(nnx.Rngs(0))
@@ -198,7 +217,8 @@ class LinenMLP(nn.Module):
     def __call__(self, x):
         x = nn.Dense(H, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (B, S(1))))(x)
         return nn.Dense(D, kernel_init=sjf.linen.with_sbp(nn.initializers.lecun_normal(), (B, S(0))))(
-            jax.nn.gelu(x))
+            jax.nn.gelu(x)
+        )
 
 
 def test_linen_train_step_equals_single_device():
@@ -227,7 +247,9 @@ def test_linen_train_step_equals_single_device():
         p = optax.apply_updates(p, u)
         ref.append(float(value))
     assert_close(losses, ref, rtol=1e-5)
-    for got, want in zip(jax.tree.leaves(gp, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), jax.tree.leaves(p)):
+    for got, want in zip(
+        jax.tree.leaves(gp, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), jax.tree.leaves(p)
+    ):
         np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
@@ -242,7 +264,8 @@ def test_errors():
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), zero="data")
     with pytest.raises(sj.SBPError, match="param_sbp does not match"):
         sjf.TrainStep(lambda p, b: p["w"].sum(), optax.sgd(0.1), pl, {"v": (B,)}, (B,)).init(
-            {"w": np.ones(8, np.float32)})
+            {"w": np.ones(8, np.float32)}
+        )
 
 
 @pytest.mark.parametrize("layout", ["same", "2d_to_data", "zero_to_tensor"])
@@ -252,15 +275,19 @@ def test_checkpoint_resume_gives_the_same_losses(tmp_path, layout):
     that never stopped: bit-identical on the same layout, equal to fp32
     rounding on another (sums run in another order)."""
     batches = data(steps=4)
-    src_name, dst_name = {"same": ("2d", "2d"), "2d_to_data": ("2d", "data"),
-                          "zero_to_tensor": ("data", "tensor")}[layout]
+    src_name, dst_name = {
+        "same": ("2d", "2d"),
+        "2d_to_data": ("2d", "data"),
+        "zero_to_tensor": ("data", "tensor"),
+    }[layout]
 
     def make(name, zero=False):
         shape, names, rules, batch_sbp = LAYOUTS[name]
         model = MLP(nnx.Rngs(0))
         sjf.annotate(model, rules)
-        return sjf.Trainer(model, optax.adamw(1e-2), loss_fn, sj.placement(shape, names), batch_sbp=batch_sbp,
-                           zero=zero)
+        return sjf.Trainer(
+            model, optax.adamw(1e-2), loss_fn, sj.placement(shape, names), batch_sbp=batch_sbp, zero=zero
+        )
 
     run = make(src_name, zero=layout == "zero_to_tensor")
     for b in batches[:2]:
@@ -269,7 +296,9 @@ def test_checkpoint_resume_gives_the_same_losses(tmp_path, layout):
     continued = [run.step(b) for b in batches[2:]]
     resumed = make(dst_name)
     resumed.restore(tmp_path / "ckpt")
-    assert resumed.params["fc1"]["kernel"].sbp == LAYOUTS[dst_name][2].get("fc1.kernel", (B,) * len(LAYOUTS[dst_name][0]))
+    assert resumed.params["fc1"]["kernel"].sbp == LAYOUTS[dst_name][2].get(
+        "fc1.kernel", (B,) * len(LAYOUTS[dst_name][0])
+    )
     again = [resumed.step(b) for b in batches[2:]]
     if layout == "same":
         assert again == continued

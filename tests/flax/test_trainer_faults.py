@@ -30,12 +30,17 @@ def loss_fn(model, batch):
 
 def _trainer():
     model = sjf.annotate(MLP(nnx.Rngs(0)), {"fc1.kernel": (B, S(1)), "fc2.kernel": (B, S(0))})
-    return sjf.Trainer(model, optax.adam(1e-2), loss_fn, sj.placement((2, 4), ("x", "y")), batch_sbp=(S(0), B))
+    return sjf.Trainer(
+        model, optax.adam(1e-2), loss_fn, sj.placement((2, 4), ("x", "y")), batch_sbp=(S(0), B)
+    )
 
 
 def _host(trainer):
-    return jax.tree.map(lambda t: np.array(t.numpy()), (trainer.params, trainer.opt_state, trainer.state),
-                        is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+    return jax.tree.map(
+        lambda t: np.array(t.numpy()),
+        (trainer.params, trainer.opt_state, trainer.state),
+        is_leaf=lambda v: isinstance(v, sj.GlobalTensor),
+    )
 
 
 def test_a_step_whose_loss_cannot_be_read_changes_nothing(monkeypatch):
@@ -58,4 +63,3 @@ def test_a_step_whose_loss_cannot_be_read_changes_nothing(monkeypatch):
     # the retry is the first step, not the second
     assert trainer.step(batch) == reference.step(batch)
     jax.tree.map(np.testing.assert_array_equal, _host(trainer), _host(reference))
-

@@ -34,8 +34,12 @@ def test_pipeline_benchmark_quick(tmp_path):
         assert {"schedule", "stages", "microbatches", "bubble", "theory"} <= set(r)
         assert abs(r["bubble"] - r["theory"]) <= 1e-9, r
     real = data["real"]
-    assert {"overhead_us_per_action", "action_ms", "throughput_ratio_vs_single_program",
-            "peak_activation_bytes"} <= set(real)
+    assert {
+        "overhead_us_per_action",
+        "action_ms",
+        "throughput_ratio_vs_single_program",
+        "peak_activation_bytes",
+    } <= set(real)
     gpipe, one = real["peak_activation_bytes"]["gpipe"], real["peak_activation_bytes"]["1f1b"]
     assert len(gpipe) == len(one) == 4 and all(o < g for o, g in zip(one, gpipe))
     assert real["overhead_us_per_action"] > 0 and real["throughput_ratio_vs_single_program"] > 0

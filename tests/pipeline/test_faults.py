@@ -32,14 +32,23 @@ def mse(y, t):
 
 def _params(seed):
     rng = np.random.default_rng(seed)
-    return {"w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
-            "b": (0.1 * rng.normal(size=(D,))).astype(np.float32)}
+    return {
+        "w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
+        "b": (0.1 * rng.normal(size=(D,))).astype(np.float32),
+    }
 
 
 def _stages(fns, names=None):
     devs = jax.devices()
-    return [sjp.Stage(fn, _params(i), sj.Placement(np.array([devs[i]]), ("d",)),
-                      name=(names[i] if names else f"layer{i}")) for i, fn in enumerate(fns)]
+    return [
+        sjp.Stage(
+            fn,
+            _params(i),
+            sj.Placement(np.array([devs[i]]), ("d",)),
+            name=(names[i] if names else f"layer{i}"),
+        )
+        for i, fn in enumerate(fns)
+    ]
 
 
 def _batch(m, seed=0):
@@ -49,9 +58,12 @@ def _batch(m, seed=0):
 
 def _snapshot(pipe):
     """Every stage's parameters and optimizer state, as host arrays."""
+
     def host(tree):
-        return jax.tree_util.tree_map(lambda t: np.array(t.numpy()), tree,
-                                      is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+        return jax.tree_util.tree_map(
+            lambda t: np.array(t.numpy()), tree, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)
+        )
+
     return [host(st.params) for st in pipe.stages], [host(prog.state) for prog in pipe.programs]
 
 
@@ -146,8 +158,14 @@ SIGINT_SCRIPT = textwrap.dedent("""
 def test_one_sigint_stops_a_step(tmp_path):
     script = tmp_path / "sigint_step.py"
     script.write_text(SIGINT_SCRIPT.format(root=ROOT))
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ),
+    )
     lines = []
     try:
         for line in proc.stdout:

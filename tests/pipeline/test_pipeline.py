@@ -29,12 +29,14 @@ def mse(y, t):
 
 
 def _host(tree):
-    return jax.tree_util.tree_map(lambda t: np.asarray(t.numpy()), tree,
-                                  is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+    return jax.tree_util.tree_map(
+        lambda t: np.asarray(t.numpy()), tree, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)
+    )
 
 
 def reference_step(fns, params, x, y, opt):
     """The non-pipelined step: one jitted value_and_grad of the whole model on the whole batch."""
+
     def loss(ps):
         h = x
         for f, p in zip(fns, ps):
@@ -51,16 +53,23 @@ def _assert_close(a, b):
 
 
 def _layer_params(rng):
-    return {"w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
-            "b": (0.1 * rng.normal(size=(D,))).astype(np.float32)}
+    return {
+        "w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
+        "b": (0.1 * rng.normal(size=(D,))).astype(np.float32),
+    }
 
 
 @pytest.fixture(scope="module")
 def one_device_stages():
     rng = np.random.default_rng(0)
     devs = jax.devices()
-    return {n: [sjp.Stage(layer, _layer_params(rng), sj.Placement(np.array([devs[i]]), ("d",)), name=f"layer{i}")
-                for i in range(n)] for n in (2, 4)}
+    return {
+        n: [
+            sjp.Stage(layer, _layer_params(rng), sj.Placement(np.array([devs[i]]), ("d",)), name=f"layer{i}")
+            for i in range(n)
+        ]
+        for n in (2, 4)
+    }
 
 
 def _batch(m, seed):
@@ -111,10 +120,17 @@ def test_tensor_parallel_stages_with_adam():
     rng = np.random.default_rng(4)
     devs = jax.devices()
     layout = {"w1": (sj.S(1),), "w2": (sj.S(0),)}
-    params = [{"w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
-               "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32)} for _ in range(2)]
-    stages = [sjp.Stage(mlp, params[i], sj.Placement(np.array(devs[2 * i:2 * i + 2]), ("tp",)), param_sbp=layout)
-              for i in range(2)]
+    params = [
+        {
+            "w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
+            "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    stages = [
+        sjp.Stage(mlp, params[i], sj.Placement(np.array(devs[2 * i : 2 * i + 2]), ("tp",)), param_sbp=layout)
+        for i in range(2)
+    ]
     opt = optax.adam(1e-2)
     pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="1f1b")
     state = [opt.init(p) for p in params]
@@ -143,14 +159,18 @@ def test_random_delays_give_the_same_numbers(one_device_stages):
     for delays in (False, True, True):
         for st, p in zip(stages, start):
             st.params = p
+
         def before(spec, k, rng=random.Random(len(results)), lock=threading.Lock()):
             with lock:  # actors on several threads draw from one generator
                 d = rng.choice([0, 0.0005, 0.003])
             time.sleep(d)
 
-        r = sjp.Pipeline(stages, mse, opt, microbatches=6, schedule="1f1b",
-                         before_action=before if delays else None).step(x, y)
-        results.append((r.microbatch_losses, [_host(g) for g in r.grads], [_host(st.params) for st in stages]))
+        r = sjp.Pipeline(
+            stages, mse, opt, microbatches=6, schedule="1f1b", before_action=before if delays else None
+        ).step(x, y)
+        results.append(
+            (r.microbatch_losses, [_host(g) for g in r.grads], [_host(st.params) for st in stages])
+        )
     for other in results[1:]:
         assert other[0] == results[0][0]
         jax.tree_util.tree_map(np.testing.assert_array_equal, other[1:], results[0][1:])
@@ -163,7 +183,7 @@ def test_loader_fault_is_reraised_with_its_microbatch(one_device_stages):
     def inputs(k):
         if k == 2:
             raise OSError("shard 2 is unreadable")
-        return x[k * MB:(k + 1) * MB]
+        return x[k * MB : (k + 1) * MB]
 
     pipe = sjp.Pipeline(one_device_stages[2], mse, optax.sgd(0.1), microbatches=4)
     with pytest.raises(sjp.PipelineError, match="microbatch 2") as e:
@@ -175,8 +195,12 @@ def test_loader_fault_is_reraised_with_its_microbatch(one_device_stages):
 
 def test_stage_fault_names_the_stage(one_device_stages):
     stages = one_device_stages[2]
-    bad = sjp.Stage(lambda p, x: jnp.tanh(x @ p["w"][:3]), _layer_params(np.random.default_rng(5)),
-                    stages[1].placement, name="bad")
+    bad = sjp.Stage(
+        lambda p, x: jnp.tanh(x @ p["w"][:3]),
+        _layer_params(np.random.default_rng(5)),
+        stages[1].placement,
+        name="bad",
+    )
     x, y = _batch(2, seed=41)
     with pytest.raises(sjp.PipelineError) as e:
         sjp.Pipeline([stages[0], bad], mse, optax.sgd(0.1), microbatches=2).step(x, y)
@@ -191,14 +215,20 @@ def test_bad_input_raises_sbperror(one_device_stages):
         sjp.Pipeline(stages, mse, opt, microbatches=3).step(*_batch(2, seed=0))
     with pytest.raises(sj.SBPError, match="shares devices"):
         overlapping = sj.Placement(np.array(jax.devices()[0:2]), ("d",))
-        sjp.Pipeline([stages[0], sjp.Stage(layer, _layer_params(np.random.default_rng(0)), overlapping)],
-                     mse, opt, microbatches=2)
+        sjp.Pipeline(
+            [stages[0], sjp.Stage(layer, _layer_params(np.random.default_rng(0)), overlapping)],
+            mse,
+            opt,
+            microbatches=2,
+        )
     with pytest.raises(sj.SBPError, match="v stages per group"):
         sjp.Pipeline(stages, mse, opt, microbatches=2, schedule=sjp.Interleaved1F1B(2))
     with pytest.raises(sj.SBPError, match="must be an sj.Placement"):
         sjp.Stage(layer, _layer_params(np.random.default_rng(0)), jax.devices()[0])
     with pytest.raises(sj.SBPError, match="param_sbp"):
-        sjp.Stage(layer, _layer_params(np.random.default_rng(0)), stages[0].placement, param_sbp={"w": (sj.B,)})
+        sjp.Stage(
+            layer, _layer_params(np.random.default_rng(0)), stages[0].placement, param_sbp={"w": (sj.B,)}
+        )
     with pytest.raises(sj.SBPError, match="microbatches must be an int"):
         sjp.Pipeline(stages, mse, opt, microbatches=0)
 
@@ -222,8 +252,10 @@ def test_flax_modules_as_stages():
     x, y = _batch(4, seed=50)
     variables = [m.init(jax.random.key(i), x[:MB]) for i, m in enumerate(modules)]
     devs = jax.devices()
-    stages = [sjp.Stage(m.apply, v, sj.Placement(np.array([devs[6 + i]]), ("d",)))
-              for i, (m, v) in enumerate(zip(modules, variables))]
+    stages = [
+        sjp.Stage(m.apply, v, sj.Placement(np.array([devs[6 + i]]), ("d",)))
+        for i, (m, v) in enumerate(zip(modules, variables))
+    ]
     opt = optax.sgd(0.1)
     want_loss, want_grads, want_params = reference_step([m.apply for m in modules], variables, x, y, opt)
     result = sjp.Pipeline(stages, mse, opt, microbatches=4).step(x, y)

@@ -12,8 +12,13 @@ from sbpjax.pipeline.schedule import as_schedule
 
 
 def _run(schedule, p, m, body=None, **kw):
-    graph = sjp.build_graph(as_schedule(schedule), p, m, data_registers=kw.pop("data_registers", 2),
-                            stash_counts=kw.pop("stash_counts", None))
+    graph = sjp.build_graph(
+        as_schedule(schedule),
+        p,
+        m,
+        data_registers=kw.pop("data_registers", 2),
+        stash_counts=kw.pop("stash_counts", None),
+    )
     bodies = {a.name: (body or (lambda k, inputs: {})) for a in graph.actors}
     return sjp.ThreadedSystem(graph, bodies, **kw).run()
 
@@ -41,8 +46,11 @@ def test_interleaved_runs_in_its_listed_order(no_leftover_threads):
     tl = _run(sched, p, m)
     lists = sjp.megatron_interleaved(p, 2, m)
     for d in range(p):
-        ran = [(a.kind, a.stage, a.microbatch) for a in tl.actions if a.thread == f"device{d}"
-               and a.kind in ("forward", "backward")]
+        ran = [
+            (a.kind, a.stage, a.microbatch)
+            for a in tl.actions
+            if a.thread == f"device{d}" and a.kind in ("forward", "backward")
+        ]
         assert ran == lists[d]
 
 
@@ -96,9 +104,13 @@ def test_a_failure_stops_a_chain_of_ready_actions_at_once(no_leftover_threads):
     # "chain" could act 100 times in one go (its register has 100 slots); the
     # failure on another thread must stop it before its next action, not after all
     graph = sjp.ActorGraph(
-        (sjp.ActorSpec("chain", "load", None, "host", 100), sjp.ActorSpec("sink", "put", 0, "h2d", 100),
-         sjp.ActorSpec("broken", "forward", 0, "device0", 1)),
-        (sjp.RegisterSpec("items", "chain", ("sink",), 100),))
+        (
+            sjp.ActorSpec("chain", "load", None, "host", 100),
+            sjp.ActorSpec("sink", "put", 0, "h2d", 100),
+            sjp.ActorSpec("broken", "forward", 0, "device0", 1),
+        ),
+        (sjp.RegisterSpec("items", "chain", ("sink",), 100),),
+    )
     started = []
 
     def body(k, inputs):

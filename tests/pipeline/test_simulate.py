@@ -34,8 +34,11 @@ def test_peak_live_activation_registers(p):
 def test_1f1b_alternates_in_the_steady_state():
     # emerges from counts: once its p - i slots are full, stage i follows each backward with one forward
     tl = sjp.simulate("1f1b", 4, 8)
-    order = [(a.kind[0], a.microbatch) for a in sorted(tl.of_kind("forward", "backward"), key=lambda a: a.start)
-             if a.stage == 0]
+    order = [
+        (a.kind[0], a.microbatch)
+        for a in sorted(tl.of_kind("forward", "backward"), key=lambda a: a.start)
+        if a.stage == 0
+    ]
     assert order[:4] == [("f", 0), ("f", 1), ("f", 2), ("f", 3)]
     assert order[4:12] == [("b", 0), ("f", 4), ("b", 1), ("f", 5), ("b", 2), ("f", 6), ("b", 3), ("f", 7)]
 
@@ -63,9 +66,14 @@ def test_interleaved_lists_are_megatrons():
 def test_action_list_reproduces_1f1b():
     p, m = 4, 6
     tl = sjp.simulate("1f1b", p, m)
-    lists = {d: [(a.kind, a.stage, a.microbatch) for a in sorted(tl.of_kind("forward", "backward"),
-                                                                  key=lambda a: a.start) if a.stage == d]
-             for d in range(p)}
+    lists = {
+        d: [
+            (a.kind, a.stage, a.microbatch)
+            for a in sorted(tl.of_kind("forward", "backward"), key=lambda a: a.start)
+            if a.stage == d
+        ]
+        for d in range(p)
+    }
     again = sjp.simulate(sjp.ActionList(lists), p, m)
     assert again.makespan == tl.makespan == (m + p - 1) * 3.0
     assert again.peak_live_activations() == tl.peak_live_activations()
@@ -73,8 +81,10 @@ def test_action_list_reproduces_1f1b():
 
 def test_action_list_that_cannot_finish_stalls_with_a_report():
     # the last stage is asked for microbatch 1's backward before its forward: never possible
-    lists = {0: [("forward", 0, 0), ("forward", 0, 1), ("backward", 0, 0), ("backward", 0, 1)],
-             1: [("forward", 1, 0), ("backward", 1, 0), ("backward", 1, 1), ("forward", 1, 1)]}
+    lists = {
+        0: [("forward", 0, 0), ("forward", 0, 1), ("backward", 0, 0), ("backward", 0, 1)],
+        1: [("forward", 1, 0), ("backward", 1, 0), ("backward", 1, 1), ("forward", 1, 1)],
+    }
     with pytest.raises(sjp.PipelineStall) as e:
         sjp.simulate(sjp.ActionList(lists), 2, 2)
     assert "backward1" in str(e.value) and "'stash1'" in str(e.value)
@@ -91,8 +101,13 @@ def test_bad_schedules_raise_sbperror():
     with pytest.raises(sj.SBPError, match="never appear"):
         sjp.simulate(sjp.ActionList({0: [("forward", 0, 0)]}), 1, 1)
     with pytest.raises(sj.SBPError, match="out of order"):
-        sjp.simulate(sjp.ActionList({0: [("forward", 0, 1), ("forward", 0, 0), ("backward", 0, 0),
-                                         ("backward", 0, 1)]}), 1, 2)
+        sjp.simulate(
+            sjp.ActionList(
+                {0: [("forward", 0, 1), ("forward", 0, 0), ("backward", 0, 0), ("backward", 0, 1)]}
+            ),
+            1,
+            2,
+        )
     with pytest.raises(sj.SBPError, match="unknown action kinds"):
         sjp.simulate("1f1b", 2, 2, {"fwd": 1.0})
     with pytest.raises(sj.SBPError, match="stash_counts"):
@@ -101,8 +116,9 @@ def test_bad_schedules_raise_sbperror():
 
 def test_slow_consumer_bounds_the_producer_to_its_register_count():
     for slots in (1, 2, 3):
-        tl = sjp.simulate("1f1b", 2, 8, {"load": 0.1, "put": 1.0, "forward": 0.1, "backward": 0.1},
-                          data_registers=slots)
+        tl = sjp.simulate(
+            "1f1b", 2, 8, {"load": 0.1, "put": 1.0, "forward": 0.1, "backward": 0.1}, data_registers=slots
+        )
         load = sorted((a for a in tl.actions if a.actor == "load:inputs"), key=lambda a: a.microbatch)
         put = sorted((a for a in tl.actions if a.actor == "put:inputs"), key=lambda a: a.microbatch)
         stats = {r.name: r for r in tl.registers}
@@ -126,13 +142,14 @@ def _random_durations(rng):
 
     def duration(kind, stage, microbatch):
         return table.setdefault((kind, stage, microbatch), rng.choice([0.0, 0.5, 1.0, 3.0, 7.0]))
+
     return duration
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", sjp.Interleaved1F1B(2)])
 def test_random_durations_never_deadlock(schedule):
     rng = random.Random(0)
-    for trial in range(30):
+    for _ in range(30):
         p = rng.choice([2, 4])
         m = p * rng.choice([1, 2, 3])
         tl = sjp.simulate(schedule, p, m, _random_durations(rng))
