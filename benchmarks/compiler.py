@@ -6,7 +6,12 @@
 Programs on 8 devices: (a) a Megatron MLP block forward+backward on a 2x4
 (data x tensor) placement; (b) a transformer-block train step (AdamW) with
 data, tensor and 2-D layouts; (c) ``U @ V @ W`` with U S(1), V S(0), W B;
-(d) a model-parallel softmax cross-entropy over 8 class shards. For each:
+(d) a model-parallel softmax cross-entropy over 8 class shards; (e) the GPT
+sweep: AdamW steps of GPTs of several widths and depths with Megatron
+annotations over the second placement axis and the batch over the first, on
+2x4, 4x2, 8x1 and 1x8 (rows ``gpt_sweep_d{d_model}_L{layers}_{placement}``,
+with the solver's time (``solve_s``, building included), its proven gap and
+the collective counts of both compiled programs). For each:
 bytes moved by sbpjax (measured in the compiled program), by GSPMD (``jax.jit``
 given the same input and parameter shardings) and by a hand-written
 ``shard_map``; time ratios (medians of interleaved repeats, same process); and
@@ -52,6 +57,11 @@ S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
 
 def collective_bytes(compiled) -> int:
     return sum(c.bytes for c in sj.collectives(compiled))
+
+
+def collective_count(compiled) -> int:
+    """Collectives one run of the program executes (a combined tuple collective counts once)."""
+    return sum(c.count for c in sj.collectives(compiled))
 
 
 def median_times(runs, repeats, min_seconds=2.0):
@@ -146,6 +156,28 @@ def block_forward(p, tokens, heads, psum_t=None, local_ce=None):
     return x @ p["head"]
 
 
+def gpt_forward(p, tokens, heads, psum_t=None):
+    """A GPT of ``len(p["blocks"])`` pre-norm blocks and an LM head;
+    ``psum_t``: the hand-written tensor-parallel reduction (Megatron's g)."""
+    red = psum_t or (lambda v: v)
+    x = p["emb"][tokens]
+    b, t, _ = x.shape
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for blk in p["blocks"]:
+        h = layernorm(x, blk["g1"])
+        q, k, v = ((h @ blk[w]).reshape(b, t, heads, -1) for w in ("wq", "wk", "wv"))
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+        att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)
+        x = x + red(jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, -1) @ blk["wo"])
+        x = x + red(gelu(layernorm(x, blk["g2"]) @ blk["w1"]) @ blk["w2"])
+    return x @ p["head"]
+
+
+def gpt_loss(p, tokens, labels, heads):
+    lp = jax.nn.log_softmax(gpt_forward(p, tokens, heads), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], axis=-1))
+
+
 def block_loss(p, tokens, labels, heads):
     lp = jax.nn.log_softmax(block_forward(p, tokens, heads), axis=-1)
     return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], axis=-1))
@@ -179,7 +211,7 @@ def handwritten_mlp(mesh, data="x", tensor="y"):
                                  out_specs=(PS(), PS(None, tensor), PS(tensor, None))))
 
 
-def handwritten_block_step(mesh, heads, opt, data, tensor, psbp_specs):
+def handwritten_block_step(mesh, heads, opt, data, tensor, psbp_specs, forward=None):
     """Transformer train step by hand: Megatron tensor parallelism over
     ``tensor`` (column-parallel q/k/v/w1/head, row-parallel wo/w2 with a psum,
     a model-parallel cross-entropy over the vocabulary shards) and data
@@ -204,7 +236,8 @@ def handwritten_block_step(mesh, heads, opt, data, tensor, psbp_specs):
         n_global = tokens.size * (mesh.shape[data] if data else 1)
 
         def local_loss(p):
-            logits = block_forward(p, tokens, heads // n_t, psum_t=(lambda v: lax.psum(v, tensor)) if tensor else None)
+            logits = (forward or block_forward)(p, tokens, heads // n_t,
+                                                psum_t=(lambda v: lax.psum(v, tensor)) if tensor else None)
             return mp_ce(logits, labels) / n_global
 
         loss, g = jax.value_and_grad(local_loss)(p)  # gradient psums: inserted by JAX (check_vma)
@@ -262,7 +295,14 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     row["xla_compile_ms"] = statistics.median(xla[1:]) * 1e3
     compiled = f.lower(*g_args).compile()
     row["sbpjax_bytes"] = collective_bytes(compiled)
-    row["sbpjax_explained_bytes"] = f.explain(*g_args).bytes
+    row["sbpjax_collectives"] = collective_count(compiled)
+    explanation = f.explain(*g_args)
+    row["sbpjax_explained_bytes"] = explanation.bytes
+    choice = explanation.choice
+    row["solver"] = choice.method if choice is not None else None
+    row["solve_s"] = choice.solve_s + choice.build_s if choice is not None else None
+    row["solver_gap"] = choice.gap if choice is not None else None
+    row["greedy_bytes"] = choice.greedy_bytes if choice is not None else None
     phys = [t.physical for t in gargs]
     prog = f._compile(gargs, tree)[1]
     sj_out = f(*g_args)
@@ -278,6 +318,7 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     gspmd = jax.jit(flat_fn, in_shardings=in_shardings)
     g_compiled = gspmd.lower(*flat_args).compile()
     row["gspmd_bytes"] = collective_bytes(g_compiled)
+    row["gspmd_collectives"] = collective_count(g_compiled)
     check("gspmd", jax.tree.map(np.asarray, gspmd(*flat_args)))
     runs = [(prog, phys), (gspmd, flat_args)]
     if handwritten is not None:
@@ -303,6 +344,66 @@ def make_check(name, reference, rtol):
             np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=rtol,
                                        atol=rtol, err_msg=f"{name}: {who}")
     return check
+
+
+def gpt_sweep_configs(quick):
+    """(d_model, layers, placement shape) of the GPT sweep rows. --quick keeps
+    four small rows; the default covers d_model 64..256, 1..4 layers and the
+    four 8-device placements. Not here yet (the issue's full sweep): d_model
+    512, 8..32 layers, 4x4 / 8x8 compile-only placements."""
+    if quick:
+        return [(32, 1, (2, 4)), (32, 1, (4, 2)), (32, 1, (8, 1)), (64, 1, (1, 8))]
+    return [(64, 1, (2, 4)), (128, 2, (2, 4)), (256, 2, (2, 4)), (128, 2, (4, 2)), (128, 2, (8, 1)),
+            (128, 2, (1, 8)), (64, 4, (2, 4))]
+
+
+def gpt_sweep_row(cfg, repeats, samples, rng):
+    """One sweep row: an AdamW step of a GPT with Megatron annotations over the
+    placement's second axis and the batch split over its first, by sbpjax,
+    GSPMD and a hand-written Megatron shard_map."""
+    d, layers, shape = cfg
+    vocab, seq, batch, heads = 64, 16, 16, 8  # 8 heads: the tensor axis (up to 8) divides them
+    name = f"gpt_sweep_d{d}_L{layers}_{shape[0]}x{shape[1]}"
+    if ONLY and not any(o in name for o in ONLY):
+        return None
+    pl = sj.placement(shape, ("x", "y"))
+    nrm = lambda *s: (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
+    blocks = [{"wq": nrm(d, d), "wk": nrm(d, d), "wv": nrm(d, d), "wo": nrm(d, d), "w1": nrm(d, 4 * d),
+               "w2": nrm(4 * d, d), "g1": np.ones((d,), np.float32), "g2": np.ones((d,), np.float32)}
+              for _ in range(layers)]
+    params = {"emb": nrm(vocab, d), "blocks": blocks, "head": nrm(d, vocab)}
+    tokens = rng.integers(0, vocab, size=(batch, seq)).astype(np.int32)
+    labels = rng.integers(0, vocab, size=(batch, seq)).astype(np.int32)
+    opt = optax.adamw(1e-3, weight_decay=0.1)
+    state = opt.init(params)
+
+    def step(p, s, tok, lab):
+        loss, g = jax.value_and_grad(gpt_loss)(p, tok, lab, heads)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    rep, col, row_ = (B, B), (B, S1), (B, S0)
+    blk = {"wq": col, "wk": col, "wv": col, "wo": row_, "w1": col, "w2": row_, "g1": rep, "g2": rep}
+    ps = {"emb": rep, "blocks": [dict(blk) for _ in blocks], "head": col}
+    ss = state_sbp(state, ps, rep)
+    data_sbp = (S0, B)
+    data_axis = "x" if shape[0] > 1 else None
+    tensor_axis = "y" if shape[1] > 1 else None
+    pspecs = jax.tree.map(lambda nd, leaf: spec_of(nd, np.ndim(leaf), pl), ps, params, is_leaf=is_nd_sbp)
+    sspecs = jax.tree.map(lambda nd, leaf: spec_of(nd, np.ndim(leaf), pl), ss, state, is_leaf=is_nd_sbp)
+    body, _ = handwritten_block_step(pl.mesh, heads, opt, data_axis, tensor_axis, pspecs, forward=gpt_forward)
+    dspec = PS(data_axis) if data_axis else PS()
+    hw = jax.jit(jax.shard_map(body, mesh=pl.mesh, in_specs=(pspecs, sspecs, dspec, dspec),
+                               out_specs=(pspecs, sspecs, PS())))
+    put = lambda v, s: jax.device_put(v, NamedSharding(pl.mesh, s))  # noqa: E731
+    hw_args = [jax.tree.map(put, params, pspecs), jax.tree.map(put, state, sspecs), put(tokens, dspec),
+               put(labels, dspec)]
+    ref = jax.jit(step)(params, state, tokens, labels)
+    # Adam turns rounding noise in a near-zero gradient into +-lr: lr as the atol
+    row = run_program(name, step, pl, (ps, ss, data_sbp, data_sbp), (params, state, tokens, labels),
+                      (ps, ss, rep), (hw, hw_args), repeats, make_check(name, ref, 2e-3), samples)
+    row.update(d_model=d, layers=layers, placement=f"{shape[0]}x{shape[1]}")
+    return row
 
 
 def main():
@@ -399,13 +500,20 @@ def main():
     rows.append(run_program("model_parallel_softmax_ce", ce, pl8, ((S1,), (B,)), (Z, Y), (B,), (hw, hw_args),
                             repeats, make_check("ce", ce(Z, Y), 1e-4), samples))
 
+    # (e) the GPT sweep: Megatron over the last axis, data over the first
+    for cfg in gpt_sweep_configs(q):
+        rows.append(gpt_sweep_row(cfg, repeats, 1, rng))  # one cold compile after the first: the ILP reruns
+
     rows = [r for r in rows if r is not None]
-    print(f"{'program':<30}{'sbpjax B':>12}{'gspmd B':>12}{'hand B':>12}{'t/gspmd':>9}{'t/hand':>8}{'overhead':>10}")
+    print(f"{'program':<30}{'sbpjax B':>12}{'gspmd B':>12}{'hand B':>12}{'t/gspmd':>9}{'t/hand':>8}{'overhead':>10}"
+          f"{'solver':>8}{'solve s':>9}{'gap':>7}{'coll sj/gspmd':>15}")
     for r in rows:
         hb = "-" if r["handwritten_bytes"] is None else str(r["handwritten_bytes"])
         th = "-" if r["time_ratio_vs_handwritten"] is None else f"{r['time_ratio_vs_handwritten']:.2f}"
+        gap = "-" if r["solver_gap"] is None else f"{100 * r['solver_gap']:.1f}%"
         print(f"{r['name']:<30}{r['sbpjax_bytes']:>12}{r['gspmd_bytes']:>12}{hb:>12}"
-              f"{r['time_ratio_vs_gspmd']:>9.2f}{th:>8}{r['overhead_share']:>10.3f}")
+              f"{r['time_ratio_vs_gspmd']:>9.2f}{th:>8}{r['overhead_share']:>10.3f}{r['solver']:>8}"
+              f"{r['solve_s']:>9.2f}{gap:>7}{r['sbpjax_collectives']:>8}/{r['gspmd_collectives']:<6}")
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump({"config": {"quick": q, "repeats": repeats, "compile_samples": samples, "devices": 8,
