@@ -199,7 +199,7 @@ def save(path, tree) -> None:
 
 
 def _files(path: str) -> list[str]:
-    out = []
+    out: list[str] = []
     for root, _, names in os.walk(path):
         out.extend(os.path.relpath(os.path.join(root, n), path) for n in names)
     return sorted(f for f in out if f != _MANIFEST)

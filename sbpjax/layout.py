@@ -39,7 +39,7 @@ class Layout:
 
     @staticmethod
     def from_nd_sbp(sbp: Sequence, ndim: int) -> Layout:
-        dims = [[] for _ in range(ndim)]
+        dims: list[list[int]] = [[] for _ in range(ndim)]
         partial = []
         for axis, s in enumerate(sbp):
             if isinstance(s, Split):
@@ -153,7 +153,7 @@ class Geometry:
 
     def partition_spec(self, layout: Layout, axis_names: Sequence[str]) -> PartitionSpec:
         lead = [axis_names[a] for a, _ in layout.partial]
-        body = []
+        body: list[str | tuple[str, ...] | None] = []
         for axes in layout.dims:
             if not axes:
                 body.append(None)

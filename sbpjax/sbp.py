@@ -113,7 +113,7 @@ def parse_sbp(text: str) -> tuple:
         body = body[1:-1]
     if not body.strip():
         raise SBPError(f"parse_sbp({text!r}): empty; write e.g. 'S(0), B'.")
-    out = []
+    out: list[SBP] = []
     for part in _split_commas(body):
         m = _TOKEN.fullmatch(part)
         if m is None:

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from sbpjax._errors import SBPError
 from sbpjax.boxing.lower import boxing_fn
 from sbpjax.boxing.plan import normalized_layout, plan_boxing
-from sbpjax.boxing.transfer import execute_transfer
+from sbpjax.boxing.transfer import TransferPlan, execute_transfer
 from sbpjax.dtypes import canonical_dtype, check_partial_dtype
 from sbpjax.layout import Geometry, Layout
 from sbpjax.placement import Placement
@@ -180,7 +180,7 @@ class GlobalTensor:
             if not axes:
                 continue
             M = geom.padded_dim(axes, d)
-            idx = []
+            idx: list[int] = []
             for k in range(geom.splits(axes)):
                 coord = [0] * len(geom.grid)
                 rem = k
@@ -215,6 +215,7 @@ class GlobalTensor:
             dst_placement=None if placement == self._placement else placement,
         )
         if plan.dst_placement is not None:
+            assert isinstance(plan, TransferPlan)  # what plan_boxing makes for another placement
             data, _ = execute_transfer(plan, self._data)
         elif plan.steps:
             data = boxing_fn(plan)(self._data)

@@ -261,6 +261,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
     even = geom.even(step.src) and geom.even(step.dst)
     g = geom.splits(group)
     if op == "all_gather":
+        assert d is not None  # plan.py gives every gather, all-to-all, scatter and slice its dim
         y = _gather(x, _axis_arg(axes), d)
         if not even:
             dep, tab = tables.compact(step.dst.dims[d], group, d)
@@ -268,6 +269,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
         return y
     if op == "all_to_all":
         e = step.dim2
+        assert d is not None and e is not None
         if not even:
             dep, tab = tables.arrange(step.src.dims[e], group, e)
             x = jnp.take(x, tables.lookup(dep, tab), axis=e)
@@ -277,6 +279,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
             y = jnp.take(y, tables.lookup(dep, tab), axis=d)
         return y
     if op == "reduce_scatter":
+        assert d is not None
         if not even:
             dep, tab = tables.arrange(step.src.dims[d], group, d)
             x = jnp.take(x, tables.lookup(dep, tab), axis=d)
@@ -292,6 +295,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
             return lax.psum(x, _axis_arg(axes))
         return preduce_extreme(x, _axis_arg(axes), step.reduce)
     if op == "local_slice":
+        assert d is not None
         parent, child = step.src.dims[d], step.dst.dims[d]
         if even:
             size = geom.padded_dim(child, d)
@@ -299,6 +303,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
         dep, tab = tables.slice(parent, child, d)
         return jnp.take(x, tables.lookup(dep, tab), axis=d)
     if op == "zero_fill":
+        assert step.reduce is not None  # a fill names the op of the partial it makes
         fill = fill_value(step.reduce, dtype)
         if d is None:  # B -> P
             if step.reduce == "sum":
@@ -319,14 +324,15 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
         return jnp.take(ext, tables.lookup(dep, tab), axis=d)
     if op == "permute":
         sched = p2p_schedule(geom, step.src, step.dst)
+        assert sched is not None  # permute steps are only made where p2p_tiles finds even tiles
         all_axes = tuple(names)
         everyone = tuple(range(len(names)))
         tiles = _to_tiles(x, sched.src_tiles_local, sched.tile_shape)
-        pool = [tiles]
+        pieces = [tiles]
         for (pairs, _), send in zip(sched.rounds, sched.send):
             buf = jnp.take(tiles, tables.lookup(everyone, send), axis=0)
-            pool.append(lax.ppermute(buf, _axis_arg(all_axes), perm=list(pairs)))
-        pool = jnp.concatenate(pool, axis=0)
+            pieces.append(lax.ppermute(buf, _axis_arg(all_axes), perm=list(pairs)))
+        pool = jnp.concatenate(pieces, axis=0)
         out = jnp.take(pool, tables.lookup(everyone, sched.gather), axis=0)
         return _from_tiles(out, sched.dst_tiles_local, sched.tile_shape)
     raise SBPError(f"internal error: boxing step {op!r} has no lowering; please report it.")
@@ -366,6 +372,7 @@ def run_plan(plan: BoxingPlan, x):
     squeezed). Returns the target's local block, partial dims squeezed."""
     geom = Geometry(plan.shape, plan.placement.shape)
     if 0 in plan.shape:
+        assert plan.dst_layout is not None  # plan_boxing sets both layouts
         return jnp.zeros(geom.padded(plan.dst_layout), x.dtype)
     tables = _Tables(geom, plan.placement.axis_names)
     for step in plan.steps:
@@ -378,6 +385,7 @@ def _build(plan: BoxingPlan):
     geom = Geometry(plan.shape, pl.shape)
     names = pl.axis_names
     src, dst = plan.src_layout, plan.dst_layout
+    assert src is not None and dst is not None  # plan_boxing sets both layouts
     out_block = geom.block_shape(dst)
 
     def body(x):

@@ -312,7 +312,11 @@ class _Ctx:
     def restep(self, step: Step) -> Step:
         """The same move (op, layouts, group) costed for this context's shape and model."""
         if step.op == "permute":
-            return self.exact(self.permute(step.src, step.dst))
+            # the step was found for these layouts on this shape or another of its class
+            # (dims that differ divide by the device count): same tiles, same rounds
+            permute = self.permute(step.src, step.dst)
+            assert permute is not None
+            return self.exact(permute)
         return self.step(
             step.op, step.src, step.dst, step.group, reduce=step.reduce, dim=step.dim, dim2=step.dim2
         )
@@ -322,6 +326,7 @@ class _Ctx:
         if step.op != "permute":
             return step
         sched = p2p_schedule(self.geom, step.src, step.dst)
+        assert sched is not None  # permute steps are only made where p2p_tiles finds even tiles
         tile_bytes = sched.tile_elems * self.itemsize
         nbytes = sum(len(pairs) * k * tile_bytes for pairs, k in sched.rounds)
         if nbytes != step.bytes:

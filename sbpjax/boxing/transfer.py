@@ -65,7 +65,9 @@ def plan_transfer(shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp, cm) -> BoxingP
         key = (total + dst_side.bytes, t_time + dst_side.time(), len(dst_side.steps))
         if best is None or key < best[0]:
             best = (key, y, total, t_time, dst_side)
+    assert best is not None  # ys is never empty: B over every axis is a candidate
     _, y, total, t_time, dst_side = best
+    assert src_side.dst_layout is not None and dst_side.src_layout is not None  # plan_boxing sets both
     move = _TransferStep(
         op="transfer",
         axes=(),
@@ -133,11 +135,14 @@ def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, in
             "(the pipeline runtime does this between stages)."
         )
     src_side, dst_side = plan.src_side, plan.dst_side
+    # plan_transfer sets both sides and the target placement
+    assert src_side is not None and dst_side is not None and plan.dst_placement is not None
     if src_side.steps:
         data = boxing_fn(src_side)(data)
     src_pl, dst_pl = plan.placement, plan.dst_placement
     X = src_side.dst_layout
     Y = dst_side.src_layout
+    assert X is not None and Y is not None  # plan_boxing sets both layouts
     gs, gd = Geometry(plan.shape, src_pl.shape), Geometry(plan.shape, dst_pl.shape)
     if _block_for_block(plan, gs):
         # An even S/B physical array is the logical array itself, so resharding it
@@ -185,6 +190,9 @@ def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, in
 
 def _block_for_block(plan: TransferPlan, src_geometry: Geometry) -> bool:
     """Whether the move keeps one even S/B layout on grids of the same shape."""
+    # plan_transfer sets both sides, the target placement and both layouts
+    assert plan.dst_placement is not None and plan.src_side is not None and plan.dst_side is not None
+    assert plan.src_layout is not None
     return (
         plan.placement.shape == plan.dst_placement.shape
         and not plan.src_side.steps

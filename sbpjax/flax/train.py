@@ -284,7 +284,9 @@ class Trainer:
         cost_model=None,
     ):
         self.placement = placement
-        self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef: nnx.GraphDef
+        # flax types split with two or more filters as a variadic tuple; two give exactly three
+        self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         self._template, self._rest_template = params_state, rest
         pure = nnx.to_pure_dict(params_state)
         rest_pure = nnx.to_pure_dict(rest)

@@ -319,8 +319,8 @@ def validate_graph(graph: ActorGraph) -> None:
     for thread, seq in graph.orders.items():
         seen: dict[str, int] = {}
         for pos, (name, k) in enumerate(seq):
-            a = by_name.get(name)
-            if a is None or a.thread != thread:
+            actor = by_name.get(name)
+            if actor is None or actor.thread != thread:
                 raise SBPError(
                     f"action list of thread {thread!r}, entry {pos}: {name!r} is not an actor "
                     f"bound to that thread."

@@ -91,10 +91,12 @@ class ThreadedSystem(ActorSystem):
         self._bodies = [bodies[a.spec.name] for a in self.actors]
         self._nbytes = nbytes
         self._before = before_action
-        self._queues = {t: queue.SimpleQueue() for t in self.thread_names}
+        self._queues: dict[str, queue.SimpleQueue[tuple | None]] = {
+            t: queue.SimpleQueue() for t in self.thread_names
+        }
         self._thread_of = [a.spec.thread for a in self.actors]
         # per thread, written only by that thread (read by the caller after join)
-        self._records = {t: [] for t in self.thread_names}
+        self._records: dict[str, list[ActionRecord]] = {t: [] for t in self.thread_names}
         self._busy_s = {t: 0.0 for t in self.thread_names}  # handling messages, bodies included
         self._body_s = {t: 0.0 for t in self.thread_names}
         # shared between threads, under _lock: who still runs, who waits, what is in flight

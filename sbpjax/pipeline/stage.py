@@ -163,6 +163,7 @@ def _compile(stage: Stage, loss_fn: Callable | None, first: bool, optimizer, tar
     pl, fn = stage.placement, stage.fn
     ps, xs, ys = stage.param_sbp, stage.in_sbp, stage.out_sbp
     rep = (Broadcast(),) * pl.ndim
+    backward: Callable[..., Any]  # (p, x, t, acc, scale) on the last stage, (p, x, dy, acc) before it
     if loss_fn is not None:  # the last stage: its forward ends in the loss
 
         def forward(p, x, t):

@@ -77,12 +77,12 @@ class Timeline:
         busy = sum(a.duration for a in acts)
         return 1.0 - busy / (len(threads) * span)
 
-    def peak_live_activations(self) -> dict[int, int]:
+    def peak_live_activations(self) -> dict[int | None, int]:
         """Per stage: the most activation registers (forward inputs kept for the
         backward) live at once."""
         return {r.stage: r.peak_live for r in self.registers if r.activation}
 
-    def peak_activation_bytes(self) -> dict[int, int]:
+    def peak_activation_bytes(self) -> dict[int | None, int]:
         """Per stage: the most bytes its live activation registers held at once."""
         return {r.stage: r.peak_bytes for r in self.registers if r.activation}
 
