@@ -125,8 +125,10 @@ def state_sbp(state, param_sbp, replicated: tuple):
     ends with a parameter's path (optax's ``mu``/``nu`` mirror the parameters)
     takes that parameter's nd-SBP; scalars (step counts) and the rest take
     ``replicated``."""
-    flat = [(jax.tree_util.keystr(k), v)
-            for k, v in jax.tree_util.tree_flatten_with_path(param_sbp, is_leaf=is_nd_sbp)[0]]
+    flat = [
+        (jax.tree_util.keystr(k), v)
+        for k, v in jax.tree_util.tree_flatten_with_path(param_sbp, is_leaf=is_nd_sbp)[0]
+    ]
 
     def pick(path, leaf):
         if np.ndim(leaf) > 0:
@@ -186,7 +188,8 @@ def _canonical_spec(spec, ndim: int, what: str):
             raise SBPError(
                 f"sj.jit: {what} entry {spec!r} mixes single SBPs with nested entries on a placement with "
                 f"{ndim} axes, so it is neither one nd-SBP nor a tree of them. Give every leaf as a full "
-                f"nd-SBP ({ndim} SBPs: a tuple, or text like 'S(0), B').")
+                f"nd-SBP ({ndim} SBPs: a tuple, or text like 'S(0), B')."
+            )
         return _rebuild(spec, [_canonical_spec(v, ndim, what) for v in spec])
     if isinstance(spec, dict):
         return type(spec)((k, _canonical_spec(v, ndim, what)) for k, v in spec.items())
@@ -206,21 +209,35 @@ def _broadcast_spec(spec, tree, what, ndim):
     spec = _canonical_spec(spec, ndim, what)
     try:
         return jax.tree_util.tree_flatten(
-            jax.tree_util.tree_map(lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
-                                   spec, jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves),
-                                   is_leaf=_is_sbp_leaf),
-            is_leaf=_is_sbp_leaf)[0]
+            jax.tree_util.tree_map(
+                lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
+                spec,
+                jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves),
+                is_leaf=_is_sbp_leaf,
+            ),
+            is_leaf=_is_sbp_leaf,
+        )[0]
     except (ValueError, TypeError) as e:
-        raise SBPError(f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
-                       "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
-                       "in_sbp=((S(0), B), None).") from None
+        raise SBPError(
+            f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
+            "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
+            "in_sbp=((S(0), B), None)."
+        ) from None
 
 
 class CompiledFunction:
     """What ``sj.jit`` returns: call it, ``explain`` it, ``lower`` it."""
 
-    def __init__(self, fn, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
-                 solve_time_limit=10.0):
+    def __init__(
+        self,
+        fn,
+        placement: Placement,
+        in_sbp=None,
+        out_sbp=None,
+        cost_model=None,
+        solver="ilp",
+        solve_time_limit=10.0,
+    ):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
         self.fn = fn
@@ -246,11 +263,17 @@ class CompiledFunction:
         pl = self.placement
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
             shape = tuple(np.shape(leaf)) if not isinstance(leaf, GlobalTensor) else leaf.shape
-            nd = None if spec is None else normalize_nd_sbp(spec, pl.ndim, len(shape), f"in_sbp of argument leaf {k}")
+            nd = (
+                None
+                if spec is None
+                else normalize_nd_sbp(spec, pl.ndim, len(shape), f"in_sbp of argument leaf {k}")
+            )
             if isinstance(leaf, GlobalTensor):
                 if leaf.placement != pl:
-                    raise SBPError(f"sj.jit: argument leaf {k} lives on {leaf.placement!r}, the function on "
-                                   f"{pl!r}; move it with t.to_global(placement=...).")
+                    raise SBPError(
+                        f"sj.jit: argument leaf {k} lives on {leaf.placement!r}, the function on "
+                        f"{pl!r}; move it with t.to_global(placement=...)."
+                    )
                 out.append(leaf if nd is None else leaf.to_global(sbp=nd))
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
@@ -267,15 +290,26 @@ class CompiledFunction:
         out_specs = None
         if self.out_sbp is not None:
             raw = _broadcast_spec(self.out_sbp, program.out_tree, "out_sbp", self.placement.ndim)
-            out_specs = [None if s is None else normalize_nd_sbp(s, self.placement.ndim, len(o.shape),
-                                                                   f"out_sbp of output leaf {k}")
-                         for k, (s, o) in enumerate(zip(raw, program.outputs))]
+            out_specs = [
+                None
+                if s is None
+                else normalize_nd_sbp(s, self.placement.ndim, len(o.shape), f"out_sbp of output leaf {k}")
+                for k, (s, o) in enumerate(zip(raw, program.outputs))
+            ]
             for k, (nd, o) in enumerate(zip(out_specs, program.outputs)):
                 if nd is not None:
                     check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
         names = [f"{_leaf_name(path)} {t.shape}" for path, t in zip(_leaf_paths(tree), gts)]
-        prop = choose(program, self.placement, [t.sbp for t in gts], out_specs, self.cost_model, names,
-                      solver=self.solver, time_limit=self.solve_time_limit)
+        prop = choose(
+            program,
+            self.placement,
+            [t.sbp for t in gts],
+            out_specs,
+            self.cost_model,
+            names,
+            solver=self.solver,
+            time_limit=self.solve_time_limit,
+        )
         fn = lowering.build(prop)
         self.last_overhead_s = time.perf_counter() - t0
         entry = (prop, fn)
@@ -288,8 +322,10 @@ class CompiledFunction:
         prop, fn = self._compile(gts, tree)
         outs = fn(*[t.physical for t in gts])
         prog = prop.program
-        results = [GlobalTensor(y, o.shape, o.dtype, self.placement, nd)
-                   for y, o, nd in zip(outs, prog.outputs, prop.out_sbp)]
+        results = [
+            GlobalTensor(y, o.shape, o.dtype, self.placement, nd)
+            for y, o, nd in zip(outs, prog.outputs, prop.out_sbp)
+        ]
         return jax.tree_util.tree_unflatten(prog.out_tree, results)
 
     def explain(self, *args, **kwargs) -> Explanation:
@@ -307,8 +343,16 @@ class CompiledFunction:
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
 
 
-def jit(fn=None, *, placement: Placement, in_sbp=None, out_sbp=None, cost_model=None, solver="ilp",
-        solve_time_limit=10.0):
+def jit(
+    fn=None,
+    *,
+    placement: Placement,
+    in_sbp=None,
+    out_sbp=None,
+    cost_model=None,
+    solver="ilp",
+    solve_time_limit=10.0,
+):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
     ``solver="ilp"`` (default) chooses every layout for the program as a whole

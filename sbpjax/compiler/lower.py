@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from sbpjax.boxing.lower import run_plan
+from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.propagate import CONSTRAIN, Propagation
 from sbpjax.compiler.trace import Const
 from sbpjax.layout import Geometry
-from sbpjax.boxing.plan import normalized_layout
 from sbpjax.rules import RULES
 from sbpjax.sbp import Partial, Split
 
@@ -73,13 +73,15 @@ def build(prop: Propagation):
         return sum(isinstance(s, Partial) and grid[a] > 1 for a, s in enumerate(nd))
 
     def specs(vars_, nds):
-        return tuple(Geometry(v.shape, grid).partition_spec(normalized_layout(nd, len(v.shape), grid), names)
-                     for v, nd in zip(vars_, nds))
+        return tuple(
+            Geometry(v.shape, grid).partition_spec(normalized_layout(nd, len(v.shape), grid), names)
+            for v, nd in zip(vars_, nds)
+        )
 
     def body(*blocks):
         env: dict = {}
         for v, nd, x in zip(prog.inputs, prop.in_sbp, blocks):
-            env[(id(v), nd)] = x.reshape(x.shape[n_partial(nd):])
+            env[(id(v), nd)] = x.reshape(x.shape[n_partial(nd) :])
 
         def read(atom, nd):
             key = (id(atom), nd)
@@ -114,6 +116,11 @@ def build(prop: Propagation):
             results.append(y.reshape((1,) * n_partial(nd) + y.shape))
         return tuple(results)
 
-    mapped = jax.shard_map(body, mesh=pl.mesh, in_specs=specs(prog.inputs, prop.in_sbp),
-                           out_specs=specs(prog.outputs, prop.out_sbp), check_vma=False)
+    mapped = jax.shard_map(
+        body,
+        mesh=pl.mesh,
+        in_specs=specs(prog.inputs, prop.in_sbp),
+        out_specs=specs(prog.outputs, prop.out_sbp),
+        check_vma=False,
+    )
     return jax.jit(mapped)

@@ -125,8 +125,11 @@ def _axis_ties(sig, cur, a) -> tuple:
 
 def _fresh_splits(outs, cur) -> int:
     """Output splits on axes where no input is split (made from nothing)."""
-    return sum(isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
-               for nd in outs for a in range(len(nd)))
+    return sum(
+        isinstance(nd[a], Split) and not any(isinstance(c[a], Split) for c in cur)
+        for nd in outs
+        for a in range(len(nd))
+    )
 
 
 def uneven_error(what, shape, nd, placement, where) -> SBPError:
@@ -152,7 +155,9 @@ def _even_alternative(shape, nd, placement, dim, axes) -> str:
     axes split another dim they divide (not already split), else B there."""
     p = math.prod(placement.shape[a] for a in axes)
     taken = {s.dim for s in nd if isinstance(s, Split)}
-    other = [d for d in range(len(shape)) if d != dim and d not in taken and shape[d] % p == 0 and shape[d] >= p]
+    other = [
+        d for d in range(len(shape)) if d != dim and d not in taken and shape[d] % p == 0 and shape[d] >= p
+    ]
     if other:
         alt = tuple(Split(other[0]) if a in axes else s for a, s in enumerate(nd))
         why = f"split dim {other[0]} (size {shape[other[0]]}) there instead"
@@ -231,8 +236,12 @@ class Propagator:
         n = 0
         for o, nd in zip(node.outs, outs):
             want = self.pref.get(id(o))
-            if (want is not None and any(isinstance(q, Partial) for q in nd)
-                    and not any(isinstance(q, Partial) for q in want) and self.uses.get(id(o), 0) > 1):
+            if (
+                want is not None
+                and any(isinstance(q, Partial) for q in nd)
+                and not any(isinstance(q, Partial) for q in want)
+                and self.uses.get(id(o), 0) > 1
+            ):
                 n += 1
         return n
 
@@ -255,7 +264,9 @@ class Propagator:
         key = (atom.shape, atom.dtype, src, dst)
         hit = self._plans.get(key)
         if hit is None:
-            hit = self._plans[key] = plan_boxing(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
+            hit = self._plans[key] = plan_boxing(
+                atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm
+            )
         return hit
 
     def bound(self, atom, src, dst) -> int:
@@ -263,8 +274,7 @@ class Propagator:
         key = (atom.shape, atom.dtype, src, dst)
         hit = self._bounds.get(key)
         if hit is None:
-            hit = self._bounds[key] = bytes_lower_bound(atom.shape, atom.dtype.itemsize, self.pl,
-                                                        src, dst)
+            hit = self._bounds[key] = bytes_lower_bound(atom.shape, atom.dtype.itemsize, self.pl, src, dst)
         return hit
 
     def cost_bound(self, atom, dst) -> int:
@@ -291,10 +301,14 @@ class Propagator:
     def _candidates(self, node: Node):
         rule = RULES.get(node.name)
         in_avals = [v.aval for v in node.eqn.invars]
-        sigs = [s for s in rule.signatures(node.eqn, in_avals)
-                if len(s.ins) == len(node.ins) and len(s.outs) == len(node.outs)
-                and all(_valid_for(q, a.shape) and _dtype_ok(q, a.dtype) for q, a in zip(s.ins, node.ins))
-                and all(_valid_for(q, o.shape) and _dtype_ok(q, o.dtype) for q, o in zip(s.outs, node.outs))]
+        sigs = [
+            s
+            for s in rule.signatures(node.eqn, in_avals)
+            if len(s.ins) == len(node.ins)
+            and len(s.outs) == len(node.outs)
+            and all(_valid_for(q, a.shape) and _dtype_ok(q, a.dtype) for q, a in zip(s.ins, node.ins))
+            and all(_valid_for(q, o.shape) and _dtype_ok(q, o.dtype) for q, o in zip(s.outs, node.outs))
+        ]
         return sigs
 
     def choose(self, node: Node, index: int) -> Decision:
@@ -304,11 +318,13 @@ class Propagator:
             if len(want) != len(self.grid):
                 raise SBPError(
                     f"sj.constrain at {node.source}: nd-SBP {format_sbp(want)} has {len(want)} entries, the "
-                    f"placement has {len(self.grid)} axes.")
+                    f"placement has {len(self.grid)} axes."
+                )
             if not all(_valid_for(s, node.ins[0].shape) for s in want):
                 raise SBPError(
                     f"sj.constrain at {node.source}: {format_sbp(want)} splits a dim the tensor of shape "
-                    f"{node.ins[0].shape} does not have; split a dim in 0..{len(node.ins[0].shape) - 1}.")
+                    f"{node.ins[0].shape} does not have; split a dim in 0..{len(node.ins[0].shape) - 1}."
+                )
             if not _even(want, node.ins[0].shape, self.grid):
                 raise uneven_error("sj.constrain", node.ins[0].shape, want, self.pl, f"at {node.source}")
             return self._decide(node, index, [want], [want])
@@ -316,8 +332,10 @@ class Propagator:
         sigs = self.candidates(node) if rule is not None else []
         if not sigs:
             kind = "control flow" if node.name in CONTROL_FLOW else "no SBP rule for"
-            msg = (f"{kind} '{node.name}' at {node.source}: its operands are boxed to B and it runs whole "
-                   "on every device")
+            msg = (
+                f"{kind} '{node.name}' at {node.source}: its operands are boxed to B and it runs whole "
+                "on every device"
+            )
             if node.name in CONTROL_FLOW:
                 msg += " (loop-carried layouts are forced to B)"
             self.warnings.append(msg)
@@ -328,10 +346,13 @@ class Propagator:
         # The choice depends only on the input layouts, the versions of the
         # inputs that exist and the outputs' preferences: later passes reuse it
         # wherever those are unchanged.
-        key = (id(node), tuple(cur),
-               tuple(frozenset(self.versions.get(id(a), ())) if isinstance(a, Var) else None for a in node.ins),
-               tuple(self.pref.get(id(o)) for o in node.outs),
-               self.rank_with_prefs and any(id(o) in self.pref for o in node.outs))
+        key = (
+            id(node),
+            tuple(cur),
+            tuple(frozenset(self.versions.get(id(a), ())) if isinstance(a, Var) else None for a in node.ins),
+            tuple(self.pref.get(id(o)) for o in node.outs),
+            self.rank_with_prefs and any(id(o) in self.pref for o in node.outs),
+        )
         hit = self._choices.get(key)
         if hit is None:
             self._ranked_apart = False
@@ -352,20 +373,26 @@ class Propagator:
         per_axis = []
         for a, p in enumerate(self.grid):
             if p == 1:
-                per_axis.append([Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))])
+                per_axis.append(
+                    [Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))]
+                )
                 continue
             # outputs' preferred layouts count too: a candidate that is free now
             # but must be boxed to the preference later ranks behind one that
             # boxes a small input now (a row vector gathered before a broadcast
             # instead of the broadcast's result all-to-all'd)
-            wants = [(self.pref[id(o)][a], _nbytes(o), j) for j, o in enumerate(node.outs) if id(o) in self.pref]
+            wants = [
+                (self.pref[id(o)][a], _nbytes(o), j) for j, o in enumerate(node.outs) if id(o) in self.pref
+            ]
             # an input already boxed to another layout for an earlier consumer is
             # free in that layout again
             have = [list(self.versions.get(id(i), ())) if isinstance(i, Var) else [] for i in node.ins]
             scored, with_pref = [], []
             for k, s in enumerate(sigs):
-                est = sum(0.0 if any(v[a] == q for v in vs) else _estimate(c[a], q, _nbytes(i), p)
-                          for c, q, i, vs in zip(cur, s.ins, node.ins, have))
+                est = sum(
+                    0.0 if any(v[a] == q for v in vs) else _estimate(c[a], q, _nbytes(i), p)
+                    for c, q, i, vs in zip(cur, s.ins, node.ins, have)
+                )
                 later = sum(_estimate(s.outs[j], want, nbytes, p) for want, nbytes, j in wants)
                 changed = sum(c[a] != q for c, q in zip(cur, s.ins))
                 scored.append((est, changed, *_axis_ties(s, cur, a), k, s))
@@ -395,8 +422,11 @@ class Propagator:
         for order, ins, outs in combos:
             debt = self._partial_debt(cur, ins, outs, node)
             low = debt + sum(self.cost_bound(atom, nd) for atom, nd in zip(node.ins, ins))
-            low += sum(self.bound(o, nd, self.pref[id(o)]) for o, nd in zip(node.outs, outs)
-                       if self.pref.get(id(o)) not in (None, nd))
+            low += sum(
+                self.bound(o, nd, self.pref[id(o)])
+                for o, nd in zip(node.outs, outs)
+                if self.pref.get(id(o)) not in (None, nd)
+            )
             bounded.append((low, order, ins, outs, debt))
         bounded.sort(key=lambda t: t[:2])
         best = None
@@ -417,8 +447,17 @@ class Propagator:
             # undone where they meet B data); then the rule's order.
             stale = self._stale_partial_uses(ins, node)
             fresh = _fresh_splits(outs, cur)
-            key = (total[0], debt > 0, stale, split_miss, self._spread_partials(outs, node), round(total[1], 15),
-                   total[2], fresh, order)
+            key = (
+                total[0],
+                debt > 0,
+                stale,
+                split_miss,
+                self._spread_partials(outs, node),
+                round(total[1], 15),
+                total[2],
+                fresh,
+                order,
+            )
             if best is None or key < best[0]:
                 best = (key, ins, outs)
         if best is None:
@@ -445,16 +484,21 @@ class Propagator:
             if p == 1:
                 if any(not isinstance(c[a], Broadcast) for c in cur):
                     return None
-                per_axis.append([Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))])
+                per_axis.append(
+                    [Sig(tuple(Broadcast() for _ in node.ins), tuple(Broadcast() for _ in node.outs))]
+                )
                 sizes.append(1)
                 continue
-            same = sorted((*_axis_ties(s, cur, a), k, s)
-                          for k, s in enumerate(sigs) if all(c[a] == q for c, q in zip(cur, s.ins)))
+            same = sorted(
+                (*_axis_ties(s, cur, a), k, s)
+                for k, s in enumerate(sigs)
+                if all(c[a] == q for c, q in zip(cur, s.ins))
+            )
             if not same:
                 return None
             per_axis.append([t[3] for t in same[:_TOP_K]])
             sizes.append(min(_TOP_K, len(sigs)))
-        strides = [math.prod(sizes[a + 1:]) for a in range(len(sizes))]
+        strides = [math.prod(sizes[a + 1 :]) for a in range(len(sizes))]
         best = None
         for idx in itertools.product(*[range(len(c)) for c in per_axis]):
             combo = [per_axis[a][i] for a, i in enumerate(idx)]
@@ -519,8 +563,16 @@ class Propagator:
         return Decision(node, list(ins), list(outs), boxings)
 
 
-def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: list | None,
-              cost_model=None, names=None, passes: int = 3, caches=None) -> Propagation:
+def propagate(
+    program: Program,
+    placement: Placement,
+    in_sbp: list,
+    out_sbp: list | None,
+    cost_model=None,
+    names=None,
+    passes: int = 3,
+    caches=None,
+) -> Propagation:
     """Choose layouts for every value; ``out_sbp[k]`` None keeps the chosen one.
 
     The greedy pass is repeated: each later pass also prefers, for every value
@@ -543,7 +595,11 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
     def learn(prop) -> dict:
         out = {}
         for b in prop.boxings:
-            if isinstance(b.var, Var) and b.node_index is not None and not any(isinstance(q, Partial) for q in b.dst):
+            if (
+                isinstance(b.var, Var)
+                and b.node_index is not None
+                and not any(isinstance(q, Partial) for q in b.dst)
+            ):
                 out.setdefault(id(b.var), b.dst)
         return out
 
@@ -551,9 +607,18 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
 
     def run(learned, rank_with_prefs):
         nonlocal best, ranked_apart
-        prop, apart = _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned,
-                                quiet=best is not None, caches=caches, uses=uses,
-                                rank_with_prefs=rank_with_prefs)
+        prop, apart = _one_pass(
+            program,
+            placement,
+            in_sbp,
+            out_sbp,
+            cost_model,
+            learned,
+            quiet=best is not None,
+            caches=caches,
+            uses=uses,
+            rank_with_prefs=rank_with_prefs,
+        )
         ranked_apart |= apart
         total = sum(b.bytes for b in prop.boxings)
         if best is None or total < best[0]:
@@ -574,8 +639,9 @@ def propagate(program: Program, placement: Placement, in_sbp: list, out_sbp: lis
     return best[1]
 
 
-def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches, uses,
-              rank_with_prefs=False) -> tuple[Propagation, bool]:
+def _one_pass(
+    program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches, uses, rank_with_prefs=False
+) -> tuple[Propagation, bool]:
     pr = Propagator(program, placement, cost_model)
     pr.quiet = quiet
     pr.rank_with_prefs = rank_with_prefs
@@ -599,4 +665,6 @@ def _one_pass(program, placement, in_sbp, out_sbp, cost_model, learned, quiet, c
         plan = pr.plan(atom, have, want)
         out_boxings.append(Boxing(atom, have, want, plan, f"output {k}", None))
         final.append(want)
-    return Propagation(program, placement, list(in_sbp), decisions, out_boxings, final, pr.warnings), pr.ranked_apart
+    return Propagation(
+        program, placement, list(in_sbp), decisions, out_boxings, final, pr.warnings
+    ), pr.ranked_apart

@@ -92,10 +92,12 @@ class Choice:
             return "layouts: greedy pass (solver='greedy')"
         if self.method == "ilp":
             gap = "n/a" if self.gap is None else f"{100 * self.gap:.2f}%"
-            return (f"layouts: whole-program ILP (HiGHS, {self.variables} variables, {self.constraints} "
-                    f"constraints): objective {self.objective:.0f} B, proven gap {gap}, solve "
-                    f"{self.solve_s:.2f} s (+{self.build_s:.2f} s building); greedy would move "
-                    f"{self.greedy_bytes} B")
+            return (
+                f"layouts: whole-program ILP (HiGHS, {self.variables} variables, {self.constraints} "
+                f"constraints): objective {self.objective:.0f} B, proven gap {gap}, solve "
+                f"{self.solve_s:.2f} s (+{self.build_s:.2f} s building); greedy would move "
+                f"{self.greedy_bytes} B"
+            )
         return f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
 
 
@@ -191,8 +193,8 @@ class _Domains:
         for nd in base:
             for a, q in enumerate(nd):
                 if isinstance(q, Partial):
-                    out.add(nd[:a] + (Broadcast(),) + nd[a + 1:])
-                    out.update(nd[:a] + (Split(d),) + nd[a + 1:] for d in range(len(atom.shape)))
+                    out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
+                    out.update(nd[:a] + (Split(d),) + nd[a + 1 :] for d in range(len(atom.shape)))
         return out
 
     def restrict(self, index, node, cs):
@@ -200,8 +202,12 @@ class _Domains:
         keep_g = (list(dec.in_sbp), list(dec.out_sbp))
         if len(cs) > 1:
             uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
-            kept = [c for c in cs if c == keep_g or all(u is None or nd in u or nd == g
-                                                        for u, nd, g in zip(uses, c[0], dec.in_sbp))]
+            kept = [
+                c
+                for c in cs
+                if c == keep_g
+                or all(u is None or nd in u or nd == g for u, nd, g in zip(uses, c[0], dec.in_sbp))
+            ]
             if node.name in ELEMENTWISE:
                 # Elementwise ops take their same-shape operands in the output's
                 # layout (no operand zero-filled into a partial the others do not
@@ -209,8 +215,16 @@ class _Domains:
                 # reduces a tensor of the same size, and far fewer near-equal
                 # alternatives for the solver to tell apart.
                 shape = node.outs[0].shape
-                kept = [c for c in kept if c == keep_g or all(
-                    nd == c[1][0] for a, nd in zip(node.ins, c[0]) if isinstance(a, Var) and a.shape == shape)]
+                kept = [
+                    c
+                    for c in kept
+                    if c == keep_g
+                    or all(
+                        nd == c[1][0]
+                        for a, nd in zip(node.ins, c[0])
+                        if isinstance(a, Var) and a.shape == shape
+                    )
+                ]
             if node.name in _HEAVY:
                 # Alpa's rule: a contraction uses every device. Computing it whole
                 # on every device of an axis moves the fewest bytes when weights
@@ -219,9 +233,14 @@ class _Domains:
                 # step); such candidates stay out unless nothing else is left.
                 # The greedy choice may be one (it is then not kept), so the
                 # guarantee against greedy is the comparison in choose().
-                spread = [c for c in kept if not any(
-                    p > 1 and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
-                    for a, p in enumerate(self.grid))]
+                spread = [
+                    c
+                    for c in kept
+                    if not any(
+                        p > 1 and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
+                        for a, p in enumerate(self.grid)
+                    )
+                ]
                 kept = spread or kept
             elif keep_g not in kept:
                 kept.append(keep_g)
@@ -231,8 +250,16 @@ class _Domains:
         return cs
 
 
-def solve(program, placement, in_sbp, out_sbp, greedy: Propagation, cost_model=None,
-          time_limit: float = 10.0, caches=None):
+def solve(
+    program,
+    placement,
+    in_sbp,
+    out_sbp,
+    greedy: Propagation,
+    cost_model=None,
+    time_limit: float = 10.0,
+    caches=None,
+):
     """The byte-minimal layouts of ``program``: (Propagation, Choice), or
     (None, Choice) when no solution was found (the Choice says why)."""
     from scipy.optimize import LinearConstraint, milp
@@ -374,9 +401,13 @@ def solve(program, placement, in_sbp, out_sbp, greedy: Propagation, cost_model=N
         integrality = np.ones(ncols)
         A = coo_array((vals, (rows, cols)), shape=(nrows, ncols)).tocsr()
         t1 = time.perf_counter()
-        res = milp(c, integrality=integrality, bounds=(0, 1),
-                   constraints=LinearConstraint(A, np.asarray(lo), np.asarray(hi)),
-                   options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-3})
+        res = milp(
+            c,
+            integrality=integrality,
+            bounds=(0, 1),
+            constraints=LinearConstraint(A, np.asarray(lo), np.asarray(hi)),
+            options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-3},
+        )
         choice.solve_s = time.perf_counter() - t1
         choice.status = res.message
         if res.x is None:
@@ -387,7 +418,9 @@ def solve(program, placement, in_sbp, out_sbp, greedy: Propagation, cost_model=N
         bound = getattr(res, "mip_dual_bound", None)
         if bound is not None and np.isfinite(bound):
             choice.bound = (float(bound) + const_cost) / 64
-            choice.gap = max(0.0, (choice.objective - choice.bound) / choice.objective) if choice.objective else 0.0
+            choice.gap = (
+                max(0.0, (choice.objective - choice.bound) / choice.objective) if choice.objective else 0.0
+            )
     else:
         choice.objective = const_cost / 64
         choice.bound, choice.gap = choice.objective, 0.0
@@ -436,13 +469,19 @@ def total_bytes(prop: Propagation) -> int:
     return int(sum(b.bytes for b in prop.boxings))
 
 
-
-
 SOLVERS = ("ilp", "greedy")
 
 
-def choose(program, placement, in_sbp, out_sbp, cost_model=None, names=None, solver: str = "ilp",
-           time_limit: float = 10.0) -> Propagation:
+def choose(
+    program,
+    placement,
+    in_sbp,
+    out_sbp,
+    cost_model=None,
+    names=None,
+    solver: str = "ilp",
+    time_limit: float = 10.0,
+) -> Propagation:
     """The layouts of every value: the greedy pass, then (``solver="ilp"``) the
     integer program, keeping whichever moves fewer bytes (the ILP is never
     worse than greedy: a time-out or a failed solve keeps greedy, and the
@@ -450,8 +489,10 @@ def choose(program, placement, in_sbp, out_sbp, cost_model=None, names=None, sol
     from sbpjax.compiler.propagate import propagate
 
     if solver not in SOLVERS:
-        raise SBPError(f"sj.jit: solver={solver!r} is not one of {SOLVERS}; use 'ilp' (whole-program "
-                       "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping).")
+        raise SBPError(
+            f"sj.jit: solver={solver!r} is not one of {SOLVERS}; use 'ilp' (whole-program "
+            "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping)."
+        )
     caches = ({}, {}, {}, {}, {})
     greedy = propagate(program, placement, in_sbp, out_sbp, cost_model, names, caches=caches)
     g_bytes = total_bytes(greedy)
@@ -459,9 +500,13 @@ def choose(program, placement, in_sbp, out_sbp, cost_model=None, names=None, sol
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes)
         return greedy
     try:
-        ilp, choice = solve(program, placement, in_sbp, out_sbp, greedy, cost_model, time_limit, caches=caches)
+        ilp, choice = solve(
+            program, placement, in_sbp, out_sbp, greedy, cost_model, time_limit, caches=caches
+        )
     except ImportError as e:  # scipy is a dependency; a broken install still compiles
-        greedy.choice = Choice("greedy", reason=f"scipy.optimize.milp unavailable ({e})", greedy_bytes=g_bytes)
+        greedy.choice = Choice(
+            "greedy", reason=f"scipy.optimize.milp unavailable ({e})", greedy_bytes=g_bytes
+        )
         return greedy
     choice.greedy_bytes = g_bytes
     if ilp is None:
@@ -473,9 +518,11 @@ def choose(program, placement, in_sbp, out_sbp, cost_model=None, names=None, sol
         # time, fewer boxings, no splits made from nothing) are finer than the
         # ILP's objective, which counts bytes only.
         choice.method = "greedy"
-        choice.reason = (f"the ILP's solution moves {choice.ilp_bytes} B, greedy's {g_bytes} B"
-                         + (" (greedy is optimal)" if choice.ilp_bytes == g_bytes and choice.gap == 0 else
-                            f"; {choice.status}"))
+        choice.reason = f"the ILP's solution moves {choice.ilp_bytes} B, greedy's {g_bytes} B" + (
+            " (greedy is optimal)"
+            if choice.ilp_bytes == g_bytes and choice.gap == 0
+            else f"; {choice.status}"
+        )
         greedy.choice = choice
         return greedy
     ilp.warnings = greedy.warnings

@@ -16,8 +16,10 @@ D, H, HEADS, T, BATCH, VOCAB = 16, 32, 4, 8, 8, 32
 
 def mlp_params(seed=0):
     r = np.random.default_rng(seed)
-    return {"w1": (r.normal(size=(D, H)) / 4).astype(np.float32),
-            "w2": (r.normal(size=(H, D)) / 6).astype(np.float32)}
+    return {
+        "w1": (r.normal(size=(D, H)) / 4).astype(np.float32),
+        "w2": (r.normal(size=(H, D)) / 6).astype(np.float32),
+    }
 
 
 def mlp_loss(p, x, y):
@@ -28,8 +30,17 @@ def mlp_loss(p, x, y):
 def block_params(seed=0):
     r = np.random.default_rng(seed)
     n = lambda *s: (r.normal(size=s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
-    return {"wq": n(D, D), "wk": n(D, D), "wv": n(D, D), "wo": n(D, D), "w1": n(D, H), "w2": n(H, D),
-            "g": np.ones((D,), np.float32), "emb": n(VOCAB, D), "head": n(D, VOCAB)}
+    return {
+        "wq": n(D, D),
+        "wk": n(D, D),
+        "wv": n(D, D),
+        "wo": n(D, D),
+        "w1": n(D, H),
+        "w2": n(H, D),
+        "g": np.ones((D,), np.float32),
+        "emb": n(VOCAB, D),
+        "head": n(D, VOCAB),
+    }
 
 
 def layernorm(x, g):
@@ -61,6 +72,7 @@ def train_step(loss_fn, opt):
         loss, g = jax.value_and_grad(loss_fn)(p, x, y)
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
+
     return step
 
 
@@ -72,14 +84,25 @@ def adamw():
 # Parameterized GPT and MLP train steps (the whole-program choice's sweep)
 # ---------------------------------------------------------------------------
 
+
 def gpt_params(d, layers, vocab, hidden=None, seed=0):
     """A GPT of ``layers`` pre-norm blocks (attention + GELU MLP), tied to nothing."""
     r = np.random.default_rng(seed)
     hidden = hidden or 4 * d
     n = lambda *s: (r.normal(size=s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
-    blocks = [{"wq": n(d, d), "wk": n(d, d), "wv": n(d, d), "wo": n(d, d), "w1": n(d, hidden),
-               "w2": n(hidden, d), "g1": np.ones((d,), np.float32), "g2": np.ones((d,), np.float32)}
-              for _ in range(layers)]
+    blocks = [
+        {
+            "wq": n(d, d),
+            "wk": n(d, d),
+            "wv": n(d, d),
+            "wo": n(d, d),
+            "w1": n(d, hidden),
+            "w2": n(hidden, d),
+            "g1": np.ones((d,), np.float32),
+            "g2": np.ones((d,), np.float32),
+        }
+        for _ in range(layers)
+    ]
     return {"emb": n(vocab, d), "blocks": blocks, "head": n(d, vocab)}
 
 

@@ -6,10 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from models import (
+    BATCH,
+    VOCAB,
+    D,
+    T,
+    adamw,
+    block_loss,
+    block_params,
+    mlp_loss,
+    mlp_params,
+    state_sbp,
+    train_step,
+)
 
 import sbpjax as sj
-from models import (BATCH, D, T, VOCAB, adamw, block_loss, block_params, mlp_loss, mlp_params,
-                    state_sbp, train_step)
 
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
 
@@ -22,8 +33,9 @@ def rng(seed=0):
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("xs, ws, ys", [(S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B)],
-                         ids=str)
+@pytest.mark.parametrize(
+    "xs, ws, ys", [(S0, B, S0), (B, S1, S1), (S1, S0, P), (P, B, P), (B, P, P), (B, B, B)], ids=str
+)
 def test_oneflow_table_1(xs, ws, ys, pl8):
     X, W = rng().normal(size=(16, 8)).astype(np.float32), rng(1).normal(size=(8, 24)).astype(np.float32)
     f = sj.jit(lambda x, w: x @ w, placement=pl8)
@@ -127,8 +139,9 @@ def test_optax_integer_label_cross_entropy_with_class_split_logits(pl8):
     # The greedy pass plans one all-gather more than XLA runs: the label term's
     # gradient (a scatter into zeros at index 0) simplifies to a reshape of a
     # row vector the plan also gathers, and XLA merges the two gathers.
-    g = sj.jit(jax.value_and_grad(loss), placement=pl8, in_sbp=((S1,), (B,)), out_sbp=((B,), (S1,)),
-               solver="greedy")
+    g = sj.jit(
+        jax.value_and_grad(loss), placement=pl8, in_sbp=((S1,), (B,)), out_sbp=((B,), (S1,)), solver="greedy"
+    )
     greedy_found = sj.collectives(g.lower(*gargs).compile())
     assert sum(c.bytes for c in greedy_found) == g.explain(*gargs).bytes - N * 4 * 7
     assert f.explain(*gargs).bytes == g.explain(*gargs).bytes - N * 4 * 7
@@ -190,20 +203,35 @@ def test_embedding_gradient_scatter_add(pl8):
 # ---------------------------------------------------------------------------
 
 FAMILIES = {
-    "elementwise": (lambda a, b: jnp.tanh(a) * b - jnp.exp(-a) / (1 + b ** 2) + jnp.maximum(a, b), [(8, 16), (8, 16)]),
+    "elementwise": (
+        lambda a, b: jnp.tanh(a) * b - jnp.exp(-a) / (1 + b**2) + jnp.maximum(a, b),
+        [(8, 16), (8, 16)],
+    ),
     "select_compare": (lambda a, b: jnp.where(a > b, a, -b).astype(jnp.float32), [(8, 16), (8, 16)]),
     "reductions": (lambda a: a.sum(0) + a.max(1).sum() - a.min(), [(8, 16)]),
-    "argmax_cumsum": (lambda a: jnp.argmax(a, axis=1).astype(jnp.float32).sum() + jnp.cumsum(a, 1)[:, -1].sum(),
-                      [(8, 16)]),
+    "argmax_cumsum": (
+        lambda a: jnp.argmax(a, axis=1).astype(jnp.float32).sum() + jnp.cumsum(a, 1)[:, -1].sum(),
+        [(8, 16)],
+    ),
     "reshape_transpose": (lambda a: (a.reshape(4, 2, 16).transpose(2, 0, 1).reshape(16, 8) * 2).T, [(8, 16)]),
-    "broadcast_concat_pad": (lambda a, b: jnp.concatenate([a, b], 1)[:, :24] + jnp.pad(a, ((0, 0), (0, 16)))[:, 8:],
-                             [(8, 16), (8, 16)]),
+    "broadcast_concat_pad": (
+        lambda a, b: jnp.concatenate([a, b], 1)[:, :24] + jnp.pad(a, ((0, 0), (0, 16)))[:, 8:],
+        [(8, 16), (8, 16)],
+    ),
     "dot_batch": (lambda a, b: jnp.einsum("bij,bjk->bik", a, b), [(8, 8, 8), (8, 8, 16)]),
-    "iota_slice": (lambda a: a + jnp.arange(16)[None, :] + jax.lax.dynamic_slice(a, (0, 0), (8, 16)), [(8, 16)]),
+    "iota_slice": (
+        lambda a: a + jnp.arange(16)[None, :] + jax.lax.dynamic_slice(a, (0, 0), (8, 16)),
+        [(8, 16)],
+    ),
     "softmax": (lambda a: jax.nn.softmax(a, axis=-1) @ jnp.ones((16, 4)), [(8, 16)]),
     # same width (shape kept) and f32 -> 4 x u8 (a trailing dim added), back to numbers
-    "bitcast": (lambda a: jax.lax.bitcast_convert_type(a + 1, jnp.int32).astype(jnp.float32) / 2 ** 23
-                + jax.lax.bitcast_convert_type(a, jnp.uint8).astype(jnp.float32).sum(-1), [(8, 16)]),
+    "bitcast": (
+        lambda a: (
+            jax.lax.bitcast_convert_type(a + 1, jnp.int32).astype(jnp.float32) / 2**23
+            + jax.lax.bitcast_convert_type(a, jnp.uint8).astype(jnp.float32).sum(-1)
+        ),
+        [(8, 16)],
+    ),
 }
 LAYOUTS = [S0, S1, B, P]
 
@@ -226,14 +254,19 @@ def test_primitive_families_against_one_device(name, pl8):
 # Training steps: loss and parameters equal the single-device program
 # ---------------------------------------------------------------------------
 
+
 def _check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, out_param_sbp=None, steps=2):
     opt = adamw()
     step = train_step(loss_fn, opt)
     state = opt.init(params)
     rep = (B,) * pl.ndim
     st_sbp = state_sbp(state, param_sbp, rep)
-    f = sj.jit(step, placement=pl, in_sbp=(param_sbp, st_sbp, x_sbp, y_sbp),
-               out_sbp=(out_param_sbp or param_sbp, st_sbp, rep))
+    f = sj.jit(
+        step,
+        placement=pl,
+        in_sbp=(param_sbp, st_sbp, x_sbp, y_sbp),
+        out_sbp=(out_param_sbp or param_sbp, st_sbp, rep),
+    )
     ref = jax.jit(step)
     p_ref, s_ref = params, state
     p_sj, s_sj = params, state
@@ -280,8 +313,10 @@ def test_mlp_2d_hybrid(pl24):
 
 def _block_data():
     r = rng(4)
-    return (r.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32),
-            r.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32))
+    return (
+        r.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32),
+        r.integers(0, VOCAB, size=(BATCH, T)).astype(np.int32),
+    )
 
 
 def _block_sbp(kind, n_axes):
@@ -290,7 +325,17 @@ def _block_sbp(kind, n_axes):
     row = rep[:-1] + (S0,)
     if kind == "data":
         return {k: rep for k in block_params()}
-    return {"wq": col, "wk": col, "wv": col, "wo": row, "w1": col, "w2": row, "g": rep, "emb": rep, "head": col}
+    return {
+        "wq": col,
+        "wk": col,
+        "wv": col,
+        "wo": row,
+        "w1": col,
+        "w2": row,
+        "g": rep,
+        "emb": rep,
+        "head": col,
+    }
 
 
 @pytest.mark.slow
@@ -302,12 +347,15 @@ def test_transformer_block_train_step(kind, pl8, pl24):
     elif kind == "tensor":
         _check_train(block_loss, block_params(), tokens, labels, pl8, _block_sbp("tensor", 1), (B,), (B,))
     else:
-        _check_train(block_loss, block_params(), tokens, labels, pl24, _block_sbp("tensor", 2), (S0, B), (S0, B))
+        _check_train(
+            block_loss, block_params(), tokens, labels, pl24, _block_sbp("tensor", 2), (S0, B), (S0, B)
+        )
 
 
 # ---------------------------------------------------------------------------
 # Constraints, out_sbp, errors
 # ---------------------------------------------------------------------------
+
 
 def test_constrain_forces_a_layout(pl8):
     X = rng().normal(size=(16, 8)).astype(np.float32)
@@ -333,8 +381,12 @@ def test_constrain_grad_sbp_pins_the_cotangent(pl8):
     want = jax.grad(loss)(W, X, None)
     cotangent_layouts = {}
     for grad_sbp in (None, S1):
-        f = sj.jit(jax.grad(lambda w, x: loss(w, x, grad_sbp)), placement=pl8, in_sbp=((B,), (S0,)),
-                   out_sbp=(B,))
+        f = sj.jit(
+            jax.grad(lambda w, x, g=grad_sbp: loss(w, x, g)),
+            placement=pl8,
+            in_sbp=((B,), (S0,)),
+            out_sbp=(B,),
+        )
         np.testing.assert_allclose(f(W, X).numpy(), want, rtol=1e-5, atol=1e-5)
         e = f.explain(W, X)
         constrained = [d for d in e.ops if d[0] == "sbp_constrain"]
@@ -358,11 +410,15 @@ def test_out_sbp_boxes_outputs_and_plain_arrays_are_broadcast(pl8):
 
 def test_errors(pl8, pl24):
     X = np.ones((10, 8), np.float32)
-    with pytest.raises(sj.SBPError, match=r"dim 0 of size 10 is split 8 ways over axis 'x' \(10 % 8 = 2\).*Pad dim 0 to 16"):
+    with pytest.raises(
+        sj.SBPError, match=r"dim 0 of size 10 is split 8 ways over axis 'x' \(10 % 8 = 2\).*Pad dim 0 to 16"
+    ):
         sj.jit(lambda x: x * 2, placement=pl8, in_sbp=(S0,))(X)
     with pytest.raises(sj.SBPError, match=r"has 1 entries but the placement has 2 axes"):
         sj.jit(lambda x: x, placement=pl24, in_sbp=(S0,))(np.ones((8, 8), np.float32))
-    with pytest.raises(sj.SBPError, match=r"sj.constrain at .*splits a dim the tensor of shape \(16,\) does not have"):
+    with pytest.raises(
+        sj.SBPError, match=r"sj.constrain at .*splits a dim the tensor of shape \(16,\) does not have"
+    ):
         sj.jit(lambda x: sj.constrain(x, sj.S(1)), placement=pl8)(np.ones(16, np.float32))
     with pytest.raises(sj.SBPError, match=r"sj.constrain .*dim 0 of size 12 is split 8 ways"):
         sj.jit(lambda x: sj.constrain(x, sj.S(0)), placement=pl8)(np.ones((12,), np.float32))
@@ -386,8 +442,13 @@ def test_unknown_primitive_runs_whole_with_a_warning(pl8):
 def test_conv_batch_and_channel_splits(xs, ks, want, pl8):
     x = rng().normal(size=(8, 6, 6, 16)).astype(np.float32)  # NHWC
     k = rng(1).normal(size=(3, 3, 16, 8)).astype(np.float32)  # HWIO
-    conv = lambda a, b: jax.lax.conv_general_dilated(a, b, (1, 1), "SAME",  # noqa: E731
-                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    conv = lambda a, b: jax.lax.conv_general_dilated(
+        a,
+        b,
+        (1, 1),
+        "SAME",  # noqa: E731
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
     f = sj.jit(conv, placement=pl8)
     args = (sj.to_global(x, pl8, xs), sj.to_global(k, pl8, ks))
     y = f(*args)

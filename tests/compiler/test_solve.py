@@ -40,7 +40,9 @@ def measured(compiled) -> int:
 
 def spec_of(nd, ndim, pl):
     """The PartitionSpec GSPMD uses for an S/B nd-SBP."""
-    return Geometry((1,) * ndim, pl.shape).partition_spec(normalized_layout(nd, ndim, pl.shape), pl.axis_names)
+    return Geometry((1,) * ndim, pl.shape).partition_spec(
+        normalized_layout(nd, ndim, pl.shape), pl.axis_names
+    )
 
 
 def assert_close(got, want, what, atol_floor=0.0):
@@ -78,8 +80,12 @@ def compare(step, args, in_sbp, out_sbp, pl, solver="ilp", adam_lr=None):
     assert ours == e.bytes  # the plan is what XLA runs
 
     def shardings(sbp_tree, values):
-        return jax.tree.map(lambda nd, v: NamedSharding(pl.mesh, spec_of(nd, np.ndim(v), pl)), sbp_tree, values,
-                            is_leaf=is_nd_sbp)
+        return jax.tree.map(
+            lambda nd, v: NamedSharding(pl.mesh, spec_of(nd, np.ndim(v), pl)),
+            sbp_tree,
+            values,
+            is_leaf=is_nd_sbp,
+        )
 
     in_sh = shardings(in_sbp, args)
     out_sh = shardings(out_sbp, want)
@@ -94,6 +100,7 @@ def train_step(loss_fn, opt, *extra):
         loss, g = jax.value_and_grad(loss_fn)(p, x, y, *extra)
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
+
     return step
 
 
@@ -114,6 +121,7 @@ def gpt_case(pl, kind, d, layers, opt, data_axis=0, seed=0, vocab=64, batch=16, 
 # ---------------------------------------------------------------------------
 # The issue's two cases
 # ---------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_gpt_hybrid_d128_on_2x4_moves_no_more_than_gspmd():
@@ -189,7 +197,7 @@ def test_partial_with_several_consumers_is_reduced_once(pl8):
 
     def fn(w, x):
         g = jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w)
-        return jnp.sqrt(g ** 2 + 1.0) + jnp.exp(g)
+        return jnp.sqrt(g**2 + 1.0) + jnp.exp(g)
 
     f = sj.jit(fn, placement=pl8, in_sbp=((B,), (S0,)), out_sbp=(B,))
     np.testing.assert_allclose(f(W, X).numpy(), fn(W, X), rtol=1e-5, atol=1e-6)
@@ -213,28 +221,37 @@ def _sweep_cases(n=10, seed=12):
         model = ["gpt", "mlp"][i % 2]
         placement = names[i % len(names)]
         kind = ["dp", "megatron", "2d"][int(r.integers(3))] if PLACEMENTS[placement][0] > 1 else "megatron"
-        cases.append(dict(model=model, placement=placement, kind=kind,
-                          d=int(r.choice([32, 64, 128, 256] if model == "mlp" else [32, 64, 128])),
-                          layers=int(r.integers(1, 4)), opt=["adamw", "momentum"][int(r.integers(2))],
-                          seed=int(r.integers(1000))))
+        cases.append(
+            dict(
+                model=model,
+                placement=placement,
+                kind=kind,
+                d=int(r.choice([32, 64, 128, 256] if model == "mlp" else [32, 64, 128])),
+                layers=int(r.integers(1, 4)),
+                opt=["adamw", "momentum"][int(r.integers(2))],
+                seed=int(r.integers(1000)),
+            )
+        )
     return cases
 
 
 def _two_d(sbp_tree):
     """Megatron over the last axis plus the other split dim over the first
     axis (2-D parameter layouts: kernels split on both axes)."""
+
     def f(nd):
         if isinstance(nd[-1], sj.sbp.Split):
             other = S0 if nd[-1] == S1 else S1
             return (other,) + nd[1:]
         return nd
+
     return jax.tree.map(f, sbp_tree, is_leaf=is_nd_sbp)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", _sweep_cases(), ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_sweep_bytes_at_most_gspmd(case):
-    pl = sj.placement(PLACEMENTS[case["placement"]], ("x", "y", "z")[:len(PLACEMENTS[case["placement"]])])
+    pl = sj.placement(PLACEMENTS[case["placement"]], ("x", "y", "z")[: len(PLACEMENTS[case["placement"]])])
     opt = optax.adamw(1e-2, weight_decay=0.1) if case["opt"] == "adamw" else optax.sgd(0.1, momentum=0.9)
     kind = "megatron" if case["kind"] == "2d" else case["kind"]
     if case["model"] == "gpt":
@@ -255,5 +272,7 @@ def test_sweep_bytes_at_most_gspmd(case):
         ssbp2 = state_sbp(args[1], psbp2, (B,) * pl.ndim)
         in_sbp = (psbp2, ssbp2) + in_sbp[2:]
         out_sbp = (psbp2, ssbp2, out_sbp[2])
-    ours, gspmd, e, _ = compare(step, args, in_sbp, out_sbp, pl, adam_lr=1e-2 if case["opt"] == "adamw" else None)
+    ours, gspmd, e, _ = compare(
+        step, args, in_sbp, out_sbp, pl, adam_lr=1e-2 if case["opt"] == "adamw" else None
+    )
     assert ours <= gspmd, (ours, gspmd, e.choice.describe())
