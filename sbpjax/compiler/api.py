@@ -40,7 +40,7 @@ from sbpjax.tensor import GlobalTensor, to_global
 try:
     from jax.extend.core import Primitive
 except ImportError:  # pragma: no cover
-    from jax.core import Primitive
+    from jax.core import Primitive  # type: ignore[attr-defined,no-redef]
 
 # ---------------------------------------------------------------------------
 # sj.constrain: an identity primitive the propagator treats as a boxing point

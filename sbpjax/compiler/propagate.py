@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import math
 import warnings
+from typing import Any
 
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
@@ -72,7 +73,7 @@ class Propagation:
     out_boxings: list
     out_sbp: list
     warnings: list
-    choice: object = None  # how the layouts were chosen (sbpjax.compiler.solve.Choice)
+    choice: Any = None  # how the layouts were chosen (sbpjax.compiler.solve.Choice)
 
     @property
     def boxings(self) -> list:
@@ -133,7 +134,7 @@ def _fresh_splits(outs, cur) -> int:
 
 
 def uneven_error(what, shape, nd, placement, where) -> SBPError:
-    counts = {}
+    counts: dict[int, list[int]] = {}
     for a, s in enumerate(nd):
         if isinstance(s, Split):
             counts.setdefault(s.dim, []).append(a)
@@ -299,7 +300,7 @@ class Propagator:
         return hit
 
     def _candidates(self, node: Node):
-        rule = RULES.get(node.name)
+        rule = RULES[node.name]  # only asked for ops with a rule
         in_avals = [v.aval for v in node.eqn.invars]
         sigs = [
             s
@@ -583,7 +584,8 @@ def propagate(
         if not _even(nd, v.shape, placement.shape):
             label = names[k] if names else f"argument leaf {k}"
             raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
-    best, learned = None, {}
+    best: tuple | None = None
+    learned: dict = {}
     uses: dict = {}  # id(var) -> how many ops and outputs use it
     for atom in [a for node in program.nodes for a in node.ins] + list(program.outputs):
         if isinstance(atom, Var):
@@ -593,7 +595,7 @@ def propagate(
     caches = caches if caches is not None else ({}, {}, {}, {}, {})
 
     def learn(prop) -> dict:
-        out = {}
+        out: dict = {}
         for b in prop.boxings:
             if (
                 isinstance(b.var, Var)
@@ -633,6 +635,7 @@ def propagate(
     # One more pass whose candidate ranking also counts the learned layouts
     # (see Propagator.rank_with_prefs), when that ranking would have kept a
     # candidate the passes did not consider; kept only when it moves fewer bytes.
+    assert best is not None  # the first pass always sets it
     learned = learn(best[1])
     if learned and ranked_apart:
         run(learned, True)

@@ -303,7 +303,8 @@ def solve(
             cost[col] += c * v
 
     # -- ops: one binary per candidate ------------------------------------------
-    cands, sel = [], []  # per node: candidates; their columns (None when fixed)
+    cands: list = []
+    sel: list[list[int] | None] = []  # per node: candidates; their columns (None when fixed)
     produced: dict = {}  # id(var) -> {layout: _Lin}
     for v, nd in zip(program.inputs, in_sbp):
         produced[id(v)] = {nd: _Lin(const=1.0)}
@@ -327,13 +328,13 @@ def solve(
 
     # -- uses: which layout each consumer needs ----------------------------------
     needs: dict = {}  # id(var) -> (var, {layout: [(columns or None)]})
-    for node, cs, columns in zip(program.nodes, cands, sel):
+    for node, cs, node_cols in zip(program.nodes, cands, sel):
         for i, atom in enumerate(node.ins):
             if not isinstance(atom, Var):
                 continue
             by_layout: dict = {}
             for k, (ins, _) in enumerate(cs):
-                by_layout.setdefault(ins[i], []).append(None if columns is None else columns[k])
+                by_layout.setdefault(ins[i], []).append(None if node_cols is None else node_cols[k])
             ent = needs.setdefault(id(atom), (atom, {}))[1]
             for nd, cl in by_layout.items():
                 ent.setdefault(nd, []).append(cl)
@@ -453,7 +454,8 @@ def _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol) -> 
         for v, nd in zip(node.outs, outs):
             layout[id(v)] = nd
         decisions.append(Decision(node, list(ins), list(outs), boxings))
-    out_boxings, final = [], []
+    out_boxings: list = []
+    final: list = []
     for k, atom in enumerate(program.outputs):
         want = out_sbp[k] if out_sbp is not None else None
         have = rep if isinstance(atom, Const) else layout[id(atom)]
@@ -493,7 +495,7 @@ def choose(
             f"sj.jit: solver={solver!r} is not one of {SOLVERS}; use 'ilp' (whole-program "
             "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping)."
         )
-    caches = ({}, {}, {}, {}, {})
+    caches: tuple[dict, ...] = ({}, {}, {}, {}, {})
     greedy = propagate(program, placement, in_sbp, out_sbp, cost_model, names, caches=caches)
     g_bytes = total_bytes(greedy)
     if solver == "greedy":
