@@ -32,9 +32,11 @@ def reduction(eqn, in_avals):
     return sigs
 
 
-@register("argmax", "argmin")
-def arg_reduction(eqn, in_avals):
-    """``y_i = argmax(x_i, axis)``: only splits of other dims."""
+@register("argmax", "argmin", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
+def kept_dim_reduction(eqn, in_avals):
+    """``y_i = reduce(x_i)`` for splits of kept dims only: an argmax, a product
+    or a logical and / or / xor over a split dim has no partial kind here, so
+    that dim is reduced whole."""
     axes = tuple(eqn.params["axes"])
     sigs = [
         Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
@@ -53,18 +55,4 @@ def cumulative(eqn, in_avals):
     keep = {"cumsum": "sum", "cummax": "max", "cummin": "min"}.get(eqn.primitive.name)
     if keep:
         sigs.append(Sig((P(keep),), (P(keep),)))
-    return sigs + [Sig((B,), (B,))]
-
-
-@register("reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
-def kept_dim_reduction(eqn, in_avals):
-    """``y_i = reduce(x_i)`` for splits of kept dims only: a product (or a
-    logical and / or / xor) over a split dim has no partial kind here, so
-    that dim is reduced whole."""
-    axes = tuple(eqn.params["axes"])
-    sigs = [
-        Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
-        for d in range(rank(in_avals[0]))
-        if d not in axes
-    ]
     return sigs + [Sig((B,), (B,))]
