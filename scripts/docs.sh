@@ -5,12 +5,6 @@
 # changes). Extra arguments go to mkdocs build (e.g. --site-dir /tmp/site).
 # Preview while writing: .venv/bin/mkdocs serve
 source "$(dirname "$0")/env.sh"
-VENV=${VENV:-.venv}
-stamp=$VENV/.sbpjax-docs-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  "$VENV/bin/python" -m pip install --quiet -e ".[docs]"
-  echo "$want" > "$stamp"
-fi
+ensure_extra docs
 export NO_MKDOCS_2_WARNING=1   # mkdocs-material's notice about its successor
 exec "$VENV/bin/python" -m mkdocs build --strict "$@"

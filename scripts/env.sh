@@ -29,3 +29,13 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
+
+# ensure_extra NAME: add the optional-dependency group NAME of pyproject.toml to
+# this environment (re-installed only when pyproject.toml changes).
+ensure_extra() {
+  local stamp="$VENV/.sbpjax-$1-installed"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    "$VENV/bin/python" -m pip install --quiet -e ".[$1]"
+    echo "$want" > "$stamp"
+  fi
+}

@@ -5,13 +5,7 @@
 # pyproject.toml changes). Every check runs; the exit status is non-zero if any
 # failed. To fix what can be fixed automatically: ruff check --fix . && ruff format .
 source "$(dirname "$0")/env.sh"
-VENV=${VENV:-.venv}
-stamp=$VENV/.sbpjax-lint-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  "$VENV/bin/python" -m pip install --quiet -e ".[lint]"
-  echo "$want" > "$stamp"
-fi
+ensure_extra lint
 status=0
 "$VENV/bin/ruff" check . || status=1
 "$VENV/bin/ruff" format --check . || status=1
