@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 from models import (
     BATCH,
     VOCAB,
@@ -92,7 +93,7 @@ def test_model_parallel_softmax_cross_entropy_never_gathers_logits(pl8):
     Y = rng(1).integers(0, C, size=(N,)).astype(np.int32)
     f = sj.jit(_ce, placement=pl8, out_sbp=B)
     args = (sj.to_global(Z, pl8, S1), sj.to_global(Y, pl8, B))
-    np.testing.assert_allclose(f(*args).numpy(), _ce(Z, Y), rtol=1e-6)
+    assert_close(f(*args).numpy(), _ce(Z, Y), rtol=1e-6)
     found = sj.collectives(f.lower(*args).compile())
     assert sum(c.bytes for c in found) == f.explain(*args).bytes
     # only batch-sized partial max / sum reductions cross devices
@@ -127,7 +128,7 @@ def test_optax_integer_label_cross_entropy_with_class_split_logits(pl8):
     f = sj.jit(jax.value_and_grad(loss), placement=pl8, in_sbp=((S1,), (B,)), out_sbp=((B,), (S1,)))
     value, grad = f(Z, Y)
     want_value, want_grad = jax.value_and_grad(loss)(Z, Y)
-    np.testing.assert_allclose(value.numpy(), want_value, rtol=1e-6)
+    assert_close(value.numpy(), want_value, rtol=1e-6)
     np.testing.assert_allclose(grad.numpy(), want_grad, rtol=1e-5, atol=1e-8)
     assert grad.sbp == (S1,)
     gargs = (sj.to_global(Z, pl8, S1), sj.to_global(Y, pl8, B))
@@ -273,7 +274,7 @@ def _check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, out_param_s
     for _ in range(steps):
         p_ref, s_ref, l_ref = ref(p_ref, s_ref, x, y)
         p_sj, s_sj, l_sj = f(p_sj, s_sj, x, y)
-        np.testing.assert_allclose(l_sj.numpy(), l_ref, rtol=2e-5)
+        assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
         for k in params:
             np.testing.assert_allclose(p_sj[k].numpy(), p_ref[k], rtol=2e-4, atol=2e-5, err_msg=k)
         p_sj = jax.tree.map(lambda t: t.numpy(), p_sj, is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
@@ -363,7 +364,7 @@ def test_constrain_forces_a_layout(pl8):
     x = sj.to_global(X, pl8, S0)
     y = f(x)
     assert y.sbp == (S1,)
-    np.testing.assert_allclose(y.numpy(), np.sin(X) * 2, rtol=1e-6)
+    assert_close(y.numpy(), np.sin(X) * 2, rtol=1e-6)
     assert [s.op for b in f.explain(x).boxings for s in b.plan.steps] == ["all_to_all"]
     assert np.allclose(sj.constrain(jnp.ones(3), sj.B), 1)  # outside sj.jit: identity
 
@@ -402,7 +403,7 @@ def test_out_sbp_boxes_outputs_and_plain_arrays_are_broadcast(pl8):
     f = sj.jit(lambda x: x.sum(0), placement=pl8, in_sbp=(S0,), out_sbp=S0)
     y = f(X)
     assert y.sbp == (S0,)
-    np.testing.assert_allclose(y.numpy(), X.sum(0), rtol=1e-5)
+    assert_close(y.numpy(), X.sum(0), rtol=1e-5)
     assert [s.op for b in f.explain(X).boxings for s in b.plan.steps] == ["reduce_scatter"]
     g = sj.jit(lambda x: x * 2, placement=pl8)
     assert g(X).sbp == (B,)
@@ -435,7 +436,7 @@ def test_unknown_primitive_runs_whole_with_a_warning(pl8):
     f = sj.jit(fn, placement=pl8)
     with pytest.warns(sj.SBPWarning, match=r"control flow '(scan|while)' at .*test_jit.py"):
         y = f(sj.to_global(X, pl8, S0))
-    np.testing.assert_allclose(y.numpy(), fn(X), rtol=1e-6)
+    assert_close(y.numpy(), fn(X), rtol=1e-6)
 
 
 @pytest.mark.parametrize("xs, ks, want", [(S0, B, S0), (B, sj.S(3), sj.S(3)), (sj.S(3), sj.S(2), P)], ids=str)
