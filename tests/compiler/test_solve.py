@@ -141,10 +141,15 @@ def test_gpt_hybrid_d128_on_2x4_moves_no_more_than_gspmd():
     r = run_both(cfg, pl, optax.adamw(1e-3, weight_decay=0.01), batch)
     assert r["sbpjax_bytes"] == r["sbpjax_explained_bytes"]
     assert r["sbpjax_bytes"] <= r["gspmd_bytes"], (r["sbpjax_bytes"], r["gspmd_bytes"])
-    np.testing.assert_allclose(r["sbpjax_result"][1], r["gspmd_result"][1], rtol=2e-5)
+    gspmd_loss = np.asarray(r["gspmd_result"][1])
+    np.testing.assert_allclose(
+        r["sbpjax_result"][1], gspmd_loss, rtol=2e-5, atol=2e-5 * np.abs(gspmd_loss).max()
+    )
     check = run_both(cfg, pl, optax.sgd(0.1), batch)
     ref_params, ref_loss = reference_step(cfg, optax.sgd(0.1), batch)
-    np.testing.assert_allclose(check["sbpjax_result"][1], ref_loss, rtol=2e-5)
+    np.testing.assert_allclose(
+        check["sbpjax_result"][1], ref_loss, rtol=2e-5, atol=2e-5 * np.abs(ref_loss).max()
+    )
     assert_close(check["sbpjax_result"][0], jax.tree.map(np.asarray, ref_params), "sbpjax sgd step")
 
 
