@@ -101,6 +101,14 @@ class GlobalTensor:
         )
 
     # -- values --------------------------------------------------------------
+    def _check_alive(self, what: str) -> None:
+        if not _is_traced(self._data) and getattr(self._data, "is_deleted", lambda: False)():
+            raise SBPError(
+                f"{what}: this global tensor {self!r} has been deleted: it was donated to a call "
+                "(sj.jit donate_argnums, a TrainStep/Trainer step), whose result holds its buffer now, "
+                "or deleted. Use that call's result."
+            )
+
     def _blocks(self) -> dict:
         """Device coordinate -> that device's padded block, as numpy."""
         if _is_traced(self._data):
@@ -108,6 +116,7 @@ class GlobalTensor:
                 "numpy()/local_tensors() need concrete values; they cannot run "
                 "inside jax.jit or jax.grad. Use to_jax() there (S/B layouts)."
             )
+        self._check_alive("numpy()/local_tensors()")
         by_id = {s.device.id: s for s in self._data.addressable_shards}
         geom = Geometry(self._shape, self._placement.shape)
         out = {}
@@ -164,6 +173,7 @@ class GlobalTensor:
         that does not divide the dim).
         Partials: an error (reduce first with ``to_global(sbp=...)``).
         """
+        self._check_alive("to_jax()")
         layout = self.layout
         if layout.partial:
             bad = [f"{self._placement.axis_names[a]}: P({op})" for a, op in layout.partial]
@@ -205,6 +215,7 @@ class GlobalTensor:
         )
         if placement == self._placement and sbp == self._sbp:
             return self
+        self._check_alive("to_global()")
         check_partial_dtype(self._dtype, sbp, "to_global(sbp=...)")
         plan = plan_boxing(
             self._shape,

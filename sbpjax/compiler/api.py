@@ -225,6 +225,20 @@ def _broadcast_spec(spec, tree, what, ndim):
         ) from None
 
 
+def _donate_argnums(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    nums = (v,) if isinstance(v, int) else tuple(v)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+        raise SBPError(f"sj.jit: donate_argnums must be non-negative ints (positional arguments), got {v!r}.")
+    return tuple(sorted(set(nums)))
+
+
+def _is_deleted(x) -> bool:
+    is_deleted = getattr(x, "is_deleted", None)
+    return bool(is_deleted()) if is_deleted is not None and not isinstance(x, jax.core.Tracer) else False
+
+
 class CompiledFunction:
     """What ``sj.jit`` returns: call it, ``explain`` it, ``lower`` it."""
 
@@ -237,6 +251,7 @@ class CompiledFunction:
         cost_model=None,
         solver="ilp",
         solve_time_limit=10.0,
+        donate_argnums=(),
     ):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
@@ -247,6 +262,7 @@ class CompiledFunction:
         self.cost_model = cost_model
         self.solver = solver
         self.solve_time_limit = solve_time_limit
+        self.donate_argnums = _donate_argnums(donate_argnums)
         self._cache: dict = {}
         self.last_overhead_s = 0.0
         functools.update_wrapper(self, fn)
@@ -269,6 +285,12 @@ class CompiledFunction:
                 else normalize_nd_sbp(spec, pl.ndim, len(shape), f"in_sbp of argument leaf {k}")
             )
             if isinstance(leaf, GlobalTensor):
+                if _is_deleted(leaf.physical):
+                    raise SBPError(
+                        f"sj.jit: argument {_leaf_name(_leaf_paths(tree)[k])} {shape} was donated to an "
+                        "earlier call (donate_argnums: its buffer now holds that call's result) and "
+                        "cannot be used again; pass that call's result instead."
+                    )
                 if leaf.placement != pl:
                     raise SBPError(
                         f"sj.jit: argument leaf {k} lives on {leaf.placement!r}, the function on "
@@ -310,11 +332,31 @@ class CompiledFunction:
             solver=self.solver,
             time_limit=self.solve_time_limit,
         )
-        fn = lowering.build(prop)
+        fn = lowering.build(prop, self._donated_leaves(tree))
         self.last_overhead_s = time.perf_counter() - t0
         entry = (prop, fn)
         self._cache[key] = entry
         return entry
+
+    def _donated_leaves(self, tree) -> tuple[int, ...]:
+        """Flat leaf indices of the positional arguments in ``donate_argnums``."""
+        if not self.donate_argnums:
+            return ()
+        arg_trees = tree.children()[0].children()
+        n_args = len(arg_trees)
+        for i in self.donate_argnums:
+            if i >= n_args:
+                raise SBPError(
+                    f"sj.jit: donate_argnums names argument {i}, but the call passes {n_args} positional "
+                    "argument(s). Donation covers positional arguments only (as jax.jit's donate_argnums)."
+                )
+        out: list[int] = []
+        start = 0
+        for i, sub in enumerate(arg_trees):
+            if i in self.donate_argnums:
+                out.extend(range(start, start + sub.num_leaves))
+            start += sub.num_leaves
+        return tuple(out)
 
     # -- the public surface ------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -352,6 +394,7 @@ def jit(
     cost_model=None,
     solver="ilp",
     solve_time_limit=10.0,
+    donate_argnums=(),
 ):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
@@ -371,10 +414,27 @@ def jit(
     on ``sj.placement(8, "x")``, ``in_sbp=(S(0), B)`` and ``("S(0)", "B")``
     both give the first argument S(0) and the second B; on a 2x4 placement both
     give every argument (S(0), B). A tuple mixing single SBPs with nested
-    entries on a placement of 2 or more axes is an SBPError (ambiguous)."""
+    entries on a placement of 2 or more axes is an SBPError (ambiguous).
+
+    ``donate_argnums``: an int or a tuple of ints, as ``jax.jit``'s: the
+    positional arguments whose buffers the program may reuse for its outputs
+    (e.g. parameters and optimizer state in a train step, so the step holds
+    one copy of them rather than two). Every global tensor in a donated
+    argument is invalid after the call: reading it (``numpy()``, ``to_jax()``)
+    or passing it again raises an error. An argument that is re-laid out
+    before the call (``in_sbp`` differs from its layout, or a plain array)
+    donates the re-laid-out copy; the tensor passed in stays valid then."""
+    kw = dict(
+        in_sbp=in_sbp,
+        out_sbp=out_sbp,
+        cost_model=cost_model,
+        solver=solver,
+        solve_time_limit=solve_time_limit,
+        donate_argnums=donate_argnums,
+    )
     if fn is None:
-        return lambda f: CompiledFunction(f, placement, in_sbp, out_sbp, cost_model, solver, solve_time_limit)
-    return CompiledFunction(fn, placement, in_sbp, out_sbp, cost_model, solver, solve_time_limit)
+        return lambda f: CompiledFunction(f, placement, **kw)
+    return CompiledFunction(fn, placement, **kw)
 
 
 __all__ = ["jit", "constrain", "CompiledFunction", "is_nd_sbp", "state_sbp"]

@@ -63,8 +63,10 @@ def _default_local(eqn, ins, ctx):
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-def build(prop: Propagation):
-    """The jitted function of physical inputs -> physical outputs."""
+def build(prop: Propagation, donate: tuple[int, ...] = ()):
+    """The jitted function of physical inputs -> physical outputs; ``donate``:
+    indices of the inputs whose buffers the program may reuse (``jax.jit``'s
+    ``donate_argnums``)."""
     pl = prop.placement
     grid, names = pl.shape, pl.axis_names
     prog = prop.program
@@ -123,4 +125,4 @@ def build(prop: Propagation):
         out_specs=specs(prog.outputs, prop.out_sbp),
         check_vma=False,
     )
-    return jax.jit(mapped)
+    return jax.jit(mapped, donate_argnums=tuple(donate))

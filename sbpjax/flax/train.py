@@ -29,11 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
+from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.api import constrain, is_nd_sbp, jit, state_sbp
+from sbpjax.dtypes import canonical_dtype
 from sbpjax.flax.annotate import get_sbp
+from sbpjax.layout import Geometry
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Split, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, to_global
@@ -56,6 +60,57 @@ def zero_layout(nd: tuple, shape, placement: Placement, axis: int) -> tuple:
         if shape[dim] % splits == 0:
             return nd[:axis] + (Split(dim),) + nd[axis + 1 :]
     return nd
+
+
+def init_global(fn, placement: Placement, sbp, *args):
+    """Run ``fn(*args)`` as one compiled program whose outputs are born in their
+    layouts: global tensors laid out as ``sbp`` (a tree like the outputs whose
+    leaves are nd-SBPs; one nd-SBP stands for a whole subtree), each device
+    computing only its own blocks (``jax.jit`` with ``out_shardings``, as
+    ``nnx.jit`` initializes a sharded model). No output is gathered on one
+    device or on the host. ``args``: arrays (e.g. the physical arrays of
+    global tensors) passed to the program.
+
+    S/B layouts that divide evenly are the outputs' shardings; a split that
+    does not divide its dim is padded to the physical form inside the program
+    (there the padding step may see the whole value); partial layouts are
+    refused (an initializer has no terms to keep apart)."""
+    abstract = jax.eval_shape(fn, *args)
+    leaves, tree = jax.tree_util.tree_flatten(abstract)
+    try:
+        given = tree.flatten_up_to(  # type: ignore[attr-defined]
+            jax.tree.map(lambda nd, sub: jax.tree.map(lambda _: nd, sub), sbp, abstract, is_leaf=is_nd_sbp)
+        )
+    except (ValueError, TypeError) as e:
+        raise SBPError(f"init_global: the layouts do not match the outputs' structure ({e}).") from None
+    pl = placement
+    nds, geoms, layouts, shardings = [], [], [], []
+    for k, (leaf, nd) in enumerate(zip(leaves, given)):
+        nd = normalize_nd_sbp(nd, pl.ndim, len(leaf.shape), f"init_global layout of output leaf {k}")
+        layout = normalized_layout(nd, len(leaf.shape), pl.shape)
+        if layout.partial:
+            raise SBPError(f"init_global: output leaf {k} asks for a partial layout {nd}; give S or B.")
+        geom = Geometry(tuple(leaf.shape), pl.shape)
+        nds.append(nd)
+        geoms.append(geom)
+        layouts.append(layout)
+        shardings.append(NamedSharding(pl.mesh, geom.partition_spec(layout, pl.axis_names)))
+
+    def program(*a):
+        outs = jax.tree_util.tree_leaves(fn(*a))
+        return [
+            y if geom.even(layout) else to_global(y, pl, nd).physical
+            for y, nd, geom, layout in zip(outs, nds, geoms, layouts)
+        ]
+
+    physical = jax.jit(program, out_shardings=shardings)(*args)
+    return jax.tree_util.tree_unflatten(
+        tree,
+        [
+            GlobalTensor(x, leaf.shape, canonical_dtype(leaf.dtype), pl, nd)
+            for x, leaf, nd in zip(physical, leaves, nds)
+        ],
+    )
 
 
 def _data_axis(batch_sbp, placement: Placement, zero) -> int:
@@ -84,6 +139,14 @@ class TrainStep:
     ``param_sbp`` is a tree like ``params`` of nd-SBPs (the
     compute layouts; ``None`` or a missing annotation means B); ``batch_sbp`` a
     tree (or one nd-SBP) for the batch.
+
+    ``donate=True`` (default): the step donates the parameters and optimizer
+    state it is given (``sj.jit``'s ``donate_argnums=(0, 1)``), so their
+    buffers hold the new values and a step keeps one copy of the state, not
+    two. The tensors passed in are invalid after the call (reading them or
+    passing them again raises an SBPError); use the returned ones.
+    ``donate=False`` keeps them valid (e.g. to run a step twice from the same
+    state).
     """
 
     def __init__(
@@ -99,6 +162,7 @@ class TrainStep:
         has_aux: bool = False,
         aux_sbp=None,
         cost_model=None,
+        donate: bool = True,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -110,6 +174,7 @@ class TrainStep:
         self.has_aux = has_aux
         self.aux_sbp = aux_sbp
         self.cost_model = cost_model
+        self.donate = bool(donate)
         self.stored_sbp = None
         self._fn = None
 
@@ -145,7 +210,14 @@ class TrainStep:
 
     def init(self, params):
         """Parameters as global tensors at their stored layouts, and the
-        optimizer state laid out like them (scalars B)."""
+        optimizer state laid out like them (scalars B).
+
+        Global tensors already at their stored layout are returned as they are
+        (with ``donate=True`` the first step consumes them); others are boxed;
+        plain arrays are laid out from the host. The optimizer state is made
+        from the placed parameters by one compiled program whose outputs are
+        born in their layouts (:func:`init_global`): it never passes through
+        the host or one device."""
         tree, compute, stored = self._layouts(params)
         self._tree, self._compute, self.stored_sbp = tree, compute, jax.tree_util.tree_unflatten(tree, stored)
         pl = self.placement
@@ -155,19 +227,23 @@ class TrainStep:
             for v, nd in zip(leaves, stored)
         ]
         params_g = jax.tree_util.tree_unflatten(tree, placed)
-        logical = jax.tree_util.tree_unflatten(
-            tree, [jnp.asarray(np.asarray(v.numpy() if _is_gt(v) else v)) for v in leaves]
-        )
-        opt_state = self.optimizer.init(logical)
+        return params_g, self._init_state(placed)
+
+    def _init_state(self, placed: list):
+        """The optimizer state of the placed parameters, born in its layouts; builds the step."""
+        pl, tree, optimizer = self.placement, self._tree, self.optimizer
+        meta = [(t.shape, t.dtype, t.sbp) for t in placed]
+
+        def opt_init(*physical):
+            logical = [GlobalTensor(x, *m[:2], pl, m[2]).to_jax() for x, m in zip(physical, meta)]
+            return optimizer.init(jax.tree_util.tree_unflatten(tree, logical))
+
+        physical = [t.physical for t in placed]
         rep = (Broadcast(),) * pl.ndim
-        self.opt_sbp = state_sbp(opt_state, self.stored_sbp, rep)
-        opt_leaves, opt_tree = jax.tree_util.tree_flatten(opt_state)
-        opt_sbp_leaves = opt_tree.flatten_up_to(self.opt_sbp)
-        opt_g = jax.tree_util.tree_unflatten(
-            opt_tree, [to_global(np.asarray(v), pl, nd) for v, nd in zip(opt_leaves, opt_sbp_leaves)]
-        )
+        self.opt_sbp = state_sbp(jax.eval_shape(opt_init, *physical), self.stored_sbp, rep)
+        opt_g = init_global(opt_init, pl, self.opt_sbp, *physical)
         self._build()
-        return params_g, opt_g
+        return opt_g
 
     def _build(self):
         tree, compute = self._tree, self._compute
@@ -202,6 +278,7 @@ class TrainStep:
             in_sbp=(self.stored_sbp, self.opt_sbp, self.batch_sbp),
             out_sbp=outs,
             cost_model=self.cost_model,
+            donate_argnums=(0, 1) if self.donate else (),
         )
 
     def _ready(self):
@@ -269,6 +346,22 @@ class Trainer:
     forward pass may update it (statistics over a split batch are reduced
     across devices), and the step returns it, as ``nnx.jit`` of the same
     step would. RNG keys travel as their key data and are rewrapped inside.
+
+    ``Trainer(model, ...)`` places a model that exists already (its values go
+    through the host once); :meth:`Trainer.create` builds the model's state
+    born sharded, by compiled init programs, for models larger than one
+    device or host.
+
+    ``donate=True`` (default): each step donates the parameters and optimizer
+    state to the compiled step, whose outputs reuse their buffers (one copy of
+    the state on the devices, not two). A step that fails before it runs (a
+    batch of the wrong shape or layout, a trace or layout error) leaves the
+    trainer as it was and can be retried; so does a loss that cannot be read
+    (checked on a probe scalar before the state is consumed). Once the step
+    has run, the trainer holds its results: if reading the loss fails then
+    (unexpectedly), the step stands and is not to be retried. ``donate=False``
+    keeps the previous state until the loss is read (all or nothing at every
+    point) at the cost of the second copy.
     """
 
     def __init__(
@@ -282,17 +375,90 @@ class Trainer:
         zero=False,
         compute_dtype=None,
         cost_model=None,
+        donate: bool = True,
     ):
+        self._setup(model, optimizer, loss_fn, placement, batch_sbp, zero, compute_dtype, cost_model, donate)
+        # typed PRNG keys cannot be global tensors: carry their key data (uint32)
+        self._key_impls = jax.tree.map(
+            lambda v: jax.random.key_impl(v) if _is_key(v) else None, self._rest_pure
+        )
+        self._build_step()
+        self.params, self.opt_state = self.train_step.init(self._pure)
+        rep = (Broadcast(),) * placement.ndim
+        self.state = jax.tree.map(
+            lambda v: to_global(np.asarray(v), placement, rep), _unwrap_keys(self._rest_pure)
+        )
+        del self._pure, self._rest_pure
+
+    @classmethod
+    def create(
+        cls,
+        model_factory,
+        optimizer,
+        loss_fn,
+        placement: Placement,
+        *,
+        batch_sbp,
+        zero=False,
+        compute_dtype=None,
+        cost_model=None,
+        donate: bool = True,
+    ) -> Trainer:
+        """A Trainer whose state is born sharded: ``model_factory()`` (no
+        arguments, e.g. ``lambda: sjf.annotate(GPT(cfg, nnx.Rngs(0)), RULES)``)
+        runs only abstractly (``nnx.eval_shape``, to read the parameters'
+        shapes and annotations) and inside one ``jax.jit`` whose outputs are
+        laid out as the parameters' stored layouts (ZeRO's included), so each
+        device computes only its own blocks of each parameter, as ``nnx.jit``
+        with ``out_shardings`` does. The optimizer state is then made from the
+        placed parameters by ``jax.jit(optimizer.init)`` with its layouts.
+        No split parameter is ever whole on one device or on the host. The
+        values equal ``Trainer(model_factory(), ...)``'s (the same RNG keys).
+        """
+        self = cls.__new__(cls)
+        abstract = nnx.eval_shape(model_factory)
+        self._setup(
+            abstract, optimizer, loss_fn, placement, batch_sbp, zero, compute_dtype, cost_model, donate
+        )
+        impls: dict = {}
+
+        def born():
+            model = model_factory()
+            _, p, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+            rest_pure = nnx.to_pure_dict(rest)
+            impls["tree"] = jax.tree.map(lambda v: jax.random.key_impl(v) if _is_key(v) else None, rest_pure)
+            return nnx.to_pure_dict(p), _unwrap_keys(rest_pure)
+
+        jax.eval_shape(born)  # the RNG keys' implementations, which the step rewraps
+        self._key_impls = impls["tree"]
+        self._build_step()
+        tree, _, stored = self.train_step._layouts(self._pure)
+        rep = (Broadcast(),) * placement.ndim
+        params_g, self.state = init_global(born, placement, (jax.tree_util.tree_unflatten(tree, stored), rep))
+        self.params, self.opt_state = self.train_step.init(params_g)
+        del self._pure, self._rest_pure
+        return self
+
+    def _setup(
+        self, model, optimizer, loss_fn, placement, batch_sbp, zero, compute_dtype, cost_model, donate
+    ):
+        """What both constructors share: the graph, the templates and the layouts (``model`` may be abstract)."""
         self.placement = placement
         self.graphdef: nnx.GraphDef
         # flax types split with two or more filters as a variadic tuple; two give exactly three
         self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         self._template, self._rest_template = params_state, rest
-        pure = nnx.to_pure_dict(params_state)
-        rest_pure = nnx.to_pure_dict(rest)
-        # typed PRNG keys cannot be global tensors: carry their key data (uint32)
-        self._key_impls = jax.tree.map(lambda v: jax.random.key_impl(v) if _is_key(v) else None, rest_pure)
-        template, rest_template, graphdef, impls = params_state, rest, self.graphdef, self._key_impls
+        self._pure = nnx.to_pure_dict(params_state)
+        self._rest_pure = nnx.to_pure_dict(rest)
+        self._param_sbp = get_sbp(model, placement)
+        self._options = (optimizer, loss_fn, batch_sbp, zero, compute_dtype, cost_model, donate)
+        self._probe = to_global(np.zeros((), np.float32), placement, (Broadcast(),) * placement.ndim)
+
+    def _build_step(self):
+        optimizer, loss_fn, batch_sbp, zero, compute_dtype, cost_model, donate = self._options
+        placement = self.placement
+        template, rest_template, graphdef = self._template, self._rest_template, self.graphdef
+        impls = self._key_impls
 
         def model_loss(params, batch_and_state):
             batch, rest_data = batch_and_state
@@ -310,26 +476,36 @@ class Trainer:
             model_loss,
             optimizer,
             placement,
-            get_sbp(model, placement),
+            self._param_sbp,
             (batch_sbp, rep),
             zero=zero,
             compute_dtype=compute_dtype,
             has_aux=True,
             aux_sbp=rep,
             cost_model=cost_model,
+            donate=donate,
         )
-        self.params, self.opt_state = self.train_step.init(pure)
-        self.state = jax.tree.map(lambda v: to_global(np.asarray(v), placement, rep), _unwrap_keys(rest_pure))
 
     def step(self, batch) -> float:
-        """One training step; returns the loss. All or nothing: the step's results
-        (the loss read back included) are complete before the trainer's parameters,
-        optimizer state and model state change, so a step that raises (a bad batch,
-        a loss that cannot be read) leaves the trainer as it was and can be retried."""
+        """One training step; returns the loss.
+
+        A step that raises before it runs (a bad batch, a loss that cannot be
+        read) leaves the trainer as it was and can be retried. With
+        ``donate=False`` that holds at every point: the loss is read before the
+        trainer's state changes. With ``donate=True`` (default) the step
+        consumes the previous parameters and optimizer state, so the trainer
+        adopts the results as soon as the step has run and reads the loss
+        after; whether the loss can be read is checked first, on a probe
+        scalar of the same placement, so that failure still comes before."""
+        if not self.train_step.donate:
+            params, opt_state, loss, state = self.train_step(self.params, self.opt_state, (batch, self.state))
+            value = float(loss.numpy())
+            self.params, self.opt_state, self.state = params, opt_state, state
+            return value
+        self._probe.numpy()  # a B scalar on this placement reads as the loss will
         params, opt_state, loss, state = self.train_step(self.params, self.opt_state, (batch, self.state))
-        value = float(loss.numpy())
         self.params, self.opt_state, self.state = params, opt_state, state
-        return value
+        return float(loss.numpy())
 
     def explain(self, batch):
         return self.train_step.explain(self.params, self.opt_state, (batch, self.state))
