@@ -127,6 +127,8 @@ def test_comparison_quotes_the_benchmark_results():
     compiler = {p["name"]: p for p in json.loads((results / "compiler.json").read_text())["programs"]}
     train = json.loads((results / "train.json").read_text())
     pipeline = json.loads((results / "pipeline.json").read_text())["real"]
+    dtensor = json.loads((results / "dtensor.json").read_text())
+    dt, mlp = dtensor["summary"], dtensor["megatron_mlp_fwd_bwd_2x4"]
     quoted = [
         f"In all {boxing['measured_equals_plan']} cases",
         f"move {boxing['two_d_plan_T']:g} |T| with sbpjax and\n"
@@ -138,7 +140,28 @@ def test_comparison_quotes_the_benchmark_results():
         f"at {train['time_ratio_vs_gspmd']:.2f} of GSPMD's time",
         f"costs\n{pipeline['overhead_us_per_action']:.0f} us per action",
         f"{pipeline['throughput_ratio_vs_single_program']:.2f} times the throughput",
+        f"DTensor converts {dt['dtensor_supported_pairs']} of the {dt['pairs']} pairs",
+        f"sbpjax moves {dt['supported_sbpjax_T']:g} |T| and DTensor {dt['supported_dtensor_T']:g} |T|",
+        f"{dt['two_d_sbpjax_T']:g} |T| against {dt['two_d_dtensor_T']:g} |T|",
+        f"DTensor moves more on {dt['pairs_where_dtensor_moves_more']}",
+        f"sbpjax reaches the floor on\n  all {dt['no_partial_sbpjax_at_floor']} and DTensor on {dt['no_partial_dtensor_at_floor']}",
+        f"({dt['no_partial_dtensor_T']:g} |T| in total against a floor of {dt['no_partial_floor_T']:g} |T|)",
+        f"{_fmt_int(mlp['dtensor_bytes'])} bytes with DTensor against\n  {_fmt_int(mlp['sbpjax_bytes'])} with sbpjax",
     ]
+    # the DTensor benchmark's sbpjax side is the boxing benchmark's plans, pair by pair
+    plans = {
+        (c["placement"], c["src"], c["dst"]): c["plan_bytes"]
+        for c in json.loads((results / "boxing.json").read_text())["cases"]
+    }
+    assert {(c["placement"], c["src"], c["dst"]): c["sbpjax_bytes"] for c in dtensor["cases"]} == plans
+    assert not dt["pairs_where_sbpjax_moves_more"]
+    readme = (ROOT / "README.md").read_text()
+    for q in (
+        f"DTensor converts {dt['dtensor_supported_pairs']} of the {dt['pairs']} pairs",
+        f"{dt['supported_dtensor_T']:g} |T| on them where sbpjax moves {dt['supported_sbpjax_T']:g} |T|",
+    ):
+        assert q in " ".join(readme.split()), f"README.md does not quote benchmarks/results/dtensor.json: {q}"
+    assert mlp["sbpjax_bytes"] == compiler["megatron_mlp_fwd_bwd_2x4"]["sbpjax_bytes"]
     for r in compiler.values():
         quoted.append(
             f"| {_fmt_int(r['sbpjax_bytes'])} | {_fmt_int(r['gspmd_bytes'])} | "
