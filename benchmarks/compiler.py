@@ -45,6 +45,7 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS
+from tqdm import tqdm  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 from sbpjax.boxing.plan import clear_caches, normalized_layout  # noqa: E402
@@ -490,6 +491,13 @@ def main():
     pl8 = sj.placement(8, "x")
     pl24 = sj.placement((2, 4), ("x", "y"))
     rows = []
+    sweep = gpt_sweep_configs(q)
+    # a bar on a terminal, nothing in a log (tqdm's disable=None); one tick per program measured
+    bar = tqdm(total=6 + len(sweep), desc="compiler programs", unit="program", disable=None)
+
+    def add(row):
+        rows.append(row)
+        bar.update(1)
 
     # (a) Megatron MLP forward + backward on 2x4 (data x tensor)
     n, d, h = (32, 64, 256) if q else (256, 512, 2048)
@@ -506,7 +514,7 @@ def main():
         jax.device_put(v, NamedSharding(pl24.mesh, s))
         for v, s in [(mp["w1"], PS(None, "y")), (mp["w2"], PS("y", None)), (x, PS("x")), (t, PS("x"))]
     ]
-    rows.append(
+    add(
         run_program(
             "megatron_mlp_fwd_bwd_2x4",
             grad_fn,
@@ -585,7 +593,7 @@ def main():
             put(tokens, dspec),
             put(labels, dspec),
         ]
-        rows.append(
+        add(
             run_program(
                 f"transformer_step_{kind}",
                 step,
@@ -610,7 +618,7 @@ def main():
         jax.device_put(V, NamedSharding(pl8.mesh, PS("x", None))),
         jax.device_put(W, NamedSharding(pl8.mesh, PS())),
     ]
-    rows.append(
+    add(
         run_program(
             "uvw",
             uvw,
@@ -634,7 +642,7 @@ def main():
         jax.device_put(Z, NamedSharding(pl8.mesh, PS(None, "x"))),
         jax.device_put(Y, NamedSharding(pl8.mesh, PS())),
     ]
-    rows.append(
+    add(
         run_program(
             "model_parallel_softmax_ce",
             ce,
@@ -650,8 +658,9 @@ def main():
     )
 
     # (e) the GPT sweep: Megatron over the last axis, data over the first
-    for cfg in gpt_sweep_configs(q):
-        rows.append(gpt_sweep_row(cfg, repeats, 1, rng))  # one cold compile after the first: the ILP reruns
+    for cfg in sweep:
+        add(gpt_sweep_row(cfg, repeats, 1, rng))  # one cold compile after the first: the ILP reruns
+    bar.close()
 
     rows = [r for r in rows if r is not None]
     print(

@@ -38,12 +38,17 @@ from compiler import collective_bytes, median_times, spec_of  # noqa: E402
 from flax import nnx  # noqa: E402
 from gpt_hybrid import BATCH_SBP, HYBRID_RULES, build, loss_fn  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 import sbpjax.flax as sjf  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# one tick per stage (GPT checked with SGD, GPT with AdamW, timing, ZeRO's two trainers);
+# a bar on a terminal, nothing in a log (tqdm's disable=None)
+STAGES = 5
+progress = tqdm(total=STAGES, desc="train benchmark", unit="stage", disable=True)
 
 
 def _is_gt(v):
@@ -80,6 +85,7 @@ def gpt_vs_gspmd(cfg, repeats, rng):
     checked = {}
     for name, opt in [("check", optax.sgd(0.1)), ("adamw", optimizer)]:
         checked[name] = run_both(cfg, pl, opt, batch_)
+        progress.update(1)
         if name == "check":
             ref_params, ref_loss = reference_step(cfg, opt, batch_)
             for who in ("sbpjax", "gspmd"):
@@ -92,6 +98,7 @@ def gpt_vs_gspmd(cfg, repeats, rng):
     t_sj, t_g = median_times(
         [(r["sbpjax_program"], r["sbpjax_args"]), (r["gspmd_program"], r["gspmd_args"])], repeats
     )
+    progress.update(1)
     return {
         "sbpjax_bytes": r["sbpjax_bytes"],
         "sbpjax_explained_bytes": r["sbpjax_explained_bytes"],
@@ -180,6 +187,7 @@ def zero_vs_dp(cfg, rng):
         out[f"{name}_step_bytes"] = collective_bytes(
             trainer.lower(tuple(sj.to_global(v, pl, (sj.S(0),)) for v in (tokens, labels))).compile()
         )
+        progress.update(1)
     np.testing.assert_allclose(losses["zero"], losses["dp"], rtol=1e-5)  # same training, less memory
     out["zero_over_dp"] = out["zero_state_bytes_per_device"] / out["dp_state_bytes_per_device"]
     return out
@@ -195,9 +203,12 @@ def main():
     # vocab, seq, d_model, heads, layers, batch
     cfg = (96, 32, 64, 4, 2, 16) if args.quick else (256, 128, 256, 8, 4, 32)
     rng = np.random.default_rng(0)
+    global progress
+    progress = tqdm(total=STAGES, desc="train benchmark", unit="stage", disable=None)
     result = {"config": dict(zip(["vocab", "seq", "d_model", "heads", "layers", "batch"], cfg))}
     result.update(gpt_vs_gspmd(cfg, repeats, rng))
     result.update(zero_vs_dp(cfg, rng))
+    progress.close()
     print(result.pop("plan_summary"))
     print(
         f"GPT step on 2x4: sbpjax {result['sbpjax_bytes']} B (plan {result['sbpjax_explained_bytes']} B), "
