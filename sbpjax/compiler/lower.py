@@ -17,6 +17,7 @@ from jax import lax
 
 from sbpjax.boxing.lower import run_plan
 from sbpjax.boxing.plan import normalized_layout
+from sbpjax.compiler.buckets import plan_buckets, run_bucket
 from sbpjax.compiler.propagate import CONSTRAIN, Propagation
 from sbpjax.compiler.trace import Const
 from sbpjax.layout import Geometry
@@ -80,6 +81,9 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
             for v, nd in zip(vars_, nds)
         )
 
+    # boxings that run the same collectives run together (sbpjax.compiler.buckets)
+    buckets, joined = plan_buckets(prop)
+
     def body(*blocks):
         env: dict = {}
         for v, nd, x in zip(prog.inputs, prop.in_sbp, blocks):
@@ -92,7 +96,15 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
             return jnp.asarray(atom.value)  # a constant, used as B
 
         def box(b):
-            env[(id(b.var), b.dst)] = run_plan(b.plan, read(b.var, b.src))
+            if id(b) in joined:  # ran earlier, with its bucket
+                return
+            bucket = buckets.get(id(b))
+            if bucket is None:
+                env[(id(b.var), b.dst)] = run_plan(b.plan, read(b.var, b.src))
+                return
+            ys = run_bucket(bucket, [read(c.var, c.src) for c in bucket.boxings])
+            for c, y in zip(bucket.boxings, ys):
+                env[(id(c.var), c.dst)] = y
 
         for dec in prop.decisions:
             for b in dec.boxings:

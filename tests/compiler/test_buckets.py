@@ -1,0 +1,164 @@
+"""Combined collectives (sbpjax.compiler.buckets): a train step reduces its
+gradients in one bucket per kind of boxing, not one collective per parameter,
+with the planned bytes, and the values of the single-device step."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from models import state_sbp, train_step
+
+import sbpjax as sj
+import sbpjax.compiler.buckets as buckets
+from sbpjax import B, S
+
+DIMS = (16, 32, 32, 16)  # three dense layers: six parameters
+
+
+def mlp_params(dims=DIMS, seed=0):
+    r = np.random.default_rng(seed)
+    p = {}
+    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+        p[f"w{i}"] = (r.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
+        p[f"b{i}"] = (r.normal(size=(b,)) / 10).astype(np.float32)
+    return p
+
+
+def mlp_loss(p, x, y):
+    n = len(p) // 2
+    h = x
+    for i in range(n):
+        h = h @ p[f"w{i}"] + p[f"b{i}"]
+        if i < n - 1:
+            h = jax.nn.gelu(h)
+    return jnp.mean((h - y) ** 2)
+
+
+OPTS = {"adamw": lambda: optax.adamw(1e-2, weight_decay=0.1), "sgd": lambda: optax.sgd(0.1, momentum=0.9)}
+
+# placement shape, axis names, batch layout
+PLACEMENTS = {"8x1": ((8,), ("x",), (S(0),)), "2x4": ((2, 4), ("x", "y"), (S(0), S(0)))}
+
+
+def _jit(p, opt, pl, batch_sbp, param_sbp=None):
+    rep = (B,) * pl.ndim
+    psbp = param_sbp or {k: rep for k in p}
+    ssbp = state_sbp(opt.init(p), psbp, rep)
+    step = train_step(mlp_loss, opt)
+    return step, sj.jit(
+        step, placement=pl, in_sbp=(psbp, ssbp, batch_sbp, batch_sbp), out_sbp=(psbp, ssbp, rep)
+    )
+
+
+def _data(dims=DIMS, seed=1):
+    r = np.random.default_rng(seed)
+    return r.normal(size=(16, dims[0])).astype(np.float32), r.normal(size=(16, dims[-1])).astype(np.float32)
+
+
+def _found(f, args):
+    found = sj.collectives(f.lower(*args).compile())
+    return collections.Counter(c.op for c in found), sum(c.bytes for c in found)
+
+
+def _check_values(step, f, p, opt, x, y, steps=2):
+    ref = jax.jit(step)
+    p_ref, s_ref = p, opt.init(p)
+    p_sj, s_sj = p, opt.init(p)
+    numpy = lambda t: jax.tree.map(  # noqa: E731
+        lambda v: v.numpy(), t, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)
+    )
+    for _ in range(steps):
+        p_ref, s_ref, l_ref = ref(p_ref, s_ref, x, y)
+        p_sj, s_sj, l_sj = f(p_sj, s_sj, x, y)
+        assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
+        p_sj, s_sj = numpy(p_sj), numpy(s_sj)
+        for k in p:
+            assert_close(p_sj[k], p_ref[k], rtol=2e-5, scale=1.0, err_msg=k)
+        for got, want in zip(jax.tree.leaves(s_sj), jax.tree.leaves(s_ref)):
+            assert_close(got, want, rtol=2e-5, scale=1.0)
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTS))
+@pytest.mark.parametrize("where", sorted(PLACEMENTS))
+def test_data_parallel_step_reduces_the_gradients_in_one_bucket(where, opt_name, monkeypatch):
+    shape, names, batch_sbp = PLACEMENTS[where]
+    pl = sj.placement(shape, names)
+    p, (x, y) = mlp_params(), _data()
+    opt = OPTS[opt_name]()
+    args = (p, opt.init(p), x, y)
+
+    step, f = _jit(p, opt, pl, batch_sbp)
+    counts, nbytes = _found(f, args)
+    e = f.explain(*args)
+    assert nbytes == e.bytes > 0
+    if where == "8x1":
+        # every gradient and the loss: P(sum) -> B over x, one all-reduce
+        assert counts == {"all-reduce": 1}
+    else:
+        # gradients (P, P) -> (B, B): reduce-scatter over y, all-reduce over x,
+        # all-gather over y, each once; the loss: one all-reduce over (x, y)
+        assert counts == {"reduce-scatter": 1, "all-reduce": 2, "all-gather": 1}
+    assert buckets.count_collectives(e.propagation) == sum(counts.values())
+    _check_values(step, f, p, opt, x, y)
+
+    # the same program lowered one boxing at a time: the same bytes, more collectives
+    monkeypatch.setattr(buckets, "BUCKETING", False)
+    _, g = _jit(p, opt, pl, batch_sbp)
+    alone, alone_bytes = _found(g, args)
+    assert alone_bytes == nbytes == g.explain(*args).bytes
+    if where == "2x4":  # XLA:CPU combines all-reduces by itself, not reduce-scatters or all-gathers
+        assert alone["reduce-scatter"] == alone["all-gather"] == len(p)
+    assert buckets.count_collectives(g.explain(*args).propagation) > sum(counts.values())
+
+
+def test_bucket_cap_splits_a_bucket_and_keeps_the_bytes(monkeypatch):
+    pl = sj.placement((2, 4), ("x", "y"))
+    p, (x, y) = mlp_params(), _data()
+    opt = optax.sgd(0.1, momentum=0.9)
+    args = (p, opt.init(p), x, y)
+    # the largest gradient (32x32 f32) fills a bucket by itself; the others share
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", 32 * 32 * 4)
+    step, f = _jit(p, opt, pl, (S(0), S(0)))
+    counts, nbytes = _found(f, args)
+    e = f.explain(*args)
+    assert nbytes == e.bytes
+    assert 1 < counts["reduce-scatter"] < len(p)
+    assert counts["reduce-scatter"] == counts["all-gather"]
+    bks, _ = buckets.plan_buckets(e.propagation)
+    for bk in bks.values():
+        assert sum(int(np.prod(b.plan.shape)) * 4 for b in bk.boxings) <= 32 * 32 * 4
+    _check_values(step, f, p, opt, x, y, steps=1)
+
+
+def test_uneven_gradients_keep_their_values_and_bytes():
+    """Widths 30 and 20 do not split 4 ways evenly: those reduce-scatters and
+    all-gathers run alone (they need index tables); the even ones and every
+    all-reduce still share buckets."""
+    dims = (16, 30, 20, 16)
+    pl = sj.placement((2, 4), ("x", "y"))
+    p, (x, y) = mlp_params(dims), _data(dims)
+    opt = optax.adamw(1e-2)
+    args = (p, opt.init(p), x, y)
+    step, f = _jit(p, opt, pl, (S(0), S(0)))
+    counts, nbytes = _found(f, args)
+    assert nbytes == f.explain(*args).bytes
+    assert counts["reduce-scatter"] < len(p)
+    _check_values(step, f, p, opt, x, y)
+
+
+def test_megatron_2d_step_is_unchanged_in_bytes_and_values():
+    """Column/row-split kernels on 2x4 (activations' boxings depend on one
+    another, few share a bucket): the same bytes as planned, the same values."""
+    pl = sj.placement((2, 4), ("x", "y"))
+    p, (x, y) = mlp_params(), _data()
+    opt = optax.adamw(1e-2)
+    psbp = {k: (B, S(v.ndim - 1)) for k, v in p.items()}
+    args = (p, opt.init(p), x, y)
+    step, f = _jit(p, opt, pl, (S(0), B), psbp)
+    _, nbytes = _found(f, args)
+    assert nbytes == f.explain(*args).bytes
+    _check_values(step, f, p, opt, x, y)
