@@ -89,9 +89,7 @@ def test_jit_donate_argnums_errors():
 
 def _trainer(donate, **options):
     model = sjf.annotate(MLP(nnx.Rngs(0)), RULES)
-    return sjf.Trainer(
-        model, optax.adam(1e-2), loss_fn, _pl(), batch_sbp=(S(0), B), donate=donate, **options
-    )
+    return sjf.Trainer(model, optax.adam(1e-2), loss_fn, _pl(), batch_sbp=(S(0), B), donate=donate, **options)
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["dp_tp", "zero"])
