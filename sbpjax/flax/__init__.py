@@ -4,11 +4,14 @@ import sbpjax.flax as sjf
 sjf.annotate(model, {"blocks.*.mlp.fc1.kernel": (B, S(1)), "blocks.*.mlp.fc2.kernel": (B, S(0))})
 trainer = sjf.Trainer(model, optax.adamw(3e-4), loss_fn, pl, batch_sbp=(S(0), B), zero=True)
 loss = trainer.step(batch)
+# or born sharded, for a model larger than one device:
+trainer = sjf.Trainer.create(lambda: sjf.annotate(Model(nnx.Rngs(0)), rules), optax.adamw(3e-4), loss_fn, pl,
+                             batch_sbp=(S(0), B))
 """
 
 from sbpjax.flax import linen
 from sbpjax.flax.annotate import annotate, get_sbp, place, sbp_module, unplace, with_sbp
-from sbpjax.flax.train import Trainer, TrainStep, bytes_per_device, zero_layout
+from sbpjax.flax.train import Trainer, TrainStep, bytes_per_device, init_global, zero_layout
 
 __all__ = [
     "with_sbp",
@@ -20,6 +23,7 @@ __all__ = [
     "TrainStep",
     "Trainer",
     "bytes_per_device",
+    "init_global",
     "zero_layout",
     "linen",
 ]
