@@ -40,6 +40,20 @@ INLINE = {
 _JAXPR_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _ids = itertools.count()
 
+# Loops and branches are flattened too, while the flat program stays this many
+# equations or fewer per loop or branch (iterations x body size): a scan over
+# stacked layers, a fori_loop with static bounds (JAX spells it as a scan) and
+# a cond / switch become straight-line code the layout choice sees whole, so
+# their bytes are those of the same layers written out. Decision: flattening
+# rather than a loop rule with fixed-point carry layouts, because it reuses the
+# whole-program choice unchanged and is exact; its costs are that XLA compiles
+# the unrolled body (longer compiles for deep stacks, no loop in the lowered
+# program) and a cond computes every branch and selects (both run: keep
+# expensive or effectful branches out of sj.jit, or over the limit). Loops
+# above the limit, and while loops whose trip count is only known at run time,
+# still run whole on every device with an SBPWarning.
+UNROLL_LIMIT = 20_000
+
 
 @dataclasses.dataclass(eq=False)
 class Var:
@@ -182,6 +196,11 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
+        flat = _flatten_control(eqn, ins, nodes, cse)
+        if flat is not None:
+            for v, o in zip(eqn.outvars, flat):
+                env[v] = o
+            continue
         inner = _inner_jaxpr(eqn) if eqn.primitive.name in INLINE else None
         if inner is not None:
             inner_jaxpr = getattr(inner, "jaxpr", inner)
@@ -202,6 +221,70 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _emit(fn, atoms, nodes, cse):
+    """Append the equations of ``fn`` (a small JAX function) applied to ``atoms``."""
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in atoms]
+    closed = jax.make_jaxpr(fn)(*avals)
+    return _inline(closed.jaxpr, list(closed.consts), list(atoms), nodes, cse)
+
+
+def _size(closed) -> int:
+    return len(getattr(closed, "jaxpr", closed).eqns)
+
+
+def _flatten_control(eqn, ins, nodes, cse):
+    """The outputs of a scan or cond written out as straight-line code (see
+    ``UNROLL_LIMIT``), or None to keep the equation as it is."""
+    name, p = eqn.primitive.name, eqn.params
+    if getattr(eqn, "effects", None):
+        return None
+    if name == "scan":
+        body, length = p["jaxpr"], p["length"]
+        if length == 0 or length * max(_size(body), 1) > UNROLL_LIMIT:
+            return None
+        if "ft_in" in p:  # jax >= 0.12 groups the operands and results as flat trees
+            consts, carry, xs = (list(g) for g in p["ft_in"].update(ins).unpack())
+
+            def split_out(outs):
+                return (list(g) for g in p["ft_out"].update(outs).unpack())
+
+        else:
+            n_consts, n_carry = p["num_consts"], p["num_carry"]
+            consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+
+            def split_out(outs):
+                return outs[:n_carry], outs[n_carry:]
+
+        ys: dict = {}
+        for i in reversed(range(length)) if p["reverse"] else range(length):
+            x_i = [
+                _emit(lambda x, i=i: jax.lax.index_in_dim(x, i, 0, keepdims=False), [x], nodes, cse)[0]
+                for x in xs
+            ]
+            carry, ys[i] = split_out(_inline(body.jaxpr, list(body.consts), consts + carry + x_i, nodes, cse))
+        stacked = [
+            _emit(lambda *v: jax.numpy.stack(v), [ys[i][k] for i in range(length)], nodes, cse)[0]
+            for k in range(len(ys[0]))
+        ]
+        if len(carry) + len(stacked) != len(eqn.outvars):
+            return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
+        return carry + stacked
+    if name == "cond":
+        branches = p["branches"]
+        if sum(_size(b) for b in branches) > UNROLL_LIMIT:
+            return None
+        index, operands = ins[0], ins[1:]
+        results = [_inline(b.jaxpr, list(b.consts), operands, nodes, cse) for b in branches]
+        if len(results) == 1:
+            return results[0]
+        # lax.switch has already clamped the index; select_n picks case ``index``
+        return [
+            _emit(lambda i, *cases: jax.lax.select_n(i, *cases), [index, *cases], nodes, cse)[0]
+            for cases in zip(*results)
+        ]
+    return None
 
 
 def _cse_key(eqn, ins):

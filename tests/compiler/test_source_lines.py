@@ -4,7 +4,6 @@ import os
 import warnings
 
 import flax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -37,15 +36,13 @@ def test_ops_inside_flax_layers_point_at_the_calling_line(pl8):
     assert not any(src.startswith(FLAX) for _, src, _, _ in ops)
 
 
-def test_warning_inside_nnx_scan_names_the_users_line(pl8):
-    """A loop (here under ``nnx.scan``) that still runs whole on every device
-    warns at the line that built it, not inside Flax."""
-
-    def body(c, x):
-        return c + jnp.tanh(x).sum(), None
+def test_warning_inside_nnx_while_loop_names_the_users_line(pl8):
+    """A loop that still runs whole on every device (here ``nnx.while_loop``
+    with a trip count known only at run time) warns at the line that built it,
+    not inside Flax."""
 
     def fn(xs):
-        out, _ = nnx.scan(body, in_axes=(nnx.Carry, 0))(jnp.zeros(()), xs)  # the loop's line
+        out = nnx.while_loop(lambda c: c.sum() < 1e3, lambda c: c * 2 + 1, xs)  # the loop's line
         return out
 
     f = sj.jit(fn, placement=pl8, in_sbp=(sj.B,))
@@ -55,6 +52,4 @@ def test_warning_inside_nnx_scan_names_the_users_line(pl8):
     loops = [str(w.message) for w in caught if issubclass(w.category, SBPWarning)]
     with open(HERE) as src:
         line = next(i for i, text in enumerate(src, 1) if "the loop's line" in text)
-    # (when loops get their own rule this warning goes away: then point this
-    # test at a primitive that still has none)
     assert loops and all(f"{HERE}:{line}" in m for m in loops), loops

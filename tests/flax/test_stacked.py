@@ -1,8 +1,6 @@
 """Layouts of stacked layers: nnx.vmap / nnx.scan and Linen nn.scan / nn.vmap
 add a leading layer dim; a layout written for one layer shifts past it."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +12,6 @@ from flax import nnx
 import sbpjax as sj
 import sbpjax.flax as sjf
 from sbpjax import B, S
-from sbpjax._errors import SBPWarning
 from sbpjax.flax.annotate import shift_stacked
 
 L, D, H = 3, 16, 32
@@ -85,10 +82,10 @@ def test_nnx_stacked_layouts_shift_past_the_layer_dim(how):
         in_sbp=(jax.tree.map(lambda s: s, sjf.get_sbp(model, pl)), (S(0), B)),
     )
     params = nnx.to_pure_dict(state)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SBPWarning)  # the scan itself still runs whole on every device
-        got = f(params, x)
+    got = f(params, x)  # the scan is written out layer by layer: no SBPWarning (pytest makes one an error)
     assert_close(got.numpy(), np.asarray(want), rtol=1e-5)
+    e = f.explain(params, x)
+    assert sum(c.bytes for c in sj.collectives(f.lower(params, x).compile())) == e.bytes
 
 
 def test_annotate_stacked_checks_its_arguments():
@@ -124,10 +121,10 @@ def test_linen_scan_shifts_splits_and_runs_like_one_device():
     params = sjf.linen.unbox(variables["params"])
     want, _ = Stack().apply({"params": params}, jnp.asarray(x), None)
     f = sj.jit(lambda p, v: Stack().apply({"params": p}, v, None)[0], placement=pl, in_sbp=(sbp, (B,)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", SBPWarning)  # the scan itself still runs whole on every device
-        got = f(params, x)
+    got = f(params, x)  # the scan is written out layer by layer: no SBPWarning (pytest makes one an error)
     assert_close(got.numpy(), np.asarray(want), rtol=1e-5)
+    e = f.explain(params, x)
+    assert sum(c.bytes for c in sj.collectives(f.lower(params, x).compile())) == e.bytes
 
 
 def test_linen_vmap_inserts_its_axis_where_it_says():
