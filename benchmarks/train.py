@@ -130,7 +130,8 @@ def run_both(cfg, pl, optimizer, batch_):
     step = functional_step(graphdef, state, optimizer)
 
     sjf.annotate(model, HYBRID_RULES)
-    trainer = sjf.Trainer(model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP)
+    # no donation: the program is timed on the same arguments again and again (and GSPMD's does not donate)
+    trainer = sjf.Trainer(model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP, donate=False)
     ts = trainer.train_step
     gbatch = (
         tuple(sj.to_global(v, pl, BATCH_SBP) for v in batch_),

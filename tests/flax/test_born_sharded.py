@@ -183,3 +183,4 @@ def test_create_with_uneven_splits():
         (host.params, host.opt_state),
         is_leaf=_is_gt,
     )
+    np.testing.assert_array_equal(np.asarray(born.model().fc.kernel.get_value()), kernel.numpy())
