@@ -19,7 +19,7 @@ from sbpjax.boxing.lower import run_plan
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
 from sbpjax.compiler.propagate import CONSTRAIN, Propagation
-from sbpjax.compiler.trace import Const
+from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
 from sbpjax.rules import RULES
 from sbpjax.sbp import Partial, Split
@@ -84,8 +84,31 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
     # boxings that run the same collectives run together (sbpjax.compiler.buckets)
     buckets, joined = plan_buckets(prop)
 
+    # jax.checkpoint regions (sbpjax.compiler.trace.REMAT): the Vars each reads from outside it
+    produced: dict = {}
+    region_inputs: dict = {}
+    for dec in prop.decisions:
+        r = dec.node.region
+        if r:
+            made = produced.setdefault(r, set())
+            region_inputs.setdefault(r, set()).update(
+                id(a) for a in dec.node.ins if isinstance(a, Var) and id(a) not in made
+            )
+            made.update(id(o) for o in dec.node.outs)
+
     def body(*blocks):
         env: dict = {}
+        entered: set = set()
+
+        def barrier(region):
+            """One optimization barrier over every value the region reads from outside,
+            in every layout present, as jax.jit lowers a checkpoint: the recomputation
+            can be neither merged with the forward pass nor run before its inputs."""
+            entered.add(region)
+            keys = [k for k in env if k[0] in region_inputs[region]]
+            if keys:
+                env.update(zip(keys, lax.optimization_barrier(tuple(env[k] for k in keys))))
+
         for v, nd, x in zip(prog.inputs, prop.in_sbp, blocks):
             env[(id(v), nd)] = x.reshape(x.shape[n_partial(nd) :])
 
@@ -107,6 +130,8 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 env[(id(c.var), c.dst)] = y
 
         for dec in prop.decisions:
+            if dec.node.region and dec.node.region not in entered:
+                barrier(dec.node.region)
             for b in dec.boxings:
                 box(b)
             node = dec.node

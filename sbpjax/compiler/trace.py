@@ -39,6 +39,16 @@ INLINE = {
 }
 _JAXPR_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _ids = itertools.count()
+_regions = itertools.count(1)
+
+# jax.checkpoint / nnx.remat regions (with prevent_cse, their default) are
+# inlined like other calls, but their equations are not merged with equal ones
+# outside (the recomputation in the backward pass would otherwise become the
+# forward value again, and the activations would be kept), and their nodes are
+# tagged with a region: the lowering puts one optimization barrier over the
+# region's inputs, as jax.jit's lowering of checkpoint does, so XLA neither
+# merges the recomputation nor hoists it before the cotangent it waits for.
+REMAT = ("checkpoint", "remat", "remat2")
 
 # Loops and branches are flattened too, while the flat program stays this many
 # equations or fewer per loop or branch (iterations x body size): a scan over
@@ -92,6 +102,7 @@ class Node:
     ins: list
     outs: list
     source: str
+    region: int = 0  # the jax.checkpoint region it recomputes (0: none); see REMAT
 
     @property
     def name(self) -> str:
@@ -206,7 +217,14 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
             inner_jaxpr = getattr(inner, "jaxpr", inner)
             inner_consts = list(getattr(inner, "consts", ()))
             if len(inner_jaxpr.invars) == len(ins):
-                outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse)
+                if eqn.primitive.name in REMAT and eqn.params.get("prevent_cse", False):
+                    start = len(nodes)
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {})
+                    region = next(_regions)
+                    for n in nodes[start:]:
+                        n.region = n.region or region  # the innermost region wins
+                else:
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue

@@ -193,3 +193,38 @@ def test_no_warning_for_scanned_layers(pl24):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compile_grad(scanned_loss, pl24, args)[1](*args)
+
+
+def hlo_count(compiled, op: str) -> int:
+    return compiled.as_text().count(f" {op}(")
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_checkpoint_recomputes_in_the_lowered_program(pl24, scan):
+    """jax.checkpoint survives: the backward pass recomputes the layer's forward
+    ops (an optimization barrier keeps XLA from merging them with the forward
+    pass), as jax.jit's lowering of the same program does, with the same bytes."""
+    args = stacked_weights(3)
+
+    def loss(w1, w2, x, remat):
+        f = jax.checkpoint(layer) if remat else layer
+        if scan:
+            h, _ = jax.lax.scan(lambda h, w: (f(h, w), None), x, (w1, w2))
+        else:
+            h = x
+            for i in range(w1.shape[0]):
+                h = f(h, (w1[i], w2[i]))
+        return jnp.mean(h**2)
+
+    plain = compile_grad(lambda *a: loss(*a, remat=False), pl24, args)
+    remat = compile_grad(lambda *a: loss(*a, remat=True), pl24, args)
+    # gelu's tanh: once per layer forward, once more per layer when recomputed
+    assert hlo_count(plain[2], "tanh") == 3
+    assert hlo_count(remat[2], "tanh") == 6
+    if not scan:  # jax.jit keeps a scan as a loop, whose body holds the ops once
+        reference = jax.jit(jax.value_and_grad(lambda *a: loss(*a, remat=True), argnums=(0, 1)))
+        assert hlo_count(reference.lower(*args).compile(), "tanh") == 6
+    assert measured(remat[2]) == remat[1].explain(*args).bytes == measured(plain[2])
+    _, want = jax.jit(remat[0])(*args)
+    for got, w in zip(remat[1](*args)[1], want):
+        assert_close(got.numpy(), np.asarray(w), rtol=1e-4, scale=np.abs(w).max())
