@@ -1,33 +1,36 @@
-"""Combined collectives: boxings that run the same collectives are bucketed.
+"""Combined collectives: boxings that run the same collectives share them.
 
 A train step reduces every gradient with the same collectives over the same
 axes (data parallel: one all-reduce; 2-D: reduce-scatter, all-reduce,
 all-gather; ZeRO: a reduce-scatter). Lowered one boxing at a time that is one
 collective per parameter. As PyTorch DDP's gradient buckets and XLA's
-collective combiners do, the lowering instead runs such boxings together: their
-local tensors are laid out in one flat buffer, each collective runs once on the
-buffer, and the pieces are split back. The bytes each device receives are
+collective combiners do, the lowering instead runs such boxings together, as
+a bucket: for each collective (a round), the local tensors taking part are laid
+out in one flat buffer, the collective runs once on it, and the pieces are
+split back. The bytes each device receives are
 linear in the buffer size for every bucketed collective (all-reduce
 ``2 (g-1)/g n``, reduce-scatter ``(g-1) n``, all-gather ``(g-1)/g n``, see
 :mod:`sbpjax.comm`), so a bucket moves exactly the sum of its members' planned
 bytes; only the number of collectives changes.
 
-Which boxings share a bucket (:func:`plan_buckets`): boxings whose plans have
-the same steps (op, axis group, reduction) and whose tensors have the same
-dtype; a plan qualifies when all its collective steps are all-reduces, sum
+Which boxings qualify: plans whose collective steps are all-reduces, sum
 reduce-scatters or all-gathers, the last two over evenly split layouts (uneven
-ones need per-device index tables, and run alone as before), and it has at
-least one collective. Local steps (``local_slice``, ``zero_fill``) run per
-member between the combined collectives.
+ones need per-device index tables, and run alone as before), with at least one
+collective. Local steps (``local_slice``, ``zero_fill``) run per member
+between the combined collectives. A bucket holds tensors of one dtype.
 
-When (the schedule): the program's boxings keep their places (each runs before
-the op that first consumes it) except that, when a qualifying boxing runs,
-every later qualifying boxing with the same steps whose source is already
-computed joins it (DDP's flush of a ready bucket). In a train step the gradient
-reductions are first consumed by the optimizer, after the whole backward pass,
-so all gradients with the same steps are ready together. Joining runs a
-boxing earlier than before, never later, and a boxing is a function of its
-source only, so values do not change; buffers may live longer.
+When (:func:`plan_buckets`): the program's boxings keep their places (each
+runs before the op that first consumes it) except that, when a qualifying
+boxing runs, every later qualifying boxing of the same dtype whose source is
+already computed joins it (DDP's flush of a ready bucket), if that saves a
+collective: boxings with the same steps always join; a different sequence of
+steps joins when it shares a round with the bucket (:func:`schedule`: a
+(P, S(1)) -> (B, S(1)) all-reduce over ``x`` rides in the middle round of the
+(P, P) -> (B, B) reduce-scatter, all-reduce, all-gather). In a train step the
+gradient reductions are first consumed by the optimizer, after the whole
+backward pass, so the gradients are ready together. Joining runs a boxing
+earlier than before, never later, and a boxing is a function of its source
+only, so values do not change; buffers may live longer.
 
 ``BUCKET_BYTES`` caps a bucket's local input size (bytes one device
 contributes): 25 MiB, PyTorch DDP's default ``bucket_cap_mb``. Larger buckets
@@ -46,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sbpjax.boxing.lower import _apply, _axis_arg, _Tables, preduce_extreme, run_plan
+from sbpjax.boxing.lower import _apply, _axis_arg, _Tables, preduce_extreme
 from sbpjax.compiler.propagate import Boxing, Propagation
 from sbpjax.compiler.trace import Const
 from sbpjax.layout import Geometry
@@ -61,46 +64,69 @@ BUCKET_BYTES = 25 * 2**20
 @dataclasses.dataclass
 class Bucket:
     """Boxings lowered together, in program order (the first is the one whose
-    place in the program the bucket takes); ``key``: (dtype, steps)."""
+    place in the program the bucket takes); ``rounds``: the bucket's
+    collectives in order, each ``((op, group, reduce), members taking part)``."""
 
     boxings: list
-    key: tuple
+    rounds: list
 
     @property
     def collectives(self) -> int:
-        """Collectives the bucket emits (one per collective step)."""
-        return sum(1 for s in self.key[1] if s[0] != "local")
+        """Collectives the bucket emits."""
+        return len(self.rounds)
 
     @property
     def bytes(self) -> int:
         return int(sum(b.bytes for b in self.boxings))
 
 
+Kind = tuple  # (op, axis group, reduce) of a collective step
+
+
 def bucket_key(b: Boxing, grid) -> tuple | None:
-    """(dtype, steps) for a boxing that can share a bucket, else None."""
+    """(dtype, collective kinds in order) for a boxing that can share a
+    bucket, else None."""
     plan = b.plan
     if isinstance(b.var, Const) or not plan.steps or 0 in plan.shape:
         return None
     if plan.dst_placement is not None and plan.dst_placement != plan.placement:
         return None
     geom = Geometry(plan.shape, grid)
-    steps: list[tuple] = []
+    kinds: list[Kind] = []
     for s in plan.steps:
         if s.op == "all_reduce":
-            steps.append(("all_reduce", tuple(s.group), s.reduce))
+            kinds.append(("all_reduce", tuple(s.group), s.reduce))
         elif s.op in ("reduce_scatter", "all_gather"):
             if s.op == "reduce_scatter" and s.reduce != "sum":
                 return None
             if not (geom.even(s.src) and geom.even(s.dst)) or s.dim is None:
                 return None
-            steps.append((s.op, tuple(s.group), s.reduce))
-        elif s.op in ("local_slice", "zero_fill"):
-            steps.append(("local",))
-        else:
+            kinds.append((s.op, tuple(s.group), s.reduce))
+        elif s.op not in ("local_slice", "zero_fill"):  # local steps run per member
             return None
-    if all(s[0] == "local" for s in steps):
+    if not kinds:
         return None
-    return (np.dtype(plan.dtype).str, tuple(steps))
+    return (np.dtype(plan.dtype).str, tuple(kinds))
+
+
+def schedule(seqs: list) -> list:
+    """Rounds running every sequence of collective kinds in order, a round
+    serving every sequence whose next kind it is: ``[(kind, [indices])]``.
+    Greedy: the next kind of the sequence with the most kinds left (the first
+    such sequence on ties), which keeps equal sequences together and lets a
+    short sequence join a long one's matching round."""
+    pos = [0] * len(seqs)
+    rounds: list = []
+    while True:
+        live = [i for i, q in enumerate(seqs) if pos[i] < len(q)]
+        if not live:
+            return rounds
+        lead = max(live, key=lambda i: (len(seqs[i]) - pos[i], -i))
+        kind = seqs[lead][pos[lead]]
+        who = [i for i in live if seqs[i][pos[i]] == kind]
+        for i in who:
+            pos[i] += 1
+        rounds.append((kind, who))
 
 
 def _local_bytes(b: Boxing, grid) -> int:
@@ -124,48 +150,57 @@ def plan_buckets(prop: Propagation, cap: int | None = None, enabled: bool | None
         return buckets, joined
     grid = prop.placement.shape
     prog = prop.program
-    order: list = [(i, b) for i, d in enumerate(prop.decisions) for b in d.boxings]
-    order += [(len(prop.decisions), b) for b in prop.out_boxings]
-    keys = {id(b): bucket_key(b, grid) for _, b in order}
-    pending: dict = {}  # key -> boxings not yet run, program order
-    for _, b in order:
+    order = [b for d in prop.decisions for b in d.boxings] + list(prop.out_boxings)
+    keys: dict = {id(b): bucket_key(b, grid) for b in order}
+    pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
+    for b in order:
         k = keys[id(b)]
         if k is not None:
-            pending.setdefault(k, []).append(b)
+            pending.setdefault(k[0], []).append(b)
     if not any(len(v) > 1 for v in pending.values()):
         return buckets, joined
 
     ready = {(id(v), nd) for v, nd in zip(prog.inputs, prop.in_sbp)}
     done: set = set()
     for dec in [*prop.decisions, None]:
-        boxings = dec.boxings if dec is not None else prop.out_boxings
-        for b in boxings:
+        for b in dec.boxings if dec is not None else prop.out_boxings:
             if id(b) in done:
                 continue
             done.add(id(b))
             k = keys[id(b)]
-            if k is not None:
-                members = [b]
-                size = _local_bytes(b, grid)
-                rest = []
-                for c in pending[k]:
-                    if id(c) in done:
-                        continue
-                    nb = _local_bytes(c, grid)
-                    if (id(c.var), c.src) in ready and size + nb <= cap:
-                        members.append(c)
-                        size += nb
-                        done.add(id(c))
-                    else:
-                        rest.append(c)
-                pending[k] = rest
-                if len(members) > 1:
-                    buckets[id(b)] = Bucket(members, k)
-                    joined.update(id(c) for c in members[1:])
-                for c in members:
-                    ready.add((id(c.var), c.dst))
-            else:
+            if k is None:
                 ready.add((id(b.var), b.dst))
+                continue
+            members = [b]
+            seqs = [k[1]]  # distinct kind sequences in the bucket
+            n_rounds = len(k[1])
+            size = _local_bytes(b, grid)
+            rest = []
+            for c in pending[k[0]]:
+                if id(c) in done:
+                    continue
+                nb = _local_bytes(c, grid)
+                if (id(c.var), c.src) not in ready or size + nb > cap:
+                    rest.append(c)
+                    continue
+                q = keys[id(c)][1]
+                if q not in seqs:
+                    # join only where that saves collectives (shares a round)
+                    n = len(schedule([*seqs, q]))
+                    if n >= n_rounds + len(q):
+                        rest.append(c)
+                        continue
+                    seqs.append(q)
+                    n_rounds = n
+                members.append(c)
+                size += nb
+                done.add(id(c))
+            pending[k[0]] = rest
+            if len(members) > 1:
+                rounds = schedule([keys[id(c)][1] for c in members])
+                buckets[id(b)] = Bucket(members, rounds)
+                joined.update(id(c) for c in members[1:])
+            ready.update((id(c.var), c.dst) for c in members)
         if dec is not None:
             ready.update((id(v), nd) for v, nd in zip(dec.node.outs, dec.out_sbp))
     return buckets, joined
@@ -173,8 +208,8 @@ def plan_buckets(prop: Propagation, cap: int | None = None, enabled: bool | None
 
 def count_collectives(prop: Propagation, **kw) -> int:
     """Collectives the lowering emits for a program (a bucket counts once per
-    collective step). XLA may combine further (its CPU backend combines
-    independent all-reduces), never less."""
+    round). XLA may combine further (its CPU backend combines independent
+    all-reduces), never less."""
     buckets, joined = plan_buckets(prop, **kw)
     n = sum(bk.collectives for bk in buckets.values())
     for b in prop.boxings:
@@ -192,65 +227,68 @@ def run_bucket(bucket: Bucket, xs: list) -> list:
     """The members' target local tensors from their source ones (as
     :func:`sbpjax.boxing.lower.run_plan` would give each)."""
     boxings = bucket.boxings
-    if len(boxings) == 1:
-        return [run_plan(boxings[0].plan, xs[0])]
-    plan0 = boxings[0].plan
-    pl = plan0.placement
+    plans = [b.plan for b in boxings]
+    pl = plans[0].placement
     names = pl.axis_names
-    geoms = [Geometry(b.plan.shape, pl.shape) for b in boxings]
+    geoms = [Geometry(p.shape, pl.shape) for p in plans]
     xs = list(xs)
-    flat = None  # between collectives: the members' local tensors, flattened and concatenated
-    shapes = [x.shape for x in xs]
-    for k, sig in enumerate(bucket.key[1]):
-        steps = [b.plan.steps[k] for b in boxings]
-        op = sig[0]
-        if op == "local":
-            if flat is not None:
-                xs, flat = _split(flat, shapes), None
-            xs = [
-                _apply(s, x, g, _Tables(g, names), names, b.plan.dtype)
-                for s, x, g, b in zip(steps, xs, geoms, boxings)
-            ]
-            shapes = [x.shape for x in xs]
-            continue
-        group = sig[1]
-        axis = _axis_arg(tuple(names[a] for a in group))
-        n = math.prod(pl.shape[a] for a in group)
-        if op == "all_reduce":
-            if flat is None:
-                flat = jnp.concatenate([x.reshape(-1) for x in xs])
-            flat = lax.psum(flat, axis) if sig[2] == "sum" else preduce_extreme(flat, axis, sig[2])
-        elif op == "reduce_scatter":
-            if flat is not None:
-                xs, flat = _split(flat, shapes), None
-            chunks, shapes = [], []
-            for s, x in zip(steps, xs):
-                d = s.dim
-                assert d is not None  # bucket_key keeps only gathers and scatters with a dim
-                c = x.shape[d] // n
-                y = x.reshape(x.shape[:d] + (n, c) + x.shape[d + 1 :])
-                chunks.append(jnp.moveaxis(y, d, 0).reshape(n, -1))
-                shapes.append(x.shape[:d] + (c,) + x.shape[d + 1 :])
-            buf = jnp.concatenate(chunks, axis=1)
-            flat = lax.psum_scatter(buf, axis, scatter_dimension=0, tiled=True).reshape(-1)
-        else:  # all_gather
-            if flat is None:
-                flat = jnp.concatenate([x.reshape(-1) for x in xs])
-            got = lax.all_gather(flat, axis, axis=0, tiled=False)  # (n, total)
-            xs, off = [], 0
-            for s, shape in zip(steps, shapes):
-                m = math.prod(shape)
-                y = got[:, off : off + m].reshape((n,) + shape)
-                off += m
-                d = s.dim
-                assert d is not None
-                y = jnp.moveaxis(y, 0, d) if d else y
-                xs.append(y.reshape(shape[:d] + (n * shape[d],) + shape[d + 1 :]))
-            shapes = [x.shape for x in xs]
-            flat = None
-    if flat is not None:
-        xs = _split(flat, shapes)
+    at = [0] * len(plans)  # each member's next step
+
+    def run_local(i):
+        steps = plans[i].steps
+        while at[i] < len(steps) and steps[at[i]].collective is None:
+            xs[i] = _apply(steps[at[i]], xs[i], geoms[i], _Tables(geoms[i], names), names, plans[i].dtype)
+            at[i] += 1
+
+    for i in range(len(plans)):
+        run_local(i)
+    for (op, group, reduce), who in bucket.rounds:
+        steps = [plans[i].steps[at[i]] for i in who]
+        if len(who) == 1:
+            i = who[0]
+            ys = [_apply(steps[0], xs[i], geoms[i], _Tables(geoms[i], names), names, plans[i].dtype)]
+        else:
+            axis = _axis_arg(tuple(names[a] for a in group))
+            n = math.prod(pl.shape[a] for a in group)
+            ys = _combined(op, reduce, axis, n, steps, [xs[i] for i in who])
+        for i, y in zip(who, ys):
+            xs[i] = y
+            at[i] += 1
+            run_local(i)
     return xs
+
+
+def _combined(op, reduce, axis, n, steps, xs) -> list:
+    """One collective for several tensors: their pieces laid out in one buffer."""
+    if op == "all_reduce":
+        flat = jnp.concatenate([x.reshape(-1) for x in xs])
+        flat = lax.psum(flat, axis) if reduce == "sum" else preduce_extreme(flat, axis, reduce)
+        return _split(flat, [x.shape for x in xs])
+    if op == "reduce_scatter":
+        # each tensor as (n, rest): row k is the chunk device k of the group keeps
+        chunks, shapes = [], []
+        for s, x in zip(steps, xs):
+            d = s.dim
+            assert d is not None  # bucket_key keeps only gathers and scatters with a dim
+            c = x.shape[d] // n
+            y = x.reshape(x.shape[:d] + (n, c) + x.shape[d + 1 :])
+            chunks.append(jnp.moveaxis(y, d, 0).reshape(n, -1))
+            shapes.append(x.shape[:d] + (c,) + x.shape[d + 1 :])
+        buf = jnp.concatenate(chunks, axis=1)
+        return _split(lax.psum_scatter(buf, axis, scatter_dimension=0, tiled=True).reshape(-1), shapes)
+    # all_gather: row k of the gathered buffer is device k's pieces
+    flat = jnp.concatenate([x.reshape(-1) for x in xs])
+    got = lax.all_gather(flat, axis, axis=0, tiled=False)
+    out, off = [], 0
+    for s, x in zip(steps, xs):
+        d = s.dim
+        assert d is not None
+        m = math.prod(x.shape)
+        y = got[:, off : off + m].reshape((n,) + x.shape)
+        off += m
+        y = jnp.moveaxis(y, 0, d) if d else y
+        out.append(y.reshape(x.shape[:d] + (n * x.shape[d],) + x.shape[d + 1 :]))
+    return out
 
 
 def _split(flat, shapes) -> list:

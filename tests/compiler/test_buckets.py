@@ -218,3 +218,10 @@ def test_gathers_and_scatters_on_every_dim_share_buckets(monkeypatch):
         results[on] = (sum(counts.values()), nbytes)
     assert results[True][1] == results[False][1]
     assert results[True][0] < results[False][0]
+
+
+def test_schedule_lets_a_short_sequence_ride_in_a_long_ones_round():
+    rs, ar, ag = ("reduce_scatter", (1,), "sum"), ("all_reduce", (0,), "sum"), ("all_gather", (1,), None)
+    assert buckets.schedule([(rs, ar, ag), (rs, ar, ag)]) == [(rs, [0, 1]), (ar, [0, 1]), (ag, [0, 1])]
+    assert buckets.schedule([(ar,), (rs, ar, ag)]) == [(rs, [1]), (ar, [0, 1]), (ag, [1])]
+    assert buckets.schedule([(ag,), (ar,)]) == [(ag, [0]), (ar, [1])]
