@@ -52,6 +52,7 @@ except ImportError:  # pragma: no cover - the message is the point
     sys.exit('benchmarks/dtensor.py needs PyTorch: pip install -e ".[compare]" (the CPU build is enough)')
 
 import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 from sbpjax.boxing.plan import bytes_lower_bound  # noqa: E402
@@ -187,7 +188,7 @@ def main():
     cases += [("2x4", a, b) for a, b in itertools.product(nd, nd)]
 
     rows = []
-    for where, src, dst in cases:
+    for where, src, dst in tqdm(cases, desc="pairs", unit="pair", disable=None):  # quiet in a log
         mesh, pl = meshes[where]
         d_bytes, calls, refused = dtensor_bytes(mesh, groups_of(mesh), shape, src, dst)
         src_sbp, dst_sbp = tuple(sj.parse_sbp(s)[0] for s in src), tuple(sj.parse_sbp(s)[0] for s in dst)
