@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import sys
 import time
 
 import numpy as np
@@ -450,29 +448,6 @@ class _Result:
     message: str
 
 
-_HIGHS_BANNER_SILENCED = False
-
-
-def _new_highs(highspy):
-    """A ``highspy.Highs``. The first one a process makes prints HiGHS's banner to
-    the C-level standard output before any option can be set; sj.jit should not
-    print, so that one is made with file descriptor 1 pointed at /dev/null."""
-    global _HIGHS_BANNER_SILENCED
-    if _HIGHS_BANNER_SILENCED:
-        return highspy.Highs()
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            h = highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    _HIGHS_BANNER_SILENCED = True
-    return h
-
-
 def _run_highs(c, A, lo, hi, time_limit, start: dict):
     """Solve with HiGHS through ``highspy`` (its own Python API), starting from
     ``start`` (column -> value, a partial solution HiGHS completes), or None
@@ -496,7 +471,7 @@ def _run_highs(c, A, lo, hi, time_limit, start: dict):
     lp.a_matrix_.index_ = csc.indices
     lp.a_matrix_.value_ = csc.data
     lp.integrality_ = [highspy.HighsVarType.kInteger] * n
-    h = _new_highs(highspy)
+    h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", 1e-3)
