@@ -39,11 +39,9 @@ for the same bytes share one column; and each value's layouts are limited to
 those flowing forward from the annotations (see ``_Domains``), which always
 include the greedy choice.
 
-Solved by HiGHS through ``highspy``, starting from the greedy pass's
-signatures (an incumbent the solver improves on; HiGHS completes the
-partial solution), or through ``scipy.optimize.milp`` without a start when
-highspy is missing. The caller compares the result with the greedy choice
-and keeps the cheaper one, so a time-out never makes a program worse.
+Solved with ``scipy.optimize.milp`` (HiGHS). The caller compares the result
+with the greedy choice and keeps the cheaper one, so a time-out never makes
+a program worse.
 """
 
 from __future__ import annotations
@@ -401,25 +399,16 @@ def solve(
     x_sol = np.zeros(ncols)
     if ncols:
         c = np.asarray(cost)
-        A = coo_array((vals, (rows, cols)), shape=(nrows, ncols))
-        # the greedy pass's signatures, where the ILP offers them: a starting incumbent
-        start: dict = {}
-        for index, (options, option_cols) in enumerate(zip(cands, sel)):
-            if option_cols is not None:
-                dec = greedy.decisions[index]
-                pick = [col for cand, col in zip(options, option_cols) if cand == (dec.in_sbp, dec.out_sbp)]
-                if pick:
-                    start.update({col: float(col == pick[0]) for col in option_cols})
+        integrality = np.ones(ncols)
+        A = coo_array((vals, (rows, cols)), shape=(nrows, ncols)).tocsr()
         t1 = time.perf_counter()
-        res = _run_highs(c, A, np.asarray(lo), np.asarray(hi), time_limit, start)
-        if res is None:  # highspy missing: scipy's HiGHS, without the starting point
-            res = milp(
-                c,
-                integrality=np.ones(ncols),
-                bounds=(0, 1),
-                constraints=LinearConstraint(A.tocsr(), np.asarray(lo), np.asarray(hi)),
-                options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-3},
-            )
+        res = milp(
+            c,
+            integrality=integrality,
+            bounds=(0, 1),
+            constraints=LinearConstraint(A, np.asarray(lo), np.asarray(hi)),
+            options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-3},
+        )
         choice.solve_s = time.perf_counter() - t1
         choice.status = res.message
         if res.x is None:
@@ -438,58 +427,6 @@ def solve(
         choice.bound, choice.gap = choice.objective, 0.0
     prop = _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol)
     return prop, choice
-
-
-@dataclasses.dataclass
-class _Result:
-    x: np.ndarray | None
-    fun: float
-    mip_dual_bound: float | None
-    message: str
-
-
-def _run_highs(c, A, lo, hi, time_limit, start: dict):
-    """Solve with HiGHS through ``highspy`` (its own Python API), starting from
-    ``start`` (column -> value, a partial solution HiGHS completes), or None
-    when highspy is not installed. Why not only ``scipy.optimize.milp`` (the
-    same solver): it takes no starting point, and without the greedy choice as
-    an incumbent HiGHS spends a short time limit on solutions worse than
-    greedy's (a 4-layer decoder on 2x4: 275 MB found in 10 s, greedy 106 MB)."""
-    try:
-        import highspy
-    except ImportError:
-        return None
-    n = len(c)
-    csc = A.tocsc()
-    lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = n, len(lo)
-    lp.col_cost_ = c
-    lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
-    lp.row_lower_, lp.row_upper_ = lo, hi
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = csc.indptr
-    lp.a_matrix_.index_ = csc.indices
-    lp.a_matrix_.value_ = csc.data
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * n
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(time_limit))
-    h.setOptionValue("mip_rel_gap", 1e-3)
-    h.setOptionValue("threads", 1)  # the same answer on every machine, and cores left to XLA
-    h.passModel(lp)
-    if start:
-        idx = np.fromiter(start.keys(), dtype=np.int32, count=len(start))
-        h.setSolution(len(idx), idx, np.fromiter(start.values(), dtype=np.float64, count=len(start)))
-    h.run()
-    status = h.getModelStatus()
-    message = h.modelStatusToString(status)
-    info = h.getInfo()
-    if info.primal_solution_status != 2:  # no feasible solution (kSolutionStatusFeasible)
-        return _Result(None, np.inf, None, message)
-    bound = info.mip_dual_bound
-    return _Result(
-        np.asarray(h.getSolution().col_value), float(info.objective_function_value), bound, message
-    )
 
 
 def _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol) -> Propagation:
