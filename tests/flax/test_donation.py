@@ -2,10 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import mlp_model
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from mlp_model import loss_fn
 
 import sbpjax as sj
 import sbpjax.flax as sjf
@@ -14,18 +16,8 @@ from sbpjax import B, S
 D, H, N = 8, 16, 8
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.fc1 = nnx.Linear(D, H, rngs=rngs)
-        self.fc2 = nnx.Linear(H, D, rngs=rngs)
-
-    def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x)))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
+def MLP(rngs):
+    return mlp_model.MLP(rngs, D, H)
 
 
 RULES = {"fc1.kernel": (B, S(1)), "fc2.kernel": (B, S(0))}

@@ -2,12 +2,14 @@
 
 import jax
 import jax.numpy as jnp
+import mlp_model
 import numpy as np
 import optax
 import pytest
 from conftest import assert_close, nnx_single_device
 from flax import linen as nn
 from flax import nnx
+from mlp_model import loss_fn
 
 import sbpjax as sj
 import sbpjax.flax as sjf
@@ -16,18 +18,8 @@ from sbpjax import B, S
 D, H, N = 16, 64, 16
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.fc1 = nnx.Linear(D, H, rngs=rngs)
-        self.fc2 = nnx.Linear(H, D, rngs=rngs)
-
-    def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x)))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
+def MLP(rngs):
+    return mlp_model.MLP(rngs, D, H)
 
 
 def data(seed=0, steps=3, n=N):

@@ -1,11 +1,12 @@
 """Trainer.step is all or nothing: a step that fails leaves the trainer as it was."""
 
 import jax
-import jax.numpy as jnp
+import mlp_model
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from mlp_model import loss_fn
 
 import sbpjax as sj
 import sbpjax.flax as sjf
@@ -14,18 +15,8 @@ from sbpjax import B, S
 D, H, N = 8, 16, 8
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.fc1 = nnx.Linear(D, H, rngs=rngs)
-        self.fc2 = nnx.Linear(H, D, rngs=rngs)
-
-    def __call__(self, x):
-        return self.fc2(jax.nn.gelu(self.fc1(x)))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return jnp.mean((model(x) - y) ** 2)
+def MLP(rngs):
+    return mlp_model.MLP(rngs, D, H)
 
 
 def _trainer():
