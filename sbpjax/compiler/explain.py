@@ -28,7 +28,14 @@ class Explanation:
 
     @property
     def bytes(self) -> int:
-        return int(sum(b.bytes for b in self.boxings))
+        return self.propagation.bytes
+
+    @property
+    def comm(self) -> list:
+        """Communication ops run themselves (``sbpjax.rules.Comm``: a
+        convolution's halo exchange, a cumulative sum's carries), as (op
+        index, Comm) pairs, each exchange once; counted in ``bytes``."""
+        return self.propagation.comm
 
     @property
     def choice(self):
@@ -54,6 +61,9 @@ class Explanation:
             for s in b.plan.steps:
                 n, nbytes = counts.get(s.op, (0, 0))
                 counts[s.op] = (n + 1, nbytes + s.bytes)
+        for _, c in self.comm:
+            n, nbytes = counts.get(c.what, (0, 0))
+            counts[c.what] = (n + 1, nbytes + c.bytes)
         lines = [
             f"sj.jit on {prop.placement!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
             f"{human_bytes(self.bytes)} per step (bytes received, all devices)"
@@ -75,11 +85,22 @@ class Explanation:
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
+        own: dict = {}
+        for i, c in self.comm:
+            own.setdefault(i, []).append(c)
         for i, d in enumerate(prop.decisions):
             box = "; ".join(
-                f"{_short(b.src)}->{_short(b.dst)} [{', '.join(s.label() for s in b.plan.steps) or 'free'}]"
-                for b in d.boxings
+                [
+                    f"{_short(b.src)}->{_short(b.dst)} [{', '.join(s.label() for s in b.plan.steps) or 'free'}]"
+                    for b in d.boxings
+                ]
+                + [
+                    f"{c.what}({','.join(pl.axis_names[a] for a in c.axes)})"
+                    + ("" if c in own.get(i, ()) else ", shared with an earlier op")
+                    for c in d.comm
+                ]
             )
+            moved = sum(b.bytes for b in d.boxings) + sum(c.bytes for c in own.get(i, ()))
             rows.append(
                 (
                     str(i),
@@ -87,7 +108,7 @@ class Explanation:
                     " | ".join(_short(n) for n in d.in_sbp),
                     " | ".join(_short(n) for n in d.out_sbp),
                     box,
-                    str(sum(b.bytes for b in d.boxings)) if d.boxings else "",
+                    str(moved) if d.boxings or d.comm else "",
                     d.node.source,
                 )
             )
@@ -110,6 +131,8 @@ class Explanation:
         for b in self.boxings:
             for s in b.plan.steps:
                 by_kind[s.op] = by_kind.get(s.op, 0) + s.bytes
+        for _, c in self.comm:
+            by_kind[c.what] = by_kind.get(c.what, 0) + c.bytes
         lines.append(
             "  totals: " + (", ".join(f"{k} {v} B" for k, v in sorted(by_kind.items())) or "no communication")
         )

@@ -28,12 +28,25 @@ from sbpjax.sbp import Partial, Split
 class LocalCtx:
     """What a rule's local evaluation may ask about the current equation."""
 
-    def __init__(self, placement, in_nd, out_nd, out_shapes):
+    def __init__(self, placement, in_nd, out_nd, out_shapes, in_keys=None, shared=None):
         self.placement = placement
         self.grid = placement.shape
         self.in_nd = in_nd
         self.out_nd = out_nd
         self.local_out_shapes = [local_shape(s, nd, self.grid) for s, nd in zip(out_shapes, out_nd)]
+        self._in_keys = in_keys
+        self._shared = shared if shared is not None else {}
+
+    def memo(self, operand: int, detail, make):
+        """``make()``, computed once per program for the same input value (in
+        the same layout) and ``detail``: ops that send the same data (a halo
+        exchange read by a convolution and by its kernel gradient) share it."""
+        if self._in_keys is None:
+            return make()
+        key = (self._in_keys[operand], detail)
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     @staticmethod
     def is_split(nd, dim) -> bool:
@@ -99,6 +112,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
     def body(*blocks):
         env: dict = {}
         entered: set = set()
+        shared: dict = {}  # what ops' own communication made (LocalCtx.memo)
 
         def barrier(region):
             """One optimization barrier over every value the region reads from outside,
@@ -140,7 +154,8 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 outs = ins
             else:
                 rule = RULES.get(node.name)
-                ctx = LocalCtx(pl, dec.in_sbp, dec.out_sbp, [o.shape for o in node.outs])
+                keys = [(id(a), nd) for a, nd in zip(node.ins, dec.in_sbp)]
+                ctx = LocalCtx(pl, dec.in_sbp, dec.out_sbp, [o.shape for o in node.outs], keys, shared)
                 local = rule.local if (rule is not None and rule.local is not None) else _default_local
                 outs = local(node.eqn, ins, ctx)
             for v, nd, y in zip(node.outs, dec.out_sbp, outs):

@@ -62,6 +62,7 @@ class Decision:
     in_sbp: list  # nd-SBP each input is used with
     out_sbp: list
     boxings: list
+    comm: list = dataclasses.field(default_factory=list)  # the op's own (sbpjax.rules.Comm)
 
 
 @dataclasses.dataclass
@@ -78,6 +79,44 @@ class Propagation:
     @property
     def boxings(self) -> list:
         return [b for d in self.decisions for b in d.boxings] + self.out_boxings
+
+    @property
+    def comm(self) -> list:
+        """(op index, Comm) of the communication ops run themselves, each
+        exchange once: an op sending what an earlier op sent (the same input
+        value and layout, the same ``Comm.detail``) reuses it (the lowering's
+        ``LocalCtx.memo``)."""
+        seen, out = set(), []
+        for i, d in enumerate(self.decisions):
+            for c in d.comm:
+                atom = d.node.ins[c.operand]
+                key = (id(atom), d.in_sbp[c.operand], c.what, c.detail)
+                if key not in seen:
+                    seen.add(key)
+                    out.append((i, c))
+        return out
+
+    @property
+    def bytes(self) -> int:
+        """Everything the program moves: its boxings and the ops' own
+        communication (halo exchanges, prefix carries)."""
+        return int(sum(b.bytes for b in self.boxings) + sum(c.bytes for _, c in self.comm))
+
+
+def op_comm(node: Node, ins, outs, grid, cache: dict | None = None):
+    """The communication ``node`` runs itself with this nd-signature (a list
+    of ``sbpjax.rules.Comm``), or ``None`` when its rule cannot run it."""
+    rule = RULES.get(node.name)
+    if rule is None or rule.comm is None:
+        return []
+    key = (id(node), tuple(ins), tuple(outs))
+    if cache is not None and key in cache:
+        return cache[key]
+    in_avals = [v.aval for v in node.eqn.invars]
+    hit = rule.comm(node.eqn, in_avals, list(ins), list(outs), tuple(grid))
+    if cache is not None:
+        cache[key] = hit
+    return hit
 
 
 def _nbytes(var) -> int:
@@ -181,6 +220,7 @@ class Propagator:
         self._sigs: dict = {}  # id(node) -> its candidate signatures
         self._choices: dict = {}  # (id(node), what the choice depends on) -> (ins, outs) | False
         self._evens: dict = {}  # (nd-SBP, shape) -> whether every split divides
+        self._comms: dict = {}  # (id(node), ins, outs) -> the op's own communication
         self.uses: dict = {}  # id(var) -> how many ops and outputs use it
         self.warnings: list = []
         self.quiet = False
@@ -372,6 +412,7 @@ class Propagator:
             return free
         # rank 1-D candidates per axis, then cost the products exactly
         per_axis = []
+        own_comm = RULES[node.name].comm is not None
         for a, p in enumerate(self.grid):
             if p == 1:
                 per_axis.append(
@@ -399,7 +440,10 @@ class Propagator:
                 scored.append((est, changed, *_axis_ties(s, cur, a), k, s))
                 with_pref.append((est + later, changed, *_axis_ties(s, cur, a), k, s))
             scored.sort(key=lambda t: t[:5])
-            keep = [t[5] for t in scored[:_TOP_K]]
+            # the estimate does not see an op's own communication (a halo, a
+            # prefix carry: it depends on every axis), so such ops keep all
+            # their candidates for exact costing (they are few in a program)
+            keep = [t[5] for t in (scored if own_comm else scored[:_TOP_K])]
             if wants:
                 top = min(with_pref, key=lambda t: t[:5])[5]
                 if top not in keep:
@@ -415,13 +459,17 @@ class Propagator:
                 continue
             if any(not self._partial_ok(nd) for nd in ins + outs):
                 continue
-            combos.append((order, ins, outs))
+            comm = op_comm(node, ins, outs, self.grid, self._comms)
+            if comm is None:
+                continue
+            combos.append((order, ins, outs, sum(c.bytes for c in comm)))
         # Bound every product's bytes first (no searches), then cost them exactly
         # in order of the bound until the bound exceeds the best bytes found:
         # the rest cannot win, since bytes come first in the key.
         bounded = []
-        for order, ins, outs in combos:
-            debt = self._partial_debt(cur, ins, outs, node)
+        for order, ins, outs, own in combos:
+            # an op's own communication counts like a debt: bytes this choice moves
+            debt = self._partial_debt(cur, ins, outs, node) + own
             low = debt + sum(self.cost_bound(atom, nd) for atom, nd in zip(node.ins, ins))
             low += sum(
                 self.bound(o, nd, self.pref[id(o)])
@@ -439,7 +487,7 @@ class Propagator:
             for atom, nd in zip(node.ins, ins):
                 c = self.cost(atom, nd)
                 total = [total[0] + c[0], total[1] + c[1], total[2] + c[2]]
-            # Ties: no new debt; no input used as a partial when a reduced version
+            # Ties: no new debt (nor own communication); no input used as a partial when a reduced version
             # exists; no split output that must be gathered back; no partial with
             # several uses left to be reduced later; then time (which defers a
             # partial's reduction when paying now or later costs the same bytes,
@@ -478,6 +526,9 @@ class Propagator:
         (elementwise chains on one layout) end here."""
         if any(self.versions.get(id(a)) for a in node.ins if isinstance(a, Var)):
             return None
+        rule = RULES.get(node.name)
+        if rule is not None and rule.comm is not None:
+            return None  # its candidates may cost bytes of their own: cost them all
         if any(id(o) in self.pref for o in node.outs) or not all(self._partial_ok(nd) for nd in cur):
             return None
         per_axis, sizes = [], []
@@ -561,7 +612,8 @@ class Propagator:
             boxings.append(Boxing(atom, src, nd, plan, f"{node.name} at {node.source}", index))
         for v, nd in zip(node.outs, outs):
             self.layout[id(v)] = nd
-        return Decision(node, list(ins), list(outs), boxings)
+        comm = op_comm(node, ins, outs, self.grid, self._comms) or []
+        return Decision(node, list(ins), list(outs), boxings, comm)
 
 
 def propagate(
@@ -622,7 +674,7 @@ def propagate(
             rank_with_prefs=rank_with_prefs,
         )
         ranked_apart |= apart
-        total = sum(b.bytes for b in prop.boxings)
+        total = prop.bytes
         if best is None or total < best[0]:
             best = (total, prop)
         return prop

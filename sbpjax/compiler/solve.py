@@ -53,7 +53,7 @@ import time
 import numpy as np
 
 from sbpjax._errors import SBPError
-from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator
+from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator, op_comm
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.rules import RULES
 from sbpjax.rules.elementwise import ELEMENTWISE
@@ -146,6 +146,8 @@ def _candidates(pr: Propagator, node, grid):
         if not all(pr._even(nd, v.shape) for nd, v in zip(ins + outs, list(node.ins) + node.outs)):
             continue
         if not all(pr._partial_ok(nd) for nd in ins + outs):
+            continue
+        if op_comm(node, ins, outs, grid, pr._comms) is None:
             continue
         key = (tuple(ins), tuple(outs))
         if key in seen:
@@ -312,12 +314,15 @@ def solve(
     for index, node in enumerate(program.nodes):
         cs = allowed.restrict(index, node, _candidates(pr, node, grid))
         cands.append(cs)
+        # the op's own communication (a halo exchange) is paid by the candidate
+        own = [64 * sum(c.bytes for c in op_comm(node, ins, outs, grid, pr._comms) or ()) for ins, outs in cs]
         if len(cs) == 1:
             sel.append(None)
+            const_cost += own[0]
             for o, nd in zip(node.outs, cs[0][1]):
                 produced[id(o)] = {nd: _Lin(const=1.0)}
             continue
-        columns = [new_col() for _ in cs]
+        columns = [new_col(c) for c in own]
         sel.append(columns)
         add_row({c: 1.0 for c in columns}, 1.0, 1.0)
         for j, o in enumerate(node.outs):
@@ -453,7 +458,8 @@ def _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol) -> 
             box(atom, nd, f"{node.name} at {node.source}", index, boxings)
         for v, nd in zip(node.outs, outs):
             layout[id(v)] = nd
-        decisions.append(Decision(node, list(ins), list(outs), boxings))
+        comm = op_comm(node, ins, outs, placement.shape, pr._comms) or []
+        decisions.append(Decision(node, list(ins), list(outs), boxings, comm))
     out_boxings: list = []
     final: list = []
     for k, atom in enumerate(program.outputs):
@@ -468,7 +474,7 @@ def _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol) -> 
 
 
 def total_bytes(prop: Propagation) -> int:
-    return int(sum(b.bytes for b in prop.boxings))
+    return prop.bytes
 
 
 SOLVERS = ("ilp", "greedy")

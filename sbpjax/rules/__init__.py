@@ -10,6 +10,16 @@ same way: each axis acts on the pieces the earlier axes left).
 Each rule's docstring shows the per-device equation that makes it correct. A
 rule may also give the local evaluation (``local``): by default the primitive
 is bound again on local tensors with shape parameters rescaled to local shapes.
+
+Most rules move nothing themselves: every byte a program moves is a boxing
+between ops. A few ops need their neighbours' data whatever layout they get
+(a convolution split along image height needs the rows just past its piece; a
+cumulative sum split along its axis needs the totals of the pieces before it).
+Their rule also has a ``comm`` function: given an nd-signature it returns the
+communication the local evaluation runs (``Comm`` records, priced like
+boxings, which the layout choice adds to the signature's cost and ``explain()``
+lists), or ``None`` when that nd-signature cannot be run locally (a halo wider
+than a neighbour's piece).
 """
 
 from __future__ import annotations
@@ -33,11 +43,32 @@ class Sig:
     outs: tuple
 
 
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """Communication an op runs inside its own local evaluation.
+
+    ``what``: e.g. "halo_exchange"; ``axes``: the placement axes it runs over;
+    ``bytes``: bytes received, summed over all devices (OneFlow Table 2's
+    convention, as for boxings). ``operand`` and ``detail`` say what is sent:
+    two ops sending the same operand (in the same layout) with the same
+    detail share one exchange (a convolution and its kernel gradient read the
+    same halo), which the lowering runs once (``LocalCtx.memo``) and
+    ``explain()`` counts once."""
+
+    what: str
+    axes: tuple
+    bytes: int
+    operand: int = 0
+    detail: tuple = ()
+
+
 @dataclasses.dataclass
 class Rule:
     name: str
     signatures: Callable  # (eqn, in_avals) -> list[Sig]
     local: Callable | None = None  # (eqn, local_ins, ctx) -> list of local outputs
+    # (eqn, in_avals, ins_nd, outs_nd, grid) -> list[Comm] | None (None: not runnable)
+    comm: Callable | None = None
 
 
 RULES: dict = {}
@@ -60,6 +91,17 @@ def set_local(*names: str):
     def deco(fn):
         for n in names:
             RULES[n].local = fn
+        return fn
+
+    return deco
+
+
+def set_comm(*names: str):
+    """Register the communication function of primitives named ``names``."""
+
+    def deco(fn):
+        for n in names:
+            RULES[n].comm = fn
         return fn
 
     return deco
