@@ -11,7 +11,10 @@ AutoDDL's 3-D matmul) combine these per placement axis.
 
 from __future__ import annotations
 
-from sbpjax.rules import B, P, Sig, rank, register
+import math
+
+from sbpjax.rules import B, P, Sig, rank, register, set_comm, set_local
+from sbpjax.rules.halo import Slide, exchange, halo, halo_comm, local_shape, mesh_axes, split_axes
 from sbpjax.sbp import Split
 
 
@@ -40,8 +43,10 @@ def conv(eqn, in_avals):
     """Per device ``y_i = conv(x_i, k_i)``: a batch split of ``x`` gives a batch
     split of ``y``; a split of the kernel's output channels gives a channel split
     of ``y``; splitting the input channels of both gives ``y = sum_i y_i``
-    (P(sum)) when there are no feature groups. Spatial dims are not split
-    (windows would cross pieces)."""
+    (P(sum)) when there are no feature groups. A spatial split of ``x`` (image
+    height) runs with a halo exchange: with ``y`` split alike and ``k``
+    broadcast (forward, input gradient), or with ``k``'s taps split alike and
+    ``y = sum_i y_i`` (a kernel gradient) (``sbpjax.rules.halo``)."""
     dn = eqn.params["dimension_numbers"]
     lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     sigs = []
@@ -50,4 +55,79 @@ def conv(eqn, in_avals):
     if eqn.params.get("feature_group_count", 1) == 1 and eqn.params.get("batch_group_count", 1) == 1:
         sigs.append(Sig((B, Split(rhs[0])), (Split(out[1]),)))
         sigs.append(Sig((Split(lhs[1]), Split(rhs[1])), (P(),)))
-    return sigs + [Sig((P(), B), (P(),)), Sig((B, P()), (P(),)), Sig((B, B), (B,))]
+    sigs += [Sig((P(), B), (P(),)), Sig((B, P()), (P(),)), Sig((B, B), (B,))]
+    for t in range(len(lhs) - 2):
+        sigs.append(Sig((Split(lhs[2 + t]), B), (Split(out[2 + t]),)))
+        sigs.append(Sig((Split(lhs[2 + t]), Split(rhs[2 + t])), (P(),)))
+    return sigs
+
+
+def _conv_halos(eqn, in_avals, ins, outs, grid):
+    """Per split spatial dim: (spatial index, lhs dim, Halo, axes), in order;
+    ``None`` when the nd-signature mixes the two spatial splits on one dim or
+    a halo cannot be run."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    nsp = len(lhs) - 2
+    ones = (1,) * nsp
+    found = []
+    for t in range(nsp):
+        axes = split_axes(ins[0], lhs[2 + t])
+        if not axes:
+            continue
+        window = split_axes(ins[1], rhs[2 + t])
+        if window == axes:
+            split_window = True
+        elif not window and split_axes(outs[0], out[2 + t]) == axes:
+            split_window = False
+        else:
+            return None
+        lo, hi = p["padding"][t]
+        sl = Slide(
+            n=in_avals[0].shape[lhs[2 + t]],
+            k=in_avals[1].shape[rhs[2 + t]],
+            m=eqn.outvars[0].aval.shape[out[2 + t]],
+            stride=p["window_strides"][t],
+            lo=lo,
+            hi=hi,
+            lhs_dil=(p.get("lhs_dilation") or ones)[t],
+            rhs_dil=(p.get("rhs_dilation") or ones)[t],
+        )
+        h = halo(sl, math.prod(grid[a] for a in axes), split_window)
+        if h is None:
+            return None
+        found.append((t, lhs[2 + t], h, axes))
+    return found
+
+
+@set_comm("conv_general_dilated")
+def conv_comm(eqn, in_avals, ins, outs, grid):
+    """One halo exchange per split spatial dim, on ``x``'s piece as extended
+    by the exchanges before it (so the corners come with the second)."""
+    found = _conv_halos(eqn, in_avals, ins, outs, grid)
+    if found is None:
+        return None
+    shape = local_shape(in_avals[0].shape, ins[0], grid)
+    comms, done = [], ()
+    for _, dim, h, axes in found:
+        done += ((dim, h.left, h.right, axes),)
+        comms.append(halo_comm(shape, in_avals[0].dtype.itemsize, dim, h, axes, grid, 0, done))
+        shape[dim] += h.left + h.right
+    return [c for c in comms if c.bytes]
+
+
+@set_local("conv_general_dilated")
+def conv_local(eqn, ins, ctx):
+    in_avals = [v.aval for v in eqn.invars]
+    found = _conv_halos(eqn, in_avals, ctx.in_nd, ctx.out_nd, ctx.grid)
+    x, padding, done = ins[0], list(eqn.params["padding"]), ()
+    for t, dim, h, axes in found:
+        done += ((dim, h.left, h.right, axes),)
+        x = ctx.memo(
+            0,
+            ("halo_exchange", done),
+            lambda x=x, dim=dim, h=h, axes=axes: exchange(x, dim, h, *mesh_axes(ctx, axes)),
+        )
+        padding[t] = h.pad
+    return [eqn.primitive.bind(x, ins[1], **{**eqn.params, "padding": tuple(padding)})]

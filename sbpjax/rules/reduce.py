@@ -7,11 +7,20 @@ without gathering the logits). A split on a kept dim stays a split (renumbered).
 A partial input of the same op stays partial: ``sum(sum_i x_i) = sum_i sum(x_i)``.
 ``argmax``/``argmin`` need the reduced dim whole. ``cumsum`` and friends keep
 splits off their axis; ``cumsum`` is linear (keeps P(sum)), ``cummax`` monotone.
+Split along their axis, each piece's scan is completed with the totals of the
+pieces before it (an all-gather of one row per piece).
 """
 
 from __future__ import annotations
 
-from sbpjax.rules import B, P, Sig, rank, register
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from sbpjax.rules import B, Comm, P, Sig, rank, register, set_comm, set_local
+from sbpjax.rules.halo import local_shape, mesh_axes, piece_index, split_axes
 from sbpjax.sbp import Split
 
 _OP = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
@@ -48,11 +57,73 @@ def kept_dim_reduction(eqn, in_avals):
 
 @register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
 def cumulative(eqn, in_avals):
-    """``y_i = cumop(x_i, axis)`` for splits off the axis; cumsum keeps P(sum),
-    cummax/cummin keep P(max)/P(min)."""
+    """``y_i = cumop(x_i, axis)`` for splits off the axis; along it, ``y_i =
+    cumop(x_i)`` combined with the totals of the pieces before it (after it,
+    for ``reverse``); cumsum keeps P(sum), cummax/cummin keep P(max)/P(min)."""
     axis = eqn.params["axis"]
     sigs = [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0])) if d != axis]
     keep = {"cumsum": "sum", "cummax": "max", "cummin": "min"}.get(eqn.primitive.name)
     if keep:
         sigs.append(Sig((P(keep),), (P(keep),)))
-    return sigs + [Sig((B,), (B,))]
+    return sigs + [Sig((B,), (B,)), Sig((Split(axis),), (Split(axis),))]
+
+
+@set_comm("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+def cumulative_comm(eqn, in_avals, ins, outs, grid):
+    """Split along the axis: every device gathers each piece's total (one
+    row: the local shape without the axis)."""
+    axes = split_axes(ins[0], eqn.params["axis"])
+    if not axes:
+        return []
+    pieces = math.prod(grid[a] for a in axes)
+    shape = local_shape(in_avals[0].shape, ins[0], grid)
+    row = math.prod(shape) // shape[eqn.params["axis"]] * in_avals[0].dtype.itemsize
+    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * row)]
+
+
+def _identity(name, dtype):
+    if name in ("cumsum",):
+        return 0
+    if name == "cumprod":
+        return 1
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    info = None if floating else np.iinfo(dtype)
+    if name in ("cummax", "cumlogsumexp"):
+        return -np.inf if floating else info.min  # type: ignore[union-attr]
+    return np.inf if floating else info.max  # type: ignore[union-attr]
+
+
+_COMBINE = {
+    "cumsum": jnp.add,
+    "cumprod": jnp.multiply,
+    "cummax": jnp.maximum,
+    "cummin": jnp.minimum,
+    "cumlogsumexp": jnp.logaddexp,
+}
+_REDUCE = {
+    "cumsum": jnp.sum,
+    "cumprod": jnp.prod,
+    "cummax": jnp.max,
+    "cummin": jnp.min,
+    "cumlogsumexp": lambda v, axis: lax.reduce(v, -jnp.inf, jnp.logaddexp, (axis,)),
+}
+
+
+@set_local("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
+def cumulative_local(eqn, ins, ctx):
+    name, axis, reverse = eqn.primitive.name, eqn.params["axis"], eqn.params.get("reverse", False)
+    y = eqn.primitive.bind(ins[0], **eqn.params)
+    axes = split_axes(ctx.in_nd[0], axis)
+    if not axes:
+        return [y]
+    names, sizes = mesh_axes(ctx, axes)
+    pieces = math.prod(sizes)
+    # this piece's total is the last element of its scan (the first, reversed)
+    end = 0 if reverse else y.shape[axis] - 1
+    total = lax.slice_in_dim(y, end, end + 1, axis=axis)
+    totals = lax.all_gather(total, names if len(names) > 1 else names[0], axis=0, tiled=False)
+    me = piece_index(names, sizes)
+    before = jnp.arange(pieces) > me if reverse else jnp.arange(pieces) < me
+    before = before.reshape((pieces,) + (1,) * total.ndim)
+    carry = _REDUCE[name](jnp.where(before, totals, jnp.asarray(_identity(name, y.dtype), y.dtype)), axis=0)
+    return [_COMBINE[name](carry, y).astype(y.dtype)]

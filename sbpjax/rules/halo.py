@@ -1,0 +1,163 @@
+"""Halo exchange: sliding windows over a split dim.
+
+A convolution or a pooling window split along a dim it slides over (image
+height) needs, on each device, a few elements past either end of its piece:
+the *halo*. Each device sends its border rows to its neighbours with one
+``ppermute`` per side, appends what it receives, and runs the op on the
+extended piece with the padding changed to what is left at that position
+(GSPMD and Mesh-TensorFlow's spatial partitioning do the same). Devices at
+the ends of the dim receive the padding value instead, as the whole op would
+have read it.
+
+One dim of a window op is a :class:`Slide`: ``out[o]`` reduces
+``xd[o * stride - lo + j * rhs_dil]`` over the window taps ``j``, where ``xd``
+is the input with ``lhs_dil - 1`` holes between elements (a transposed
+convolution, the input gradient of a strided one). Two splits are run:
+
+* **output split**: the input and the output are split alike, every device
+  has every tap (a forward convolution, pooling, an input gradient);
+* **window split**: the input and the taps are split alike and every device
+  makes a partial sum of the whole output (a kernel gradient, whose "window"
+  is the output gradient).
+
+Either is exact only where every device's needed range sits at the same place
+relative to its own piece (``shift == n_l * lhs_dil`` below: "SAME" padding
+with a stride that divides the size, non-overlapping pooling, their
+gradients); anything else is not offered and the operand is gathered first.
+A halo wider than a neighbour's piece is not offered either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from sbpjax.rules import Comm
+from sbpjax.sbp import Split
+
+
+@dataclasses.dataclass(frozen=True)
+class Slide:
+    """One dim of a window op (global sizes): input ``n``, taps ``k``, output
+    ``m``, ``stride``, padding ``lo``/``hi``, input and tap dilations."""
+
+    n: int
+    k: int
+    m: int
+    stride: int = 1
+    lo: int = 0
+    hi: int = 0
+    lhs_dil: int = 1
+    rhs_dil: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Halo:
+    """What each device needs beyond its piece (``left`` elements from the
+    piece before it, ``right`` from the piece after; negative: that many of
+    its own are not used), and the padding the op then runs with."""
+
+    left: int
+    right: int
+    pad: tuple[int, int]
+
+    @property
+    def received(self) -> int:
+        return max(self.left, 0) + max(self.right, 0)
+
+
+def halo(sl: Slide, pieces: int, split_window: bool) -> Halo | None:
+    """The halo of ``sl`` split into ``pieces`` (output split, or window split
+    when ``split_window``); ``None`` where that split cannot be run locally."""
+    if sl.n % pieces or (sl.k if split_window else sl.m) % pieces:
+        return None
+    n_l = sl.n // pieces
+    if split_window:
+        m_l, k_l = sl.m, sl.k // pieces
+        shift = k_l * sl.rhs_dil
+    else:
+        m_l, k_l = sl.m // pieces, sl.k
+        shift = m_l * sl.stride
+    # device i needs dilated positions [i * shift - lo, ... + span): the same
+    # place relative to its piece [i * n_l * lhs_dil, ...) on every device only
+    # when the two advance together
+    if shift != n_l * sl.lhs_dil:
+        return None
+    span = (m_l - 1) * sl.stride + (k_l - 1) * sl.rhs_dil + 1
+    left = sl.lo // sl.lhs_dil
+    right = (span - 1 - sl.lo) // sl.lhs_dil + 1 - n_l
+    if left > n_l or right > n_l or n_l + min(left, 0) + min(right, 0) < 1:
+        return None
+    width = n_l + left + right
+    lo_l = sl.lo - left * sl.lhs_dil
+    return Halo(left, right, (lo_l, span - lo_l - ((width - 1) * sl.lhs_dil + 1)))
+
+
+def split_axes(nd, dim) -> tuple[int, ...]:
+    """The placement axes splitting ``dim`` in ``nd``, outer first."""
+    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim)
+
+
+def local_shape(shape, nd, grid) -> list[int]:
+    out = list(shape)
+    for a, s in enumerate(nd):
+        if isinstance(s, Split):
+            out[s.dim] //= grid[a]
+    return out
+
+
+def halo_comm(shape, itemsize, dim, h: Halo, axes, grid, operand=0, detail=()) -> Comm:
+    """Bytes of one halo exchange on ``dim`` of a local piece of ``shape``
+    (local): every device but the first of its line receives ``left`` rows,
+    every device but the last ``right`` rows. ``detail``: what identifies the
+    exchange besides the operand (see ``Comm``)."""
+    pieces = math.prod(grid[a] for a in axes)
+    rows = math.prod(shape) // shape[dim]
+    lines = math.prod(grid) // pieces
+    received = lines * (pieces - 1) * h.received * rows * itemsize
+    return Comm("halo_exchange", tuple(axes), int(received), operand, detail)
+
+
+def piece_index(names, sizes):
+    """This device's piece number along a dim split over mesh axes ``names``
+    (of ``sizes``), outer first: nd-SBP's order."""
+    idx = lax.axis_index(names[0])
+    for n, p in zip(names[1:], sizes[1:]):
+        idx = idx * p + lax.axis_index(n)
+    return idx
+
+
+def mesh_axes(ctx, axes) -> tuple[tuple, tuple]:
+    """Names and sizes of placement ``axes`` (for collectives in a local evaluation)."""
+    return tuple(ctx.placement.axis_names[a] for a in axes), tuple(ctx.grid[a] for a in axes)
+
+
+def exchange(x, dim: int, h: Halo, names: tuple, sizes: tuple, fill=None):
+    """``x`` (this device's piece along ``dim``) with its halo: ``h.left``
+    rows of the piece before it in front, ``h.right`` rows of the piece after
+    it behind; the first and last pieces get ``fill`` there (``None``: zeros,
+    which ``ppermute`` leaves where nothing is sent). ``names``: the mesh
+    axes splitting ``dim``, outer first (``ppermute`` over several axes numbers
+    devices row-major in that order, as nd-SBP orders pieces)."""
+    n_l = x.shape[dim]
+    pieces = math.prod(sizes)
+    axis = names if len(names) > 1 else names[0]
+    idx = piece_index(names, sizes) if fill is not None else None
+    parts = []
+    if h.left > 0:
+        edge = lax.slice_in_dim(x, n_l - h.left, n_l, axis=dim)
+        got = lax.ppermute(edge, axis, perm=[(i, i + 1) for i in range(pieces - 1)])
+        if idx is not None:
+            got = jnp.where(idx == 0, jnp.asarray(fill, x.dtype), got)
+        parts.append(got)
+    parts.append(lax.slice_in_dim(x, max(0, -h.left), n_l - max(0, -h.right), axis=dim))
+    if h.right > 0:
+        edge = lax.slice_in_dim(x, 0, h.right, axis=dim)
+        got = lax.ppermute(edge, axis, perm=[(i + 1, i) for i in range(pieces - 1)])
+        if idx is not None:
+            got = jnp.where(idx == pieces - 1, jnp.asarray(fill, x.dtype), got)
+        parts.append(got)
+    return lax.concatenate(parts, dim) if len(parts) > 1 else parts[0]
