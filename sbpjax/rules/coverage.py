@@ -26,7 +26,9 @@ def _summary(fn) -> str:
 
 def coverage() -> list[dict]:
     """One dict per registered primitive: ``primitive``, ``family``, ``rule``,
-    ``local`` (whether the rule has its own local evaluation) and ``allows``."""
+    ``local`` (whether the rule has its own local evaluation), ``comm``
+    (whether some of its signatures communicate inside the op: a halo
+    exchange, a prefix carry) and ``allows``."""
     rows = []
     for name in sorted(RULES):
         rule = RULES[name]
@@ -37,6 +39,8 @@ def coverage() -> list[dict]:
                 "family": fn.__module__.rsplit(".", 1)[-1],
                 "rule": fn.__name__,
                 "local": rule.local is not None,
+                # a comm function that only refuses nd-signatures moves nothing
+                "comm": rule.comm is not None and getattr(rule.comm, "moves_data", True),
                 "allows": _summary(fn),
             }
         )
@@ -64,11 +68,16 @@ def markdown() -> str:
         f"({', '.join(f'`{c}`' for c in CONTROL_FLOW)} left in the program) run whole on every device",
         "with an `SBPWarning`.",
         "",
-        "| primitive | family | rule | what the rule allows |",
-        "|---|---|---|---|",
+        'A mark in the "moves data" column: some of the op\'s signatures communicate inside',
+        "the op itself (a halo exchange, a prefix carry); `explain()` lists those bytes on the op's",
+        "row and counts them in its total.",
+        "",
+        "| primitive | family | rule | moves data | what the rule allows |",
+        "|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| `{r['primitive']}` | {r['family']} | `{r['rule']}` | {r['allows']} |")
+        mark = "yes" if r["comm"] else ""
+        lines.append(f"| `{r['primitive']}` | {r['family']} | `{r['rule']}` | {mark} | {r['allows']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,330 @@
+"""Windows that slide across split dims: convolutions and pooling split along
+image height or width run with a halo exchange, cumulative ops split along
+their axis complete each piece with the totals before it.
+
+Three kinds of check:
+* the halo geometry (``sbpjax.rules.halo.halo``) against a NumPy window op
+  computed on the whole array, over a sweep of sizes, strides, paddings and
+  dilations (the oracle knows nothing of halos);
+* ``sj.jit`` programs against the same program on one device, with the plan's
+  bytes equal to the compiled program's collectives;
+* a small CNN with activations split along height: bytes at most GSPMD's and
+  at most gathering the input.
+"""
+
+import itertools
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+import sbpjax as sj
+from sbpjax._errors import SBPWarning
+from sbpjax.rules.halo import Slide, halo
+
+# -- the geometry, against NumPy -------------------------------------------------
+
+
+def _window_op(x, w, sl: Slide):
+    """out[o] = sum_j xp[o * stride + j * rhs_dil] * w[j], xp = x dilated then padded."""
+    xd = np.zeros((len(x) - 1) * sl.lhs_dil + 1)
+    xd[:: sl.lhs_dil] = x
+    xp = np.concatenate([np.zeros(max(sl.lo, 0)), xd, np.zeros(max(sl.hi, 0))])
+    xp = xp[max(-sl.lo, 0) : len(xp) - max(-sl.hi, 0)]
+    span = (len(w) - 1) * sl.rhs_dil + 1
+    m = (len(xp) - span) // sl.stride + 1
+    return np.array([sum(xp[o * sl.stride + j * sl.rhs_dil] * w[j] for j in range(len(w))) for o in range(m)])
+
+
+def _out_len(sl: Slide) -> int:
+    dilated = (sl.n - 1) * sl.lhs_dil + 1 + sl.lo + sl.hi
+    return (dilated - ((sl.k - 1) * sl.rhs_dil + 1)) // sl.stride + 1
+
+
+def _piece_with_halo(x, i, n_l, h):
+    """Device i's piece of x with its halo: zeros past either end of x."""
+    lo, hi = i * n_l - h.left, (i + 1) * n_l + h.right
+    out = np.zeros(hi - lo)
+    src_lo, src_hi = max(lo, 0), min(hi, len(x))
+    out[src_lo - lo : src_hi - lo] = x[src_lo:src_hi]
+    return out
+
+
+def _cases():
+    for n, k, stride, lo, hi, lhs_dil, rhs_dil in itertools.product(
+        (8, 16, 24), (1, 2, 3, 5, 8, 12, 16), (1, 2, 3), (0, 1, 2), (0, 1, 2), (1, 2), (1, 2)
+    ):
+        sl = Slide(n, k, 0, stride, lo, hi, lhs_dil, rhs_dil)
+        m = _out_len(sl)
+        if m >= 1:
+            yield Slide(n, k, m, stride, lo, hi, lhs_dil, rhs_dil)
+
+
+@pytest.mark.parametrize("pieces", [2, 4])
+def test_output_split_halo_equals_the_whole_window_op(pieces):
+    rng = np.random.default_rng(0)
+    runnable = 0
+    for sl in _cases():
+        h = halo(sl, pieces, split_window=False)
+        if h is None:
+            continue
+        runnable += 1
+        x, w = rng.normal(size=sl.n), rng.normal(size=sl.k)
+        whole = _window_op(x, w, sl)
+        n_l, m_l = sl.n // pieces, sl.m // pieces
+        for i in range(pieces):
+            piece = _piece_with_halo(x, i, n_l, h)
+            local = Slide(len(piece), sl.k, m_l, sl.stride, *h.pad, sl.lhs_dil, sl.rhs_dil)
+            got = _window_op(piece, w, local)
+            np.testing.assert_allclose(
+                got, whole[i * m_l : (i + 1) * m_l], rtol=1e-12, atol=1e-12, err_msg=str(sl)
+            )
+    assert runnable > 50  # the sweep reaches the runnable geometries, not only refusals
+
+
+@pytest.mark.parametrize("pieces", [2, 4])
+def test_window_split_halo_sums_to_the_whole_window_op(pieces):
+    rng = np.random.default_rng(1)
+    runnable = 0
+    for sl in _cases():
+        h = halo(sl, pieces, split_window=True)
+        if h is None:
+            continue
+        runnable += 1
+        x, w = rng.normal(size=sl.n), rng.normal(size=sl.k)
+        n_l, k_l = sl.n // pieces, sl.k // pieces
+        total = np.zeros(sl.m)
+        for i in range(pieces):
+            piece = _piece_with_halo(x, i, n_l, h)
+            local = Slide(len(piece), k_l, sl.m, sl.stride, *h.pad, sl.lhs_dil, sl.rhs_dil)
+            total += _window_op(piece, w[i * k_l : (i + 1) * k_l], local)
+        np.testing.assert_allclose(total, _window_op(x, w, sl), rtol=1e-12, atol=1e-12, err_msg=str(sl))
+    assert runnable > 5
+
+
+@pytest.mark.parametrize(
+    "sl, split_window",
+    [
+        (Slide(16, 3, 16, 1, 1, 1), False),  # 3x3 "SAME"
+        (Slide(16, 3, 8, 2, 0, 1), False),  # 3x3 "SAME", stride 2
+        (Slide(16, 2, 8, 2, 0, 0), False),  # 2x2 pooling, stride 2
+        (Slide(8, 3, 16, 1, 2, 1, lhs_dil=2), False),  # the input gradient of the stride-2 conv
+        (Slide(16, 8, 3, 1, 0, 1, rhs_dil=2), True),  # its kernel gradient
+        (Slide(16, 16, 3, 1, 1, 1), True),  # the 3x3 SAME conv's kernel gradient
+    ],
+)
+def test_the_windows_models_use_are_runnable(sl, split_window):
+    assert _out_len(sl) == sl.m
+    assert halo(sl, 4, split_window) is not None
+
+
+def test_a_halo_wider_than_a_neighbour_is_refused():
+    # a 7-tap SAME window on pieces of 2 would need 3 rows from each side
+    assert halo(Slide(8, 7, 8, 1, 3, 3), 4, split_window=False) is None
+    assert halo(Slide(16, 7, 16, 1, 3, 3), 4, split_window=False) is not None
+
+
+# -- sj.jit on window ops ----------------------------------------------------------
+
+DN = ("NHWC", "HWIO", "NHWC")
+
+
+def _conv(stride):
+    return lambda x, k: lax.conv_general_dilated(x, k, (stride, stride), "SAME", dimension_numbers=DN)
+
+
+def _run(fn, args, pl, in_sbp, rtol=1e-5):
+    """``fn`` under sj.jit: values equal one device's, no SBPWarning, plan bytes
+    equal the compiled collectives'. Returns the explanation."""
+    f = sj.jit(fn, placement=pl, in_sbp=in_sbp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SBPWarning)
+        got = f(*args)
+        e = f.explain(*args)
+        compiled = f.lower(*args).compile()
+    want = fn(*args)
+    leaves = jax.tree.leaves(got, is_leaf=lambda t: isinstance(t, sj.GlobalTensor))
+    for g, w in zip(leaves, jax.tree.leaves(want)):
+        assert_close(g.numpy(), np.asarray(w), rtol=rtol)
+    assert e.bytes == sum(c.bytes for c in sj.collectives(compiled)), str(e)
+    return e
+
+
+def _boxed_bytes(e) -> int:
+    """Bytes moved by boxings (a constant sliced to a split is free)."""
+    return sum(b.bytes for b in e.boxings)
+
+
+PLACEMENTS = {
+    "h4": ((4,), ("h",), (sj.S(1),)),
+    "batch2_h4": ((2, 4), ("d", "h"), (sj.S(0), sj.S(1))),
+    "h2_w2": ((2, 2), ("h", "w"), (sj.S(1), sj.S(2))),
+    "h8": ((2, 4), ("a", "b"), (sj.S(1), sj.S(1))),
+}
+
+
+@pytest.mark.parametrize("where", PLACEMENTS)
+@pytest.mark.parametrize("stride", [1, 2])
+def test_conv_split_along_height_forward_and_gradients(where, stride):
+    shape, names, xs = PLACEMENTS[where]
+    pl = sj.placement(shape, names)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 16, 16, 3)).astype(np.float32)
+    k = (0.3 * rng.normal(size=(3, 3, 3, 4))).astype(np.float32)
+    conv = _conv(stride)
+    rep = (sj.B,) * len(shape)
+    e = _run(conv, (x, k), pl, (xs, rep))
+    assert e.bytes > 0 and {c.what for _, c in e.comm} == {"halo_exchange"}
+    assert _boxed_bytes(e) == 0  # the activation keeps its split: only the halo moves
+    grads = jax.grad(lambda x, k: jnp.sum(conv(x, k) ** 2), argnums=(0, 1))
+    _run(grads, (x, k), pl, (xs, rep), rtol=2e-5)
+
+
+def test_a_kernel_gradient_reuses_the_forward_halo():
+    """The forward conv and its kernel gradient read the same rows of the same
+    activation: one exchange, counted once, as XLA runs it."""
+    pl = sj.placement(4, "h")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 16, 16, 3)).astype(np.float32)
+    k = rng.normal(size=(3, 3, 3, 4)).astype(np.float32)
+    conv = _conv(1)
+    e = _run(jax.grad(lambda k, x: jnp.sum(conv(x, k) ** 2)), (k, x), pl, ((sj.B,), (sj.S(1),)))
+    exchanges = [c for d in e.propagation.decisions for c in d.comm]
+    assert len(exchanges) == 2 and len(e.comm) == 1
+    # 3 devices receive one row of 2 x 16 x 3 floats from above, 3 from below
+    assert e.bytes == 2 * 3 * (2 * 16 * 3 * 4)
+    assert "shared with an earlier op" in str(e)
+
+
+POOLS = {
+    "max2x2": lambda y: nn.max_pool(y, (2, 2), (2, 2)),
+    "max3x3_s2": lambda y: nn.max_pool(y, (3, 3), (2, 2), padding="SAME"),
+    "avg3x3": lambda y: nn.avg_pool(y, (3, 3), (1, 1), padding="SAME"),
+    "avg2x2": lambda y: nn.avg_pool(y, (2, 2), (2, 2)),
+    "min3x3": lambda y: -nn.max_pool(-y, (3, 3), (1, 1), padding="SAME"),
+}
+
+
+@pytest.mark.parametrize("where", PLACEMENTS)
+@pytest.mark.parametrize("pool", POOLS)
+def test_pooling_split_along_height(where, pool):
+    shape, names, xs = PLACEMENTS[where]
+    pl = sj.placement(shape, names)
+    x = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype(np.float32)
+    e = _run(POOLS[pool], (x,), pl, (xs,))
+    assert _boxed_bytes(e) == 0
+    if pool in ("max2x2", "avg2x2"):
+        assert e.bytes == 0  # windows inside pieces: nothing to exchange
+    _run(jax.grad(lambda y: jnp.sum(POOLS[pool](y) ** 2)), (x,), pl, (xs,))
+
+
+def test_average_pool_gradient_keeps_the_split():
+    """JAX writes an average pool's gradient as a pad and a window sum; the two
+    run as one padded window (a pad of a split dim would gather it)."""
+    pl = sj.placement(4, "h")
+    x = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype(np.float32)
+    e = _run(jax.grad(lambda y: jnp.sum(POOLS["avg3x3"](y) ** 2)), (x,), pl, ((sj.S(1),),))
+    assert _boxed_bytes(e) == 0 and "pad" not in [op for op, *_ in e.ops]
+
+
+CUMULATIVE = {
+    "cumsum": lambda v: jnp.cumsum(v, axis=1),
+    "cumsum_reverse": lambda v: lax.cumsum(v, axis=1, reverse=True),
+    "cumprod": lambda v: jnp.cumprod(v, axis=1),
+    "cummax": lambda v: lax.cummax(v, axis=1),
+    "cummin_reverse": lambda v: lax.cummin(v, axis=1, reverse=True),
+    "cumlogsumexp": lambda v: lax.cumlogsumexp(v, axis=1),
+}
+
+
+@pytest.mark.parametrize("op", CUMULATIVE)
+@pytest.mark.parametrize("where", ["h4", "h8"])
+def test_cumulative_ops_along_the_split_dim(op, where):
+    shape, names, xs = PLACEMENTS[where]
+    pl = sj.placement(shape, names)
+    x = np.random.default_rng(0).uniform(0.5, 1.5, size=(3, 16, 5)).astype(np.float32)
+    fn = CUMULATIVE[op]
+    f = sj.jit(fn, placement=pl, in_sbp=(xs,), out_sbp=xs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SBPWarning)
+        got = f(x)
+        e = f.explain(x)
+    assert_close(got.numpy(), np.asarray(fn(x)), rtol=1e-5)
+    assert _boxed_bytes(e) == 0 and [c.what for _, c in e.comm] == ["all_gather"]
+    # every device gathers one row (3 x 5 values) from each other piece
+    p = int(np.prod(shape))
+    assert e.bytes == p * (p - 1) * 3 * 5 * 4
+    assert e.bytes == sum(c.bytes for c in sj.collectives(f.lower(x).compile()))
+
+
+def test_cumsum_of_integers_along_the_split_dim(pl8):
+    x = np.arange(64, dtype=np.int32).reshape(16, 4)
+    f = sj.jit(lambda v: jnp.cumsum(v, axis=0), placement=pl8, in_sbp=(sj.S(0),), out_sbp=sj.S(0))
+    np.testing.assert_array_equal(f(x).numpy(), np.cumsum(x, axis=0))
+
+
+# -- a CNN split along height -------------------------------------------------------
+
+
+def _cnn(params, x):
+    y = jax.nn.relu(lax.conv_general_dilated(x, params["c1"], (1, 1), "SAME", dimension_numbers=DN))
+    y = nn.max_pool(y, (2, 2), (2, 2))
+    y = jax.nn.relu(lax.conv_general_dilated(y, params["c2"], (1, 1), "SAME", dimension_numbers=DN))
+    y = jax.nn.relu(lax.conv_general_dilated(y, params["c3"], (2, 2), "SAME", dimension_numbers=DN))
+    y = nn.avg_pool(y, (3, 3), (1, 1), padding="SAME")
+    return jnp.mean(y**2)
+
+
+def _cnn_params():
+    rng = np.random.default_rng(0)
+    shapes = {"c1": (3, 3, 3, 8), "c2": (3, 3, 8, 8), "c3": (3, 3, 8, 8)}
+    return {k: (0.3 * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
+
+
+def _gspmd_bytes(fn, pl, x_spec, args):
+    mesh = pl.mesh
+    g = jax.jit(
+        fn,
+        in_shardings=(NamedSharding(mesh, PS()), NamedSharding(mesh, x_spec)),
+        out_shardings=NamedSharding(mesh, PS()),
+    )
+    return sum(c.bytes for c in sj.collectives(g.lower(*args).compile()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["h4", "batch2_h4", "h2_w2"])
+def test_cnn_split_along_height_moves_less_than_gspmd_and_gathering(where):
+    shape, names, xs = PLACEMENTS[where]
+    pl = sj.placement(shape, names)
+    rep = (sj.B,) * len(shape)
+    params = _cnn_params()
+    x = np.random.default_rng(1).normal(size=(4, 32, 32, 3)).astype(np.float32)
+    step = jax.value_and_grad(_cnn)
+    in_sbp = ({k: rep for k in params}, xs)
+    out_sbp = (rep, {k: rep for k in params})
+    e = _run(step, (params, x), pl, in_sbp, rtol=2e-5)
+    f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
+    ours = f.explain(params, x).bytes
+    assert ours == sum(c.bytes for c in sj.collectives(f.lower(params, x).compile()))
+    assert e.bytes <= ours  # (out_sbp adds the gradients' reduction to B)
+
+    spec = [None] * 4
+    for a, s in enumerate(xs):
+        spec[s.dim] = names[a] if spec[s.dim] is None else (spec[s.dim], names[a])
+    gspmd = _gspmd_bytes(step, pl, PS(*spec), (params, x))
+
+    # the alternative without halos: gather the input, run every layer on the other dims
+    gathered = (
+        sj.jit(lambda p, v: step(p, sj.constrain(v, rep)), placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
+        .explain(params, x)
+        .bytes
+    )
+    assert ours <= gspmd, (ours, gspmd)
+    assert ours <= gathered, (ours, gathered)
