@@ -204,6 +204,19 @@ class _Domains:
         keep_g = (list(dec.in_sbp), list(dec.out_sbp))
         if len(cs) > 1:
             uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
+            if node.name in _HEAVY or node.name == "add_any":
+                # A contraction or a sum of gradients may also take an operand in
+                # a layout another operand of the same shape has (an activation
+                # and its gradient meeting at a kernel gradient, or two gradients
+                # of one value, one split along height, the other along the
+                # batch): one is boxed to the other's layout, where the producer
+                # layouts alone would leave a gather, or zero-filling both into a
+                # partial that is reduced later at full size. (All elementwise
+                # ops would triple the integer program for little more.)
+                for i, a in enumerate(node.ins):
+                    for j, b in enumerate(node.ins):
+                        if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape:
+                            uses[i] = uses[i] | self._uses(b)
             kept = [
                 c
                 for c in cs
