@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from sbpjax.rules import B, P, Sig, rank, register, set_comm, set_local
-from sbpjax.rules.halo import Slide, exchange, halo, halo_comm, local_shape, mesh_axes, split_axes
+from sbpjax.rules.halo import Slide, halo, halo_comms, local_shape, run_halos, split_axes
 from sbpjax.sbp import Split
 
 
@@ -108,26 +108,16 @@ def conv_comm(eqn, in_avals, ins, outs, grid):
     found = _conv_halos(eqn, in_avals, ins, outs, grid)
     if found is None:
         return None
-    shape = local_shape(in_avals[0].shape, ins[0], grid)
-    comms, done = [], ()
-    for _, dim, h, axes in found:
-        done += ((dim, h.left, h.right, axes),)
-        comms.append(halo_comm(shape, in_avals[0].dtype.itemsize, dim, h, axes, grid, 0, done))
-        shape[dim] += h.left + h.right
-    return [c for c in comms if c.bytes]
+    steps = [(dim, h, axes, None) for _, dim, h, axes in found]
+    return halo_comms(local_shape(in_avals[0].shape, ins[0], grid), in_avals[0].dtype.itemsize, steps, grid)
 
 
 @set_local("conv_general_dilated")
 def conv_local(eqn, ins, ctx):
     in_avals = [v.aval for v in eqn.invars]
     found = _conv_halos(eqn, in_avals, ctx.in_nd, ctx.out_nd, ctx.grid)
-    x, padding, done = ins[0], list(eqn.params["padding"]), ()
-    for t, dim, h, axes in found:
-        done += ((dim, h.left, h.right, axes),)
-        x = ctx.memo(
-            0,
-            ("halo_exchange", done),
-            lambda x=x, dim=dim, h=h, axes=axes: exchange(x, dim, h, *mesh_axes(ctx, axes)),
-        )
+    padding = list(eqn.params["padding"])
+    for t, _, h, _ in found:
         padding[t] = h.pad
+    x = run_halos(ins[0], [(dim, h, axes, None, None) for _, dim, h, axes in found], ctx)
     return [eqn.primitive.bind(x, ins[1], **{**eqn.params, "padding": tuple(padding)})]

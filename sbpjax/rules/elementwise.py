@@ -79,6 +79,7 @@ NONLINEAR = (
     "bessel_i1e",
     "igamma",
     "igammac",
+    "igamma_grad_a",  # the derivative of gammainc in a
     "random_gamma_grad",
     "imag",
     "real",

@@ -109,16 +109,44 @@ def local_shape(shape, nd, grid) -> list[int]:
     return out
 
 
-def halo_comm(shape, itemsize, dim, h: Halo, axes, grid, operand=0, detail=()) -> Comm:
-    """Bytes of one halo exchange on ``dim`` of a local piece of ``shape``
-    (local): every device but the first of its line receives ``left`` rows,
-    every device but the last ``right`` rows. ``detail``: what identifies the
-    exchange besides the operand (see ``Comm``)."""
-    pieces = math.prod(grid[a] for a in axes)
-    rows = math.prod(shape) // shape[dim]
-    lines = math.prod(grid) // pieces
-    received = lines * (pieces - 1) * h.received * rows * itemsize
-    return Comm("halo_exchange", tuple(axes), int(received), operand, detail)
+def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
+    """The exchanges of ``run_halos(x, steps, ...)`` on a local piece of
+    ``shape``, one ``Comm`` per side that receives rows: every device but the
+    first of its line receives ``left`` rows, every device but the last
+    ``right`` rows. ``steps``: (dim, Halo, axes, fill key) per split dim, in
+    order (the fill key names the edge value; ops sending the same rows of the
+    same value share the exchange, see ``Comm``)."""
+    shape, chain, out = list(shape), (), []
+    for dim, h, axes, fill in steps:
+        pieces = math.prod(grid[a] for a in axes)
+        slab = math.prod(shape) // shape[dim] * itemsize
+        lines = math.prod(grid) // pieces
+        for side, rows in (("left", h.left), ("right", h.right)):
+            if rows > 0:
+                nbytes = lines * (pieces - 1) * rows * slab
+                out.append(
+                    Comm("halo_exchange", tuple(axes), nbytes, operand, (chain, dim, side, rows, axes))
+                )
+        shape[dim] += h.left + h.right
+        chain += ((dim, h.left, h.right, axes, fill),)
+    return out
+
+
+def run_halos(x, steps, ctx, operand=0):
+    """``x`` extended by the halos of ``steps`` (see ``halo_comms``; here the
+    fill is the value itself, or None for zeros), one dim after the other, so
+    a second dim's exchange carries the corners. Each side's ``ppermute`` is
+    made once per program for the same rows of the same value (``ctx.memo``)."""
+    chain: tuple = ()
+    for dim, h, axes, fill, fill_key in steps:
+        names, sizes = mesh_axes(ctx, axes)
+
+        def send(side, rows, make, chain=chain, dim=dim, axes=axes):
+            return ctx.memo(operand, (chain, dim, side, rows, axes), make)
+
+        x = exchange(x, dim, h, names, sizes, fill, send)
+        chain += ((dim, h.left, h.right, axes, fill_key),)
+    return x
 
 
 def piece_index(names, sizes):
@@ -135,28 +163,42 @@ def mesh_axes(ctx, axes) -> tuple[tuple, tuple]:
     return tuple(ctx.placement.axis_names[a] for a in axes), tuple(ctx.grid[a] for a in axes)
 
 
-def exchange(x, dim: int, h: Halo, names: tuple, sizes: tuple, fill=None):
+def exchange(x, dim: int, h: Halo, names: tuple, sizes: tuple, fill=None, send=None):
     """``x`` (this device's piece along ``dim``) with its halo: ``h.left``
     rows of the piece before it in front, ``h.right`` rows of the piece after
     it behind; the first and last pieces get ``fill`` there (``None``: zeros,
     which ``ppermute`` leaves where nothing is sent). ``names``: the mesh
     axes splitting ``dim``, outer first (``ppermute`` over several axes numbers
-    devices row-major in that order, as nd-SBP orders pieces)."""
+    devices row-major in that order, as nd-SBP orders pieces). ``send(side,
+    rows, make)`` may reuse an earlier ``make()`` (``run_halos``)."""
     n_l = x.shape[dim]
     pieces = math.prod(sizes)
     axis = names if len(names) > 1 else names[0]
     idx = piece_index(names, sizes) if fill is not None else None
+    send = send or (lambda side, rows, make: make())
     parts = []
     if h.left > 0:
-        edge = lax.slice_in_dim(x, n_l - h.left, n_l, axis=dim)
-        got = lax.ppermute(edge, axis, perm=[(i, i + 1) for i in range(pieces - 1)])
+        got = send(
+            "left",
+            h.left,
+            lambda: lax.ppermute(
+                lax.slice_in_dim(x, n_l - h.left, n_l, axis=dim),
+                axis,
+                perm=[(i, i + 1) for i in range(pieces - 1)],
+            ),
+        )
         if idx is not None:
             got = jnp.where(idx == 0, jnp.asarray(fill, x.dtype), got)
         parts.append(got)
     parts.append(lax.slice_in_dim(x, max(0, -h.left), n_l - max(0, -h.right), axis=dim))
     if h.right > 0:
-        edge = lax.slice_in_dim(x, 0, h.right, axis=dim)
-        got = lax.ppermute(edge, axis, perm=[(i + 1, i) for i in range(pieces - 1)])
+        got = send(
+            "right",
+            h.right,
+            lambda: lax.ppermute(
+                lax.slice_in_dim(x, 0, h.right, axis=dim), axis, perm=[(i + 1, i) for i in range(pieces - 1)]
+            ),
+        )
         if idx is not None:
             got = jnp.where(idx == pieces - 1, jnp.asarray(fill, x.dtype), got)
         parts.append(got)

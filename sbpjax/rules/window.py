@@ -8,8 +8,10 @@ window slides over (image height) runs with a halo exchange
 (``sbpjax.rules.halo``): the pieces' border rows are sent to their
 neighbours, and the pieces at either end get the reduction's init value
 (``-inf`` for a max), as the whole op pads. Non-overlapping windows (a 2x2
-max pool with stride 2) need no halo and move nothing. The derivatives are
-split on a sliding dim only where windows do not cross pieces (no halo).
+max pool with stride 2) need no halo and move nothing. The derivatives take
+halos too: ``select_and_gather_add`` (a max pool's tangent) like the pool,
+``select_and_scatter_add`` (its gradient) with the windows of its
+neighbours that reach into its piece and every row they cover.
 
 Partial algebra: a window sum is linear (``sum_w sum_i x_i = sum_i sum_w x_i``:
 P(sum) passes), a window max/min commutes with a max/min over devices
@@ -24,9 +26,10 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from sbpjax.rules import B, P, Sig, rank, register, set_comm, set_local
-from sbpjax.rules.halo import Slide, exchange, halo, halo_comm, local_shape, mesh_axes, split_axes
+from sbpjax.rules.halo import Halo, Slide, halo, halo_comms, local_shape, run_halos, split_axes
 from sbpjax.sbp import Split
 
 
@@ -67,29 +70,37 @@ def _halos(eqn, in_avals, ins, outs, grid):
     return found
 
 
-def _window_comm(eqn, in_avals, ins, outs, grid):
-    found = _halos(eqn, in_avals, ins, outs, grid)
-    if found is None:
-        return None
-    n = len(eqn.outvars)
-    comms = []
-    for j in range(n):  # each pooled operand is exchanged (a generic reduce_window may have several)
-        shape, done = local_shape(in_avals[j].shape, ins[j], grid), ()
-        for d, h, axes in found:
-            done += ((d, h.left, h.right, axes, eqn.primitive.name),)
-            comms.append(halo_comm(shape, in_avals[j].dtype.itemsize, d, h, axes, grid, j, done))
-            shape[d] += h.left + h.right
-    return [c for c in comms if c.bytes]
-
-
 def _fill(name, dtype):
     """The value a window reduction pads with: its identity."""
     if name == "reduce_window_sum":
         return None  # zeros
-    info = np.finfo(dtype) if jnp.issubdtype(dtype, jnp.floating) else np.iinfo(dtype)
-    big = np.inf if jnp.issubdtype(dtype, jnp.floating) else info.max
-    small = -np.inf if jnp.issubdtype(dtype, jnp.floating) else info.min
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    info = None if floating else np.iinfo(dtype)
+    small = -np.inf if floating else info.min  # type: ignore[union-attr]
+    big = np.inf if floating else info.max  # type: ignore[union-attr]
     return small if name == "reduce_window_max" else big
+
+
+def _fill_key(eqn, j, dtype):
+    """Names the edge value of operand ``j``'s halo: the value itself, or for a
+    generic reduce_window (whose init value is an operand) this equation's."""
+    if eqn.primitive.name == "reduce_window":
+        return ("init", id(eqn), j)
+    fill = _fill(eqn.primitive.name, dtype)
+    return None if fill is None else repr(fill)
+
+
+def _window_comm(eqn, in_avals, ins, outs, grid):
+    found = _halos(eqn, in_avals, ins, outs, grid)
+    if found is None:
+        return None
+    comms = []
+    for j in range(len(eqn.outvars)):  # each pooled operand (a generic reduce_window may have several)
+        key = _fill_key(eqn, j, in_avals[j].dtype)
+        steps = [(d, h, axes, key) for d, h, axes in found]
+        shape = local_shape(in_avals[j].shape, ins[j], grid)
+        comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
+    return comms
 
 
 def _window_local(eqn, ins, ctx):
@@ -98,22 +109,14 @@ def _window_local(eqn, ins, ctx):
     n = len(eqn.outvars)
     name = eqn.primitive.name
     padding = [tuple(c) for c in eqn.params["padding"]]
+    for d, h, _ in found:
+        padding[d] = h.pad
     xs = list(ins[:n])
     for j in range(n):
         # a generic reduce_window pads with its init operand (broadcast: the same on every device)
         fill = ins[n + j] if name == "reduce_window" else _fill(name, xs[j].dtype)
-        done: tuple = ()
-        for d, h, axes in found:
-            done += ((d, h.left, h.right, axes, name),)
-            if h.received or h.left < 0 or h.right < 0:
-                xs[j] = ctx.memo(
-                    j,
-                    ("halo_exchange", done),
-                    lambda x=xs[j], d=d, h=h, axes=axes, fill=fill: exchange(
-                        x, d, h, *mesh_axes(ctx, axes), fill=fill
-                    ),
-                )
-            padding[d] = h.pad
+        key = _fill_key(eqn, j, xs[j].dtype)
+        xs[j] = run_halos(xs[j], [(d, h, axes, fill, key) for d, h, axes in found], ctx, j)
     outs = eqn.primitive.bind(*xs, *ins[n:], **{**eqn.params, "padding": tuple(padding)})
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
@@ -143,46 +146,146 @@ set_comm("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_
 set_local("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")(_window_local)
 
 
-def _no_halo_split(eqn, in_avals, ins, outs, grid):
-    """Pooling derivatives on a dim the window slides over: only where each
-    window lies inside one piece (windows no longer than their stride, no
-    low padding, aligned pieces), so no halo is needed; then the local op runs
-    unpadded on that dim."""
-    operand = in_avals[1]
-    out = eqn.outvars[0].aval
-    pooled = in_avals[0] if eqn.primitive.name == "select_and_scatter_add" else out
+def _select_fill(eqn, dtype):
+    """What a position outside the operand holds for the selection: never
+    chosen over a real element (``-inf`` for max pooling's ``ge``)."""
+    floating = jnp.issubdtype(dtype, jnp.floating)
+    info = None if floating else np.iinfo(dtype)
+    if eqn.params["select_prim"].name in ("ge", "gt"):
+        return -np.inf if floating else info.min  # type: ignore[union-attr]
+    return np.inf if floating else info.max  # type: ignore[union-attr]
+
+
+def _scatter_halos(eqn, in_avals, ins, outs, grid):
+    """``select_and_scatter_add(source, operand)`` split along a dim the window
+    slides over: per split dim (dim, axes, source halo, operand halo). Each
+    device takes the windows that touch its piece (its own and up to
+    ``s_left`` / ``s_right`` of its neighbours') with every operand element
+    they cover, selects and scatters locally, and keeps its piece. Only where
+    ``n == m * stride`` (each piece starts the same number of windows)."""
+    p = eqn.params
+    source, operand = in_avals
+    found = []
     for d in range(len(operand.shape)):
         axes = split_axes(ins[1], d)
         if not axes:
             continue
-        pieces = math.prod(grid[a] for a in axes)
-        p = eqn.params
-        k, s = p["window_dimensions"][d], p["window_strides"][d]
-        dils = [p.get(n, (1,) * len(operand.shape))[d] for n in ("base_dilation", "window_dilation")]
-        n, m = operand.shape[d], pooled.shape[d]
-        if not (k <= s and p["padding"][d][0] == 0 and n == m * s and m % pieces == 0 and dils == [1, 1]):
+        if split_axes(ins[0], d) != axes or split_axes(outs[0], d) != axes:
             return None
-    return []
+        pieces = math.prod(grid[a] for a in axes)
+        k, st, (lo, _) = p["window_dimensions"][d], p["window_strides"][d], p["padding"][d]
+        n, m = operand.shape[d], source.shape[d]
+        if n % pieces or m % pieces or n != m * st:
+            return None
+        n_l, m_l = n // pieces, m // pieces
+        # windows o cover operand [o * st - lo, o * st - lo + k): those reaching
+        # this piece run from s_left before its own first to s_right past its last
+        s_left = max(0, (k - 1 - lo) // st)
+        s_right = max(0, (lo - 1) // st + 1)
+        left = s_left * st + lo
+        right = (s_right - 1) * st - lo + k  # < 0: the piece's last rows are in no window
+        if lo < 0 or max(s_left, s_right) > m_l or max(left, right) > n_l:
+            return None
+        # (a negative right is not trimmed: the output keeps every row of the
+        # piece, and the extension of at most st - k rows leaves the count of
+        # windows unchanged)
+        found.append((d, axes, Halo(s_left, s_right, (0, 0)), Halo(left, max(right, 0), (0, 0))))
+    return found
 
 
-def _pooling_derivative_local(eqn, ins, ctx):
+def _scatter_steps(eqn, found, operand_dtype):
+    fill = _select_fill(eqn, operand_dtype)
+    source = [(d, hs, axes, None, None) for d, axes, hs, _ in found]
+    operand = [(d, ho, axes, fill, repr(fill)) for d, axes, _, ho in found]
+    return source, operand
+
+
+def _scatter_comm(eqn, in_avals, ins, outs, grid):
+    found = _scatter_halos(eqn, in_avals, ins, outs, grid)
+    if found is None:
+        return None
+    comms = []
+    for j, steps in enumerate(_scatter_steps(eqn, found, in_avals[1].dtype)):
+        shape = local_shape(in_avals[j].shape, ins[j], grid)
+        comms += halo_comms(shape, in_avals[j].dtype.itemsize, [st[:3] + st[4:] for st in steps], grid, j)
+    return comms
+
+
+def _scatter_local(eqn, ins, ctx):
+    in_avals = [v.aval for v in eqn.invars]
+    found = _scatter_halos(eqn, in_avals, ctx.in_nd, ctx.out_nd, ctx.grid)
+    source_steps, operand_steps = _scatter_steps(eqn, found, ins[1].dtype)
+    # windows that do not exist (past either end) receive zeros: they add nothing
+    src = run_halos(ins[0], source_steps, ctx, 0)
+    operand = run_halos(ins[1], operand_steps, ctx, 1)
     padding = [tuple(c) for c in eqn.params["padding"]]
-    for d in range(len(padding)):
-        if split_axes(ctx.in_nd[1], d):
-            padding[d] = (0, 0)
-    return [eqn.primitive.bind(*ins, **{**eqn.params, "padding": tuple(padding)})]
+    for d, *_ in found:
+        padding[d] = (0, 0)
+    out = eqn.primitive.bind(src, operand, **{**eqn.params, "padding": tuple(padding)})
+    for d, _, _, ho in found:
+        out = lax.slice_in_dim(out, ho.left, ho.left + ctx.local_out_shapes[0][d], axis=d)
+    return [out]
+
+
+def _gather_halos(eqn, in_avals, ins, outs, grid):
+    """``select_and_gather_add(tangents, operand)``: a pooling of two operands
+    (the output is split like a pool's); both get the pool's halo."""
+    found = []
+    for d, sl in enumerate(_slides(eqn, [in_avals[1]], eqn.outvars[0].aval)):
+        axes = split_axes(ins[1], d)
+        if not axes:
+            continue
+        if split_axes(ins[0], d) != axes or split_axes(outs[0], d) != axes:
+            return None
+        h = halo(sl, math.prod(grid[a] for a in axes), split_window=False)
+        if h is None:
+            return None
+        found.append((d, h, axes))
+    return found
+
+
+def _gather_steps(eqn, found, operand_dtype):
+    fill = _select_fill(eqn, operand_dtype)
+    tangents = [(d, h, axes, None, None) for d, h, axes in found]
+    operand = [(d, h, axes, fill, repr(fill)) for d, h, axes in found]
+    return tangents, operand
+
+
+def _gather_comm(eqn, in_avals, ins, outs, grid):
+    found = _gather_halos(eqn, in_avals, ins, outs, grid)
+    if found is None:
+        return None
+    comms = []
+    for j, steps in enumerate(_gather_steps(eqn, found, in_avals[1].dtype)):
+        shape = local_shape(in_avals[j].shape, ins[j], grid)
+        comms += halo_comms(shape, in_avals[j].dtype.itemsize, [st[:3] + st[4:] for st in steps], grid, j)
+    return comms
+
+
+def _gather_local(eqn, ins, ctx):
+    in_avals = [v.aval for v in eqn.invars]
+    found = _gather_halos(eqn, in_avals, ctx.in_nd, ctx.out_nd, ctx.grid)
+    padding = [tuple(c) for c in eqn.params["padding"]]
+    for d, h, _ in found:
+        padding[d] = h.pad
+    xs = [
+        run_halos(x, steps, ctx, j)
+        for j, (x, steps) in enumerate(zip(ins, _gather_steps(eqn, found, ins[1].dtype)))
+    ]
+    return [eqn.primitive.bind(*xs, **{**eqn.params, "padding": tuple(padding)})]
 
 
 @register("select_and_scatter_add", "select_and_gather_add")
 def pooling_derivative(eqn, in_avals):
     """``select_and_scatter_add(ct, x)`` (max pooling's transpose) and
     ``select_and_gather_add(t, x)`` (its tangent): both operands split alike
-    on dims where no window crosses a piece; linear in the first operand, so
-    (P, B) -> P."""
+    on any dim (with halos where windows cross pieces); linear in the first
+    operand, so (P, B) -> P."""
     splits = [Sig((Split(d), Split(d)), (Split(d),)) for d in range(rank(in_avals[1]))]
     return splits + [Sig((P(), B), (P(),)), Sig((B, B), (B,))]
 
 
-_no_halo_split.moves_data = False  # type: ignore[attr-defined]  # it only refuses (see sbpjax.rules.coverage)
-set_comm("select_and_scatter_add", "select_and_gather_add")(_no_halo_split)
-set_local("select_and_scatter_add", "select_and_gather_add")(_pooling_derivative_local)
+set_comm("select_and_scatter_add")(_scatter_comm)
+set_local("select_and_scatter_add")(_scatter_local)
+set_comm("select_and_gather_add")(_gather_comm)
+set_local("select_and_gather_add")(_gather_local)
