@@ -228,3 +228,24 @@ def test_checkpoint_recomputes_in_the_lowered_program(pl24, scan):
     _, want = jax.jit(remat[0])(*args)
     for got, w in zip(remat[1](*args)[1], want):
         assert_close(got.numpy(), np.asarray(w), rtol=1e-4, scale=np.abs(w).max())
+
+
+def test_constrain_inside_a_loop_body_is_kept_in_every_iteration(pl24):
+    """sj.constrain in a scan body pins the layout in every iteration (it was
+    ignored while loops ran whole)."""
+    w1, w2, x = stacked_weights(3)
+    want = (S(0), S(1))
+
+    def loss(w1, w2, x):
+        def body(h, w):
+            h = sj.constrain(layer(h, w), want)
+            return h, None
+
+        h, _ = jax.lax.scan(body, x, (w1, w2))
+        return jnp.mean(h**2)
+
+    f = sj.jit(loss, placement=pl24, in_sbp=(W1_SBP, W2_SBP, X_SBP))
+    e = f.explain(w1, w2, x)
+    pinned = [d for d in e.propagation.decisions if d.node.name == "sbp_constrain"]
+    assert len(pinned) == 3 and all(d.out_sbp == [want] for d in pinned)
+    assert_close(f(w1, w2, x).numpy(), np.asarray(loss(w1, w2, x)), rtol=1e-5)

@@ -197,7 +197,7 @@ def test_a_kernel_gradient_reuses_the_forward_halo():
     conv = _conv(1)
     e = _run(jax.grad(lambda k, x: jnp.sum(conv(x, k) ** 2)), (k, x), pl, ((sj.B,), (sj.S(1),)))
     exchanges = [c for d in e.propagation.decisions for c in d.comm]
-    assert len(exchanges) == 2 and len(e.comm) == 1
+    assert len(exchanges) == 4 and len(e.comm) == 2  # one ppermute per side, each made once
     # 3 devices receive one row of 2 x 16 x 3 floats from above, 3 from below
     assert e.bytes == 2 * 3 * (2 * 16 * 3 * 4)
     assert "shared with an earlier op" in str(e)
@@ -222,7 +222,22 @@ def test_pooling_split_along_height(where, pool):
     assert _boxed_bytes(e) == 0
     if pool in ("max2x2", "avg2x2"):
         assert e.bytes == 0  # windows inside pieces: nothing to exchange
-    _run(jax.grad(lambda y: jnp.sum(POOLS[pool](y) ** 2)), (x,), pl, (xs,))
+    # gradients (select_and_scatter_add for a max pool) and tangents
+    # (select_and_gather_add) keep the split too
+    grad = _run(jax.grad(lambda y: jnp.sum(POOLS[pool](y) ** 2)), (x,), pl, (xs,))
+    tangent = _run(lambda y: jax.jvp(POOLS[pool], (y,), (y * y,))[1], (x,), pl, (xs,))
+    assert _boxed_bytes(grad) == 0 and _boxed_bytes(tangent) == 0
+
+
+def test_max_pool_gradient_shares_the_forward_halo():
+    """A 3x3 stride-2 max pool reads one row below each piece; its gradient
+    reads that row and two above. The row below is sent once."""
+    pl = sj.placement(4, "h")
+    x = np.random.default_rng(0).normal(size=(2, 16, 16, 3)).astype(np.float32)
+    e = _run(jax.grad(lambda y: jnp.sum(POOLS["max3x3_s2"](y) ** 2)), (x,), pl, ((sj.S(1),),))
+    row = 2 * 16 * 3 * 4  # one row of the (2, 16, 16, 3) activation
+    pooled_row = 2 * 8 * 3 * 4  # one row of the pooled gradient
+    assert e.bytes == 3 * (1 + 2) * row + 3 * 1 * pooled_row
 
 
 def test_average_pool_gradient_keeps_the_split():

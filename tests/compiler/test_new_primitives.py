@@ -49,3 +49,21 @@ def test_one_minus_square_has_a_rule_when_jax_has_the_primitive():
         pytest.skip(f"jax {jax.__version__} has no one_minus_square primitive")
     jaxpr = jax.make_jaxpr(jax.lax.one_minus_square)(jnp.ones(3))
     assert {e.primitive.name for e in jaxpr.eqns} <= set(RULES)
+
+
+def test_incomplete_gamma_gradients_stay_split(pl8):
+    """``jax.scipy.special.gammainc``'s gradient in ``a`` is ``igamma_grad_a``."""
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.5, 3.0, size=(16,)).astype(np.float32)
+    x = rng.uniform(0.1, 4.0, size=(16,)).astype(np.float32)
+
+    def grads(a, x):
+        return jax.grad(lambda a, x: jax.scipy.special.gammainc(a, x).sum(), argnums=(0, 1))(a, x)
+
+    f = sj.jit(grads, placement=pl8, in_sbp=(S0, S0), out_sbp=(S0, S0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SBPWarning)
+        got = f(a, x)
+        assert f.explain(a, x).bytes == 0
+    for g, w in zip(got, grads(a, x)):
+        assert_close(g.numpy(), np.asarray(w), rtol=1e-5)
