@@ -24,14 +24,18 @@ Models:
 3. ``resnet_bn``: a small ResNet-like CNN (``lax.conv_general_dilated``, NHWC)
    with training-mode BatchNorm (batch statistics; running statistics are an
    output), data parallel on 8x1 (the batch S(0), everything else B).
-4. ``moe``: a mixture-of-experts layer (softmax router, top-k by ``lax.top_k``,
+4. ``resnet_bn_height``: the same CNN on 2x4 with the images split along
+   the batch over the first axis and along height over the second (spatial
+   parallelism: convolutions exchange halos, BatchNorm's statistics are
+   partial sums over the pieces).
+5. ``moe``: a mixture-of-experts layer (softmax router, top-k by ``lax.top_k``,
    GShard-style capacity-limited einsum dispatch and combine) with expert
    parallelism on 2x4: the batch over the first axis, the experts' weights
    split on their expert dim over the second.
-5. ``vit``: a small ViT (patch embedding by reshape + matmul, learned position
+6. ``vit``: a small ViT (patch embedding by reshape + matmul, learned position
    embedding, non-causal blocks, mean pool, classifier) with 2-D layouts on 2x4
    (batch over the first axis, Megatron over the second).
-6. ``linen_mlp``: a ``flax.linen`` MLP (Dense + LayerNorm) whose kernels carry
+7. ``linen_mlp``: a ``flax.linen`` MLP (Dense + LayerNorm) whose kernels carry
    ``sjf.linen.with_sbp`` annotations (column / row Megatron on 2x4); its
    layouts are read with ``sjf.linen.get_sbp``.
 
@@ -90,7 +94,7 @@ from sbpjax.compiler.api import state_sbp  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 S0, S1, S2, B = sj.S(0), sj.S(1), sj.S(2), sj.B
 REP = (B, B)
-MODELS = ["decoder_scan", "decoder_unrolled", "resnet_bn", "moe", "vit", "linen_mlp"]
+MODELS = ["decoder_scan", "decoder_unrolled", "resnet_bn", "resnet_bn_height", "moe", "vit", "linen_mlp"]
 
 
 def _is_gt(v):
@@ -233,9 +237,12 @@ def functional(loss, params, ps, batch, batch_sbp, pl, has_aux=False, aux_sbp=No
     }
 
 
-def resnet(cfg, rng):
+def resnet(cfg, rng, height_split=False):
+    """Data parallel on 8x1; with ``height_split``, the batch over 2 and image
+    height over 4 (spatial parallelism for large images: convolutions run with
+    halo exchanges, BatchNorm's statistics are partial sums over the pieces)."""
     n, hw, c, classes, blocks = (cfg[k] for k in ("batch", "image", "channels", "classes", "res_blocks"))
-    pl = sj.placement((8, 1), ("x", "y"))
+    pl = sj.placement((2, 4) if height_split else (8, 1), ("x", "y"))
     dn = ("NHWC", "HWIO", "NHWC")
 
     def conv(x, w, stride=1):
@@ -278,7 +285,8 @@ def resnet(cfg, rng):
     images = rng.normal(size=(n, hw, hw, 3)).astype(np.float32)
     labels = rng.integers(0, classes, size=(n,)).astype(np.int32)
     ps = jax.tree.map(lambda _: REP, params)
-    return functional(loss, params, ps, (images, labels), ((S0, B), (S0, B)), pl, has_aux=True, aux_sbp=REP)
+    image_sbp = (S0, sj.S(1)) if height_split else (S0, B)
+    return functional(loss, params, ps, (images, labels), (image_sbp, (S0, B)), pl, has_aux=True, aux_sbp=REP)
 
 
 def moe(cfg, rng):
@@ -391,6 +399,7 @@ def build(name, cfg, rng):
         "decoder_scan": lambda: decoder(cfg["decoder"], rng, scanned=True),
         "decoder_unrolled": lambda: decoder(cfg["decoder"], rng, scanned=False),
         "resnet_bn": lambda: resnet(cfg["resnet"], rng),
+        "resnet_bn_height": lambda: resnet(cfg["resnet"], rng, height_split=True),
         "moe": lambda: moe(cfg["moe"], rng),
         "vit": lambda: vit(cfg["vit"], rng),
         "linen_mlp": lambda: linen_mlp(cfg["linen"], rng),

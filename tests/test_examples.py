@@ -90,7 +90,15 @@ def test_models_benchmark_quick(tmp_path):
     _run(["benchmarks/models.py", "--quick", "--output", str(path)], 900)
     data = json.loads(path.read_text())
     rows = {r["name"]: r for r in data["models"]}
-    assert set(rows) == {"decoder_scan", "decoder_unrolled", "resnet_bn", "moe", "vit", "linen_mlp"}
+    assert set(rows) == {
+        "decoder_scan",
+        "decoder_unrolled",
+        "resnet_bn",
+        "resnet_bn_height",
+        "moe",
+        "vit",
+        "linen_mlp",
+    }
     fields = {
         "max_error",
         "gspmd_max_error",
