@@ -116,7 +116,8 @@ def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
     ``right`` rows. ``steps``: (dim, Halo, axes, fill key) per split dim, in
     order (the fill key names the edge value; ops sending the same rows of the
     same value share the exchange, see ``Comm``)."""
-    shape, chain, out = list(shape), (), []
+    shape, out = list(shape), []
+    chain: tuple = ()
     for dim, h, axes, fill in steps:
         pieces = math.prod(grid[a] for a in axes)
         slab = math.prod(shape) // shape[dim] * itemsize
