@@ -126,8 +126,22 @@ class GlobalTensor:
                 out[c] = np.asarray(by_id[dev.id].data)
         return out
 
+    def _gathered_blocks(self, geom: Geometry) -> dict:
+        """Every device's padded block, in every process: the placement spans
+        several processes (``jax.distributed``), so the blocks of the others
+        are gathered (``process_allgather``, a collective: every process must
+        call ``numpy()`` on this tensor, as with any multi-controller JAX
+        program)."""
+        from jax.experimental import multihost_utils
+
+        whole = np.asarray(multihost_utils.process_allgather(self._data, tiled=True))
+        index = self._data.sharding.devices_indices_map(self._data.shape)
+        return {c: whole[index[self._placement.devices[c]]] for c in geom.coords}
+
     def local_tensors(self) -> np.ndarray:
-        """A numpy object array of the placement's shape: each device's local tensor."""
+        """A numpy object array of the placement's shape: each device's local
+        tensor. With several processes (``jax.distributed``), the entries of
+        other processes' devices are ``None``: each process reads its own."""
         layout = self.layout
         geom = Geometry(self._shape, self._placement.shape)
         out = np.empty(self._placement.shape, dtype=object)
@@ -151,10 +165,7 @@ class GlobalTensor:
         geom = Geometry(self._shape, self._placement.shape)
         blocks = self._blocks()
         if len(blocks) != geom.n_devices:
-            raise SBPError(
-                "numpy(): some devices of this placement belong to another process; "
-                "gather the tensor to a placement this process can see first."
-            )
+            blocks = self._gathered_blocks(geom)
         out = np.zeros(self._shape, self._dtype)
         for c, block in blocks.items():
             box = geom.local_box(layout, c)
@@ -227,6 +238,7 @@ class GlobalTensor:
         )
         if plan.dst_placement is not None:
             assert isinstance(plan, TransferPlan)  # what plan_boxing makes for another placement
+            _check_same_processes(self._placement, placement)
             data, _ = execute_transfer(plan, self._data)
         elif plan.steps:
             data = boxing_fn(plan)(self._data)
@@ -236,6 +248,20 @@ class GlobalTensor:
 
     def __jax_array__(self):
         return self.to_jax()
+
+
+def _check_same_processes(src: Placement, dst: Placement) -> None:
+    """Transfers between placements run as device-to-device copies, which JAX
+    makes between devices of one process only (across processes it needs
+    its cross-host transfer flags). Refuse before any copy starts."""
+    procs = {d.process_index for d in src.devices.flat}, {d.process_index for d in dst.devices.flat}
+    if procs[0] != procs[1]:
+        raise SBPError(
+            f"to_global(placement=...): {src!r} is on process(es) {sorted(procs[0])}, {dst!r} on "
+            f"{sorted(procs[1])}; transfers between placements of different processes are not supported "
+            "yet. Box within one placement that spans both (e.g. a placement of all devices), or keep "
+            "each pipeline stage's placement within the processes it shares with the next."
+        )
 
 
 def _reduced(sbp):
@@ -254,19 +280,38 @@ def _host_block(x: np.ndarray, geom: Geometry, layout: Layout, coord, dtype) -> 
     return block.reshape(geom.block_shape(layout))
 
 
+def _local_coords(geom: Geometry, placement: Placement) -> list:
+    """Grid coordinates of the devices this process drives (all of them in a
+    single-process run; with ``jax.distributed``, this process's own)."""
+    me = jax.process_index()
+    return [c for c in geom.coords if placement.devices[c].process_index == me]
+
+
 def _assemble(blocks: dict, geom: Geometry, layout: Layout, placement: Placement) -> jax.Array:
+    """The physical array from the padded blocks of this process's devices
+    (``make_array_from_single_device_arrays`` takes each process's own; the
+    others are made by their processes)."""
     sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
-    arrays = [jax.device_put(b, placement.devices[c]) for c, b in blocks.items()]
+    local = _local_coords(geom, placement)
+    arrays = [jax.device_put(blocks[c], placement.devices[c]) for c in local]
     return jax.make_array_from_single_device_arrays(geom.physical_shape(layout), sharding, arrays)
 
 
-def to_global(x, placement: Placement, sbp) -> GlobalTensor:
+def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> GlobalTensor:
     """Lay out the logical array ``x`` over ``placement`` as ``sbp``.
 
     ``x``: a numpy or JAX array (traced values too: the layout is then produced by
     free local steps from B, so ``jax.grad`` flows through), or a
     :class:`GlobalTensor`, which is boxed. A 1-D placement also takes a bare SBP.
+
+    With several processes (``jax.distributed``), every process passes the same
+    whole ``x`` and keeps its own devices' pieces; or, with
+    ``process_local=True``, each process passes only its part (its rows of a
+    batch split over processes), as ``jax.make_array_from_process_local_data``
+    takes it: even S/B layouts only.
     """
+    if process_local:
+        return _from_process_local(x, placement, sbp)
     if isinstance(x, GlobalTensor):
         return x.to_global(sbp=sbp, placement=placement)
     if not isinstance(placement, Placement):
@@ -295,8 +340,38 @@ def to_global(x, placement: Placement, sbp) -> GlobalTensor:
         data = boxing_fn(plan)(x)
         return GlobalTensor(data, shape, dtype, placement, sbp)
     host = np.asarray(x)
-    blocks = {c: _host_block(host, geom, layout, c, dtype) for c in geom.coords}
+    blocks = {c: _host_block(host, geom, layout, c, dtype) for c in _local_coords(geom, placement)}
     return GlobalTensor(_assemble(blocks, geom, layout, placement), shape, dtype, placement, sbp)
+
+
+def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
+    if not isinstance(placement, Placement):
+        raise SBPError("to_global: placement must be an sj.Placement.")
+    x = np.asarray(x)
+    sbp = normalize_nd_sbp(sbp, placement.ndim, x.ndim, "to_global(process_local=True)")
+    layout = normalized_layout(sbp, x.ndim, placement.shape)
+    if layout.partial:
+        raise SBPError(
+            f"to_global(process_local=True): {format_sbp(sbp)} has a partial; pass the whole array "
+            "in every process (process_local=False) or from_local_tensors for partial pieces."
+        )
+    sharding = NamedSharding(
+        placement.mesh, Geometry(x.shape, placement.shape).partition_spec(layout, placement.axis_names)
+    )
+    try:
+        data = jax.make_array_from_process_local_data(sharding, x)
+    except (ValueError, TypeError) as e:
+        raise SBPError(
+            f"to_global(process_local=True): this process's part of shape {x.shape} does not fit "
+            f"{format_sbp(sbp)} on {placement!r} ({e}). Each process passes the rows its devices hold."
+        ) from None
+    shape = tuple(data.shape)
+    if not Geometry(shape, placement.shape).even(layout):
+        raise SBPError(
+            f"to_global(process_local=True): the global shape {shape} does not divide evenly as "
+            f"{format_sbp(sbp)} on {placement!r}; pad it, or pass the whole array in every process."
+        )
+    return GlobalTensor(data, shape, canonical_dtype(x.dtype), placement, sbp)
 
 
 def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTensor:
@@ -321,8 +396,10 @@ def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTenso
                 for i in c:
                     item = item[i]
                 src[c] = item
+        mine = set(_local_coords(geom, placement))
         for c in geom.coords:
-            grid[c] = np.asarray(src[c])
+            # other processes' devices: their processes pass those pieces
+            grid[c] = None if (c not in mine and src[c] is None) else np.asarray(src[c])
     except (IndexError, TypeError, ValueError) as e:
         raise SBPError(
             f"from_local_tensors: expected one local tensor per device in a grid of shape "
@@ -333,10 +410,17 @@ def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTenso
             f"from_local_tensors: got a grid of shape {grid.shape} of local tensors, the "
             f"placement has shape {placement.shape}."
         )
-    dtype = canonical_dtype(np.result_type(*[g.dtype for g in grid.flat]))
+    present = [c for c in geom.coords if grid[c] is not None]
+    if missing := [c for c in _local_coords(geom, placement) if grid[c] is None]:
+        raise SBPError(
+            f"from_local_tensors: no local tensor for device {placement.devices[missing[0]].id} at grid "
+            f"position {missing[0]}, which this process drives; pass one for each of its devices "
+            "(None is allowed only for devices of other processes)."
+        )
+    dtype = canonical_dtype(np.result_type(*[grid[c].dtype for c in present]))
     check_partial_dtype(dtype, sbp, "from_local_tensors")
     blocks = {}
-    for c in geom.coords:
+    for c in present:
         box = geom.local_box(layout, c)
         want = tuple(n for _, n in box)
         got = grid[c].shape
@@ -372,6 +456,8 @@ def _check_broadcast_copies(grid, geom, layout, placement, sbp):
     varying = layout.split_axes() | {a for a, _ in layout.partial}
     groups: dict = {}
     for c in geom.coords:
+        if grid[c] is None:  # another process's device: that process checks it
+            continue
         key = tuple(c[a] for a in sorted(varying))
         if key in groups:
             ref_c = groups[key]

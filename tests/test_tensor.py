@@ -175,3 +175,16 @@ def test_from_local_tensors_errors(pl8, pl24):
         sj.to_global(x, pl8, sj.S(2))
     with pytest.raises(sj.SBPError, match="must be an sj.Placement"):
         sj.to_global(x, "x", sj.S(0))
+
+
+def test_process_local_in_one_process_is_the_whole_array(pl24):
+    """With one process, this process's part is the whole array (the
+    multi-process behaviour is tested in tests/test_multihost.py)."""
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    t = sj.to_global(x, pl24, (sj.S(0), sj.B), process_local=True)
+    assert t.shape == (8, 8) and t.sbp == (sj.S(0), sj.B)
+    np.testing.assert_array_equal(t.numpy(), x)
+    with pytest.raises(sj.SBPError, match="partial"):
+        sj.to_global(x, pl24, (sj.P, sj.B), process_local=True)
+    with pytest.raises(sj.SBPError, match="process_local=True"):
+        sj.to_global(x[:5], pl24, (sj.S(0), sj.S(1)), process_local=True)  # 5 rows over 2
