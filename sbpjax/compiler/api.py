@@ -275,6 +275,8 @@ class CompiledFunction:
         # keyword arguments: as given, or B
         specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
         specs += [None] * (len(leaves) - len(specs))
+        if CHECK_PROCESSES and jax.process_count() > 1:
+            _check_same_call_in_every_process(tree, leaves)
         out = []
         pl = self.placement
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
@@ -383,6 +385,43 @@ class CompiledFunction:
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
+
+
+# With several processes, every call first checks that all processes make the
+# same call (below). It costs one all-gather of 32 bytes and a wait for it per
+# call; a program known to be consistent may turn it off.
+CHECK_PROCESSES = True
+
+
+def _check_same_call_in_every_process(tree, leaves) -> None:
+    """With several processes (``jax.distributed``) every process must run the
+    same program: a process passing other shapes, dtypes or layouts would
+    compile another program and stall or abort in its first collective. Before
+    anything is placed, compare a fingerprint of the call (tree, and each
+    argument's shape, dtype and layout) across processes and raise in every
+    process when they differ. Every call is checked: a process cannot know
+    from its own calls that another process's call differs."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    desc = [
+        (tuple(x.shape), str(x.dtype), x.sbp)
+        if isinstance(x, GlobalTensor)
+        else (np.shape(x), str(np.result_type(x)))
+        for x in leaves
+    ]
+    mine = np.frombuffer(hashlib.sha256(repr((tree, desc)).encode()).digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        what = ", ".join(f"{_leaf_name(path)} {d}" for path, d in zip(_leaf_paths(tree), desc))
+        raise SBPError(
+            f"sj.jit: process(es) {differ} called this function with other argument shapes, dtypes or "
+            f"layouts than process 0 (this is process {jax.process_index()}: {what}). Every process must "
+            "make the same call with the same global shapes and layouts; pass each process's own rows "
+            "with sj.to_global(..., process_local=True)."
+        )
 
 
 def jit(
