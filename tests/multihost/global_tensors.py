@@ -1,0 +1,123 @@
+"""Run under ``python -m sbpjax.launch -n 2 --local-devices 4`` (tests/test_multihost.py).
+
+Every process runs the same program on a 2x4 placement whose first row of
+devices belongs to process 0 and whose second row to process 1; each check
+compares with NumPy on the whole array, computed in every process. The last
+line each process prints is ``OK <process index>``.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sbpjax as sj
+from sbpjax import B, S
+
+assert jax.process_count() == 2 and jax.device_count() == 8, (jax.process_count(), jax.device_count())
+me = jax.process_index()
+pl = sj.placement((2, 4), ("x", "y"))
+assert {d.process_index for d in pl.devices[me]} == {me}  # row `me` of the grid is this process's
+
+
+def check(got, want, what):
+    np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+# -- boxing: every pair of a set of layouts, across the processes -------------------
+layouts = [
+    (S(0), S(1)),
+    (S(1), S(0)),
+    (S(0), S(0)),
+    (B, S(1)),
+    (S(1), B),
+    (B, B),
+    (sj.P, S(0)),
+    (S(0), sj.P),
+    (sj.P, sj.P),
+    (sj.P_max, B),
+]
+pairs = 0
+for shape in [(8, 8), (6, 10)]:  # even, and uneven on both axes
+    x = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) - 17
+    for src, dst in itertools.product(layouts, layouts):
+        t = sj.to_global(x, pl, src)
+        u = t.to_global(sbp=dst)
+        check(u.numpy(), x, f"{shape} {sj.format_sbp(src)} -> {sj.format_sbp(dst)}")
+        pairs += 1
+print("boxing pairs equal the logical array:", pairs)
+
+# -- this process's pieces --------------------------------------------------------
+x = np.arange(64, dtype=np.float32).reshape(8, 8)
+t = sj.to_global(x, pl, (S(0), S(1)))
+pieces = t.local_tensors()
+assert all(p is None for p in pieces[1 - me]) and all(p is not None for p in pieces[me])
+check(pieces[me][2], x[me * 4 : me * 4 + 4, 4:6], "local_tensors")
+back = sj.from_local_tensors(pieces, pl, (S(0), S(1)), x.shape)  # other processes' entries: None
+check(back.numpy(), x, "from_local_tensors")
+
+# each process passes only its rows
+rows = x[me * 4 : (me + 1) * 4]
+t = sj.to_global(rows, pl, (S(0), B), process_local=True)
+assert t.shape == (8, 8)
+check(t.numpy(), x, "to_global(process_local=True)")
+check(t.to_global(sbp=(B, S(1))).numpy(), x, "process-local then boxed")
+
+# -- transfers between placements of different processes: refused, before any copy ---
+first = sj.Placement(np.array(jax.devices()[:4]), ("d",))  # process 0's devices
+second = sj.Placement(np.array(jax.devices()[4:]), ("d",))  # process 1's
+t = sj.to_global(x, first, S(0))
+try:
+    t.to_global(placement=second)
+except sj.SBPError as e:
+    assert "different processes" in str(e), e
+else:
+    raise AssertionError("a transfer across processes was not refused")
+print("transfers across processes: refused with SBPError")
+
+# -- sj.jit: a Megatron MLP train step, against the same step on one local device ---
+rng = np.random.default_rng(0)
+w1 = (rng.normal(size=(16, 32)) / 4).astype(np.float32)
+w2 = (rng.normal(size=(32, 16)) / 6).astype(np.float32)
+batch = rng.normal(size=(8, 16)).astype(np.float32)
+
+
+def loss(w1, w2, v):
+    return jnp.mean((jnp.tanh(v @ w1) @ w2 - v) ** 2)
+
+
+def step(w1, w2, v):
+    value, (g1, g2) = jax.value_and_grad(loss, argnums=(0, 1))(w1, w2, v)
+    return value, w1 - 0.1 * g1, w2 - 0.1 * g2
+
+
+f = sj.jit(
+    step,
+    placement=pl,
+    in_sbp=((B, S(1)), (B, S(0)), (S(0), B)),
+    out_sbp=(None, (B, S(1)), (B, S(0))),
+)
+ref = jax.jit(step)  # inputs committed to this process's first device: a one-device run
+a, b = (jax.device_put(w, jax.local_devices()[0]) for w in (w1, w2))
+ga, gb = sj.to_global(w1, pl, (B, S(1))), sj.to_global(w2, pl, (B, S(0)))
+for k in range(3):
+    value, ga, gb = f(ga, gb, batch)
+    want, a, b = ref(a, b, jax.device_put(batch, jax.local_devices()[0]))
+    np.testing.assert_allclose(value.numpy(), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=f"loss {k}")
+np.testing.assert_allclose(ga.numpy(), np.asarray(a), rtol=1e-5, atol=1e-6, err_msg="w1 after 3 steps")
+e = f.explain(ga, gb, batch)
+measured = sum(c.bytes for c in sj.collectives(f.lower(ga, gb, batch).compile()))
+assert e.bytes == measured, (e.bytes, measured)
+print("sj.jit: 3 steps equal one device; bytes", e.bytes)
+
+# a process calling with another shape gets an SBPError (in every process), not a hang
+wrong = batch if me == 0 else batch[:4]
+try:
+    f(ga, gb, wrong)
+except sj.SBPError as err:
+    assert "other argument shapes" in str(err), err
+else:
+    raise AssertionError("a call with different shapes in the two processes was not refused")
+print("different shapes across processes: refused with SBPError")
+print("OK", me)

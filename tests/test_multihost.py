@@ -1,0 +1,108 @@
+"""Global tensors, boxing, sj.jit, Trainer and checkpoints across 2 JAX
+processes with 4 CPU devices each (``python -m sbpjax.launch``, gloo between
+the processes). The programs run as scripts in ``tests/multihost/``; each
+checks its values against NumPy or one device itself, so here we check that
+both processes finished and compare runs."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "tests", "multihost")
+
+pytestmark = pytest.mark.slow
+
+
+def _env(devices=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def launch(script, *args, timeout=600):
+    r = subprocess.run(
+        [sys.executable, "-m", "sbpjax.launch", "-n", "2", "--local-devices", "4", script, *map(str, args)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def single(script, *args, timeout=600):
+    r = subprocess.run(
+        [sys.executable, script, *map(str, args)],
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def _lines(out, tag, process=None):
+    found = []
+    for line in out.splitlines():
+        if process is not None:
+            if not line.startswith(f"[p{process}] "):
+                continue
+            line = line[len(f"[p{process}] ") :]
+        if line.startswith(tag + " "):
+            found.append(line[len(tag) + 1 :])
+    return found
+
+
+def test_global_tensors_boxing_and_sj_jit_across_two_processes():
+    out = launch(os.path.join(SCRIPTS, "global_tensors.py"))
+    for p in (0, 1):
+        assert _lines(out, "OK", p) == [str(p)], out[-3000:]
+        assert _lines(out, "boxing pairs equal the logical array:", p) == ["200"]
+
+
+def test_trainer_across_two_processes_matches_one_process():
+    script = os.path.join(SCRIPTS, "trainer.py")
+    one = ast.literal_eval(_lines(single(script), "LOSSES")[0])
+    out = launch(script)
+    two = [ast.literal_eval(_lines(out, "LOSSES", p)[0]) for p in (0, 1)]
+    assert two[0] == two[1]  # every process sees the same losses
+    # the same program; gloo's all-reduce may add in another order than one
+    # process's, so the last bits of a float32 sum can differ
+    np.testing.assert_allclose(two[0], one, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("writer, reader", [("two", "one"), ("one", "two")])
+def test_checkpoint_saved_by_one_process_count_restores_in_the_other(tmp_path, writer, reader):
+    script = os.path.join(SCRIPTS, "checkpoint.py")
+    path = tmp_path / "ckpt"
+    (launch if writer == "two" else single)(script, path, "save")
+    out = (launch if reader == "two" else single)(script, path, "restore")
+    restored = _lines(out, "RESTORED", 0 if reader == "two" else None)
+    assert restored == ["exact"], out[-3000:]
+
+
+def test_multihost_benchmark_quick(tmp_path):
+    path = tmp_path / "multihost.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "multihost.py"), "--quick", "--output", str(path)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) == 5
+    for row in rows:
+        assert row["bytes_one_process"] == row["bytes_two_processes"] > 0, row
+        assert row["seconds_one_process"] > 0 and row["seconds_two_processes"] > 0
