@@ -311,6 +311,7 @@ class CompiledFunction:
         t0 = time.perf_counter()
         avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in gts]
         program = trace(self.fn, avals, tree)
+        t_traced = time.perf_counter()
         out_specs = None
         if self.out_sbp is not None:
             raw = _broadcast_spec(self.out_sbp, program.out_tree, "out_sbp", self.placement.ndim)
@@ -334,8 +335,11 @@ class CompiledFunction:
             solver=self.solver,
             time_limit=self.solve_time_limit,
         )
+        t_chosen = time.perf_counter()
         fn = lowering.build(prop, self._donated_leaves(tree))
-        self.last_overhead_s = time.perf_counter() - t0
+        t_built = time.perf_counter()
+        prop.timings.update(trace_s=t_traced - t0, choose_s=t_chosen - t_traced, build_s=t_built - t_chosen)
+        self.last_overhead_s = t_built - t0
         entry = (prop, fn)
         self._cache[key] = entry
         return entry
@@ -372,9 +376,20 @@ class CompiledFunction:
         ]
         return jax.tree_util.tree_unflatten(prog.out_tree, results)
 
-    def explain(self, *args, **kwargs) -> Explanation:
+    def explain(self, *args, compile: bool = False, **kwargs) -> Explanation:  # noqa: A002 (jax's word)
+        """What the compiler decided for these arguments (``Explanation``).
+
+        ``compile=True`` also lowers and compiles the program with XLA (as
+        ``lower(...).compile()`` does) and adds those times to ``timings``, so
+        the front end's share of the whole compile can be read."""
         gts, tree = self._globals(args, kwargs)
-        prop, _ = self._compile(gts, tree)
+        prop, fn = self._compile(gts, tree)
+        if compile and "xla_compile_s" not in prop.timings:
+            t0 = time.perf_counter()
+            lowered = fn.lower(*[t.physical for t in gts])
+            t1 = time.perf_counter()
+            lowered.compile()
+            prop.timings.update(lower_s=t1 - t0, xla_compile_s=time.perf_counter() - t1)
         return Explanation(prop)
 
     def lower(self, *args, **kwargs):

@@ -45,6 +45,31 @@ class Explanation:
         return self.propagation.choice
 
     @property
+    def timings(self) -> dict:
+        """Seconds per phase of the front end: ``trace_s`` (the function to a
+        flat program), ``choose_s`` (layouts: the greedy pass and the solver,
+        whose own share is ``choice.solve_s``), ``build_s`` (the ``shard_map``
+        program); after ``explain(..., compile=True)`` also ``lower_s`` (JAX's
+        lowering) and ``xla_compile_s`` (XLA)."""
+        return dict(self.propagation.timings)
+
+    def _timing_line(self) -> str | None:
+        t = self.propagation.timings
+        if not t:
+            return None
+        front = t.get("trace_s", 0.0) + t.get("choose_s", 0.0) + t.get("build_s", 0.0)
+        line = (
+            f"front end {front:.2f} s: trace {t.get('trace_s', 0.0):.2f} s, layouts "
+            f"{t.get('choose_s', 0.0):.2f} s, build {t.get('build_s', 0.0):.2f} s"
+        )
+        if "xla_compile_s" in t:
+            line += (
+                f"; lowering {t['lower_s']:.2f} s, XLA compile {t['xla_compile_s']:.2f} s "
+                f"(front end = {front / max(t['xla_compile_s'], 1e-9):.2f} x XLA's)"
+            )
+        return line
+
+    @property
     def warnings(self) -> list:
         return self.propagation.warnings
 
@@ -70,6 +95,8 @@ class Explanation:
         ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())
+        if (timing := self._timing_line()) is not None:
+            lines.append("  " + timing)
         for op, (n, nbytes) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {op:<15} x{n:<4} {human_bytes(nbytes)}")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -84,6 +111,8 @@ class Explanation:
         ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())
+        if (timing := self._timing_line()) is not None:
+            lines.append("  " + timing)
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
         own: dict = {}
         for i, c in self.comm:

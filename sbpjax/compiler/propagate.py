@@ -75,6 +75,9 @@ class Propagation:
     out_sbp: list
     warnings: list
     choice: Any = None  # how the layouts were chosen (sbpjax.compiler.solve.Choice)
+    # seconds spent per phase of sj.jit's front end (trace_s, choose_s, build_s;
+    # lower_s and xla_compile_s once measured): see Explanation.timings
+    timings: dict = dataclasses.field(default_factory=dict)
 
     @property
     def boxings(self) -> list:

@@ -456,3 +456,14 @@ def test_conv_batch_and_channel_splits(xs, ks, want, pl8):
     assert y.sbp == (want,)
     np.testing.assert_allclose(y.numpy(), conv(x, k), rtol=1e-4, atol=1e-4)
     assert measured(f, *args) == f.explain(*args).bytes == 0
+
+
+def test_explain_reports_the_time_of_each_phase(pl24):
+    f = sj.jit(lambda a, b: jnp.tanh(a @ b).sum(), placement=pl24, in_sbp=((sj.S(0), sj.B), (sj.B, sj.S(1))))
+    a, b = np.ones((16, 32), np.float32), np.ones((32, 64), np.float32)
+    e = f.explain(a, b)
+    assert set(e.timings) == {"trace_s", "choose_s", "build_s"} and all(v >= 0 for v in e.timings.values())
+    assert "front end" in e.summary() and "XLA compile" not in e.summary()
+    e = f.explain(a, b, compile=True)  # lowers and compiles with XLA too
+    assert e.timings["xla_compile_s"] > 0 and e.timings["lower_s"] > 0
+    assert "XLA compile" in e.summary() and "XLA compile" in str(e)
