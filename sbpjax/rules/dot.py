@@ -108,7 +108,7 @@ def conv_comm(eqn, in_avals, ins, outs, grid):
     found = _conv_halos(eqn, in_avals, ins, outs, grid)
     if found is None:
         return None
-    steps = [(dim, h, axes, None) for _, dim, h, axes in found]
+    steps = [(dim, h, axes, None, None) for _, dim, h, axes in found]
     return halo_comms(local_shape(in_avals[0].shape, ins[0], grid), in_avals[0].dtype.itemsize, steps, grid)
 
 

@@ -113,12 +113,13 @@ def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
     """The exchanges of ``run_halos(x, steps, ...)`` on a local piece of
     ``shape``, one ``Comm`` per side that receives rows: every device but the
     first of its line receives ``left`` rows, every device but the last
-    ``right`` rows. ``steps``: (dim, Halo, axes, fill key) per split dim, in
-    order (the fill key names the edge value; ops sending the same rows of the
-    same value share the exchange, see ``Comm``)."""
+    ``right`` rows. ``steps``: as ``run_halos`` takes them, (dim, Halo, axes,
+    fill, fill key) per split dim, in order (the fill key names the edge
+    value; ops sending the same rows of the same value share the exchange,
+    see ``Comm``)."""
     shape, out = list(shape), []
     chain: tuple = ()
-    for dim, h, axes, fill in steps:
+    for dim, h, axes, _, fill_key in steps:
         pieces = math.prod(grid[a] for a in axes)
         slab = math.prod(shape) // shape[dim] * itemsize
         lines = math.prod(grid) // pieces
@@ -129,13 +130,14 @@ def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
                     Comm("halo_exchange", tuple(axes), nbytes, operand, (chain, dim, side, rows, axes))
                 )
         shape[dim] += h.left + h.right
-        chain += ((dim, h.left, h.right, axes, fill),)
+        chain += ((dim, h.left, h.right, axes, fill_key),)
     return out
 
 
 def run_halos(x, steps, ctx, operand=0):
-    """``x`` extended by the halos of ``steps`` (see ``halo_comms``; here the
-    fill is the value itself, or None for zeros), one dim after the other, so
+    """``x`` extended by the halos of ``steps``: (dim, Halo, axes, fill, fill
+    key) per split dim, the fill being the edge value (None: zeros) and the
+    key its name (see ``halo_comms``), one dim after the other, so
     a second dim's exchange carries the corners. Each side's ``ppermute`` is
     made once per program for the same rows of the same value (``ctx.memo``)."""
     chain: tuple = ()

@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from sbpjax.dtypes import extreme
 from sbpjax.rules import B, Comm, P, Sig, rank, register, set_comm, set_local
 from sbpjax.rules.halo import local_shape, mesh_axes, piece_index, split_axes
 from sbpjax.sbp import Split
@@ -82,15 +82,10 @@ def cumulative_comm(eqn, in_avals, ins, outs, grid):
 
 
 def _identity(name, dtype):
-    if name in ("cumsum",):
-        return 0
-    if name == "cumprod":
-        return 1
-    floating = jnp.issubdtype(dtype, jnp.floating)
-    info = None if floating else np.iinfo(dtype)
-    if name in ("cummax", "cumlogsumexp"):
-        return -np.inf if floating else info.min  # type: ignore[union-attr]
-    return np.inf if floating else info.max  # type: ignore[union-attr]
+    """The carry of a piece with no pieces before it."""
+    if name in ("cumsum", "cumprod"):
+        return 0 if name == "cumsum" else 1
+    return extreme(dtype, low=name in ("cummax", "cumlogsumexp"))
 
 
 _COMBINE = {

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import math
 
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from sbpjax.dtypes import extreme
 from sbpjax.rules import B, P, Sig, rank, register, set_comm, set_local
 from sbpjax.rules.halo import Halo, Slide, halo, halo_comms, local_shape, run_halos, split_axes
 from sbpjax.sbp import Split
@@ -71,14 +70,8 @@ def _halos(eqn, in_avals, ins, outs, grid):
 
 
 def _fill(name, dtype):
-    """The value a window reduction pads with: its identity."""
-    if name == "reduce_window_sum":
-        return None  # zeros
-    floating = jnp.issubdtype(dtype, jnp.floating)
-    info = None if floating else np.iinfo(dtype)
-    small = -np.inf if floating else info.min  # type: ignore[union-attr]
-    big = np.inf if floating else info.max  # type: ignore[union-attr]
-    return small if name == "reduce_window_max" else big
+    """The value a window reduction pads with: its identity (None: zeros)."""
+    return None if name == "reduce_window_sum" else extreme(dtype, low=name == "reduce_window_max")
 
 
 def _fill_key(eqn, j, dtype):
@@ -97,7 +90,7 @@ def _window_comm(eqn, in_avals, ins, outs, grid):
     comms = []
     for j in range(len(eqn.outvars)):  # each pooled operand (a generic reduce_window may have several)
         key = _fill_key(eqn, j, in_avals[j].dtype)
-        steps = [(d, h, axes, key) for d, h, axes in found]
+        steps = [(d, h, axes, None, key) for d, h, axes in found]  # (the fill value is not sent)
         shape = local_shape(in_avals[j].shape, ins[j], grid)
         comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
     return comms
@@ -149,11 +142,7 @@ set_local("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce
 def _select_fill(eqn, dtype):
     """What a position outside the operand holds for the selection: never
     chosen over a real element (``-inf`` for max pooling's ``ge``)."""
-    floating = jnp.issubdtype(dtype, jnp.floating)
-    info = None if floating else np.iinfo(dtype)
-    if eqn.params["select_prim"].name in ("ge", "gt"):
-        return -np.inf if floating else info.min  # type: ignore[union-attr]
-    return np.inf if floating else info.max  # type: ignore[union-attr]
+    return extreme(dtype, low=eqn.params["select_prim"].name in ("ge", "gt"))
 
 
 def _scatter_halos(eqn, in_avals, ins, outs, grid):
@@ -207,7 +196,7 @@ def _scatter_comm(eqn, in_avals, ins, outs, grid):
     comms = []
     for j, steps in enumerate(_scatter_steps(eqn, found, in_avals[1].dtype)):
         shape = local_shape(in_avals[j].shape, ins[j], grid)
-        comms += halo_comms(shape, in_avals[j].dtype.itemsize, [st[:3] + st[4:] for st in steps], grid, j)
+        comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
     return comms
 
 
@@ -258,7 +247,7 @@ def _gather_comm(eqn, in_avals, ins, outs, grid):
     comms = []
     for j, steps in enumerate(_gather_steps(eqn, found, in_avals[1].dtype)):
         shape = local_shape(in_avals[j].shape, ins[j], grid)
-        comms += halo_comms(shape, in_avals[j].dtype.itemsize, [st[:3] + st[4:] for st in steps], grid, j)
+        comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
     return comms
 
 
