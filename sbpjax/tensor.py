@@ -165,6 +165,13 @@ class GlobalTensor:
         geom = Geometry(self._shape, self._placement.shape)
         blocks = self._blocks()
         if len(blocks) != geom.n_devices:
+            held_by = {d.process_index for d in self._placement.devices.flat}
+            if held_by != set(range(jax.process_count())):
+                raise SBPError(
+                    f"numpy(): this tensor lives on the devices of process(es) {sorted(held_by)}; process "
+                    f"{jax.process_index()} cannot gather it alone. Read it in those processes, or box it to "
+                    "a placement with devices in every process first."
+                )
             blocks = self._gathered_blocks(geom)
         out = np.zeros(self._shape, self._dtype)
         for c, block in blocks.items():

@@ -68,6 +68,15 @@ check(t.to_global(sbp=(B, S(1))).numpy(), x, "process-local then boxed")
 first = sj.Placement(np.array(jax.devices()[:4]), ("d",))  # process 0's devices
 second = sj.Placement(np.array(jax.devices()[4:]), ("d",))  # process 1's
 t = sj.to_global(x, first, S(0))
+if me == 0:
+    check(t.numpy(), x, "a placement of one process, read there")
+else:
+    try:
+        t.numpy()  # would wait for process 0 in a gather it never joins
+    except sj.SBPError as e:
+        assert "cannot gather it alone" in str(e), e
+    else:
+        raise AssertionError("numpy() of another process's tensor was not refused")
 try:
     t.to_global(placement=second)
 except sj.SBPError as e:
