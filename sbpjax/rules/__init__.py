@@ -85,26 +85,21 @@ def register(*names: str, local: Callable | None = None):
     return deco
 
 
-def set_local(*names: str):
-    """Register the local evaluation of primitives named ``names``."""
+def _setter(attr: str, what: str):
+    def set_(*names: str):
+        def deco(fn):
+            for n in names:
+                setattr(RULES[n], attr, fn)
+            return fn
 
-    def deco(fn):
-        for n in names:
-            RULES[n].local = fn
-        return fn
+        return deco
 
-    return deco
+    set_.__doc__ = f"Register the {what} of primitives named ``names``."
+    return set_
 
 
-def set_comm(*names: str):
-    """Register the communication function of primitives named ``names``."""
-
-    def deco(fn):
-        for n in names:
-            RULES[n].comm = fn
-        return fn
-
-    return deco
+set_local = _setter("local", "local evaluation")
+set_comm = _setter("comm", "communication function (see ``Comm``)")
 
 
 def P(op: str = "sum") -> Partial:

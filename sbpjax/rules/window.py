@@ -52,15 +52,16 @@ def _slides(eqn, in_avals, out_aval) -> list[Slide]:
     ]
 
 
-def _halos(eqn, in_avals, ins, outs, grid):
-    """Per split dim of the pooled operand: (dim, Halo, axes); ``None`` when
-    one cannot be run. Untouched dims have an empty halo."""
+def _halos(eqn, in_avals, ins, outs, grid, pooled=(0,)):
+    """Per split dim of the pooled operand(s) ``pooled`` (split alike, the
+    first one's shape read): (dim, Halo, axes); ``None`` when one cannot be
+    run. Untouched dims have an empty halo."""
     found = []
-    for d, sl in enumerate(_slides(eqn, in_avals, eqn.outvars[0].aval)):
-        axes = split_axes(ins[0], d)
+    for d, sl in enumerate(_slides(eqn, [in_avals[pooled[0]]], eqn.outvars[0].aval)):
+        axes = split_axes(ins[pooled[0]], d)
         if not axes:
             continue
-        if split_axes(outs[0], d) != axes:
+        if any(split_axes(ins[j], d) != axes for j in pooled) or split_axes(outs[0], d) != axes:
             return None
         h = halo(sl, math.prod(grid[a] for a in axes), split_window=False)
         if h is None:
@@ -83,17 +84,25 @@ def _fill_key(eqn, j, dtype):
     return None if fill is None else repr(fill)
 
 
+def _operands_comm(in_avals, ins, grid, per_operand) -> list:
+    """The exchanges of every operand's halo steps (``run_halos``' form)."""
+    comms = []
+    for j, steps in enumerate(per_operand):
+        shape = local_shape(in_avals[j].shape, ins[j], grid)
+        comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
+    return comms
+
+
 def _window_comm(eqn, in_avals, ins, outs, grid):
     found = _halos(eqn, in_avals, ins, outs, grid)
     if found is None:
         return None
-    comms = []
-    for j in range(len(eqn.outvars)):  # each pooled operand (a generic reduce_window may have several)
-        key = _fill_key(eqn, j, in_avals[j].dtype)
-        steps = [(d, h, axes, None, key) for d, h, axes in found]  # (the fill value is not sent)
-        shape = local_shape(in_avals[j].shape, ins[j], grid)
-        comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
-    return comms
+    # each pooled operand (a generic reduce_window may have several); the fill value is not sent
+    per_operand = [
+        [(d, h, axes, None, _fill_key(eqn, j, in_avals[j].dtype)) for d, h, axes in found]
+        for j in range(len(eqn.outvars))
+    ]
+    return _operands_comm(in_avals, ins, grid, per_operand)
 
 
 def _window_local(eqn, ins, ctx):
@@ -193,11 +202,7 @@ def _scatter_comm(eqn, in_avals, ins, outs, grid):
     found = _scatter_halos(eqn, in_avals, ins, outs, grid)
     if found is None:
         return None
-    comms = []
-    for j, steps in enumerate(_scatter_steps(eqn, found, in_avals[1].dtype)):
-        shape = local_shape(in_avals[j].shape, ins[j], grid)
-        comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
-    return comms
+    return _operands_comm(in_avals, ins, grid, _scatter_steps(eqn, found, in_avals[1].dtype))
 
 
 def _scatter_local(eqn, ins, ctx):
@@ -219,18 +224,7 @@ def _scatter_local(eqn, ins, ctx):
 def _gather_halos(eqn, in_avals, ins, outs, grid):
     """``select_and_gather_add(tangents, operand)``: a pooling of two operands
     (the output is split like a pool's); both get the pool's halo."""
-    found = []
-    for d, sl in enumerate(_slides(eqn, [in_avals[1]], eqn.outvars[0].aval)):
-        axes = split_axes(ins[1], d)
-        if not axes:
-            continue
-        if split_axes(ins[0], d) != axes or split_axes(outs[0], d) != axes:
-            return None
-        h = halo(sl, math.prod(grid[a] for a in axes), split_window=False)
-        if h is None:
-            return None
-        found.append((d, h, axes))
-    return found
+    return _halos(eqn, in_avals, ins, outs, grid, pooled=(1, 0))
 
 
 def _gather_steps(eqn, found, operand_dtype):
@@ -244,11 +238,7 @@ def _gather_comm(eqn, in_avals, ins, outs, grid):
     found = _gather_halos(eqn, in_avals, ins, outs, grid)
     if found is None:
         return None
-    comms = []
-    for j, steps in enumerate(_gather_steps(eqn, found, in_avals[1].dtype)):
-        shape = local_shape(in_avals[j].shape, ins[j], grid)
-        comms += halo_comms(shape, in_avals[j].dtype.itemsize, steps, grid, j)
-    return comms
+    return _operands_comm(in_avals, ins, grid, _gather_steps(eqn, found, in_avals[1].dtype))
 
 
 def _gather_local(eqn, ins, ctx):
