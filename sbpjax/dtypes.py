@@ -31,7 +31,6 @@ the layout is made, never a raw XLA error later.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from sbpjax._errors import SBPError
@@ -81,15 +80,6 @@ def dtype_class(dtype) -> str:
     if dt.kind in "iu" and dt.itemsize >= 1 and dt.name in np.sctypeDict:
         return "int" if dt.kind == "i" else "uint"
     return "other"
-
-
-def extreme(dtype, low: bool):
-    """The value below (``low``) or above every value of ``dtype``: -inf / inf
-    for floats, the integer limits otherwise (the identity of max / min)."""
-    if jnp.issubdtype(dtype, jnp.floating):
-        return -np.inf if low else np.inf
-    info = np.iinfo(dtype)
-    return info.min if low else info.max
 
 
 def partial_supported(dtype, op: str) -> bool:

@@ -135,10 +135,7 @@ class _Tables:
         return np.asarray(rows, np.int32)
 
     def lookup(self, dep, table):
-        idx = jnp.int32(0)
-        for a in dep:
-            idx = idx * self.geom.grid[a] + lax.axis_index(self.names[a])
-        return jnp.asarray(table)[idx]
+        return jnp.asarray(table)[group_index(dep, self.names, self.geom.grid)]
 
     def compact(self, parent, group, d):
         """After a gather over ``group``: positions of the parent piece's
@@ -203,15 +200,17 @@ class _Tables:
 # ---------------------------------------------------------------------------
 
 
-def _axis_arg(names):
+def axis_arg(names):
     return names[0] if len(names) == 1 else tuple(names)
 
 
-def _group_index(group, names, geom):
-    """This device's position in its group (group axes in order, outer first)."""
+def group_index(group, names, grid):
+    """This device's position in its group (group axes in order, outer first:
+    nd-SBP's order of the pieces of a dim split over those axes). ``names``
+    and ``grid``: every placement axis's name and size."""
     idx = jnp.int32(0)
     for a in group:
-        idx = idx * geom.grid[a] + lax.axis_index(names[a])
+        idx = idx * grid[a] + lax.axis_index(names[a])
     return idx
 
 
@@ -262,7 +261,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
     g = geom.splits(group)
     if op == "all_gather":
         assert d is not None  # plan.py gives every gather, all-to-all, scatter and slice its dim
-        y = _gather(x, _axis_arg(axes), d)
+        y = _gather(x, axis_arg(axes), d)
         if not even:
             dep, tab = tables.compact(step.dst.dims[d], group, d)
             y = jnp.take(y, tables.lookup(dep, tab), axis=d)
@@ -273,7 +272,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
         if not even:
             dep, tab = tables.arrange(step.src.dims[e], group, e)
             x = jnp.take(x, tables.lookup(dep, tab), axis=e)
-        y = lax.all_to_all(x, _axis_arg(axes), split_axis=e, concat_axis=d, tiled=True)
+        y = lax.all_to_all(x, axis_arg(axes), split_axis=e, concat_axis=d, tiled=True)
         if not even:
             dep, tab = tables.compact(step.dst.dims[d], group, d)
             y = jnp.take(y, tables.lookup(dep, tab), axis=d)
@@ -284,22 +283,22 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
             dep, tab = tables.arrange(step.src.dims[d], group, d)
             x = jnp.take(x, tables.lookup(dep, tab), axis=d)
         if step.reduce == "sum":
-            return _scatter_sum(x, _axis_arg(axes), d, g)
+            return _scatter_sum(x, axis_arg(axes), d, g)
         # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
         shape = x.shape
         chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1 :])
-        got = lax.all_to_all(chunks, _axis_arg(axes), split_axis=d, concat_axis=d, tiled=True)
+        got = lax.all_to_all(chunks, axis_arg(axes), split_axis=d, concat_axis=d, tiled=True)
         return jnp.max(got, axis=d) if step.reduce == "max" else jnp.min(got, axis=d)
     if op == "all_reduce":
         if step.reduce == "sum":
-            return lax.psum(x, _axis_arg(axes))
-        return preduce_extreme(x, _axis_arg(axes), step.reduce)
+            return lax.psum(x, axis_arg(axes))
+        return preduce_extreme(x, axis_arg(axes), step.reduce)
     if op == "local_slice":
         assert d is not None
         parent, child = step.src.dims[d], step.dst.dims[d]
         if even:
             size = geom.padded_dim(child, d)
-            return lax.dynamic_slice_in_dim(x, _group_index(group, names, geom) * size, size, axis=d)
+            return lax.dynamic_slice_in_dim(x, group_index(group, names, geom.grid) * size, size, axis=d)
         dep, tab = tables.slice(parent, child, d)
         return jnp.take(x, tables.lookup(dep, tab), axis=d)
     if op == "zero_fill":
@@ -307,7 +306,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
         fill = fill_value(step.reduce, dtype)
         if d is None:  # B -> P
             if step.reduce == "sum":
-                return jnp.where(_group_index(group, names, geom) == 0, x, jnp.zeros_like(x))
+                return jnp.where(group_index(group, names, geom.grid) == 0, x, jnp.zeros_like(x))
             return x  # B -> P(max|min): every device keeps the value
         parent, child = step.dst.dims[d], step.src.dims[d]
         if even:
@@ -315,7 +314,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
             shape[d] = geom.padded_dim(parent, d)
             base = jnp.full(shape, fill, x.dtype)
             start = [0] * x.ndim
-            start[d] = _group_index(group, names, geom) * x.shape[d]
+            start[d] = group_index(group, names, geom.grid) * x.shape[d]
             return lax.dynamic_update_slice(base, x, start)
         slot_shape = list(x.shape)
         slot_shape[d] = 1
@@ -331,7 +330,7 @@ def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
         pieces = [tiles]
         for (pairs, _), send in zip(sched.rounds, sched.send):
             buf = jnp.take(tiles, tables.lookup(everyone, send), axis=0)
-            pieces.append(lax.ppermute(buf, _axis_arg(all_axes), perm=list(pairs)))
+            pieces.append(lax.ppermute(buf, axis_arg(all_axes), perm=list(pairs)))
         pool = jnp.concatenate(pieces, axis=0)
         out = jnp.take(pool, tables.lookup(everyone, sched.gather), axis=0)
         return _from_tiles(out, sched.dst_tiles_local, sched.tile_shape)

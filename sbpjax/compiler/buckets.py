@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sbpjax.boxing.lower import _apply, _axis_arg, _Tables, preduce_extreme
+from sbpjax.boxing.lower import _apply, _Tables, axis_arg, preduce_extreme
 from sbpjax.compiler.propagate import Boxing, Propagation
 from sbpjax.compiler.trace import Const
 from sbpjax.layout import Geometry
@@ -259,7 +259,7 @@ def run_bucket(bucket: Bucket, xs: list) -> list:
             i = who[0]
             ys = [_apply(steps[0], xs[i], geoms[i], _Tables(geoms[i], names), names, plans[i].dtype)]
         else:
-            axis = _axis_arg(tuple(names[a] for a in group))
+            axis = axis_arg(tuple(names[a] for a in group))
             n = math.prod(pl.shape[a] for a in group)
             ys = _combined(op, reduce, axis, n, steps, [xs[i] for i in who])
         for i, y in zip(who, ys):

@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from sbpjax.boxing.lower import run_plan
+from sbpjax.boxing.lower import group_index, run_plan
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
 from sbpjax.compiler.propagate import CONSTRAIN, Propagation
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
-from sbpjax.rules import RULES
-from sbpjax.sbp import Partial, Split
+from sbpjax.rules import RULES, local_shape, split_axes
+from sbpjax.sbp import Partial
 
 
 class LocalCtx:
@@ -50,25 +50,15 @@ class LocalCtx:
 
     @staticmethod
     def is_split(nd, dim) -> bool:
-        return any(isinstance(s, Split) and s.dim == dim for s in nd)
+        return bool(split_axes(nd, dim))
 
     def offset(self, nd, shape, dim):
         """Where this device's piece starts along ``dim`` (even splits)."""
-        axes = [a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim]
+        axes = split_axes(nd, dim)
         if not axes:
             return 0
-        idx = jnp.int32(0)
-        for a in axes:
-            idx = idx * self.grid[a] + lax.axis_index(self.placement.axis_names[a])
-        return idx * (shape[dim] // math.prod(self.grid[a] for a in axes))
-
-
-def local_shape(shape, nd, grid):
-    out = list(shape)
-    for a, s in enumerate(nd):
-        if isinstance(s, Split):
-            out[s.dim] //= grid[a]
-    return tuple(out)
+        piece = group_index(axes, self.placement.axis_names, self.grid)
+        return piece * (shape[dim] // math.prod(self.grid[a] for a in axes))
 
 
 def _default_local(eqn, ins, ctx):

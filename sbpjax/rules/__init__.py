@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from sbpjax.sbp import Broadcast, Partial
+from sbpjax.sbp import Broadcast, Partial, Split
 
 B = Broadcast()
 
@@ -112,6 +112,20 @@ def rank(aval) -> int:
 
 def shape_of(aval) -> Sequence[int]:
     return tuple(getattr(aval, "shape", ()))
+
+
+def split_axes(nd, dim) -> tuple[int, ...]:
+    """The placement axes splitting ``dim`` in ``nd``, outer first."""
+    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim)
+
+
+def local_shape(dims, nd, grid) -> tuple:
+    """The shape of each device's piece of a tensor of shape ``dims`` (even splits)."""
+    out = list(dims)
+    for a, s in enumerate(nd):
+        if isinstance(s, Split):
+            out[s.dim] //= grid[a]
+    return tuple(out)
 
 
 # Import the families so their rules register themselves.

@@ -39,8 +39,7 @@ def coverage() -> list[dict]:
                 "family": fn.__module__.rsplit(".", 1)[-1],
                 "rule": fn.__name__,
                 "local": rule.local is not None,
-                # a comm function that only refuses nd-signatures moves nothing
-                "comm": rule.comm is not None and getattr(rule.comm, "moves_data", True),
+                "comm": rule.comm is not None,
                 "allows": _summary(fn),
             }
         )

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from sbpjax.rules import B, P, Sig, rank, register, set_comm, set_local
-from sbpjax.rules.halo import Slide, halo, halo_comms, local_shape, run_halos, split_axes
+from sbpjax.rules import B, P, Sig, local_shape, rank, register, set_comm, set_local, split_axes
+from sbpjax.rules.halo import Slide, halo, halo_comms, run_halos
 from sbpjax.sbp import Split
 
 

@@ -35,8 +35,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from sbpjax.boxing.lower import axis_arg, group_index
 from sbpjax.rules import Comm
-from sbpjax.sbp import Split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +96,6 @@ def halo(sl: Slide, pieces: int, split_window: bool) -> Halo | None:
     return Halo(left, right, (lo_l, span - lo_l - ((width - 1) * sl.lhs_dil + 1)))
 
 
-def split_axes(nd, dim) -> tuple[int, ...]:
-    """The placement axes splitting ``dim`` in ``nd``, outer first."""
-    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim)
-
-
-def local_shape(shape, nd, grid) -> list[int]:
-    out = list(shape)
-    for a, s in enumerate(nd):
-        if isinstance(s, Split):
-            out[s.dim] //= grid[a]
-    return out
-
-
 def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
     """The exchanges of ``run_halos(x, steps, ...)`` on a local piece of
     ``shape``, one ``Comm`` per side that receives rows: every device but the
@@ -142,42 +129,28 @@ def run_halos(x, steps, ctx, operand=0):
     made once per program for the same rows of the same value (``ctx.memo``)."""
     chain: tuple = ()
     for dim, h, axes, fill, fill_key in steps:
-        names, sizes = mesh_axes(ctx, axes)
 
         def send(side, rows, make, chain=chain, dim=dim, axes=axes):
             return ctx.memo(operand, (chain, dim, side, rows, axes), make)
 
-        x = exchange(x, dim, h, names, sizes, fill, send)
+        x = exchange(x, dim, h, axes, ctx.placement.axis_names, ctx.grid, fill, send)
         chain += ((dim, h.left, h.right, axes, fill_key),)
     return x
 
 
-def piece_index(names, sizes):
-    """This device's piece number along a dim split over mesh axes ``names``
-    (of ``sizes``), outer first: nd-SBP's order."""
-    idx = lax.axis_index(names[0])
-    for n, p in zip(names[1:], sizes[1:]):
-        idx = idx * p + lax.axis_index(n)
-    return idx
-
-
-def mesh_axes(ctx, axes) -> tuple[tuple, tuple]:
-    """Names and sizes of placement ``axes`` (for collectives in a local evaluation)."""
-    return tuple(ctx.placement.axis_names[a] for a in axes), tuple(ctx.grid[a] for a in axes)
-
-
-def exchange(x, dim: int, h: Halo, names: tuple, sizes: tuple, fill=None, send=None):
-    """``x`` (this device's piece along ``dim``) with its halo: ``h.left``
-    rows of the piece before it in front, ``h.right`` rows of the piece after
-    it behind; the first and last pieces get ``fill`` there (``None``: zeros,
-    which ``ppermute`` leaves where nothing is sent). ``names``: the mesh
-    axes splitting ``dim``, outer first (``ppermute`` over several axes numbers
-    devices row-major in that order, as nd-SBP orders pieces). ``send(side,
-    rows, make)`` may reuse an earlier ``make()`` (``run_halos``)."""
+def exchange(x, dim: int, h: Halo, axes, names, grid, fill=None, send=None):
+    """``x`` (this device's piece along ``dim``, split over placement
+    ``axes``; ``names`` / ``grid``: every axis's name and size) with its halo:
+    ``h.left`` rows of the piece before it in front, ``h.right`` rows of the
+    piece after it behind; the first and last pieces get ``fill`` there
+    (``None``: zeros, which ``ppermute`` leaves where nothing is sent).
+    ``ppermute`` over several axes numbers devices row-major in the order
+    given, as nd-SBP orders pieces. ``send(side, rows, make)`` may reuse an
+    earlier ``make()`` (``run_halos``)."""
     n_l = x.shape[dim]
-    pieces = math.prod(sizes)
-    axis = names if len(names) > 1 else names[0]
-    idx = piece_index(names, sizes) if fill is not None else None
+    pieces = math.prod(grid[a] for a in axes)
+    axis = axis_arg([names[a] for a in axes])
+    idx = group_index(axes, names, grid) if fill is not None else None
     send = send or (lambda side, rows, make: make())
     parts = []
     if h.left > 0:

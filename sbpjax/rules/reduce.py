@@ -18,9 +18,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from sbpjax.dtypes import extreme
-from sbpjax.rules import B, Comm, P, Sig, rank, register, set_comm, set_local
-from sbpjax.rules.halo import local_shape, mesh_axes, piece_index, split_axes
+from sbpjax.boxing.lower import axis_arg, fill_value, group_index
+from sbpjax.rules import B, Comm, P, Sig, local_shape, rank, register, set_comm, set_local, split_axes
 from sbpjax.sbp import Split
 
 _OP = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
@@ -83,9 +82,9 @@ def cumulative_comm(eqn, in_avals, ins, outs, grid):
 
 def _identity(name, dtype):
     """The carry of a piece with no pieces before it."""
-    if name in ("cumsum", "cumprod"):
-        return 0 if name == "cumsum" else 1
-    return extreme(dtype, low=name in ("cummax", "cumlogsumexp"))
+    if name == "cumprod":
+        return jnp.ones((), dtype)
+    return fill_value({"cumsum": "sum", "cummin": "min"}.get(name, "max"), dtype)
 
 
 _COMBINE = {
@@ -111,14 +110,14 @@ def cumulative_local(eqn, ins, ctx):
     axes = split_axes(ctx.in_nd[0], axis)
     if not axes:
         return [y]
-    names, sizes = mesh_axes(ctx, axes)
-    pieces = math.prod(sizes)
+    names = ctx.placement.axis_names
+    pieces = math.prod(ctx.grid[a] for a in axes)
     # this piece's total is the last element of its scan (the first, reversed)
     end = 0 if reverse else y.shape[axis] - 1
     total = lax.slice_in_dim(y, end, end + 1, axis=axis)
-    totals = lax.all_gather(total, names if len(names) > 1 else names[0], axis=0, tiled=False)
-    me = piece_index(names, sizes)
+    totals = lax.all_gather(total, axis_arg([names[a] for a in axes]), axis=0, tiled=False)
+    me = group_index(axes, names, ctx.grid)
     before = jnp.arange(pieces) > me if reverse else jnp.arange(pieces) < me
     before = before.reshape((pieces,) + (1,) * total.ndim)
-    carry = _REDUCE[name](jnp.where(before, totals, jnp.asarray(_identity(name, y.dtype), y.dtype)), axis=0)
+    carry = _REDUCE[name](jnp.where(before, totals, _identity(name, y.dtype)), axis=0)
     return [_COMBINE[name](carry, y).astype(y.dtype)]

@@ -26,9 +26,9 @@ import math
 
 from jax import lax
 
-from sbpjax.dtypes import extreme
-from sbpjax.rules import B, P, Sig, rank, register, set_comm, set_local
-from sbpjax.rules.halo import Halo, Slide, halo, halo_comms, local_shape, run_halos, split_axes
+from sbpjax.boxing.lower import fill_value
+from sbpjax.rules import B, P, Sig, local_shape, rank, register, set_comm, set_local, split_axes
+from sbpjax.rules.halo import Halo, Slide, halo, halo_comms, run_halos
 from sbpjax.sbp import Split
 
 
@@ -70,18 +70,20 @@ def _halos(eqn, in_avals, ins, outs, grid, pooled=(0,)):
     return found
 
 
+_POOL_OP = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}
+
+
 def _fill(name, dtype):
     """The value a window reduction pads with: its identity (None: zeros)."""
-    return None if name == "reduce_window_sum" else extreme(dtype, low=name == "reduce_window_max")
+    return None if name == "reduce_window_sum" else fill_value(_POOL_OP[name], dtype)
 
 
-def _fill_key(eqn, j, dtype):
-    """Names the edge value of operand ``j``'s halo: the value itself, or for a
+def _fill_key(eqn, j):
+    """Names the edge value of operand ``j``'s halo: the reduction, or for a
     generic reduce_window (whose init value is an operand) this equation's."""
     if eqn.primitive.name == "reduce_window":
         return ("init", id(eqn), j)
-    fill = _fill(eqn.primitive.name, dtype)
-    return None if fill is None else repr(fill)
+    return None if eqn.primitive.name == "reduce_window_sum" else _POOL_OP[eqn.primitive.name]
 
 
 def _operands_comm(in_avals, ins, grid, per_operand) -> list:
@@ -99,8 +101,7 @@ def _window_comm(eqn, in_avals, ins, outs, grid):
         return None
     # each pooled operand (a generic reduce_window may have several); the fill value is not sent
     per_operand = [
-        [(d, h, axes, None, _fill_key(eqn, j, in_avals[j].dtype)) for d, h, axes in found]
-        for j in range(len(eqn.outvars))
+        [(d, h, axes, None, _fill_key(eqn, j)) for d, h, axes in found] for j in range(len(eqn.outvars))
     ]
     return _operands_comm(in_avals, ins, grid, per_operand)
 
@@ -117,7 +118,7 @@ def _window_local(eqn, ins, ctx):
     for j in range(n):
         # a generic reduce_window pads with its init operand (broadcast: the same on every device)
         fill = ins[n + j] if name == "reduce_window" else _fill(name, xs[j].dtype)
-        key = _fill_key(eqn, j, xs[j].dtype)
+        key = _fill_key(eqn, j)
         xs[j] = run_halos(xs[j], [(d, h, axes, fill, key) for d, h, axes in found], ctx, j)
     outs = eqn.primitive.bind(*xs, *ins[n:], **{**eqn.params, "padding": tuple(padding)})
     return list(outs) if eqn.primitive.multiple_results else [outs]
@@ -127,9 +128,7 @@ def _window_local(eqn, ins, ctx):
 def pooling(eqn, in_avals):
     """``y_i = pool(x_i)`` for splits of any dim (a halo exchange where the
     window slides over it); the matching partial passes."""
-    op = {"reduce_window_sum": "sum", "reduce_window_max": "max", "reduce_window_min": "min"}[
-        eqn.primitive.name
-    ]
+    op = _POOL_OP[eqn.primitive.name]
     splits = [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0]))]
     return splits + [Sig((P(op),), (P(op),)), Sig((B,), (B,))]
 
@@ -148,10 +147,10 @@ set_comm("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_
 set_local("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")(_window_local)
 
 
-def _select_fill(eqn, dtype):
-    """What a position outside the operand holds for the selection: never
-    chosen over a real element (``-inf`` for max pooling's ``ge``)."""
-    return extreme(dtype, low=eqn.params["select_prim"].name in ("ge", "gt"))
+def _select_op(eqn) -> str:
+    """The selection as a reduction: ``ge`` / ``gt`` pick the max. Positions
+    outside the operand hold its identity, never chosen over a real element."""
+    return "max" if eqn.params["select_prim"].name in ("ge", "gt") else "min"
 
 
 def _scatter_halos(eqn, in_avals, ins, outs, grid):
@@ -192,9 +191,9 @@ def _scatter_halos(eqn, in_avals, ins, outs, grid):
 
 
 def _scatter_steps(eqn, found, operand_dtype):
-    fill = _select_fill(eqn, operand_dtype)
+    op = _select_op(eqn)
     source = [(d, hs, axes, None, None) for d, axes, hs, _ in found]
-    operand = [(d, ho, axes, fill, repr(fill)) for d, axes, _, ho in found]
+    operand = [(d, ho, axes, fill_value(op, operand_dtype), op) for d, axes, _, ho in found]
     return source, operand
 
 
@@ -228,9 +227,9 @@ def _gather_halos(eqn, in_avals, ins, outs, grid):
 
 
 def _gather_steps(eqn, found, operand_dtype):
-    fill = _select_fill(eqn, operand_dtype)
+    op = _select_op(eqn)
     tangents = [(d, h, axes, None, None) for d, h, axes in found]
-    operand = [(d, h, axes, fill, repr(fill)) for d, h, axes in found]
+    operand = [(d, h, axes, fill_value(op, operand_dtype), op) for d, h, axes in found]
     return tangents, operand
 
 
