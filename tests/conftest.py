@@ -9,6 +9,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import itertools  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -126,3 +127,24 @@ def assert_close(actual, desired, *, rtol, scale=None, err_msg=""):
     np.testing.assert_allclose(
         np.asarray(actual, dtype=np.float64), desired, rtol=rtol, atol=rtol * scale, err_msg=err_msg
     )
+
+
+def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
+    """Bytes GSPMD's program for ``fn`` moves (``jax.jit`` with the same layouts
+    as ``NamedSharding``s): ``in_sbps`` / ``out_sbps`` are pytrees of nd-SBPs
+    matching ``args`` and the outputs leaf for leaf."""
+    from jax.sharding import NamedSharding
+
+    from sbpjax.boxing.plan import normalized_layout
+    from sbpjax.compiler.api import is_nd_sbp
+    from sbpjax.layout import Geometry
+
+    def sharding(nd, shape):
+        layout = normalized_layout(nd, len(shape), pl.shape)
+        return NamedSharding(pl.mesh, Geometry(shape, pl.shape).partition_spec(layout, pl.axis_names))
+
+    in_sh = jax.tree.map(lambda nd, a: sharding(nd, np.shape(a)), in_sbps, args, is_leaf=is_nd_sbp)
+    outs = jax.eval_shape(fn, *args)
+    out_sh = jax.tree.map(lambda nd, o: sharding(nd, o.shape), out_sbps, outs, is_leaf=is_nd_sbp)
+    compiled = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
+    return sum(c.bytes for c in sj.collectives(compiled))

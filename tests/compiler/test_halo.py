@@ -20,10 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, gspmd_bytes
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as PS
 
 import sbpjax as sj
 from sbpjax._errors import SBPWarning
@@ -303,16 +301,6 @@ def _cnn_params():
     return {k: (0.3 * rng.normal(size=s)).astype(np.float32) for k, s in shapes.items()}
 
 
-def _gspmd_bytes(fn, pl, x_spec, args):
-    mesh = pl.mesh
-    g = jax.jit(
-        fn,
-        in_shardings=(NamedSharding(mesh, PS()), NamedSharding(mesh, x_spec)),
-        out_shardings=NamedSharding(mesh, PS()),
-    )
-    return sum(c.bytes for c in sj.collectives(g.lower(*args).compile()))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["h4", "batch2_h4", "h2_w2"])
 def test_cnn_split_along_height_moves_less_than_gspmd_and_gathering(where):
@@ -330,10 +318,7 @@ def test_cnn_split_along_height_moves_less_than_gspmd_and_gathering(where):
     assert ours == sum(c.bytes for c in sj.collectives(f.lower(params, x).compile()))
     assert e.bytes <= ours  # (out_sbp adds the gradients' reduction to B)
 
-    spec = [None] * 4
-    for a, s in enumerate(xs):
-        spec[s.dim] = names[a] if spec[s.dim] is None else (spec[s.dim], names[a])
-    gspmd = _gspmd_bytes(step, pl, PS(*spec), (params, x))
+    gspmd = gspmd_bytes(step, pl, in_sbp, out_sbp, (params, x))
 
     # the alternative without halos: gather the input, run every layer on the other dims
     gathered = (

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, gspmd_bytes
 from flax import linen as nn
 from flax import nnx
 
@@ -153,22 +153,6 @@ def test_shift_stacked_refuses_a_split_of_the_removed_dim():
         shift_stacked((S(0), B), -1, "p", 0)
 
 
-def _gspmd_bytes(step, pl, sbps, args):
-    """Bytes of GSPMD's program for ``step`` given the same layouts as NamedShardings."""
-    from jax.sharding import NamedSharding
-
-    from sbpjax.layout import Geometry
-
-    def sharding(nd, shape):
-        layout = sj.boxing.plan.normalized_layout(nd, len(shape), pl.shape)
-        return NamedSharding(pl.mesh, Geometry(shape, pl.shape).partition_spec(layout, pl.axis_names))
-
-    in_sh = jax.tree.map(lambda nd, a: sharding(nd, np.shape(a)), sbps, args, is_leaf=is_nd_sbp)
-    out_sh = (NamedSharding(pl.mesh, jax.sharding.PartitionSpec()), in_sh[0])
-    compiled = jax.jit(step, in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
-    return sum(c.bytes for c in sj.collectives(compiled))
-
-
 def _sgd_step(apply):
     def step(params, x):
         loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, x) - jnp.tanh(x)) ** 2))(params)
@@ -217,6 +201,6 @@ def test_stacked_megatron_train_step_equals_one_device_and_moves_no_more_than_gs
     )
     ours = f.explain(params, x).bytes
     assert ours == sum(c.bytes for c in sj.collectives(f.lower(params, x).compile()))
-    gspmd = _gspmd_bytes(step, pl, (sbp, (S(0), B)), (params, x))
+    gspmd = gspmd_bytes(step, pl, (sbp, (S(0), B)), ((B, B), sbp), (params, x))
     print(f"{flavour}: sbpjax {ours} B, GSPMD {gspmd} B")
     assert ours <= gspmd
