@@ -17,6 +17,7 @@ from jax import lax
 
 from sbpjax.boxing.lower import group_index, run_plan
 from sbpjax.boxing.plan import normalized_layout
+from sbpjax.compiler import uneven
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
 from sbpjax.compiler.propagate import CONSTRAIN, Propagation
 from sbpjax.compiler.trace import Const, Var
@@ -53,12 +54,14 @@ class LocalCtx:
         return bool(split_axes(nd, dim))
 
     def offset(self, nd, shape, dim):
-        """Where this device's piece starts along ``dim`` (even splits)."""
+        """Where this device's piece starts along ``dim``."""
         axes = split_axes(nd, dim)
         if not axes:
             return 0
-        piece = group_index(axes, self.placement.axis_names, self.grid)
-        return piece * (shape[dim] // math.prod(self.grid[a] for a in axes))
+        p = math.prod(self.grid[a] for a in axes)
+        if shape[dim] % p:
+            return uneven.piece(shape[dim], axes, self.placement.axis_names, self.grid)[0]
+        return group_index(axes, self.placement.axis_names, self.grid) * (shape[dim] // p)
 
 
 def _default_local(eqn, ins, ctx):
@@ -122,14 +125,20 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 return env[key]
             return jnp.asarray(atom.value)  # a constant, used as B
 
+        def settled(atom, nd):
+            """The value with its padded positions (uneven splits) holding the
+            identity of its partial, as boxing and results expect."""
+            x = read(atom, nd)
+            return uneven.fill_holes(x, atom.shape, nd, names, grid, uneven.holes_op(nd))
+
         def box(b):
             if id(b) in joined:  # ran earlier, with its bucket
                 return
             bucket = buckets.get(id(b))
             if bucket is None:
-                env[(id(b.var), b.dst)] = run_plan(b.plan, read(b.var, b.src))
+                env[(id(b.var), b.dst)] = run_plan(b.plan, settled(b.var, b.src))
                 return
-            ys = run_bucket(bucket, [read(c.var, c.src) for c in bucket.boxings])
+            ys = run_bucket(bucket, [settled(c.var, c.src) for c in bucket.boxings])
             for c, y in zip(bucket.boxings, ys):
                 env[(id(c.var), c.dst)] = y
 
@@ -140,6 +149,9 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 box(b)
             node = dec.node
             ins = [read(a, nd) for a, nd in zip(node.ins, dec.in_sbp)]
+            # a reduction over an uneven split reads identities in the padding
+            for j, op in uneven.reduced_operands(dec.in_sbp, dec.out_sbp, [a.shape for a in node.ins], grid):
+                ins[j] = uneven.fill_holes(ins[j], node.ins[j].shape, dec.in_sbp[j], names, grid, op)
             if node.name == CONSTRAIN:
                 outs = ins
             else:
@@ -157,6 +169,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
             y = read(atom, nd)
             if isinstance(atom, Const):
                 y = jnp.broadcast_to(y, local_shape(atom.shape, nd, grid))
+            y = uneven.fill_holes(y, atom.shape, nd, names, grid, uneven.holes_op(nd))
             results.append(y.reshape((1,) * n_partial(nd) + y.shape))
         return tuple(results)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
+from sbpjax.compiler import uneven
 from sbpjax.compiler.trace import Const, Node, Program, Var
 from sbpjax.dtypes import partial_supported
 from sbpjax.placement import Placement
@@ -175,41 +176,6 @@ def _fresh_splits(outs, cur) -> int:
     )
 
 
-def uneven_error(what, shape, nd, placement, where) -> SBPError:
-    counts: dict[int, list[int]] = {}
-    for a, s in enumerate(nd):
-        if isinstance(s, Split):
-            counts.setdefault(s.dim, []).append(a)
-    for d, axes in counts.items():
-        p = math.prod(placement.shape[a] for a in axes)
-        if shape[d] % p:
-            names = ",".join(placement.axis_names[a] for a in axes)
-            pad = -(-shape[d] // p) * p
-            return SBPError(
-                f"{what} {where}: dim {d} of size {shape[d]} is split {p} ways over axis '{names}' "
-                f"({shape[d]} % {p} = {shape[d] % p}); sj.jit needs even splits for now. Pad dim {d} "
-                f"to {pad}, or {_even_alternative(shape, nd, placement, d, axes)}."
-            )
-    return SBPError(f"{what} {where}: uneven layout {format_sbp(nd)} for shape {shape}.")
-
-
-def _even_alternative(shape, nd, placement, dim, axes) -> str:
-    """A layout that does not split ``dim`` over ``axes`` unevenly: the same
-    axes split another dim they divide (not already split), else B there."""
-    p = math.prod(placement.shape[a] for a in axes)
-    taken = {s.dim for s in nd if isinstance(s, Split)}
-    other = [
-        d for d in range(len(shape)) if d != dim and d not in taken and shape[d] % p == 0 and shape[d] >= p
-    ]
-    if other:
-        alt = tuple(Split(other[0]) if a in axes else s for a, s in enumerate(nd))
-        why = f"split dim {other[0]} (size {shape[other[0]]}) there instead"
-    else:
-        alt = tuple(Broadcast() if a in axes else s for a, s in enumerate(nd))
-        why = f"keep it whole over '{','.join(placement.axis_names[a] for a in axes)}'"
-    return f"{why}: {format_sbp(alt)}"
-
-
 class Propagator:
     def __init__(self, program: Program, placement: Placement, cost_model=None):
         self.prog = program
@@ -313,6 +279,21 @@ class Propagator:
             )
         return hit
 
+    def cheapest_source(self, atom, src, dst, made) -> tuple:
+        """``(source, plan)`` boxing ``atom`` to ``dst`` from its producer's
+        layout ``src`` or from a layout an earlier boxing already ``made``,
+        whichever moves fewer bytes: a partial reduced once for one consumer
+        is sliced for the next instead of reduced again, and a plan that would
+        repeat an earlier boxing's first steps (which XLA merges) starts where
+        that boxing ended, so the plan counts what runs."""
+        best = (src, self.plan(atom, src, dst))
+        for v in made:
+            if v != dst:
+                p = self.plan(atom, v, dst)
+                if p.bytes < best[1].bytes:
+                    best = (v, p)
+        return best
+
     def bound(self, atom, src, dst) -> int:
         """A lower bound of ``plan(atom, src, dst).bytes`` without a search."""
         key = (atom.shape, atom.dtype, src, dst)
@@ -369,8 +350,6 @@ class Propagator:
                     f"sj.constrain at {node.source}: {format_sbp(want)} splits a dim the tensor of shape "
                     f"{node.ins[0].shape} does not have; split a dim in 0..{len(node.ins[0].shape) - 1}."
                 )
-            if not _even(want, node.ins[0].shape, self.grid):
-                raise uneven_error("sj.constrain", node.ins[0].shape, want, self.pl, f"at {node.source}")
             return self._decide(node, index, [want], [want])
         rule = RULES.get(node.name)
         sigs = self.candidates(node) if rule is not None else []
@@ -458,7 +437,7 @@ class Propagator:
         for order, combo in enumerate(itertools.product(*per_axis)):
             ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
             outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
-            if not all(self._even(nd, v.shape) for nd, v in zip(ins + outs, list(node.ins) + node.outs)):
+            if not self._fits(node, ins, outs):
                 continue
             if any(not self._partial_ok(nd) for nd in ins + outs):
                 continue
@@ -558,7 +537,7 @@ class Propagator:
         for idx in itertools.product(*[range(len(c)) for c in per_axis]):
             combo = [per_axis[a][i] for a, i in enumerate(idx)]
             outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
-            if not all(self._even(nd, o.shape) for nd, o in zip(outs, node.outs)):
+            if not self._fits(node, cur, outs):
                 continue
             if any(not self._partial_ok(nd) for nd in outs):
                 continue  # (no debt: debt comes from an input boxed to a partial)
@@ -574,6 +553,18 @@ class Propagator:
         if hit is None:
             hit = self._evens[key] = _even(nd, shape, self.grid)
         return hit
+
+    def _fits(self, node: Node, ins, outs) -> bool:
+        """Whether ``node`` can run this nd-signature on its pieces: every
+        split even, or uneven splits that keep their padded positions in place
+        and need no communication of the op's own (``sbpjax.compiler.uneven``)."""
+        vals = list(node.ins) + list(node.outs)
+        nds = list(ins) + list(outs)
+        if all(self._even(nd, v.shape) for nd, v in zip(nds, vals)):
+            return True
+        if not uneven.fits(nds, [v.shape for v in vals], self.grid):
+            return False
+        return not op_comm(node, ins, outs, self.grid, self._comms)
 
     def _partial_debt(self, cur, ins, outs, node) -> int:
         """Bytes a new partial will cost later, charged when an op's partial
@@ -606,12 +597,14 @@ class Propagator:
             src = self.nd_of(atom)
             if src == nd:
                 continue
+            made: list = []
             if isinstance(atom, Var):
                 seen = self.versions.setdefault(id(atom), {})
                 if nd in seen:
                     continue
+                made = list(seen)
                 seen[nd] = True
-            plan = self.plan(atom, src, nd)
+            src, plan = self.cheapest_source(atom, src, nd, made)
             boxings.append(Boxing(atom, src, nd, plan, f"{node.name} at {node.source}", index))
         for v, nd in zip(node.outs, outs):
             self.layout[id(v)] = nd
@@ -635,10 +628,6 @@ def propagate(
     that had to be boxed, the layout its consumer asked for in the previous
     pass (so producers learn what consumers want). The pass moving the fewest
     bytes wins, so extra passes never make a program worse."""
-    for k, (v, nd) in enumerate(zip(program.inputs, in_sbp)):
-        if not _even(nd, v.shape, placement.shape):
-            label = names[k] if names else f"argument leaf {k}"
-            raise uneven_error("input", v.shape, nd, placement, f"'{label}'")
     best: tuple | None = None
     learned: dict = {}
     uses: dict = {}  # id(var) -> how many ops and outputs use it
@@ -718,8 +707,6 @@ def _one_pass(
         if want is None or want == have:
             final.append(have)
             continue
-        if not _even(want, atom.shape, placement.shape):
-            raise uneven_error("out_sbp", atom.shape, want, placement, f"for output leaf {k}")
         plan = pr.plan(atom, have, want)
         out_boxings.append(Boxing(atom, have, want, plan, f"output {k}", None))
         final.append(want)

@@ -120,11 +120,12 @@ def split_axes(nd, dim) -> tuple[int, ...]:
 
 
 def local_shape(dims, nd, grid) -> tuple:
-    """The shape of each device's piece of a tensor of shape ``dims`` (even splits)."""
+    """The shape of each device's block of a tensor of shape ``dims``: its
+    piece, padded to the largest piece where a split is uneven."""
     out = list(dims)
     for a, s in enumerate(nd):
         if isinstance(s, Split):
-            out[s.dim] //= grid[a]
+            out[s.dim] = -(-out[s.dim] // grid[a])
     return tuple(out)
 
 

@@ -410,19 +410,12 @@ def test_out_sbp_boxes_outputs_and_plain_arrays_are_broadcast(pl8):
 
 
 def test_errors(pl8, pl24):
-    X = np.ones((10, 8), np.float32)
-    with pytest.raises(
-        sj.SBPError, match=r"dim 0 of size 10 is split 8 ways over axis 'x' \(10 % 8 = 2\).*Pad dim 0 to 16"
-    ):
-        sj.jit(lambda x: x * 2, placement=pl8, in_sbp=(S0,))(X)
     with pytest.raises(sj.SBPError, match=r"has 1 entries but the placement has 2 axes"):
         sj.jit(lambda x: x, placement=pl24, in_sbp=(S0,))(np.ones((8, 8), np.float32))
     with pytest.raises(
         sj.SBPError, match=r"sj.constrain at .*splits a dim the tensor of shape \(16,\) does not have"
     ):
         sj.jit(lambda x: sj.constrain(x, sj.S(1)), placement=pl8)(np.ones(16, np.float32))
-    with pytest.raises(sj.SBPError, match=r"sj.constrain .*dim 0 of size 12 is split 8 ways"):
-        sj.jit(lambda x: sj.constrain(x, sj.S(0)), placement=pl8)(np.ones((12,), np.float32))
     with pytest.raises(sj.SBPError, match="must be an sj.Placement"):
         sj.jit(lambda x: x, placement="x")
 

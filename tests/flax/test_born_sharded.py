@@ -161,8 +161,8 @@ def test_train_step_init_makes_the_optimizer_state_on_the_devices(monkeypatch):
 
 def test_create_with_uneven_splits():
     """A split that does not divide its dim (10 columns on 4 devices: 3, 3, 2, 2) is padded to the
-    physical form inside the init program; the values equal the host-placed ones. (Steps with
-    uneven splits wait for sj.jit to support them.)"""
+    physical form inside the init program; the values equal the host-placed ones, and training
+    (with a batch of 6 on 4 devices: 2, 2, 1, 1) gives the single-device losses."""
     pl = sj.placement(4, "x")
 
     class Odd(nnx.Module):
@@ -184,3 +184,13 @@ def test_create_with_uneven_splits():
         is_leaf=_is_gt,
     )
     np.testing.assert_array_equal(np.asarray(born.model().fc.kernel.get_value()), kernel.numpy())
+    from conftest import nnx_single_device
+
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(6, 6)).astype(np.float32), rng.normal(size=(6, 10)).astype(np.float32))]
+    batches *= 3
+    want, _ = nnx_single_device(factory(), optax.adam(0.1), loss_fn, batches)
+    split = sjf.Trainer.create(factory, optax.adam(0.1), loss_fn, pl, batch_sbp=(S(0),))
+    for b, w in zip(batches, want):
+        assert_close(born.step(b), w, rtol=1e-5)
+        assert_close(split.step(b), w, rtol=1e-5)
