@@ -24,7 +24,12 @@ from jax.sharding import NamedSharding
 from sbpjax._errors import SBPError
 from sbpjax.boxing.lower import boxing_fn
 from sbpjax.boxing.plan import normalized_layout, plan_boxing
-from sbpjax.boxing.transfer import TransferPlan, execute_transfer
+from sbpjax.boxing.transfer import (
+    TransferPlan,
+    across_processes,
+    execute_transfer,
+    transfer_across_processes,
+)
 from sbpjax.dtypes import canonical_dtype, check_partial_dtype
 from sbpjax.layout import Geometry, Layout
 from sbpjax.placement import Placement
@@ -245,8 +250,12 @@ class GlobalTensor:
         )
         if plan.dst_placement is not None:
             assert isinstance(plan, TransferPlan)  # what plan_boxing makes for another placement
-            _check_same_processes(self._placement, placement)
-            data, _ = execute_transfer(plan, self._data)
+            if across_processes(self._placement, placement):
+                data, _ = transfer_across_processes(
+                    self._data, self._shape, self._dtype, self._placement, self._sbp, placement, sbp
+                )
+            else:
+                data, _ = execute_transfer(plan, self._data)
         elif plan.steps:
             data = boxing_fn(plan)(self._data)
         else:
@@ -255,20 +264,6 @@ class GlobalTensor:
 
     def __jax_array__(self):
         return self.to_jax()
-
-
-def _check_same_processes(src: Placement, dst: Placement) -> None:
-    """Transfers between placements run as device-to-device copies, which JAX
-    makes between devices of one process only (across processes it needs
-    its cross-host transfer flags). Refuse before any copy starts."""
-    procs = {d.process_index for d in src.devices.flat}, {d.process_index for d in dst.devices.flat}
-    if procs[0] != procs[1]:
-        raise SBPError(
-            f"to_global(placement=...): {src!r} is on process(es) {sorted(procs[0])}, {dst!r} on "
-            f"{sorted(procs[1])}; transfers between placements of different processes are not supported "
-            "yet. Box within one placement that spans both (e.g. a placement of all devices), or keep "
-            "each pipeline stage's placement within the processes it shares with the next."
-        )
 
 
 def _reduced(sbp):
@@ -294,14 +289,17 @@ def _local_coords(geom: Geometry, placement: Placement) -> list:
     return [c for c in geom.coords if placement.devices[c].process_index == me]
 
 
-def _assemble(blocks: dict, geom: Geometry, layout: Layout, placement: Placement) -> jax.Array:
+def _assemble(blocks: dict, geom: Geometry, layout: Layout, placement: Placement, dtype) -> jax.Array:
     """The physical array from the padded blocks of this process's devices
     (``make_array_from_single_device_arrays`` takes each process's own; the
     others are made by their processes)."""
     sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
     local = _local_coords(geom, placement)
     arrays = [jax.device_put(blocks[c], placement.devices[c]) for c in local]
-    return jax.make_array_from_single_device_arrays(geom.physical_shape(layout), sharding, arrays)
+    # dtype: a placement without devices here gives an array with no shards here
+    return jax.make_array_from_single_device_arrays(
+        geom.physical_shape(layout), sharding, arrays, dtype=dtype
+    )
 
 
 def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> GlobalTensor:
@@ -348,7 +346,7 @@ def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> G
         return GlobalTensor(data, shape, dtype, placement, sbp)
     host = np.asarray(x)
     blocks = {c: _host_block(host, geom, layout, c, dtype) for c in _local_coords(geom, placement)}
-    return GlobalTensor(_assemble(blocks, geom, layout, placement), shape, dtype, placement, sbp)
+    return GlobalTensor(_assemble(blocks, geom, layout, placement, dtype), shape, dtype, placement, sbp)
 
 
 def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
@@ -443,7 +441,7 @@ def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTenso
         block[(0,) * len(layout.partial) + tuple(slice(0, n) for n in want)] = grid[c]
         blocks[c] = block
     _check_broadcast_copies(grid, geom, layout, placement, sbp)
-    return GlobalTensor(_assemble(blocks, geom, layout, placement), shape, dtype, placement, sbp)
+    return GlobalTensor(_assemble(blocks, geom, layout, placement, dtype), shape, dtype, placement, sbp)
 
 
 def _explain_local(shape, sbp, placement, coord) -> str:

@@ -201,3 +201,116 @@ def _block_for_block(plan: TransferPlan, src_geometry: Geometry) -> bool:
         and plan.src_layout == plan.dst_layout
         and src_geometry.even(plan.src_layout)
     )
+
+
+# ---------------------------------------------------------------------------
+# Between placements of different processes (jax.distributed)
+# ---------------------------------------------------------------------------
+
+
+def processes_of(placement) -> frozenset:
+    return frozenset(d.process_index for d in placement.devices.flat)
+
+
+def across_processes(src_pl, dst_pl) -> bool:
+    """Whether a transfer between the placements needs other processes (a
+    device-to-device copy cannot reach their devices)."""
+    return processes_of(src_pl) != processes_of(dst_pl) or len(processes_of(src_pl)) > 1
+
+
+def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp) -> tuple[jax.Array, int]:
+    """A transfer between placements whose devices belong to different
+    processes, run as collectives every process of either placement calls
+    with the same arguments (SPMD): a process without source devices passes
+    the tensor's handle (its array has no shards here), one without target
+    devices gets a handle back.
+
+    The source boxes to ``X`` (the target layout with partials made B), then
+    one ``ppermute`` over a mesh of both placements (rows: source, target)
+    sends each block to the device at the same grid position, and the
+    target boxes ``X`` to its layout (a partial is a local zero fill). The
+    move's bytes are the target's blocks of ``X``. Needs grids of one shape
+    and disjoint placements (pipeline stages); returns the target physical
+    array and the bytes moved."""
+    from jax.sharding import PartitionSpec
+
+    from sbpjax.boxing.lower import boxing_fn, layout_sharding
+
+    if src_pl.shape != dst_pl.shape or not src_pl.is_disjoint(dst_pl):
+        raise SBPError(
+            f"to_global(placement=...): {src_pl!r} and {dst_pl!r} are on different processes, where a "
+            f"transfer needs two disjoint placements of one grid shape (here {src_pl.shape} and "
+            f"{dst_pl.shape}). Give the target the source's grid shape (and box on it afterwards), or "
+            "box within one placement that spans both."
+        )
+    shape, dtype = tuple(shape), np.dtype(dtype)
+    n_axes = len(dst_pl.shape)
+    x_sbp = tuple(Broadcast() if not isinstance(q, (Split, Broadcast)) else q for q in dst_sbp)
+    me = jax.process_index()
+    here_src = me in processes_of(src_pl)
+    here_dst = me in processes_of(dst_pl)
+    src_side = plan_boxing(shape, dtype, src_pl, src_sbp, x_sbp)
+    dst_side = plan_boxing(shape, dtype, dst_pl, x_sbp, dst_sbp)
+    geom = Geometry(shape, dst_pl.shape)
+    X = normalized_layout(x_sbp, len(shape), dst_pl.shape)
+    block = geom.padded(X)
+    if here_src and src_side.steps:
+        data = boxing_fn(src_side)(data)
+    shards = {s.device.id: s.data for s in data.addressable_shards} if here_src else {}
+    # rows: source devices, then target devices, in grid order
+    rows = np.stack([src_pl.devices.reshape(-1), dst_pl.devices.reshape(-1)])
+    from jax.sharding import Mesh
+
+    mesh = Mesh(rows, ("_side", "_device"))
+    spec = PartitionSpec("_side", "_device")
+    parts = []
+    for d in rows.reshape(-1):
+        if d.process_index != me:
+            continue
+        local = shards[d.id].reshape((1, 1) + block) if d.id in shards else np.zeros((1, 1) + block, dtype)
+        parts.append(jax.device_put(local, d))
+    both = jax.make_array_from_single_device_arrays(
+        (2, rows.shape[1]) + block, NamedSharding(mesh, spec), parts, dtype=dtype
+    )
+    moved = _ppermute_rows(mesh)(both)
+    blocks = [
+        s.data.reshape(block)
+        for s in sorted(moved.addressable_shards, key=lambda s: s.device.id)
+        if s.index[0] == slice(1, 2, None)
+    ]
+    out = jax.make_array_from_single_device_arrays(
+        geom.physical_shape(X), layout_sharding(geom, X, dst_pl), blocks, dtype=dtype
+    )
+    if here_dst and dst_side.steps:
+        out = boxing_fn(dst_side)(out)
+    elif dst_side.steps:  # a handle of the target's physical shape
+        y = dst_side.dst_layout
+        assert y is not None  # plan_boxing sets it
+        out = jax.make_array_from_single_device_arrays(
+            geom.physical_shape(y), layout_sharding(geom, y, dst_pl), [], dtype=dtype
+        )
+    return out, int(math.prod(block) * dtype.itemsize * rows.shape[1] * (0 not in shape))
+
+
+_PPERMUTE: dict = {}
+
+
+def _ppermute_rows(mesh):
+    """The jitted program sending row 0's block of every column to row 1."""
+    from jax import lax
+
+    fn = _PPERMUTE.get(mesh)
+    if fn is None:
+        from jax.sharding import PartitionSpec
+
+        spec = PartitionSpec("_side", "_device")
+        fn = _PPERMUTE[mesh] = jax.jit(
+            jax.shard_map(
+                lambda x: lax.ppermute(x, "_side", [(0, 1)]),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+                check_vma=False,
+            )
+        )
+    return fn
