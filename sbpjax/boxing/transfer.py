@@ -232,7 +232,7 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
     move's bytes are the target's blocks of ``X``. Needs grids of one shape
     and disjoint placements (pipeline stages); returns the target physical
     array and the bytes moved."""
-    from jax.sharding import PartitionSpec
+    from jax.sharding import Mesh, PartitionSpec
 
     from sbpjax.boxing.lower import boxing_fn, layout_sharding
 
@@ -244,7 +244,6 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
             "box within one placement that spans both."
         )
     shape, dtype = tuple(shape), np.dtype(dtype)
-    n_axes = len(dst_pl.shape)
     x_sbp = tuple(Broadcast() if not isinstance(q, (Split, Broadcast)) else q for q in dst_sbp)
     me = jax.process_index()
     here_src = me in processes_of(src_pl)
@@ -259,8 +258,6 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
     shards = {s.device.id: s.data for s in data.addressable_shards} if here_src else {}
     # rows: source devices, then target devices, in grid order
     rows = np.stack([src_pl.devices.reshape(-1), dst_pl.devices.reshape(-1)])
-    from jax.sharding import Mesh
-
     mesh = Mesh(rows, ("_side", "_device"))
     spec = PartitionSpec("_side", "_device")
     parts = []
