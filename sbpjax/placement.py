@@ -138,6 +138,19 @@ class Placement:
         )
         return Placement(devs, names)
 
+    @property
+    def processes(self) -> frozenset:
+        """The ``jax.process_index()`` of every process with a device here (one
+        process unless ``jax.distributed`` runs several)."""
+        return frozenset(d.process_index for d in self.devices.flat)
+
+    @property
+    def in_this_process(self) -> bool:
+        """Whether this process drives a device of the placement."""
+        import jax
+
+        return jax.process_index() in self.processes
+
     def is_disjoint(self, other: Placement) -> bool:
         return not set(self.device_ids) & set(other.device_ids)
 

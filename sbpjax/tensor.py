@@ -302,6 +302,18 @@ def _assemble(blocks: dict, geom: Geometry, layout: Layout, placement: Placement
     )
 
 
+def placeholder(shape, dtype, placement: Placement, sbp) -> GlobalTensor:
+    """A handle of a tensor whose devices all belong to other processes (its
+    array has no shards here): what a process passes to a collective it
+    joins without holding the data, e.g. a transfer between pipeline stages."""
+    if placement.in_this_process:
+        raise SBPError(f"placeholder: {placement!r} has devices in this process; place real data there.")
+    shape, dtype = tuple(shape), canonical_dtype(dtype)
+    geom = Geometry(shape, placement.shape)
+    layout = normalized_layout(sbp, len(shape), placement.shape)
+    return GlobalTensor(_assemble({}, geom, layout, placement, dtype), shape, dtype, placement, tuple(sbp))
+
+
 def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> GlobalTensor:
     """Lay out the logical array ``x`` over ``placement`` as ``sbp``.
 

@@ -1,4 +1,4 @@
-"""Global tensors, boxing, sj.jit, Trainer and checkpoints across 2 JAX
+"""Global tensors, boxing, transfers, sj.jit, Trainer, pipelines and checkpoints across 2 JAX
 processes with 4 CPU devices each (``python -m sbpjax.launch``, gloo between
 the processes). The programs run as scripts in ``tests/multihost/``; each
 checks its values against NumPy or one device itself, so here we check that
@@ -78,6 +78,23 @@ def test_trainer_across_two_processes_matches_one_process():
     assert two[0] == two[1]  # every process sees the same losses
     # the same program; gloo's all-reduce may add in another order than one
     # process's, so the last bits of a float32 sum can differ
+    np.testing.assert_allclose(two[0], one, rtol=2e-6, atol=0)
+
+
+def test_two_stage_pipeline_with_one_stage_per_process_matches_one_process():
+    """Stage 0 on process 0's devices, stage 1 on process 1's: the lockstep
+    runtime, activations and gradients crossing as collectives. The script
+    checks each step against one device; here the two runs are compared."""
+    script = os.path.join(SCRIPTS, "pipeline.py")
+    alone = single(script)
+    assert _lines(alone, "RUNTIME") == ["threaded"]
+    one = ast.literal_eval(_lines(alone, "LOSSES")[0])
+    out = launch(script)
+    for p in (0, 1):
+        assert _lines(out, "RUNTIME", p) == ["lockstep"] and _lines(out, "OK", p) == [str(p)], out[-3000:]
+    two = [ast.literal_eval(_lines(out, "LOSSES", p)[0]) for p in (0, 1)]
+    assert two[0] == two[1]  # the losses reach every process
+    # gloo sums a stage's partial products in its own order (as in the Trainer test)
     np.testing.assert_allclose(two[0], one, rtol=2e-6, atol=0)
 
 

@@ -208,14 +208,10 @@ def _block_for_block(plan: TransferPlan, src_geometry: Geometry) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def processes_of(placement) -> frozenset:
-    return frozenset(d.process_index for d in placement.devices.flat)
-
-
 def across_processes(src_pl, dst_pl) -> bool:
     """Whether a transfer between the placements needs other processes (a
     device-to-device copy cannot reach their devices)."""
-    return processes_of(src_pl) != processes_of(dst_pl) or len(processes_of(src_pl)) > 1
+    return src_pl.processes != dst_pl.processes or len(src_pl.processes) > 1
 
 
 def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp) -> tuple[jax.Array, int]:
@@ -246,8 +242,7 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
     shape, dtype = tuple(shape), np.dtype(dtype)
     x_sbp = tuple(Broadcast() if not isinstance(q, (Split, Broadcast)) else q for q in dst_sbp)
     me = jax.process_index()
-    here_src = me in processes_of(src_pl)
-    here_dst = me in processes_of(dst_pl)
+    here_src, here_dst = src_pl.in_this_process, dst_pl.in_this_process
     src_side = plan_boxing(shape, dtype, src_pl, src_sbp, x_sbp)
     dst_side = plan_boxing(shape, dtype, dst_pl, x_sbp, dst_sbp)
     geom = Geometry(shape, dst_pl.shape)

@@ -275,7 +275,10 @@ class CompiledFunction:
         # keyword arguments: as given, or B
         specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
         specs += [None] * (len(leaves) - len(specs))
-        if CHECK_PROCESSES and jax.process_count() > 1:
+        # only a placement over every process can be checked with an all-gather
+        # over every process; a placement in one process needs no check (a pipeline
+        # stage), and one over some processes is not checked
+        if CHECK_PROCESSES and len(self.placement.processes) == jax.process_count() > 1:
             _check_same_call_in_every_process(tree, leaves)
         out = []
         pl = self.placement

@@ -36,13 +36,14 @@ import optax
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.api import is_nd_sbp, jit, state_sbp
+from sbpjax.pipeline.lockstep import LockstepSystem
 from sbpjax.pipeline.runtime import ThreadedSystem
 from sbpjax.pipeline.schedule import StageThreads, as_schedule, build_graph
 from sbpjax.pipeline.simulate import Durations, simulate_graph
 from sbpjax.pipeline.timeline import Timeline
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
-from sbpjax.tensor import GlobalTensor, to_global
+from sbpjax.tensor import GlobalTensor, placeholder, to_global
 
 
 def _is_layout_leaf(v) -> bool:
@@ -154,7 +155,7 @@ class StepResult:
 
     loss: float  # mean of the microbatch losses
     microbatch_losses: tuple  # per microbatch, in order
-    grads: list  # per stage: the accumulated gradient pytree (global tensors)
+    grads: list  # per stage: the accumulated gradient pytree (global tensors); None for a stage another process runs
     timeline: Timeline
 
 
@@ -302,8 +303,14 @@ class Pipeline:
             stash_counts=None if stash_counts is None else list(stash_counts),
         )
         n = len(stages)
-        self.programs = [
+        # With jax.distributed, each process runs the stages that have devices in
+        # it and meets the others in the transfers (sbpjax.pipeline.lockstep).
+        self.here = [st.placement.in_this_process for st in stages]
+        self.lockstep = len(frozenset().union(*(st.placement.processes for st in stages))) > 1
+        self.programs: list[_StagePrograms | None] = [
             _StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer, self.target_sbp)
+            if self.here[i]
+            else None
             for i, st in enumerate(stages)
         ]
         self.before_action = before_action
@@ -369,27 +376,53 @@ class Pipeline:
         losses: list = [None] * m
         pending: list = [None] * len(self.stages)
         bodies = self._bodies(load_inputs, load_targets, losses, pending)
-        system = ThreadedSystem(
-            self.graph,
-            bodies,
-            nbytes=_logical_nbytes,
-            before_action=self.before_action,
-            action_timeout=self._deadline(),
-        )
+        system: ThreadedSystem | LockstepSystem
+        if self.lockstep:
+            system = LockstepSystem(self.graph, bodies, before_action=self.before_action)
+        else:
+            system = ThreadedSystem(
+                self.graph,
+                bodies,
+                nbytes=_logical_nbytes,
+                before_action=self.before_action,
+                action_timeout=self._deadline(),
+            )
         try:
             timeline = system.run()
-            values = [float(np.asarray(loss.numpy())) for loss in losses]  # read before anything changes
+            values = self._losses(losses)  # read before anything changes
         finally:
             for prog in self.programs:
-                prog.acc = prog.zeros
-        for stage, prog, (params, state, grads) in zip(self.stages, self.programs, pending):
-            stage.params, prog.state, prog.grads = params, state, grads
+                if prog is not None:
+                    prog.acc = prog.zeros
+        for stage, prog, done in zip(self.stages, self.programs, pending):
+            if prog is not None:  # a stage of another process keeps its handles
+                stage.params, prog.state, prog.grads = done
         self._slowest = {}
         for r in timeline.actions:
             self._slowest[r.kind] = max(self._slowest.get(r.kind, 0.0), r.end - r.start)
         return StepResult(
-            float(np.mean(values)), tuple(values), [prog.grads for prog in self.programs], timeline
+            float(np.mean(values)),
+            tuple(values),
+            [None if prog is None else prog.grads for prog in self.programs],
+            timeline,
         )
+
+    def _losses(self, losses: list) -> list[float]:
+        """The microbatch losses, in every process: read where the last stage
+        lives and shared with the others (one small all-gather)."""
+        if not self.lockstep:
+            return [float(np.asarray(loss.numpy())) for loss in losses]
+        from jax.experimental import multihost_utils
+
+        last = self.stages[-1].placement
+        mine = (
+            np.array([float(np.asarray(loss.numpy())) for loss in losses], np.float64)
+            if self.here[-1]
+            else np.full(len(losses), np.nan)
+        )
+        every = np.asarray(multihost_utils.process_allgather(mine))
+        owner = min(last.processes)
+        return [float(v) for v in every.reshape(-1, len(losses))[owner]]
 
     def _deadline(self):
         """``spec -> seconds or None`` for the runtime (see ``action_timeout``)."""
@@ -444,14 +477,23 @@ class Pipeline:
             if s < last:
                 nxt = stages[s + 1]
                 bodies[f"transfer:act{s}->{s + 1}"] = lambda k, v, s=s, nxt=nxt: {
-                    f"in{s + 1}": _move(v[f"out{s}"], nxt.in_sbp, nxt.placement)
+                    f"in{s + 1}": self._transfer(s, s + 1, v[f"out{s}"], nxt.in_sbp)
                 }
             if s > 0:
                 prev = stages[s - 1]
                 bodies[f"transfer:grad{s}->{s - 1}"] = lambda k, v, s=s, prev=prev: {
-                    f"dy{s - 1}": _move(v[f"dx{s}"], prev.out_sbp, prev.placement)
+                    f"dy{s - 1}": self._transfer(s, s - 1, v[f"dx{s}"], prev.out_sbp)
                 }
         return bodies
+
+    def _transfer(self, src: int, dst: int, t: GlobalTensor, sbp: tuple) -> GlobalTensor:
+        """Box ``t`` from stage ``src`` onto stage ``dst``. Across processes this
+        is a collective of both stages' processes; a process with neither
+        stage passes a handle on."""
+        pl = self.stages[dst].placement
+        if not (self.here[src] or self.here[dst]):
+            return placeholder(t.shape, t.dtype, pl, sbp)
+        return _move(t, sbp, pl)
 
     def _input_name(self, s: int) -> str:
         return "inputs" if s == 0 else f"in{s}"
@@ -474,6 +516,22 @@ class Pipeline:
 
     def _forward_body(self, s: int, losses: list):
         prog, stage, x_name = self.programs[s], self.stages[s], self._input_name(s)
+        if prog is None:  # another process runs this stage: pass handles of its results on
+            if s == len(self.stages) - 1:
+                return lambda k, v: {f"stash{s}": (v[x_name], None)}
+
+            def elsewhere(k, v):
+                x = v[x_name]
+                params = jax.tree_util.tree_map(
+                    lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), stage.params, is_leaf=_is_global
+                )
+                y = jax.eval_shape(stage.fn, params, jax.ShapeDtypeStruct(x.shape, x.dtype))
+                return {
+                    f"out{s}": placeholder(y.shape, y.dtype, stage.placement, stage.out_sbp),
+                    f"stash{s}": x,
+                }
+
+            return elsewhere
         if s == len(self.stages) - 1:
 
             def forward_last(k, v):
@@ -495,6 +553,14 @@ class Pipeline:
     def _backward_body(self, s: int, scale):
         prog, stage = self.programs[s], self.stages[s]
         last, first = s == len(self.stages) - 1, s == 0
+        if prog is None:  # another process runs this stage
+
+            def elsewhere(k, v):
+                x = v[f"stash{s}"][0] if last else v[f"stash{s}"]  # the stage input's handle
+                dx = None if first else placeholder(x.shape, x.dtype, stage.placement, stage.in_sbp)
+                return {f"dx{s}": dx, f"grads{s}": None}
+
+            return elsewhere
 
         def backward(k, v):
             if last:
@@ -512,6 +578,8 @@ class Pipeline:
 
     def _update_body(self, s: int, pending: list):
         prog, stage = self.programs[s], self.stages[s]
+        if prog is None:
+            return lambda k, v: {}
 
         def update(k, v):
             grads = v[f"grads{s}"]

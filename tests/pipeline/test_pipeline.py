@@ -98,6 +98,39 @@ def test_step_equals_the_whole_batch_step(one_device_stages, n, schedule):
         assert result.timeline.peak_activation_bytes()[0] == peaks[0] * MB * D * 4
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", sjp.Interleaved1F1B(2)], ids=["1f1b", "interleaved"])
+def test_lockstep_order_gives_the_threaded_runtimes_values(schedule):
+    """The lockstep runtime (stages in several processes) performs the actions
+    in the simulated order; forced on in one process it gives the threaded
+    runtime's losses, gradients and parameters bit for bit, and records every
+    action once."""
+    rng = np.random.default_rng(5)
+    devs = jax.devices()
+    p = 2
+    groups = [sj.Placement(np.array([devs[6 + d]]), ("d",)) for d in range(p)]
+    n = schedule.stages(p) if not isinstance(schedule, str) else p
+    params = [_layer_params(rng) for _ in range(n)]
+    opt = optax.sgd(0.1)
+    runs = []
+    for lockstep in (False, True):
+        stages = [sjp.Stage(layer, params[s], groups[s % p]) for s in range(n)]
+        pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule=schedule)
+        assert pipe.lockstep is False  # one process: the threaded runtime unless forced
+        pipe.lockstep = lockstep
+        results = [pipe.step(*_batch(4, seed=20 + k)) for k in range(2)]
+        runs.append(
+            ([r.microbatch_losses for r in results], [_host(st.params) for st in stages], results[-1])
+        )
+    (losses_t, params_t, last_t), (losses_l, params_l, last_l) = runs
+    assert losses_l == losses_t
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params_l, params_t)
+    jax.tree_util.tree_map(
+        np.testing.assert_array_equal, [_host(g) for g in last_l.grads], [_host(g) for g in last_t.grads]
+    )
+    done = sorted((r.actor, r.microbatch) for r in last_l.timeline.actions)
+    assert done == sorted((r.actor, r.microbatch) for r in last_t.timeline.actions)
+
+
 def test_interleaved_step_equals_the_whole_batch_step(one_device_stages):
     # 4 stages on 2 device groups, 2 chunks each: stage s on group s % 2
     rng = np.random.default_rng(3)

@@ -1,0 +1,89 @@
+"""Pipelines whose stages live in different processes (``jax.distributed``).
+
+The threaded runtime (:mod:`sbpjax.pipeline.runtime`) lets each thread act as
+soon as its registers allow, so the order of actions differs from run to run.
+Across processes that order matters: a transfer between stages on different
+processes is a collective (:func:`sbpjax.boxing.transfer.transfer_across_processes`)
+that every process of both stages must call, and two processes calling their
+collectives in different orders wait for each other forever.
+
+So every process runs the same actor graph on the simulated clock
+(:mod:`sbpjax.pipeline.simulate`: deterministic, the same in every process,
+with the schedule's register counts and action lists) and performs the
+actions in the order the simulation takes them: the forward, backward and
+update of its own stages, every transfer that touches its devices, and
+nothing for the other processes' stages (their results are handles: global
+tensors with no shards here). The processes run at once and wait for each
+other only inside a transfer, so stage 0 computes microbatch 2 while stage 1
+computes microbatch 1, as in the threaded runtime; within one process the
+actions run one after another (each process drives one device group).
+"""
+
+from __future__ import annotations
+
+import time
+
+from sbpjax.pipeline.actor import ActorGraph
+from sbpjax.pipeline.errors import PipelineError
+from sbpjax.pipeline.simulate import _SimulatedSystem, duration_function
+from sbpjax.pipeline.timeline import ActionRecord, Timeline
+
+
+class LockstepSystem(_SimulatedSystem):
+    """Runs ``bodies[actor name](k, inputs) -> outputs`` in the simulated order.
+
+    ``durations`` only decides the order (default: forward 1, backward 2);
+    the returned :class:`Timeline` holds the real times of this process.
+    There are no per-action deadlines here (a process waiting in a transfer
+    cannot be interrupted from Python); a process that fails or dies ends the
+    others through ``jax.distributed``'s coordinator or the launcher."""
+
+    def __init__(self, graph: ActorGraph, bodies: dict, durations=None, before_action=None):
+        super().__init__(graph, duration_function(durations))
+        self._before = before_action
+        missing = [a.spec.name for a in self.actors if a.spec.name not in bodies]
+        if missing:
+            raise PipelineError(f"LockstepSystem: no body for actors {missing}.")
+        self._bodies = [bodies[a.spec.name] for a in self.actors]
+        self._t0 = time.perf_counter()
+        self._real: list[ActionRecord] = []
+
+    def execute(self, actor, k, inputs):
+        super().execute(actor, k, inputs)  # the simulated clock: it decides what comes next
+        spec = actor.spec
+        start = time.perf_counter()
+        try:
+            if self._before is not None:
+                self._before(spec, k)
+            out = self._bodies[actor.index](k, inputs)
+        except Exception as e:
+            mb = spec.microbatch(k)
+            where = f"stage {spec.stage}" if spec.stage is not None else "the host"
+            what = f"microbatch {mb}" if mb is not None else "the step's update"
+            raise PipelineError(
+                f"pipeline: {spec.kind} actor {spec.name!r} failed on {where}, {what}: "
+                f"{type(e).__name__}: {str(e).rstrip('.')}. This process stops; the others stop when "
+                "their next transfer finds it gone (or jax.distributed's coordinator ends them).",
+                spec.name,
+                spec.kind,
+                spec.stage,
+                mb,
+            ) from e
+        end = time.perf_counter()
+        self._real.append(
+            ActionRecord(
+                spec.name,
+                spec.kind,
+                spec.stage,
+                spec.microbatch(k),
+                spec.thread,
+                start - self._t0,
+                end - self._t0,
+            )
+        )
+        return out
+
+    def run(self) -> Timeline:
+        self._t0 = time.perf_counter()
+        simulated = super().run()
+        return Timeline(tuple(self._real), simulated.registers, simulated.threads)
