@@ -27,9 +27,23 @@ def _env(devices=None):
     return env
 
 
-def launch(script, *args, timeout=600):
+def launch(script, *args, timeout=600, processes=2):
+    """Run ``script`` under the launcher: ``processes`` JAX processes sharing 8
+    CPU devices, gloo between them (one process of 8 devices: the same
+    collectives as two, so their sums add in the same order)."""
+    local = str(8 // processes)
     r = subprocess.run(
-        [sys.executable, "-m", "sbpjax.launch", "-n", "2", "--local-devices", "4", script, *map(str, args)],
+        [
+            sys.executable,
+            "-m",
+            "sbpjax.launch",
+            "-n",
+            str(processes),
+            "--local-devices",
+            local,
+            script,
+            *map(str, args),
+        ],
         env=_env(),
         capture_output=True,
         text=True,
@@ -73,11 +87,14 @@ def test_global_tensors_boxing_and_sj_jit_across_two_processes():
 def test_trainer_across_two_processes_matches_one_process():
     script = os.path.join(SCRIPTS, "trainer.py")
     one = ast.literal_eval(_lines(single(script), "LOSSES")[0])
+    one_gloo = ast.literal_eval(_lines(launch(script, processes=1), "LOSSES", 0)[0])
     out = launch(script)
     two = [ast.literal_eval(_lines(out, "LOSSES", p)[0]) for p in (0, 1)]
     assert two[0] == two[1]  # every process sees the same losses
-    # the same program; gloo's all-reduce may add in another order than one
-    # process's, so the last bits of a float32 sum can differ
+    # bit for bit: one process of 8 devices with the collectives two processes use
+    assert two[0] == one_gloo
+    # XLA's in-process all-reduce adds in another order than gloo's, so against a
+    # plain single-process run the last bits of a float32 sum can differ
     np.testing.assert_allclose(two[0], one, rtol=2e-6, atol=0)
 
 
@@ -89,12 +106,15 @@ def test_two_stage_pipeline_with_one_stage_per_process_matches_one_process():
     alone = single(script)
     assert _lines(alone, "RUNTIME") == ["threaded"]
     one = ast.literal_eval(_lines(alone, "LOSSES")[0])
+    gloo = launch(script, processes=1)
+    assert _lines(gloo, "RUNTIME", 0) == ["threaded"]
+    one_gloo = ast.literal_eval(_lines(gloo, "LOSSES", 0)[0])
     out = launch(script)
     for p in (0, 1):
         assert _lines(out, "RUNTIME", p) == ["lockstep"] and _lines(out, "OK", p) == [str(p)], out[-3000:]
     two = [ast.literal_eval(_lines(out, "LOSSES", p)[0]) for p in (0, 1)]
     assert two[0] == two[1]  # the losses reach every process
-    # gloo sums a stage's partial products in its own order (as in the Trainer test)
+    assert two[0] == one_gloo  # bit for bit, with the same collectives (see the Trainer test)
     np.testing.assert_allclose(two[0], one, rtol=2e-6, atol=0)
 
 
