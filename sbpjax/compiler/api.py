@@ -327,14 +327,12 @@ class CompiledFunction:
             for k, (nd, o) in enumerate(zip(out_specs, program.outputs)):
                 if nd is not None:
                     check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
-        names = [f"{_leaf_name(path)} {t.shape}" for path, t in zip(_leaf_paths(tree), gts)]
         prop = choose(
             program,
             self.placement,
             [t.sbp for t in gts],
             out_specs,
             self.cost_model,
-            names,
             solver=self.solver,
             time_limit=self.solve_time_limit,
         )

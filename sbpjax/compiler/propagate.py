@@ -618,7 +618,6 @@ def propagate(
     in_sbp: list,
     out_sbp: list | None,
     cost_model=None,
-    names=None,
     passes: int = 3,
     caches=None,
 ) -> Propagation:

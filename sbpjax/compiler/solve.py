@@ -502,7 +502,6 @@ def choose(
     in_sbp,
     out_sbp,
     cost_model=None,
-    names=None,
     solver: str = "ilp",
     time_limit: float = 10.0,
 ) -> Propagation:
@@ -518,7 +517,7 @@ def choose(
             "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping)."
         )
     caches: tuple[dict, ...] = ({}, {}, {}, {}, {})
-    greedy = propagate(program, placement, in_sbp, out_sbp, cost_model, names, caches=caches)
+    greedy = propagate(program, placement, in_sbp, out_sbp, cost_model, caches=caches)
     g_bytes = total_bytes(greedy)
     if solver == "greedy":
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes)
