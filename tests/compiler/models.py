@@ -149,3 +149,41 @@ def deep_mlp_sbp(params, kind, n_axes):
     if kind == "dp":
         return {k: rep for k in params}
     return {k: rep[:-1] + ((S1_,) if int(k[1:]) % 2 == 0 else (S0_,)) for k in params}
+
+
+# ---------------------------------------------------------------------------
+# Checking a train step against one device
+# ---------------------------------------------------------------------------
+
+
+def compiled_bytes(f, *args) -> int:
+    """Bytes the collectives of ``f``'s compiled program move (``sj.collectives``)."""
+    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
+
+
+def check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, opt=None, steps=2):
+    """``steps`` sj.jit train steps (``opt``, AdamW by default) against jax.jit's
+    on one device, every parameter and loss compared; the plan's bytes equal
+    the compiled program's. Returns the sj.jit step and its explain()."""
+    from conftest import assert_close
+
+    opt = opt or adamw()
+    step = train_step(loss_fn, opt)
+    state = opt.init(params)
+    rep = (B_,) * pl.ndim
+    st_sbp = state_sbp(state, param_sbp, rep)
+    f = sj.jit(step, placement=pl, in_sbp=(param_sbp, st_sbp, x_sbp, y_sbp), out_sbp=(param_sbp, st_sbp, rep))
+    ref = jax.jit(step)
+    p_ref, s_ref = params, state
+    p_sj, s_sj = params, state
+    for _ in range(steps):
+        p_ref, s_ref, l_ref = ref(p_ref, s_ref, x, y)
+        p_sj, s_sj, l_sj = f(p_sj, s_sj, x, y)
+        assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
+        got = jax.tree_util.tree_leaves_with_path(p_sj, is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+        for (path, a), b in zip(got, jax.tree_util.tree_leaves(p_ref)):
+            assert_close(a.numpy(), np.asarray(b), rtol=2e-4, err_msg=jax.tree_util.keystr(path))
+    args = (params, state, x, y)
+    e = f.explain(*args)
+    assert compiled_bytes(f, *args) == e.bytes
+    return f, e

@@ -12,13 +12,11 @@ from models import (
     VOCAB,
     D,
     T,
-    adamw,
     block_loss,
     block_params,
+    check_train,
     mlp_loss,
     mlp_params,
-    state_sbp,
-    train_step,
 )
 
 import sbpjax as sj
@@ -256,32 +254,8 @@ def test_primitive_families_against_one_device(name, pl8):
 # ---------------------------------------------------------------------------
 
 
-def _check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, out_param_sbp=None, steps=2):
-    opt = adamw()
-    step = train_step(loss_fn, opt)
-    state = opt.init(params)
-    rep = (B,) * pl.ndim
-    st_sbp = state_sbp(state, param_sbp, rep)
-    f = sj.jit(
-        step,
-        placement=pl,
-        in_sbp=(param_sbp, st_sbp, x_sbp, y_sbp),
-        out_sbp=(out_param_sbp or param_sbp, st_sbp, rep),
-    )
-    ref = jax.jit(step)
-    p_ref, s_ref = params, state
-    p_sj, s_sj = params, state
-    for _ in range(steps):
-        p_ref, s_ref, l_ref = ref(p_ref, s_ref, x, y)
-        p_sj, s_sj, l_sj = f(p_sj, s_sj, x, y)
-        assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
-        for k in params:
-            np.testing.assert_allclose(p_sj[k].numpy(), p_ref[k], rtol=2e-4, atol=2e-5, err_msg=k)
-        p_sj = jax.tree.map(lambda t: t.numpy(), p_sj, is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
-        s_sj = jax.tree.map(lambda t: t.numpy(), s_sj, is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
-    args = (params, state, x, y)
-    assert measured(f, *args) == f.explain(*args).bytes
-    return f.explain(*args)
+def _check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp):
+    return check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp)[1]
 
 
 def _mlp_data():

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_close
-from models import D, adamw, block_loss, block_params, mlp_loss, mlp_params, state_sbp, train_step
+from models import D, block_loss, block_params, check_train, compiled_bytes, mlp_loss, mlp_params
 
 import sbpjax as sj
 from sbpjax.compiler.uneven import fits, uneven_dims
@@ -17,41 +17,8 @@ from sbpjax.compiler.uneven import fits, uneven_dims
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
 
 
-def measured(f, *args):
-    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
-
-
 def rng(seed=0):
     return np.random.default_rng(seed)
-
-
-def _is_gt(v):
-    return isinstance(v, sj.GlobalTensor)
-
-
-def _train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, opt=None, steps=3):
-    """``steps`` sj.jit train steps against jax.jit's on one device; returns the
-    sj.jit step and its explain()."""
-    opt = opt or adamw()
-    step = train_step(loss_fn, opt)
-    state = opt.init(params)
-    rep = (B,) * pl.ndim
-    st_sbp = state_sbp(state, param_sbp, rep)
-    f = sj.jit(step, placement=pl, in_sbp=(param_sbp, st_sbp, x_sbp, y_sbp), out_sbp=(param_sbp, st_sbp, rep))
-    ref = jax.jit(step)
-    p_ref, s_ref = params, state
-    p_sj, s_sj = params, state
-    for _ in range(steps):
-        p_ref, s_ref, l_ref = ref(p_ref, s_ref, x, y)
-        p_sj, s_sj, l_sj = f(p_sj, s_sj, x, y)
-        assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
-        got = jax.tree_util.tree_leaves_with_path(p_sj, is_leaf=_is_gt)
-        for (path, a), b in zip(got, jax.tree_util.tree_leaves(p_ref)):
-            assert_close(a.numpy(), np.asarray(b), rtol=2e-4, err_msg=jax.tree_util.keystr(path))
-    args = (params, state, x, y)
-    e = f.explain(*args)
-    assert measured(f, *args) == e.bytes
-    return f, e
 
 
 # ---------------------------------------------------------------------------
@@ -63,7 +30,7 @@ def _train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, opt=None, steps=3
 def test_data_parallel_mlp_with_a_batch_the_devices_do_not_divide(batch, pl8):
     r = rng(batch)
     x, y = r.normal(size=(batch, D)).astype(np.float32), r.normal(size=(batch, D)).astype(np.float32)
-    _, e = _train(mlp_loss, mlp_params(), x, y, pl8, {"w1": (B,), "w2": (B,)}, (S0,), (S0,))
+    _, e = check_train(mlp_loss, mlp_params(), x, y, pl8, {"w1": (B,), "w2": (B,)}, (S0,), (S0,))
     steps = {s.op for b in e.boxings for s in b.plan.steps} - {"local_slice"}
     if batch >= 8:  # the batch stays split: the only collectives are the gradients' all-reduces
         assert steps == {"all_reduce"}
@@ -77,8 +44,8 @@ def test_megatron_mlp_with_an_uneven_batch_on_2x4(batch, pl24):
     dim over 'y'; also the batch split over both axes (8 pieces)."""
     r = rng(batch)
     x, y = r.normal(size=(batch, D)).astype(np.float32), r.normal(size=(batch, D)).astype(np.float32)
-    _train(mlp_loss, mlp_params(), x, y, pl24, {"w1": (B, S1), "w2": (B, S0)}, (S0, B), (S0, B))
-    _train(mlp_loss, mlp_params(), x, y, pl24, {"w1": (B, B), "w2": (B, B)}, (S0, S0), (S0, S0))
+    check_train(mlp_loss, mlp_params(), x, y, pl24, {"w1": (B, S1), "w2": (B, S0)}, (S0, B), (S0, B))
+    check_train(mlp_loss, mlp_params(), x, y, pl24, {"w1": (B, B), "w2": (B, B)}, (S0, S0), (S0, S0))
 
 
 def test_transformer_block_with_12_sequences_on_8_devices(pl8):
@@ -87,7 +54,7 @@ def test_transformer_block_with_12_sequences_on_8_devices(pl8):
     tokens = r.integers(0, vocab, size=(12, 8)).astype(np.int32)
     labels = r.integers(0, vocab, size=(12, 8)).astype(np.int32)
     params = block_params()
-    _train(block_loss, params, tokens, labels, pl8, {k: (B,) for k in params}, (S0,), (S0,), steps=2)
+    check_train(block_loss, params, tokens, labels, pl8, {k: (B,) for k in params}, (S0,), (S0,), steps=2)
 
 
 @pytest.mark.parametrize(
@@ -106,7 +73,9 @@ def test_gpt_with_uneven_vocabulary_and_batch_on_2x4(vocab, batch, kind, pl24):
     labels = r.integers(0, vocab, size=(batch, 8)).astype(np.int32)
     params = gpt_params(16, 1, vocab, seed=1)
     loss = functools.partial(gpt_loss, heads=4)
-    _, e = _train(loss, params, tokens, labels, pl24, gpt_sbp(params, kind, 2), (S0, B), (S0, B), steps=2)
+    _, e = check_train(
+        loss, params, tokens, labels, pl24, gpt_sbp(params, kind, 2), (S0, B), (S0, B), steps=2
+    )
     assert e.bytes > 0
 
 
@@ -132,7 +101,7 @@ def test_gpt2_vocabulary_split_over_4_devices():
     labels = r.integers(0, vocab, size=(4, 6)).astype(np.int32)
     tokens[0, :4] = [0, 12564, 12565, vocab - 1]  # the first and last row of pieces
     labels[0, :4] = [12565, 12564, 0, vocab - 1]
-    f, e = _train(
+    f, e = check_train(
         _lm_loss, params, tokens, labels, pl, {"emb": (S0,), "head": (S1,)}, (B,), (B,), opt=optax.sgd(0.5)
     )
     # nothing of vocabulary size crosses devices (the embedding gradient is
@@ -163,7 +132,7 @@ def test_reductions_and_boxings_do_not_read_the_padding(pl8):
         assert_close(got.numpy(), np.asarray(ref), rtol=1e-5)
     e = f.explain(x)
     assert e.ops[0][2] == [(S0,)] and e.ops[0][3] == [(S0,)]  # log runs on the uneven pieces
-    assert measured(f, x) == e.bytes
+    assert compiled_bytes(f, x) == e.bytes
 
 
 def test_iota_gather_and_scatter_add_on_uneven_pieces(pl8):
@@ -183,7 +152,7 @@ def test_iota_gather_and_scatter_add_on_uneven_pieces(pl8):
     for got, ref in zip(f(*args), fn(table, idx, X)):
         assert_close(got.numpy(), np.asarray(ref), rtol=1e-5)
     e = f.explain(*args)
-    assert measured(f, *args) == e.bytes
+    assert compiled_bytes(f, *args) == e.bytes
     gather = [op for op in e.ops if op[0] == "gather"][0]
     assert gather[2][0] == (S0,)  # the table is not gathered for the lookup
 
@@ -194,7 +163,7 @@ def test_a_reshape_merging_an_uneven_dim_boxes_it_first(pl8):
     x = sj.to_global(X, pl8, S0)
     assert_close(f(x).numpy(), np.exp(X).reshape(48) * 2, rtol=1e-6)
     e = f.explain(x)
-    assert measured(f, x) == e.bytes and e.bytes > 0
+    assert compiled_bytes(f, x) == e.bytes and e.bytes > 0
 
 
 def test_uneven_inputs_outputs_and_constraints(pl8, pl24):
@@ -207,7 +176,7 @@ def test_uneven_inputs_outputs_and_constraints(pl8, pl24):
     # nested uneven pieces over two axes: 10 -> 5, 5 -> 2,1,1,1 ...
     h = sj.jit(lambda x: jnp.tanh(x).sum(1), placement=pl24, in_sbp=((S0, S0),), out_sbp=(S0, S0))
     assert_close(h(X).numpy(), np.tanh(X).sum(1), rtol=1e-5)
-    assert measured(h, X) == h.explain(X).bytes == 0
+    assert compiled_bytes(h, X) == h.explain(X).bytes == 0
 
 
 # ---------------------------------------------------------------------------
