@@ -250,6 +250,12 @@ class Pipeline:
     action; ``None``: no deadline. ``check_finite=True`` checks every stage's
     forward output, the loss and, before the update, every gradient, and
     raises naming the stage where a NaN or infinity first appears.
+
+    With ``jax.distributed``, stages may live in different processes: build
+    the same pipeline in every process. ``lockstep`` is then True: each
+    process runs the actions of the stages with devices in it (``here``) in
+    the schedule's order and meets the others in the transfers
+    (:mod:`sbpjax.pipeline.lockstep`); ``action_timeout`` is not enforced.
     """
 
     FIRST_STEP_TIMEOUT_S = 600.0
@@ -520,12 +526,17 @@ class Pipeline:
             if s == len(self.stages) - 1:
                 return lambda k, v: {f"stash{s}": (v[x_name], None)}
 
+            shapes: dict = {}  # (input shape, dtype) -> the output's (traced once)
+
             def elsewhere(k, v):
                 x = v[x_name]
-                params = jax.tree_util.tree_map(
-                    lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), stage.params, is_leaf=_is_global
-                )
-                y = jax.eval_shape(stage.fn, params, jax.ShapeDtypeStruct(x.shape, x.dtype))
+                key = (x.shape, x.dtype)
+                if key not in shapes:
+                    params = jax.tree_util.tree_map(
+                        lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), stage.params, is_leaf=_is_global
+                    )
+                    shapes[key] = jax.eval_shape(stage.fn, params, jax.ShapeDtypeStruct(x.shape, x.dtype))
+                y = shapes[key]
                 return {
                     f"out{s}": placeholder(y.shape, y.dtype, stage.placement, stage.out_sbp),
                     f"stash{s}": x,
