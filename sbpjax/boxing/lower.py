@@ -108,7 +108,7 @@ def fill_value(op: str, dtype):
 # ---------------------------------------------------------------------------
 
 
-class _Tables:
+class IndexTables:
     """Per-device index maps, indexed by the linear coordinate over the axes
     they depend on (so a value that only depends on ``x`` stays the same for
     every ``y``)."""
@@ -254,7 +254,7 @@ def _gather(x, axis, d):
     return y.reshape(x.shape[:d] + (y.shape[d] * x.shape[d],) + x.shape[d + 1 :])
 
 
-def _apply(step: Step, x, geom: Geometry, tables: _Tables, names, dtype):
+def _apply(step: Step, x, geom: Geometry, tables: IndexTables, names, dtype):
     op, group, d = step.op, step.group, step.dim
     axes = tuple(names[a] for a in group)
     even = geom.even(step.src) and geom.even(step.dst)
@@ -373,7 +373,7 @@ def run_plan(plan: BoxingPlan, x):
     if 0 in plan.shape:
         assert plan.dst_layout is not None  # plan_boxing sets both layouts
         return jnp.zeros(geom.padded(plan.dst_layout), x.dtype)
-    tables = _Tables(geom, plan.placement.axis_names)
+    tables = IndexTables(geom, plan.placement.axis_names)
     for step in plan.steps:
         x = _apply(step, x, geom, tables, plan.placement.axis_names, plan.dtype)
     return x

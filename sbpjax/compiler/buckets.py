@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sbpjax.boxing.lower import _apply, _Tables, axis_arg, preduce_extreme
+from sbpjax.boxing.lower import IndexTables, _apply, axis_arg, preduce_extreme
 from sbpjax.compiler.propagate import Boxing, Propagation
 from sbpjax.compiler.trace import Const
 from sbpjax.layout import Geometry
@@ -248,7 +248,7 @@ def run_bucket(bucket: Bucket, xs: list) -> list:
     def run_local(i):
         steps = plans[i].steps
         while at[i] < len(steps) and steps[at[i]].collective is None:
-            xs[i] = _apply(steps[at[i]], xs[i], geoms[i], _Tables(geoms[i], names), names, plans[i].dtype)
+            xs[i] = _apply(steps[at[i]], xs[i], geoms[i], IndexTables(geoms[i], names), names, plans[i].dtype)
             at[i] += 1
 
     for i in range(len(plans)):
@@ -257,7 +257,7 @@ def run_bucket(bucket: Bucket, xs: list) -> list:
         steps = [plans[i].steps[at[i]] for i in who]
         if len(who) == 1:
             i = who[0]
-            ys = [_apply(steps[0], xs[i], geoms[i], _Tables(geoms[i], names), names, plans[i].dtype)]
+            ys = [_apply(steps[0], xs[i], geoms[i], IndexTables(geoms[i], names), names, plans[i].dtype)]
         else:
             axis = axis_arg(tuple(names[a] for a in group))
             n = math.prod(pl.shape[a] for a in group)

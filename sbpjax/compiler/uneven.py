@@ -35,14 +35,12 @@ the padding would cross devices in every collective.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from sbpjax.boxing.lower import fill_value, group_index
+from sbpjax.boxing.lower import IndexTables, fill_value
 from sbpjax.layout import Geometry
 from sbpjax.rules import split_axes
 from sbpjax.sbp import Partial, Split
@@ -102,14 +100,8 @@ def piece(n: int, axes, names, grid):
     if not axes:
         return jnp.int32(0), jnp.int32(n)
     geom = Geometry((n,), grid)
-    rows = []
-    for ks in itertools.product(*[range(grid[a]) for a in axes]):
-        coord = [0] * len(grid)
-        for a, k in zip(axes, ks):
-            coord[a] = k
-        rows.append(geom.dim_range(axes, 0, coord))
-    table = jnp.asarray(np.asarray(rows, np.int32))
-    row = table[group_index(axes, names, grid)]
+    tables = IndexTables(geom, names)
+    row = tables.lookup(axes, tables.table(axes, lambda coord: geom.dim_range(axes, 0, coord)))
     return row[0], row[1]
 
 
