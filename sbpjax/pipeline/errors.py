@@ -33,3 +33,22 @@ class PipelineTimeout(PipelineError):
     """An action ran past its deadline (``Pipeline(action_timeout=...)``): a
     stage that blocks. Every actor was stopped; the message names the stage,
     microbatch and action."""
+
+
+def action_failed(spec, k: int, error: BaseException, stopped: str) -> PipelineError:
+    """The error of an action that raised: which actor, stage and microbatch,
+    the original error (as ``__cause__``), and ``stopped``: what the runtime
+    did about it."""
+    mb = spec.microbatch(k)
+    where = f"stage {spec.stage}" if spec.stage is not None else "the host"
+    what = f"microbatch {mb}" if mb is not None else "the step's update"
+    err = PipelineError(
+        f"pipeline: {spec.kind} actor {spec.name!r} failed on {where}, {what}: "
+        f"{type(error).__name__}: {str(error).rstrip('.')}. {stopped}",
+        spec.name,
+        spec.kind,
+        spec.stage,
+        mb,
+    )
+    err.__cause__ = error
+    return err

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 
 from sbpjax.pipeline.actor import ActorGraph
-from sbpjax.pipeline.errors import PipelineError
+from sbpjax.pipeline.errors import PipelineError, action_failed
 from sbpjax.pipeline.simulate import _SimulatedSystem, duration_function
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
 
@@ -57,17 +57,12 @@ class LockstepSystem(_SimulatedSystem):
                 self._before(spec, k)
             out = self._bodies[actor.index](k, inputs)
         except Exception as e:
-            mb = spec.microbatch(k)
-            where = f"stage {spec.stage}" if spec.stage is not None else "the host"
-            what = f"microbatch {mb}" if mb is not None else "the step's update"
-            raise PipelineError(
-                f"pipeline: {spec.kind} actor {spec.name!r} failed on {where}, {what}: "
-                f"{type(e).__name__}: {str(e).rstrip('.')}. This process stops; the others stop when "
-                "their next transfer finds it gone (or jax.distributed's coordinator ends them).",
-                spec.name,
-                spec.kind,
-                spec.stage,
-                mb,
+            raise action_failed(
+                spec,
+                k,
+                e,
+                "This process stops; the others stop when their next transfer finds it gone "
+                "(or jax.distributed's coordinator ends them).",
             ) from e
         end = time.perf_counter()
         self._real.append(

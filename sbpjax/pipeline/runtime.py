@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec, ActorSystem
-from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout
+from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout, action_failed
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
 
 THREAD_PREFIX = "sbpjax-pipeline:"
@@ -300,20 +300,7 @@ class ThreadedSystem(ActorSystem):
 
     def _describe(self, error: BaseException) -> BaseException:
         if isinstance(error, _ActionFailed):
-            spec, k = error.spec, error.k
-            mb = spec.microbatch(k)
-            where = f"stage {spec.stage}" if spec.stage is not None else "the host"
-            what = f"microbatch {mb}" if mb is not None else "the step's update"
-            err = PipelineError(
-                f"pipeline: {spec.kind} actor {spec.name!r} failed on {where}, {what}: "
-                f"{type(error.error).__name__}: {str(error.error).rstrip('.')}. Every actor was stopped.",
-                spec.name,
-                spec.kind,
-                spec.stage,
-                mb,
-            )
-            err.__cause__ = error.error
-            return err
+            return action_failed(error.spec, error.k, error.error, "Every actor was stopped.")
         if isinstance(error, PipelineError):
             return error
         err = PipelineError(f"pipeline runtime failed: {type(error).__name__}: {error}")
