@@ -24,7 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import BoxingPlan, Step, normalized_layout, plan_boxing
@@ -228,9 +229,7 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
     move's bytes are the target's blocks of ``X``. Needs grids of one shape
     and disjoint placements (pipeline stages); returns the target physical
     array and the bytes moved."""
-    from jax.sharding import Mesh, PartitionSpec
-
-    from sbpjax.boxing.lower import boxing_fn, layout_sharding
+    from sbpjax.boxing.lower import boxing_fn, layout_sharding  # (the lower <-> transfer circle)
 
     if src_pl.shape != dst_pl.shape or not src_pl.is_disjoint(dst_pl):
         raise SBPError(
@@ -254,7 +253,6 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
     # rows: source devices, then target devices, in grid order
     rows = np.stack([src_pl.devices.reshape(-1), dst_pl.devices.reshape(-1)])
     mesh = Mesh(rows, ("_side", "_device"))
-    spec = PartitionSpec("_side", "_device")
     parts = []
     for d in rows.reshape(-1):
         if d.process_index != me:
@@ -262,7 +260,7 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
         local = shards[d.id].reshape((1, 1) + block) if d.id in shards else np.zeros((1, 1) + block, dtype)
         parts.append(jax.device_put(local, d))
     both = jax.make_array_from_single_device_arrays(
-        (2, rows.shape[1]) + block, NamedSharding(mesh, spec), parts, dtype=dtype
+        (2, rows.shape[1]) + block, NamedSharding(mesh, _ROWS), parts, dtype=dtype
     )
     moved = _ppermute_rows(mesh)(both)
     blocks = [
@@ -284,24 +282,20 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
     return out, int(math.prod(block) * dtype.itemsize * rows.shape[1] * (0 not in shape))
 
 
+_ROWS = PartitionSpec("_side", "_device")  # a block per device of the two-row mesh
 _PPERMUTE: dict = {}
 
 
 def _ppermute_rows(mesh):
     """The jitted program sending row 0's block of every column to row 1."""
-    from jax import lax
-
     fn = _PPERMUTE.get(mesh)
     if fn is None:
-        from jax.sharding import PartitionSpec
-
-        spec = PartitionSpec("_side", "_device")
         fn = _PPERMUTE[mesh] = jax.jit(
             jax.shard_map(
                 lambda x: lax.ppermute(x, "_side", [(0, 1)]),
                 mesh=mesh,
-                in_specs=spec,
-                out_specs=spec,
+                in_specs=_ROWS,
+                out_specs=_ROWS,
                 check_vma=False,
             )
         )
