@@ -147,8 +147,6 @@ class Placement:
     @property
     def in_this_process(self) -> bool:
         """Whether this process drives a device of the placement."""
-        import jax
-
         return jax.process_index() in self.processes
 
     def is_disjoint(self, other: Placement) -> bool:
