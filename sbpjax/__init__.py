@@ -35,7 +35,7 @@ from sbpjax.sbp import (
 )
 from sbpjax.tensor import GlobalTensor, from_local_tensors, to_global
 from sbpjax.show import layout_text, show
-from sbpjax.compiler.api import CompiledFunction, constrain, jit
+from sbpjax.compiler.api import AUTO, CompiledFunction, constrain, jit
 
 __all__ = [
     "__version__",
@@ -70,6 +70,7 @@ __all__ = [
     "Collective",
     "jit",
     "constrain",
+    "AUTO",
     "CompiledFunction",
     "show",
     "layout_text",

@@ -30,7 +30,7 @@ from sbpjax._errors import SBPError
 from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.propagate import CONSTRAIN
-from sbpjax.compiler.solve import choose
+from sbpjax.compiler.solve import AUTO, choose
 from sbpjax.compiler.trace import trace
 from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
@@ -117,7 +117,7 @@ def is_nd_sbp(v) -> bool:
 
 
 def _is_sbp_leaf(v) -> bool:
-    return v is None or isinstance(v, (str, Split, Broadcast, Partial)) or is_nd_sbp(v)
+    return v is None or v is AUTO or isinstance(v, (str, Split, Broadcast, Partial)) or is_nd_sbp(v)
 
 
 def state_sbp(state, param_sbp, replicated: tuple):
@@ -171,8 +171,8 @@ def _canonical_spec(spec, ndim: int, what: str):
     SBP per entry of the argument tree (bare SBPs stand for nd-SBPs only on a
     1-D placement, so the two readings never compete); any other container is
     a tree whose entries follow the same rule."""
-    if spec is None:
-        return None
+    if spec is None or spec is AUTO:
+        return spec
     if isinstance(spec, str):
         return parse_sbp(spec)
     if isinstance(spec, (Split, Broadcast, Partial)):
@@ -252,6 +252,8 @@ class CompiledFunction:
         solver="ilp",
         solve_time_limit=10.0,
         donate_argnums=(),
+        auto=False,
+        memory_budget=None,
     ):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
@@ -263,6 +265,12 @@ class CompiledFunction:
         self.solver = solver
         self.solve_time_limit = solve_time_limit
         self.donate_argnums = _donate_argnums(donate_argnums)
+        self.auto = bool(auto)
+        if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):
+            raise SBPError(
+                f"sj.jit: memory_budget must be a positive number of bytes per device, got {memory_budget!r}."
+            )
+        self.memory_budget = memory_budget
         self._cache: dict = {}
         self.last_overhead_s = 0.0
         functools.update_wrapper(self, fn)
@@ -274,6 +282,7 @@ class CompiledFunction:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_gt)
         # keyword arguments: as given, or B
         specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
+        n_positional = len(specs)
         specs += [None] * (len(leaves) - len(specs))
         # only a placement over every process can be checked with an all-gather
         # over every process; a placement in one process needs no check (a pipeline
@@ -282,13 +291,14 @@ class CompiledFunction:
             _check_same_call_in_every_process(tree, leaves)
         out = []
         pl = self.placement
+        donated = set(self._donated_leaves(tree))
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
             shape = tuple(np.shape(leaf)) if not isinstance(leaf, GlobalTensor) else leaf.shape
-            nd = (
-                None
-                if spec is None
-                else normalize_nd_sbp(spec, pl.ndim, len(shape), f"in_sbp of argument leaf {k}")
-            )
+            if k in donated and isinstance(leaf, jax.Array):
+                # placing a jax array may reuse its buffer (a replicated layout
+                # on devices that hold it), and donating that would delete the
+                # caller's array; the docstring promises only the placed copy goes
+                leaf = jax.numpy.copy(leaf)
             if isinstance(leaf, GlobalTensor):
                 if _is_deleted(leaf.physical):
                     raise SBPError(
@@ -301,13 +311,23 @@ class CompiledFunction:
                         f"sj.jit: argument leaf {k} lives on {leaf.placement!r}, the function on "
                         f"{pl!r}; move it with t.to_global(placement=...)."
                     )
+            if spec is AUTO or (spec is None and self.auto and k < n_positional):
+                # laid out once the solver has chosen (see _place)
+                out.append(_Unplaced(leaf, shape))
+                continue
+            nd = (
+                None
+                if spec is None
+                else normalize_nd_sbp(spec, pl.ndim, len(shape), f"in_sbp of argument leaf {k}")
+            )
+            if isinstance(leaf, GlobalTensor):
                 out.append(leaf if nd is None else leaf.to_global(sbp=nd))
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         return out, tree
 
     def _compile(self, gts, tree):
-        key = (tree, tuple((t.shape, t.dtype.str, t.sbp) for t in gts))
+        key = (tree, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -318,6 +338,12 @@ class CompiledFunction:
         out_specs = None
         if self.out_sbp is not None:
             raw = _broadcast_spec(self.out_sbp, program.out_tree, "out_sbp", self.placement.ndim)
+            if any(s is AUTO for s in raw):
+                raise SBPError(
+                    "sj.jit: out_sbp leaves cannot be sj.AUTO: a result without out_sbp (None) takes the "
+                    "layout the solver chose. sj.AUTO marks arguments (in_sbp); a donated AUTO argument's "
+                    "result takes the argument's layout."
+                )
             out_specs = [
                 None
                 if s is None
@@ -335,6 +361,9 @@ class CompiledFunction:
             self.cost_model,
             solver=self.solver,
             time_limit=self.solve_time_limit,
+            ties=self._ties(gts, tree, program, out_specs),
+            memory_budget=self.memory_budget,
+            same_layout=self._mirrors(gts, tree),
         )
         t_chosen = time.perf_counter()
         fn = lowering.build(prop, self._donated_leaves(tree))
@@ -344,6 +373,61 @@ class CompiledFunction:
         entry = (prop, fn)
         self._cache[key] = entry
         return entry
+
+    def _ties(self, gts, tree, program, out_specs) -> dict:
+        """{result index: argument index} for each donated AUTO argument: the
+        first result of its shape and dtype not yet paired (the pairing XLA uses
+        to alias a donated buffer), unless out_sbp gives that result a layout.
+        The result takes the argument's layout, so a train step is a fixed
+        point: its results are the next call's arguments, as they are."""
+        ties: dict = {}
+        for i in self._donated_leaves(tree):
+            if gts[i].sbp is not AUTO:
+                continue
+            for k, o in enumerate(program.outputs):
+                if k in ties or (out_specs is not None and out_specs[k] is not None):
+                    continue
+                if tuple(o.shape) == tuple(gts[i].shape) and np.dtype(o.dtype) == np.dtype(gts[i].dtype):
+                    ties[k] = i
+                    break
+        return ties
+
+    def _mirrors(self, gts, tree) -> dict:
+        """{argument leaf: earlier argument leaf} for AUTO leaves that mirror an
+        AUTO leaf of an earlier positional argument: same shape, and a path
+        within its argument that ends with the other's path (optax's ``mu`` /
+        ``nu`` of a parameter, as ``state_sbp`` matches them). Such state takes
+        its parameter's layout: the gradient meets both in one layout, and the
+        solver has a third of the choices. Without a memory budget only: with
+        one, the state is chosen on its own, so that it can be split where the
+        parameters stay whole (ZeRO's optimizer-state sharding)."""
+        if self.memory_budget is not None:
+            return {}
+        paths = _leaf_paths(tree)
+        auto = [k for k, t in enumerate(gts) if t.sbp is AUTO and paths[k][0].idx == 0 and len(paths[k]) > 2]
+        out: dict = {}
+        for k in auto:
+            arg_k, inner_k = paths[k][1], jax.tree_util.keystr(paths[k][2:])
+            for j in auto:
+                if j >= k or paths[j][1] == arg_k or gts[j].shape != gts[k].shape or j in out:
+                    continue
+                if inner_k.endswith(jax.tree_util.keystr(paths[j][2:])):
+                    out[k] = j
+                    break
+        return out
+
+    def _place(self, gts, prop) -> list:
+        """The arguments laid out as the program takes them (AUTO ones as chosen)."""
+        out = []
+        for t, nd in zip(gts, prop.in_sbp):
+            if isinstance(t, _Unplaced):
+                t = (
+                    t.leaf.to_global(sbp=nd)
+                    if isinstance(t.leaf, GlobalTensor)
+                    else to_global(t.leaf, self.placement, nd)
+                )
+            out.append(t)
+        return out
 
     def _donated_leaves(self, tree) -> tuple[int, ...]:
         """Flat leaf indices of the positional arguments in ``donate_argnums``."""
@@ -369,6 +453,7 @@ class CompiledFunction:
     def __call__(self, *args, **kwargs):
         gts, tree = self._globals(args, kwargs)
         prop, fn = self._compile(gts, tree)
+        gts = self._place(gts, prop)
         outs = fn(*[t.physical for t in gts])
         prog = prop.program
         results = [
@@ -385,6 +470,7 @@ class CompiledFunction:
         the front end's share of the whole compile can be read."""
         gts, tree = self._globals(args, kwargs)
         prop, fn = self._compile(gts, tree)
+        gts = self._place(gts, prop)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
             lowered = fn.lower(*[t.physical for t in gts])
@@ -396,11 +482,28 @@ class CompiledFunction:
     def lower(self, *args, **kwargs):
         """The ``jax.stages.Lowered`` of the single jitted program."""
         gts, tree = self._globals(args, kwargs)
-        _, fn = self._compile(gts, tree)
+        prop, fn = self._compile(gts, tree)
+        gts = self._place(gts, prop)
         return fn.lower(*[t.physical for t in gts])
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
+
+
+class _Unplaced:
+    """An AUTO argument before the solver has chosen its layout: its shape
+    and dtype key the compile cache (the layout it comes in does not)."""
+
+    sbp = AUTO
+
+    def __init__(self, leaf, shape):
+        self.leaf = leaf
+        self.shape = tuple(shape)
+        self.dtype = (
+            leaf.dtype
+            if isinstance(leaf, GlobalTensor)
+            else jax.dtypes.canonicalize_dtype(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf))
+        )
 
 
 # With several processes, every call first checks that all processes make the
@@ -450,6 +553,8 @@ def jit(
     solver="ilp",
     solve_time_limit=10.0,
     donate_argnums=(),
+    auto=False,
+    memory_budget=None,
 ):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
@@ -478,7 +583,20 @@ def jit(
     argument is invalid after the call: reading it (``numpy()``, ``to_jax()``)
     or passing it again raises an error. An argument that is re-laid out
     before the call (``in_sbp`` differs from its layout, or a plain array)
-    donates the re-laid-out copy; the tensor passed in stays valid then."""
+    donates the re-laid-out copy; the tensor passed in stays valid then.
+
+    Automatic layouts: an ``in_sbp`` leaf ``sj.AUTO`` (or, with ``auto=True``,
+    every positional argument leaf ``in_sbp`` leaves ``None``) gets the layout
+    the whole-program solver chooses with the rest of the program (B or a
+    split of any dim on each axis; ``explain()`` shows the choice). A donated
+    AUTO argument (a train step's parameters and optimizer state) ties its
+    result to the same layout, so the results can be passed to the next call
+    as they are; without donation nothing ties them. ``memory_budget``: the
+    bytes per device that arguments and results may hold together (a donated
+    argument and its result once; activations inside the step are not
+    counted): the solver picks the cheapest layouts that fit, e.g. ZeRO's split
+    optimizer state, or raises an SBPError giving the least any layout needs.
+    Both need ``solver="ilp"``."""
     kw = dict(
         in_sbp=in_sbp,
         out_sbp=out_sbp,
@@ -486,10 +604,12 @@ def jit(
         solver=solver,
         solve_time_limit=solve_time_limit,
         donate_argnums=donate_argnums,
+        auto=auto,
+        memory_budget=memory_budget,
     )
     if fn is None:
         return lambda f: CompiledFunction(f, placement, **kw)
     return CompiledFunction(fn, placement, **kw)
 
 
-__all__ = ["jit", "constrain", "CompiledFunction", "is_nd_sbp", "state_sbp"]
+__all__ = ["jit", "constrain", "CompiledFunction", "is_nd_sbp", "state_sbp", "AUTO"]

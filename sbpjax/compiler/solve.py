@@ -56,13 +56,56 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator, op_comm
 from sbpjax.compiler.trace import Const, Var
-from sbpjax.rules import RULES
+from sbpjax.rules import RULES, local_shape
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
 
 # Beyond this many binaries the solve would not finish in interactive time on
 # a laptop; the greedy choice is kept (and explain() says why).
 MAX_VARIABLES = 400_000
+
+
+class _Auto:
+    """The layout of an argument the solver chooses (``sj.AUTO``)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self):
+        return "sj.AUTO"
+
+    def __reduce__(self):
+        return (_Auto, ())
+
+
+AUTO = _Auto()
+
+
+def auto_layouts(shape, grid) -> list[tuple]:
+    """The layouts an ``AUTO`` argument may take: on every placement axis B or
+    a split of any dim, where no device would be left without a piece (a dim
+    split by axes whose sizes multiply to more than its length). Partials are
+    not offered: an argument is data the caller holds, and a partial one
+    would mean the caller had summed nothing yet."""
+    per_axis = [[Broadcast()] + ([Split(d) for d in range(len(shape))] if p > 1 else []) for p in grid]
+    out = []
+    for nd in itertools.product(*per_axis):
+        pieces = [1] * len(shape)
+        for a, q in enumerate(nd):
+            if isinstance(q, Split):
+                pieces[q.dim] *= grid[a]
+        if all(n >= k for n, k in zip(shape, pieces)):
+            out.append(tuple(nd))
+    return out
+
+
+def block_bytes(shape, dtype, nd, grid) -> int:
+    """Bytes of one device's block of a value in layout ``nd`` (padded where uneven)."""
+    return int(np.prod(local_shape(shape, nd, grid), dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass
@@ -87,19 +130,30 @@ class Choice:
     variables: int = 0
     constraints: int = 0
     status: str = ""
+    # per-device bytes of arguments and results (a donated pair once), and the budget
+    memory_bytes: int | None = None
+    memory_budget: int | None = None
+    auto: bool = False
 
     def describe(self) -> str:
         if self.method == "greedy" and self.ilp_bytes is None and not self.reason:
             return "layouts: greedy pass (solver='greedy')"
         if self.method == "ilp":
             gap = "n/a" if self.gap is None else f"{100 * self.gap:.2f}%"
-            return (
+            text = (
                 f"layouts: whole-program ILP (HiGHS, {self.variables} variables, {self.constraints} "
                 f"constraints): objective {self.objective:.0f} B, proven gap {gap}, solve "
                 f"{self.solve_s:.2f} s (+{self.build_s:.2f} s building); greedy would move "
                 f"{self.greedy_bytes} B"
             )
-        return f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
+        else:
+            text = f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
+        if self.auto:
+            text += "; AUTO arguments chosen too (greedy starts them B)"
+        if self.memory_bytes is not None and (self.auto or self.memory_budget is not None):
+            budget = "" if self.memory_budget is None else f" of a {self.memory_budget} B budget"
+            text += f"; arguments + results hold {self.memory_bytes} B per device{budget}"
+        return text
 
 
 def _cost(plan) -> float:
@@ -178,9 +232,9 @@ class _Domains:
     even where greedy gathered it. Contractions computed whole on an axis are
     left out where another candidate exists (see ``restrict``)."""
 
-    def __init__(self, program, placement, in_sbp, greedy):
+    def __init__(self, program, placement, in_layouts, greedy):
         self.grid = placement.shape
-        self.dom: dict = {id(v): {nd} for v, nd in zip(program.inputs, in_sbp)}
+        self.dom: dict = {id(v): set(lays) for v, lays in zip(program.inputs, in_layouts)}
         self.greedy = greedy.decisions
 
     def _uses(self, atom) -> set:
@@ -275,9 +329,24 @@ def solve(
     cost_model=None,
     time_limit: float = 10.0,
     caches=None,
+    ties=None,
+    memory_budget=None,
+    objective="bytes",
+    same_layout=None,
 ):
     """The byte-minimal layouts of ``program``: (Propagation, Choice), or
-    (None, Choice) when no solution was found (the Choice says why)."""
+    (None, Choice) when no solution was found (the Choice says why).
+
+    ``in_sbp`` entries may be ``AUTO``: the argument's layout is chosen too
+    (one binary per layout of ``auto_layouts``). ``ties`` maps an output index
+    to the index of an ``AUTO`` argument whose layout it must have (a donated
+    train-step state: the step is a fixed point, and the result aliases the
+    argument's buffer). ``memory_budget``: per-device bytes that arguments and
+    results together may hold (a tied pair counted once); activations inside
+    the program are not in it. ``objective="memory"`` minimizes those bytes
+    instead (used to report the least a budget must allow). ``same_layout``
+    maps an ``AUTO`` argument's index to an earlier ``AUTO`` argument's whose
+    layout it takes (optimizer state mirroring a parameter)."""
     from scipy.optimize import LinearConstraint, milp
     from scipy.sparse import coo_array
 
@@ -318,13 +387,31 @@ def solve(
         for col, v in expr.terms.items():
             cost[col] += c * v
 
+    ties = dict(ties or {})
+    same_layout = dict(same_layout or {})
+    by_bytes = objective == "bytes"
+    # -- arguments: fixed, or one binary per layout (AUTO) ----------------------------
+    produced: dict = {}  # id(var) -> {layout: _Lin}
+    in_layouts: list = []  # per argument: the layouts it may take
+    arg_cols: dict = {}  # argument index -> {layout: column} (AUTO arguments)
+    for i, (v, nd) in enumerate(zip(program.inputs, in_sbp)):
+        lays = auto_layouts(v.shape, grid) if nd is AUTO else [nd]
+        in_layouts.append(lays)
+        if len(lays) == 1:
+            produced[id(v)] = {lays[0]: _Lin(const=1.0)}
+            continue
+        j = same_layout.get(i)
+        if j is not None and j in arg_cols:
+            arg_cols[i] = arg_cols[j]  # one layout for both (same shape: the caller checked)
+        else:
+            arg_cols[i] = {nd_: new_col() for nd_ in lays}
+            add_row({c: 1.0 for c in arg_cols[i].values()}, 1.0, 1.0)
+        produced[id(v)] = {nd_: _Lin({c: 1.0}) for nd_, c in arg_cols[i].items()}
+
     # -- ops: one binary per candidate ------------------------------------------
     cands: list = []
     sel: list[list[int] | None] = []  # per node: candidates; their columns (None when fixed)
-    produced: dict = {}  # id(var) -> {layout: _Lin}
-    for v, nd in zip(program.inputs, in_sbp):
-        produced[id(v)] = {nd: _Lin(const=1.0)}
-    allowed = _Domains(program, placement, in_sbp, greedy)
+    allowed = _Domains(program, placement, in_layouts, greedy)
     for index, node in enumerate(program.nodes):
         cs = allowed.restrict(index, node, _candidates(pr, node, grid))
         cands.append(cs)
@@ -358,8 +445,19 @@ def solve(
             for nd, cl in by_layout.items():
                 ent.setdefault(nd, []).append(cl)
     for k, atom in enumerate(program.outputs):
+        if not isinstance(atom, Var):
+            continue
+        if k in ties:
+            # the result takes its argument's layout: needed in L exactly when the argument is L
+            i = ties[k]
+            if i in arg_cols:
+                for nd, col in arg_cols[i].items():
+                    needs.setdefault(id(atom), (atom, {}))[1].setdefault(nd, []).append([col])
+            else:
+                needs.setdefault(id(atom), (atom, {}))[1].setdefault(in_layouts[i][0], []).append([None])
+            continue
         want = out_sbp[k] if out_sbp is not None else None
-        if want is not None and isinstance(atom, Var):
+        if want is not None:
             needs.setdefault(id(atom), (atom, {}))[1].setdefault(want, []).append([None])
 
     # -- versions and boxing costs -----------------------------------------------
@@ -409,6 +507,25 @@ def solve(
                         t[c] = t.get(c, 0.0) - v
                 add_row(t, -np.inf, fixed)  # u - x[S] <= const part of x[S]
             add_row(row, 0.0, 0.0)
+    # -- memory: what arguments and results hold per device ---------------------------
+    memory = _Lin()
+    for v in program.inputs:
+        for nd, lin in produced[id(v)].items():
+            _add(memory, lin, block_bytes(v.shape, v.dtype, nd, grid))
+    for k, atom in enumerate(program.outputs):
+        if not isinstance(atom, Var) or k in ties:
+            continue  # a tied result reuses its argument's buffer
+        want = out_sbp[k] if out_sbp is not None else None
+        if want is not None:
+            memory.const += block_bytes(atom.shape, atom.dtype, want, grid)
+        else:
+            for nd, lin in produced[id(atom)].items():
+                _add(memory, lin, block_bytes(atom.shape, atom.dtype, nd, grid))
+    if memory_budget is not None:
+        add_row(dict(memory.terms), -np.inf, float(memory_budget) - memory.const)
+    if not by_bytes:
+        cost = [64 * memory.terms.get(col, 0.0) for col in range(ncols)]
+        const_cost = 64 * memory.const
     build_s = time.perf_counter() - t0
     choice = Choice("ilp", variables=ncols, constraints=nrows, build_s=build_s)
     if ncols > MAX_VARIABLES:
@@ -444,8 +561,23 @@ def solve(
     else:
         choice.objective = const_cost / 64
         choice.bound, choice.gap = choice.objective, 0.0
-    prop = _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol)
+    chosen_in = [
+        max(arg_cols[i], key=lambda nd, i=i: x_sol[arg_cols[i][nd]]) if i in arg_cols else lays[0]
+        for i, lays in enumerate(in_layouts)
+    ]
+    final_out = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
+    for k, i in ties.items():
+        final_out[k] = chosen_in[i]
+    choice.memory_bytes = int(round(memory.const + sum(v * x_sol[c] for c, v in memory.terms.items())))
+    prop = _propagation(program, placement, chosen_in, final_out, pr, cands, sel, x_sol)
     return prop, choice
+
+
+def _add(acc: _Lin, lin: _Lin, weight: float) -> None:
+    """``acc += weight * lin``."""
+    acc.const += weight * lin.const
+    for col, v in lin.terms.items():
+        acc.terms[col] = acc.terms.get(col, 0.0) + weight * v
 
 
 def _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol) -> Propagation:
@@ -504,11 +636,18 @@ def choose(
     cost_model=None,
     solver: str = "ilp",
     time_limit: float = 10.0,
+    ties=None,
+    memory_budget=None,
+    same_layout=None,
 ) -> Propagation:
     """The layouts of every value: the greedy pass, then (``solver="ilp"``) the
     integer program, keeping whichever moves fewer bytes (the ILP is never
     worse than greedy: a time-out or a failed solve keeps greedy, and the
-    Choice attached to the result says so)."""
+    Choice attached to the result says so).
+
+    ``AUTO`` arguments, ``ties`` and ``memory_budget``: see :func:`solve`. The
+    greedy pass starts ``AUTO`` arguments (and their tied results) B; it is
+    kept only where it fits the budget."""
     from sbpjax.compiler.propagate import propagate
 
     if solver not in SOLVERS:
@@ -516,27 +655,58 @@ def choose(
             f"sj.jit: solver={solver!r} is not one of {SOLVERS}; use 'ilp' (whole-program "
             "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping)."
         )
+    ties = dict(ties or {})
+    auto = any(nd is AUTO for nd in in_sbp)
+    if solver == "greedy" and (auto or memory_budget is not None):
+        raise SBPError(
+            "sj.jit: AUTO layouts and memory_budget are chosen by the whole-program solver, not "
+            "the greedy pass; use solver='ilp' (the default), or annotate every argument."
+        )
+    grid = placement.shape
+    rep = (Broadcast(),) * len(grid)
+    greedy_in = [rep if nd is AUTO else nd for nd in in_sbp]
+    greedy_out = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
+    for k, i in ties.items():
+        greedy_out[k] = greedy_in[i]
     caches: tuple[dict, ...] = ({}, {}, {}, {}, {})
-    greedy = propagate(program, placement, in_sbp, out_sbp, cost_model, caches=caches)
+    greedy = propagate(
+        program,
+        placement,
+        greedy_in,
+        greedy_out if (out_sbp is not None or ties) else None,
+        cost_model,
+        caches=caches,
+    )
     g_bytes = total_bytes(greedy)
+    g_memory = _held_bytes(program, greedy, ties, grid)
     if solver == "greedy":
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes)
         return greedy
+    g_fits = memory_budget is None or g_memory <= memory_budget
+    extra = dict(ties=ties, memory_budget=memory_budget, same_layout=same_layout)
     try:
         ilp, choice = solve(
-            program, placement, in_sbp, out_sbp, greedy, cost_model, time_limit, caches=caches
+            program, placement, in_sbp, out_sbp, greedy, cost_model, time_limit, caches=caches, **extra
         )
     except ImportError as e:  # scipy is a dependency; a broken install still compiles
+        if not g_fits or auto:
+            raise SBPError(
+                f"sj.jit: AUTO layouts and memory_budget need scipy.optimize.milp ({e})."
+            ) from None
         greedy.choice = Choice(
             "greedy", reason=f"scipy.optimize.milp unavailable ({e})", greedy_bytes=g_bytes
         )
         return greedy
     choice.greedy_bytes = g_bytes
+    choice.auto, choice.memory_budget = auto, memory_budget
     if ilp is None:
+        if not g_fits:
+            raise _over_budget(program, placement, in_sbp, out_sbp, greedy, time_limit, caches, extra, choice)
+        choice.memory_bytes = g_memory
         greedy.choice = choice
         return greedy
     choice.ilp_bytes = total_bytes(ilp)
-    if choice.ilp_bytes >= g_bytes:
+    if choice.ilp_bytes >= g_bytes and g_fits:
         # On equal bytes greedy's choice is kept: its tie-breaks (alpha-beta
         # time, fewer boxings, no splits made from nothing) are finer than the
         # ILP's objective, which counts bytes only.
@@ -546,6 +716,7 @@ def choose(
             if choice.ilp_bytes == g_bytes and choice.gap == 0
             else f"; {choice.status}"
         )
+        choice.memory_bytes = g_memory
         greedy.choice = choice
         return greedy
     ilp.warnings = greedy.warnings
@@ -553,4 +724,45 @@ def choose(
     return ilp
 
 
-__all__ = ["solve", "choose", "Choice", "total_bytes", "SOLVERS"]
+def _held_bytes(program, prop: Propagation, ties, grid) -> int:
+    """Per-device bytes of a plan's arguments and results (a tied result once)."""
+    held = sum(block_bytes(v.shape, v.dtype, nd, grid) for v, nd in zip(program.inputs, prop.in_sbp))
+    for k, (atom, nd) in enumerate(zip(program.outputs, prop.out_sbp)):
+        if isinstance(atom, Var) and k not in ties:
+            held += block_bytes(atom.shape, atom.dtype, nd, grid)
+    return held
+
+
+def _over_budget(program, placement, in_sbp, out_sbp, greedy, time_limit, caches, extra, choice):
+    """The SBPError for a budget no layout meets, with the least bytes any
+    layout in the solver's space holds (a second solve, minimizing memory)."""
+    least = None
+    if "infeasible" in choice.status.lower():
+        _, low = solve(
+            program,
+            placement,
+            in_sbp,
+            out_sbp,
+            greedy,
+            None,
+            time_limit,
+            caches=caches,
+            ties=extra["ties"],
+            same_layout=extra["same_layout"],
+            objective="memory",
+        )
+        if low.bound is not None:
+            least = int(np.ceil(low.bound))
+    why = (
+        f"the least any layout holds is {least} B per device"
+        if least is not None
+        else f"the solver stopped without a layout that fits ({choice.status})"
+    )
+    return SBPError(
+        f"sj.jit: no layout fits memory_budget={extra['memory_budget']} B per device: {why} (arguments and "
+        "results, a donated argument and its result once). Raise the budget, use a placement "
+        "with more devices, or give the solver more time (solve_time_limit)."
+    )
+
+
+__all__ = ["solve", "choose", "Choice", "total_bytes", "SOLVERS", "AUTO", "auto_layouts", "block_bytes"]

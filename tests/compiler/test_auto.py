@@ -1,0 +1,226 @@
+"""Automatic layouts: ``sj.AUTO`` arguments and ``memory_budget``.
+
+The solver chooses an AUTO argument's layout with the rest of the program.
+Checked against one device (values), against the same step with Megatron's
+annotations (bytes), and with XLA's ``memory_analysis()`` (the budget)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from models import adamw, compiled_bytes, gpt_loss, gpt_params, gpt_sbp, state_sbp, train_step
+
+import sbpjax as sj
+from sbpjax.compiler.solve import auto_layouts
+
+S0, S1, B = sj.S(0), sj.S(1), sj.B
+MEGATRON = {"w1": (B, S1), "w2": (B, S0)}  # column- then row-split over the tensor axis
+
+
+def _mlp(d=64, h=256, n=32, seed=0):
+    r = np.random.default_rng(seed)
+    params = {
+        "w1": (r.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
+        "w2": (r.normal(size=(h, d)) / np.sqrt(h)).astype(np.float32),
+    }
+    x = r.normal(size=(n, d)).astype(np.float32)
+    y = r.normal(size=(n, d)).astype(np.float32)
+    return params, x, y
+
+
+def _mlp_loss(p, x, y):
+    return jnp.mean((jax.nn.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+
+def _state_bytes(f, *args) -> int:
+    """What the compiled step holds per device across calls: arguments and
+    results, a donated argument and the result in its buffer once."""
+    m = f.lower(*args).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def test_auto_mlp_finds_megatrons_layouts_and_trains_like_one_device(pl24):
+    """With the parameters and AdamW state AUTO and the batch split over the
+    data axis, the solver picks Megatron's column/row split by itself (the
+    bytes of the step annotated by hand); two steps equal jax.jit's, and the
+    second call reuses the first's program: a donated AUTO argument's result
+    comes back in the argument's layout."""
+    params, x, y = _mlp()
+    opt = adamw()
+    step = train_step(_mlp_loss, opt)
+    state = opt.init(params)
+    megatron = sj.jit(
+        step,
+        placement=pl24,
+        in_sbp=(MEGATRON, state_sbp(state, MEGATRON, (B, B)), (S0, B), (S0, B)),
+        out_sbp=(MEGATRON, state_sbp(state, MEGATRON, (B, B)), None),
+    )
+    auto = sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)), donate_argnums=(0, 1))
+    e = auto.explain(params, state, x, y)
+    assert e.bytes == megatron.explain(params, state, x, y).bytes
+    assert "AUTO arguments chosen" in str(e)
+    chosen = dict(zip(("w1", "w2"), e.propagation.in_sbp[:2]))
+    assert chosen == MEGATRON, chosen
+    assert compiled_bytes(auto, params, state, x, y) == e.bytes
+
+    ref = jax.jit(step)
+    p_ref, s_ref, p_sj, s_sj = params, state, params, state
+    for _ in range(3):
+        p_ref, s_ref, l_ref = ref(p_ref, s_ref, x, y)
+        p_sj, s_sj, l_sj = auto(p_sj, s_sj, x, y)
+        assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
+        for k in params:
+            assert p_sj[k].sbp == MEGATRON[k]
+            assert_close(p_sj[k].numpy(), np.asarray(p_ref[k]), rtol=2e-4, err_msg=k)
+    assert len(auto._cache) == 1  # the results were the next call's arguments as they were
+
+
+def test_auto_gpt_block_moves_no_more_than_megatrons_annotations(pl24):
+    """A 1-layer GPT at d_model 64 on 2x4: AUTO layouts move at most the bytes
+    of the Megatron-annotated step (here data parallel is cheaper: activations
+    outweigh the kernels), and the step is exact."""
+    params = gpt_params(64, 1, 96)
+    r = np.random.default_rng(1)
+    tokens = r.integers(0, 96, size=(16, 32)).astype(np.int32)
+    labels = r.integers(0, 96, size=(16, 32)).astype(np.int32)
+    opt = adamw()
+    step = train_step(functools.partial(gpt_loss, heads=4), opt)
+    state = opt.init(params)
+    psbp = gpt_sbp(params, "megatron", 2)
+    ssbp = state_sbp(state, psbp, (B, B))
+    megatron = sj.jit(step, placement=pl24, in_sbp=(psbp, ssbp, (S0, B), (S0, B)), out_sbp=(psbp, ssbp, None))
+    auto = sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)), donate_argnums=(0, 1))
+    args = (params, state, tokens, labels)
+    e = auto.explain(*args)
+    assert e.bytes <= megatron.explain(*args).bytes
+    assert compiled_bytes(auto, *args) == e.bytes
+    _, _, l_ref = jax.jit(step)(*args)
+    _, _, l_sj = auto(*args)
+    assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
+
+
+def test_a_memory_budget_below_data_parallels_need_splits_the_state(pl24):
+    """Data parallel (every parameter and Adam moment whole on each device)
+    needs 3 x 128 KiB per device; with a 64 KB budget the solver splits the
+    state over both axes (ZeRO-style) for the same bytes moved, and XLA's
+    memory analysis of the compiled step agrees that it fits."""
+    params, x, y = _mlp()
+    opt = adamw()
+    step = train_step(_mlp_loss, opt)
+    state = opt.init(params)
+    args = (params, state, x, y)
+    free = sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)), donate_argnums=(0, 1))
+    dp_need = 3 * sum(v.nbytes for v in params.values())
+    budget = 64_000
+    assert budget < dp_need
+    tight = sj.jit(
+        step,
+        placement=pl24,
+        in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)),
+        donate_argnums=(0, 1),
+        memory_budget=budget,
+    )
+    e = tight.explain(*args)
+    assert e.propagation.choice.memory_bytes <= budget
+    assert _state_bytes(tight, *args) <= budget < _state_bytes(free, *args)
+    assert e.bytes == free.explain(*args).bytes
+    # every kernel and moment is split over both axes: 1/8 of it per device
+    for nd in e.propagation.in_sbp[:7]:
+        assert nd == (B, B) or all(isinstance(s, sj.Split) for s in nd), nd
+    p1, s1, loss = tight(*args)
+    _, _, l_ref = jax.jit(step)(*args)
+    assert_close(loss.numpy(), l_ref, rtol=2e-5)
+
+
+def test_a_budget_no_layout_meets_says_the_least_any_layout_needs(pl24):
+    params, x, y = _mlp()
+    opt = adamw()
+    step = train_step(_mlp_loss, opt)
+    state = opt.init(params)
+    f = sj.jit(
+        step,
+        placement=pl24,
+        in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)),
+        donate_argnums=(0, 1),
+        memory_budget=10_000,
+    )
+    with pytest.raises(
+        sj.SBPError,
+        match=r"no layout fits memory_budget=10000 B per device: the least any layout holds is (\d+) B",
+    ) as err:
+        f(params, state, x, y)
+    least = int(err.value.args[0].split("holds is ")[1].split(" B")[0])
+    # the least: every kernel and moment split 8 ways, the batch over the data axis, the loss
+    state_elems = 3 * sum(v.size for v in params.values()) // 8
+    assert least >= 4 * state_elems + x.nbytes // 2 + y.nbytes // 2
+    # and that much is enough
+    g = sj.jit(
+        step,
+        placement=pl24,
+        in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)),
+        donate_argnums=(0, 1),
+        memory_budget=least,
+    )
+    assert g.explain(params, state, x, y).propagation.choice.memory_bytes <= least
+
+
+def test_auto_true_chooses_every_unannotated_positional_argument(pl8):
+    """``auto=True``: leaves in_sbp leaves None are AUTO (here the parameter);
+    an annotated one keeps its layout; a plain array the caller passes and
+    donates stays valid (the placed copy is donated)."""
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32))
+    x = np.random.default_rng(1).normal(size=(16, 64)).astype(np.float32)
+
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+        return w - 0.1 * g
+
+    f = sj.jit(step, placement=pl8, in_sbp=(None, S0), auto=True, donate_argnums=0)
+    e = f.explain(w, x)
+    assert e.propagation.in_sbp[1] == (S0,)
+    out = f(w, x)
+    assert out.sbp == e.propagation.in_sbp[0]
+    assert_close(out.numpy(), np.asarray(step(w, x)), rtol=1e-5)
+    assert not w.is_deleted()
+
+
+def test_auto_layouts_never_leave_a_device_without_a_piece():
+    lays = auto_layouts((3, 16), (2, 4))
+    assert (S0, B) in lays and (B, S1) in lays and (S1, S1) in lays
+    assert (B, S0) not in lays  # 3 rows over 4 devices
+    assert (S0, S0) not in lays  # 3 rows over 8
+    assert auto_layouts((), (2, 4)) == [(B, B)]
+
+
+def test_auto_errors(pl24):
+    params, x, y = _mlp()
+    step = lambda p, x: _mlp_loss(p, x, x)  # noqa: E731
+    with pytest.raises(sj.SBPError, match="solver='ilp'"):
+        sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, (S0, B)), solver="greedy")(params, x)
+    with pytest.raises(sj.SBPError, match="out_sbp leaves cannot be sj.AUTO"):
+        sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, (S0, B)), out_sbp=sj.AUTO)(params, x)
+    with pytest.raises(sj.SBPError, match="memory_budget must be a positive number"):
+        sj.jit(step, placement=pl24, memory_budget=-1)
+    assert repr(sj.AUTO) == "sj.AUTO"
+
+
+def test_optimizer_state_mirrors_its_parameter_without_a_budget(pl24):
+    """optax's mu / nu of an AUTO parameter take the parameter's layout (one
+    choice for the three), found by path as state_sbp does."""
+    params, x, y = _mlp()
+    opt = optax.adam(1e-2)
+    step = train_step(_mlp_loss, opt)
+    state = opt.init(params)
+    f = sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)), donate_argnums=(0, 1))
+    e = f.explain(params, state, x, y)
+    got = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(((params, state, x, y), {})), e.propagation.in_sbp
+    )[0]
+    p_sbp, s_sbp = got[0], got[1]
+    adam = s_sbp[0]
+    for k in params:
+        assert adam.mu[k] == p_sbp[k] == adam.nu[k], k
