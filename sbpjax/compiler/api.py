@@ -364,6 +364,7 @@ class CompiledFunction:
             ties=self._ties(gts, tree, program, out_specs),
             memory_budget=self.memory_budget,
             same_layout=self._mirrors(gts, tree),
+            arg_names=[_leaf_name(p) for p in _leaf_paths(tree)],
         )
         t_chosen = time.perf_counter()
         fn = lowering.build(prop, self._donated_leaves(tree))
