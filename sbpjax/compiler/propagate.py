@@ -27,6 +27,8 @@ import math
 import warnings
 from typing import Any
 
+import numpy as np
+
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
 from sbpjax.compiler import uneven
@@ -176,6 +178,29 @@ def _fresh_splits(outs, cur) -> int:
     )
 
 
+def op_key(node: Node) -> tuple:
+    """What an op's candidate signatures depend on: its primitive, parameters,
+    operand and result shapes and dtypes, and its constant operands' values
+    (a rule may read a literal). Alike ops of different layers share it."""
+    key = getattr(node, "_op_key", None)
+    if key is None:
+        consts = tuple(
+            None
+            if isinstance(a, Var)
+            else (np.asarray(a.value).tobytes() if np.size(a.value) <= 64 else id(a.value))
+            for a in node.ins
+        )
+        key = (
+            node.name,
+            repr(sorted(node.eqn.params.items(), key=lambda kv: kv[0])),
+            tuple((tuple(a.shape), str(a.dtype)) for a in node.ins),
+            tuple((tuple(o.shape), str(o.dtype)) for o in node.outs),
+            consts,
+        )
+        node._op_key = key
+    return key
+
+
 class Propagator:
     def __init__(self, program: Program, placement: Placement, cost_model=None):
         self.prog = program
@@ -317,10 +342,12 @@ class Propagator:
 
     # -- one equation ---------------------------------------------------------
     def candidates(self, node: Node):
-        # a node's signatures depend on its equation only: computed once for all passes
-        hit = self._sigs.get(id(node))
+        # a node's signatures depend on its equation only: computed once for all
+        # passes, and once for the alike ops of every layer
+        key = op_key(node)
+        hit = self._sigs.get(key)
         if hit is None:
-            hit = self._sigs[id(node)] = self._candidates(node)
+            hit = self._sigs[key] = self._candidates(node)
         return hit
 
     def _candidates(self, node: Node):
@@ -691,7 +718,7 @@ def _one_pass(
     pr = Propagator(program, placement, cost_model)
     pr.quiet = quiet
     pr.rank_with_prefs = rank_with_prefs
-    pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches
+    pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches[:5]
     for v, nd in zip(program.inputs, in_sbp):
         pr.layout[id(v)] = nd
     pr.prefer(out_sbp)

@@ -68,7 +68,7 @@ import time
 import numpy as np
 
 from sbpjax._errors import SBPError
-from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator, op_comm
+from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator, op_comm, op_key
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.rules import RULES, local_shape
 from sbpjax.rules.elementwise import ELEMENTWISE
@@ -394,7 +394,10 @@ def solve(
     pr = Propagator(program, placement, cost_model)
     pr.quiet = True
     if caches is not None:
-        pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches
+        pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches[:5]
+    # an op's candidates depend on the op alone (op_key): computed once for alike
+    # ops and for every solve of one choose() (the window search solves several)
+    memo = caches[5] if caches is not None and len(caches) > 5 else {}
 
     ncols = 0
     cost: list = []
@@ -457,7 +460,10 @@ def solve(
         if fixed is not None and index in fixed:
             cs = allowed.restrict(index, node, [fixed[index]])
         else:
-            cs = allowed.restrict(index, node, _candidates(pr, node, grid))
+            key = op_key(node)
+            if key not in memo:
+                memo[key] = _candidates(pr, node, grid)
+            cs = allowed.restrict(index, node, memo[key])
         cands.append(cs)
         # the op's own communication (a halo exchange) is paid by the candidate
         own = [64 * sum(c.bytes for c in op_comm(node, ins, outs, grid, pr._comms) or ()) for ins, outs in cs]
@@ -800,7 +806,7 @@ def choose(
     greedy_out = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
     for k, i in ties.items():
         greedy_out[k] = greedy_in[i]
-    caches: tuple[dict, ...] = ({}, {}, {}, {}, {})
+    caches: tuple[dict, ...] = ({}, {}, {}, {}, {}, {})
     greedy = propagate(
         program,
         placement,
