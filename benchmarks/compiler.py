@@ -375,9 +375,9 @@ def make_check(name, reference, rtol):
 
 def gpt_sweep_configs(quick):
     """(d_model, layers, placement shape) of the GPT sweep rows. --quick keeps
-    four small rows; the default covers d_model 64..256, 1..4 layers and the
+    four small rows; the default covers d_model 64..256, 1..32 layers and the
     four 8-device placements. Not here yet (the issue's full sweep): d_model
-    512, 8..32 layers, 4x4 / 8x8 compile-only placements."""
+    512, 16 layers, 4x4 / 8x8 compile-only placements."""
     if quick:
         return [(32, 1, (2, 4)), (32, 1, (4, 2)), (32, 1, (8, 1)), (64, 1, (1, 8))]
     return [
@@ -388,6 +388,8 @@ def gpt_sweep_configs(quick):
         (128, 2, (8, 1)),
         (128, 2, (1, 8)),
         (64, 4, (2, 4)),
+        (64, 8, (2, 4)),
+        (64, 32, (2, 4)),
     ]
 
 

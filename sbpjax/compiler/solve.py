@@ -927,10 +927,12 @@ def _refine(program, placement, in_sbp, out_sbp, greedy, cost_model, deadline, c
     plan so far, window after window, until a round improves nothing or the
     deadline passes. Returns (best plan, solves, seconds)."""
     t0 = time.perf_counter()
+    # one window may not take the whole budget: the other needs its turn
+    per_solve = (deadline - t0) / 2
     best, rounds, stale = greedy, 0, 0
     while stale < len(windows):
         for window in windows:
-            left = deadline - time.perf_counter()
+            left = min(deadline - time.perf_counter(), per_solve)
             if left <= 0 or stale >= len(windows):
                 return best, rounds, time.perf_counter() - t0
             fixed = {
