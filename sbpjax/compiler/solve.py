@@ -46,12 +46,12 @@ choice, and each version of a value is then priced once for all layers, so
 an L-layer model has about one layer's columns. Even so, the relaxation of a
 program of several layers is weak (on a 4-layer decoder HiGHS's bound stays
 below half the optimum after 10 s), while that of about one layer is tight.
-So the program is solved by windows first (``_refine``, a large-neighbourhood
-search): the repeated layers with every other op fixed, then the rest with
-the layers fixed, from greedy's plan, until a round improves nothing; then
-the whole program in the time left, and the cheaper plan is kept (the whole
-solve wins on small programs, where it proves the optimum). On that decoder
-the windows reach 0.60x GSPMD's bytes in about 4 s.
+So where layers repeat, the whole program is solved in half the time limit
+(on small programs it proves the optimum there), and then by windows
+(``_refine``, a large-neighbourhood search) from the better of its plan and
+greedy's: the repeated layers with every other op fixed, then the rest with
+the layers fixed, until a round improves nothing. On that decoder the
+windows reach 0.60x GSPMD's bytes in about 3 s.
 
 Solved with ``scipy.optimize.milp`` (HiGHS). The caller compares the result
 with the greedy choice and keeps the cheaper one, so a time-out never makes
@@ -824,23 +824,10 @@ def choose(
     extra = dict(ties=ties, memory_budget=memory_budget, same_layout=same_layout, arg_names=arg_names)
     t0 = time.perf_counter()
     try:
-        # Windows first (fast, from greedy), then the whole program in the time left.
+        # The whole program first (on small programs it proves the optimum);
+        # then, where layers repeat, windows from the best plan so far.
         windows = _windows(program, arg_names)
-        refined = None
-        if len(windows) > 1 and g_fits:
-            refined = _refine(
-                program,
-                placement,
-                in_sbp,
-                out_sbp,
-                greedy,
-                cost_model,
-                t0 + WINDOW_SHARE * time_limit,
-                caches,
-                extra,
-                windows,
-            )
-        left = time_limit - (time.perf_counter() - t0)
+        share = WHOLE_SHARE if len(windows) > 1 else 1.0
         ilp, choice = solve(
             program,
             placement,
@@ -848,10 +835,29 @@ def choose(
             out_sbp,
             greedy,
             cost_model,
-            max(left, (1 - WINDOW_SHARE) * time_limit),
+            share * time_limit,
             caches=caches,
             **extra,
         )
+        refined = None
+        proven = choice.gap is not None and choice.gap <= 1e-3
+        if len(windows) > 1 and not proven:
+            start = ilp if ilp is not None and (total_bytes(ilp) < g_bytes or not g_fits) else greedy
+            if start is not greedy or g_fits:
+                deadline = max(t0 + time_limit, time.perf_counter() + (1 - WHOLE_SHARE) * time_limit / 2)
+                refined = _refine(
+                    program,
+                    placement,
+                    in_sbp,
+                    out_sbp,
+                    greedy,
+                    start,
+                    cost_model,
+                    deadline,
+                    caches,
+                    extra,
+                    windows,
+                )
     except ImportError as e:  # scipy is a dependency; a broken install still compiles
         if not g_fits or auto:
             raise SBPError(
@@ -867,7 +873,7 @@ def choose(
         prop, rounds, spent = refined
         choice.window_solves, choice.window_s = rounds, spent
         choice.window_bytes = total_bytes(prop)
-        if ilp is None or choice.window_bytes < total_bytes(ilp):
+        if prop is not ilp and (ilp is None or choice.window_bytes < total_bytes(ilp)):
             if ilp is not None:
                 choice.whole_bytes = total_bytes(ilp)
             choice.method, ilp = "windows", prop
@@ -896,10 +902,10 @@ def choose(
     return ilp
 
 
-# The share of solve_time_limit the window search may take before the whole
-# program is solved in the rest (it usually stops long before: when a round
-# over every window improves nothing).
-WINDOW_SHARE = 0.6
+# The share of solve_time_limit the whole-program solve takes where layers
+# repeat; the window search then has the rest (it usually stops before: when
+# a round over every window improves nothing).
+WHOLE_SHARE = 0.5
 
 
 def _windows(program, arg_names) -> list[set]:
@@ -921,15 +927,15 @@ def _windows(program, arg_names) -> list[set]:
     return [w for w in (repeated, rest) if w]
 
 
-def _refine(program, placement, in_sbp, out_sbp, greedy, cost_model, deadline, caches, extra, windows):
-    """Large-neighbourhood search from greedy's plan: solve the integer
+def _refine(program, placement, in_sbp, out_sbp, greedy, start, cost_model, deadline, caches, extra, windows):
+    """Large-neighbourhood search from the plan ``start``: solve the integer
     program with one window's ops free and every other op fixed to the best
     plan so far, window after window, until a round improves nothing or the
     deadline passes. Returns (best plan, solves, seconds)."""
     t0 = time.perf_counter()
     # one window may not take the whole budget: the other needs its turn
     per_solve = (deadline - t0) / 2
-    best, rounds, stale = greedy, 0, 0
+    best, rounds, stale = start, 0, 0
     while stale < len(windows):
         for window in windows:
             left = min(deadline - time.perf_counter(), per_solve)
