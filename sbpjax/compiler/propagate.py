@@ -182,7 +182,7 @@ def op_key(node: Node) -> tuple:
     """What an op's candidate signatures depend on: its primitive, parameters,
     operand and result shapes and dtypes, and its constant operands' values
     (a rule may read a literal). Alike ops of different layers share it."""
-    key = getattr(node, "_op_key", None)
+    key = node.op_key
     if key is None:
         consts = tuple(
             None
@@ -197,7 +197,7 @@ def op_key(node: Node) -> tuple:
             tuple((tuple(o.shape), str(o.dtype)) for o in node.outs),
             consts,
         )
-        node._op_key = key
+        node.op_key = key
     return key
 
 

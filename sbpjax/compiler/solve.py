@@ -475,12 +475,12 @@ def solve(
             continue
         columns = []
         for (ins, outs), c in zip(cs, own):
-            key = (classes[index], tuple(ins), tuple(outs)) if classes is not None else None
-            col = shared.get(key) if key is not None else None
+            share = (classes[index], tuple(ins), tuple(outs)) if classes is not None else None
+            col = shared.get(share) if share is not None else None
             if col is None:
                 col = new_col()
-                if key is not None:
-                    shared[key] = col
+                if share is not None:
+                    shared[share] = col
             cost[col] += c
             columns.append(col)
         sel.append(columns)
@@ -636,10 +636,12 @@ def solve(
     else:
         choice.objective = const_cost / 64
         choice.bound, choice.gap = choice.objective, 0.0
-    chosen_in = [
-        max(arg_cols[i], key=lambda nd, i=i: x_sol[arg_cols[i][nd]]) if i in arg_cols else lays[0]
-        for i, lays in enumerate(in_layouts)
-    ]
+    chosen_in = []
+    for i, lays in enumerate(in_layouts):
+        cols_of = arg_cols.get(i)
+        chosen_in.append(
+            lays[0] if cols_of is None else lays[int(np.argmax([x_sol[cols_of[nd]] for nd in lays]))]
+        )
     final_out = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
     for k, i in ties.items():
         final_out[k] = chosen_in[i]
@@ -697,16 +699,16 @@ def layer_classes(program, arg_names) -> list:
     for _ in range(CLASS_DEPTH):
         prev, level = level, []
         for index, node in enumerate(program.nodes):
-            ins = []
+            operands: list = []
             for a in node.ins:
                 if id(a) in args:
-                    ins.append(args[id(a)])
+                    operands.append(args[id(a)])
                 elif id(a) in producer:
                     i, j = producer[id(a)]
-                    ins.append((prev[i], j))
+                    operands.append((prev[i], j))
                 else:
-                    ins.append(("const", tuple(a.shape)))
-            level.append(hash((own[index], tuple(ins))))
+                    operands.append(("const", tuple(a.shape)))
+            level.append(hash((own[index], tuple(operands))))
     return level
 
 

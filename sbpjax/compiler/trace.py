@@ -103,6 +103,8 @@ class Node:
     outs: list
     source: str
     region: int = 0  # the jax.checkpoint region it recomputes (0: none); see REMAT
+    # what its candidate signatures depend on, computed once (propagate.op_key)
+    op_key: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def name(self) -> str:
