@@ -36,6 +36,13 @@ def _mlp_loss(p, x, y):
     return jnp.mean((jax.nn.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
 
+def _mlp_step(opt=None):
+    """An AdamW (or ``opt``) train step of the MLP, its parameters, state and batch."""
+    params, x, y = _mlp()
+    opt = opt or adamw()
+    return train_step(_mlp_loss, opt), params, opt.init(params), x, y
+
+
 def _state_bytes(f, *args) -> int:
     """What the compiled step holds per device across calls: arguments and
     results, a donated argument and the result in its buffer once."""
@@ -49,10 +56,7 @@ def test_auto_mlp_finds_megatrons_layouts_and_trains_like_one_device(pl24):
     bytes of the step annotated by hand); two steps equal jax.jit's, and the
     second call reuses the first's program: a donated AUTO argument's result
     comes back in the argument's layout."""
-    params, x, y = _mlp()
-    opt = adamw()
-    step = train_step(_mlp_loss, opt)
-    state = opt.init(params)
+    step, params, state, x, y = _mlp_step()
     megatron = sj.jit(
         step,
         placement=pl24,
@@ -108,10 +112,7 @@ def test_a_memory_budget_below_data_parallels_need_splits_the_state(pl24):
     needs 3 x 128 KiB per device; with a 64 KB budget the solver splits the
     state over both axes (ZeRO-style) for the same bytes moved, and XLA's
     memory analysis of the compiled step agrees that it fits."""
-    params, x, y = _mlp()
-    opt = adamw()
-    step = train_step(_mlp_loss, opt)
-    state = opt.init(params)
+    step, params, state, x, y = _mlp_step()
     args = (params, state, x, y)
     free = sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)), donate_argnums=(0, 1))
     dp_need = 3 * sum(v.nbytes for v in params.values())
@@ -137,10 +138,7 @@ def test_a_memory_budget_below_data_parallels_need_splits_the_state(pl24):
 
 
 def test_a_budget_no_layout_meets_says_the_least_any_layout_needs(pl24):
-    params, x, y = _mlp()
-    opt = adamw()
-    step = train_step(_mlp_loss, opt)
-    state = opt.init(params)
+    step, params, state, x, y = _mlp_step()
     f = sj.jit(
         step,
         placement=pl24,
@@ -211,10 +209,7 @@ def test_auto_errors(pl24):
 def test_optimizer_state_mirrors_its_parameter_without_a_budget(pl24):
     """optax's mu / nu of an AUTO parameter take the parameter's layout (one
     choice for the three), found by path as state_sbp does."""
-    params, x, y = _mlp()
-    opt = optax.adam(1e-2)
-    step = train_step(_mlp_loss, opt)
-    state = opt.init(params)
+    step, params, state, x, y = _mlp_step(optax.adam(1e-2))
     f = sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)), donate_argnums=(0, 1))
     e = f.explain(params, state, x, y)
     got = jax.tree_util.tree_unflatten(
