@@ -61,6 +61,7 @@ a program worse.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 import time
@@ -366,7 +367,7 @@ def solve(
     memory_budget=None,
     objective="bytes",
     same_layout=None,
-    arg_names=None,
+    classes=None,
     fixed=None,
 ):
     """The byte-minimal layouts of ``program``: (Propagation, Choice), or
@@ -381,9 +382,9 @@ def solve(
     the program are not in it. ``objective="memory"`` minimizes those bytes
     instead (used to report the least a budget must allow). ``same_layout``
     maps an ``AUTO`` argument's index to an earlier ``AUTO`` argument's whose
-    layout it takes (optimizer state mirroring a parameter). ``arg_names``:
-    the arguments' paths, which name layer classes (ops of alike layers
-    share their columns, see :func:`layer_classes`; None: no sharing).
+    layout it takes (optimizer state mirroring a parameter). ``classes``:
+    one layer class per op (:func:`layer_classes`): ops of a class share
+    their columns (None: no sharing).
     ``fixed``: {op index: (ins, outs)}, ops whose signature is given (the
     window search of :func:`_refine`)."""
     from scipy.optimize import LinearConstraint, milp
@@ -451,7 +452,6 @@ def solve(
         produced[id(v)] = {nd_: _Lin({c: 1.0}) for nd_, c in arg_cols[i].items()}
 
     # -- ops: one binary per candidate, shared by the ops of a layer class -------------
-    classes = layer_classes(program, arg_names) if arg_names is not None else None
     shared: dict = {}  # (class, signature) -> column
     cands: list = []
     sel: list[list[int] | None] = []  # per node: candidates; their columns (None when fixed)
@@ -823,43 +823,26 @@ def choose(
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes)
         return greedy
     g_fits = memory_budget is None or g_memory <= memory_budget
-    extra = dict(ties=ties, memory_budget=memory_budget, same_layout=same_layout, arg_names=arg_names)
+    classes = layer_classes(program, arg_names) if arg_names is not None else None
+    extra = dict(ties=ties, memory_budget=memory_budget, same_layout=same_layout, classes=classes)
+    # every solve of this program differs only in its time limit and fixed ops
+    run = functools.partial(
+        solve, program, placement, in_sbp, out_sbp, greedy, cost_model, caches=caches, **extra
+    )
     t0 = time.perf_counter()
     try:
         # The whole program first (on small programs it proves the optimum);
         # then, where layers repeat, windows from the best plan so far.
-        windows = _windows(program, arg_names)
+        windows = _windows(classes)
         share = WHOLE_SHARE if len(windows) > 1 else 1.0
-        ilp, choice = solve(
-            program,
-            placement,
-            in_sbp,
-            out_sbp,
-            greedy,
-            cost_model,
-            share * time_limit,
-            caches=caches,
-            **extra,
-        )
+        ilp, choice = run(time_limit=share * time_limit)
         refined = None
         proven = choice.gap is not None and choice.gap <= 1e-3
         if len(windows) > 1 and not proven:
             start = ilp if ilp is not None and (total_bytes(ilp) < g_bytes or not g_fits) else greedy
             if start is not greedy or g_fits:
                 deadline = max(t0 + time_limit, time.perf_counter() + (1 - WHOLE_SHARE) * time_limit / 2)
-                refined = _refine(
-                    program,
-                    placement,
-                    in_sbp,
-                    out_sbp,
-                    greedy,
-                    start,
-                    cost_model,
-                    deadline,
-                    caches,
-                    extra,
-                    windows,
-                )
+                refined = _refine(run, start, deadline, windows)
     except ImportError as e:  # scipy is a dependency; a broken install still compiles
         if not g_fits or auto:
             raise SBPError(
@@ -910,7 +893,7 @@ def choose(
 WHOLE_SHARE = 0.5
 
 
-def _windows(program, arg_names) -> list[set]:
+def _windows(classes) -> list[set]:
     """The parts of the program the window search solves one at a time: the
     ops that share a layer class with others (the repeated layers, all
     together since they share their choices), and the rest (embedding, head,
@@ -918,9 +901,8 @@ def _windows(program, arg_names) -> list[set]:
     has about one layer's choices, where the integer program's relaxation is
     tight and HiGHS solves it in a second; the whole program of a few layers
     is not (on a 4-layer decoder its bound stays below half the optimum)."""
-    if arg_names is None:
+    if classes is None:
         return []
-    classes = layer_classes(program, arg_names)
     count: dict = {}
     for c in classes:
         count[c] = count.get(c, 0) + 1
@@ -929,11 +911,12 @@ def _windows(program, arg_names) -> list[set]:
     return [w for w in (repeated, rest) if w]
 
 
-def _refine(program, placement, in_sbp, out_sbp, greedy, start, cost_model, deadline, caches, extra, windows):
+def _refine(run, start, deadline, windows):
     """Large-neighbourhood search from the plan ``start``: solve the integer
     program with one window's ops free and every other op fixed to the best
     plan so far, window after window, until a round improves nothing or the
-    deadline passes. Returns (best plan, solves, seconds)."""
+    deadline passes. ``run(time_limit=..., fixed=...)`` solves the program.
+    Returns (best plan, solves, seconds)."""
     t0 = time.perf_counter()
     # one window may not take the whole budget: the other needs its turn
     per_solve = (deadline - t0) / 2
@@ -946,18 +929,7 @@ def _refine(program, placement, in_sbp, out_sbp, greedy, start, cost_model, dead
             fixed = {
                 i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(best.decisions) if i not in window
             }
-            prop, _ = solve(
-                program,
-                placement,
-                in_sbp,
-                out_sbp,
-                greedy,
-                cost_model,
-                left,
-                caches=caches,
-                fixed=fixed,
-                **extra,
-            )
+            prop, _ = run(time_limit=left, fixed=fixed)
             rounds += 1
             if prop is not None and total_bytes(prop) < total_bytes(best):
                 best, stale = prop, 0
@@ -991,7 +963,7 @@ def _over_budget(program, placement, in_sbp, out_sbp, greedy, time_limit, caches
             caches=caches,
             ties=extra["ties"],
             same_layout=extra["same_layout"],
-            arg_names=extra["arg_names"],
+            classes=extra["classes"],
             objective="memory",
         )
         if low.bound is not None:
