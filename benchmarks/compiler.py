@@ -11,7 +11,10 @@ sweep: AdamW steps of GPTs of several widths and depths with Megatron
 annotations over the second placement axis and the batch over the first, on
 2x4, 4x2, 8x1 and 1x8 (rows ``gpt_sweep_d{d_model}_L{layers}_{placement}``,
 with the solver's time (``solve_s``, building included), its proven gap and
-the collective counts of both compiled programs). For each:
+the collective counts of both compiled programs); (f) the same sweep on 4x4
+and 8x8, compiled only, in a child process that simulates 64 devices (rows
+with ``"compile_only": true``: bytes, collectives and compile times, no step
+times). For each:
 bytes moved by sbpjax (measured in the compiled program), by GSPMD (``jax.jit``
 given the same input and parameter shardings) and by a hand-written
 ``shard_map``; time ratios (medians of interleaved repeats, same process); and
@@ -295,9 +298,14 @@ def handwritten_ce(mesh):
 # ---------------------------------------------------------------------------
 
 
-def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, check, compile_samples):
+def run_program(
+    name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, check, compile_samples, execute=True
+):
     """fn: the program; leaves_sbp: in_sbp pytree; args: host values;
-    handwritten: (jitted fn, its args) or None. None when --only skips it."""
+    handwritten: (jitted fn, its args) or None. None when --only skips it.
+    ``execute=False``: compile only (bytes, collectives, compile times; no
+    values checked, no step times), for placements of more simulated devices
+    than two cores can run in reasonable time."""
     if ONLY and not any(o in name for o in ONLY):
         return None
     row = {"name": name}
@@ -326,8 +334,9 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     row["greedy_bytes"] = choice.greedy_bytes if choice is not None else None
     phys = [t.physical for t in gargs]
     prog = f._compile(gargs, tree)[1]
-    sj_out = f(*g_args)
-    check("sbpjax", jax.tree.map(lambda t: t.numpy(), sj_out, is_leaf=is_gt))
+    if execute:
+        sj_out = f(*g_args)
+        check("sbpjax", jax.tree.map(lambda t: t.numpy(), sj_out, is_leaf=is_gt))
     # GSPMD: jax.jit with the same input shardings (explicit out shardings for outputs we box)
     in_shardings = [NamedSharding(pl.mesh, spec_of(t.sbp, t.ndim, pl)) for t in gargs]
     flat_args = [t.to_jax() for t in gargs]
@@ -340,15 +349,20 @@ def run_program(name, fn, pl, leaves_sbp, args, out_sbp, handwritten, repeats, c
     g_compiled = gspmd.lower(*flat_args).compile()
     row["gspmd_bytes"] = collective_bytes(g_compiled)
     row["gspmd_collectives"] = collective_count(g_compiled)
-    check("gspmd", jax.tree.map(np.asarray, gspmd(*flat_args)))
-    runs = [(prog, phys), (gspmd, flat_args)]
+    row["handwritten_bytes"] = None
     if handwritten is not None:
         hw, hw_args = handwritten
         row["handwritten_bytes"] = collective_bytes(hw.lower(*hw_args).compile())
+    if not execute:
+        row["compile_only"] = True
+        row["time_ratio_vs_gspmd"] = row["time_ratio_vs_handwritten"] = None
+        row["sbpjax_ms"] = row["gspmd_ms"] = None
+        return row
+    check("gspmd", jax.tree.map(np.asarray, gspmd(*flat_args)))
+    runs = [(prog, phys), (gspmd, flat_args)]
+    if handwritten is not None:
         check("handwritten", jax.tree.map(np.asarray, hw(*hw_args)))
         runs.append((hw, hw_args))
-    else:
-        row["handwritten_bytes"] = None
     t_sj, t_g, *t_h = median_times(runs, repeats)
     row["time_ratio_vs_gspmd"] = t_sj / t_g
     row["time_ratio_vs_handwritten"] = t_sj / t_h[0] if t_h else None
@@ -374,26 +388,58 @@ def make_check(name, reference, rtol):
 
 
 def gpt_sweep_configs(quick):
-    """(d_model, layers, placement shape) of the GPT sweep rows. --quick keeps
-    four small rows; the default covers d_model 64..256, 1..32 layers and the
-    four 8-device placements. Not here yet (the issue's full sweep): d_model
-    512, 16 layers, 4x4 / 8x8 compile-only placements."""
+    """(d_model, layers, placement shape) of the GPT sweep rows run on 8
+    devices. --quick keeps four small rows; the default covers d_model
+    64..512, 1..32 layers and the four 8-device placements."""
     if quick:
         return [(32, 1, (2, 4)), (32, 1, (4, 2)), (32, 1, (8, 1)), (64, 1, (1, 8))]
     return [
         (64, 1, (2, 4)),
         (128, 2, (2, 4)),
         (256, 2, (2, 4)),
+        (512, 2, (2, 4)),
         (128, 2, (4, 2)),
         (128, 2, (8, 1)),
         (128, 2, (1, 8)),
         (64, 4, (2, 4)),
         (64, 8, (2, 4)),
+        (64, 16, (2, 4)),
         (64, 32, (2, 4)),
     ]
 
 
-def gpt_sweep_row(cfg, repeats, samples, rng):
+def gpt_sweep_compile_only_configs(quick):
+    """Sweep rows on 4x4 and 8x8 placements: compiled (bytes, collectives,
+    solve and compile times) in a child process that simulates 64 devices,
+    not run (64 simulated devices on a few cores would time the machine, not
+    the program)."""
+    if quick:
+        return [(32, 1, (4, 4))]
+    return [(128, 2, (4, 4)), (128, 2, (8, 8))]
+
+
+COMPILE_ONLY_DEVICES = 64
+
+
+def compile_only_rows(args) -> list:
+    """The compile-only sweep rows, from a child process of this script with
+    ``COMPILE_ONLY_DEVICES`` simulated devices (a process's device count is
+    fixed when JAX starts)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--compile-only-child", "--output", out]
+        cmd += ["--quick"] if args.quick else []
+        cmd += ["--only", args.only] if args.only else []
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={COMPILE_ONLY_DEVICES}")
+        subprocess.run(cmd, env=env, check=True)
+        with open(out) as f:
+            return json.load(f)["programs"]
+
+
+def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
     """One sweep row: an AdamW step of a GPT with Megatron annotations over the
     placement's second axis and the batch split over its first, by sbpjax,
     GSPMD and a hand-written Megatron shard_map."""
@@ -451,7 +497,7 @@ def gpt_sweep_row(cfg, repeats, samples, rng):
         put(tokens, dspec),
         put(labels, dspec),
     ]
-    ref = jax.jit(step)(params, state, tokens, labels)
+    ref = jax.jit(step)(params, state, tokens, labels) if execute else None
     # Adam turns rounding noise in a near-zero gradient into +-lr: lr as the atol
     row = run_program(
         name,
@@ -464,6 +510,7 @@ def gpt_sweep_row(cfg, repeats, samples, rng):
         repeats,
         make_check(name, ref, 2e-3),
         samples,
+        execute,
     )
     row.update(d_model=d, layers=layers, placement=f"{shape[0]}x{shape[1]}")
     return row
@@ -483,6 +530,7 @@ def main():
         help="cold compiles per program after the first (median taken)",
     )
     ap.add_argument("--output", default=os.path.join(HERE, "results", "compiler.json"))
+    ap.add_argument("--compile-only-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global ONLY
     ONLY = [o for o in (args.only or "").split(",") if o]
@@ -490,6 +538,11 @@ def main():
     samples = args.compile_samples or (2 if args.quick else 5)
     q = args.quick
     rng = np.random.default_rng(0)
+    if args.compile_only_child:
+        rows = [gpt_sweep_row(cfg, 0, 1, rng, execute=False) for cfg in gpt_sweep_compile_only_configs(q)]
+        with open(args.output, "w") as f:
+            json.dump({"programs": [r for r in rows if r is not None]}, f)
+        return
     pl8 = sj.placement(8, "x")
     pl24 = sj.placement((2, 4), ("x", "y"))
     rows = []
@@ -663,6 +716,8 @@ def main():
     for cfg in sweep:
         add(gpt_sweep_row(cfg, repeats, 1, rng))  # one cold compile after the first: the ILP reruns
     bar.close()
+    # (f) the sweep on 4x4 and 8x8, compiled only, in a process with more devices
+    rows += compile_only_rows(args)
 
     rows = [r for r in rows if r is not None]
     print(
@@ -672,10 +727,11 @@ def main():
     for r in rows:
         hb = "-" if r["handwritten_bytes"] is None else str(r["handwritten_bytes"])
         th = "-" if r["time_ratio_vs_handwritten"] is None else f"{r['time_ratio_vs_handwritten']:.2f}"
+        tg = "-" if r["time_ratio_vs_gspmd"] is None else f"{r['time_ratio_vs_gspmd']:.2f}"
         gap = "-" if r["solver_gap"] is None else f"{100 * r['solver_gap']:.1f}%"
         print(
             f"{r['name']:<30}{r['sbpjax_bytes']:>12}{r['gspmd_bytes']:>12}{hb:>12}"
-            f"{r['time_ratio_vs_gspmd']:>9.2f}{th:>8}{r['overhead_share']:>10.3f}{r['solver']:>8}"
+            f"{tg:>9}{th:>8}{r['overhead_share']:>10.3f}{r['solver']:>8}"
             f"{r['solve_s']:>9.2f}{gap:>7}{r['sbpjax_collectives']:>8}/{r['gspmd_collectives']:<6}"
         )
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

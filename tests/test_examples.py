@@ -49,7 +49,8 @@ def test_compiler_benchmark_quick(tmp_path):
         "sbpjax_collectives",
         "gspmd_collectives",
     }
-    assert len(rows) == 10 and all(fields <= set(r) for r in rows.values())
+    assert len(rows) == 11 and all(fields <= set(r) for r in rows.values())
+    assert [n for n, r in rows.items() if r.get("compile_only")] == ["gpt_sweep_d32_L1_4x4"]
     assert sum(name.startswith("gpt_sweep") for name in rows) >= 4
     for r in rows.values():
         assert r["sbpjax_bytes"] == r["sbpjax_explained_bytes"], r["name"]  # the plan is what runs

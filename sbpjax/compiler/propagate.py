@@ -393,14 +393,17 @@ class Propagator:
                 warnings.warn(SBPWarning(msg), stacklevel=5)
             rep = (Broadcast(),) * len(self.grid)
             return self._decide(node, index, [rep] * len(node.ins), [rep] * len(node.outs))
-        # The choice depends only on the input layouts, the versions of the
-        # inputs that exist and the outputs' preferences: later passes reuse it
-        # wherever those are unchanged.
+        # The choice depends only on the op (its op_key: its candidates, shapes
+        # and constants), the input layouts, the versions of the inputs that
+        # exist, and the outputs' preferences and whether they have several
+        # uses: later passes reuse it wherever those are unchanged, and the
+        # alike ops of every layer share it.
         key = (
-            id(node),
+            op_key(node),
             tuple(cur),
             tuple(frozenset(self.versions.get(id(a), ())) if isinstance(a, Var) else None for a in node.ins),
             tuple(self.pref.get(id(o)) for o in node.outs),
+            tuple(self.uses.get(id(o), 0) > 1 for o in node.outs),
             self.rank_with_prefs and any(id(o) in self.pref for o in node.outs),
         )
         hit = self._choices.get(key)
