@@ -973,7 +973,8 @@ def _refine(run, start, deadline, windows):
             fixed = {
                 i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(best.decisions) if i not in window
             }
-            prop, _ = run(time_limit=left, fixed=fixed) if tied else run(time_limit=left, fixed=fixed, classes=None)
+            untied = {} if tied else {"classes": None}
+            prop, _ = run(time_limit=left, fixed=fixed, **untied)
             rounds += 1
             if prop is not None and total_bytes(prop) < total_bytes(best):
                 best, stale = prop, 0
