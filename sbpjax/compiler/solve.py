@@ -46,12 +46,13 @@ choice, and each version of a value is then priced once for all layers, so
 an L-layer model has about one layer's columns. Even so, the relaxation of a
 program of several layers is weak (on a 4-layer decoder HiGHS's bound stays
 below half the optimum after 10 s), while that of about one layer is tight.
-So where layers repeat, the whole program is solved in half the time limit
-(on small programs it proves the optimum there), and then by windows
-(``_refine``, a large-neighbourhood search) from the better of its plan and
-greedy's: the repeated layers with every other op fixed, then the rest with
-the layers fixed, until a round improves nothing. On that decoder the
-windows reach 0.60x GSPMD's bytes in about 3 s.
+So a program of up to ``UNTIED_OPS`` ops (a 2-layer GPT step) is solved
+whole without sharing, in the whole time limit; a larger one with sharing,
+in half of it, stopping at a proven 1% gap (``WINDOWS_GAP``), and then, if
+not proven, by windows (``_refine``, a large-neighbourhood search) from the
+better of its plan and greedy's: the repeated layers with every other op
+fixed, then the rest with the layers fixed, until a round improves nothing.
+On that decoder the windows reach 0.60x GSPMD's bytes in about 3 s.
 
 Solved with ``scipy.optimize.milp`` (HiGHS). The caller compares the result
 with the greedy choice and keeps the cheaper one, so a time-out never makes
@@ -145,6 +146,7 @@ class Choice:
     variables: int = 0
     constraints: int = 0
     status: str = ""
+    shared: bool = False  # the alike ops of repeated layers shared their choices
     # per-device bytes of arguments and results (a donated pair once), and the budget
     memory_bytes: int | None = None
     memory_budget: int | None = None
@@ -163,8 +165,9 @@ class Choice:
         if self.method == "ilp":
             text = (
                 f"layouts: whole-program ILP (HiGHS, {self.variables} variables, {self.constraints} "
-                f"constraints): objective {self.objective:.0f} B, proven gap {gap} (alike layers "
-                f"sharing choices), solve {self.solve_s:.2f} s (+{self.build_s:.2f} s building); "
+                f"constraints): objective {self.objective:.0f} B, proven gap {gap}"
+                + (" (alike layers sharing choices)" if self.shared else "")
+                + f", solve {self.solve_s:.2f} s (+{self.build_s:.2f} s building); "
                 f"greedy would move {self.greedy_bytes} B"
             )
             if self.window_solves:
@@ -270,15 +273,8 @@ class _Domains:
         self.grid = placement.shape
         self.dom: dict = {id(v): set(lays) for v, lays in zip(program.inputs, in_layouts)}
         self.greedy = greedy.decisions
-        self._use_sets: dict = {}  # id(var) -> _uses(var): a var's domain is final once produced
 
     def _uses(self, atom) -> set:
-        hit = self._use_sets.get(id(atom))
-        if hit is None:
-            hit = self._use_sets[id(atom)] = self._layouts_of_uses(atom)
-        return hit
-
-    def _layouts_of_uses(self, atom) -> set:
         # An S or P over an axis of size 1 is B (a user's (B, S(1)) on an 8x1
         # placement): the normalized form too. Gathering a split value to B is
         # not offered (only greedy's own gathers are): bytes alone would then
@@ -612,7 +608,7 @@ def solve(
         cost = [64 * memory.terms.get(col, 0.0) for col in range(ncols)]
         const_cost = 64 * memory.const
     build_s = time.perf_counter() - t0
-    choice = Choice("ilp", variables=ncols, constraints=nrows, build_s=build_s)
+    choice = Choice("ilp", variables=ncols, constraints=nrows, build_s=build_s, shared=classes is not None)
     if ncols > MAX_VARIABLES:
         choice.method, choice.reason = "greedy", f"{ncols} variables > {MAX_VARIABLES}"
         return None, choice
@@ -844,12 +840,12 @@ def choose(
         # The whole program first (on small programs it proves the optimum);
         # then, where layers repeat, windows from the best plan so far.
         windows = _windows(classes)
-        share, gap = (WHOLE_SHARE, WINDOWS_GAP) if len(windows) > 1 else (1.0, 1e-3)
         if len(program.nodes) <= UNTIED_OPS:
-            # small enough for every op to choose on its own
-            gap = 1e-3
-            ilp, choice = run(time_limit=share * time_limit, rel_gap=gap, classes=None)
+            # small enough for every op to choose on its own, in the whole time
+            windows, gap = [], 1e-3
+            ilp, choice = run(time_limit=time_limit, rel_gap=gap, classes=None)
         else:
+            share, gap = (WHOLE_SHARE, WINDOWS_GAP) if len(windows) > 1 else (1.0, 1e-3)
             ilp, choice = run(time_limit=share * time_limit, rel_gap=gap)
         refined = None
         proven = choice.gap is not None and choice.gap <= gap
@@ -911,31 +907,26 @@ WHOLE_SHARE = 0.5
 # most that 1%, and on a deep stack (32 layers) closing the last 1% takes
 # HiGHS longer than the solve itself (5 s against 2.7 s for the same plan).
 WINDOWS_GAP = 1e-2
-# Programs of up to this many ops are solved whole with every op choosing on
-# its own (classes=None) before the windows: sharing a class's choice is a
-# restriction, and it weakens the relaxation where it should shrink it. On a
-# 2-layer GPT step (~700 ops, 10,000 columns) the tied program ends its 5 s
-# 7% above the untied one's optimum, which HiGHS nearly proves in those 5 s.
-# On 4 layers (~1,400 ops) the untied search ends 5% above the tied one, and
-# on 8 (~2,700 ops, 39,000 columns) it is lost (a 71% gap after 10 s).
+# Programs of up to this many ops are solved whole, in the whole time limit,
+# with every op choosing on its own (classes=None), and no windows: sharing a
+# class's choice is a restriction, and there it weakens the relaxation where
+# it should shrink it. On a 2-layer GPT step (~700 ops, 10,000 columns) the
+# tied program ends its 5 s 7% above the optimum the untied one proves in 9 s;
+# a transformer block's 2-D step (400 ops) needs the whole 10 s to find a plan
+# 10% below greedy's. Beyond it (4 layers, ~1,400 ops) the untied search ends
+# above the tied one's windows, and at 8 (~2,700 ops, 39,000 columns) it is
+# lost (a 71% gap after 10 s).
 UNTIED_OPS = 1000
 
 
-def _windows(classes) -> list[tuple[set, bool]]:
-    """The parts of the program the window search solves one at a time, each
-    as (ops, tied): the ops that share a layer class with others (the
-    repeated layers, all together, tied: they share their choices), the rest
-    (embedding, head, the first and last layers' edges, the optimizer's
-    unrepeated ops), and then each layer alone, untied (an op of a class
-    belongs to the k-th layer when it is the k-th op of its class; the
-    forward of layer k meets the backward of a mirror layer there, which is
-    as good a neighbourhood). The untied layer windows let the first and last
-    layers leave the shared choice where their neighbours (the embedding, the
-    loss) make another cheaper: on 1 to 4 layers that is 2-4% of a step's
-    bytes. Each window has about one layer's choices, where the integer
-    program's relaxation is tight and HiGHS solves it in a second; the whole
-    program of a few layers is not (on a 4-layer decoder its bound stays
-    below half the optimum)."""
+def _windows(classes) -> list[set]:
+    """The parts of the program the window search solves one at a time: the
+    ops that share a layer class with others (the repeated layers, all
+    together since they share their choices), and the rest (embedding, head,
+    the first and last layers' edges, the optimizer's unrepeated ops). Each
+    has about one layer's choices, where the integer program's relaxation is
+    tight and HiGHS solves it in a second; the whole program of a few layers
+    is not (on a 4-layer decoder its bound stays below half the optimum)."""
     if classes is None:
         return []
     count: dict = {}
@@ -943,38 +934,28 @@ def _windows(classes) -> list[tuple[set, bool]]:
         count[c] = count.get(c, 0) + 1
     repeated = {i for i, c in enumerate(classes) if count[c] > 1}
     rest = set(range(len(classes))) - repeated
-    windows = [(w, True) for w in (repeated, rest) if w]
-    layers: dict = {}  # k -> the k-th op of every repeated class
-    seen: dict = {}
-    for i in sorted(repeated):
-        k = seen[classes[i]] = seen.get(classes[i], -1) + 1
-        layers.setdefault(k, set()).add(i)
-    if len(layers) > 1:
-        windows += [(layers[k], False) for k in sorted(layers)]
-    return windows
+    return [w for w in (repeated, rest) if w]
 
 
 def _refine(run, start, deadline, windows):
     """Large-neighbourhood search from the plan ``start``: solve the integer
     program with one window's ops free and every other op fixed to the best
     plan so far, window after window, until a round improves nothing or the
-    deadline passes. ``run(time_limit=..., fixed=..., classes=...)`` solves
-    the program; an untied window is solved with ``classes=None``.
+    deadline passes. ``run(time_limit=..., fixed=...)`` solves the program.
     Returns (best plan, solves, seconds)."""
     t0 = time.perf_counter()
-    # one window may not take the whole budget: the others need their turn
+    # one window may not take the whole budget: the other needs its turn
     per_solve = (deadline - t0) / 2
     best, rounds, stale = start, 0, 0
     while stale < len(windows):
-        for window, tied in windows:
+        for window in windows:
             left = min(deadline - time.perf_counter(), per_solve)
             if left <= 0 or stale >= len(windows):
                 return best, rounds, time.perf_counter() - t0
             fixed = {
                 i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(best.decisions) if i not in window
             }
-            untied = {} if tied else {"classes": None}
-            prop, _ = run(time_limit=left, fixed=fixed, **untied)
+            prop, _ = run(time_limit=left, fixed=fixed)
             rounds += 1
             if prop is not None and total_bytes(prop) < total_bytes(best):
                 best, stale = prop, 0
