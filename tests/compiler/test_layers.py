@@ -1,9 +1,10 @@
 """Repeated layers: alike ops share one choice, and the window search.
 
 An L-layer model written as a loop gets about one layer's choices
-(``layer_classes``); the program is solved by windows (the repeated layers,
-then the rest) before it is solved whole. Checked against one device
-(values), the compiled program (plan bytes) and GSPMD (bytes)."""
+(``layer_classes``); the program is solved whole, then by windows (the
+repeated layers, then the rest). A small program is solved with every op
+choosing alone. Checked against one device (values), the compiled program
+(plan bytes) and GSPMD (bytes)."""
 
 import collections
 import functools
@@ -62,6 +63,7 @@ def test_a_four_layer_gpt_is_solved_by_windows_and_moves_less_than_gspmd(pl24):
     psbp = gpt_sbp(params, "megatron", 2)
     f, e = check_train(loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=2)
     choice = e.propagation.choice
+    assert choice.shared  # over UNTIED_OPS ops: alike layers share their choices
     assert choice.window_solves >= 1
     assert choice.window_bytes <= choice.greedy_bytes
     assert e.bytes <= choice.greedy_bytes
@@ -102,3 +104,24 @@ def test_windows_never_make_a_plan_worse_than_greedy(pl24):
     _, _, l_ref = jax.jit(step)(*args)
     _, _, l_sj = quick(*args)
     np.testing.assert_allclose(l_sj.numpy(), l_ref, rtol=2e-5, atol=1e-6)
+
+
+def test_a_small_program_is_solved_with_every_op_choosing_alone(pl24, monkeypatch):
+    """A 1-layer GPT step (under UNTIED_OPS ops) is solved whole without
+    shared choices: the tied space is inside the untied one, so its proven
+    optimum moves no more bytes than the tied solve's plan. Both plans run
+    exactly (check_train compares with one device and the compiled bytes)."""
+    import sbpjax.compiler.solve as solve_mod
+
+    params, tokens, labels = _gpt(1)
+    loss = functools.partial(gpt_loss, heads=4)
+    psbp = gpt_sbp(params, "megatron", 2)
+    _, alone = check_train(loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=1)
+    choice = alone.propagation.choice
+    assert len(alone.propagation.program.nodes) <= solve_mod.UNTIED_OPS
+    assert not choice.shared and "sharing choices" not in str(alone)
+    assert choice.gap is not None and choice.gap <= 1e-3, choice  # proven, so the comparison below holds
+    monkeypatch.setattr(solve_mod, "UNTIED_OPS", 0)
+    _, tied = check_train(loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=1)
+    assert tied.propagation.choice.shared
+    assert alone.bytes <= tied.bytes * (1 + 1e-3), (alone.bytes, tied.bytes)
