@@ -829,7 +829,9 @@ def choose(
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes)
         return greedy
     g_fits = memory_budget is None or g_memory <= memory_budget
-    classes = layer_classes(program, arg_names) if arg_names is not None else None
+    # a small program is solved with every op choosing on its own (UNTIED_OPS)
+    untied = arg_names is None or len(program.nodes) <= UNTIED_OPS
+    classes = None if untied else layer_classes(program, arg_names)
     extra = dict(ties=ties, memory_budget=memory_budget, same_layout=same_layout, classes=classes)
     # every solve of this program differs only in its time limit and fixed ops
     run = functools.partial(
@@ -840,13 +842,8 @@ def choose(
         # The whole program first (on small programs it proves the optimum);
         # then, where layers repeat, windows from the best plan so far.
         windows = _windows(classes)
-        if len(program.nodes) <= UNTIED_OPS:
-            # small enough for every op to choose on its own, in the whole time
-            windows, gap = [], 1e-3
-            ilp, choice = run(time_limit=time_limit, rel_gap=gap, classes=None)
-        else:
-            share, gap = (WHOLE_SHARE, WINDOWS_GAP) if len(windows) > 1 else (1.0, 1e-3)
-            ilp, choice = run(time_limit=share * time_limit, rel_gap=gap)
+        share, gap = (WHOLE_SHARE, WINDOWS_GAP) if len(windows) > 1 else (1.0, 1e-3)
+        ilp, choice = run(time_limit=share * time_limit, rel_gap=gap)
         refined = None
         proven = choice.gap is not None and choice.gap <= gap
         if len(windows) > 1 and not proven:
@@ -908,7 +905,7 @@ WHOLE_SHARE = 0.5
 # HiGHS longer than the solve itself (5 s against 2.7 s for the same plan).
 WINDOWS_GAP = 1e-2
 # Programs of up to this many ops are solved whole, in the whole time limit,
-# with every op choosing on its own (classes=None), and no windows: sharing a
+# with every op choosing on its own (no layer classes, so no windows): sharing a
 # class's choice is a restriction, and there it weakens the relaxation where
 # it should shrink it. On a 2-layer GPT step (~700 ops, 10,000 columns) the
 # tied program ends its 5 s 7% above the optimum the untied one proves in 9 s;
