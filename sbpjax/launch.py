@@ -14,7 +14,8 @@ Output is streamed line by line with a ``[pI]`` prefix. When a process fails
 (non-zero exit, or killed), the launcher says which and with what, stops the
 others (SIGTERM, then SIGKILL after ``--grace`` seconds) and exits with that
 process's code, so a run never hangs on a peer that is waiting in a
-collective for a process that is gone. Ctrl-C stops every process the same way.
+collective for a process that is gone. Ctrl-C, or SIGTERM sent to the
+launcher, stops every process the same way.
 
 On a cluster, call ``jax.distributed.initialize()`` yourself (SLURM and TPU
 pods are detected by JAX); nothing here is needed there. The launcher is for
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -166,6 +168,10 @@ def launch(
     return code
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sbpjax.launch",
@@ -191,6 +197,10 @@ def main(argv=None) -> int:
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
+    # A scheduler (or a test's timeout) stops the launcher with SIGTERM; treat
+    # it as Ctrl-C so the processes, which run in sessions of their own, are
+    # stopped too rather than left running (or hung in a collective).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return launch(ns.script, ns.args, ns.nprocs, ns.local_devices, ns.port, ns.grace)
     except (ValueError, FileNotFoundError) as e:

@@ -41,18 +41,33 @@ def launch(tmp_path, code, *args, timeout=120):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     start = time.monotonic()
-    r = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "sbpjax.launch", *args, str(script), "--flag", "7"],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
-    return r.returncode, r.stdout + r.stderr, time.monotonic() - start
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the launcher stops its processes on SIGTERM: none is left behind
+        proc.communicate(timeout=60)
+        raise
+    return proc.returncode, stdout + stderr, time.monotonic() - start
 
 
 def test_two_processes_of_four_devices_run_one_program(tmp_path):
-    code, out, _ = launch(tmp_path, SUM, "-n", "2", "--local-devices", "4")
+    # XLA:CPU's gloo communicators, set up at the first cross-process collective,
+    # hung once in about a thousand runs on a loaded CI machine (jax 0.10.2: the
+    # processes had connected 3 of their 8 gloo pairs and waited on the rest for
+    # 120 s; not reproduced in 40 runs under load here). That hang is inside
+    # jaxlib, not the launcher, so a hung attempt is run again, once; a wrong
+    # result or exit code fails at once.
+    try:
+        code, out, _ = launch(tmp_path, SUM, "-n", "2", "--local-devices", "4", timeout=90)
+    except subprocess.TimeoutExpired:
+        code, out, _ = launch(tmp_path, SUM, "-n", "2", "--local-devices", "4", timeout=90)
     assert code == 0, out
     for rank in (0, 1):  # rows of 1s and 2s: 32 * 1 + 32 * 2
         assert f"[p{rank}] rank {rank} of 2 devices 8 4 sum 96.0 args ['--flag', '7']" in out, out
@@ -64,6 +79,38 @@ def test_a_failing_process_stops_the_others_and_is_named(tmp_path):
     assert "[p1] RuntimeError: deliberate failure in process 1" in out
     assert "[launch] process 1 exited with code 1; stopping the other processes" in out
     assert seconds < 60, seconds  # process 0 was blocked in a collective: it was stopped, not waited for
+
+
+HANG = """
+import time
+print("waiting", flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(HANG))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sbpjax.launch", "-n", "2", "--local-devices", "1", "--grace", "2", str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    for line in proc.stdout:  # both processes are up and sleeping
+        seen.append(line)
+        if sum("waiting" in s for s in seen) == 2:
+            break
+    proc.terminate()
+    out = "".join(seen) + proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, out
+    assert "[launch] interrupted; stopping every process" in out
+    pids = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout.split()
+    assert pids == [], f"processes of the run still alive: {pids}"
 
 
 def test_bad_arguments_are_refused(tmp_path):
