@@ -59,11 +59,11 @@ def launch(tmp_path, code, *args, timeout=120):
 
 def test_two_processes_of_four_devices_run_one_program(tmp_path):
     # XLA:CPU's gloo communicators, set up at the first cross-process collective,
-    # hung once in about a thousand runs on a loaded CI machine (jax 0.10.2: the
-    # processes had connected 3 of their 8 gloo pairs and waited on the rest for
-    # 120 s; not reproduced in 40 runs under load here). That hang is inside
-    # jaxlib, not the launcher, so a hung attempt is run again, once; a wrong
-    # result or exit code fails at once.
+    # hung once in a CI run (jax 0.10.2: both processes had printed some of their
+    # gloo connections, then nothing for 120 s); 46 runs here, 40 of them beside
+    # two busy cores, never hung. That hang is inside jaxlib, not the launcher,
+    # so a hung attempt is run again, once; a wrong result or exit code fails
+    # at once.
     try:
         code, out, _ = launch(tmp_path, SUM, "-n", "2", "--local-devices", "4", timeout=90)
     except subprocess.TimeoutExpired:

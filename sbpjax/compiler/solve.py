@@ -140,8 +140,9 @@ class Choice:
 
     ``method``: "ilp" or "greedy"; ``reason``: why greedy was kept when the
     ILP was asked for; ``objective``: the solution's cost in the ILP's own
-    count, in bytes (bytes moved, plus the price of zero-filled splits); ``bound``: HiGHS's proven lower bound; ``gap``: (objective - bound)
-    / objective; ``solve_s``: seconds in the solver (building included);
+    count, in bytes (bytes moved, plus the price of zero-filled splits);
+    ``bound``: HiGHS's proven lower bound; ``gap``: (objective - bound) /
+    objective; ``solve_s``: seconds in the solver (building included);
     ``greedy_bytes`` / ``ilp_bytes``: what each choice moves."""
 
     method: str
