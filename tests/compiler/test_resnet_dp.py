@@ -45,12 +45,14 @@ class ResNet(nnx.Module):
         return self.head(x.mean((1, 2)))
 
 
-def test_data_parallel_resnet_with_batchnorm_moves_no_more_than_gspmd(pl8):
+def _sgd_step(batch, size):
+    """The model's parameters and BatchNorm statistics, a batch of ``batch``
+    ``size`` x ``size`` images with labels, and one SGD step on them."""
     graphdef, params, stats = nnx.split(ResNet(nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
     p, s = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 16, 16, 3)).astype(np.float32)
-    y = rng.integers(0, 10, 16).astype(np.int32)
+    x = rng.normal(size=(batch, size, size, 3)).astype(np.float32)
+    y = rng.integers(0, 10, batch).astype(np.int32)
 
     def loss(p, s, x, y):
         model = nnx.merge(graphdef, p, s)
@@ -60,6 +62,12 @@ def test_data_parallel_resnet_with_batchnorm_moves_no_more_than_gspmd(pl8):
     def step(p, s, x, y):
         (value, new_s), g = jax.value_and_grad(loss, has_aux=True)(p, s, x, y)
         return value, jax.tree.map(lambda a, b: a - 0.1 * b, p, g), new_s
+
+    return (p, s, x, y), step
+
+
+def test_data_parallel_resnet_with_batchnorm_moves_no_more_than_gspmd(pl8):
+    (p, s, x, y), step = _sgd_step(16, 16)
 
     B, S0 = sj.B, sj.S(0)
     p_sbp, s_sbp = jax.tree.map(lambda _: (B,), p), jax.tree.map(lambda _: (B,), s)
@@ -103,20 +111,7 @@ def test_height_split_resnet_holds_no_more_than_gspmd(pl24):
     partial moves no byte, so the byte-optimal plan once kept BatchNorm's
     backward activations as full-size (P, P) partials: 1.5x GSPMD's peak
     memory for 0.5% fewer bytes. The zero-fill's growth is priced now."""
-    graphdef, params, stats = nnx.split(ResNet(nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
-    p, s = nnx.to_pure_dict(params), nnx.to_pure_dict(stats)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(8, 32, 32, 3)).astype(np.float32)
-    y = rng.integers(0, 10, 8).astype(np.int32)
-
-    def loss(p, s, x, y):
-        model = nnx.merge(graphdef, p, s)
-        ce = optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-        return ce, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
-
-    def step(p, s, x, y):
-        (value, new_s), g = jax.value_and_grad(loss, has_aux=True)(p, s, x, y)
-        return value, jax.tree.map(lambda a, b: a - 0.1 * b, p, g), new_s
+    (p, s, x, y), step = _sgd_step(8, 32)
 
     B, S0, S1 = sj.B, sj.S(0), sj.S(1)
     p_sbp, s_sbp = jax.tree.map(lambda _: (B, B), p), jax.tree.map(lambda _: (B, B), s)
