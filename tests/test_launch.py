@@ -94,7 +94,18 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sbpjax.launch", "-n", "2", "--local-devices", "1", "--grace", "2", str(script)],
+        [
+            sys.executable,
+            "-m",
+            "sbpjax.launch",
+            "-n",
+            "2",
+            "--local-devices",
+            "1",
+            "--grace",
+            "2",
+            str(script),
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

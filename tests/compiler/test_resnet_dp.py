@@ -128,11 +128,15 @@ def test_height_split_resnet_holds_no_more_than_gspmd(pl24):
 
     shard = lambda spec: NamedSharding(pl24.mesh, spec)  # noqa: E731
     rep = lambda tree: jax.tree.map(lambda _: shard(PS()), tree)  # noqa: E731
-    g = jax.jit(
-        step,
-        in_shardings=(rep(p), rep(s), shard(PS("x", "y")), shard(PS("x"))),
-        out_shardings=(shard(PS()), rep(p), rep(s)),
-    ).lower(p, s, x, y).compile()
+    g = (
+        jax.jit(
+            step,
+            in_shardings=(rep(p), rep(s), shard(PS("x", "y")), shard(PS("x"))),
+            out_shardings=(shard(PS()), rep(p), rep(s)),
+        )
+        .lower(p, s, x, y)
+        .compile()
+    )
     ours, theirs = sum(c.bytes for c in sj.collectives(compiled)), sum(c.bytes for c in sj.collectives(g))
     assert ours == f.explain(p, s, x, y).bytes
     assert ours <= theirs, (ours, theirs)
