@@ -35,11 +35,17 @@ print(float(jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))(x
 """
 
 
-def launch(tmp_path, code, *args, timeout=120):
+def _script_and_env(tmp_path, code):
+    """The script file and the launcher's environment (no simulated-device flags of ours)."""
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return script, env
+
+
+def launch(tmp_path, code, *args, timeout=120):
+    script, env = _script_and_env(tmp_path, code)
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "sbpjax.launch", *args, str(script), "--flag", "7"],
@@ -89,10 +95,7 @@ time.sleep(600)
 
 
 def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
-    script = tmp_path / "script.py"
-    script.write_text(textwrap.dedent(HANG))
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    script, env = _script_and_env(tmp_path, HANG)
     proc = subprocess.Popen(
         [
             sys.executable,
