@@ -281,3 +281,17 @@ def test_sweep_bytes_at_most_gspmd(case):
         step, args, in_sbp, out_sbp, pl, adam_lr=1e-2 if case["opt"] == "adamw" else None
     )
     assert ours <= gspmd, (ours, gspmd, e.choice.describe())
+
+
+def test_a_zero_fill_of_a_split_pays_for_the_block_it_grows(pl24):
+    """S -> P moves nothing but makes every device's block full size; B -> P
+    does not grow a block and stays free (solve.ZERO_FILL_WEIGHT)."""
+    from sbpjax.boxing.plan import plan_boxing
+    from sbpjax.compiler.solve import ZERO_FILL_WEIGHT, _cost
+
+    shape, f32 = (64, 32), np.dtype(np.float32)
+    grown = plan_boxing(shape, f32, pl24, (sj.S(0), sj.S(1)), (sj.S(0), sj.P))
+    assert grown.bytes == 0
+    block, full = 32 * 8 * 4, 32 * 32 * 4  # a (32, 8) block becomes (32, 32) on each of 8 devices
+    assert _cost(grown) == round(64 * ZERO_FILL_WEIGHT * 8 * (full - block)) > 0
+    assert _cost(plan_boxing(shape, f32, pl24, (sj.S(0), sj.B), (sj.S(0), sj.P))) == 0
