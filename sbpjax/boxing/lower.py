@@ -301,6 +301,8 @@ def _apply(step: Step, x, geom: Geometry, tables: IndexTables, names, dtype):
             return lax.dynamic_slice_in_dim(x, group_index(group, names, geom.grid) * size, size, axis=d)
         dep, tab = tables.slice(parent, child, d)
         return jnp.take(x, tables.lookup(dep, tab), axis=d)
+    if op == "zeros":  # the tensor is all zeros in every layout (plan_zeros)
+        return jnp.zeros(geom.padded(step.dst), dtype)
     if op == "zero_fill":
         assert step.reduce is not None  # a fill names the op of the partial it makes
         fill = fill_value(step.reduce, dtype)

@@ -47,6 +47,7 @@ COLLECTIVE_OF = {
     "permute": "collective-permute",
     "local_slice": None,
     "zero_fill": None,
+    "zeros": None,
     "transfer": None,
 }
 
@@ -56,7 +57,8 @@ class Step:
     """One boxing step.
 
     ``op``: all_reduce, all_gather, reduce_scatter, all_to_all, permute,
-    local_slice, zero_fill or transfer; ``axes``: the placement axis names of
+    local_slice, zero_fill, zeros (the target block made afresh, for a tensor
+    known to be all zeros: ``plan_zeros``) or transfer; ``axes``: the placement axis names of
     its group; ``bytes``: bytes received, summed over all devices.
     """
 
@@ -721,6 +723,26 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
         if class_ctx is ctx:
             return _STRUCTURES[key]
     return [ctx.restep(s) for s in _STRUCTURES[key]]
+
+
+def plan_zeros(shape, dtype, placement: Placement, src_sbp, dst_sbp) -> BoxingPlan:
+    """The boxing of a tensor known to be all zeros (``jnp.zeros``, the zero
+    start of a gradient's ``scatter-add``): each of its layouts holds zeros in
+    every block, a partial sum included, so each device makes its target block
+    afresh and no byte moves: one ``zeros`` step. Where the ordinary plan
+    moves no byte either (a slice, a zero-fill) it is kept, as it is for a
+    partial max or min target (whose padding would want the op's identity)."""
+    shape = tuple(int(s) for s in shape)
+    dtype = np.dtype(dtype)
+    src = normalize_nd_sbp(src_sbp, placement.ndim, len(shape), "src_sbp")
+    dst = normalize_nd_sbp(dst_sbp, placement.ndim, len(shape), "dst_sbp")
+    L_src = normalized_layout(src, len(shape), placement.shape)
+    L_dst = normalized_layout(dst, len(shape), placement.shape)
+    ordinary = plan_boxing(shape, dtype, placement, src, dst)
+    if ordinary.bytes == 0 or any(op != "sum" for _, op in L_dst.partial):
+        return ordinary
+    step = Step("zeros", (), 0, L_src, L_dst, n_axes=placement.ndim, axis_names=tuple(placement.axis_names))
+    return BoxingPlan(shape, dtype, placement, src, dst, (step,), None, None, L_src, L_dst)
 
 
 def plan_boxing(

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from sbpjax._errors import SBPError, SBPWarning
-from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing
+from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing, plan_zeros
 from sbpjax.compiler import uneven
 from sbpjax.compiler.trace import Const, Node, Program, Var
 from sbpjax.dtypes import partial_supported
@@ -201,6 +201,48 @@ def op_key(node: Node) -> tuple:
     return key
 
 
+# ops whose result is all zeros when their (first) operand is: a zero tensor
+# reshaped, cast, negated, sliced or constrained is still one
+ZERO_KEEPING = frozenset(
+    {
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "neg",
+        "slice",
+        "rev",
+        "reduce_sum",
+        CONSTRAIN,
+    }
+)
+
+
+def zero_values(program: Program) -> set:
+    """ids of the values known to be all zeros: broadcasts of a zero constant
+    (``jnp.zeros``; the zeros a gradient's ``scatter-add`` starts from) and
+    what ``ZERO_KEEPING`` ops make of them. Such a value holds zeros in every
+    block of every layout, so boxing it is making the target block afresh
+    (``plan_zeros``), which moves no byte. Counting it as a collective would
+    plan bytes the compiled program never moves: XLA folds a reduction of
+    zeros away."""
+    out: set = set()
+
+    def zero(atom) -> bool:
+        if isinstance(atom, Const):
+            return not np.any(np.asarray(atom.value))
+        return id(atom) in out
+
+    for node in program.nodes:
+        if node.name in ZERO_KEEPING and len(node.outs) == 1 and node.ins and zero(node.ins[0]):
+            out.add(id(node.outs[0]))
+    return out
+
+
 class Propagator:
     def __init__(self, program: Program, placement: Placement, cost_model=None):
         self.prog = program
@@ -216,6 +258,7 @@ class Propagator:
         self._evens: dict = {}  # (nd-SBP, shape) -> whether every split divides
         self._comms: dict = {}  # (id(node), ins, outs) -> the op's own communication
         self.uses: dict = {}  # id(var) -> how many ops and outputs use it
+        self.zeros = zero_values(program)
         self.warnings: list = []
         self.quiet = False
         # Rank candidates also by the cost of boxing outputs to their preferred
@@ -296,12 +339,15 @@ class Propagator:
     def plan(self, atom, src, dst):
         # plan_boxing's own cache normalizes its arguments first; choices ask
         # for the same few plans thousands of times, so look them up raw here
-        key = (atom.shape, atom.dtype, src, dst)
+        zero = id(atom) in self.zeros
+        key = (atom.shape, atom.dtype, src, dst, zero)
         hit = self._plans.get(key)
         if hit is None:
-            hit = self._plans[key] = plan_boxing(
-                atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm
-            )
+            if zero:
+                hit = plan_zeros(atom.shape, atom.dtype, self.pl, src, dst)
+            else:
+                hit = plan_boxing(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
+            self._plans[key] = hit
         return hit
 
     def cheapest_source(self, atom, src, dst, made) -> tuple:
@@ -321,6 +367,8 @@ class Propagator:
 
     def bound(self, atom, src, dst) -> int:
         """A lower bound of ``plan(atom, src, dst).bytes`` without a search."""
+        if id(atom) in self.zeros:
+            return 0
         key = (atom.shape, atom.dtype, src, dst)
         hit = self._bounds.get(key)
         if hit is None:

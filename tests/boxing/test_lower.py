@@ -91,3 +91,35 @@ def test_conflicting_nested_splits_are_at_the_floor(pl24):
     ]:
         plan = check_boxing(pl24, x, src, dst)
         assert plan.bytes == plan.floor, str(plan)
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (13, 6)], ids=["even", "uneven"])
+@pytest.mark.parametrize("src, dst", PAIRS_2D, ids=IDS_2D)
+def test_a_zero_tensor_is_made_afresh_in_any_layout(src, dst, shape, pl24):
+    """plan_zeros: the target blocks of an all-zero tensor, made on each device,
+    have the target layout's physical shape, hold zeros and move no byte (a
+    pair whose ordinary plan is already free keeps that plan)."""
+    from sbpjax.boxing.lower import boxing_fn
+    from sbpjax.boxing.plan import plan_zeros
+
+    zeros = np.zeros(shape, np.float32)
+    plan = plan_zeros(shape, np.float32, pl24, src, dst)
+    assert plan.bytes == 0
+    want = sj.to_global(zeros, pl24, dst).physical
+    if sj.plan_boxing(shape, np.float32, pl24, src, dst).bytes == 0:
+        assert plan == sj.plan_boxing(shape, np.float32, pl24, src, dst)  # already free: kept
+        return
+    assert [s.op for s in plan.steps] == ["zeros"]
+    f = boxing_fn(plan)
+    x = sj.to_global(zeros, pl24, src).physical
+    y = f(x)
+    assert y.shape == want.shape and y.sharding.is_equivalent_to(want.sharding, y.ndim)
+    np.testing.assert_array_equal(np.asarray(y), 0)
+    assert sj.collectives(f.lower(x).compile()) == []
+
+
+def test_a_zero_tensor_is_planned_as_any_other_into_a_partial_max(pl24):
+    from sbpjax.boxing.plan import plan_zeros
+
+    plan = plan_zeros((16, 8), np.float32, pl24, (sj.S(0), sj.S(1)), (sj.P_max, sj.B))
+    assert plan == sj.plan_boxing((16, 8), np.float32, pl24, (sj.S(0), sj.S(1)), (sj.P_max, sj.B))

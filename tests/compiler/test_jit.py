@@ -343,6 +343,27 @@ def test_constrain_forces_a_layout(pl8):
     assert np.allclose(sj.constrain(jnp.ones(3), sj.B), 1)  # outside sj.jit: identity
 
 
+@pytest.mark.parametrize(
+    "zeros", [jnp.zeros, lambda s: -jnp.zeros(s[::-1]).T], ids=["zeros", "negated-transposed"]
+)
+def test_a_zero_tensor_is_made_afresh_not_moved(zeros, pl8):
+    """A tensor known to be zeros is made in the layout its consumer wants: the
+    plan moves no byte, as XLA (which folds collectives of zeros) does not."""
+    X = rng().normal(size=(16, 8)).astype(np.float32)
+
+    def f(x):
+        z = sj.constrain(zeros((16, 8)), S0)
+        return x + sj.constrain(z, S1)
+
+    f = sj.jit(f, placement=pl8)
+    x = sj.to_global(X, pl8, S1)
+    assert_close(f(x).numpy(), X, rtol=0)
+    e = f.explain(x)
+    # B -> S(0) slices (free either way); S(0) -> S(1) would be an all-to-all
+    assert [s.op for b in e.boxings for s in b.plan.steps] == ["local_slice", "zeros"]
+    assert e.bytes == 0 == measured(f, x)
+
+
 def test_constrain_grad_sbp_pins_the_cotangent(pl8):
     """``grad_sbp`` forces the cotangent where the backward pass crosses the
     constraint; without it the cotangent follows the value's layout."""
