@@ -79,6 +79,13 @@ from sbpjax.sbp import Broadcast, Partial, Split
 # Beyond this many binaries the solve would not finish in interactive time on
 # a laptop; the greedy choice is kept (and explain() says why).
 MAX_VARIABLES = 400_000
+# Up to this many binaries the solve goes on to the exact optimum (a 1-layer
+# GPT step: ~1,100, solved in 0.05 s): a relative gap of 0.1% hides the
+# tie-break between plans of equal bytes (1/64 of a byte per collective, see
+# _cost), and a data-parallel step then reduce-scattered a LayerNorm gain's
+# gradient and all-gathered it after the sum (the bytes of one all-reduce in
+# two collectives). Larger programs stop at ``rel_gap``.
+EXACT_VARIABLES = 4_000
 # Zero-filling a split value into a partial (S -> P) moves no byte, but each
 # device then holds, and every op after it computes on, a block as large as
 # the value's unsplit extent: on a height-split ResNet the byte-optimal plan
@@ -408,7 +415,8 @@ def solve(
     one layer class per op (:func:`layer_classes`): ops of a class share
     their columns (None: no sharing).
     ``rel_gap``: HiGHS stops once its solution is proven within this
-    fraction of the optimum.
+    fraction of the optimum (models of at most ``EXACT_VARIABLES`` binaries
+    are solved to the optimum).
     ``fixed``: {op index: (ins, outs)}, ops whose signature is given (the
     window search of :func:`_refine`)."""
     from scipy.optimize import LinearConstraint, milp
@@ -642,7 +650,11 @@ def solve(
             integrality=integrality,
             bounds=(0, 1),
             constraints=LinearConstraint(A, np.asarray(lo), np.asarray(hi)),
-            options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": rel_gap},
+            options={
+                "time_limit": float(time_limit),
+                "disp": False,
+                "mip_rel_gap": 0.0 if ncols <= EXACT_VARIABLES else rel_gap,
+            },
         )
         choice.solve_s = time.perf_counter() - t1
         choice.status = res.message
