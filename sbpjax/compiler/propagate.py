@@ -202,7 +202,8 @@ def op_key(node: Node) -> tuple:
 
 
 # ops whose result is all zeros when their (first) operand is: a zero tensor
-# reshaped, cast, negated, sliced or constrained is still one
+# reshaped, cast, sliced or constrained is still one (not neg: -0.0 is not
+# the +0.0 a block made afresh holds, and 1/x tells them apart)
 ZERO_KEEPING = frozenset(
     {
         "broadcast_in_dim",
@@ -213,7 +214,6 @@ ZERO_KEEPING = frozenset(
         "convert_element_type",
         "copy",
         "copy_p",
-        "neg",
         "slice",
         "rev",
         "reduce_sum",

@@ -93,7 +93,7 @@ EXACT_VARIABLES = 4_000
 # peak memory was 1.5x GSPMD's (6.1 MB against 4.0 MB) to save 0.5% of the
 # bytes. Each byte a zero-fill adds to a device's block is priced at this
 # fraction of a byte moved (device memory is some 10-50x faster than the
-# links between devices): the same height-split step now plans 5,388,672 B
+# links between devices): the same height-split step now plans 5,388,256 B
 # and peaks at 4.0 MB.
 ZERO_FILL_WEIGHT = 1 / 16
 
