@@ -725,24 +725,22 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
     return [ctx.restep(s) for s in _STRUCTURES[key]]
 
 
-def plan_zeros(shape, dtype, placement: Placement, src_sbp, dst_sbp) -> BoxingPlan:
+def plan_zeros(
+    shape, dtype, placement: Placement, src_sbp, dst_sbp, cost_model: CostModel | None = None
+) -> BoxingPlan:
     """The boxing of a tensor known to be all zeros (``jnp.zeros``, the zero
     start of a gradient's ``scatter-add``): each of its layouts holds zeros in
     every block, a partial sum included, so each device makes its target block
     afresh and no byte moves: one ``zeros`` step. Where the ordinary plan
     moves no byte either (a slice, a zero-fill) it is kept, as it is for a
     partial max or min target (whose padding would want the op's identity)."""
-    shape = tuple(int(s) for s in shape)
-    dtype = np.dtype(dtype)
-    src = normalize_nd_sbp(src_sbp, placement.ndim, len(shape), "src_sbp")
-    dst = normalize_nd_sbp(dst_sbp, placement.ndim, len(shape), "dst_sbp")
-    L_src = normalized_layout(src, len(shape), placement.shape)
-    L_dst = normalized_layout(dst, len(shape), placement.shape)
-    ordinary = plan_boxing(shape, dtype, placement, src, dst)
+    ordinary = plan_boxing(shape, dtype, placement, src_sbp, dst_sbp, cost_model=cost_model)
+    L_src, L_dst = ordinary.src_layout, ordinary.dst_layout
+    assert L_src is not None and L_dst is not None  # plan_boxing sets both layouts
     if ordinary.bytes == 0 or any(op != "sum" for _, op in L_dst.partial):
         return ordinary
     step = Step("zeros", (), 0, L_src, L_dst, n_axes=placement.ndim, axis_names=tuple(placement.axis_names))
-    return BoxingPlan(shape, dtype, placement, src, dst, (step,), None, None, L_src, L_dst)
+    return dataclasses.replace(ordinary, steps=(step,), floor=None)
 
 
 def plan_boxing(

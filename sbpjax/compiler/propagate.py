@@ -344,7 +344,7 @@ class Propagator:
         hit = self._plans.get(key)
         if hit is None:
             if zero:
-                hit = plan_zeros(atom.shape, atom.dtype, self.pl, src, dst)
+                hit = plan_zeros(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
             else:
                 hit = plan_boxing(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
             self._plans[key] = hit
