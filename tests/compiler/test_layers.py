@@ -16,7 +16,7 @@ from models import check_train, gpt_loss, gpt_params, gpt_sbp, state_sbp, train_
 
 import sbpjax as sj
 from sbpjax.compiler.api import _leaf_name, _leaf_paths
-from sbpjax.compiler.solve import _arg_class, layer_classes
+from sbpjax.compiler.solve import WINDOWS_GAP, _arg_class, layer_classes
 from sbpjax.compiler.trace import trace
 
 S0, B = sj.S(0), sj.B
@@ -64,11 +64,18 @@ def test_a_four_layer_gpt_is_solved_by_windows_and_moves_less_than_gspmd(pl24):
     f, e = check_train(loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=2)
     choice = e.propagation.choice
     assert choice.shared  # over UNTIED_OPS ops: alike layers share their choices
-    assert choice.window_solves >= 1
-    assert choice.window_bytes <= choice.greedy_bytes
     assert e.bytes <= choice.greedy_bytes
     text = str(e).splitlines()[1]
-    assert ("ILP by windows" in text) or ("window search reached" in text), text
+    # Where the whole-program solve proves its plan within WINDOWS_GAP in its
+    # share of the time limit, the window search is skipped by design; whether
+    # it does depends on the machine's speed (CI's once proved 0.84%).
+    if choice.window_solves == 0:
+        assert choice.gap is not None and choice.gap <= WINDOWS_GAP, choice
+        want = "whole-program ILP" if choice.method == "ilp" else "greedy pass kept"
+        assert want in text, text
+    else:
+        assert choice.window_bytes <= choice.greedy_bytes
+        assert ("ILP by windows" in text) or ("window search reached" in text), text
     opt = optax_adamw()
     state = opt.init(params)
     ssbp = state_sbp(state, psbp, (B, B))
