@@ -24,7 +24,8 @@ as in Alpa's intra-operator ILP:
   fractional point (HiGHS proved a bound of 8 B on a 19 MB program with it).
   Where either side is fixed the product is linear and no column is made.
 
-Minimize the bytes moved. Partial semantics need no special case: an op that
+Minimize the bytes moved plus each collective's latency, priced in bytes
+(``LATENCY``). Partial semantics need no special case: an op that
 cannot take a partial has no candidate that takes one, so the reduction's
 bytes appear on that edge; a partial kept through linear ops costs nothing
 until some consumer needs it reduced, where it costs its reduction once.
@@ -70,6 +71,7 @@ import time
 import numpy as np
 
 from sbpjax._errors import SBPError
+from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator, op_comm, op_key
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.rules import RULES, local_shape
@@ -80,9 +82,9 @@ from sbpjax.sbp import Broadcast, Partial, Split
 # a laptop; the greedy choice is kept (and explain() says why).
 MAX_VARIABLES = 400_000
 # Up to this many binaries the solve goes on to the exact optimum (a 1-layer
-# GPT step: ~1,100, solved in 0.05 s): a relative gap of 0.1% hides the
-# tie-break between plans of equal bytes (1/64 of a byte per collective, see
-# _cost), and a data-parallel step then reduce-scattered a LayerNorm gain's
+# GPT step: ~1,100, solved in 0.05 s): a relative gap of 0.1% hides small
+# differences (before ``LATENCY``, the tie-break of 1/64 of a byte per
+# collective between plans of equal bytes), and a data-parallel step then reduce-scattered a LayerNorm gain's
 # gradient and all-gathered it after the sum (the bytes of one all-reduce in
 # two collectives). Larger programs stop at ``rel_gap``.
 EXACT_VARIABLES = 4_000
@@ -96,6 +98,17 @@ EXACT_VARIABLES = 4_000
 # links between devices): the same height-split step now plans 5,388,256 B
 # and peaks at 4.0 MB.
 ZERO_FILL_WEIGHT = 1 / 16
+# Each collective also pays its launch latency, priced in bytes from the cost
+# model (alpha / beta of its group: 100 kB on the default model), once per
+# collective rather than the ring's (p - 1) hops. Bytes alone made plans
+# that save a few kB with extra collectives: a data-parallel GPT step on 8x1
+# moved its embedding's gradient by an all-gather, an all-to-all and a
+# scatter-add (4 collectives, 0.5% fewer bytes than GSPMD's 1 all-reduce);
+# with the latency it is GSPMD's one bucketed all-reduce. Gradient all-reduces
+# are bucketed after the choice (``sbpjax.compiler.buckets``) and so cost less
+# latency than counted here; the count only ever favours fewer collectives.
+# False: bytes alone, ties broken by 1/64 B per collective.
+LATENCY = True
 
 
 class _Auto:
@@ -147,7 +160,8 @@ class Choice:
 
     ``method``: "ilp" or "greedy"; ``reason``: why greedy was kept when the
     ILP was asked for; ``objective``: the solution's cost in the ILP's own
-    count, in bytes (bytes moved, plus the price of zero-filled splits);
+    count, in bytes (bytes moved, plus collectives' latency and the price of
+    zero-filled splits: ``price``);
     ``bound``: HiGHS's proven lower bound; ``gap``: (objective - bound) /
     objective; ``solve_s``: seconds in the solver (building included);
     ``greedy_bytes`` / ``ilp_bytes``: what each choice moves."""
@@ -175,6 +189,8 @@ class Choice:
     window_s: float = 0.0
     window_bytes: int | None = None
     whole_bytes: int | None = None
+    # why the solve by bytes alone was kept (see choose), or ""
+    fallback: str = ""
 
     def describe(self) -> str:
         if self.method == "greedy" and self.ilp_bytes is None and not self.reason:
@@ -190,6 +206,8 @@ class Choice:
             )
             if self.window_solves:
                 text += f"; the window search reached {self.window_bytes} B"
+            if self.fallback:
+                text += f"; by bytes alone ({self.fallback})"
         elif self.method == "windows":
             whole = (
                 f"the whole-program solve stopped at {self.whole_bytes} B ({self.status}; gap {gap})"
@@ -211,14 +229,36 @@ class Choice:
         return text
 
 
-def _cost(plan) -> float:
-    """A boxing's cost in the objective: its bytes, plus one per step that
-    moves data, so that of two boxings moving the same bytes the one with
-    fewer collectives wins (an all-reduce rather than a reduce-scatter and
-    an all-gather): the alpha term of the time model, in byte units small
-    enough never to outweigh a byte. A zero-fill that makes a split value a
-    partial also pays for the block it grows (``ZERO_FILL_WEIGHT``)."""
-    moving = sum(1 for st in plan.steps if st.bytes > 0)
+def _percent(gap) -> str:
+    return "n/a" if gap is None else f"{100 * gap:.2f}%"
+
+
+def _latency_bytes(plan, cost_model) -> float:
+    """The launch latency of a boxing's collectives, in bytes: for each
+    collective it runs, ``alpha / beta`` of its group (the bytes its links
+    would carry in that time; 100 kB on the default ``CostModel``). A permute
+    runs one collective-permute per round. See ``LATENCY``."""
+    total = 0.0
+    for st in plan.steps:
+        if st.bytes > 0:
+            alpha, beta = cost_model.group(st.axes)
+            launches = max(1, st.rounds) if st.op == "permute" else 1
+            total += launches * alpha / beta if beta > 0 else 0.0
+    return total
+
+
+def _cost(plan, cost_model) -> float:
+    """A boxing's cost in the objective, in 1/64 bytes: its bytes, plus the
+    latency of each collective it runs (``_latency_bytes``; ``cost_model``
+    None: bytes alone, 1/64 B per collective breaking ties), plus, for a
+    zero-fill that makes a split value a partial, the price of the block it
+    grows (``ZERO_FILL_WEIGHT``)."""
+    if not plan.bytes:
+        latency = 0.0
+    elif LATENCY and cost_model is not None:
+        latency = _latency_bytes(plan, cost_model)
+    else:  # of two boxings moving the same bytes, the one with fewer collectives
+        latency = sum(1 for st in plan.steps if st.bytes > 0) / 64
     grown = 0  # bytes a zero-fill of a split adds to the blocks, summed over devices
     if any(st.op == "zero_fill" and st.dim is not None for st in plan.steps):
         grid = plan.placement.shape
@@ -226,7 +266,16 @@ def _cost(plan) -> float:
         after = block_bytes(plan.shape, plan.dtype, plan.dst_sbp, grid)
         grown = int(np.prod(grid)) * max(0, after - before)
     # integral (in 1/64 bytes) so that HiGHS can round its bounds up
-    return (64 * plan.bytes + moving if plan.bytes else 0.0) + round(64 * ZERO_FILL_WEIGHT * grown)
+    return 64 * plan.bytes + round(64 * latency) + round(64 * ZERO_FILL_WEIGHT * grown)
+
+
+def price(prop: Propagation, cost_model=None) -> float:
+    """What the integer program minimizes, in bytes, for a whole plan: the
+    bytes it moves, the latency of its collectives and the price of its
+    zero-fills (``_cost``). Plans are compared by it (greedy's, the whole
+    program's, the windows'), so the one kept is the solver's best."""
+    cm = cost_model if cost_model is not None else CostModel()
+    return (sum(_cost(b.plan, cm) for b in prop.boxings) + 64 * sum(c.bytes for _, c in prop.comm)) / 64
 
 
 class _Lin:
@@ -394,12 +443,13 @@ def solve(
     ties=None,
     memory_budget=None,
     objective="bytes",
+    latency: bool = True,
     same_layout=None,
     classes=None,
     fixed=None,
     rel_gap: float = 1e-3,
 ):
-    """The byte-minimal layouts of ``program``: (Propagation, Choice), or
+    """The cheapest layouts of ``program`` (bytes and latency, ``_cost``): (Propagation, Choice), or
     (None, Choice) when no solution was found (the Choice says why).
 
     ``in_sbp`` entries may be ``AUTO``: the argument's layout is chosen too
@@ -426,6 +476,7 @@ def solve(
     grid = placement.shape
     pr = Propagator(program, placement, cost_model)
     pr.quiet = True
+    cm = cost_model if cost_model is not None else CostModel()
     if caches is not None:
         pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches[:5]
     # an op's candidates depend on the op alone (op_key): computed once for alike
@@ -556,7 +607,7 @@ def solve(
     for key, (atom, layouts) in needs.items():
         src = produced[key]
         for nd, uses in layouts.items():
-            pay = [(s, _cost(pr.plan(atom, s, nd))) for s in src if s != nd]
+            pay = [(s, _cost(pr.plan(atom, s, nd), cm if latency else None)) for s in src if s != nd]
             pay = [(s, b) for s, b in pay if b > 0]
             if not pay:
                 continue
@@ -817,7 +868,7 @@ def choose(
     arg_names=None,
 ) -> Propagation:
     """The layouts of every value: the greedy pass, then (``solver="ilp"``) the
-    integer program, keeping whichever moves fewer bytes (the ILP is never
+    integer program, keeping whichever is cheaper by ``price`` (the ILP is never
     worse than greedy: a time-out or a failed solve keeps greedy, and the
     Choice attached to the result says so).
 
@@ -854,6 +905,7 @@ def choose(
         caches=caches,
     )
     g_bytes = total_bytes(greedy)
+    g_price = price(greedy, cost_model)
     g_memory = _held_bytes(program, greedy, ties, grid)
     if solver == "greedy":
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes)
@@ -876,11 +928,22 @@ def choose(
         ilp, choice = run(time_limit=share * time_limit, rel_gap=gap)
         refined = None
         proven = choice.gap is not None and choice.gap <= gap
+        if LATENCY and not proven and len(windows) <= 1:
+            # Latency makes near-ties that HiGHS can take long to settle (a
+            # height-split ResNet step ended its 10 s 37% from the optimum,
+            # at 3.2x GSPMD's bytes): the solve by bytes alone, whose plans
+            # were the tested ones, is then tried too and the cheaper kept.
+            by_bytes, b_choice = run(time_limit=time_limit, rel_gap=gap, latency=False)
+            if by_bytes is not None and (ilp is None or price(by_bytes, cost_model) < price(ilp, cost_model)):
+                b_choice.fallback = f"the solve by bytes and latency stopped at gap {_percent(choice.gap)}"
+                b_choice.solve_s += choice.solve_s
+                b_choice.build_s += choice.build_s
+                ilp, choice = by_bytes, b_choice
         if len(windows) > 1 and not proven:
-            start = ilp if ilp is not None and (total_bytes(ilp) < g_bytes or not g_fits) else greedy
+            start = ilp if ilp is not None and (price(ilp, cost_model) < g_price or not g_fits) else greedy
             if start is not greedy or g_fits:
                 deadline = max(t0 + time_limit, time.perf_counter() + (1 - WHOLE_SHARE) * time_limit / 2)
-                refined = _refine(run, start, deadline, windows)
+                refined = _refine(run, start, deadline, windows, cost_model)
     except ImportError as e:  # scipy is a dependency; a broken install still compiles
         if not g_fits or auto:
             raise SBPError(
@@ -896,7 +959,7 @@ def choose(
         prop, rounds, spent = refined
         choice.window_solves, choice.window_s = rounds, spent
         choice.window_bytes = total_bytes(prop)
-        if prop is not ilp and (ilp is None or choice.window_bytes < total_bytes(ilp)):
+        if prop is not ilp and (ilp is None or price(prop, cost_model) < price(ilp, cost_model)):
             if ilp is not None:
                 choice.whole_bytes = total_bytes(ilp)
             choice.method, ilp = "windows", prop
@@ -907,16 +970,16 @@ def choose(
         greedy.choice = choice
         return greedy
     choice.ilp_bytes = total_bytes(ilp)
-    if choice.ilp_bytes >= g_bytes and g_fits:
-        # On equal bytes greedy's choice is kept: its tie-breaks (alpha-beta
+    ilp_price = price(ilp, cost_model)
+    if ilp_price >= g_price and g_fits:
+        # On an equal price greedy's choice is kept: its tie-breaks (alpha-beta
         # time, fewer boxings, no splits made from nothing) are finer than the
-        # ILP's objective, which counts bytes only.
+        # ILP's objective.
         choice.method = "greedy"
-        choice.reason = f"the ILP's solution moves {choice.ilp_bytes} B, greedy's {g_bytes} B" + (
-            " (greedy is optimal)"
-            if choice.ilp_bytes == g_bytes and choice.gap == 0
-            else f"; {choice.status}"
-        )
+        choice.reason = (
+            f"the ILP's solution moves {choice.ilp_bytes} B (objective {ilp_price:.0f} B), "
+            f"greedy's {g_bytes} B (objective {g_price:.0f} B)"
+        ) + (" (greedy is optimal)" if ilp_price == g_price and choice.gap == 0 else f"; {choice.status}")
         choice.memory_bytes = g_memory
         greedy.choice = choice
         return greedy
@@ -964,7 +1027,7 @@ def _windows(classes) -> list[set]:
     return [w for w in (repeated, rest) if w]
 
 
-def _refine(run, start, deadline, windows):
+def _refine(run, start, deadline, windows, cost_model=None):
     """Large-neighbourhood search from the plan ``start``: solve the integer
     program with one window's ops free and every other op fixed to the best
     plan so far, window after window, until a round improves nothing or the
@@ -984,7 +1047,7 @@ def _refine(run, start, deadline, windows):
             }
             prop, _ = run(time_limit=left, fixed=fixed)
             rounds += 1
-            if prop is not None and total_bytes(prop) < total_bytes(best):
+            if prop is not None and price(prop, cost_model) < price(best, cost_model):
                 best, stale = prop, 0
             else:
                 stale += 1
@@ -1033,4 +1096,14 @@ def _over_budget(program, placement, in_sbp, out_sbp, greedy, time_limit, caches
     )
 
 
-__all__ = ["solve", "choose", "Choice", "total_bytes", "SOLVERS", "AUTO", "auto_layouts", "block_bytes"]
+__all__ = [
+    "solve",
+    "choose",
+    "Choice",
+    "total_bytes",
+    "price",
+    "SOLVERS",
+    "AUTO",
+    "auto_layouts",
+    "block_bytes",
+]

@@ -23,6 +23,7 @@ from models import (
 )
 
 import sbpjax as sj
+import sbpjax.compiler.solve as solve_module
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.layout import Geometry
 
@@ -153,27 +154,36 @@ def test_gpt_hybrid_d128_on_2x4_moves_no_more_than_gspmd():
     assert_close(check["sbpjax_result"][0], jax.tree.map(np.asarray, ref_params), "sbpjax sgd step")
 
 
-def test_pure_data_parallel_adamw_all_reduces_each_gradient_once():
+def test_pure_data_parallel_adamw_all_reduces_each_gradient_once(monkeypatch):
     """A Megatron-annotated GPT on an 8x1 placement is plain data parallelism:
     each gradient is all-reduced once (greedy reduce-scattered it at g**2 and
-    again for the first moment), plus the loss's own all-reduce."""
+    again for the first moment), plus the loss's own all-reduce: GSPMD's plan."""
     pl = sj.placement((8, 1), ("x", "y"))
     step, args, in_sbp, out_sbp = gpt_case(pl, "megatron", 32, 1, optax.adamw(1e-2, weight_decay=0.1))
-    ours, gspmd, _, compiled = compare(step, args, in_sbp, out_sbp, pl, adam_lr=1e-2)
+    ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl, adam_lr=1e-2)
     found = sj.collectives(compiled)
-    assert "reduce-scatter" not in {c.op for c in found}  # no gradient reduced in pieces
-    dense = [np.asarray(v).nbytes for k, v in args[0].items() if k != "emb" for v in jax.tree.leaves(v)]
+    assert {c.op for c in found} == {"all-reduce"}  # no gradient reduced in pieces, no row gathered
+    params = sum(np.asarray(v).nbytes for v in jax.tree.leaves(args[0]))
     # a ring all-reduce of |T| on 8 devices receives 2 * 7 * |T| bytes in all:
-    # every dense gradient and the scalar loss exactly once (XLA may combine
-    # them into one tuple all-reduce; the bytes are the same)
-    assert sum(c.bytes for c in found if c.op == "all-reduce") == 2 * 7 * (sum(dense) + 4)
-    # the embedding's gradient is a scatter-add of the batch's rows: cheaper
-    # than all-reducing the table, it gathers ids and rows instead
-    emb = args[0]["emb"].nbytes
-    assert ours - 2 * 7 * (sum(dense) + 4) < 2 * 7 * emb
+    # every gradient and the scalar loss exactly once (XLA may combine them
+    # into one tuple all-reduce; the bytes are the same)
+    assert ours == sum(c.bytes for c in found) == 2 * 7 * (params + 4)
     assert ours <= gspmd
     greedy = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp, solver="greedy")
     assert ours < greedy.explain(*args).bytes  # the case greedy got wrong
+
+    # Bytes alone (no latency, solve.LATENCY) make the embedding's gradient a
+    # scatter-add of the batch's gathered ids and rows: fewer bytes than
+    # all-reducing the table, in more collectives. The latency of those
+    # collectives (100 kB each on the default cost model) outweighs the saving.
+    monkeypatch.setattr(solve_module, "LATENCY", False)
+    f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
+    by_bytes = f.explain(*args)
+    assert by_bytes.bytes < ours
+    count = lambda ex: sum(len([s for s in b.plan.steps if s.bytes]) for b in ex.propagation.boxings)  # noqa: E731
+    assert count(by_bytes) > count(e)
+    monkeypatch.undo()
+    assert solve_module.price(by_bytes.propagation) > solve_module.price(e.propagation)
 
 
 def test_explain_reports_the_choice(pl24):
@@ -184,7 +194,9 @@ def test_explain_reports_the_choice(pl24):
     e = f.explain(*args)
     c = e.choice
     assert c.greedy_bytes is not None and c.ilp_bytes is not None and c.solve_s > 0
-    assert e.bytes == min(c.ilp_bytes, c.greedy_bytes)
+    # the plan kept is the cheaper by the objective (bytes and latency: solve.price)
+    assert e.bytes == (c.greedy_bytes if c.method == "greedy" else c.ilp_bytes)
+    assert c.objective is not None and c.objective >= c.ilp_bytes
     assert c.gap is not None and 0 <= c.gap <= 1 and c.bound <= c.objective + 1e-6
     text = str(e)
     assert "layouts:" in text and ("proven gap" in text or "greedy pass kept" in text)
@@ -289,9 +301,39 @@ def test_a_zero_fill_of_a_split_pays_for_the_block_it_grows(pl24):
     from sbpjax.boxing.plan import plan_boxing
     from sbpjax.compiler.solve import ZERO_FILL_WEIGHT, _cost
 
+    cm = sj.CostModel()
     shape, f32 = (64, 32), np.dtype(np.float32)
     grown = plan_boxing(shape, f32, pl24, (sj.S(0), sj.S(1)), (sj.S(0), sj.P))
     assert grown.bytes == 0
     block, full = 32 * 8 * 4, 32 * 32 * 4  # a (32, 8) block becomes (32, 32) on each of 8 devices
-    assert _cost(grown) == round(64 * ZERO_FILL_WEIGHT * 8 * (full - block)) > 0
-    assert _cost(plan_boxing(shape, f32, pl24, (sj.S(0), sj.B), (sj.S(0), sj.P))) == 0
+    assert _cost(grown, cm) == round(64 * ZERO_FILL_WEIGHT * 8 * (full - block)) > 0
+    assert _cost(plan_boxing(shape, f32, pl24, (sj.S(0), sj.B), (sj.S(0), sj.P)), cm) == 0
+
+
+def test_each_collective_pays_its_latency_in_bytes(pl24):
+    """The objective prices a boxing at its bytes plus alpha / beta of each
+    collective's group (solve.LATENCY): per axis from the cost model, once
+    per collective, once per round of a permute."""
+    from sbpjax.boxing.plan import plan_boxing
+    from sbpjax.compiler.solve import _cost
+
+    shape, f32 = (64, 32), np.dtype(np.float32)
+    cm = sj.CostModel(alpha={"x": 2e-5, "y": 1e-6}, beta={"x": 1e-10, "y": 1e-11})
+    over_y = plan_boxing(shape, f32, pl24, (sj.S(0), sj.P), (sj.S(0), sj.B), cost_model=cm)
+    assert [st.op for st in over_y.steps] == ["all_reduce"]
+    assert _cost(over_y, cm) == 64 * over_y.bytes + round(64 * 1e-6 / 1e-11)  # 100 kB on y
+    over_x = plan_boxing(shape, f32, pl24, (sj.P, sj.S(1)), (sj.B, sj.S(1)), cost_model=cm)
+    assert _cost(over_x, cm) == 64 * over_x.bytes + round(64 * 2e-5 / 1e-10)  # 200 kB on x
+    # both axes: one reduction per axis, or one over the group (priced as its
+    # slowest links: the largest alpha and beta, CostModel.group)
+    ratio = lambda axes: cm.group(axes)[0] / cm.group(axes)[1]  # noqa: E731
+    both = plan_boxing(shape, f32, pl24, (sj.P, sj.P), (sj.B, sj.B), cost_model=cm)
+    latency = sum(ratio(st.axes) for st in both.steps if st.bytes)
+    assert _cost(both, cm) == 64 * both.bytes + round(64 * latency)
+    swap = plan_boxing((64, 32), f32, pl24, (sj.S(0), sj.S(1)), (sj.S(1), sj.S(0)), cost_model=cm)
+    rounds = sum(max(1, st.rounds) if st.op == "permute" else 1 for st in swap.steps if st.bytes)
+    latency = sum(
+        (max(1, st.rounds) if st.op == "permute" else 1) * ratio(st.axes) for st in swap.steps if st.bytes
+    )
+    assert rounds >= 1 and _cost(swap, cm) == 64 * swap.bytes + round(64 * latency)
+    assert _cost(plan_boxing(shape, f32, pl24, (sj.S(0), sj.B), (sj.S(0), sj.S(1)), cost_model=cm), cm) == 0
