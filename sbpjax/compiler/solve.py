@@ -83,10 +83,10 @@ from sbpjax.sbp import Broadcast, Partial, Split
 MAX_VARIABLES = 400_000
 # Up to this many binaries the solve goes on to the exact optimum (a 1-layer
 # GPT step: ~1,100, solved in 0.05 s): a relative gap of 0.1% hides small
-# differences (before ``LATENCY``, the tie-break of 1/64 of a byte per
-# collective between plans of equal bytes), and a data-parallel step then reduce-scattered a LayerNorm gain's
-# gradient and all-gathered it after the sum (the bytes of one all-reduce in
-# two collectives). Larger programs stop at ``rel_gap``.
+# differences. Before ``LATENCY`` (when a collective cost 1/64 of a byte) a
+# data-parallel step reduce-scattered a LayerNorm gain's gradient and
+# all-gathered it after the sum: the bytes of one all-reduce in two
+# collectives. Larger programs stop at ``rel_gap``.
 EXACT_VARIABLES = 4_000
 # Zero-filling a split value into a partial (S -> P) moves no byte, but each
 # device then holds, and every op after it computes on, a block as large as
@@ -95,7 +95,7 @@ EXACT_VARIABLES = 4_000
 # peak memory was 1.5x GSPMD's (6.1 MB against 4.0 MB) to save 0.5% of the
 # bytes. Each byte a zero-fill adds to a device's block is priced at this
 # fraction of a byte moved (device memory is some 10-50x faster than the
-# links between devices): the same height-split step now plans 5,388,256 B
+# links between devices): the same height-split step now plans 5,387,360 B
 # and peaks at 4.0 MB.
 ZERO_FILL_WEIGHT = 1 / 16
 # Each collective also pays its launch latency, priced in bytes from the cost
@@ -449,8 +449,9 @@ def solve(
     fixed=None,
     rel_gap: float = 1e-3,
 ):
-    """The cheapest layouts of ``program`` (bytes and latency, ``_cost``): (Propagation, Choice), or
-    (None, Choice) when no solution was found (the Choice says why).
+    """The cheapest layouts of ``program`` (bytes and latency, ``_cost``):
+    (Propagation, Choice), or (None, Choice) when no solution was found (the
+    Choice says why). ``latency=False``: bytes alone.
 
     ``in_sbp`` entries may be ``AUTO``: the argument's layout is chosen too
     (one binary per layout of ``auto_layouts``). ``ties`` maps an output index
