@@ -560,10 +560,11 @@ def jit(
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
     ``solver="ilp"`` (default) chooses every layout for the program as a whole
-    (an integer program solved by HiGHS within ``solve_time_limit`` seconds;
-    the greedy choice is kept if it moves no more bytes or the solve fails, and
-    ``explain()`` says which was used); ``solver="greedy"`` is the fast
-    op-by-op pass, for prototyping.
+    (an integer program solved by HiGHS within ``solve_time_limit`` seconds,
+    minimizing bytes moved plus each collective's latency priced in bytes by
+    ``cost_model``; the greedy choice is kept if it costs no more or the
+    solve fails, and ``explain()`` says which was used); ``solver="greedy"``
+    is the fast op-by-op pass, for prototyping.
 
     Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
     ``@functools.partial(sj.jit, placement=pl)``.
@@ -576,6 +577,11 @@ def jit(
     both give the first argument S(0) and the second B; on a 2x4 placement both
     give every argument (S(0), B). A tuple mixing single SBPs with nested
     entries on a placement of 2 or more axes is an SBPError (ambiguous).
+
+    ``cost_model``: an ``sj.CostModel`` (latency ``alpha`` and inverse
+    bandwidth ``beta`` per placement axis) for the boxing planner and the
+    layout choice; each collective's latency counts as ``alpha / beta``
+    bytes (100 kB on the default model). ``sj.calibrate`` measures one.
 
     ``donate_argnums``: an int or a tuple of ints, as ``jax.jit``'s: the
     positional arguments whose buffers the program may reuse for its outputs
