@@ -562,9 +562,11 @@ def jit(
     ``solver="ilp"`` (default) chooses every layout for the program as a whole
     (an integer program solved by HiGHS within ``solve_time_limit`` seconds,
     minimizing bytes moved plus each collective's latency priced in bytes by
-    ``cost_model``; the greedy choice is kept if it costs no more or the
-    solve fails, and ``explain()`` says which was used); ``solver="greedy"``
-    is the fast op-by-op pass, for prototyping.
+    ``cost_model``; where that solve is not proven near its optimum, one by
+    bytes alone runs too, in as long, and the cheaper plan is kept; the
+    greedy choice is kept if it costs no more or the solve fails, and
+    ``explain()`` says which was used); ``solver="greedy"`` is the fast
+    op-by-op pass, for prototyping.
 
     Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
     ``@functools.partial(sj.jit, placement=pl)``.
