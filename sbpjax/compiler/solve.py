@@ -936,11 +936,12 @@ def choose(
             # solve by bytes alone, whose plans were the tested ones, is then
             # tried too (in the same time) and the cheaper kept.
             by_bytes, b_choice = run(time_limit=share * time_limit, rel_gap=gap, latency=False)
+            # the time of both solves is reported, whichever plan is kept
+            spent = (choice.solve_s + b_choice.solve_s, choice.build_s + b_choice.build_s)
             if by_bytes is not None and (ilp is None or price(by_bytes, cost_model) < price(ilp, cost_model)):
                 b_choice.fallback = f"the solve by bytes and latency stopped at gap {_percent(choice.gap)}"
-                b_choice.solve_s += choice.solve_s
-                b_choice.build_s += choice.build_s
                 ilp, choice = by_bytes, b_choice
+            choice.solve_s, choice.build_s = spent
         if len(windows) > 1 and not proven:
             start = ilp if ilp is not None and (price(ilp, cost_model) < g_price or not g_fits) else greedy
             if start is not greedy or g_fits:
