@@ -51,6 +51,8 @@ Per model (row fields):
   compiled program from ``compiled.memory_analysis()``:
   ``argument_size + output_size + temp_size - alias_size`` (the detail is in
   ``*_memory``); neither program donates;
+* ``sbpjax_while_loops`` / ``gspmd_while_loops``: loops in each compiled
+  program (a scanned model's forward and backward loops are kept);
 * ``sbpjax_compile_s`` (trace + layout choice + lowering + XLA) and
   ``gspmd_compile_s`` (lowering + XLA);
 * ``sbp_warnings``: SBPWarnings raised while sbpjax compiles the step
@@ -458,6 +460,7 @@ def run_model(spec) -> dict:
     row["sbpjax_explained_bytes"] = f.explain(*g_args).bytes
     mem = memory(compiled)
     row["sbpjax_peak_bytes"], row["sbpjax_memory"] = mem.get("peak"), mem
+    row["sbpjax_while_loops"] = compiled.as_text().count(" while(")
     out = f(*g_args)
     row["max_error"] = max_error(jax.tree.map(lambda t: t.numpy(), out, is_leaf=_is_gt), ref)
 
@@ -483,6 +486,7 @@ def run_model(spec) -> dict:
     row["gspmd_bytes"] = collective_bytes(g_compiled)
     mem = memory(g_compiled)
     row["gspmd_peak_bytes"], row["gspmd_memory"] = mem.get("peak"), mem
+    row["gspmd_while_loops"] = g_compiled.as_text().count(" while(")
     g_out = jax.tree_util.tree_unflatten(out_tree, [np.asarray(v) for v in g_compiled(*flat_args)])
     row["gspmd_max_error"] = max_error(g_out, ref)
     if row["sbpjax_peak_bytes"] and row["gspmd_peak_bytes"]:

@@ -139,8 +139,15 @@ def _local_bytes(b: Boxing, grid) -> int:
     return math.prod(Geometry(plan.shape, grid).padded(plan.src_layout)) * np.dtype(plan.dtype).itemsize
 
 
-def plan_buckets(prop: Propagation, cap: int | None = None, enabled: bool | None = None):
+def plan_buckets(
+    prop: Propagation, cap: int | None = None, enabled: bool | None = None, zones: dict | None = None
+):
     """The buckets of a propagated program.
+
+    ``zones`` (``id`` of a boxing -> a key) keeps boxings with different keys
+    apart: the lowering gives each iteration of a rolled loop its own zone (a
+    bucket inside the loop body is one iteration's), and the boxings run once
+    before the loop another (:mod:`sbpjax.compiler.loops`).
 
     Returns ``(buckets, joined)``: ``buckets`` maps ``id`` of each bucket's
     first boxing to its :class:`Bucket` (buckets of one boxing are left out:
@@ -157,7 +164,11 @@ def plan_buckets(prop: Propagation, cap: int | None = None, enabled: bool | None
     order = [b for d in prop.decisions for b in d.boxings] + list(prop.out_boxings)
     # jax.checkpoint regions: a bucket stays inside one region (or outside all), so
     # no boxing moves across the region's optimization barrier
-    region = {id(b): getattr(d.node, "region", 0) for d in prop.decisions for b in d.boxings}
+    zones = zones or {}
+    region = {
+        id(b): (getattr(d.node, "region", 0), zones.get(id(b), ())) for d in prop.decisions for b in d.boxings
+    }
+    region.update({id(b): (0, zones.get(id(b), ())) for b in prop.out_boxings})
     keys: dict = {id(b): bucket_key(b, grid) for b in order}
     pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
     for b in order:
@@ -190,7 +201,7 @@ def plan_buckets(prop: Propagation, cap: int | None = None, enabled: bool | None
                 if (
                     (id(c.var), c.src) not in ready
                     or size + nb > cap
-                    or region.get(id(c), 0) != region.get(id(b), 0)
+                    or region.get(id(c), (0, ())) != region.get(id(b), (0, ()))
                 ):
                     rest.append(c)
                     continue

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from sbpjax.boxing.plan import human_bytes
+from sbpjax.compiler.loops import plan_runs
 from sbpjax.compiler.propagate import Propagation
 from sbpjax.sbp import format_sbp
 
@@ -74,6 +76,31 @@ class Explanation:
         return self.propagation.warnings
 
     @property
+    def loops(self) -> list:
+        """Per scan written out to choose layouts (``jax.lax.scan``, ``nnx.scan``, a
+        ``fori_loop``; the backward pass of each is a scan too): ``(source line,
+        iterations, iterations the compiled program runs as one loop)``. The
+        rest run written out around the loop (``sbpjax.compiler.loops``)."""
+        runs = plan_runs(self.propagation)
+        out = []
+        for loop in self.propagation.program.loops:
+            rolled = sum(len(r.positions) for r in runs if r.loop is loop)
+            out.append((loop.source, len(loop.iterations), rolled))
+        return out
+
+    def _loops_line(self) -> str | None:
+        loops = self.loops
+        if not loops:
+            return None
+        parts = [
+            f"{os.path.basename(src.split(' (')[0])}{' (reversed)' if loop.reverse else ''}: {rolled} of {n} iterations"
+            + (f", {n - rolled} written out" if n > rolled else "")
+            for (src, n, rolled), loop in zip(loops, self.propagation.program.loops)
+        ]
+        kept = sum(1 for _, _, rolled in loops if rolled)
+        return f"loops: {kept} of {len(loops)} scans kept as loops ({'; '.join(parts)})"
+
+    @property
     def ops(self) -> list:
         """(primitive, source, input nd-SBPs, output nd-SBPs) per op."""
         return [(d.node.name, d.node.source, d.in_sbp, d.out_sbp) for d in self.propagation.decisions]
@@ -97,6 +124,8 @@ class Explanation:
             lines.append("  " + prop.choice.describe())
         if (timing := self._timing_line()) is not None:
             lines.append("  " + timing)
+        if (loops := self._loops_line()) is not None:
+            lines.append("  " + loops)
         for op, (n, nbytes) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {op:<15} x{n:<4} {human_bytes(nbytes)}")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -113,6 +142,8 @@ class Explanation:
             lines.append("  " + prop.choice.describe())
         if (timing := self._timing_line()) is not None:
             lines.append("  " + timing)
+        if (loops := self._loops_line()) is not None:
+            lines.append("  " + loops)
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
         own: dict = {}
         for i, c in self.comm:

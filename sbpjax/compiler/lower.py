@@ -19,6 +19,7 @@ from sbpjax.boxing.lower import group_index, run_plan
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler import uneven
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
+from sbpjax.compiler.loops import plan_runs, shift_up
 from sbpjax.compiler.propagate import CONSTRAIN, Propagation
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
@@ -64,6 +65,9 @@ class LocalCtx:
         return group_index(axes, self.placement.axis_names, self.grid) * (shape[dim] // p)
 
 
+STACKED = "stacked"  # env key tag: (STACKED, id(Var), layout) -> (a loop's stacked output, index)
+
+
 def _default_local(eqn, ins, ctx):
     params = dict(eqn.params)
     outs = eqn.primitive.bind(*ins, **params)
@@ -87,8 +91,30 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
             for v, nd in zip(vars_, nds)
         )
 
+    # written-out scans whose iterations are alike run as loops (sbpjax.compiler.loops)
+    runs = plan_runs(prop)
+    run_at = {r.first: r for r in runs}
+    dropped = {i for r in runs for i in r.dropped}
+    finish = {
+        i: (var, nd, missing, r.pushed.get((key, nd)))
+        for r in runs
+        for var, key, nd, missing, i in r.stacks
+        if missing
+    }
+    hoisted = {id(b) for r in runs for b in r.hoisted}
+    zones: dict = {}
+    for n, r in enumerate(runs):
+        for m, body_ in enumerate(r.bodies):
+            for i in body_:
+                for b in prop.decisions[i].boxings:
+                    zones[id(b)] = (*zones.get(id(b), ()), (n, "before" if id(b) in hoisted else m))
+
+    for r in runs:
+        # boxings a loop ran already (Run.pushed, Run.done) run alone, so box() can skip them
+        for b in [b for b, _, _ in r.pushed.values()] + r.done:
+            zones[id(b)] = (("done in a loop", id(b)),)
     # boxings that run the same collectives run together (sbpjax.compiler.buckets)
-    buckets, joined = plan_buckets(prop)
+    buckets, joined = plan_buckets(prop, zones=zones)
 
     # jax.checkpoint regions (sbpjax.compiler.trace.REMAT): the Vars each reads from outside it
     produced: dict = {}
@@ -102,53 +128,70 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
             )
             made.update(id(o) for o in dec.node.outs)
 
-    def body(*blocks):
-        env: dict = {}
+    def read(env, atom, nd):
+        key = (id(atom), nd)
+        if key in env:
+            return env[key]
+        return jnp.asarray(atom.value)  # a constant, used as B
+
+    def settled(env, atom, nd):
+        """The value with its padded positions (uneven splits) holding the
+        identity of its partial, as boxing and results expect."""
+        x = read(env, atom, nd)
+        return uneven.fill_holes(x, atom.shape, nd, names, grid, uneven.holes_op(nd))
+
+    def box(env, b):
+        if id(b) in joined:  # ran earlier, with its bucket
+            return
+        bucket = buckets.get(id(b))
+        if bucket is None:
+            if (id(b.var), b.dst) in env:  # a rolled loop made it already (Run.done, Run.pushed)
+                return
+            env[(id(b.var), b.dst)] = run_plan(b.plan, settled(env, b.var, b.src))
+            return
+        ys = run_bucket(bucket, [settled(env, c.var, c.src) for c in bucket.boxings])
+        for c, y in zip(bucket.boxings, ys):
+            env[(id(c.var), c.dst)] = y
+
+    def walk(indices, env, template=None):
+        """Run these decisions (program order) on local pieces held in ``env``
+        (``template``: the run whose body these are)."""
         entered: set = set()
         shared: dict = {}  # what ops' own communication made (LocalCtx.memo)
-
-        def barrier(region):
-            """One optimization barrier over every value the region reads from outside,
-            in every layout present, as jax.jit lowers a checkpoint: the recomputation
-            can be neither merged with the forward pass nor run before its inputs."""
-            entered.add(region)
-            keys = [k for k in env if k[0] in region_inputs[region]]
-            if keys:
-                env.update(zip(keys, lax.optimization_barrier(tuple(env[k] for k in keys))))
-
-        for v, nd, x in zip(prog.inputs, prop.in_sbp, blocks):
-            env[(id(v), nd)] = x.reshape(x.shape[n_partial(nd) :])
-
-        def read(atom, nd):
-            key = (id(atom), nd)
-            if key in env:
-                return env[key]
-            return jnp.asarray(atom.value)  # a constant, used as B
-
-        def settled(atom, nd):
-            """The value with its padded positions (uneven splits) holding the
-            identity of its partial, as boxing and results expect."""
-            x = read(atom, nd)
-            return uneven.fill_holes(x, atom.shape, nd, names, grid, uneven.holes_op(nd))
-
-        def box(b):
-            if id(b) in joined:  # ran earlier, with its bucket
-                return
-            bucket = buckets.get(id(b))
-            if bucket is None:
-                env[(id(b.var), b.dst)] = run_plan(b.plan, settled(b.var, b.src))
-                return
-            ys = run_bucket(bucket, [settled(c.var, c.src) for c in bucket.boxings])
-            for c, y in zip(bucket.boxings, ys):
-                env[(id(c.var), c.dst)] = y
-
-        for dec in prop.decisions:
-            if dec.node.region and dec.node.region not in entered:
-                barrier(dec.node.region)
+        k = 0
+        while k < len(indices):
+            i = indices[k]
+            run = run_at.get(i)
+            if run is not None and run is not template:
+                roll(run, env)
+                while k < len(indices) and indices[k] <= run.last:
+                    k += 1
+                continue
+            k += 1
+            if i in dropped:
+                if i in finish:  # a stack the loop filled, but for the slices made outside it
+                    var, nd, missing, push = finish[i]
+                    buf = env[(STACKED, id(var))]
+                    for m, y in missing:
+                        y = read(env, y, nd) if push is None else run_plan(push[1], settled(env, y, nd))
+                        buf = lax.dynamic_update_index_in_dim(buf, y, m, 0)
+                    env[(id(var), shift_up(nd) if push is None else push[0].dst)] = buf
+                continue
+            dec = prop.decisions[i]
+            r = dec.node.region
+            if r and r not in entered:
+                # one optimization barrier over every value the region reads from outside,
+                # in every layout present, as jax.jit lowers a checkpoint: the recomputation
+                # can be neither merged with the forward pass nor run before its inputs
+                entered.add(r)
+                keys = [key for key in env if key[0] in region_inputs[r]]
+                if keys:
+                    env.update(zip(keys, lax.optimization_barrier(tuple(env[key] for key in keys))))
             for b in dec.boxings:
-                box(b)
+                if id(b) not in hoisted:
+                    box(env, b)
             node = dec.node
-            ins = [read(a, nd) for a, nd in zip(node.ins, dec.in_sbp)]
+            ins = [read(env, a, nd) for a, nd in zip(node.ins, dec.in_sbp)]
             # a reduction over an uneven split reads identities in the padding
             for j, op in uneven.reduced_operands(dec.in_sbp, dec.out_sbp, [a.shape for a in node.ins], grid):
                 ins[j] = uneven.fill_holes(ins[j], node.ins[j].shape, dec.in_sbp[j], names, grid, op)
@@ -162,11 +205,134 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 outs = local(node.eqn, ins, ctx)
             for v, nd, y in zip(node.outs, dec.out_sbp, outs):
                 env[(id(v), nd)] = y
+
+    def stacked(env, vs, nd):
+        """The values ``vs`` (layout ``nd``, consecutive loop indices) as
+        ``(array, index of vs[0] in it, [(position in vs, value)])``: the
+        loop output they came from where they are its consecutive slices, but
+        for the values listed (made outside that loop's run, the body selects
+        them), else a new stack of all."""
+        where = [env.get((STACKED, id(v), nd)) for v in vs]
+        known = [(m, w) for m, w in enumerate(where) if w is not None]
+        if known:
+            whole, off = known[0][1][0], known[0][1][1] - known[0][0]
+            if all(w[0] is whole and w[1] == m + off for m, w in known):
+                return (
+                    whole,
+                    off,
+                    [(m, read(env, v, nd)) for m, (v, w) in enumerate(zip(vs, where)) if w is None],
+                )
+        return jnp.stack([read(env, v, nd) for v in vs]), 0, []
+
+    def roll(run, env):
+        """A run of alike iterations as one lax.scan over its template's body."""
+        loop, t = run.loop, run.template
+        nc = loop.n_consts
+        walk(run.slices, env)
+        for b in run.hoisted:
+            box(env, b)
+        lo = min(run.indices)
+        length = len(run.indices)
+        by_index = sorted((loop.iterations[q] for q in run.positions), key=lambda it: it.index)
+        # each slice read is indexed out of its whole stack inside the body (slicing
+        # the run's part out first would copy it): (stack, loop index of its first)
+        sources = []
+        for k, nd, x in run.xs:
+            if x is not None:
+                sources.append((read(env, x, shift_up(nd)), 0, []))
+            else:
+                whole, off, extra = stacked(env, [it.ins[k] for it in by_index], nd)
+                sources.append((whole, lo - off, [(lo + m, y) for m, y in extra]))
+        xs = [jnp.arange(lo, lo + length)]
+        init = []
+        for c, layouts in run.carries:
+            v = t.ins[nc + c]
+            for nd in layouts:
+                # a layout the body makes before reading it needs no value in: zeros hold its place
+                init.append(env.get((id(v), nd), jnp.zeros(local_shape(v.shape, nd, grid), v.dtype)))
+        # values the loop hands on, one slice per iteration: where a stack of all the
+        # loop's slices reads them (Run.stacks), written into that stack in place
+        # (a buffer carried through the loop: the other iterations fill their
+        # slices after it), else stacked by the scan
+        n_all = len(loop.iterations)
+        outs = [
+            (e, nd)
+            for e, (key, layouts, _) in enumerate(run.escapes)
+            if key not in run.last_only
+            for nd in layouts
+        ]
+        into = {(key, nd) for _, key, nd, missing, _ in run.stacks if missing}
+        buffered = [(e, nd) for e, nd in outs if (run.escapes[e][0], nd) in into]
+        stacked_out = [(e, nd) for e, nd in outs if (e, nd) not in buffered]
+        for e, nd in buffered:
+            v = run.escapes[e][2][0]
+            push = run.pushed.get((run.escapes[e][0], nd))
+            held = nd if push is None else push[2]
+            init.append(jnp.zeros((n_all, *local_shape(v.shape, held, grid)), v.dtype))
+        tbody = run.bodies[0]
+        n_state = sum(len(layouts) for _, layouts in run.carries)
+
+        def step(state, slices):
+            inner = dict(env)  # values from before the loop are closed over
+            it = iter(state[:n_state])
+            for c, layouts in run.carries:
+                for nd in layouts:
+                    inner[(id(t.ins[nc + c]), nd)] = next(it)
+            (index,) = slices
+            for (k, nd, _), (whole, base, extra) in zip(run.xs, sources):
+                piece = lax.dynamic_index_in_dim(whole, index - base, 0, keepdims=False)
+                for i, y in extra:  # (an index outside ``whole`` is clamped, then replaced)
+                    piece = jnp.where(index == i, y, piece)
+                inner[(id(t.ins[k]), nd)] = piece
+            walk(tbody, inner, run)
+            for c, b in run.rotated:  # the next iteration's boxings of its carry
+                inner[(id(t.outs[c]), b.dst)] = run_plan(b.plan, settled(inner, t.outs[c], b.src))
+            carry = [inner[(id(t.outs[c]), nd)] for c, layouts in run.carries for nd in layouts]
+
+            def out(e, nd):
+                v = run.escapes[e][2][0]
+                push = run.pushed.get((run.escapes[e][0], nd))
+                # a stack boxed as a whole after the loop: each slice boxed here instead
+                return inner[(id(v), nd)] if push is None else run_plan(push[1], settled(inner, v, nd))
+
+            for (e, nd), buf in zip(buffered, state[n_state:]):
+                carry.append(lax.dynamic_update_index_in_dim(buf, out(e, nd), index, 0))
+            return carry, [out(e, nd) for e, nd in stacked_out]
+
+        final, ys = lax.scan(step, init, xs, length=length, reverse=loop.reverse)
+        its = [loop.iterations[q] for q in run.positions]
+        state = iter(final[:n_state])
+        for c, layouts in run.carries:
+            for nd in layouts:
+                env[(id(its[-1].outs[c]), nd)] = next(state)
+        made_at = {}
+        for (e, nd), stack in [*zip(stacked_out, ys), *zip(buffered, final[n_state:])]:
+            if (run.escapes[e][0], nd) in run.pushed:
+                made_at[(run.escapes[e][0], nd)] = stack
+                continue
+            base = 0 if (e, nd) in buffered else lo
+            for it, v in zip(its, run.escapes[e][2]):
+                env[(id(v), nd)] = stack[it.index - base]
+                env[(STACKED, id(v), nd)] = (stack, it.index - base)
+            made_at[(run.escapes[e][0], nd)] = stack
+        for var, key, nd, missing, _ in run.stacks:
+            push = run.pushed.get((key, nd))
+            if push is not None and not missing:  # boxed already: its own boxing then finds it done
+                env[(id(var), push[0].dst)] = made_at[(key, nd)]
+                continue
+            # the stack itself, or (with slices of other iterations to come) the buffer
+            env[(STACKED, id(var)) if missing else (id(var), shift_up(nd))] = made_at[(key, nd)]
+
+    def body(*blocks):
+        env: dict = {}
+        for v, nd, x in zip(prog.inputs, prop.in_sbp, blocks):
+            env[(id(v), nd)] = x.reshape(x.shape[n_partial(nd) :])
+        walk(range(len(prop.decisions)), env)
         for b in prop.out_boxings:
-            box(b)
+            box(env, b)
         results = []
         for atom, nd in zip(prog.outputs, prop.out_sbp):
-            y = read(atom, nd)
+            y = read(env, atom, nd)
             if isinstance(atom, Const):
                 y = jnp.broadcast_to(y, local_shape(atom.shape, nd, grid))
             y = uneven.fill_holes(y, atom.shape, nd, names, grid, uneven.holes_op(nd))

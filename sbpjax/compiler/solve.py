@@ -448,6 +448,7 @@ def solve(
     classes=None,
     fixed=None,
     rel_gap: float = 1e-3,
+    same_choice=None,
 ):
     """The cheapest layouts of ``program`` (bytes and latency, ``_cost``):
     (Propagation, Choice), or (None, Choice) when no solution was found (the
@@ -469,7 +470,9 @@ def solve(
     fraction of the optimum (models of at most ``EXACT_VARIABLES`` binaries
     are solved to the optimum).
     ``fixed``: {op index: (ins, outs)}, ops whose signature is given (the
-    window search of :func:`_refine`)."""
+    window search of :func:`_refine`). ``same_choice``: per op a key or None
+    (:func:`loop_classes`): ops with one key take the same signature (their
+    classes must share columns too)."""
     from scipy.optimize import LinearConstraint, milp
     from scipy.sparse import coo_array
 
@@ -542,13 +545,15 @@ def solve(
     allowed = _Domains(program, placement, in_layouts, greedy)
     for index, node in enumerate(program.nodes):
         if fixed is not None and index in fixed:
-            cs = allowed.restrict(index, node, [fixed[index]])
+            cands.append(allowed.restrict(index, node, [fixed[index]]))
         else:
             key = op_key(node)
             if key not in memo:
                 memo[key] = _candidates(pr, node, grid)
-            cs = allowed.restrict(index, node, memo[key])
-        cands.append(cs)
+            cands.append(allowed.restrict(index, node, memo[key]))
+    _same_candidates(cands, same_choice, fixed)
+    for index, node in enumerate(program.nodes):
+        cs = cands[index]
         # the op's own communication (a halo exchange) is paid by the candidate
         own = [64 * sum(c.bytes for c in op_comm(node, ins, outs, grid, pr._comms) or ()) for ins, outs in cs]
         if len(cs) == 1:
@@ -769,19 +774,7 @@ def layer_classes(program, arg_names) -> list:
     for index, node in enumerate(program.nodes):
         for j, o in enumerate(node.outs):
             producer[id(o)] = (index, j)
-        params = tuple(sorted((k, str(v)[:200]) for k, v in node.eqn.params.items()))
-        own.append(
-            hash(
-                (
-                    node.name,
-                    node.source,
-                    node.region > 0,
-                    tuple((tuple(a.shape), str(a.dtype)) for a in node.ins),
-                    tuple(tuple(o.shape) for o in node.outs),
-                    params,
-                )
-            )
-        )
+        own.append(_own_class(node))
     args = {id(v): hash(("arg", _arg_class(n), tuple(v.shape))) for v, n in zip(program.inputs, arg_names)}
     level = list(own)
     for _ in range(CLASS_DEPTH):
@@ -798,6 +791,78 @@ def layer_classes(program, arg_names) -> list:
                     operands.append(("const", tuple(a.shape)))
             level.append(hash((own[index], tuple(operands))))
     return level
+
+
+def _same_candidates(cands, same_choice, fixed) -> None:
+    """Give the ops of each ``same_choice`` key one candidate list (in place):
+    the union of theirs (each op's domain is cut by its own producers'
+    layouts, so alike ops may keep different lists, and shared columns would
+    then not tie them), or the signature one of them is fixed to."""
+    if same_choice is None:
+        return
+    groups: dict = {}
+    for i, key in enumerate(same_choice):
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        pinned = [cands[i] for i in members if fixed is not None and i in fixed]
+        if pinned:
+            common = pinned[0]
+        else:
+            common, seen = [], set()
+            for i in members:
+                for c in cands[i]:
+                    k = (tuple(map(tuple, c[0])), tuple(map(tuple, c[1])))
+                    if k not in seen:
+                        seen.add(k)
+                        common.append(c)
+        for i in members:
+            cands[i] = list(common)
+
+
+def _own_class(node) -> int:
+    """What an op is, apart from where its operands come from."""
+    params = tuple(sorted((k, str(v)[:200]) for k, v in node.eqn.params.items()))
+    return hash(
+        (
+            node.name,
+            node.source,
+            node.region > 0,
+            tuple((tuple(a.shape), str(a.dtype)) for a in node.ins),
+            tuple(tuple(o.shape) for o in node.outs),
+            params,
+        )
+    )
+
+
+def loop_classes(program) -> list:
+    """Per op, its class among the iterations of a written-out scan (None
+    outside scans): the k-th op of a kind in one iteration's body shares its
+    class with the k-th of that kind in every other iteration of the loop (the
+    outermost loop, for nested ones). Sharing their choices, the iterations
+    take the same layouts, their carries a fixed point, and the lowering rolls
+    them back into one loop (``sbpjax.compiler.loops``); an iteration whose
+    carry arrives in another layout boxes it on entry, outside the loop."""
+    owner: dict = {}  # id(Var) -> (loop, iteration position); outer loops come last and win
+    for loop in program.loops:
+        for q, it in enumerate(loop.iterations):
+            for vid in it.made:
+                owner[vid] = (loop, q)
+    out: list = []
+    seen: dict = {}
+    for node in program.nodes:
+        where = owner.get(id(node.outs[0])) if node.outs else None
+        if where is None:
+            out.append(None)
+            continue
+        loop, q = where
+        kind = _own_class(node)
+        k = seen.get((id(loop), q, kind), 0)
+        seen[(id(loop), q, kind)] = k + 1
+        out.append(hash(("loop", id(loop), kind, k)))
+    return out
 
 
 def _add(acc: _Lin, lin: _Lin, weight: float) -> None:
@@ -915,7 +980,21 @@ def choose(
     # a small program is solved with every op choosing on its own (UNTIED_OPS)
     untied = arg_names is None or len(program.nodes) <= UNTIED_OPS
     classes = None if untied else layer_classes(program, arg_names)
-    extra = dict(ties=ties, memory_budget=memory_budget, same_layout=same_layout, classes=classes)
+    # the iterations of a written-out scan always share their choices (loop_classes)
+    in_loops = loop_classes(program)
+    shared = classes
+    if any(c is not None for c in in_loops):
+        shared = [
+            lc if lc is not None else (("op", i) if classes is None else classes[i])
+            for i, lc in enumerate(in_loops)
+        ]
+    extra = dict(
+        ties=ties,
+        memory_budget=memory_budget,
+        same_layout=same_layout,
+        classes=shared,
+        same_choice=in_loops if any(c is not None for c in in_loops) else None,
+    )
     # every solve of this program differs only in its time limit and fixed ops
     run = functools.partial(
         solve, program, placement, in_sbp, out_sbp, greedy, cost_model, caches=caches, **extra
@@ -974,10 +1053,12 @@ def choose(
         return greedy
     choice.ilp_bytes = total_bytes(ilp)
     ilp_price = price(ilp, cost_model)
-    if ilp_price >= g_price and g_fits:
-        # On an equal price greedy's choice is kept: its tie-breaks (alpha-beta
-        # time, fewer boxings, no splits made from nothing) are finer than the
-        # ILP's objective.
+    # On an equal price greedy's choice is kept: its tie-breaks (alpha-beta
+    # time, fewer boxings, no splits made from nothing) are finer than the
+    # ILP's objective. Except where scans were written out: the ILP gives their
+    # iterations the same layouts (loop_classes), so the lowering can keep the
+    # loop (sbpjax.compiler.loops); greedy's iterations may each differ.
+    if (ilp_price > g_price or (ilp_price == g_price and not program.loops)) and g_fits:
         choice.method = "greedy"
         choice.reason = (
             f"the ILP's solution moves {choice.ilp_bytes} B (objective {ilp_price:.0f} B), "

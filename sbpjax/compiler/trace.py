@@ -53,15 +53,18 @@ REMAT = ("checkpoint", "remat", "remat2")
 # Loops and branches are flattened too, while the flat program stays this many
 # equations or fewer per loop or branch (iterations x body size): a scan over
 # stacked layers, a fori_loop with static bounds (JAX spells it as a scan) and
-# a cond / switch become straight-line code the layout choice sees whole, so
-# their bytes are those of the same layers written out. Decision: flattening
-# rather than a loop rule with fixed-point carry layouts, because it reuses the
-# whole-program choice unchanged and is exact; its costs are that XLA compiles
-# the unrolled body (longer compiles for deep stacks, no loop in the lowered
-# program) and a cond computes every branch and selects (both run: keep
-# expensive or effectful branches out of sj.jit, or over the limit). Loops
-# above the limit, and while loops whose trip count is only known at run time,
-# still run whole on every device with an SBPWarning.
+# a cond / switch become straight-line code the layout choice sees whole.
+# Decision: flattening rather than a loop rule with fixed-point carry layouts
+# solved on the body alone, because it reuses the whole-program choice
+# unchanged and is exact (the boundary iterations may take other layouts
+# than the ones between); the solver then gives the iterations of a scan the
+# same choices (solve.loop_classes), and the lowering rolls alike iterations
+# back into one lax.scan (sbpjax.compiler.loops), so the compiled program
+# keeps the loop with its collectives inside. A cond computes every branch
+# and selects (both run: keep expensive or effectful branches out of
+# sj.jit, or over the limit). Loops above the limit, and while loops whose
+# trip count is only known at run time, still run whole on every device with
+# an SBPWarning.
 UNROLL_LIMIT = 20_000
 
 
@@ -111,12 +114,40 @@ class Node:
         return self.eqn.primitive.name
 
 
+@dataclasses.dataclass(eq=False)
+class Iteration:
+    """One iteration of a written-out scan: ``ins`` are its body's inputs
+    (consts, carries, then the slices ``x[index]``), ``outs`` its results
+    (carries, then the ``ys`` slices), ``made`` the ids of the Vars its body's
+    nodes compute (no node is shared with another iteration: each iteration is
+    written out without merging equal equations across iterations)."""
+
+    index: int
+    ins: list
+    outs: list
+    made: set
+
+
+@dataclasses.dataclass(eq=False)
+class Loop:
+    """A ``scan`` written out as straight-line code (see ``UNROLL_LIMIT``)."""
+
+    reverse: bool
+    n_consts: int
+    n_carry: int
+    xs: list  # the stacked operands, atoms of the enclosing program
+    iterations: list  # Iteration, in the order they run
+    stacked: list = dataclasses.field(default_factory=list)  # the Var stacking each ys slice
+    source: str = ""  # the user's line that made the scan
+
+
 @dataclasses.dataclass
 class Program:
     inputs: list  # Var per flattened argument leaf
     nodes: list
     outputs: list  # Var or Const per flattened output leaf
     out_tree: object
+    loops: list = dataclasses.field(default_factory=list)  # Loop, inner loops first
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -189,10 +220,11 @@ def trace(fn, leaves_avals, in_tree) -> Program:
     out_tree = jax.tree_util.tree_structure(out_shape)
     inputs = [Var(tuple(a.shape), _dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
     nodes: list = []
-    outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes)
+    loops: list = []
+    outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, loops=loops)
     nodes = _dce(nodes, outs)
     nodes = _dce(_fuse_padded_windows(nodes, outs), outs)
-    return Program(inputs, nodes, outs, out_tree)
+    return Program(inputs, nodes, outs, out_tree, loops)
 
 
 def _fuse_padded_windows(nodes, outputs):
@@ -247,8 +279,9 @@ def _fuse_padded_windows(nodes, outputs):
     return out
 
 
-def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
+def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None):
     cse = {} if cse is None else cse
+    loops = [] if loops is None else loops
     env: dict = {}
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = Const(c)
@@ -262,7 +295,7 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        flat = _flatten_control(eqn, ins, nodes, cse)
+        flat = _flatten_control(eqn, ins, nodes, cse, loops)
         if flat is not None:
             for v, o in zip(eqn.outvars, flat):
                 env[v] = o
@@ -274,12 +307,12 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None):
             if len(inner_jaxpr.invars) == len(ins):
                 if eqn.primitive.name in REMAT and eqn.params.get("prevent_cse", False):
                     start = len(nodes)
-                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {})
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {}, loops)
                     region = next(_regions)
                     for n in nodes[start:]:
                         n.region = n.region or region  # the innermost region wins
                 else:
-                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse)
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse, loops)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
@@ -307,7 +340,7 @@ def _size(closed) -> int:
     return len(getattr(closed, "jaxpr", closed).eqns)
 
 
-def _flatten_control(eqn, ins, nodes, cse):
+def _flatten_control(eqn, ins, nodes, cse, loops):
     """The outputs of a scan or cond written out as straight-line code (see
     ``UNROLL_LIMIT``), or None to keep the equation as it is."""
     name, p = eqn.primitive.name, eqn.params
@@ -331,25 +364,36 @@ def _flatten_control(eqn, ins, nodes, cse):
                 return outs[:n_carry], outs[n_carry:]
 
         ys: dict = {}
+        loop = Loop(p["reverse"], len(consts), len(carry), list(xs), [])
         for i in reversed(range(length)) if p["reverse"] else range(length):
             x_i = [
                 _emit(lambda x, i=i: jax.lax.index_in_dim(x, i, 0, keepdims=False), [x], nodes, cse)[0]
                 for x in xs
             ]
-            carry, ys[i] = split_out(_inline(body.jaxpr, list(body.consts), consts + carry + x_i, nodes, cse))
+            start = len(nodes)
+            ins_i = consts + carry + x_i
+            # a copy of the merge table: equal equations merge within the iteration
+            # and with the code before the loop, never across iterations (the
+            # lowering rolls iterations that are alike back into one loop body)
+            outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), loops)
+            made = {id(o) for n in nodes[start:] for o in n.outs}
+            loop.iterations.append(Iteration(i, ins_i, list(outs_i), made))
+            carry, ys[i] = split_out(outs_i)
         stacked = [
             _emit(lambda *v: jax.numpy.stack(v), [ys[i][k] for i in range(length)], nodes, cse)[0]
             for k in range(len(ys[0]))
         ]
         if len(carry) + len(stacked) != len(eqn.outvars):
             return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
+        loop.stacked, loop.source = list(stacked), source_of(eqn)
+        loops.append(loop)
         return carry + stacked
     if name == "cond":
         branches = p["branches"]
         if sum(_size(b) for b in branches) > UNROLL_LIMIT:
             return None
         index, operands = ins[0], ins[1:]
-        results = [_inline(b.jaxpr, list(b.consts), operands, nodes, cse) for b in branches]
+        results = [_inline(b.jaxpr, list(b.consts), operands, nodes, cse, loops) for b in branches]
         if len(results) == 1:
             return results[0]
         # lax.switch has already clamped the index; select_n picks case ``index``

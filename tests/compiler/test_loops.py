@@ -1,0 +1,142 @@
+"""Scans written out to choose layouts are rolled back into loops when lowered
+(sbpjax.compiler.loops): the compiled program has one ``while`` per scan whose
+iterations run alike, values equal ``jax.jit``'s, and the plan's bytes equal
+the compiled program's (XLA's trip count multiplies the body's collectives)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import sbpjax as sj
+from sbpjax import B, S
+from sbpjax.compiler import loops
+
+RNG = np.random.default_rng(0)
+XS = RNG.normal(size=(5, 16, 8)).astype(np.float32)
+NESTED = RNG.normal(size=(3, 4, 16, 8)).astype(np.float32)
+W = (RNG.normal(size=(6, 32, 32)) / 6).astype(np.float32)
+X = RNG.normal(size=(16, 32)).astype(np.float32)
+
+
+def reverse_scan(xs):
+    def body(c, x):
+        c = c * 0.5 + x
+        return c, jnp.tanh(c)
+
+    return jax.lax.scan(body, jnp.zeros(xs.shape[1:]), xs, reverse=True)
+
+
+def nested_scan(xs):
+    def inner(c, x):
+        return c + jnp.sin(x), c * 2
+
+    def outer(c, x):
+        c2, ys = jax.lax.scan(inner, c, x)
+        return c2 * 0.5, ys.sum(0)
+
+    return jax.lax.scan(outer, jnp.zeros(xs.shape[2:]), xs)
+
+
+def mlp(w, x):
+    def body(h, w_i):
+        return jnp.tanh(h @ w_i) + h, (h**2).sum()
+
+    h, ys = jax.lax.scan(body, x, w)
+    return (h**2).mean(), ys
+
+
+def carry_as_ys(x):
+    return jax.lax.scan(lambda c, _: (c + 1, c), x, None, length=4)
+
+
+def outer_weight(w, x):
+    """A weight from outside the loop (boxed once, before it) and constant xs."""
+    return jax.lax.scan(lambda h, i: (jnp.tanh(h @ w[0]) + i, h.sum()), x, jnp.arange(4.0))
+
+
+# (name, function, args, placement shape, in_sbp, while loops the compiled program keeps)
+CASES = [
+    ("reverse", reverse_scan, (XS,), (8,), (S(1),), 1),
+    ("nested", nested_scan, (NESTED,), (8,), (S(2),), 2),
+    ("megatron_forward", mlp, (W, X), (2, 4), ((B, S(2)), (S(0), B)), 1),
+    (
+        "megatron_grad",
+        jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1)),
+        (W, X),
+        (2, 4),
+        ((B, S(2)), (S(0), B)),
+        2,
+    ),
+    ("data_parallel_grad", jax.grad(lambda w, x: mlp(w, x)[0]), (W, X), (8,), (B, S(0)), 2),
+    ("carry_as_ys", carry_as_ys, (X,), (8,), (S(0),), 1),
+    ("outer_weight", outer_weight, (W, X), (2, 4), ((B, S(2)), (S(0), B)), 1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_scans_stay_loops_with_exact_values_and_bytes(case):
+    _, fn, args, shape, in_sbp, n_loops = case
+    pl = sj.placement(shape, ("x", "y")[: len(shape)])
+    f = sj.jit(fn, placement=pl, in_sbp=in_sbp)
+    compiled = f.lower(*args).compile()
+    assert compiled.as_text().count(" while(") == n_loops
+    assert sum(c.bytes for c in sj.collectives(compiled)) == f.explain(*args).bytes
+    got = jax.tree.leaves(jax.tree.map(lambda t: t.numpy(), f(*args), is_leaf=lambda t: hasattr(t, "numpy")))
+    want = jax.tree.leaves(jax.jit(fn)(*args))
+    for g, w in zip(got, want):
+        assert_close(g, np.asarray(w), rtol=1e-5, scale=np.abs(w).max())
+
+
+def test_rolled_and_written_out_lowerings_agree(monkeypatch):
+    """The same plan lowered with its loops rolled and written out: equal values
+    and equal bytes; only the program's shape differs."""
+    fn = jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1))
+    pl = sj.placement((2, 4), ("x", "y"))
+    rolled = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B)))
+    monkeypatch.setattr(loops, "ROLL", False)
+    written = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B)))
+    c_written = written.lower(W, X).compile()
+    monkeypatch.setattr(loops, "ROLL", True)
+    c_rolled = rolled.lower(W, X).compile()
+    assert c_rolled.as_text().count(" while(") == 2 and c_written.as_text().count(" while(") == 0
+    measured = [sum(c.bytes for c in sj.collectives(c)) for c in (c_rolled, c_written)]
+    assert measured[0] == measured[1] == rolled.explain(W, X).bytes
+    for a, b in zip(rolled(W, X), written(W, X)):
+        assert_close(a.numpy(), b.numpy(), rtol=1e-6, scale=np.abs(b.numpy()).max())
+
+
+def test_iterations_share_their_layouts():
+    """The solver gives every iteration of a scan the same choices, so the
+    carries' layouts are a fixed point and the whole loop rolls."""
+    fn = jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1))
+    pl = sj.placement((2, 4), ("x", "y"))
+    prop = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B))).explain(W, X).propagation
+    runs = loops.plan_runs(prop)
+    # each loop's carry is boxed at the start of every iteration but the first (it
+    # arrives in the layout the body reads), so the loop boxes it at the end of the
+    # body instead; the last iteration, whose carry is read otherwise after the
+    # loop, is written out after it
+    assert len(runs) == 2 and all(len(r.positions) == 5 for r in runs)
+    for loop in prop.program.loops:
+        index_of = {id(d.node): i for i, d in enumerate(prop.decisions)}
+        sigs = []
+        for it in loop.iterations:
+            body = sorted(index_of[id(d.node)] for d in prop.decisions if id(d.node.outs[0]) in it.made)
+            sigs.append(
+                [
+                    (prop.decisions[i].node.name, prop.decisions[i].in_sbp, prop.decisions[i].out_sbp)
+                    for i in body
+                ]
+            )
+        assert all(s == sigs[1] for s in sigs[1:-1])
+
+
+def test_explain_says_which_scans_stay_loops():
+    fn = jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1))
+    pl = sj.placement((2, 4), ("x", "y"))
+    e = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B))).explain(W, X)
+    assert [(n, rolled) for _, n, rolled in e.loops] == [(6, 5), (6, 5)]
+    assert all("test_loops.py" in src for src, _, _ in e.loops)
+    assert "loops: 2 of 2 scans kept as loops" in str(e) and "1 written out" in e.summary()
