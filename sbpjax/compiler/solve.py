@@ -1024,7 +1024,9 @@ def choose(
         if len(windows) > 1 and not proven:
             start = ilp if ilp is not None and (price(ilp, cost_model) < g_price or not g_fits) else greedy
             if start is not greedy or g_fits:
-                deadline = max(t0 + time_limit, time.perf_counter() + (1 - WHOLE_SHARE) * time_limit / 2)
+                # the windows' share of the time, after the whole-program solve's (or, where
+                # the solve by bytes alone ran too, after both: up to 1.5x time_limit in all)
+                deadline = max(t0 + time_limit, time.perf_counter() + (1 - WHOLE_SHARE) * time_limit)
                 refined = _refine(run, start, deadline, windows, cost_model)
     except ImportError as e:  # scipy is a dependency; a broken install still compiles
         if not g_fits or auto:
