@@ -130,17 +130,6 @@ def plan_runs(prop: Propagation) -> list[Run]:
     for i, d in enumerate(decs):
         for o, v in enumerate(d.node.outs):
             producer[id(v)] = (i, o)
-    # where each value is read: decision indices (its ops and the boxings placed there), -1 for the outputs
-    readers: dict = {}
-    for i, d in enumerate(decs):
-        for a in d.node.ins:
-            readers.setdefault(id(a), set()).add(i)
-        for b in d.boxings:
-            readers.setdefault(id(b.var), set()).add(i)
-    for a in prog.outputs:
-        readers.setdefault(id(a), set()).add(-1)
-    for b in prop.out_boxings:
-        readers.setdefault(id(b.var), set()).add(-1)
     # the layouts each value is available in, and from where (decision index; -1: an input)
     made_at: dict = {}
     for v, nd in zip(prog.inputs, prop.in_sbp):
@@ -156,7 +145,8 @@ def plan_runs(prop: Propagation) -> list[Run]:
     def available(v, before: int) -> set:
         return {nd for i, nd in made_at.get(id(v), ()) if i < before}
 
-    # the layouts each value is read in, and where (-1: the program's outputs)
+    # the layouts each value is read in, and where: decision indices (its ops and the
+    # boxings placed there), -1 for the program's outputs
     reads: dict = {}
     for i, d in enumerate(decs):
         for a, nd in zip(d.node.ins, d.in_sbp):
@@ -175,7 +165,6 @@ def plan_runs(prop: Propagation) -> list[Run]:
         boxings_of.setdefault(id(b.var), []).append((-1, b))
     ctx = types.SimpleNamespace(
         producer=producer,
-        readers=readers,
         available=available,
         made_at=made_at,
         reads=reads,
@@ -345,7 +334,7 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
     """The run of these iterations, or None where the body cannot read its
     carries and slices from a loop's state."""
     decs = prop.decisions
-    producer, readers, available = ctx.producer, ctx.readers, ctx.available
+    producer, available = ctx.producer, ctx.available
     its = [loop.iterations[q] for q in positions]
     t, tbody = its[0], bodies[positions[0]]
     nc, ncarry = loop.n_consts, loop.n_carry
@@ -493,7 +482,7 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
     for q in positions:
         role_q, _ = _roles(prop, loop, loop.iterations[q], bodies[q])
         hoisted += [b for i in bodies[q] for b in decs[i].boxings if role_q(b.var)[0] == OUTER]
-    stacks, dropped = _direct_stacks(prop, loop, its, role, escapes, producer, readers)
+    stacks, dropped = _direct_stacks(prop, loop, its, role, escapes, ctx)
     pushed = _pushed_boxings(ctx, stacks, escapes)
     # what leaves the loop: values read after it (other than by the stacks it fills)
     carry_out = {("made", *pos[id(t.outs[c])]) for c, _ in carries}
@@ -579,7 +568,7 @@ def _boxed_after(ctx, wanted, last) -> bool:
     return all(any(i > last and nd == want for i, nd in ctx.made_at.get(id(v), ())) for v, want in wanted)
 
 
-def _direct_stacks(prop, loop, its, role, escapes, producer, readers):
+def _direct_stacks(prop, loop, its, role, escapes, ctx):
     """The stacks of ``ys`` (``jnp.stack`` of the slices: jax's stack op, or one
     expand-dims per slice and a concatenate) whose slices the rolled iterations
     make in the layout the stack reads, so the lowering writes the loop's
@@ -589,7 +578,7 @@ def _direct_stacks(prop, loop, its, role, escapes, producer, readers):
     position, output, slice layout, [(index, slice Var) of the other
     iterations], index of the stacking decision) per such stack, and the
     decision indices of the ops it replaces."""
-    decs = prop.decisions
+    decs, producer = prop.decisions, ctx.producer
     escaped = {key: layouts for key, layouts, _ in escapes}
     rolled = {it.index for it in its}
     by_index = {it.index: it for it in loop.iterations}
@@ -620,7 +609,8 @@ def _direct_stacks(prop, loop, its, role, escapes, producer, readers):
         ops, ok, nd = [where[0]], True, None
         for m, e in enumerate(cat.node.ins):
             at = producer.get(id(e))
-            if at is None or tuple(cat.in_sbp[m]) != whole or readers.get(id(e)) != {where[0]}:
+            readers = {i for i, _ in ctx.reads.get(id(e), ())}
+            if at is None or tuple(cat.in_sbp[m]) != whole or readers != {where[0]}:
                 ok = False
                 break
             ex = decs[at[0]]
