@@ -289,6 +289,48 @@ def test_checkpoint_recomputes_in_the_lowered_program(pl24, scan):
         assert_close(got.numpy(), np.asarray(w), rtol=1e-4, scale=np.abs(w).max())
 
 
+POLICIES = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "checkpoint_dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_checkpoint_policies_decide_what_is_recomputed_as_under_jax_jit(pl24, policy):
+    """A remat policy survives: JAX's differentiation applies it (the saved
+    residuals are outputs of the forward pass, the rest is recomputed inside
+    the checkpoint region) and the region is kept. In the scanned layers'
+    backward loop (the input's gradient taken too, so that every iteration
+    runs in the loop) the dots and tanhs recomputed are those jax.jit
+    recomputes with the same policy, counted against each program's no-remat
+    version, and memory falls where jax.jit's does."""
+    args = stacked_weights(3)
+
+    def loss(w1, w2, x, remat):
+        f = jax.checkpoint(layer, policy=POLICIES[policy]) if remat else layer
+        h, _ = jax.lax.scan(lambda h, w: (f(h, w), None), x, (w1, w2))
+        return jnp.mean(h**2)
+
+    def programs(remat):
+        g = jax.value_and_grad(lambda *a: loss(*a, remat=remat), argnums=(0, 1, 2))
+        f = sj.jit(g, placement=pl24, in_sbp=(W1_SBP, W2_SBP, X_SBP), out_sbp=(None, (W1_SBP, W2_SBP, X_SBP)))
+        return g, f, f.lower(*args).compile(), jax.jit(g).lower(*args).compile()
+
+    plain, remat = programs(False), programs(True)
+    assert hlo_count(remat[2], "while") == 2
+    for op in ("dot", "tanh"):
+        recomputed = hlo_count(remat[2], op) - hlo_count(plain[2], op)
+        assert recomputed == hlo_count(remat[3], op) - hlo_count(plain[3], op), op
+    temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731
+    assert (temp(remat[2]) < temp(plain[2])) == (temp(remat[3]) < temp(plain[3]))
+    assert measured(remat[2]) == remat[1].explain(*args).bytes == measured(plain[2])
+    _, want = jax.jit(remat[0])(*args)
+    for got, w in zip(remat[1](*args)[1], want):
+        assert_close(got.numpy(), np.asarray(w), rtol=1e-4, scale=np.abs(w).max())
+
+
 def test_constrain_inside_a_loop_body_is_kept_in_every_iteration(pl24):
     """sj.constrain in a scan body pins the layout in every iteration (it was
     ignored while loops ran whole)."""

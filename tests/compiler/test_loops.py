@@ -18,6 +18,9 @@ XS = RNG.normal(size=(5, 16, 8)).astype(np.float32)
 NESTED = RNG.normal(size=(3, 4, 16, 8)).astype(np.float32)
 W = (RNG.normal(size=(6, 32, 32)) / 6).astype(np.float32)
 X = RNG.normal(size=(16, 32)).astype(np.float32)
+# uneven splits in the loop body: 30 features on 4 devices, a batch of 13 on 2 and on 8
+W_UNEVEN = (RNG.normal(size=(3, 30, 30)) / 6).astype(np.float32)
+X_UNEVEN = RNG.normal(size=(13, 30)).astype(np.float32)
 
 
 def reverse_scan(xs):
@@ -70,6 +73,15 @@ CASES = [
         2,
     ),
     ("data_parallel_grad", jax.grad(lambda w, x: mlp(w, x)[0]), (W, X), (8,), (B, S(0)), 2),
+    (
+        "megatron_grad_uneven",
+        jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1)),
+        (W_UNEVEN, X_UNEVEN),
+        (2, 4),
+        ((B, S(2)), (S(0), B)),
+        2,
+    ),
+    ("data_parallel_grad_uneven", jax.grad(lambda w, x: mlp(w, x)[0]), (W_UNEVEN, X_UNEVEN), (8,), (B, S(0)), 2),
     ("carry_as_ys", carry_as_ys, (X,), (8,), (S(0),), 1),
     ("outer_weight", outer_weight, (W, X), (2, 4), ((B, S(2)), (S(0), B)), 1),
 ]
