@@ -11,7 +11,8 @@ the lowering runs a run as one ``lax.scan`` whose body is its first iteration
 program then keeps the loop: one body to compile, and the memory of a loop.
 Written out, XLA schedules the layers as one program with more values live
 at once: 2.0x GSPMD's temp memory on a scanned 4-layer MLP step at d 256, 1.6x
-its peak on the model zoo's scanned decoder; kept as loops, 1.00x and 1.15x.
+its peak on the model zoo's scanned decoder; kept as loops, 1.00x and 0.79x
+(each loop slicing its layers' weights itself: ``trace.LOOP_SLICES``).
 
 Values are unchanged: a run executes the same boxings and ops as the
 written-out iterations, on the same local pieces; the plan's bytes are the
@@ -20,8 +21,9 @@ compiled program's (XLA's trip count multiplies the body's collectives, see
 
 - *slices*: ``x[i]`` of a stacked operand, indexed out of the operand's local
   piece (its layout leaves the stacked dim whole), or out of a stack of the
-  values code before the loop boxed it to (the forward pass's gathered
-  weights, read again by the backward pass);
+  values code before the loop boxed it to (only where loops share their
+  slices, ``trace.LOOP_SLICES = False``: the forward pass's gathered weights,
+  read again by the backward pass);
 - *carries*: what the previous iteration made, in each layout the body reads
   it in (the loop's state). The first iteration's carry often arrives in a
   layout the others box to at their start; those boxings then run at the end
@@ -423,6 +425,14 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
     # slices: x[i] in its slicing's layout is the slice of the stacked operand's
     # local piece; in a layout code before the loop boxed it to (the forward
     # pass's gathered weight, read again by the backward pass) it is that value
+    # (or a slice the code between the bodies made, and boxed where a whole
+    # stack cannot be: a residual the forward loop stacked as a partial,
+    # reduced slice by slice; that code runs before the loop)
+    between = covered - in_run
+
+    def before_loop(v) -> set:
+        return available(v, first) | {nd for i, nd in ctx.made_at.get(id(v), ()) if i in between}
+
     xs = []
     for j, x in enumerate(loop.xs):
         k = nc + ncarry + j
@@ -443,7 +453,7 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
                 else shift_up(nd) in available(x, first)
             ):
                 xs.append((k, nd, x))
-            elif all(nd in available(it.ins[k], first) for it in its):
+            elif all(nd in before_loop(it.ins[k]) for it in its):
                 xs.append((k, nd, None))
             else:
                 return None

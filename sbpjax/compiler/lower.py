@@ -108,6 +108,10 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
             for i in body_:
                 for b in prop.decisions[i].boxings:
                     zones[id(b)] = (*zones.get(id(b), ()), (n, "before" if id(b) in hoisted else m))
+        # the code between the bodies runs before the loop: its boxings join only each other
+        for i in r.slices:
+            for b in prop.decisions[i].boxings:
+                zones[id(b)] = (*zones.get(id(b), ()), (n, "slices"))
 
     for r in runs:
         # boxings a loop ran already (Run.pushed, Run.done) run alone, so box() can skip them
