@@ -107,6 +107,13 @@ ZERO_FILL_WEIGHT = 1 / 16
 # with the latency it is GSPMD's one bucketed all-reduce. Gradient all-reduces
 # are bucketed after the choice (``sbpjax.compiler.buckets``) and so cost less
 # latency than counted here; the count only ever favours fewer collectives.
+# Decision: one alpha / beta per collective, not the cost model's full ring
+# time (N devices x (p - 1) hops x alpha / beta in the summed bytes counted
+# here: 5.6 MB for an all-gather over 8). Tried (benchmarks/compiler.py): that
+# price makes the data-parallel transformer step GSPMD's one all-reduce
+# (73.4 MB instead of 4 collectives and 68.0 MB), but the tensor-parallel step
+# then moved 80.8 MB instead of 67.9, and the 2-D step's solve stopped at a
+# 7.5% gap after 20 s (a heavy fixed price per edge weakens HiGHS's bound).
 # False: bytes alone, ties broken by 1/64 B per collective.
 LATENCY = True
 
