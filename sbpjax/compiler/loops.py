@@ -249,18 +249,17 @@ def _signature(prop, loop, it, body):
     previous iteration's carry (see ``Run.rotated``)."""
     decs = prop.decisions
     role, _ = _roles(prop, loop, it, body)
-    carry_ins = range(loop.n_consts, loop.n_consts + loop.n_carry)
     sig, carried = [], []
     for p, i in enumerate(body):
         d = decs[i]
         node = d.node
         boxings = []
         for b in d.boxings:
-            r = role(b.var)
-            if r[0] == "in" and r[1] in carry_ins:
-                carried.append((p, r[1], b.src, b.dst))
-            elif r[0] != OUTER:
-                boxings.append((r, b.src, b.dst))
+            k = _carry_input(loop, role, b)
+            if k is not None:
+                carried.append((p, k, b.src, b.dst))
+            elif role(b.var)[0] != OUTER:
+                boxings.append((role(b.var), b.src, b.dst))
         sig.append(
             (
                 _op_key(node),
@@ -320,16 +319,25 @@ def _grow(prop, loop, bodies, q0, ctx) -> Run | None:
     return None
 
 
+def _carry_input(loop, role, b) -> int | None:
+    """The iteration's input index of the carry that boxing ``b`` boxes (the
+    carry as it came into the iteration), or None for any other value."""
+    r = role(b.var)
+    if r[0] == "in" and loop.n_consts <= r[1] < loop.n_consts + loop.n_carry:
+        return r[1]
+    return None
+
+
 def _carry_boxings(prop, loop, it, body) -> list:
     """(carry, Boxing) of the iteration's boxings of the carries it reads."""
     role, _ = _roles(prop, loop, it, body)
-    carry_ins = range(loop.n_consts, loop.n_consts + loop.n_carry)
-    return [
-        (role(b.var)[1] - loop.n_consts, b)
-        for i in body
-        for b in prop.decisions[i].boxings
-        if role(b.var)[0] == "in" and role(b.var)[1] in carry_ins
-    ]
+    found = []
+    for i in body:
+        for b in prop.decisions[i].boxings:
+            k = _carry_input(loop, role, b)
+            if k is not None:
+                found.append((k - loop.n_consts, b))
+    return found
 
 
 def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | None:
