@@ -21,9 +21,11 @@ compiled program's (XLA's trip count multiplies the body's collectives, see
 
 - *slices*: ``x[i]`` of a stacked operand, indexed out of the operand's local
   piece (its layout leaves the stacked dim whole), or out of a stack of the
-  values code before the loop boxed it to (only where loops share their
-  slices, ``trace.LOOP_SLICES = False``: the forward pass's gathered weights,
-  read again by the backward pass);
+  slices as code before the loop boxed them: one by one, where the stack's
+  layout cannot be sliced into the one the body reads (a residual the forward
+  loop stacked as a partial), or, where loops share their slices
+  (``trace.LOOP_SLICES = False``), the forward pass's gathered weights read
+  again by the backward pass;
 - *carries*: what the previous iteration made, in each layout the body reads
   it in (the loop's state). The first iteration's carry often arrives in a
   layout the others box to at their start; those boxings then run at the end
@@ -255,11 +257,11 @@ def _signature(prop, loop, it, body):
         node = d.node
         boxings = []
         for b in d.boxings:
-            k = _carry_input(loop, role, b)
-            if k is not None:
-                carried.append((p, k, b.src, b.dst))
-            elif role(b.var)[0] != OUTER:
-                boxings.append((role(b.var), b.src, b.dst))
+            r = role(b.var)
+            if _carry_input(loop, r) is not None:
+                carried.append((p, r[1], b.src, b.dst))
+            elif r[0] != OUTER:
+                boxings.append((r, b.src, b.dst))
         sig.append(
             (
                 _op_key(node),
@@ -319,10 +321,9 @@ def _grow(prop, loop, bodies, q0, ctx) -> Run | None:
     return None
 
 
-def _carry_input(loop, role, b) -> int | None:
-    """The iteration's input index of the carry that boxing ``b`` boxes (the
-    carry as it came into the iteration), or None for any other value."""
-    r = role(b.var)
+def _carry_input(loop, r) -> int | None:
+    """The iteration's input index of the carry whose role (``_roles``) is
+    ``r``: the carry as it came into the iteration; None for any other value."""
     if r[0] == "in" and loop.n_consts <= r[1] < loop.n_consts + loop.n_carry:
         return r[1]
     return None
@@ -334,7 +335,7 @@ def _carry_boxings(prop, loop, it, body) -> list:
     found = []
     for i in body:
         for b in prop.decisions[i].boxings:
-            k = _carry_input(loop, role, b)
+            k = _carry_input(loop, role(b.var))
             if k is not None:
                 found.append((k - loop.n_consts, b))
     return found
@@ -431,11 +432,9 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
             return None
 
     # slices: x[i] in its slicing's layout is the slice of the stacked operand's
-    # local piece; in a layout code before the loop boxed it to (the forward
-    # pass's gathered weight, read again by the backward pass) it is that value
-    # (or a slice the code between the bodies made, and boxed where a whole
-    # stack cannot be: a residual the forward loop stacked as a partial,
-    # reduced slice by slice; that code runs before the loop)
+    # local piece; in a layout code before the loop boxed it to, it is that value
+    # (see the module docstring). The code between the bodies (the later
+    # iterations' slicing, and its boxings) runs before the loop too.
     between = covered - in_run
 
     def before_loop(v) -> set:
