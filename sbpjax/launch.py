@@ -36,7 +36,32 @@ import time
 # Run in each child before the user's script: join the distributed run, then
 # run the script as __main__ with its own arguments.
 _BOOT = """
-import os, runpy, sys
+import ctypes, os, runpy, sys
+
+# Each line leaves in one write, so the launcher never reads a line of the
+# script's cut by a line gloo's threads log at the same time (C's stdout).
+sys.stdout.reconfigure(line_buffering=True)
+sys.stderr.reconfigure(line_buffering=True)
+try:
+    libc = ctypes.CDLL(None)
+    for name in ("stdout", "__stdoutp"):  # glibc, macOS
+        try:
+            libc.setvbuf(ctypes.c_void_p.in_dll(libc, name), None, 1, 0)  # 1: _IOLBF
+            break
+        except ValueError:
+            pass
+except OSError:
+    libc = None
+if "SBPJAX_PYTHONUNBUFFERED" in os.environ:  # for the script's own child processes
+    os.environ["PYTHONUNBUFFERED"] = os.environ.pop("SBPJAX_PYTHONUNBUFFERED")
+
+
+def flush_all():
+    sys.stdout.flush(); sys.stderr.flush()
+    if libc is not None:
+        libc.fflush(None)
+
+
 import jax
 jax.distributed.initialize(coordinator_address=os.environ["SBPJAX_COORDINATOR"],
                            num_processes=int(os.environ["SBPJAX_NUM_PROCESSES"]),
@@ -48,14 +73,14 @@ try:
 except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     if code:
-        sys.stdout.flush(); sys.stderr.flush()
+        flush_all()
         os._exit(code)
 except BaseException:
     # Exit now: jax.distributed's shutdown at exit waits for the peers, which
     # may be blocked in a collective with this process; the launcher stops them.
     import traceback
     traceback.print_exc()
-    sys.stdout.flush(); sys.stderr.flush()
+    flush_all()
     os._exit(1)
 """
 
@@ -74,8 +99,13 @@ def child_env(rank: int, nprocs: int, port: int, local_devices: int | None, base
         SBPJAX_COORDINATOR=f"127.0.0.1:{port}",
         SBPJAX_NUM_PROCESSES=str(nprocs),
         SBPJAX_PROCESS_ID=str(rank),
-        PYTHONUNBUFFERED="1",
     )
+    # Not for the child itself: PYTHONUNBUFFERED makes print() write each of
+    # its arguments separately and C's stdout write each piece of a line, so
+    # the script's lines and gloo's log came out cut into each other. _BOOT
+    # line-buffers both instead (as timely) and sets it back for the script.
+    if "PYTHONUNBUFFERED" in env:
+        env["SBPJAX_PYTHONUNBUFFERED"] = env.pop("PYTHONUNBUFFERED")
     if local_devices is not None:
         flags = [
             f

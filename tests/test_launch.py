@@ -79,6 +79,36 @@ def test_two_processes_of_four_devices_run_one_program(tmp_path):
         assert f"[p{rank}] rank {rank} of 2 devices 8 4 sum 96.0 args ['--flag', '7']" in out, out
 
 
+# C code (gloo's connection log, from its own threads) and Python write to the
+# same stdout. Two writers cut each other's lines unless each line leaves in one
+# write; this script makes the cuts happen at set points instead of by chance.
+INTERLEAVED = """
+import ctypes
+libc = ctypes.CDLL(None)
+
+class WritesALineOfC:
+    def __str__(self):  # print() calls it after writing "python " and " "
+        libc.printf(b"C whole line\\n")
+        libc.fflush(None)
+        return "line"
+
+print("python", WritesALineOfC())
+libc.printf(b"C first half, ")   # no newline yet
+print("python", "again")
+libc.printf(b"C second half\\n")
+"""
+
+
+def test_lines_of_python_and_of_c_code_are_never_cut_into_each_other(tmp_path):
+    code, out, _ = launch(tmp_path, INTERLEAVED, "-n", "1", "--local-devices", "1")
+    assert code == 0, out
+    lines = [line for line in out.splitlines() if not line.startswith("[launch]")]
+    assert "[p0] python line" in lines, out
+    assert "[p0] C whole line" in lines, out
+    assert "[p0] python again" in lines, out
+    assert "[p0] C first half, C second half" in lines, out
+
+
 def test_a_failing_process_stops_the_others_and_is_named(tmp_path):
     code, out, seconds = launch(tmp_path, FAIL, "-n", "2", "--local-devices", "4", "--grace", "3")
     assert code == 1, out
