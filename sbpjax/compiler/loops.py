@@ -407,9 +407,10 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
         # the last iteration boxes its carry for a next one: the iteration after
         # the run must box it so too (it then finds it boxed), or the code after
         # the loop; else the last iteration is peeled
-        moved = sorted((nc + c, b.src, b.dst) for c, b in rotated)
+        # (layouts have no order: two carries boxed alike tie on the index)
+        moved = sorted(((nc + c, b.src, b.dst) for c, b in rotated), key=repr)
         if after is not None:
-            if sorted(a[1:] for a in after) != moved:
+            if sorted((a[1:] for a in after), key=repr) != moved:
                 return None
             q = positions[-1] + 1
             done = [b for _, b in _carry_boxings(prop, loop, loop.iterations[q], bodies[q])]
