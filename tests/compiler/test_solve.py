@@ -335,3 +335,48 @@ def test_each_collective_pays_its_latency_in_bytes(pl24):
     assert [(st.op, st.rounds) for st in moved.steps] == [("permute", 3)]
     assert _cost(moved, cm) == 64 * moved.bytes + round(64 * 3 * ratio(moved.steps[0].axes))
     assert _cost(plan_boxing(shape, f32, pl24, (sj.S(0), sj.B), (sj.S(0), sj.S(1)), cost_model=cm), cm) == 0
+
+
+def test_a_replicated_head_on_megatron_blocks_is_computed_as_gspmd_does(pl24):
+    """Megatron MLP blocks (tensor axis y) and a last Dense the caller left B
+    (models.py's linen_mlp). Computing that Dense whole over y, as GSPMD does,
+    needs no gather: its input is the replicated residual stream. The rule
+    that keeps contractions off whole axes once left only splitting the batch
+    over y, which made the head's weight gradient a partial over both axes
+    and moved more than GSPMD."""
+    d, hid, layers = 64, 256, 2
+    r = np.random.default_rng(0)
+    params = {
+        "blocks": [
+            {
+                "w1": (r.normal(size=(d, hid)) / np.sqrt(d)).astype(np.float32),
+                "w2": (r.normal(size=(hid, d)) / np.sqrt(hid)).astype(np.float32),
+            }
+            for _ in range(layers)
+        ],
+        "head": (r.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32),
+    }
+    psbp = {"blocks": [{"w1": (B, S1), "w2": (B, S0)} for _ in range(layers)], "head": (B, B)}
+
+    def loss(p, x, y):
+        for blk in p["blocks"]:
+            x = x + jax.nn.gelu(layernorm(x) @ blk["w1"]) @ blk["w2"]
+        return jnp.mean((layernorm(x) @ p["head"] - y) ** 2)
+
+    def layernorm(x):
+        mu = x.mean(-1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+    opt = optax.sgd(0.1)
+    x, y = (r.normal(size=(32, d)).astype(np.float32) for _ in range(2))
+    state = opt.init(params)
+    rep = (B, B)
+    ssbp = state_sbp(state, psbp, rep)
+    step = train_step(loss, opt)
+    ours, gspmd, e, compiled = compare(
+        step, (params, state, x, y), (psbp, ssbp, (S0, B), (S0, B)), (psbp, ssbp, rep), pl24
+    )
+    assert ours <= gspmd, (ours, gspmd, e.choice.describe())
+    # the head's gradient is reduced over the data axis alone (2 devices)
+    head = [b for b in e.propagation.boxings if b.var.shape == (d, d)]
+    assert head and all(b.src == (P, B) for b in head), [(b.src, b.dst) for b in head]
