@@ -353,6 +353,8 @@ class _Domains:
     def __init__(self, program, placement, in_layouts, greedy):
         self.grid = placement.shape
         self.dom: dict = {id(v): set(lays) for v, lays in zip(program.inputs, in_layouts)}
+        self.args = {id(v) for v in program.inputs}
+        self.whole_operands: dict = {}  # axis -> ids of operands of a product excepted there
         self.greedy = greedy.decisions
 
     def _uses(self, atom) -> set:
@@ -373,16 +375,28 @@ class _Domains:
         return out
 
     def _whole_already(self, node, axis) -> bool:
-        """Whether ``node`` is a product with no batch dimensions (a layer's
-        matmul or its weight gradient, not attention's products of
-        activations) none of whose operands exists only split over ``axis``
-        (using it whole there would be a gather)."""
+        """Whether ``node`` is a product with a weight the caller replicated
+        over ``axis`` (an argument whole there in every layout it may take),
+        or that weight's gradient (a product reading an activation such a
+        product read), without batch dimensions, and none of its operands
+        exists only split over ``axis`` (using it whole there would be a
+        gather)."""
         if node.name != "dot_general" or node.eqn.params["dimension_numbers"][1][0]:
             return False
-        return not any(
+        if any(
             isinstance(a, Var) and all(isinstance(nd[axis], Split) for nd in self.dom.get(id(a), ()))
             for a in node.ins
+        ):
+            return False
+        seen = self.whole_operands.setdefault(axis, set())
+        weight = any(
+            id(a) in self.args and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
+            for a in node.ins
+            if isinstance(a, Var)
         )
+        if weight:
+            seen.update(id(a) for a in node.ins if isinstance(a, Var))
+        return weight or any(isinstance(a, Var) and id(a) in seen for a in node.ins)
 
     def restrict(self, index, node, cs):
         dec = self.greedy[index]
@@ -433,24 +447,26 @@ class _Domains:
                 # step); such candidates stay out unless nothing else is left.
                 # The greedy choice may be one (it is then not kept), so the
                 # guarantee against greedy is the comparison in choose().
-                # The exception (_whole_already): a product without batch
-                # dimensions whose operands exist whole on the axis already, as
-                # a head the caller left B on a Megatron block's replicated
-                # residual stream, and its weight gradient. Nothing is gathered
-                # for it and GSPMD computes it there whole; splitting the batch
+                # The exception (_whole_already): a product with a weight the
+                # caller left B on the axis, on operands that exist whole there
+                # already (a head on a Megatron block's replicated residual
+                # stream), and that weight's gradient. Nothing is gathered for
+                # it and GSPMD computes it there whole; splitting the batch
                 # over the tensor axis instead made the head's weight gradient
                 # a partial over both axes: 23.5 MB on linen_mlp (models.py)
-                # against GSPMD's 22.4 (now 21.9). Products with batch
-                # dimensions (attention's, of two activations) get no
-                # exception: their split over heads is the tensor parallelism,
-                # and offering them whole slowed the scanned decoder's solve.
+                # against GSPMD's 22.4 (now 21.9). Wider exceptions (any
+                # product without batch dimensions whose operands may be whole
+                # there, so also split weights' gradients) added near-ties that
+                # left the scanned decoder's time-limited solve at 107 MB
+                # instead of 94 on jax 0.12, above GSPMD's 99.
+                excepted = {a for a, p in enumerate(self.grid) if p > 1 and self._whole_already(node, a)}
                 spread = [
                     c
                     for c in kept
                     if not any(
                         p > 1
+                        and a not in excepted
                         and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
-                        and not self._whole_already(node, a)
                         for a, p in enumerate(self.grid)
                     )
                 ]
