@@ -87,7 +87,7 @@ import ctypes
 libc = ctypes.CDLL(None)
 
 class WritesALineOfC:
-    def __str__(self):  # print() calls it after writing "python " and " "
+    def __str__(self):  # print() calls it after writing "python" and " "
         libc.printf(b"C whole line\\n")
         libc.fflush(None)
         return "line"

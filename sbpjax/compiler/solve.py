@@ -354,7 +354,9 @@ class _Domains:
         self.grid = placement.shape
         self.dom: dict = {id(v): set(lays) for v, lays in zip(program.inputs, in_layouts)}
         self.args = {id(v) for v in program.inputs}
-        self.whole_operands: dict = {}  # axis -> ids of operands of a product excepted there
+        # axis -> ids of the operands of products with a replicated weight there;
+        # filled in program order, so before the weight's gradient reads them
+        self.whole_operands: dict = {}
         self.greedy = greedy.decisions
 
     def _uses(self, atom) -> set:
@@ -375,12 +377,12 @@ class _Domains:
         return out
 
     def _whole_already(self, node, axis) -> bool:
-        """Whether ``node`` is a product with a weight the caller replicated
-        over ``axis`` (an argument whole there in every layout it may take),
-        or that weight's gradient (a product reading an activation such a
-        product read), without batch dimensions, and none of its operands
-        exists only split over ``axis`` (using it whole there would be a
-        gather)."""
+        """Whether ``node`` is a product without batch dimensions that may
+        run whole on ``axis``: one with a weight the caller replicated over
+        ``axis`` (an argument whole there in every layout it may take), or
+        that weight's gradient (a product reading an operand such a product
+        read); and none of its operands exists only split over ``axis``
+        (using it whole there would be a gather)."""
         if node.name != "dot_general" or node.eqn.params["dimension_numbers"][1][0]:
             return False
         if any(
