@@ -40,8 +40,8 @@ import ctypes, os, runpy, sys
 
 # Each line leaves in one write, so the launcher never reads a line of the
 # script's cut by a line gloo's threads log at the same time (C's stdout).
+# (Python's stderr is line-buffered already.)
 sys.stdout.reconfigure(line_buffering=True)
-sys.stderr.reconfigure(line_buffering=True)
 try:
     libc = ctypes.CDLL(None)
     for name in ("stdout", "__stdoutp"):  # glibc, macOS

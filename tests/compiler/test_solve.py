@@ -19,6 +19,7 @@ from models import (
     gpt_params,
     gpt_sbp,
     is_nd_sbp,
+    layernorm,
     state_sbp,
 )
 
@@ -360,12 +361,8 @@ def test_a_replicated_head_on_megatron_blocks_is_computed_as_gspmd_does(pl24):
 
     def loss(p, x, y):
         for blk in p["blocks"]:
-            x = x + jax.nn.gelu(layernorm(x) @ blk["w1"]) @ blk["w2"]
-        return jnp.mean((layernorm(x) @ p["head"] - y) ** 2)
-
-    def layernorm(x):
-        mu = x.mean(-1, keepdims=True)
-        return (x - mu) * jax.lax.rsqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+            x = x + jax.nn.gelu(layernorm(x, 1.0) @ blk["w1"]) @ blk["w2"]
+        return jnp.mean((layernorm(x, 1.0) @ p["head"] - y) ** 2)
 
     opt = optax.sgd(0.1)
     x, y = (r.normal(size=(32, d)).astype(np.float32) for _ in range(2))
