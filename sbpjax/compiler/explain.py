@@ -8,6 +8,7 @@ import os
 from sbpjax.boxing.plan import human_bytes
 from sbpjax.compiler.loops import plan_runs
 from sbpjax.compiler.propagate import Propagation
+from sbpjax.compiler.switches import plan_switches
 from sbpjax.sbp import format_sbp
 
 
@@ -101,6 +102,33 @@ class Explanation:
         return f"loops: {kept} of {len(loops)} scans kept as loops ({'; '.join(parts)})"
 
     @property
+    def conds(self) -> list:
+        """Per ``cond`` / ``switch`` written out to choose layouts: ``(source
+        line, branches, whether the compiled program runs it as a lax.switch)``;
+        one that does not computes every branch and selects
+        (``sbpjax.compiler.switches``)."""
+        prop = self.propagation
+        live = {id(d.node) for d in prop.decisions}
+        switches, _ = plan_switches(prop, plan_runs(prop))
+        return [
+            (c.source, c.n_branches, c.id in switches)
+            for c in prop.program.conds
+            if any(id(n) in live for n in c.selects)
+        ]
+
+    def _conds_line(self) -> str | None:
+        conds = self.conds
+        if not conds:
+            return None
+        parts = [
+            f"{os.path.basename(src.split(' (')[0])}: {n} branches"
+            + ("" if kept else ", every branch computed")
+            for src, n, kept in conds
+        ]
+        kept = sum(1 for *_, k in conds if k)
+        return f"conds: {kept} of {len(conds)} run as lax.switch ({'; '.join(parts)})"
+
+    @property
     def ops(self) -> list:
         """(primitive, source, input nd-SBPs, output nd-SBPs) per op."""
         return [(d.node.name, d.node.source, d.in_sbp, d.out_sbp) for d in self.propagation.decisions]
@@ -126,6 +154,8 @@ class Explanation:
             lines.append("  " + timing)
         if (loops := self._loops_line()) is not None:
             lines.append("  " + loops)
+        if (conds := self._conds_line()) is not None:
+            lines.append("  " + conds)
         for op, (n, nbytes) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {op:<15} x{n:<4} {human_bytes(nbytes)}")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -144,6 +174,8 @@ class Explanation:
             lines.append("  " + timing)
         if (loops := self._loops_line()) is not None:
             lines.append("  " + loops)
+        if (conds := self._conds_line()) is not None:
+            lines.append("  " + conds)
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
         own: dict = {}
         for i, c in self.comm:

@@ -21,6 +21,7 @@ from sbpjax.compiler import uneven
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
 from sbpjax.compiler.loops import plan_runs, shift_up
 from sbpjax.compiler.propagate import CONSTRAIN, Propagation
+from sbpjax.compiler.switches import plan_switches
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
 from sbpjax.rules import RULES, local_shape, split_axes
@@ -117,6 +118,15 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
         # boxings a loop ran already (Run.pushed, Run.done) run alone, so box() can skip them
         for b in [b for b, _, _ in r.pushed.values()] + r.done:
             zones[id(b)] = (("done in a loop", id(b)),)
+    # written-out conds that run as lax.switch (sbpjax.compiler.switches): a bucket
+    # stays inside one branch, or outside them all
+    switches, places = plan_switches(prop, runs)
+    for b_id, place in places.items():
+        zones[b_id] = (*zones.get(b_id, ()), ("branch", place))
+    switch_at: dict = {}  # first decision index -> the switches starting there (nested ones share it)
+    for sw in switches.values():
+        switch_at.setdefault(sw.span[0], []).append(sw)
+    before_switch = {id(b) for sw in switches.values() for b in sw.before}
     # boxings that run the same collectives run together (sbpjax.compiler.buckets)
     buckets, joined = plan_buckets(prop, zones=zones)
 
@@ -157,17 +167,26 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
         for c, y in zip(bucket.boxings, ys):
             env[(id(c.var), c.dst)] = y
 
-    def walk(indices, env, template=None):
+    def walk(indices, env, template=None, depth=0):
         """Run these decisions (program order) on local pieces held in ``env``
-        (``template``: the run whose body these are)."""
+        (``template``: the run whose body these are; ``depth``: how many
+        switches' branches they lie in)."""
         entered: set = set()
         shared: dict = {}  # what ops' own communication made (LocalCtx.memo)
         k = 0
         while k < len(indices):
             i = indices[k]
             run = run_at.get(i)
+            sw = next((w for w in switch_at.get(i, ()) if w.depth == depth), None)
+            if sw is not None and run is not None and run is not template and run.last > sw.span[1]:
+                sw = None  # the cond lies in the loop's first iteration: the loop runs it
+            if sw is not None:
+                switch(sw, env, template)
+                while k < len(indices) and indices[k] in sw.members:
+                    k += 1
+                continue
             if run is not None and run is not template:
-                roll(run, env)
+                roll(run, env, depth)
                 while k < len(indices) and indices[k] <= run.last:
                     k += 1
                 continue
@@ -192,7 +211,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 if keys:
                     env.update(zip(keys, lax.optimization_barrier(tuple(env[key] for key in keys))))
             for b in dec.boxings:
-                if id(b) not in hoisted:
+                if id(b) not in hoisted and id(b) not in before_switch:
                     box(env, b)
             node = dec.node
             ins = [read(env, a, nd) for a, nd in zip(node.ins, dec.in_sbp)]
@@ -209,6 +228,32 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 outs = local(node.eqn, ins, ctx)
             for v, nd, y in zip(node.outs, dec.out_sbp, outs):
                 env[(id(v), nd)] = y
+
+    def switch(sw, env, template):
+        """A written-out cond as one lax.switch (sbpjax.compiler.switches)."""
+        for b in sw.before:
+            box(env, b)
+        sel = [prop.decisions[i] for i in sw.selects]
+        index = read(env, sw.cond.index, sel[0].in_sbp[0])
+
+        def branch(k):
+            def run_branch():
+                inner = dict(env)  # values from before the cond are closed over
+                walk(sw.branches[k], inner, template, sw.depth + 1)
+                for b in sw.cases[k]:
+                    box(inner, b)
+                outs = []
+                for d in sel:
+                    out, nd = d.node.outs[0], d.out_sbp[0]
+                    y = read(inner, d.node.ins[1 + k], d.in_sbp[1 + k])
+                    outs.append(jnp.broadcast_to(y, local_shape(out.shape, nd, grid)).astype(out.dtype))
+                return outs
+
+            return run_branch
+
+        outs = lax.switch(index, [branch(k) for k in range(sw.cond.n_branches)])
+        for d, y in zip(sel, outs):
+            env[(id(d.node.outs[0]), d.out_sbp[0])] = y
 
     def stacked(env, vs, nd):
         """The values ``vs`` (layout ``nd``, consecutive loop indices) as
@@ -228,11 +273,11 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 )
         return jnp.stack([read(env, v, nd) for v in vs]), 0, []
 
-    def roll(run, env):
+    def roll(run, env, depth=0):
         """A run of alike iterations as one lax.scan over its template's body."""
         loop, t = run.loop, run.template
         nc = loop.n_consts
-        walk(run.slices, env)
+        walk(run.slices, env, depth=depth)
         for b in run.hoisted:
             box(env, b)
         lo = min(run.indices)
@@ -288,7 +333,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 for i, y in extra:  # (an index outside ``whole`` is clamped, then replaced)
                     piece = jnp.where(index == i, y, piece)
                 inner[(id(t.ins[k]), nd)] = piece
-            walk(tbody, inner, run)
+            walk(tbody, inner, run, depth)
             for c, b in run.rotated:  # the next iteration's boxings of its carry
                 inner[(id(t.outs[c]), b.dst)] = run_plan(b.plan, settled(inner, t.outs[c], b.src))
             carry = [inner[(id(t.outs[c]), nd)] for c, layouts in run.carries for nd in layouts]

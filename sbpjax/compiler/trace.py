@@ -40,6 +40,7 @@ INLINE = {
 _JAXPR_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _ids = itertools.count()
 _regions = itertools.count(1)
+_conds = itertools.count(1)
 
 # jax.checkpoint / nnx.remat regions (with prevent_cse, their default) are
 # inlined like other calls, but their equations are not merged with equal ones
@@ -60,11 +61,12 @@ REMAT = ("checkpoint", "remat", "remat2")
 # than the ones between); the solver then gives the iterations of a scan the
 # same choices (solve.loop_classes), and the lowering rolls alike iterations
 # back into one lax.scan (sbpjax.compiler.loops), so the compiled program
-# keeps the loop with its collectives inside. A cond computes every branch
-# and selects (both run: keep expensive or effectful branches out of
-# sj.jit, or over the limit). Loops above the limit, and while loops whose
-# trip count is only known at run time, still run whole on every device with
-# an SBPWarning.
+# keeps the loop with its collectives inside. A cond / switch is written out
+# as its branches followed by one select_n per result (the layout choice sees
+# every branch); the lowering runs it as a lax.switch again, each branch's
+# ops and boxings inside its branch, so only the branch taken computes (see
+# Cond). Loops above the limit, and while loops whose trip count is only
+# known at run time, still run whole on every device with an SBPWarning.
 UNROLL_LIMIT = 20_000
 
 # Each written-out scan slices its stacked operands itself: its slices are not
@@ -120,6 +122,8 @@ class Node:
     outs: list
     source: str
     region: int = 0  # the jax.checkpoint region it recomputes (0: none); see REMAT
+    # the branches it lies in, outermost first: ((Cond.id, branch number), ...)
+    branch: tuple = ()
     # what its candidate signatures depend on, computed once (propagate.op_key)
     op_key: Any = dataclasses.field(default=None, repr=False)
 
@@ -155,6 +159,22 @@ class Loop:
     source: str = ""  # the user's line that made the scan
 
 
+@dataclasses.dataclass(eq=False)
+class Cond:
+    """A ``cond`` / ``switch`` written out: its branches' nodes (tagged with
+    ``Node.branch``), then ``selects``, one ``select_n(index, *cases)`` node per
+    result. Each branch is written out with its own copy of the merge table,
+    so no code after the cond reads a value made inside a branch: a branch's
+    values reach the rest of the program only through the selects, and the
+    lowering may run the branches as a ``lax.switch``."""
+
+    id: int
+    index: Any  # the (clamped) branch number, an atom of the enclosing code
+    n_branches: int
+    selects: list  # Node per result
+    source: str = ""
+
+
 @dataclasses.dataclass
 class Program:
     inputs: list  # Var per flattened argument leaf
@@ -162,6 +182,7 @@ class Program:
     outputs: list  # Var or Const per flattened output leaf
     out_tree: object
     loops: list = dataclasses.field(default_factory=list)  # Loop, inner loops first
+    conds: list = dataclasses.field(default_factory=list)  # Cond, inner conds first
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -235,10 +256,11 @@ def trace(fn, leaves_avals, in_tree) -> Program:
     inputs = [Var(tuple(a.shape), _dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
     nodes: list = []
     loops: list = []
-    outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, loops=loops)
+    conds: list = []
+    outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, loops=loops, conds=conds)
     nodes = _dce(nodes, outs)
     nodes = _dce(_fuse_padded_windows(nodes, outs), outs)
-    return Program(inputs, nodes, outs, out_tree, loops)
+    return Program(inputs, nodes, outs, out_tree, loops, conds)
 
 
 def _fuse_padded_windows(nodes, outputs):
@@ -289,13 +311,15 @@ def _fuse_padded_windows(nodes, outputs):
             out.append(node)  # this JAX spells it otherwise: keep the pair
             continue
         fused[0].outs, fused[0].source, fused[0].region = node.outs, node.source, node.region
+        fused[0].branch = node.branch
         out.append(fused[0])
     return out
 
 
-def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None):
+def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None, conds=None):
     cse = {} if cse is None else cse
     loops = [] if loops is None else loops
+    conds = [] if conds is None else conds
     env: dict = {}
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = Const(c)
@@ -309,7 +333,7 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None):
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        flat = _flatten_control(eqn, ins, nodes, cse, loops)
+        flat = _flatten_control(eqn, ins, nodes, cse, loops, conds)
         if flat is not None:
             for v, o in zip(eqn.outvars, flat):
                 env[v] = o
@@ -321,12 +345,12 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None):
             if len(inner_jaxpr.invars) == len(ins):
                 if eqn.primitive.name in REMAT and eqn.params.get("prevent_cse", False):
                     start = len(nodes)
-                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {}, loops)
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {}, loops, conds)
                     region = next(_regions)
                     for n in nodes[start:]:
                         n.region = n.region or region  # the innermost region wins
                 else:
-                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse, loops)
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse, loops, conds)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
@@ -354,7 +378,7 @@ def _size(closed) -> int:
     return len(getattr(closed, "jaxpr", closed).eqns)
 
 
-def _flatten_control(eqn, ins, nodes, cse, loops):
+def _flatten_control(eqn, ins, nodes, cse, loops, conds):
     """The outputs of a scan or cond written out as straight-line code (see
     ``UNROLL_LIMIT``), or None to keep the equation as it is."""
     name, p = eqn.primitive.name, eqn.params
@@ -390,7 +414,7 @@ def _flatten_control(eqn, ins, nodes, cse, loops):
             # a copy of the merge table: equal equations merge within the iteration
             # and with the code before the loop, never across iterations (the
             # lowering rolls iterations that are alike back into one loop body)
-            outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), loops)
+            outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), loops, conds)
             made = {id(o) for n in nodes[start:] for o in n.outs}
             loop.iterations.append(Iteration(i, ins_i, list(outs_i), made))
             carry, ys[i] = split_out(outs_i)
@@ -408,14 +432,27 @@ def _flatten_control(eqn, ins, nodes, cse, loops):
         if sum(_size(b) for b in branches) > UNROLL_LIMIT:
             return None
         index, operands = ins[0], ins[1:]
-        results = [_inline(b.jaxpr, list(b.consts), operands, nodes, cse, loops) for b in branches]
-        if len(results) == 1:
-            return results[0]
+        if len(branches) == 1:
+            return _inline(branches[0].jaxpr, list(branches[0].consts), operands, nodes, cse, loops, conds)
+        cond = Cond(next(_conds), index, len(branches), [], source_of(eqn))
+        results = []
+        for k, b in enumerate(branches):
+            start = len(nodes)
+            # a copy of the merge table: a branch's equations may read the code
+            # before the cond, but nothing outside the branch reads its values
+            results.append(_inline(b.jaxpr, list(b.consts), operands, nodes, dict(cse), loops, conds))
+            for n in nodes[start:]:
+                n.branch = ((cond.id, k), *n.branch)
         # lax.switch has already clamped the index; select_n picks case ``index``
-        return [
-            _emit(lambda i, *cases: jax.lax.select_n(i, *cases), [index, *cases], nodes, cse)[0]
-            for cases in zip(*results)
-        ]
+        outs = []
+        for cases in zip(*results):
+            start = len(nodes)
+            outs.append(_emit(lambda i, *cases: jax.lax.select_n(i, *cases), [index, *cases], nodes, {})[0])
+            for n in nodes[start:]:
+                n.source = cond.source  # the user's cond, not this line
+            cond.selects += [n for n in nodes[start:] if n.name == "select_n"]
+        conds.append(cond)
+        return outs
     return None
 
 

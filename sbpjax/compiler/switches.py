@@ -1,0 +1,194 @@
+"""Running written-out conds as ``lax.switch`` when lowering.
+
+The tracer writes a ``cond`` / ``switch`` out as its branches followed by one
+``select_n(index, *cases)`` per result (:class:`~sbpjax.compiler.trace.Cond`),
+so the layout choice sees every branch. Run that way, every branch would
+compute on every step, collectives included. The lowering instead runs the
+cond as a :class:`Switch`: one ``lax.switch`` on the index, each branch
+running its own ops and the boxings that belong to it, and returning its
+cases in the layout the selects read them in (a select's result has the
+layout of its cases: an elementwise op). Values are unchanged (the selects
+pick case ``index``, the branch the switch runs); the plan's bytes are the
+compiled program's, both counting every branch once (:mod:`sbpjax.comm`
+counts the collectives of each branch computation once), so for a step they
+are an upper bound: only the branch taken moves its bytes.
+
+Where each boxing runs. A boxing belongs to the innermost branch that all
+reads of its result lie in (its *place*, a path of ``(cond, branch)``
+pairs). The propagation records a boxing at the first op that reads it; a
+boxing of a value from before the cond whose result is also read after the
+cond, or in another branch, runs before the switch instead (*hoisted*), where
+every reader sees it. A boxing of a branch's own values is read in that
+branch only.
+
+A cond runs as a switch when its index is read in the same layout, not
+partial, on every device (every device then takes the same branch, so the
+collectives inside a branch match up), each select's result has the layout
+of its cases, the cond's ops are contiguous in program order, and no boxing
+owned by a rolled loop (:mod:`sbpjax.compiler.loops`) would have to move
+across its edge. Otherwise it runs as written out, every branch computed and
+the selects picking (correct, and as costly as before).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sbpjax.compiler.propagate import Propagation
+from sbpjax.compiler.trace import Cond, Var
+from sbpjax.sbp import Partial
+
+
+@dataclasses.dataclass
+class Switch:
+    """A cond the lowering runs as ``lax.switch``."""
+
+    cond: Cond
+    members: set  # decision indices of the cond (its branches' ops at any depth, its selects)
+    branches: list  # per branch, decision indices of the ops in it (program order)
+    selects: list  # decision index per select (program order)
+    before: list  # boxings run before the switch: hoisted, and the index's own
+    cases: list  # per branch, the selects' boxings of that branch's cases
+    span: tuple  # (first, last) decision index
+    depth: int  # how many switches' branches it lies in
+
+
+def _common(paths) -> tuple:
+    """The longest common prefix of branch paths."""
+    paths = list(paths)
+    out = paths[0]
+    for p in paths[1:]:
+        n = 0
+        while n < min(len(out), len(p)) and out[n] == p[n]:
+            n += 1
+        out = out[:n]
+    return tuple(out)
+
+
+def plan_switches(prop: Propagation, runs: list) -> tuple[dict, dict]:
+    """The conds of ``prop`` that run as switches, and where boxings run.
+
+    ``runs``: the rolled loops (:func:`sbpjax.compiler.loops.plan_runs`); the
+    boxings they run themselves cannot move. Returns ``(switches, places)``: ``switches`` maps ``Cond.id`` to its
+    :class:`Switch`; ``places`` maps ``id`` of each boxing inside a switch's
+    branch to its place (see the module docstring)."""
+    fixed = {id(b) for r in runs for b in [*r.hoisted, *r.done, *(p[0] for p in r.pushed.values())]}
+    fixed |= {id(b) for r in runs for _, b in r.rotated}
+    decs = prop.decisions
+    grid = prop.placement.shape
+    index_of = {id(d.node): i for i, d in enumerate(decs)}
+    members_of: dict = {}
+    for i, d in enumerate(decs):
+        for c, _ in getattr(d.node, "branch", ()):
+            members_of.setdefault(c, []).append(i)
+    candidates: dict = {}
+    for cond in prop.program.conds:
+        sel = [index_of[id(n)] for n in cond.selects if id(n) in index_of]
+        if not sel:
+            continue
+        members = sorted(set(members_of.get(cond.id, [])) | set(sel))
+        if members != list(range(members[0], members[-1] + 1)):
+            continue
+        index_layouts = {decs[i].in_sbp[0] for i in sel}
+        if len(index_layouts) != 1:
+            continue
+        (index_nd,) = index_layouts
+        if any(isinstance(s, Partial) and grid[a] > 1 for a, s in enumerate(index_nd)):
+            continue
+        if any(decs[i].in_sbp[1 + k] != decs[i].out_sbp[0] for i in sel for k in range(cond.n_branches)):
+            continue
+        candidates[cond.id] = (cond, members, sel)
+
+    real = set(candidates)
+    while True:
+        places, hoist, broken = _places(prop, real, candidates, fixed)
+        if not broken:
+            break
+        real -= broken
+
+    switches: dict = {}
+    for c in real:
+        cond, members, sel = candidates[c]
+        depth = len(_path(decs[sel[0]].node, real))
+        branches = [
+            [i for i in members if len(p := _path(decs[i].node, real)) > depth and p[depth] == (c, k)]
+            for k in range(cond.n_branches)
+        ]
+        before = [b for _, b in sorted(hoist.get(c, []), key=lambda t: t[0])]
+        cases: list = [[] for _ in range(cond.n_branches)]
+        for i in sel:
+            for b in decs[i].boxings:
+                place = places.get(id(b), ())
+                if len(place) > depth and place[depth][0] == c:
+                    cases[place[depth][1]].append(b)
+                elif id(b) not in {id(h) for h in before}:
+                    before.append(b)  # the index's boxings
+        switches[c] = Switch(
+            cond, set(members), branches, sel, before, cases, (members[0], members[-1]), depth
+        )
+    return switches, places
+
+
+def _path(node, real) -> tuple:
+    """The branches of switches ``node`` lies in, outermost first."""
+    return tuple(e for e in getattr(node, "branch", ()) if e[0] in real)
+
+
+def _places(prop, real, candidates, fixed):
+    """Each boxing's place, with the conds ``real`` run as switches: returns
+    ``(places, hoisted, broken)``: ``hoisted`` maps a cond to the
+    ``(decision index, boxing)`` pairs run before its switch, ``broken`` the
+    conds that cannot run as switches (a boxing that must cross their edge is
+    owned by a loop, or reads a value not yet made where it would run)."""
+    decs = prop.decisions
+    select_of = {id(n): c for c in real for n in candidates[c][0].selects}
+    reads: dict = {}  # (id(Var), layout) -> [path of each read]
+    where: dict = {}  # id(Boxing) -> (decision index, path where the op reads it)
+    for i, d in enumerate(decs):
+        path = _path(d.node, real)
+        c = select_of.get(id(d.node))
+        operand_paths = [
+            path + ((c, j - 1),) if c is not None and j >= 1 else path for j in range(len(d.node.ins))
+        ]
+        for a, nd, p in zip(d.node.ins, d.in_sbp, operand_paths):
+            if isinstance(a, Var):
+                reads.setdefault((id(a), nd), []).append(p)
+        for b in d.boxings:
+            at = [p for a, nd, p in zip(d.node.ins, d.in_sbp, operand_paths) if a is b.var and nd == b.dst]
+            where[id(b)] = (i, _common(at) if at else path)
+    for b in prop.out_boxings:
+        reads.setdefault((id(b.var), b.src), []).append(())
+    for a, nd in zip(prop.program.outputs, prop.out_sbp):
+        if isinstance(a, Var):
+            reads.setdefault((id(a), nd), []).append(())
+
+    places: dict = {}
+    hoisted: dict = {}
+    broken: set = set()
+    made: dict = {(id(v), nd): () for v, nd in zip(prop.program.inputs, prop.in_sbp)}
+    for i, d in enumerate(decs):
+        for v, nd in zip(d.node.outs, d.out_sbp):
+            made[(id(v), nd)] = _path(d.node, real)
+    for i, d in enumerate(decs):
+        for b in d.boxings:
+            _, at = where[id(b)]
+            place = _common([at, *reads.get((id(b.var), b.dst), [])])
+            if len(place) < len(at):
+                crossed = at[len(place)][0]
+                if id(b) in fixed:
+                    broken.add(crossed)
+                    continue
+                hoisted.setdefault(crossed, []).append((i, b))
+            if place:
+                places[id(b)] = place
+            made[(id(b.var), b.dst)] = place
+    # a boxing runs where its source is made, or deeper
+    for i, d in enumerate(decs):
+        for b in d.boxings:
+            place = places.get(id(b), ())
+            src = made.get((id(b.var), b.src))
+            if src is not None and place[: len(src)] != src:
+                broken |= {c for c, _ in place[len(_common([place, src])) :]} | {
+                    c for c, _ in src[len(_common([place, src])) :]
+                }
+    return places, hoisted, broken & real
