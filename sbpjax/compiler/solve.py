@@ -73,7 +73,7 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator, op_comm, op_key
-from sbpjax.compiler.trace import Const, Var
+from sbpjax.compiler.trace import Const, Var, common_path
 from sbpjax.rules import RULES, local_shape
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
@@ -282,7 +282,46 @@ def price(prop: Propagation, cost_model=None) -> float:
     zero-fills (``_cost``). Plans are compared by it (greedy's, the whole
     program's, the windows'), so the one kept is the solver's best."""
     cm = cost_model if cost_model is not None else CostModel()
-    return (sum(_cost(b.plan, cm) for b in prop.boxings) + 64 * sum(c.bytes for _, c in prop.comm)) / 64
+    odds = _BranchOdds(prop.program)
+    readers: dict = {}
+    for d in prop.decisions:
+        for i, (a, nd) in enumerate(zip(d.node.ins, d.in_sbp)):
+            readers.setdefault((id(a), nd), []).append(odds.read_path(d.node, i))
+    total = sum(_cost(b.plan, cm) for b in prop.out_boxings)
+    for d in prop.decisions:
+        for b in d.boxings:
+            total += odds.boxing(readers.get((id(b.var), b.dst), [()])) * _cost(b.plan, cm)
+    total += 64 * sum(odds.chance(prop.decisions[i].node.branch) * c.bytes for i, c in prop.comm)
+    return total / 64
+
+
+class _BranchOdds:
+    """How often code inside a cond's branches runs, for pricing it.
+
+    A cond runs as a ``lax.switch`` (:mod:`sbpjax.compiler.switches`), so
+    what lies inside a branch runs only when that branch is taken; not
+    knowing the index, each branch is taken alike often: 1 / branches per
+    level of nesting. A boxing runs where all its readers are (the innermost
+    branch holding them). Priced so, a reduction one branch needs is made
+    inside it, not after the cond, where it would run on every step (every
+    branch's result zero-filled into a partial to share one reduction)."""
+
+    def __init__(self, program):
+        conds = getattr(program, "conds", [])
+        self.n_branches = {c.id: c.n_branches for c in conds}
+        self.select_of = {id(n): c.id for c in conds for n in c.selects}
+
+    def chance(self, path) -> float:
+        return float(np.prod([1.0 / self.n_branches[c] for c, _ in path])) if path else 1.0
+
+    def read_path(self, node, i) -> tuple:
+        """Where ``node`` reads operand ``i``: a select reads case ``k`` in branch ``k``."""
+        cond = self.select_of.get(id(node))
+        return (*node.branch, (cond, i - 1)) if cond is not None and i > 0 else node.branch
+
+    def boxing(self, reader_paths) -> float:
+        """The chance a boxing read at ``reader_paths`` runs."""
+        return self.chance(common_path(reader_paths)) if self.n_branches else 1.0
 
 
 class _Lin:
@@ -602,10 +641,16 @@ def solve(
                 memo[key] = _candidates(pr, node, grid)
             cands.append(allowed.restrict(index, node, memo[key]))
     _same_candidates(cands, same_choice, fixed)
+    odds = _BranchOdds(program)  # what runs inside a cond's branch is priced by its chance
     for index, node in enumerate(program.nodes):
         cs = cands[index]
         # the op's own communication (a halo exchange) is paid by the candidate
-        own = [64 * sum(c.bytes for c in op_comm(node, ins, outs, grid, pr._comms) or ()) for ins, outs in cs]
+        own = [
+            64
+            * odds.chance(node.branch)
+            * sum(c.bytes for c in op_comm(node, ins, outs, grid, pr._comms) or ())
+            for ins, outs in cs
+        ]
         if len(cs) == 1:
             sel.append(None)
             const_cost += own[0]
@@ -632,16 +677,19 @@ def solve(
 
     # -- uses: which layout each consumer needs ----------------------------------
     needs: dict = {}  # id(var) -> (var, {layout: [(columns or None)]})
+    readers: dict = {}  # (id(var), layout) -> [branch path of each op that may read it so]
     for node, cs, node_cols in zip(program.nodes, cands, sel):
         for i, atom in enumerate(node.ins):
             if not isinstance(atom, Var):
                 continue
+            path = odds.read_path(node, i)
             by_layout: dict = {}
             for k, (ins, _) in enumerate(cs):
                 by_layout.setdefault(ins[i], []).append(None if node_cols is None else node_cols[k])
             ent = needs.setdefault(id(atom), (atom, {}))[1]
             for nd, cl in by_layout.items():
                 ent.setdefault(nd, []).append(cl)
+                readers.setdefault((id(atom), nd), []).append(path)
     for k, atom in enumerate(program.outputs):
         if not isinstance(atom, Var):
             continue
@@ -651,19 +699,23 @@ def solve(
             if i in arg_cols:
                 for nd, col in arg_cols[i].items():
                     needs.setdefault(id(atom), (atom, {}))[1].setdefault(nd, []).append([col])
+                    readers.setdefault((id(atom), nd), []).append(())
             else:
                 needs.setdefault(id(atom), (atom, {}))[1].setdefault(in_layouts[i][0], []).append([None])
+                readers.setdefault((id(atom), in_layouts[i][0]), []).append(())
             continue
         want = out_sbp[k] if out_sbp is not None else None
         if want is not None:
             needs.setdefault(id(atom), (atom, {}))[1].setdefault(want, []).append([None])
+            readers.setdefault((id(atom), want), []).append(())
 
     # -- versions and boxing costs -----------------------------------------------
     versions: dict = {}  # rows' signature -> [(u column, its cost)]
     for key, (atom, layouts) in needs.items():
         src = produced[key]
         for nd, uses in layouts.items():
-            pay = [(s, _cost(pr.plan(atom, s, nd), cm if latency else None)) for s in src if s != nd]
+            w = odds.boxing(readers.get((key, nd), [()]))
+            pay = [(s, w * _cost(pr.plan(atom, s, nd), cm if latency else None)) for s in src if s != nd]
             pay = [(s, b) for s, b in pay if b > 0]
             if not pay:
                 continue

@@ -27,7 +27,8 @@ collectives inside a branch match up), each select's result has the layout
 of its cases, the cond's ops are contiguous in program order, and no boxing
 owned by a rolled loop (:mod:`sbpjax.compiler.loops`) would have to move
 across its edge. Otherwise it runs as written out, every branch computed and
-the selects picking (correct, and as costly as before).
+the selects picking (correct, and as costly as before). ``SWITCHES = False``
+runs every cond that way (the benchmarks' written-out baseline).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from __future__ import annotations
 import dataclasses
 
 from sbpjax.compiler.propagate import Propagation
-from sbpjax.compiler.trace import Cond, Var
+from sbpjax.compiler.trace import Cond, Var, common_path
 from sbpjax.sbp import Partial
+
+SWITCHES = True  # False: every cond stays written out in the lowered program
 
 
 @dataclasses.dataclass
@@ -53,27 +56,19 @@ class Switch:
     depth: int  # how many switches' branches it lies in
 
 
-def _common(paths) -> tuple:
-    """The longest common prefix of branch paths."""
-    paths = list(paths)
-    out = paths[0]
-    for p in paths[1:]:
-        n = 0
-        while n < min(len(out), len(p)) and out[n] == p[n]:
-            n += 1
-        out = out[:n]
-    return tuple(out)
-
-
 def plan_switches(prop: Propagation, runs: list) -> tuple[dict, dict]:
     """The conds of ``prop`` that run as switches, and where boxings run.
 
     ``runs``: the rolled loops (:func:`sbpjax.compiler.loops.plan_runs`); the
-    boxings they run themselves cannot move. Returns ``(switches, places)``: ``switches`` maps ``Cond.id`` to its
-    :class:`Switch`; ``places`` maps ``id`` of each boxing inside a switch's
-    branch to its place (see the module docstring)."""
-    fixed = {id(b) for r in runs for b in [*r.hoisted, *r.done, *(p[0] for p in r.pushed.values())]}
-    fixed |= {id(b) for r in runs for _, b in r.rotated}
+    boxings they run themselves cannot move. Returns ``(switches, places)``:
+    ``switches`` maps ``Cond.id`` to its :class:`Switch`; ``places`` maps
+    ``id`` of each boxing inside a switch's branch to its place (see the
+    module docstring)."""
+    if not SWITCHES:
+        return {}, {}
+    # boxings a rolled loop runs itself, outside its body or at its end: id -> the run
+    fixed = {id(b): r for r in runs for b in [*r.hoisted, *r.done, *(p[0] for p in r.pushed.values())]}
+    fixed.update({id(b): r for r in runs for _, b in r.rotated})
     decs = prop.decisions
     grid = prop.placement.shape
     index_of = {id(d.node): i for i, d in enumerate(decs)}
@@ -122,7 +117,7 @@ def plan_switches(prop: Propagation, runs: list) -> tuple[dict, dict]:
                 if len(place) > depth and place[depth][0] == c:
                     cases[place[depth][1]].append(b)
                 elif id(b) not in {id(h) for h in before}:
-                    before.append(b)  # the index's boxings
+                    before.append(b)  # the index's, and those of a value several branches return
         switches[c] = Switch(
             cond, set(members), branches, sel, before, cases, (members[0], members[-1]), depth
         )
@@ -138,8 +133,9 @@ def _places(prop, real, candidates, fixed):
     """Each boxing's place, with the conds ``real`` run as switches: returns
     ``(places, hoisted, broken)``: ``hoisted`` maps a cond to the
     ``(decision index, boxing)`` pairs run before its switch, ``broken`` the
-    conds that cannot run as switches (a boxing that must cross their edge is
-    owned by a loop, or reads a value not yet made where it would run)."""
+    conds that cannot run as switches (a loop inside one of their branches
+    runs a boxing that readers outside it need, or a boxing reads a value
+    not yet made where it would run)."""
     decs = prop.decisions
     select_of = {id(n): c for c in real for n in candidates[c][0].selects}
     reads: dict = {}  # (id(Var), layout) -> [path of each read]
@@ -155,40 +151,61 @@ def _places(prop, real, candidates, fixed):
                 reads.setdefault((id(a), nd), []).append(p)
         for b in d.boxings:
             at = [p for a, nd, p in zip(d.node.ins, d.in_sbp, operand_paths) if a is b.var and nd == b.dst]
-            where[id(b)] = (i, _common(at) if at else path)
+            where[id(b)] = (i, common_path(at) if at else path)
     for b in prop.out_boxings:
         reads.setdefault((id(b.var), b.src), []).append(())
     for a, nd in zip(prop.program.outputs, prop.out_sbp):
         if isinstance(a, Var):
             reads.setdefault((id(a), nd), []).append(())
 
+    # A boxing may read another's result (its source layout made by an earlier
+    # boxing): that read is where the reading boxing runs, which may move out
+    # in turn. Places only move outwards, so this settles.
+    boxings = [(i, b) for i, d in enumerate(decs) for b in d.boxings]
+    place_of = {id(b): where[id(b)][1] for _, b in boxings}
+    while True:
+        all_reads = {k: list(v) for k, v in reads.items()}
+        for _, b in boxings:
+            all_reads.setdefault((id(b.var), b.src), []).append(place_of[id(b)])
+        moved = False
+        for _, b in boxings:
+            place = common_path([place_of[id(b)], *all_reads.get((id(b.var), b.dst), [])])
+            if place != place_of[id(b)]:
+                place_of[id(b)], moved = place, True
+        if not moved:
+            break
+
     places: dict = {}
     hoisted: dict = {}
     broken: set = set()
     made: dict = {(id(v), nd): () for v, nd in zip(prop.program.inputs, prop.in_sbp)}
-    for i, d in enumerate(decs):
+    for d in decs:
         for v, nd in zip(d.node.outs, d.out_sbp):
             made[(id(v), nd)] = _path(d.node, real)
-    for i, d in enumerate(decs):
-        for b in d.boxings:
-            _, at = where[id(b)]
-            place = _common([at, *reads.get((id(b.var), b.dst), [])])
-            if len(place) < len(at):
-                crossed = at[len(place)][0]
-                if id(b) in fixed:
-                    broken.add(crossed)
-                    continue
-                hoisted.setdefault(crossed, []).append((i, b))
-            if place:
-                places[id(b)] = place
-            made[(id(b.var), b.dst)] = place
+    for i, b in boxings:
+        _, at = where[id(b)]
+        place = place_of[id(b)]
+        run = fixed.get(id(b))
+        if run is not None:
+            # it runs where the loop is: fine at or outside its place, not inside
+            loop_at = common_path([_path(decs[j].node, real) for j in range(run.first, run.last + 1)])
+            if place[: len(loop_at)] != loop_at:
+                broken.add(loop_at[len(common_path([place, loop_at]))][0])
+            made[(id(b.var), b.dst)] = loop_at
+            continue
+        if len(place) < len(at):
+            crossed = at[len(place)][0]
+            hoisted.setdefault(crossed, []).append((i, b))
+        if place:
+            places[id(b)] = place
+        made[(id(b.var), b.dst)] = place
     # a boxing runs where its source is made, or deeper
-    for i, d in enumerate(decs):
+    for d in decs:
         for b in d.boxings:
             place = places.get(id(b), ())
             src = made.get((id(b.var), b.src))
             if src is not None and place[: len(src)] != src:
-                broken |= {c for c, _ in place[len(_common([place, src])) :]} | {
-                    c for c, _ in src[len(_common([place, src])) :]
+                broken |= {c for c, _ in place[len(common_path([place, src])) :]} | {
+                    c for c, _ in src[len(common_path([place, src])) :]
                 }
     return places, hoisted, broken & real

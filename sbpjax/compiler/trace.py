@@ -175,6 +175,19 @@ class Cond:
     source: str = ""
 
 
+def common_path(paths) -> tuple:
+    """The longest common prefix of branch paths (``Node.branch``): the
+    innermost branch all of them lie in."""
+    paths = list(paths)
+    out = tuple(paths[0]) if paths else ()
+    for p in paths[1:]:
+        n = 0
+        while n < min(len(out), len(p)) and out[n] == p[n]:
+            n += 1
+        out = out[:n]
+    return out
+
+
 @dataclasses.dataclass
 class Program:
     inputs: list  # Var per flattened argument leaf
