@@ -377,3 +377,30 @@ def test_a_replicated_head_on_megatron_blocks_is_computed_as_gspmd_does(pl24):
     # the head's gradient is reduced over the data axis alone (2 devices)
     head = [b for b in e.propagation.boxings if b.var.shape == (d, d)]
     assert head and all(b.src == (P, B) for b in head), [(b.src, b.dst) for b in head]
+
+
+def test_each_written_out_scan_is_a_window_of_its_own(pl24):
+    """The window search (solve._refine) changes one part of the program at a
+    time. Where scans were written out, each loop (all of its iterations,
+    which share their choices) is one window, holding nothing else, and the
+    windows cover every op once: the forward and backward loops of a scanned
+    step then change one at a time (the model zoo's scanned decoder on jax
+    0.12: 85.96 MB instead of 99.74 MB, GSPMD 98.96 MB)."""
+    rng = np.random.default_rng(3)
+    w = (rng.normal(size=(3, 16, 16)) / 4).astype(np.float32)
+    x = rng.normal(size=(8, 16)).astype(np.float32)
+
+    def loss(w, x):
+        h, _ = jax.lax.scan(lambda h, w_i: (jnp.tanh(h @ w_i) + h, None), x, w)
+        return jnp.mean(h**2)
+
+    f = sj.jit(jax.grad(loss, argnums=(0, 1)), placement=pl24, in_sbp=((B, sj.S(2)), (S0, B)))
+    program = f.explain(w, x).propagation.program
+    classes = solve_module.layer_classes(program, ["w", "x"])
+    windows = solve_module._windows(classes, program)
+    owners = solve_module._loop_owners(program)
+    assert len(program.loops) == 2
+    assert sorted(i for w_ in windows for i in w_) == list(range(len(program.nodes)))
+    for loop in program.loops:
+        ops = {i for i, o in enumerate(owners) if o is not None and o[0] is loop}
+        assert ops and ops in windows
