@@ -46,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from compiler import collective_bytes, median_times, spec_of  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+from models import max_error  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 from sbpjax.compiler import switches  # noqa: E402
@@ -78,14 +79,6 @@ def configs(quick):
     if quick:
         return dict(layers=4, d=64, hidden=256, batch=16, repeats=5)
     return dict(layers=8, d=256, hidden=1024, batch=64, repeats=10)
-
-
-def max_error(got, ref) -> float:
-    worst = 0.0
-    for g, r in zip(got, ref):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        worst = max(worst, float(np.max(np.abs(g - r))) / max(float(np.max(np.abs(r))), 1e-30))
-    return worst
 
 
 def hlo_stats(compiled) -> dict:
