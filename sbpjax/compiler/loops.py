@@ -370,7 +370,9 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
                 continue  # runs before the loop
             read(b.var, b.src)
             r = role(b.var)
-            if r[0] != OUTER:
+            # what the run makes of its own values (a literal boxed in the body
+            # is boxed again wherever it is read: it never leaves the loop)
+            if r[0] in ("made", "in"):
                 made.setdefault(r, set()).add(b.dst)
         for a, nd in zip(d.node.ins, d.in_sbp):
             read(a, nd)
