@@ -56,9 +56,9 @@ fixed, then the rest with the layers fixed (and each written-out scan's
 loop as a window of its own), until a round improves nothing. On that
 decoder the windows reach 0.60x GSPMD's bytes in about 3 s.
 
-Solved with ``scipy.optimize.milp`` (HiGHS). The caller compares the result
-with the greedy choice and keeps the cheaper one, so a time-out never makes
-a program worse.
+Solved with HiGHS (:mod:`sbpjax.compiler.milp`), each solve started from the
+cheapest plan in hand. The caller compares the result with the greedy choice
+and keeps the cheaper one, so a time-out never makes a program worse.
 """
 
 from __future__ import annotations
@@ -539,6 +539,7 @@ def solve(
     fixed=None,
     rel_gap: float = 1e-3,
     same_choice=None,
+    start: Propagation | None = None,
 ):
     """The cheapest layouts of ``program`` (bytes and latency, ``_cost``):
     (Propagation, Choice), or (None, Choice) when no solution was found (the
@@ -562,9 +563,11 @@ def solve(
     ``fixed``: {op index: (ins, outs)}, ops whose signature is given (the
     window search of :func:`_refine`). ``same_choice``: per op a key or None
     (:func:`loop_classes`): ops with one key take the same signature (their
-    classes must share columns too)."""
-    from scipy.optimize import LinearConstraint, milp
+    classes must share columns too). ``start``: a plan of the same program
+    HiGHS starts from (its ops' signatures; see :mod:`sbpjax.compiler.milp`)."""
     from scipy.sparse import coo_array
+
+    from sbpjax.compiler.milp import solve_binary
 
     t0 = time.perf_counter()
     grid = placement.shape
@@ -802,19 +805,16 @@ def solve(
     x_sol = np.zeros(ncols)
     if ncols:
         c = np.asarray(cost)
-        integrality = np.ones(ncols)
         A = coo_array((vals, (rows, cols)), shape=(nrows, ncols)).tocsr()
         t1 = time.perf_counter()
-        res = milp(
+        res = solve_binary(
             c,
-            integrality=integrality,
-            bounds=(0, 1),
-            constraints=LinearConstraint(A, np.asarray(lo), np.asarray(hi)),
-            options={
-                "time_limit": float(time_limit),
-                "disp": False,
-                "mip_rel_gap": 0.0 if ncols <= EXACT_VARIABLES else rel_gap,
-            },
+            A,
+            lo,
+            hi,
+            time_limit=time_limit,
+            rel_gap=0.0 if ncols <= EXACT_VARIABLES else rel_gap,
+            start=_start_columns(start, sel, cands),
         )
         choice.solve_s = time.perf_counter() - t1
         choice.status = res.message
@@ -822,10 +822,9 @@ def solve(
             choice.method, choice.reason = "greedy", f"HiGHS found no solution: {res.message}"
             return None, choice
         x_sol = res.x
-        choice.objective = (float(res.fun) + const_cost) / 64
-        bound = getattr(res, "mip_dual_bound", None)
-        if bound is not None and np.isfinite(bound):
-            choice.bound = (float(bound) + const_cost) / 64
+        choice.objective = (res.objective + const_cost) / 64
+        if res.bound is not None:
+            choice.bound = (res.bound + const_cost) / 64
             choice.gap = (
                 max(0.0, (choice.objective - choice.bound) / choice.objective) if choice.objective else 0.0
             )
@@ -980,6 +979,27 @@ def _add(acc: _Lin, lin: _Lin, weight: float) -> None:
         acc.terms[col] = acc.terms.get(col, 0.0) + weight * v
 
 
+def _start_columns(start: Propagation | None, sel, cands) -> dict[int, float] | None:
+    """The MIP start of ``start``'s plan: each op's column of the signature
+    the plan gave it (HiGHS completes the rest). An op whose signature is not
+    among its candidates is left to HiGHS, and so is an op that shares its
+    columns (a layer class) with an op already given one: the plan may have
+    chosen differently for the two, which the shared columns cannot hold."""
+    if start is None:
+        return None
+    given: dict[int, float] = {}
+    for index, columns in enumerate(sel):
+        if columns is None or any(c in given for c in columns):
+            continue
+        d = start.decisions[index]
+        want = (tuple(d.in_sbp), tuple(d.out_sbp))
+        for col, (ins, outs) in zip(columns, cands[index]):
+            if (tuple(ins), tuple(outs)) == want:
+                given[col] = 1.0
+                break
+    return given
+
+
 def _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol) -> Propagation:
     """The chosen signatures as the Propagation the lowering and explain() read:
     each version of a value boxed once (from its producer's layout or an
@@ -1113,7 +1133,8 @@ def choose(
         # then, where layers repeat, windows from the best plan so far.
         windows = _windows(classes, program)
         share, gap = (WHOLE_SHARE, WINDOWS_GAP) if len(windows) > 1 else (1.0, 1e-3)
-        ilp, choice = run(time_limit=share * time_limit, rel_gap=gap)
+        # each solve starts from the cheapest plan in hand (sbpjax.compiler.milp)
+        ilp, choice = run(time_limit=share * time_limit, rel_gap=gap, start=greedy)
         refined = None
         proven = choice.gap is not None and choice.gap <= gap
         if LATENCY and not proven:
@@ -1122,7 +1143,8 @@ def choose(
             # at 3.2x GSPMD's bytes; an 8-layer GPT's shared solve 51%): the
             # solve by bytes alone, whose plans were the tested ones, is then
             # tried too (in the same time) and the cheaper kept.
-            by_bytes, b_choice = run(time_limit=share * time_limit, rel_gap=gap, latency=False)
+            best = ilp if ilp is not None and price(ilp, cost_model) < g_price else greedy
+            by_bytes, b_choice = run(time_limit=share * time_limit, rel_gap=gap, latency=False, start=best)
             # the time of both solves is reported, whichever plan is kept
             spent = (choice.solve_s + b_choice.solve_s, choice.build_s + b_choice.build_s)
             if by_bytes is not None and (ilp is None or price(by_bytes, cost_model) < price(ilp, cost_model)):
@@ -1136,13 +1158,14 @@ def choose(
                 # the solve by bytes alone ran too, after both: up to 1.5x time_limit in all)
                 deadline = max(t0 + time_limit, time.perf_counter() + (1 - WHOLE_SHARE) * time_limit)
                 refined = _refine(run, start, deadline, windows, cost_model)
-    except ImportError as e:  # scipy is a dependency; a broken install still compiles
+    except ImportError as e:  # highspy and scipy are dependencies; a broken install still compiles
         if not g_fits or auto:
             raise SBPError(
-                f"sj.jit: AUTO layouts and memory_budget need scipy.optimize.milp ({e})."
+                f"sj.jit: AUTO layouts and memory_budget need the integer program's solver "
+                f"(highspy and scipy.sparse: {e}); pip install highspy scipy."
             ) from None
         greedy.choice = Choice(
-            "greedy", reason=f"scipy.optimize.milp unavailable ({e})", greedy_bytes=g_bytes
+            "greedy", reason=f"the integer program's solver is unavailable ({e})", greedy_bytes=g_bytes
         )
         return greedy
     choice.greedy_bytes = g_bytes
@@ -1238,7 +1261,7 @@ def _refine(run, start, deadline, windows, cost_model=None):
     """Large-neighbourhood search from the plan ``start``: solve the integer
     program with one window's ops free and every other op fixed to the best
     plan so far, window after window, until a round improves nothing or the
-    deadline passes. ``run(time_limit=..., fixed=...)`` solves the program.
+    deadline passes. ``run(time_limit=..., fixed=..., start=...)`` solves the program.
     Returns (best plan, solves, seconds)."""
     t0 = time.perf_counter()
     # one window may not take the whole budget: the other needs its turn
@@ -1252,7 +1275,7 @@ def _refine(run, start, deadline, windows, cost_model=None):
             fixed = {
                 i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(best.decisions) if i not in window
             }
-            prop, _ = run(time_limit=left, fixed=fixed)
+            prop, _ = run(time_limit=left, fixed=fixed, start=best)
             rounds += 1
             if prop is not None and price(prop, cost_model) < price(best, cost_model):
                 best, stale = prop, 0
