@@ -3,7 +3,9 @@
 A plan is a shortest path over layouts (:class:`~sbpjax.layout.Layout`), with
 cost ``(bytes, time, steps)`` compared in that order: the fewest bytes moved
 (OneFlow Table 2 convention: bytes received, summed over all devices), ties
-broken by the alpha-beta time model, then by the number of steps. The moves:
+broken by the alpha-beta time model counting one alpha per collective (its
+launch, as the layout choice prices it: ``Step.tie_time``), then by the
+number of steps. A plan reports the cost model's ring time. The moves:
 
 * a collective over one placement axis or over several axes as one group
   (``all_gather``, ``all_to_all``, ``reduce_scatter``, ``all_reduce``), valid
@@ -75,6 +77,28 @@ class Step:
     rounds: int = 0  # permute: number of point-to-point rounds
     n_axes: int = 0
     axis_names: tuple = ()
+    # the time with one alpha per collective in place of the ring's hops (None:
+    # ``time``, as for a permute, which pays one alpha per round): see tie_time
+    launch_time: float | None = None
+
+    @property
+    def tie_time(self) -> float:
+        """The step's time for breaking ties between plans of equal bytes: the cost
+        model's, with one alpha per collective (its launch) in place of the
+        ring's hops; a permute already pays one alpha per round.
+
+        Decision: the layout choice (sbpjax.compiler.solve) prices each
+        collective's latency once, and the plans it prices are these. With the
+        ring's hops a reduction of a (P, P) value to (B, B) was a reduce-scatter,
+        an all-reduce and an all-gather (8 alphas against the one all-reduce's
+        14), which the solver priced as three collectives: on the model zoo's
+        height-split ResNet (BatchNorm statistics reduced at every layer) its
+        solve ended 11% from its bound after 10 s at 394 kB and 55 collectives,
+        GSPMD moving 295 kB in 42; planned with one alpha per collective it is
+        proven optimal in 3 s at 198 kB in 24. The bandwidth terms are the cost
+        model's, per axis: where one axis is slower (the network between nodes)
+        a hierarchical reduction still wins on a large tensor."""
+        return self.time if self.launch_time is None else self.launch_time
 
     @property
     def collective(self) -> str | None:
@@ -139,6 +163,11 @@ class BoxingPlan:
     def tensor_bytes(self) -> int:
         return int(math.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
+    def tie_time(self) -> float:
+        """Seconds with one alpha per collective (``Step.tie_time``): how plans
+        and layout choices of equal bytes are ranked."""
+        return float(sum(s.tie_time for s in self.steps))
+
     def time(self, cost_model: CostModel | None = None) -> float:
         """Seconds under ``cost_model`` (default: the model the plan was made with)."""
         if cost_model is None:
@@ -202,6 +231,16 @@ def _ratio(n: int, t: int) -> str:
 # ---------------------------------------------------------------------------
 
 
+# The hops of a ring collective over a group of p devices: the cost model's
+# latency term is 2(p-1) alphas for an all-reduce, p-1 for the others.
+_RING_HOPS = {
+    "all_reduce": lambda p: 2 * (p - 1),
+    "all_gather": lambda p: p - 1,
+    "reduce_scatter": lambda p: p - 1,
+    "all_to_all": lambda p: p - 1,
+}
+
+
 class _Ctx:
     """What the move generator needs: geometry, item size, names, cost model."""
 
@@ -243,6 +282,9 @@ class _Ctx:
             block = math.prod(geom.padded(src)) * isz
             nbytes = (D // g) * 2 * (g - 1) * block
             t = self.cm.collective_time(op, names, g, block)
+        launch = None
+        if op in _RING_HOPS and g > 1:
+            launch = t - (_RING_HOPS[op](g) - 1) * self.cm.group(names)[0]
         return Step(
             op=op,
             axes=names,
@@ -250,6 +292,7 @@ class _Ctx:
             src=src,
             dst=dst,
             time=t,
+            launch_time=launch,
             group=tuple(group),
             n_axes=self.n_axes,
             axis_names=tuple(self.names),
@@ -448,7 +491,7 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
             break
         for step in _moves(ctx, L, dst):
             nxt = step.dst
-            nc = (cost[0] + step.bytes, cost[1] + step.time, cost[2] + 1)
+            nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
             if bound is not None and nc[0] > bound:
                 continue
             if nxt not in best or _less(nc, best[nxt]):

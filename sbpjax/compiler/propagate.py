@@ -386,7 +386,7 @@ class Propagator:
         if src == dst or (isinstance(atom, Var) and dst in self.versions.get(id(atom), ())):
             return (0, 0.0, 0)
         p = self.plan(atom, src, dst)
-        return (p.bytes, p.time(), 1)
+        return (p.bytes, p.tie_time(), 1)
 
     # -- one equation ---------------------------------------------------------
     def candidates(self, node: Node):

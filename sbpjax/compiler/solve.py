@@ -822,6 +822,7 @@ def solve(
             choice.method, choice.reason = "greedy", f"HiGHS found no solution: {res.message}"
             return None, choice
         x_sol = res.x
+        assert res.objective is not None  # given with every solution
         choice.objective = (res.objective + const_cost) / 64
         if res.bound is not None:
             choice.bound = (res.bound + const_cost) / 64

@@ -40,6 +40,30 @@ def test_table_2_bytes_exactly(p):
         assert plan.bytes == table2_same(src, dst, p, T), (src, dst, str(plan))
 
 
+@pytest.mark.parametrize("src,dst", [((sj.P, sj.P), (sj.B, sj.B)), ((sj.S(0), sj.S(0)), (sj.B, sj.B))])
+def test_equal_bytes_go_to_the_plan_with_fewer_launches_unless_links_differ(src, dst):
+    """Between plans of equal bytes the planner picks by time with one alpha
+    per collective (Step.tie_time), as the layout choice prices latency: on
+    even links a reduction (gather) over both axes of 2x4 is one collective
+    over (x, y), not three (two) over one axis at a time. Where the x axis is
+    a slow network between nodes, the hierarchical plan, which moves only a
+    quarter of the bytes over x, is kept for a large tensor (its bytes are
+    the same), and the one collective for a small one (latency first)."""
+    pl = sj.placement((2, 4), ("x", "y"))
+    nodes = sj.CostModel(alpha={"x": 2e-5, "y": 2e-6}, beta={"x": 8e-11, "y": 4e-12})
+    flat = sj.plan_boxing((256, 256), np.float32, pl, src, dst)
+    assert [(s.op, s.axes) for s in flat.steps if s.bytes] in (
+        [("all_reduce", ("x", "y"))],
+        [("all_gather", ("x", "y"))],
+    )
+    big = sj.plan_boxing((256, 256), np.float32, pl, src, dst, cost_model=nodes)
+    small = sj.plan_boxing((8,), np.float32, pl, src, dst, cost_model=nodes)
+    assert big.bytes == flat.bytes
+    assert len([s for s in big.steps if s.bytes]) > 1
+    assert all(len(s.axes) == 1 for s in big.steps if s.bytes)
+    assert len([s for s in small.steps if s.bytes]) == 1
+
+
 def test_table_2_collectives():
     pl = sj.placement(8, "x")
     op = lambda a, b: [s.op for s in sj.plan_boxing((64, 64), np.float32, pl, a, b).steps]  # noqa: E731

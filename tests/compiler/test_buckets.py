@@ -40,17 +40,31 @@ def mlp_loss(p, x, y):
 
 OPTS = {"adamw": lambda: optax.adamw(1e-2, weight_decay=0.1), "sgd": lambda: optax.sgd(0.1, momentum=0.9)}
 
-# placement shape, axis names, batch layout
-PLACEMENTS = {"8x1": ((8,), ("x",), (S(0),)), "2x4": ((2, 4), ("x", "y"), (S(0), S(0)))}
+# Two nodes (x) of four devices (y), the network between nodes much slower than the
+# links inside one: reducing a gradient over both axes is then cheaper as a
+# reduce-scatter over y, an all-reduce over x of a quarter and an all-gather over y
+# than as one all-reduce over (x, y) at the network's speed (the same bytes).
+NODES = sj.CostModel(alpha={"x": 1e-5, "y": 1e-9}, beta={"x": 1e-9, "y": 1e-11})
+
+# placement shape, axis names, batch layout, cost model
+PLACEMENTS = {
+    "8x1": ((8,), ("x",), (S(0),), None),
+    "2x4": ((2, 4), ("x", "y"), (S(0), S(0)), None),
+    "2x4-nodes": ((2, 4), ("x", "y"), (S(0), S(0)), NODES),
+}
 
 
-def _jit(p, opt, pl, batch_sbp, param_sbp=None):
+def _jit(p, opt, pl, batch_sbp, param_sbp=None, cost_model=None):
     rep = (B,) * pl.ndim
     psbp = param_sbp or {k: rep for k in p}
     ssbp = state_sbp(opt.init(p), psbp, rep)
     step = train_step(mlp_loss, opt)
     return step, sj.jit(
-        step, placement=pl, in_sbp=(psbp, ssbp, batch_sbp, batch_sbp), out_sbp=(psbp, ssbp, rep)
+        step,
+        placement=pl,
+        in_sbp=(psbp, ssbp, batch_sbp, batch_sbp),
+        out_sbp=(psbp, ssbp, rep),
+        cost_model=cost_model,
     )
 
 
@@ -85,32 +99,35 @@ def _check_values(step, f, p, opt, x, y, steps=2):
 @pytest.mark.parametrize("opt_name", sorted(OPTS))
 @pytest.mark.parametrize("where", sorted(PLACEMENTS))
 def test_data_parallel_step_reduces_the_gradients_in_one_bucket(where, opt_name, monkeypatch):
-    shape, names, batch_sbp = PLACEMENTS[where]
+    shape, names, batch_sbp, cm = PLACEMENTS[where]
     pl = sj.placement(shape, names)
     p, (x, y) = mlp_params(), _data()
     opt = OPTS[opt_name]()
     args = (p, opt.init(p), x, y)
 
-    step, f = _jit(p, opt, pl, batch_sbp)
+    step, f = _jit(p, opt, pl, batch_sbp, cost_model=cm)
     counts, nbytes = _found(f, args)
     e = f.explain(*args)
     assert nbytes == e.bytes > 0
-    if where == "8x1":
-        # every gradient and the loss: P(sum) -> B over x, one all-reduce
+    if cm is None:
+        # every gradient and the loss: P(sum) -> B over every axis, one all-reduce (on
+        # 2x4 over (x, y) as one group: the same bytes as a reduce-scatter over y, an
+        # all-reduce over x and an all-gather over y, in one collective; Step.tie_time)
         assert counts == {"all-reduce": 1}
     else:
-        # gradients (P, P) -> (B, B): reduce-scatter over y, all-reduce over x,
-        # all-gather over y, each once; the loss: one all-reduce over (x, y)
+        # gradients (P, P) -> (B, B) across slow nodes: reduce-scatter over y,
+        # all-reduce over x, all-gather over y, each once; the loss (a scalar, which
+        # no reduce-scatter can split): one all-reduce over (x, y)
         assert counts == {"reduce-scatter": 1, "all-reduce": 2, "all-gather": 1}
     assert buckets.count_collectives(e.propagation) == sum(counts.values())
     _check_values(step, f, p, opt, x, y)
 
     # the same program lowered one boxing at a time: the same bytes, more collectives
     monkeypatch.setattr(buckets, "BUCKETING", False)
-    _, g = _jit(p, opt, pl, batch_sbp)
+    _, g = _jit(p, opt, pl, batch_sbp, cost_model=cm)
     alone, alone_bytes = _found(g, args)
     assert alone_bytes == nbytes == g.explain(*args).bytes
-    if where == "2x4":  # XLA:CPU combines all-reduces by itself, not reduce-scatters or all-gathers
+    if cm is not None:  # XLA:CPU combines all-reduces by itself, not reduce-scatters or all-gathers
         assert alone["reduce-scatter"] == alone["all-gather"] == len(p)
     assert buckets.count_collectives(g.explain(*args).propagation) > sum(counts.values())
 
@@ -122,7 +139,7 @@ def test_bucket_cap_splits_a_bucket_and_keeps_the_bytes(monkeypatch):
     args = (p, opt.init(p), x, y)
     # the largest gradient (32x32 f32) fills a bucket by itself; the others share
     monkeypatch.setattr(buckets, "BUCKET_BYTES", 32 * 32 * 4)
-    step, f = _jit(p, opt, pl, (S(0), S(0)))
+    step, f = _jit(p, opt, pl, (S(0), S(0)), cost_model=NODES)
     counts, nbytes = _found(f, args)
     e = f.explain(*args)
     assert nbytes == e.bytes
@@ -145,7 +162,7 @@ def test_uneven_gradients_keep_their_values_and_bytes():
     p, (x, y) = mlp_params(dims), _data(dims)
     opt = optax.adamw(1e-2)
     args = (p, opt.init(p), x, y)
-    step, f = _jit(p, opt, pl, (S(0), S(0)))
+    step, f = _jit(p, opt, pl, (S(0), S(0)), cost_model=NODES)
     counts, nbytes = _found(f, args)
     assert nbytes == f.explain(*args).bytes
     assert counts["reduce-scatter"] < len(p)
