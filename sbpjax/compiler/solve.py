@@ -96,8 +96,8 @@ EXACT_VARIABLES = 4_000
 # peak memory was 1.5x GSPMD's (6.1 MB against 4.0 MB) to save 0.5% of the
 # bytes. Each byte a zero-fill adds to a device's block is priced at this
 # fraction of a byte moved (device memory is some 10-50x faster than the
-# links between devices): the same height-split step now plans 5,387,360 B
-# and peaks at 4.0 MB.
+# links between devices): the same height-split step then planned 5,387,360 B
+# and peaked at 4.0 MB.
 ZERO_FILL_WEIGHT = 1 / 16
 # Each collective also pays its launch latency, priced in bytes from the cost
 # model (alpha / beta of its group: 100 kB on the default model), once per
