@@ -58,16 +58,22 @@ class CostModel:
             return 0.0, 0.0
         return max(self.axis_alpha(a) for a in axes), max(self.axis_beta(a) for a in axes)
 
-    def collective_time(self, op: str, axes: Sequence[str], group_size: int, nbytes: float) -> float:
-        """Seconds for one collective; ``nbytes`` as in the module docstring."""
+    def collective_time(
+        self, op: str, axes: Sequence[str], group_size: int, nbytes: float, launches: bool = False
+    ) -> float:
+        """Seconds for one collective; ``nbytes`` as in the module docstring.
+        ``launches=True``: one ``alpha`` (the collective's launch) in place of
+        the ring's ``p-1`` (all-reduce: ``2(p-1)``) hops, the latency the
+        layout choice prices; the boxing planner ranks plans of equal bytes by
+        it (``sbpjax.boxing.plan.Step.tie_time``)."""
         alpha, beta = self.group(axes)
         p = group_size
         if p <= 1:
             return 0.0
         if op == "all_reduce":
-            return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+            return (alpha if launches else 2 * (p - 1) * alpha) + 2 * (p - 1) / p * nbytes * beta
         if op in ("all_gather", "reduce_scatter", "all_to_all"):
-            return (p - 1) * alpha + (p - 1) / p * nbytes * beta
+            return (alpha if launches else (p - 1) * alpha) + (p - 1) / p * nbytes * beta
         raise SBPError(f"CostModel: no time formula for collective {op!r}.")
 
     def p2p_time(self, axes: Sequence[str], nbytes_per_round: Sequence[float]) -> float:

@@ -231,16 +231,6 @@ def _ratio(n: int, t: int) -> str:
 # ---------------------------------------------------------------------------
 
 
-# The hops of a ring collective over a group of p devices: the cost model's
-# latency term is 2(p-1) alphas for an all-reduce, p-1 for the others.
-_RING_HOPS = {
-    "all_reduce": lambda p: 2 * (p - 1),
-    "all_gather": lambda p: p - 1,
-    "reduce_scatter": lambda p: p - 1,
-    "all_to_all": lambda p: p - 1,
-}
-
-
 class _Ctx:
     """What the move generator needs: geometry, item size, names, cost model."""
 
@@ -262,29 +252,26 @@ class _Ctx:
         geom, D, isz = self.geom, self.geom.n_devices, self.itemsize
         g = self.g(group)
         names = tuple(self.names[a] for a in group)
-        nbytes, t = 0, 0.0
+        nbytes, timed = 0, None  # timed: the bytes per device of the cost model's formula
         if op == "all_gather":
             child = math.prod(geom.padded(src)) * isz
-            nbytes = D * (g - 1) * child
-            t = self.cm.collective_time(op, names, g, g * child)
+            nbytes, timed = D * (g - 1) * child, g * child
         elif op == "all_to_all":
             part = list(geom.padded(src))
             e = kw["dim2"]
             part[e] = geom.padded_dim(dst.dims[e], e)
             chunk = math.prod(part) * isz  # what one device sends to one peer
-            nbytes = D * (g - 1) * chunk
-            t = self.cm.collective_time(op, names, g, g * chunk)
+            nbytes, timed = D * (g - 1) * chunk, g * chunk
         elif op == "reduce_scatter":
             out = math.prod(geom.padded(dst)) * isz
-            nbytes = D * (g - 1) * out
-            t = self.cm.collective_time(op, names, g, g * out)
+            nbytes, timed = D * (g - 1) * out, g * out
         elif op == "all_reduce":
             block = math.prod(geom.padded(src)) * isz
-            nbytes = (D // g) * 2 * (g - 1) * block
-            t = self.cm.collective_time(op, names, g, block)
-        launch = None
-        if op in _RING_HOPS and g > 1:
-            launch = t - (_RING_HOPS[op](g) - 1) * self.cm.group(names)[0]
+            nbytes, timed = (D // g) * 2 * (g - 1) * block, block
+        t, launch = 0.0, None
+        if timed is not None:
+            t = self.cm.collective_time(op, names, g, timed)
+            launch = self.cm.collective_time(op, names, g, timed, launches=True)
         return Step(
             op=op,
             axes=names,
