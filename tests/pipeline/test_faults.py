@@ -124,7 +124,7 @@ def test_default_deadline_follows_the_last_step():
 
 
 SIGINT_SCRIPT = textwrap.dedent("""
-    import os, sys, threading, time
+    import faulthandler, os, sys, threading, time
     sys.path.insert(0, os.path.join({root!r}, "tests", "pipeline"))
     import numpy as np, optax
     import sbpjax.pipeline as sjp
@@ -138,6 +138,9 @@ SIGINT_SCRIPT = textwrap.dedent("""
 
     def block(spec, k):
         if spec.name == "backward1" and k == 1:
+            # a hang from here on ends the script with every thread's stack in its output
+            # (seen once, under a loaded machine, and not reproduced: it would say where)
+            faulthandler.dump_traceback_later(45, exit=True, file=sys.stdout)
             print("BLOCKED", flush=True)
             never.wait()
 
@@ -152,6 +155,7 @@ SIGINT_SCRIPT = textwrap.dedent("""
     pipe.before_action = None
     pipe.step(x, y)  # the pipeline still works after the interrupted step
     print("STEPPED AGAIN", flush=True)
+    faulthandler.cancel_dump_traceback_later()
 """)
 
 
