@@ -124,7 +124,12 @@ def test_default_deadline_follows_the_last_step():
 
 
 SIGINT_SCRIPT = textwrap.dedent("""
-    import faulthandler, os, sys, threading, time
+    import faulthandler, os, signal, sys, threading, time
+    # Ctrl-C's meaning whatever this process inherited: a child started while SIGINT
+    # is ignored (SIG_IGN survives exec) never raises KeyboardInterrupt. A full suite
+    # run once left its pytest process with SIGINT ignored (/proc SigIgn), and this
+    # step then waited out its 45 s below.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.path.insert(0, os.path.join({root!r}, "tests", "pipeline"))
     import numpy as np, optax
     import sbpjax.pipeline as sjp
