@@ -144,7 +144,7 @@ SIGINT_SCRIPT = textwrap.dedent("""
     def block(spec, k):
         if spec.name == "backward1" and k == 1:
             # a hang from here on ends the script with every thread's stack in its output
-            # (seen once, under a loaded machine, and not reproduced: it would say where)
+            # (that dump showed the inherited SIG_IGN above: no thread had been interrupted)
             faulthandler.dump_traceback_later(45, exit=True, file=sys.stdout)
             print("BLOCKED", flush=True)
             never.wait()
