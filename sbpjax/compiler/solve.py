@@ -715,11 +715,22 @@ def solve(
 
     # -- versions and boxing costs -----------------------------------------------
     versions: dict = {}  # rows' signature -> [(u column, its cost)]
+    # A plan's cost, by the plan (plans are shared, pr.plan's cache): alike layers ask
+    # for the same few plans' costs tens of thousands of times (a 32-layer GPT: 150,000
+    # asks, a fifth of the time spent building its program).
+    plan_costs: dict = {}
+
+    def cost_of(plan) -> float:
+        hit = plan_costs.get(id(plan))
+        if hit is None:
+            hit = plan_costs[id(plan)] = (plan, _cost(plan, cm if latency else None))
+        return hit[1]
+
     for key, (atom, layouts) in needs.items():
         src = produced[key]
         for nd, uses in layouts.items():
             w = odds.boxing(readers.get((key, nd), [()]))
-            pay = [(s, w * _cost(pr.plan(atom, s, nd), cm if latency else None)) for s in src if s != nd]
+            pay = [(s, w * cost_of(pr.plan(atom, s, nd))) for s in src if s != nd]
             pay = [(s, b) for s, b in pay if b > 0]
             if not pay:
                 continue
