@@ -958,12 +958,27 @@ def loop_classes(program) -> list:
     outermost loop, for nested ones). Sharing their choices, the iterations
     take the same layouts, their carries a fixed point, and the lowering rolls
     them back into one loop (``sbpjax.compiler.loops``); an iteration whose
-    carry arrives in another layout boxes it on entry, outside the loop."""
+    carry arrives in another layout boxes it on entry, outside the loop.
+
+    The ops that index each iteration's slices out of the stacked operands
+    (``Iteration.slicing``) share theirs too, the k-th of one iteration with
+    the k-th of every other: a slice's layout is otherwise a tie between
+    making it in the layout the body reads and a free boxing in the body, and
+    iterations that break the tie differently cannot roll into one loop. On
+    the model zoo's scanned decoder (jax 0.10.2) the backward loop kept 2 of
+    its 4 iterations, writing out the 2 whose slices came the other way, and
+    peaked at 11.0 MB; sharing, it keeps all 4 and peaks at 7.9 MB (GSPMD:
+    8.9 MB), with the same bytes."""
     out: list = []
     seen: dict = {}
+    sliced: dict = {}  # id(node) -> its class, for the ops slicing the outermost loops' xs
+    for loop in program.loops:
+        for it in loop.iterations:
+            for k, node in enumerate(it.slicing):
+                sliced[id(node)] = hash(("slice", id(loop), k))
     for node, where in zip(program.nodes, _loop_owners(program)):
         if where is None:
-            out.append(None)
+            out.append(sliced.get(id(node)))
             continue
         loop, q = where
         kind = _own_class(node)

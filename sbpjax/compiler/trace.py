@@ -138,12 +138,16 @@ class Iteration:
     (consts, carries, then the slices ``x[index]``), ``outs`` its results
     (carries, then the ``ys`` slices), ``made`` the ids of the Vars its body's
     nodes compute (no node is shared with another iteration: each iteration is
-    written out without merging equal equations across iterations)."""
+    written out without merging equal equations across iterations),
+    ``slicing`` the nodes before the body that index its slices out of the
+    stacked operands, in the order they were written (the same in every
+    iteration)."""
 
     index: int
     ins: list
     outs: list
     made: set
+    slicing: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -418,18 +422,20 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
         slice_cse = {} if LOOP_SLICES else cse
         loop = Loop(p["reverse"], len(consts), len(carry), list(xs), [])
         for i in reversed(range(length)) if p["reverse"] else range(length):
+            sliced_from = len(nodes)
             x_i = [
                 _emit(lambda x, i=i: jax.lax.index_in_dim(x, i, 0, keepdims=False), [x], nodes, slice_cse)[0]
                 for x in xs
             ]
             start = len(nodes)
+            slicing = nodes[sliced_from:start]
             ins_i = consts + carry + x_i
             # a copy of the merge table: equal equations merge within the iteration
             # and with the code before the loop, never across iterations (the
             # lowering rolls iterations that are alike back into one loop body)
             outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), loops, conds)
             made = {id(o) for n in nodes[start:] for o in n.outs}
-            loop.iterations.append(Iteration(i, ins_i, list(outs_i), made))
+            loop.iterations.append(Iteration(i, ins_i, list(outs_i), made, slicing))
             carry, ys[i] = split_out(outs_i)
         stacked = [
             _emit(lambda *v: jax.numpy.stack(v), [ys[i][k] for i in range(length)], nodes, cse)[0]

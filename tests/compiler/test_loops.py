@@ -152,6 +152,37 @@ def test_iterations_share_their_layouts():
         assert all(s == sigs[1] for s in sigs[1:-1])
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[0].endswith("grad")], ids=lambda c: c[0])
+def test_slices_share_their_layouts(case):
+    """The ops that index each iteration's slices out of the stacked operands
+    share a class (solve.loop_classes), so every iteration gets its slices in
+    the same layouts: a free slice made before the body or inside it is a tie
+    the solver would otherwise break per iteration, and the iterations that
+    break it otherwise are written out of the loop."""
+    from sbpjax.compiler.solve import loop_classes
+
+    _, fn, args, shape, in_sbp, n_loops = case
+    pl = sj.placement(shape, ("x", "y")[: len(shape)])
+    prop = sj.jit(fn, placement=pl, in_sbp=in_sbp).explain(*args).propagation
+    classes = loop_classes(prop.program)
+    class_of = {id(node): c for node, c in zip(prop.program.nodes, classes)}
+    decision_of = {id(d.node): d for d in prop.decisions}
+    for loop in prop.program.loops:
+        # the k-th slicing op of every iteration (the first layer's may be dead code, dropped)
+        alike = [
+            [it.slicing[k] for it in loop.iterations if id(it.slicing[k]) in decision_of]
+            for k in range(len(loop.iterations[0].slicing))
+        ]
+        assert any(len(nodes) == len(loop.iterations) for nodes in alike)
+        for nodes in filter(None, alike):
+            assert len({class_of[id(n)] for n in nodes}) == 1 and class_of[id(nodes[0])] is not None
+            layouts = {(tuple(decision_of[id(n)].in_sbp), tuple(decision_of[id(n)].out_sbp)) for n in nodes}
+            assert len(layouts) == 1, layouts
+    # each loop rolls, but for its last iteration where the code after it reads the carry otherwise
+    runs = loops.plan_runs(prop)
+    assert len(runs) == n_loops and all(len(r.positions) >= len(prop.program.loops[0].iterations) - 1 for r in runs)
+
+
 def test_explain_says_which_scans_stay_loops():
     fn = jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1))
     pl = sj.placement((2, 4), ("x", "y"))
