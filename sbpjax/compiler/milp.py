@@ -30,9 +30,9 @@ window search that follows ends at 9.2 MB (the 8-layer step: 16.4 MB against
 has a cost, measured too: on the model zoo's scanned decoder
 (``benchmarks/models.py``), whose whole-program solve stops at its time
 limit on every release, 1.16's stop (53% gap) leads the window search to a
-plan moving 73.7 MB with an 8.4 MB peak, 1.12-1.15's (57%) to one moving
-78.4 MB whose backward loop writes two of its four iterations out, an
-11.0 MB peak (GSPMD: 99.0 MB, 8.9 MB). 1.16 costs the GPT steps more (up to
+plan moving 73.7 MB, 1.12-1.15's (57%) to one moving 78.4 MB (GSPMD:
+99.0 MB; both plans peak below GSPMD's 8.9 MB since a scan's slices share
+their layouts, ``solve.loop_classes``). 1.16 costs the GPT steps more (up to
 3.5 MB per step) and 1.12 proves their solves, so 1.12 is kept.
 """
 
