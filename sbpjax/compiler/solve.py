@@ -1157,7 +1157,8 @@ def choose(
     t0 = time.perf_counter()
     try:
         # The whole program first (on small programs it proves the optimum);
-        # then, where layers repeat, windows from the best plan so far.
+        # then, unless it was proven, windows from the best plan so far: the
+        # repeated layers and the rest, or stretches of the program.
         windows = _windows(classes, program)
         share, gap = (WHOLE_SHARE, WINDOWS_GAP) if len(windows) > 1 else (1.0, 1e-3)
         # each solve starts from the cheapest plan in hand (sbpjax.compiler.milp)
@@ -1178,13 +1179,17 @@ def choose(
                 b_choice.fallback = f"the solve by bytes and latency stopped at gap {_percent(choice.gap)}"
                 ilp, choice = by_bytes, b_choice
             choice.solve_s, choice.build_s = spent
+        if len(windows) <= 1 and not proven:
+            windows = _stretches(program)
         if len(windows) > 1 and not proven:
             start = ilp if ilp is not None and (price(ilp, cost_model) < g_price or not g_fits) else greedy
             if start is not greedy or g_fits:
                 # the windows' share of the time, after the whole-program solve's (or, where
-                # the solve by bytes alone ran too, after both: up to 1.5x time_limit in all)
+                # the solve by bytes alone ran too, after both: up to 1.5x time_limit in all,
+                # 2.5x where the whole-program solves had the whole time limit each)
                 deadline = max(t0 + time_limit, time.perf_counter() + (1 - WHOLE_SHARE) * time_limit)
-                refined = _refine(run, start, deadline, windows, cost_model)
+                starts = [start] + ([greedy] if start is not greedy and g_fits else [])
+                refined = _refine(run, starts, deadline, windows, cost_model)
     except ImportError as e:  # highspy and scipy are dependencies; a broken install still compiles
         if not g_fits or auto:
             raise SBPError(
@@ -1284,31 +1289,59 @@ def _windows(classes, program) -> list[set]:
     return [w for w in (*loops.values(), repeated, rest) if w]
 
 
-def _refine(run, start, deadline, windows, cost_model=None):
-    """Large-neighbourhood search from the plan ``start``: solve the integer
-    program with one window's ops free and every other op fixed to the best
-    plan so far, window after window, until a round improves nothing or the
-    deadline passes. ``run(time_limit=..., fixed=..., start=...)`` solves the program.
-    Returns (best plan, solves, seconds)."""
+# The ops of a window of _stretches, where no layers repeat.
+STRETCH_OPS = 100
+
+
+def _stretches(program) -> list[set]:
+    """Windows for a program whose whole solve stopped short of its gap and
+    whose layers do not repeat (or which is solved untied, ``UNTIED_OPS``):
+    runs of ``STRETCH_OPS`` consecutive ops, so that the forward pass, the
+    backward pass and the optimizer change a part at a time. On the 2-D
+    transformer step of ``benchmarks/compiler.py`` (400 ops) both 10 s
+    solves stopped 26% from their bound, neither below greedy's 75.8 MB;
+    from there 5 window solves (0.3 s) reach 68.7 MB, and runs of 200 or 50
+    ops reach the same plan."""
+    n = len(program.nodes)
+    return [set(range(i, min(n, i + STRETCH_OPS))) for i in range(0, n, STRETCH_OPS)]
+
+
+def _refine(run, starts, deadline, windows, cost_model=None):
+    """Large-neighbourhood search from each plan of ``starts`` in turn, while
+    time is left: solve the integer program with one window's ops free and
+    every other op fixed to the best plan of this search so far, window after
+    window, until a round improves nothing or the deadline passes.
+    ``run(time_limit=..., fixed=..., start=...)`` solves the program. Returns
+    (the best plan of all searches, solves, seconds).
+
+    A search ends in a local optimum that depends on where it starts: on the
+    2-D transformer step of ``benchmarks/compiler.py`` one from greedy's plan
+    (75.8 MB) reached 68.7 MB, one from a time-limited whole-program solve's
+    better plan (75.4 MB) stopped at 75.0 MB; so where time is left, the
+    search starts again from greedy's plan."""
     t0 = time.perf_counter()
     # one window may not take the whole budget: the other needs its turn
     per_solve = (deadline - t0) / 2
-    best, rounds, stale = start, 0, 0
-    while stale < len(windows):
-        for window in windows:
-            left = min(deadline - time.perf_counter(), per_solve)
-            if left <= 0 or stale >= len(windows):
-                return best, rounds, time.perf_counter() - t0
-            fixed = {
-                i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(best.decisions) if i not in window
-            }
-            prop, _ = run(time_limit=left, fixed=fixed, start=best)
-            rounds += 1
-            if prop is not None and price(prop, cost_model) < price(best, cost_model):
-                best, stale = prop, 0
-            else:
-                stale += 1
-    return best, rounds, time.perf_counter() - t0
+    found, rounds = starts[0], 0
+    for best in starts:
+        stale = 0
+        while stale < len(windows) and deadline - time.perf_counter() > 0:
+            for window in windows:
+                left = min(deadline - time.perf_counter(), per_solve)
+                if left <= 0 or stale >= len(windows):
+                    break
+                fixed = {
+                    i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(best.decisions) if i not in window
+                }
+                prop, _ = run(time_limit=left, fixed=fixed, start=best)
+                rounds += 1
+                if prop is not None and price(prop, cost_model) < price(best, cost_model):
+                    best, stale = prop, 0
+                else:
+                    stale += 1
+        if price(best, cost_model) < price(found, cost_model):
+            found = best
+    return found, rounds, time.perf_counter() - t0
 
 
 def _held_bytes(program, prop: Propagation, ties, grid) -> int:
