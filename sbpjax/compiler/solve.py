@@ -975,7 +975,11 @@ def loop_classes(program) -> list:
     for loop in program.loops:
         for it in loop.iterations:
             for k, node in enumerate(it.slicing):
-                sliced[id(node)] = hash(("slice", id(loop), k))
+                # what the op is apart from its index (a slice merged with an equal one
+                # before the loop, trace.LOOP_SLICES = False, shifts k: no class then joins
+                # ops of different shapes)
+                shapes = (tuple(tuple(a.shape) for a in node.ins), tuple(tuple(o.shape) for o in node.outs))
+                sliced[id(node)] = hash(("slice", id(loop), k, node.name, shapes))
     for node, where in zip(program.nodes, _loop_owners(program)):
         if where is None:
             out.append(sliced.get(id(node)))
