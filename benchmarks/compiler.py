@@ -185,6 +185,26 @@ def gpt_loss(p, tokens, labels, heads):
     return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], axis=-1))
 
 
+def block_params(rng, vocab, dm, hid) -> dict:
+    """The parameters of ``block_loss``'s model (embedding, one transformer
+    block, head), drawn from ``rng``."""
+
+    def nrm(*s):
+        return (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32)
+
+    return {
+        "wq": nrm(dm, dm),
+        "wk": nrm(dm, dm),
+        "wv": nrm(dm, dm),
+        "wo": nrm(dm, dm),
+        "w1": nrm(dm, hid),
+        "w2": nrm(hid, dm),
+        "g": np.ones((dm,), np.float32),
+        "emb": nrm(vocab, dm),
+        "head": nrm(dm, vocab),
+    }
+
+
 def block_loss(p, tokens, labels, heads):
     lp = jax.nn.log_softmax(block_forward(p, tokens, heads), axis=-1)
     return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], axis=-1))
@@ -586,18 +606,7 @@ def main():
 
     # (b) transformer block train step: data, tensor, 2-D
     vocab, dm, hid, heads, tt, bb = (64, 32, 64, 8, 8, 16) if q else (1024, 256, 1024, 8, 64, 32)
-    nrm = lambda *s: (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
-    bp = {
-        "wq": nrm(dm, dm),
-        "wk": nrm(dm, dm),
-        "wv": nrm(dm, dm),
-        "wo": nrm(dm, dm),
-        "w1": nrm(dm, hid),
-        "w2": nrm(hid, dm),
-        "g": np.ones((dm,), np.float32),
-        "emb": nrm(vocab, dm),
-        "head": nrm(dm, vocab),
-    }
+    bp = block_params(rng, vocab, dm, hid)
     tokens = rng.integers(0, vocab, size=(bb, tt)).astype(np.int32)
     labels = rng.integers(0, vocab, size=(bb, tt)).astype(np.int32)
     opt = optax.adamw(1e-3, weight_decay=0.1)

@@ -422,20 +422,7 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
     rng = np.random.default_rng(0)
     vocab, dm, hid, heads, tt, bb = 1024, 256, 1024, 8, 64, 32
 
-    def nrm(*s):
-        return (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32)
-
-    params = {
-        "wq": nrm(dm, dm),
-        "wk": nrm(dm, dm),
-        "wv": nrm(dm, dm),
-        "wo": nrm(dm, dm),
-        "w1": nrm(dm, hid),
-        "w2": nrm(hid, dm),
-        "g": np.ones((dm,), np.float32),
-        "emb": nrm(vocab, dm),
-        "head": nrm(dm, vocab),
-    }
+    params = bench.block_params(rng, vocab, dm, hid)
     tokens, labels = (rng.integers(0, vocab, size=(bb, tt)).astype(np.int32) for _ in range(2))
     opt = optax.adamw(1e-3, weight_decay=0.1)
     state = opt.init(params)
