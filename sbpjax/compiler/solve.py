@@ -1335,7 +1335,9 @@ def _refine(run, starts, deadline, windows, cost_model=None):
                 if left <= 0 or stale >= len(windows):
                     break
                 fixed = {
-                    i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(best.decisions) if i not in window
+                    i: (list(d.in_sbp), list(d.out_sbp))
+                    for i, d in enumerate(best.decisions)
+                    if i not in window
                 }
                 prop, _ = run(time_limit=left, fixed=fixed, start=best)
                 rounds += 1

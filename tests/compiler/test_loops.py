@@ -180,7 +180,9 @@ def test_slices_share_their_layouts(case):
             assert len(layouts) == 1, layouts
     # each loop rolls, but for its last iteration where the code after it reads the carry otherwise
     runs = loops.plan_runs(prop)
-    assert len(runs) == n_loops and all(len(r.positions) >= len(prop.program.loops[0].iterations) - 1 for r in runs)
+    assert len(runs) == n_loops and all(
+        len(r.positions) >= len(prop.program.loops[0].iterations) - 1 for r in runs
+    )
 
 
 def test_explain_says_which_scans_stay_loops():
