@@ -421,7 +421,6 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
         del sys.path[0]
     rng = np.random.default_rng(0)
     vocab, dm, hid, heads, tt, bb = 1024, 256, 1024, 8, 64, 32
-
     params = bench.block_params(rng, vocab, dm, hid)
     tokens, labels = (rng.integers(0, vocab, size=(bb, tt)).astype(np.int32) for _ in range(2))
     opt = optax.adamw(1e-3, weight_decay=0.1)
@@ -449,3 +448,5 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
         assert choice.window_solves >= len(stretches)
     c = f.lower(params, state, tokens, labels).compile()
     assert measured(c) == e.bytes
+    got = jax.tree.map(lambda t: t.numpy(), f(params, state, tokens, labels), is_leaf=is_gt)
+    assert_step_close(got, jax.jit(step)(params, state, tokens, labels), "2-D step", adam_lr=1e-3)
