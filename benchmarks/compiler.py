@@ -185,14 +185,16 @@ def gpt_loss(p, tokens, labels, heads):
     return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], axis=-1))
 
 
-def block_params(rng, vocab, dm, hid) -> dict:
-    """The parameters of ``block_loss``'s model (embedding, one transformer
-    block, head), drawn from ``rng``."""
+def block_step(rng, quick: bool):
+    """Benchmark (b)'s program: one transformer block (embedding, attention,
+    MLP, head) trained with adamw. Returns ``(step, args, opt, heads)``,
+    ``args`` being (params, optimizer state, tokens, labels) drawn from ``rng``."""
+    vocab, dm, hid, heads, tt, bb = (64, 32, 64, 8, 8, 16) if quick else (1024, 256, 1024, 8, 64, 32)
 
     def nrm(*s):
         return (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32)
 
-    return {
+    params = {
         "wq": nrm(dm, dm),
         "wk": nrm(dm, dm),
         "wv": nrm(dm, dm),
@@ -202,6 +204,37 @@ def block_params(rng, vocab, dm, hid) -> dict:
         "g": np.ones((dm,), np.float32),
         "emb": nrm(vocab, dm),
         "head": nrm(dm, vocab),
+    }
+    tokens = rng.integers(0, vocab, size=(bb, tt)).astype(np.int32)
+    labels = rng.integers(0, vocab, size=(bb, tt)).astype(np.int32)
+    opt = optax.adamw(1e-3, weight_decay=0.1)
+
+    def step(p, s, tok, lab):
+        loss, g = jax.value_and_grad(block_loss)(p, tok, lab, heads)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    return step, (params, opt.init(params), tokens, labels), opt, heads
+
+
+def block_sbp(kind: str, pl, params) -> dict:
+    """The parameters' layouts of ``block_step`` for a ``kind`` of
+    parallelism: "data" (every one B), "tensor" or "2d" (Megatron's column and
+    row splits on the placement's last axis)."""
+    rep = (B,) * pl.ndim
+    if kind == "data":
+        return {k: rep for k in params}
+    col, row = rep[:-1] + (S1,), rep[:-1] + (S0,)
+    return {
+        "wq": col,
+        "wk": col,
+        "wv": col,
+        "wo": row,
+        "w1": col,
+        "w2": row,
+        "g": rep,
+        "emb": rep,
+        "head": col,
     }
 
 
@@ -605,36 +638,11 @@ def main():
     )
 
     # (b) transformer block train step: data, tensor, 2-D
-    vocab, dm, hid, heads, tt, bb = (64, 32, 64, 8, 8, 16) if q else (1024, 256, 1024, 8, 64, 32)
-    bp = block_params(rng, vocab, dm, hid)
-    tokens = rng.integers(0, vocab, size=(bb, tt)).astype(np.int32)
-    labels = rng.integers(0, vocab, size=(bb, tt)).astype(np.int32)
-    opt = optax.adamw(1e-3, weight_decay=0.1)
-    state = opt.init(bp)
-
-    def step(p, s, tok, lab):
-        loss, g = jax.value_and_grad(block_loss)(p, tok, lab, heads)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
+    step, (bp, state, tokens, labels), opt, heads = block_step(rng, q)
     ref = jax.jit(step)(bp, state, tokens, labels)
     for kind, pl in [("data", pl8), ("tensor", pl8), ("2d", pl24)]:
         rep = (B,) * pl.ndim
-        col, row_ = rep[:-1] + (S1,), rep[:-1] + (S0,)
-        if kind == "data":
-            ps = {k: rep for k in bp}
-        else:
-            ps = {
-                "wq": col,
-                "wk": col,
-                "wv": col,
-                "wo": row_,
-                "w1": col,
-                "w2": row_,
-                "g": rep,
-                "emb": rep,
-                "head": col,
-            }
+        ps = block_sbp(kind, pl, bp)
         ss = state_sbp(state, ps, rep)
         data_sbp = (S0,) if kind == "data" else ((B,) if kind == "tensor" else (S0, B))
         data_axis = {"data": "x", "tensor": None, "2d": "x"}[kind]

@@ -419,22 +419,10 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
         import compiler as bench
     finally:
         del sys.path[0]
-    rng = np.random.default_rng(0)
-    vocab, dm, hid, heads, tt, bb = 1024, 256, 1024, 8, 64, 32
-    params = bench.block_params(rng, vocab, dm, hid)
-    tokens, labels = (rng.integers(0, vocab, size=(bb, tt)).astype(np.int32) for _ in range(2))
-    opt = optax.adamw(1e-3, weight_decay=0.1)
-    state = opt.init(params)
-
-    def step(p, s, tok, lab):
-        loss, g = jax.value_and_grad(bench.block_loss)(p, tok, lab, heads)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    col, row, rep = (B, S1), (B, S0), (B, B)
-    ps = {"wq": col, "wk": col, "wv": col, "wo": row, "w1": col, "w2": row, "g": rep, "emb": rep, "head": col}
-    ss = bench.state_sbp(state, ps, rep)
+    step, (params, state, tokens, labels), _, _ = bench.block_step(np.random.default_rng(0), quick=False)
     pl = sj.placement((2, 4), ("x", "y"))
+    ps, rep = bench.block_sbp("2d", pl, params), (B, B)
+    ss = bench.state_sbp(state, ps, rep)
     f = sj.jit(step, placement=pl, in_sbp=(ps, ss, (S0, B), (S0, B)), out_sbp=(ps, ss, rep))
     e = f.explain(params, state, tokens, labels)
     program = e.propagation.program
