@@ -42,6 +42,17 @@ mean fewer collectives and fewer latency terms; a cap bounds the extra memory
 of the flat buffer (about twice its size while the pieces are copied in and
 out). A boxing larger than the cap runs alone. ``BUCKETING = False`` turns
 combining off (each boxing runs alone, as before).
+
+A bucket of all-gathers only is also capped at ``GATHER_SHARE`` (1/16) of the
+program's estimated peak per device (:mod:`sbpjax.compiler.liveness`). Such
+buckets gather parameters (ZeRO-3 / FSDP plans), and every parameter is ready
+at the start, so without that cap the first gather takes every layer's
+weights: on jax 0.12 the model zoo's unrolled decoder then peaked at that
+point, with the 2.8 MB gathered buffer and the pieces cut from it alive
+together (9.68 MB per device against GSPMD's 9.07 MB; capped: 8.38 MB, one
+more collective). A share of 1/8 still let that bucket through; on the
+compiler benchmark 1/16 splits one bucket of one program (the 4-layer GPT).
+FSDP gathers one layer's parameters at a time for the same reason.
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ import numpy as np
 from jax import lax
 
 from sbpjax.boxing.lower import IndexTables, _apply, axis_arg, preduce_extreme
+from sbpjax.compiler.liveness import live_bytes
 from sbpjax.compiler.propagate import Boxing, Propagation
 from sbpjax.compiler.trace import Const
 from sbpjax.layout import Geometry
@@ -63,6 +75,10 @@ BUCKETING = True
 
 BUCKET_BYTES = 25 * 2**20
 """Cap on the bytes one device contributes to a bucket (PyTorch DDP's 25 MiB)."""
+
+GATHER_SHARE = 1 / 16
+"""Cap on a bucket of all-gathers only, as a share of the program's estimated
+peak per device (:mod:`sbpjax.compiler.liveness`)."""
 
 
 @dataclasses.dataclass
@@ -140,7 +156,11 @@ def _local_bytes(b: Boxing, grid) -> int:
 
 
 def plan_buckets(
-    prop: Propagation, cap: int | None = None, enabled: bool | None = None, zones: dict | None = None
+    prop: Propagation,
+    cap: int | None = None,
+    enabled: bool | None = None,
+    zones: dict | None = None,
+    gather_cap: int | None = None,
 ):
     """The buckets of a propagated program.
 
@@ -170,6 +190,10 @@ def plan_buckets(
     }
     region.update({id(b): (0, zones.get(id(b), ())) for b in prop.out_boxings})
     keys: dict = {id(b): bucket_key(b, grid) for b in order}
+    if gather_cap is None and any(
+        k is not None and all(q[0] == "all_gather" for q in k[1]) for k in keys.values()
+    ):
+        gather_cap = int(GATHER_SHARE * int(live_bytes(prop).max()))
     pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
     for b in order:
         k = keys[id(b)]
@@ -193,6 +217,9 @@ def plan_buckets(
             seqs = [k[1]]  # distinct kind sequences in the bucket
             n_rounds = len(k[1])
             size = _local_bytes(b, grid)
+            limit = cap
+            if gather_cap is not None and all(kind[0] == "all_gather" for kind in k[1]):
+                limit = min(cap, gather_cap)
             rest = []
             for c in pending[k[0]]:
                 if id(c) in done:
@@ -200,7 +227,7 @@ def plan_buckets(
                 nb = _local_bytes(c, grid)
                 if (
                     (id(c.var), c.src) not in ready
-                    or size + nb > cap
+                    or size + nb > limit
                     or region.get(id(c), (0, ())) != region.get(id(b), (0, ()))
                 ):
                     rest.append(c)

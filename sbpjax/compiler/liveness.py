@@ -1,0 +1,90 @@
+"""An estimate of what each device holds while a program runs.
+
+Each value's block in its layout (``local_shape``, padded where uneven) is
+counted from the op that makes it (or the boxing that moves it) to its last
+use, in program order; results live to the end; the arguments as passed are
+left out (they are held throughout). It is an upper bound of what XLA
+allocates, which fuses many of these values away and reorders ops, but it
+places a train step's peak where the forward pass's saved activations are
+all alive, which is what its users need: :mod:`sbpjax.compiler.regather`
+(which gathered weights to free across the peak) and
+:mod:`sbpjax.compiler.buckets` (how large a bucket of parameter gathers may
+grow).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from sbpjax.compiler.propagate import Boxing, Propagation
+from sbpjax.compiler.trace import Var
+from sbpjax.rules import local_shape
+
+
+def value_bytes(var, nd, grid) -> int:
+    """Bytes of one device's block of ``var`` in layout ``nd``."""
+    return int(np.prod(local_shape(var.shape, nd, grid), dtype=np.int64)) * np.dtype(var.dtype).itemsize
+
+
+@dataclasses.dataclass
+class Held:
+    """A gathered argument: the boxing that makes it, the decisions using it
+    (ascending) and where it is gathered (the first use, then each regather)."""
+
+    boxing: Boxing
+    uses: list
+    starts: list
+    size: int
+
+
+def live_bytes(prop: Propagation, held: Sequence = ()) -> np.ndarray:
+    """Estimated bytes each device holds after each decision (the program's
+    arguments left out: they are held throughout). ``held``: gathered
+    arguments whose gathered copies live from each start to the last use
+    before the next (see :class:`Held`)."""
+    grid = prop.placement.shape
+    n = len(prop.decisions)
+    # the arguments as passed are held throughout; their boxed versions are not
+    args = {(id(v), nd) for v, nd in zip(prop.program.inputs, prop.in_sbp)}
+    start: dict = {}
+    end: dict = {}
+    size: dict = {}
+    gathered = {(id(h.boxing.var), h.boxing.dst) for h in held}
+
+    def use(key, var, nd, i):
+        if key not in size:
+            size[key] = value_bytes(var, nd, grid)
+            start[key] = i
+        end[key] = max(end.get(key, i), i)
+
+    skip = args | gathered
+    for i, d in enumerate(prop.decisions):
+        for b in d.boxings:
+            if (id(b.var), b.dst) not in skip:
+                use((id(b.var), b.dst), b.var, b.dst, i)
+        for a, nd in zip(d.node.ins, d.in_sbp):
+            if isinstance(a, Var) and (id(a), nd) not in skip:
+                use((id(a), nd), a, nd, i)
+        for v, nd in zip(d.node.outs, d.out_sbp):
+            use((id(v), nd), v, nd, i)
+    for b in prop.out_boxings:
+        for nd in (b.src, b.dst):
+            if (id(b.var), nd) not in skip:
+                use((id(b.var), nd), b.var, nd, n - 1)
+    for v, nd in zip(prop.program.outputs, prop.out_sbp):
+        if isinstance(v, Var) and (id(v), nd) in size:
+            end[(id(v), nd)] = n - 1
+    delta = np.zeros(n + 1, np.int64)
+    for key, s in size.items():
+        delta[start[key]] += s
+        delta[end[key] + 1] -= s
+    for h in held:  # each gathering holds the weight from it to the last use before the next
+        cuts = [*h.starts[1:], None]
+        for s, nxt in zip(h.starts, cuts):
+            last = max(u for u in h.uses if u >= s and (nxt is None or u < nxt))
+            delta[s] += h.size
+            delta[last + 1] -= h.size
+    return np.cumsum(delta)[:n]
