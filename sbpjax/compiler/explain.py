@@ -128,6 +128,18 @@ class Explanation:
         kept = sum(1 for *_, k in conds if k)
         return f"conds: {kept} of {len(conds)} run as lax.switch ({'; '.join(parts)})"
 
+    def _regather_line(self) -> str | None:
+        prop = self.propagation
+        again = [b for b in self.boxings if b.regather]
+        if not again or prop.regathered is None:
+            return None
+        before, after = prop.regathered
+        return (
+            f"regathers: {len(again)} gathered arguments gathered again after the estimated memory peak "
+            f"(+{sum(b.bytes for b in again)} B; estimated peak per device {human_bytes(before)} -> "
+            f"{human_bytes(after)}; sj.jit(..., regather=False) holds them instead)"
+        )
+
     @property
     def ops(self) -> list:
         """(primitive, source, input nd-SBPs, output nd-SBPs) per op."""
@@ -156,6 +168,8 @@ class Explanation:
             lines.append("  " + loops)
         if (conds := self._conds_line()) is not None:
             lines.append("  " + conds)
+        if (again := self._regather_line()) is not None:
+            lines.append("  " + again)
         for op, (n, nbytes) in sorted(counts.items(), key=lambda kv: -kv[1][1]):
             lines.append(f"  {op:<15} x{n:<4} {human_bytes(nbytes)}")
         lines += [f"  warning: {w}" for w in self.warnings]
@@ -176,6 +190,8 @@ class Explanation:
             lines.append("  " + loops)
         if (conds := self._conds_line()) is not None:
             lines.append("  " + conds)
+        if (again := self._regather_line()) is not None:
+            lines.append("  " + again)
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
         own: dict = {}
         for i, c in self.comm:
@@ -184,6 +200,7 @@ class Explanation:
             box = "; ".join(
                 [
                     f"{_short(b.src)}->{_short(b.dst)} [{', '.join(s.label() for s in b.plan.steps) or 'free'}]"
+                    + (" again" if b.regather else "")
                     for b in d.boxings
                 ]
                 + [

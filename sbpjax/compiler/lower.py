@@ -13,6 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from sbpjax.boxing.lower import group_index, run_plan
@@ -75,6 +76,34 @@ def _default_local(eqn, ins, ctx):
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+def _after(xs: list, anchor: tuple) -> list:
+    """``xs`` unchanged, but computed after ``anchor``: a regather's sources
+    (sbpjax.compiler.regather). An optimization barrier does not do it: XLA's
+    CPU pipeline removes barriers before scheduling, and its scheduler then
+    ran a regather (an all-gather of a parameter) at the start of the step,
+    holding its result as long as the first gather's. Instead each source's
+    bits are OR-ed with a zero that XLA only knows at run time (the minimum of
+    an anchor element's bits and 0, unsigned), which leaves every bit as it
+    is; float arithmetic would not (``x + -0.0`` flushes subnormals to zero on
+    CPU). Sources of other dtypes (bool, complex), and anchors with no element,
+    are left as they are."""
+    seed = next((jnp.ravel(a)[0] for a in anchor if jnp.size(a)), None)
+    if seed is None:
+        return xs
+    out = []
+    for x in xs:
+        width = np.dtype(x.dtype).itemsize
+        kind = np.dtype(x.dtype).kind
+        if kind not in "fiu" or width not in (1, 2, 4, 8):
+            out.append(x)
+            continue
+        bits = jnp.dtype(f"uint{8 * width}")
+        s = seed.real if jnp.iscomplexobj(seed) else seed
+        zero = jnp.minimum(lax.convert_element_type(s, np.float32).view(np.uint32).astype(bits), 0)
+        out.append(lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) | zero, x.dtype))
+    return out
+
+
 def build(prop: Propagation, donate: tuple[int, ...] = ()):
     """The jitted function of physical inputs -> physical outputs; ``donate``:
     indices of the inputs whose buffers the program may reuse (``jax.jit``'s
@@ -127,6 +156,12 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
     for sw in switches.values():
         switch_at.setdefault(sw.span[0], []).append(sw)
     before_switch = {id(b) for sw in switches.values() for b in sw.before}
+    # a regather runs at its consumer, after the value it is anchored to
+    # (sbpjax.compiler.regather): it joins only the regathers of that consumer
+    for i, dec in enumerate(prop.decisions):
+        for b in dec.boxings:
+            if b.regather:
+                zones[id(b)] = ("regather", i)
     # boxings that run the same collectives run together (sbpjax.compiler.buckets)
     buckets, joined = plan_buckets(prop, zones=zones)
 
@@ -154,16 +189,23 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
         x = read(env, atom, nd)
         return uneven.fill_holes(x, atom.shape, nd, names, grid, uneven.holes_op(nd))
 
-    def box(env, b):
+    def box(env, b, anchor=()):
+        """Run boxing ``b`` (with its bucket); a regather's sources are made
+        to depend on ``anchor`` (values the op before its consumer made, see
+        ``_after``)."""
         if id(b) in joined:  # ran earlier, with its bucket
             return
         bucket = buckets.get(id(b))
+        if bucket is None and not b.regather and (id(b.var), b.dst) in env:
+            return  # a rolled loop made it already (Run.done, Run.pushed)
+        members = [b] if bucket is None else bucket.boxings
+        srcs = [settled(env, c.var, c.src) for c in members]
+        if b.regather and anchor:
+            srcs = _after(srcs, anchor)
         if bucket is None:
-            if (id(b.var), b.dst) in env:  # a rolled loop made it already (Run.done, Run.pushed)
-                return
-            env[(id(b.var), b.dst)] = run_plan(b.plan, settled(env, b.var, b.src))
+            env[(id(b.var), b.dst)] = run_plan(b.plan, srcs[0])
             return
-        ys = run_bucket(bucket, [settled(env, c.var, c.src) for c in bucket.boxings])
+        ys = run_bucket(bucket, srcs)
         for c, y in zip(bucket.boxings, ys):
             env[(id(c.var), c.dst)] = y
 
@@ -173,6 +215,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
         switches' branches they lie in)."""
         entered: set = set()
         shared: dict = {}  # what ops' own communication made (LocalCtx.memo)
+        anchor: tuple = ()  # the last op's outputs (a regather waits for them)
         k = 0
         while k < len(indices):
             i = indices[k]
@@ -212,7 +255,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                     env.update(zip(keys, lax.optimization_barrier(tuple(env[key] for key in keys))))
             for b in dec.boxings:
                 if id(b) not in hoisted and id(b) not in before_switch:
-                    box(env, b)
+                    box(env, b, anchor)
             node = dec.node
             ins = [read(env, a, nd) for a, nd in zip(node.ins, dec.in_sbp)]
             # a reduction over an uneven split reads identities in the padding
@@ -228,6 +271,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 outs = local(node.eqn, ins, ctx)
             for v, nd, y in zip(node.outs, dec.out_sbp, outs):
                 env[(id(v), nd)] = y
+            anchor = tuple(outs)
 
     def switch(sw, env, template):
         """A written-out cond as one lax.switch (sbpjax.compiler.switches)."""

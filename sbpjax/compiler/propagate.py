@@ -53,6 +53,8 @@ class Boxing:
     plan: BoxingPlan
     where: str  # the consuming op and its source line
     node_index: int | None
+    # a gathered argument gathered again for a later use (sbpjax.compiler.regather)
+    regather: bool = False
 
     @property
     def bytes(self) -> int:
@@ -78,6 +80,8 @@ class Propagation:
     out_sbp: list
     warnings: list
     choice: Any = None  # how the layouts were chosen (sbpjax.compiler.solve.Choice)
+    # estimated per-device peak bytes before and after regathers (sbpjax.compiler.regather)
+    regathered: tuple | None = None
     # seconds spent per phase of sj.jit's front end (trace_s, choose_s, build_s;
     # lower_s and xla_compile_s once measured): see Explanation.timings
     timings: dict = dataclasses.field(default_factory=dict)
