@@ -90,17 +90,16 @@ def _after(xs: list, anchor: tuple) -> list:
     seed = next((jnp.ravel(a)[0] for a in anchor if jnp.size(a)), None)
     if seed is None:
         return xs
+    seed = seed.real if jnp.iscomplexobj(seed) else seed
+    zero = jnp.minimum(lax.convert_element_type(seed, np.float32).view(np.uint32), 0)  # 0, opaque
     out = []
     for x in xs:
-        width = np.dtype(x.dtype).itemsize
-        kind = np.dtype(x.dtype).kind
-        if kind not in "fiu" or width not in (1, 2, 4, 8):
+        dtype = np.dtype(x.dtype)
+        if dtype.kind not in "fiu" or dtype.itemsize not in (1, 2, 4, 8):
             out.append(x)
             continue
-        bits = jnp.dtype(f"uint{8 * width}")
-        s = seed.real if jnp.iscomplexobj(seed) else seed
-        zero = jnp.minimum(lax.convert_element_type(s, np.float32).view(np.uint32).astype(bits), 0)
-        out.append(lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) | zero, x.dtype))
+        bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        out.append(lax.bitcast_convert_type(lax.bitcast_convert_type(x, bits) | zero.astype(bits), x.dtype))
     return out
 
 
