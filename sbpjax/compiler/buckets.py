@@ -193,7 +193,8 @@ def plan_buckets(
     if gather_cap is None and any(
         k is not None and all(q[0] == "all_gather" for q in k[1]) for k in keys.values()
     ):
-        gather_cap = int(GATHER_SHARE * int(live_bytes(prop).max()))
+        peak = int(live_bytes(prop).max())
+        gather_cap = int(GATHER_SHARE * peak) if peak > 0 else None
     pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
     for b in order:
         k = keys[id(b)]

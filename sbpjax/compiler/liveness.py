@@ -46,7 +46,7 @@ def live_bytes(prop: Propagation, held: Sequence = ()) -> np.ndarray:
     arguments whose gathered copies live from each start to the last use
     before the next (see :class:`Held`)."""
     grid = prop.placement.shape
-    n = len(prop.decisions)
+    n = max(len(prop.decisions), 1)  # a program of no ops still holds its results
     # the arguments as passed are held throughout; their boxed versions are not
     args = {(id(v), nd) for v, nd in zip(prop.program.inputs, prop.in_sbp)}
     start: dict = {}
