@@ -214,7 +214,7 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
         switches' branches they lie in)."""
         entered: set = set()
         shared: dict = {}  # what ops' own communication made (LocalCtx.memo)
-        anchor: tuple = ()  # the last op's outputs (a regather waits for them)
+        anchor: tuple = ()  # the last outputs with an element (a regather waits for them)
         k = 0
         while k < len(indices):
             i = indices[k]
@@ -270,7 +270,8 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 outs = local(node.eqn, ins, ctx)
             for v, nd, y in zip(node.outs, dec.out_sbp, outs):
                 env[(id(v), nd)] = y
-            anchor = tuple(outs)
+            if any(jnp.size(y) for y in outs):
+                anchor = tuple(outs)
 
     def switch(sw, env, template):
         """A written-out cond as one lax.switch (sbpjax.compiler.switches)."""
