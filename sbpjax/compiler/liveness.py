@@ -25,8 +25,9 @@ from sbpjax.rules import local_shape
 
 
 def value_bytes(var, nd, grid) -> int:
-    """Bytes of one device's block of ``var`` in layout ``nd``."""
-    return int(np.prod(local_shape(var.shape, nd, grid), dtype=np.int64)) * np.dtype(var.dtype).itemsize
+    """Bytes of one device's block of ``var`` in layout ``nd`` (a PRNG key's
+    dtype is not a NumPy dtype, but has an itemsize too)."""
+    return int(np.prod(local_shape(var.shape, nd, grid), dtype=np.int64)) * var.dtype.itemsize
 
 
 @dataclasses.dataclass
