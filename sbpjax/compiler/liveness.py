@@ -20,14 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from sbpjax.compiler.propagate import Boxing, Propagation
+from sbpjax.compiler.solve import block_bytes
 from sbpjax.compiler.trace import Var
-from sbpjax.rules import local_shape
 
 
 def value_bytes(var, nd, grid) -> int:
-    """Bytes of one device's block of ``var`` in layout ``nd`` (a PRNG key's
-    dtype is not a NumPy dtype, but has an itemsize too)."""
-    return int(np.prod(local_shape(var.shape, nd, grid), dtype=np.int64)) * var.dtype.itemsize
+    """Bytes of one device's block of ``var`` in layout ``nd``."""
+    return block_bytes(var.shape, var.dtype, nd, grid)
 
 
 @dataclasses.dataclass

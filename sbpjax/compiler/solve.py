@@ -158,8 +158,11 @@ def auto_layouts(shape, grid) -> list[tuple]:
 
 
 def block_bytes(shape, dtype, nd, grid) -> int:
-    """Bytes of one device's block of a value in layout ``nd`` (padded where uneven)."""
-    return int(np.prod(local_shape(shape, nd, grid), dtype=np.int64)) * np.dtype(dtype).itemsize
+    """Bytes of one device's block of a value in layout ``nd`` (padded where
+    uneven). A PRNG key's dtype (``key<fry>``) is no NumPy dtype but has an
+    itemsize of its own."""
+    size = dtype.itemsize if isinstance(getattr(dtype, "itemsize", None), int) else np.dtype(dtype).itemsize
+    return int(np.prod(local_shape(shape, nd, grid), dtype=np.int64)) * size
 
 
 @dataclasses.dataclass
