@@ -120,8 +120,9 @@ def reference_step(cfg, optimizer, batch_):
     return new_params, float(loss)
 
 
-def run_both(cfg, pl, optimizer, batch_):
-    """One step by sbpjax and by GSPMD: compiled programs, their bytes and results."""
+def run_both(cfg, pl, optimizer, batch_, solve_time_limit=10.0):
+    """One step by sbpjax and by GSPMD: compiled programs, their bytes and results
+    (``solve_time_limit``: the Trainer's, seconds for the layout solve)."""
     vocab, seq, d, heads, layers, _ = cfg
     out = {}
     model = build(vocab, seq, d, heads, layers)
@@ -131,7 +132,9 @@ def run_both(cfg, pl, optimizer, batch_):
 
     sjf.annotate(model, HYBRID_RULES)
     # no donation: the program is timed on the same arguments again and again (and GSPMD's does not donate)
-    trainer = sjf.Trainer(model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP, donate=False)
+    trainer = sjf.Trainer(
+        model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP, donate=False, solve_time_limit=solve_time_limit
+    )
     ts = trainer.train_step
     gbatch = (
         tuple(sj.to_global(v, pl, BATCH_SBP) for v in batch_),

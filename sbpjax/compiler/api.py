@@ -265,7 +265,13 @@ class CompiledFunction:
         self.out_sbp = out_sbp
         self.cost_model = cost_model
         self.solver = solver
-        self.solve_time_limit = solve_time_limit
+        if isinstance(solve_time_limit, bool) or not (
+            isinstance(solve_time_limit, (int, float)) and solve_time_limit > 0
+        ):
+            raise SBPError(
+                f"sj.jit: solve_time_limit must be a positive number of seconds, got {solve_time_limit!r}."
+            )
+        self.solve_time_limit = float(solve_time_limit)
         self.donate_argnums = _donate_argnums(donate_argnums)
         self.auto = bool(auto)
         if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):

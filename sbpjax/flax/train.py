@@ -147,6 +147,11 @@ class TrainStep:
     passing them again raises an SBPError); use the returned ones.
     ``donate=False`` keeps them valid (e.g. to run a step twice from the same
     state).
+
+    ``solve_time_limit``: seconds for ``sj.jit``'s whole-program layout
+    solve (default 10). The solve is cut by the wall clock, so a busy or slow
+    machine reaches a plan a free one would improve on; give a large model,
+    or a machine shared with other work, more.
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class TrainStep:
         aux_sbp=None,
         cost_model=None,
         donate: bool = True,
+        solve_time_limit: float = 10.0,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -175,6 +181,7 @@ class TrainStep:
         self.aux_sbp = aux_sbp
         self.cost_model = cost_model
         self.donate = bool(donate)
+        self.solve_time_limit = solve_time_limit
         self.stored_sbp = None
         self._fn = None
 
@@ -279,6 +286,7 @@ class TrainStep:
             out_sbp=outs,
             cost_model=self.cost_model,
             donate_argnums=(0, 1) if self.donate else (),
+            solve_time_limit=self.solve_time_limit,
         )
 
     def _ready(self):
@@ -362,6 +370,9 @@ class Trainer:
     (unexpectedly), the step stands and is not to be retried. ``donate=False``
     keeps the previous state until the loss is read (all or nothing at every
     point) at the cost of the second copy.
+
+    ``solve_time_limit``: seconds for the whole-program layout solve (see
+    :class:`TrainStep`).
     """
 
     def __init__(
@@ -376,8 +387,16 @@ class Trainer:
         compute_dtype=None,
         cost_model=None,
         donate: bool = True,
+        solve_time_limit: float = 10.0,
     ):
-        self._setup(model, optimizer, loss_fn, placement, batch_sbp, zero, compute_dtype, cost_model, donate)
+        self._setup(
+            model,
+            optimizer,
+            loss_fn,
+            placement,
+            batch_sbp,
+            (zero, compute_dtype, cost_model, donate, solve_time_limit),
+        )
         # typed PRNG keys cannot be global tensors: carry their key data (uint32)
         self._key_impls = jax.tree.map(
             lambda v: jax.random.key_impl(v) if _is_key(v) else None, self._rest_pure
@@ -403,6 +422,7 @@ class Trainer:
         compute_dtype=None,
         cost_model=None,
         donate: bool = True,
+        solve_time_limit: float = 10.0,
     ) -> Trainer:
         """A Trainer whose state is born sharded: ``model_factory()`` (no
         arguments, e.g. ``lambda: sjf.annotate(GPT(cfg, nnx.Rngs(0)), RULES)``)
@@ -418,7 +438,12 @@ class Trainer:
         self = cls.__new__(cls)
         abstract = nnx.eval_shape(model_factory)
         self._setup(
-            abstract, optimizer, loss_fn, placement, batch_sbp, zero, compute_dtype, cost_model, donate
+            abstract,
+            optimizer,
+            loss_fn,
+            placement,
+            batch_sbp,
+            (zero, compute_dtype, cost_model, donate, solve_time_limit),
         )
         impls: dict = {}
 
@@ -439,10 +464,10 @@ class Trainer:
         del self._pure, self._rest_pure
         return self
 
-    def _setup(
-        self, model, optimizer, loss_fn, placement, batch_sbp, zero, compute_dtype, cost_model, donate
-    ):
-        """What both constructors share: the graph, the templates and the layouts (``model`` may be abstract)."""
+    def _setup(self, model, optimizer, loss_fn, placement, batch_sbp, step_options):
+        """What both constructors share: the graph, the templates and the layouts
+        (``model`` may be abstract). ``step_options``: TrainStep's ``(zero,
+        compute_dtype, cost_model, donate, solve_time_limit)``."""
         self.placement = placement
         self.graphdef: nnx.GraphDef
         # flax types split with two or more filters as a variadic tuple; two give exactly three
@@ -451,11 +476,13 @@ class Trainer:
         self._pure = nnx.to_pure_dict(params_state)
         self._rest_pure = nnx.to_pure_dict(rest)
         self._param_sbp = get_sbp(model, placement)
-        self._options = (optimizer, loss_fn, batch_sbp, zero, compute_dtype, cost_model, donate)
+        self._options = (optimizer, loss_fn, batch_sbp, *step_options)
         self._probe = to_global(np.zeros((), np.float32), placement, (Broadcast(),) * placement.ndim)
 
     def _build_step(self):
-        optimizer, loss_fn, batch_sbp, zero, compute_dtype, cost_model, donate = self._options
+        optimizer, loss_fn, batch_sbp, zero, compute_dtype, cost_model, donate, solve_time_limit = (
+            self._options
+        )
         placement = self.placement
         template, rest_template, graphdef = self._template, self._rest_template, self.graphdef
         impls = self._key_impls
@@ -484,6 +511,7 @@ class Trainer:
             aux_sbp=rep,
             cost_model=cost_model,
             donate=donate,
+            solve_time_limit=solve_time_limit,
         )
 
     def step(self, batch) -> float:

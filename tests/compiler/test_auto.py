@@ -203,6 +203,9 @@ def test_auto_errors(pl24):
         sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, (S0, B)), out_sbp=sj.AUTO)(params, x)
     with pytest.raises(sj.SBPError, match="memory_budget must be a positive number"):
         sj.jit(step, placement=pl24, memory_budget=-1)
+    for bad in (0, -1.0, "10", True):
+        with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds"):
+            sj.jit(step, placement=pl24, solve_time_limit=bad)
     assert repr(sj.AUTO) == "sj.AUTO"
 
 

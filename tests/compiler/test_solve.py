@@ -130,7 +130,16 @@ def test_gpt_hybrid_d128_on_2x4_moves_no_more_than_gspmd():
     """examples/gpt_hybrid.py's model (Flax NNX, Megatron rules, adamw) at
     d_model 128 on 2x4: the greedy pass moved 44.3 MB where GSPMD moves 28.3 MB.
     Values checked with SGD (Adam turns rounding noise in a gradient that is
-    zero in exact arithmetic into +-lr, in any program)."""
+    zero in exact arithmetic into +-lr, in any program).
+
+    The solve has 60 s, not the default 10: its integer program (11,000
+    binaries) was proven optimal (18.3 MB) after 10 s of HiGHS with the test
+    suite running beside it, but the default gives the solve by bytes and
+    latency 5 s, and on a CI machine whose two cores also ran the other test
+    worker it stopped there at gap 51% (28.0 MB, over GSPMD's 25.6 MB on jax
+    0.12). The test checks the plan the solver reaches, not how fast this
+    machine reaches it; a proven solve ends early, so the limit costs nothing
+    where the machine is fast."""
     sys.path[:0] = [os.path.join(ROOT, "benchmarks"), os.path.join(ROOT, "examples")]
     try:
         from train import reference_step, run_both
@@ -140,7 +149,7 @@ def test_gpt_hybrid_d128_on_2x4_moves_no_more_than_gspmd():
     pl = sj.placement((2, 4), ("x", "y"))
     rng = np.random.default_rng(0)
     batch = tuple(rng.integers(0, 96, size=(16, 32)).astype(np.int32) for _ in range(2))
-    r = run_both(cfg, pl, optax.adamw(1e-3, weight_decay=0.01), batch)
+    r = run_both(cfg, pl, optax.adamw(1e-3, weight_decay=0.01), batch, solve_time_limit=60.0)
     assert r["sbpjax_bytes"] == r["sbpjax_explained_bytes"]
     assert r["sbpjax_bytes"] <= r["gspmd_bytes"], (r["sbpjax_bytes"], r["gspmd_bytes"])
     gspmd_loss = np.asarray(r["gspmd_result"][1])
@@ -199,8 +208,15 @@ def test_explain_reports_the_choice(pl24):
     assert e.bytes == (c.greedy_bytes if c.method == "greedy" else c.ilp_bytes)
     assert c.objective is not None and c.objective >= c.ilp_bytes
     assert c.gap is not None and 0 <= c.gap <= 1 and c.bound <= c.objective + 1e-6
+    # the text names the method kept: which one depends on how far HiGHS got in its
+    # time (a machine at half speed ended this solve unproven, and the windows' plan won)
     text = str(e)
-    assert "layouts:" in text and ("proven gap" in text or "greedy pass kept" in text)
+    said = {
+        "ilp": ("layouts: whole-program ILP", "proven gap"),
+        "windows": ("layouts: ILP by windows", "the whole-program solve"),
+        "greedy": ("layouts: greedy pass kept", "greedy"),
+    }
+    assert all(words in text for words in said[c.method]), text
     g = sj.jit(step, placement=pl24, in_sbp=in_sbp, out_sbp=out_sbp, solver="greedy").explain(*args)
     assert g.choice.method == "greedy" and g.choice.ilp_bytes is None and g.bytes == c.greedy_bytes
     with pytest.raises(sj.SBPError, match="solver='fast' is not one of"):

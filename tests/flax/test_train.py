@@ -266,6 +266,13 @@ def test_errors():
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(B,), zero=True)
     with pytest.raises(sj.SBPError, match="the placement's axes are"):
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), zero="data")
+    # the Trainer hands its solve_time_limit to sj.jit, which checks it
+    with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds, got 0"):
+        sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), solve_time_limit=0)
+    with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds, got -1"):
+        sjf.Trainer.create(
+            lambda: MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), solve_time_limit=-1
+        )
     with pytest.raises(sj.SBPError, match="param_sbp does not match"):
         sjf.TrainStep(lambda p, b: p["w"].sum(), optax.sgd(0.1), pl, {"v": (B,)}, (B,)).init(
             {"w": np.ones(8, np.float32)}
