@@ -395,7 +395,13 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            (zero, compute_dtype, cost_model, donate, solve_time_limit),
+            dict(
+                zero=zero,
+                compute_dtype=compute_dtype,
+                cost_model=cost_model,
+                donate=donate,
+                solve_time_limit=solve_time_limit,
+            ),
         )
         # typed PRNG keys cannot be global tensors: carry their key data (uint32)
         self._key_impls = jax.tree.map(
@@ -443,7 +449,13 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            (zero, compute_dtype, cost_model, donate, solve_time_limit),
+            dict(
+                zero=zero,
+                compute_dtype=compute_dtype,
+                cost_model=cost_model,
+                donate=donate,
+                solve_time_limit=solve_time_limit,
+            ),
         )
         impls: dict = {}
 
@@ -464,10 +476,10 @@ class Trainer:
         del self._pure, self._rest_pure
         return self
 
-    def _setup(self, model, optimizer, loss_fn, placement, batch_sbp, step_options):
+    def _setup(self, model, optimizer, loss_fn, placement, batch_sbp, step_options: dict):
         """What both constructors share: the graph, the templates and the layouts
-        (``model`` may be abstract). ``step_options``: TrainStep's ``(zero,
-        compute_dtype, cost_model, donate, solve_time_limit)``."""
+        (``model`` may be abstract). ``step_options``: the TrainStep keywords
+        the constructors take as they are (zero, compute_dtype, ...)."""
         self.placement = placement
         self.graphdef: nnx.GraphDef
         # flax types split with two or more filters as a variadic tuple; two give exactly three
@@ -476,13 +488,12 @@ class Trainer:
         self._pure = nnx.to_pure_dict(params_state)
         self._rest_pure = nnx.to_pure_dict(rest)
         self._param_sbp = get_sbp(model, placement)
-        self._options = (optimizer, loss_fn, batch_sbp, *step_options)
+        self._optimizer, self._loss_fn, self._batch_sbp = optimizer, loss_fn, batch_sbp
+        self._step_options = step_options
         self._probe = to_global(np.zeros((), np.float32), placement, (Broadcast(),) * placement.ndim)
 
     def _build_step(self):
-        optimizer, loss_fn, batch_sbp, zero, compute_dtype, cost_model, donate, solve_time_limit = (
-            self._options
-        )
+        loss_fn = self._loss_fn
         placement = self.placement
         template, rest_template, graphdef = self._template, self._rest_template, self.graphdef
         impls = self._key_impls
@@ -501,17 +512,13 @@ class Trainer:
         rep = (Broadcast(),) * placement.ndim
         self.train_step = TrainStep(
             model_loss,
-            optimizer,
+            self._optimizer,
             placement,
             self._param_sbp,
-            (batch_sbp, rep),
-            zero=zero,
-            compute_dtype=compute_dtype,
+            (self._batch_sbp, rep),
             has_aux=True,
             aux_sbp=rep,
-            cost_model=cost_model,
-            donate=donate,
-            solve_time_limit=solve_time_limit,
+            **self._step_options,
         )
 
     def step(self, batch) -> float:
