@@ -340,6 +340,17 @@ def bytes_per_device(tree) -> int:
     return max(per.values()) if per else 0
 
 
+def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit) -> dict:
+    """The TrainStep keywords both Trainer constructors take and pass on as they are."""
+    return dict(
+        zero=zero,
+        compute_dtype=compute_dtype,
+        cost_model=cost_model,
+        donate=donate,
+        solve_time_limit=solve_time_limit,
+    )
+
+
 class Trainer:
     """Train an NNX model with ``sj.jit``: its parameters' annotations are the
     compute layouts, the optimizer state follows them (or is split by ZeRO).
@@ -395,13 +406,7 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            dict(
-                zero=zero,
-                compute_dtype=compute_dtype,
-                cost_model=cost_model,
-                donate=donate,
-                solve_time_limit=solve_time_limit,
-            ),
+            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit),
         )
         # typed PRNG keys cannot be global tensors: carry their key data (uint32)
         self._key_impls = jax.tree.map(
@@ -449,13 +454,7 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            dict(
-                zero=zero,
-                compute_dtype=compute_dtype,
-                cost_model=cost_model,
-                donate=donate,
-                solve_time_limit=solve_time_limit,
-            ),
+            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit),
         )
         impls: dict = {}
 
