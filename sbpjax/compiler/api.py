@@ -226,6 +226,14 @@ def _broadcast_spec(spec, tree, what, ndim):
         ) from None
 
 
+def checked_time_limit(value, where: str) -> float:
+    """``value`` as seconds for the layout solve, or an SBPError naming
+    ``where`` (a bool, a string, zero or a negative number)."""
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+        raise SBPError(f"{where}: solve_time_limit must be a positive number of seconds, got {value!r}.")
+    return float(value)
+
+
 def _donate_argnums(v) -> tuple[int, ...]:
     if v is None:
         return ()
@@ -265,13 +273,7 @@ class CompiledFunction:
         self.out_sbp = out_sbp
         self.cost_model = cost_model
         self.solver = solver
-        if isinstance(solve_time_limit, bool) or not (
-            isinstance(solve_time_limit, (int, float)) and solve_time_limit > 0
-        ):
-            raise SBPError(
-                f"sj.jit: solve_time_limit must be a positive number of seconds, got {solve_time_limit!r}."
-            )
-        self.solve_time_limit = float(solve_time_limit)
+        self.solve_time_limit = checked_time_limit(solve_time_limit, "sj.jit")
         self.donate_argnums = _donate_argnums(donate_argnums)
         self.auto = bool(auto)
         if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):

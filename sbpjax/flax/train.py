@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
-from sbpjax.compiler.api import constrain, is_nd_sbp, jit, state_sbp
+from sbpjax.compiler.api import checked_time_limit, constrain, is_nd_sbp, jit, state_sbp
 from sbpjax.dtypes import canonical_dtype
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.layout import Geometry
@@ -181,7 +181,9 @@ class TrainStep:
         self.aux_sbp = aux_sbp
         self.cost_model = cost_model
         self.donate = bool(donate)
-        self.solve_time_limit = solve_time_limit
+        # checked here, not first in sj.jit: a Trainer builds the optimizer
+        # state before the step, and a bad limit would fail only after that ran
+        self.solve_time_limit = checked_time_limit(solve_time_limit, "TrainStep")
         self.stored_sbp = None
         self._fn = None
 

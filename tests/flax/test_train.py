@@ -266,13 +266,21 @@ def test_errors():
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(B,), zero=True)
     with pytest.raises(sj.SBPError, match="the placement's axes are"):
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), zero="data")
-    # the Trainer hands its solve_time_limit to sj.jit, which checks it
-    with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds, got 0"):
-        sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), solve_time_limit=0)
+    # a bad solve_time_limit is refused before the optimizer state is built
+    inits = []
+    sgd = optax.sgd(0.1)
+    counted = optax.GradientTransformation(lambda p: inits.append(1) or sgd.init(p), sgd.update)
+    with pytest.raises(
+        sj.SBPError, match="TrainStep: solve_time_limit must be a positive number of seconds, got 0"
+    ):
+        sjf.Trainer(MLP(nnx.Rngs(0)), counted, loss_fn, pl, batch_sbp=(S(0),), solve_time_limit=0)
     with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds, got -1"):
         sjf.Trainer.create(
-            lambda: MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), solve_time_limit=-1
+            lambda: MLP(nnx.Rngs(0)), counted, loss_fn, pl, batch_sbp=(S(0),), solve_time_limit=-1
         )
+    with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds, got '10'"):
+        sjf.TrainStep(lambda p, b: p["w"].sum(), sgd, pl, None, (B,), solve_time_limit="10")
+    assert inits == []
     with pytest.raises(sj.SBPError, match="param_sbp does not match"):
         sjf.TrainStep(lambda p, b: p["w"].sum(), optax.sgd(0.1), pl, {"v": (B,)}, (B,)).init(
             {"w": np.ones(8, np.float32)}
