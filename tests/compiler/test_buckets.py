@@ -132,6 +132,33 @@ def test_data_parallel_step_reduces_the_gradients_in_one_bucket(where, opt_name,
     assert buckets.count_collectives(g.explain(*args).propagation) > sum(counts.values())
 
 
+def test_emitted_price_counts_a_bucket_once(monkeypatch):
+    """The window search compares plans by solve.emitted_price: the bytes plus
+    alpha / beta for each collective the compiled program runs. A
+    data-parallel sgd step's seven reductions (six gradients and the loss)
+    run as one all-reduce: one latency, where solve.price, boxing by boxing,
+    counts seven."""
+    from sbpjax.compiler.solve import emitted_price, price, total_bytes
+
+    pl = sj.placement(8, "x")
+    p, (x, y) = mlp_params(), _data()
+    opt = optax.sgd(0.1)
+    args = (p, opt.init(p), x, y)
+    _, f = _jit(p, opt, pl, (S(0),))
+    prop = f.explain(*args).propagation
+    counts, nbytes = _found(f, args)
+    assert counts == {"all-reduce": 1}
+    assert total_bytes(prop) == nbytes
+    latency = sj.CostModel().axis_alpha("x") / sj.CostModel().axis_beta("x")  # 100 kB
+    boxings = [b for b in prop.boxings if any(s.collective is not None for s in b.plan.steps)]
+    assert len(boxings) == len(p) + 1
+    assert emitted_price(prop) == pytest.approx(nbytes + latency * sum(counts.values()))
+    assert price(prop) == pytest.approx(nbytes + latency * len(boxings))
+    # lowered without buckets, each boxing runs (and pays) its own collective
+    monkeypatch.setattr(buckets, "BUCKETING", False)
+    assert emitted_price(prop) == pytest.approx(price(prop))
+
+
 def test_bucket_cap_splits_a_bucket_and_keeps_the_bytes(monkeypatch):
     pl = sj.placement((2, 4), ("x", "y"))
     p, (x, y) = mlp_params(), _data()
