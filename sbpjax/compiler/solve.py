@@ -291,17 +291,7 @@ def price(prop: Propagation, cost_model=None) -> float:
     many small boxings bucket well, win with more bytes: a 3-layer GPT step
     on 4x2 then moved 1,855,544 B where GSPMD moves 1,668,144)."""
     cm = cost_model if cost_model is not None else CostModel()
-    odds = _BranchOdds(prop.program)
-    readers: dict = {}
-    for d in prop.decisions:
-        for i, (a, nd) in enumerate(zip(d.node.ins, d.in_sbp)):
-            readers.setdefault((id(a), nd), []).append(odds.read_path(d.node, i))
-    total = sum(_cost(b.plan, cm) for b in prop.out_boxings)
-    for d in prop.decisions:
-        for b in d.boxings:
-            total += odds.boxing(readers.get((id(b.var), b.dst), [()])) * _cost(b.plan, cm)
-    total += 64 * sum(odds.chance(prop.decisions[i].node.branch) * c.bytes for i, c in prop.comm)
-    return total / 64
+    return _weighted_sum(prop, lambda b: _cost(b.plan, cm))
 
 
 def emitted_price(prop: Propagation, cost_model=None) -> float:
@@ -318,11 +308,6 @@ def emitted_price(prop: Propagation, cost_model=None) -> float:
     from sbpjax.compiler.buckets import plan_buckets
 
     cm = cost_model if cost_model is not None else CostModel()
-    odds = _BranchOdds(prop.program)
-    readers: dict = {}
-    for d in prop.decisions:
-        for i, (a, nd) in enumerate(zip(d.node.ins, d.in_sbp)):
-            readers.setdefault((id(a), nd), []).append(odds.read_path(d.node, i))
     buckets, joined = plan_buckets(prop)
     names = prop.placement.axis_names
 
@@ -338,6 +323,18 @@ def emitted_price(prop: Propagation, cost_model=None) -> float:
             rounds += alpha / beta if LATENCY and beta > 0 else 1 / 64
         return _cost(b.plan, cm, with_latency=False) + round(64 * rounds)
 
+    return _weighted_sum(prop, cost)
+
+
+def _weighted_sum(prop: Propagation, cost) -> float:
+    """A plan's price in bytes from ``cost(boxing)`` (in 1/64 bytes): each
+    boxing weighted by the chance that it runs (inside a cond's branch: less
+    than 1), plus the bytes of ops that communicate themselves."""
+    odds = _BranchOdds(prop.program)
+    readers: dict = {}
+    for d in prop.decisions:
+        for i, (a, nd) in enumerate(zip(d.node.ins, d.in_sbp)):
+            readers.setdefault((id(a), nd), []).append(odds.read_path(d.node, i))
     total = sum(cost(b) for b in prop.out_boxings)
     for d in prop.decisions:
         for b in d.boxings:
