@@ -234,6 +234,14 @@ def checked_time_limit(value, where: str) -> float:
     return float(value)
 
 
+def checked_regather(value, where: str):
+    """``value`` as a ``regather`` setting (True, False or "auto"), or an
+    SBPError naming ``where``."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
+        return value
+    raise SBPError(f"{where}: regather must be True, False or 'auto', got {value!r}.")
+
+
 def _donate_argnums(v) -> tuple[int, ...]:
     if v is None:
         return ()
@@ -263,7 +271,7 @@ class CompiledFunction:
         donate_argnums=(),
         auto=False,
         memory_budget=None,
-        regather=False,
+        regather="auto",
     ):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
@@ -281,9 +289,7 @@ class CompiledFunction:
                 f"sj.jit: memory_budget must be a positive number of bytes per device, got {memory_budget!r}."
             )
         self.memory_budget = memory_budget
-        if not isinstance(regather, bool):
-            raise SBPError(f"sj.jit: regather must be True or False, got {regather!r}.")
-        self.regather = regather
+        self.regather = checked_regather(regather, "sj.jit")
         self._cache: dict = {}
         self.last_overhead_s = 0.0
         functools.update_wrapper(self, fn)
@@ -380,7 +386,7 @@ class CompiledFunction:
             arg_names=[_leaf_name(p) for p in _leaf_paths(tree)],
         )
         if self.regather:
-            add_regathers(prop)
+            add_regathers(prop, self.regather)
         t_chosen = time.perf_counter()
         fn = lowering.build(prop, self._donated_leaves(tree))
         t_built = time.perf_counter()
@@ -571,7 +577,7 @@ def jit(
     donate_argnums=(),
     auto=False,
     memory_budget=None,
-    regather=False,
+    regather="auto",
 ):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
@@ -623,16 +629,21 @@ def jit(
     optimizer state, or raises an SBPError giving the least any layout needs.
     Both need ``solver="ilp"``.
 
-    ``regather=True`` trades bytes for memory where the chosen layouts
-    all-gather a split argument (a parameter, ZeRO-3 / FSDP style) for its
-    uses in both the forward and the backward pass: the gathered copy is held
-    only while it is used and gathered again for the backward pass (PyTorch
-    FSDP's ``reshard_after_forward``), where that lowers the step's estimated
-    memory peak by at least 5% (``sbpjax.compiler.regather``). Each regather
-    moves the gather's bytes again; ``explain()`` lists them. On the model
-    benchmark's ViT: peak 7.62 to 6.31 MB per device, bytes 23.0 to 32.4 MB.
-    Off by default: on the compiler benchmark's transformer steps it would
-    add 37-43% bytes to save memory that was already below GSPMD's.
+    ``regather`` trades bytes for memory where the chosen layouts all-gather a
+    split argument (a parameter, ZeRO-3 / FSDP style) for its uses in both the
+    forward and the backward pass: the gathered copy is held only while it is
+    used and gathered again for the backward pass (PyTorch FSDP's
+    ``reshard_after_forward``), where that lowers the step's estimated memory
+    peak by at least 5% (``sbpjax.compiler.regather``). Each regather moves
+    the gather's bytes again; ``explain()`` lists them. ``"auto"`` (default):
+    only while the plan with them moves no more bytes than the greedy pass's
+    plan (``explain().choice.greedy_bytes``; otherwise ``explain()`` says
+    what they would have saved and cost); ``True``: whatever the bytes;
+    ``False``: never. On the model benchmark's ViT "auto" regathers: peak
+    7.62 to 6.31 MB per device (GSPMD 7.19), bytes 23.0 to 32.4 MB (GSPMD
+    66.9, greedy 36.0); on the compiler benchmark's transformer steps it
+    does not (the plans would move 37-43% more, above the greedy plans', to
+    lower peaks already below GSPMD's).
     """
     kw = dict(
         in_sbp=in_sbp,

@@ -131,6 +131,14 @@ class Explanation:
     def _regather_line(self) -> str | None:
         prop = self.propagation
         again = [b for b in self.boxings if b.regather]
+        if prop.regather_declined is not None:
+            count, before, after, extra, with_them, limit = prop.regather_declined
+            return (
+                f"regathers: none; gathering {count} gathered arguments again would lower the estimated "
+                f"peak per device {human_bytes(before)} -> {human_bytes(after)} for +{extra} B, but the plan "
+                f"would then move {with_them} B, more than the greedy pass's {limit} B (regather='auto'; "
+                f"sj.jit(..., regather=True) runs them)"
+            )
         if not again or prop.regathered is None:
             return None
         before, after = prop.regathered

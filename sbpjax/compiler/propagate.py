@@ -82,6 +82,9 @@ class Propagation:
     choice: Any = None  # how the layouts were chosen (sbpjax.compiler.solve.Choice)
     # estimated per-device peak bytes before and after regathers (sbpjax.compiler.regather)
     regathered: tuple | None = None
+    # regathers regather="auto" left out: (count, peak before, peak after, their bytes,
+    # the plan's bytes with them, the greedy pass's bytes)
+    regather_declined: tuple | None = None
     # seconds spent per phase of sj.jit's front end (trace_s, choose_s, build_s;
     # lower_s and xla_compile_s once measured): see Explanation.timings
     timings: dict = dataclasses.field(default_factory=dict)

@@ -11,22 +11,36 @@ MB against 7.19 MB), with a third of GSPMD's bytes.
 
 PyTorch's FSDP frees a gathered parameter after the forward pass and gathers
 it again for the backward pass (``reshard_after_forward``, its default).
-``sj.jit(..., regather=True)`` does this where it lowers the peak
-(:func:`plan_regathers`): it estimates each device's live bytes after every
-op (each value's block in its layout, from the op that makes it to its last
-use, in program order; an upper bound, as XLA fuses many of them away) and,
-while a gathered argument is held across the estimated peak without being
-used there, gathers it again at its first use after the peak; it keeps the
-regathers if the estimate falls by ``MIN_SAVING`` or more. A regather moves the
-boxing's bytes again (``explain()`` lists it, and its bytes count). The ViT:
-peak 6.31 MB (GSPMD 7.19), 32.4 MB moved (23.0 without, GSPMD 66.9).
+:func:`plan_regathers` plans the same: it estimates each device's live bytes
+after every op (each value's block in its layout, from the op that makes it
+to its last use, in program order; an upper bound, as XLA fuses many of them
+away) and, while a gathered argument is held across the estimated peak
+without being used there, gathers it again at its first use after the peak;
+it keeps the regathers if the estimate falls by ``MIN_SAVING`` or more. A
+regather moves the boxing's bytes again (``explain()`` lists it, and its
+bytes count).
 
-It is off by default because nothing the planner knows tells the ViT from
-programs where it only costs: the compiler benchmark's one-block transformer
-steps (tensor and 2-D) would regather 7 weights, moving 37-43% more bytes
-with 7 more collectives, to lower peaks that were already below GSPMD's
-(26.4 and 24.1 MB against 36.8 and 28.3 MB); their estimates fall 16-21%, as
-the ViT's does (20%).
+When (``sj.jit``'s ``regather``):
+
+* ``"auto"`` (the default): the regathers run if the plan with them still
+  moves no more bytes than the greedy pass's plan
+  (``explain().choice.greedy_bytes``). The greedy pass takes each op's
+  layouts from its operands', starting from the annotations, as a per-op
+  partitioner does; where the whole-program choice moves fewer bytes than it
+  by gathering annotated-split weights whole, regathering spends part of
+  that saving to hold them split again between their uses, never more than
+  all of it. The estimate alone cannot decide: the compiler benchmark's
+  one-block transformer steps (tensor and 2-D) would regather 7 weights,
+  their estimates falling 16-21% as the ViT's does (20%), to lower peaks
+  already below GSPMD's (26.4 and 24.1 MB against 36.8 and 28.3 MB); with
+  the regathers they would move 97.3 and 93.9 MB, more than the greedy
+  plans' 76.2 and 75.8 MB, so "auto" runs none there (``explain()`` says
+  what they would have saved and cost). The ViT with its regathers moves
+  32.4 MB, under the greedy plan's 36.0 MB: they run, and its peak is 6.31
+  MB (7.62 MB held; GSPMD 7.19 MB). A program solved by the greedy pass
+  (``solver="greedy"``, or where it was kept) never regathers on "auto".
+* ``True``: whenever the estimate falls by ``MIN_SAVING``, whatever the bytes.
+* ``False``: never; every gathered copy is held from its first use to its last.
 
 Each regather runs alone, at its consumer: letting one regather's bucket
 (:mod:`sbpjax.compiler.buckets`) take the later ones held them all through the
@@ -125,9 +139,13 @@ def plan_regathers(prop: Propagation, excluded: set) -> dict:
     return out
 
 
-def add_regathers(prop: Propagation) -> None:
+def add_regathers(prop: Propagation, mode: bool | str = True) -> None:
     """Plan the regathers of a chosen program and add them to the decisions
-    that run them (before lowering, so ``explain()`` and the bytes count them)."""
+    that run them (before lowering, so ``explain()`` and the bytes count them).
+    ``mode=True`` adds every regather :func:`plan_regathers` keeps;
+    ``"auto"`` only if the plan with them moves no more bytes than the greedy
+    pass's plan (see the module docstring), else it records why in
+    ``prop.regather_declined`` for ``explain()``."""
     runs = plan_runs(prop)
     switches, _ = plan_switches(prop, runs)
     excluded = {i for i, d in enumerate(prop.decisions) if d.node.region}
@@ -135,5 +153,19 @@ def add_regathers(prop: Propagation) -> None:
         excluded.update(range(r.first, r.last + 1))
     for sw in switches.values():
         excluded.update(range(sw.span[0], sw.span[1] + 1))
-    for i, bs in plan_regathers(prop, excluded).items():
+    planned = plan_regathers(prop, excluded)
+    if not planned:
+        return
+    if mode == "auto":
+        extra = sum(b.bytes for bs in planned.values() for b in bs)
+        limit = getattr(prop.choice, "greedy_bytes", None)
+        with_them = prop.bytes + extra
+        if limit is None or with_them > limit:
+            assert prop.regathered is not None  # plan_regathers records it with what it plans
+            before, after = prop.regathered
+            count = sum(len(bs) for bs in planned.values())
+            prop.regather_declined = (count, before, after, extra, with_them, limit)
+            prop.regathered = None
+            return
+    for i, bs in planned.items():
         prop.decisions[i].boxings.extend(bs)

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
-from sbpjax.compiler.api import checked_time_limit, constrain, is_nd_sbp, jit, state_sbp
+from sbpjax.compiler.api import checked_regather, checked_time_limit, constrain, is_nd_sbp, jit, state_sbp
 from sbpjax.dtypes import canonical_dtype
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.layout import Geometry
@@ -152,6 +152,10 @@ class TrainStep:
     solve (default 10). The solve is cut by the wall clock, so a busy or slow
     machine reaches a plan a free one would improve on; give a large model,
     or a machine shared with other work, more.
+
+    ``regather``: ``sj.jit``'s (default ``"auto"``): whether weights the plan
+    all-gathers are gathered again for the backward pass rather than held
+    across the step's memory peak (``sbpjax.compiler.regather``).
     """
 
     def __init__(
@@ -169,6 +173,7 @@ class TrainStep:
         cost_model=None,
         donate: bool = True,
         solve_time_limit: float = 10.0,
+        regather="auto",
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -184,6 +189,7 @@ class TrainStep:
         # checked here, not first in sj.jit: a Trainer builds the optimizer
         # state before the step, and a bad limit would fail only after that ran
         self.solve_time_limit = checked_time_limit(solve_time_limit, "TrainStep")
+        self.regather = checked_regather(regather, "TrainStep")
         self.stored_sbp = None
         self._fn = None
 
@@ -289,6 +295,7 @@ class TrainStep:
             cost_model=self.cost_model,
             donate_argnums=(0, 1) if self.donate else (),
             solve_time_limit=self.solve_time_limit,
+            regather=self.regather,
         )
 
     def _ready(self):
@@ -342,7 +349,7 @@ def bytes_per_device(tree) -> int:
     return max(per.values()) if per else 0
 
 
-def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit) -> dict:
+def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather) -> dict:
     """The TrainStep keywords both Trainer constructors take and pass on as they are."""
     return dict(
         zero=zero,
@@ -350,6 +357,7 @@ def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit) -> 
         cost_model=cost_model,
         donate=donate,
         solve_time_limit=solve_time_limit,
+        regather=regather,
     )
 
 
@@ -384,8 +392,9 @@ class Trainer:
     keeps the previous state until the loss is read (all or nothing at every
     point) at the cost of the second copy.
 
-    ``solve_time_limit``: seconds for the whole-program layout solve (see
-    :class:`TrainStep`).
+    ``solve_time_limit``: seconds for the whole-program layout solve, and
+    ``regather``: whether gathered weights are gathered again for the backward
+    pass (both: see :class:`TrainStep`).
     """
 
     def __init__(
@@ -401,6 +410,7 @@ class Trainer:
         cost_model=None,
         donate: bool = True,
         solve_time_limit: float = 10.0,
+        regather="auto",
     ):
         self._setup(
             model,
@@ -408,7 +418,7 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit),
+            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather),
         )
         # typed PRNG keys cannot be global tensors: carry their key data (uint32)
         self._key_impls = jax.tree.map(
@@ -436,6 +446,7 @@ class Trainer:
         cost_model=None,
         donate: bool = True,
         solve_time_limit: float = 10.0,
+        regather="auto",
     ) -> Trainer:
         """A Trainer whose state is born sharded: ``model_factory()`` (no
         arguments, e.g. ``lambda: sjf.annotate(GPT(cfg, nnx.Rngs(0)), RULES)``)
@@ -456,7 +467,7 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit),
+            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather),
         )
         impls: dict = {}
 

@@ -2,13 +2,15 @@
 (sbpjax.compiler.regather): the step's values do not change, the plan's bytes
 (regathers included) equal the compiled program's, the compiled program runs
 the extra all-gathers, and XLA's temp memory is lower than when every gathered
-copy is held (``regather=False``)."""
+copy is held (``regather=False``); the default, ``"auto"``, runs them only while
+the plan moves no more than the greedy pass's."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close
+from models import gpt_loss, gpt_params, gpt_sbp
 
 import sbpjax as sj
 from sbpjax import B, S
@@ -103,13 +105,49 @@ def test_the_anchor_changes_no_bit():
         np.testing.assert_array_equal(np.asarray(got[1]), ints)
 
 
-def test_off_by_default():
-    f = sj.jit(STEP, placement=PL, in_sbp=((S(0),), (S(0),)), out_sbp=((B,), (S(0),)))
-    e = f.explain(WEIGHTS, X)
-    assert not any(b.regather for b in e.boxings) and e.propagation.regathered is None
-    assert e.bytes == fsdp(False).explain(WEIGHTS, X).bytes
+def test_auto_regathers_while_the_plan_moves_no_more_than_greedys():
+    """The default, regather="auto": on this FSDP step the whole-program plan
+    moves far less than the greedy pass's, so the regathers run, as with True."""
+    auto = sj.jit(STEP, placement=PL, in_sbp=((S(0),), (S(0),)), out_sbp=((B,), (S(0),)))
+    e, e_again = auto.explain(WEIGHTS, X), fsdp(True).explain(WEIGHTS, X)
+    regathers = [b for b in e.boxings if b.regather]
+    assert regathers and len(regathers) == sum(b.regather for b in e_again.boxings)
+    assert e.bytes == e_again.bytes <= e.choice.greedy_bytes
+    assert e.propagation.regathered == e_again.propagation.regathered
+    assert e.propagation.regather_declined is None
+    got_loss, _ = auto(WEIGHTS, X)
+    assert_close(got_loss.numpy(), np.asarray(jax.jit(STEP)(WEIGHTS, X)[0]), rtol=1e-5)
 
 
-def test_regather_must_be_a_bool():
-    with pytest.raises(sj.SBPError, match="regather must be True or False"):
-        sj.jit(STEP, placement=PL, regather="yes")
+def test_auto_declines_regathers_that_move_more_than_greedy():
+    """A one-layer GPT step, Megatron-annotated on 8 devices with the batch B:
+    the whole-program plan is the greedy pass's, and regathering its 7 gathered
+    weights would move more than that plan. "auto" runs none, and explain() says
+    what they would have saved and cost; True still runs them."""
+    params = gpt_params(32, 1, 64)
+    tokens = np.random.default_rng(1).integers(0, 64, size=(32, 16)).astype(np.int32)
+    psbp = gpt_sbp(params, "megatron", 1)
+
+    def step(p, x, y):
+        loss, g = jax.value_and_grad(gpt_loss)(p, x, y, 4)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    kw = dict(placement=PL, in_sbp=(psbp, (B,), (B,)), out_sbp=(psbp, (B,)))
+    auto = sj.jit(step, **kw)
+    e = auto.explain(params, tokens, tokens)
+    e_forced = sj.jit(step, regather=True, **kw).explain(params, tokens, tokens)
+    forced = [b for b in e_forced.boxings if b.regather]
+    assert forced and not any(b.regather for b in e.boxings) and e.propagation.regathered is None
+    count, before, after, extra, with_them, limit = e.propagation.regather_declined
+    assert (count, extra) == (len(forced), sum(b.bytes for b in forced))
+    assert (before, after) == e_forced.propagation.regathered
+    assert with_them == e.bytes + extra == e_forced.bytes > limit == e.choice.greedy_bytes
+    assert "regathers: none" in str(e) and "regather=True" in str(e)
+    c = auto.lower(params, tokens, tokens).compile()
+    assert compiled_bytes(c) == e.bytes
+
+
+def test_regather_must_be_a_bool_or_auto():
+    for bad in ("yes", 1, None, np.array(True)):
+        with pytest.raises(sj.SBPError, match="regather must be True, False or 'auto'"):
+            sj.jit(STEP, placement=PL, regather=bad)

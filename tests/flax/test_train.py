@@ -280,7 +280,15 @@ def test_errors():
         )
     with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds, got '10'"):
         sjf.TrainStep(lambda p, b: p["w"].sum(), sgd, pl, None, (B,), solve_time_limit="10")
+    # and so is a bad regather; a good one reaches the step's sj.jit
+    with pytest.raises(sj.SBPError, match="TrainStep: regather must be True, False or 'auto', got 'no'"):
+        sjf.Trainer(MLP(nnx.Rngs(0)), counted, loss_fn, pl, batch_sbp=(S(0),), regather="no")
+    with pytest.raises(sj.SBPError, match="regather must be True, False or 'auto', got None"):
+        sjf.Trainer.create(lambda: MLP(nnx.Rngs(0)), counted, loss_fn, pl, batch_sbp=(S(0),), regather=None)
     assert inits == []
+    held = sjf.TrainStep(lambda p, b: jnp.sum(p["w"] * b), sgd, pl, None, (S(0),), regather=False)
+    held.init({"w": np.ones(8, np.float32)})
+    assert held._fn.regather is False
     with pytest.raises(sj.SBPError, match="param_sbp does not match"):
         sjf.TrainStep(lambda p, b: p["w"].sum(), optax.sgd(0.1), pl, {"v": (B,)}, (B,)).init(
             {"w": np.ones(8, np.float32)}
