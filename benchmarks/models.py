@@ -34,13 +34,11 @@ Models:
    split on their expert dim over the second.
 6. ``vit``: a small ViT (patch embedding by reshape + matmul, learned position
    embedding, non-causal blocks, mean pool, classifier) with 2-D layouts on 2x4
-   (batch over the first axis, Megatron over the second).
-7. ``vit_regather``: the same ViT, compiled with ``sj.jit(...,
-   regather=True)``: the weights the plan all-gathers are gathered again for
-   the backward pass instead of being held across the memory peak (more
-   bytes, less memory; ``sbpjax.compiler.regather``). GSPMD gets the same
-   program and shardings as for ``vit``.
-8. ``linen_mlp``: a ``flax.linen`` MLP (Dense + LayerNorm) whose kernels carry
+   (batch over the first axis, Megatron over the second). Its plan all-gathers
+   the blocks' weights (FSDP style) and, by ``sj.jit``'s default
+   ``regather="auto"``, gathers them again for the backward pass rather than
+   holding them across the memory peak (``sbpjax.compiler.regather``).
+7. ``linen_mlp``: a ``flax.linen`` MLP (Dense + LayerNorm) whose kernels carry
    ``sjf.linen.with_sbp`` annotations (column / row Megatron on 2x4); its
    layouts are read with ``sjf.linen.get_sbp``.
 
@@ -108,7 +106,6 @@ MODELS = [
     "resnet_bn_height",
     "moe",
     "vit",
-    "vit_regather",
     "linen_mlp",
 ]
 
@@ -418,7 +415,6 @@ def build(name, cfg, rng):
         "resnet_bn_height": lambda: resnet(cfg["resnet"], rng, height_split=True),
         "moe": lambda: moe(cfg["moe"], rng),
         "vit": lambda: vit(cfg["vit"], rng),
-        "vit_regather": lambda: {**vit(cfg["vit"], rng), "jit": {"regather": True}},
         "linen_mlp": lambda: linen_mlp(cfg["linen"], rng),
     }[name]()
 
@@ -460,7 +456,7 @@ def run_model(spec) -> dict:
     ref = jax.tree.map(np.asarray, jax.jit(step)(*args))
 
     # sbpjax
-    f = sj.jit(step, placement=pl, in_sbp=spec["in_sbp"], out_sbp=spec["out_sbp"], **spec.get("jit", {}))
+    f = sj.jit(step, placement=pl, in_sbp=spec["in_sbp"], out_sbp=spec["out_sbp"])
     gargs, tree = f._globals(args, {})
     g_args, _ = jax.tree_util.tree_unflatten(tree, gargs)
     with warnings.catch_warnings(record=True) as caught:

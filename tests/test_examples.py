@@ -112,7 +112,6 @@ def test_models_benchmark_quick(tmp_path):
         "resnet_bn_height",
         "moe",
         "vit",
-        "vit_regather",
         "linen_mlp",
     }
     fields = {
@@ -132,8 +131,6 @@ def test_models_benchmark_quick(tmp_path):
         assert r["max_error"] < 1e-4 and r["gspmd_max_error"] < 1e-4, r
         assert r["sbp_warnings"] == 0, r
         assert r["sbpjax_peak_bytes"] > 0 and r["gspmd_peak_bytes"] > 0
-    # regathering only ever lowers the peak (at this size the 1-layer ViT needs none)
-    assert rows["vit_regather"]["sbpjax_peak_bytes"] <= rows["vit"]["sbpjax_peak_bytes"]
     # the scanned decoder keeps its loops, as GSPMD does (2: forward and backward). At
     # this size the forward scan has 2 layers, and on some jax versions the plan reads
     # the last layer's output after the loop in another layout than the loop passes it
