@@ -121,9 +121,10 @@ def test_auto_regathers_while_the_plan_moves_no_more_than_greedys():
 
 def test_auto_declines_regathers_that_move_more_than_greedy():
     """A one-layer GPT step, Megatron-annotated on 8 devices with the batch B:
-    the whole-program plan is the greedy pass's, and regathering its 7 gathered
-    weights would move more than that plan. "auto" runs none, and explain() says
-    what they would have saved and cost; True still runs them."""
+    the whole-program plan saves little or nothing against the greedy pass's,
+    and regathering its gathered weights would move more than that plan.
+    "auto" runs none, and explain() says what they would have saved and cost;
+    True still runs them."""
     params = gpt_params(32, 1, 64)
     tokens = np.random.default_rng(1).integers(0, 64, size=(32, 16)).astype(np.int32)
     psbp = gpt_sbp(params, "megatron", 1)
