@@ -69,12 +69,13 @@ this fraction of it. Each moves bytes again; on the GPT sweep of
 under 1.5% of the estimate for 100-230 kB each."""
 
 
-def plan_regathers(prop: Propagation, excluded: set) -> dict:
-    """``{decision index: [Boxing]}``: the regathers to run before those
-    decisions (see the module docstring). ``excluded``: decision indices
-    inside rolled loops, switches or checkpoint regions."""
+def plan_regathers(prop: Propagation, excluded: set) -> tuple[dict, tuple | None]:
+    """``({decision index: [Boxing]}, (estimated peak before, after))``: the
+    regathers to run before those decisions (see the module docstring), and
+    the estimate they lower (None without regathers). ``excluded``: decision
+    indices inside rolled loops, switches or checkpoint regions."""
     if not prop.decisions:
-        return {}
+        return {}, None
     grid = prop.placement.shape
     inputs = {id(v) for v in prop.program.inputs}
     made: dict = {}
@@ -89,7 +90,7 @@ def plan_regathers(prop: Propagation, excluded: set) -> dict:
             ):
                 made.setdefault((id(b.var), b.dst), (i, b))
     if not made:
-        return {}
+        return {}, None
     uses: dict = {key: [] for key in made}
     for i, d in enumerate(prop.decisions):
         for a, nd in zip(d.node.ins, d.in_sbp):
@@ -102,7 +103,7 @@ def plan_regathers(prop: Propagation, excluded: set) -> dict:
         if not any(u in excluded for u in uses[key])
     ]
     if not held:
-        return {}
+        return {}, None
     live = live_bytes(prop, held)
     first = int(live.max())
     while True:
@@ -125,7 +126,7 @@ def plan_regathers(prop: Propagation, excluded: set) -> dict:
             break
         live = trial
     if first - int(live.max()) < MIN_SAVING * first:
-        return {}
+        return {}, None
     out: dict = {}
     for h in held:
         for s in h.starts[1:]:
@@ -134,9 +135,7 @@ def plan_regathers(prop: Propagation, excluded: set) -> dict:
             out.setdefault(s, []).append(
                 dataclasses.replace(h.boxing, where=where, node_index=s, regather=True)
             )
-    if out:
-        prop.regathered = (first, int(live.max()))
-    return out
+    return out, ((first, int(live.max())) if out else None)
 
 
 def add_regathers(prop: Propagation, mode: bool | str = True) -> None:
@@ -153,19 +152,17 @@ def add_regathers(prop: Propagation, mode: bool | str = True) -> None:
         excluded.update(range(r.first, r.last + 1))
     for sw in switches.values():
         excluded.update(range(sw.span[0], sw.span[1] + 1))
-    planned = plan_regathers(prop, excluded)
-    if not planned:
+    planned, estimate = plan_regathers(prop, excluded)
+    if estimate is None:
         return
     if mode == "auto":
         extra = sum(b.bytes for bs in planned.values() for b in bs)
-        limit = getattr(prop.choice, "greedy_bytes", None)
+        limit = prop.choice.greedy_bytes if prop.choice is not None else None
         with_them = prop.bytes + extra
         if limit is None or with_them > limit:
-            assert prop.regathered is not None  # plan_regathers records it with what it plans
-            before, after = prop.regathered
             count = sum(len(bs) for bs in planned.values())
-            prop.regather_declined = (count, before, after, extra, with_them, limit)
-            prop.regathered = None
+            prop.regather_declined = (count, *estimate, extra, with_them, limit)
             return
+    prop.regathered = estimate
     for i, bs in planned.items():
         prop.decisions[i].boxings.extend(bs)
