@@ -253,10 +253,17 @@ def _latency_bytes(plan, cost_model) -> float:
     total = 0.0
     for st in plan.steps:
         if st.bytes > 0:
-            alpha, beta = cost_model.group(st.axes)
             launches = max(1, st.rounds) if st.op == "permute" else 1
-            total += launches * alpha / beta if beta > 0 else 0.0
+            total += launches * _launch_bytes(cost_model, st.axes)
     return total
+
+
+def _launch_bytes(cost_model, axes) -> float:
+    """One collective's launch over ``axes``, in bytes: ``alpha / beta`` of
+    the group; 0 where beta is 0 (``calibrate`` clamps a negative fit to 0),
+    in ``_cost`` and ``emitted_price`` alike."""
+    alpha, beta = cost_model.group(axes)
+    return alpha / beta if beta > 0 else 0.0
 
 
 def _cost(plan, cost_model, with_latency: bool = True) -> float:
@@ -319,8 +326,8 @@ def emitted_price(prop: Propagation, cost_model=None) -> float:
             return _cost(b.plan, cm)
         rounds = 0.0
         for (_, group, _), _members in bucket.rounds:
-            alpha, beta = cm.group([names[g] for g in group])
-            rounds += alpha / beta if LATENCY and beta > 0 else 1 / 64
+            # as _cost prices a collective
+            rounds += _launch_bytes(cm, [names[g] for g in group]) if LATENCY else 1 / 64
         return _cost(b.plan, cm, with_latency=False) + round(64 * rounds)
 
     return _weighted_sum(prop, cost)

@@ -154,6 +154,9 @@ def test_emitted_price_counts_a_bucket_once(monkeypatch):
     assert len(boxings) == len(p) + 1
     assert emitted_price(prop) == pytest.approx(nbytes + latency * sum(counts.values()))
     assert price(prop) == pytest.approx(nbytes + latency * len(boxings))
+    # links without a bandwidth term (beta 0): no latency in either price
+    free = sj.CostModel(beta=0.0)
+    assert emitted_price(prop, free) == price(prop, free) == pytest.approx(nbytes)
     # lowered without buckets, each boxing runs (and pays) its own collective
     monkeypatch.setattr(buckets, "BUCKETING", False)
     assert emitted_price(prop) == pytest.approx(price(prop))
