@@ -109,13 +109,23 @@ ZERO_FILL_WEIGHT = 1 / 16
 # are bucketed after the choice (``sbpjax.compiler.buckets``) and so cost less
 # latency than the integer program counts; ``emitted_price``, by which the
 # window search compares its plans, counts a bucket's collectives once.
-# Decision: one alpha / beta per collective, not the cost model's full ring
-# time (N devices x (p - 1) hops x alpha / beta in the summed bytes counted
-# here: 5.6 MB for an all-gather over 8). Tried (benchmarks/compiler.py): that
-# price makes the data-parallel transformer step GSPMD's one all-reduce
-# (73.4 MB instead of 4 collectives and 68.0 MB), but the tensor-parallel step
-# then moved 80.8 MB instead of 67.9, and the 2-D step's solve stopped at a
-# 7.5% gap after 20 s (a heavy fixed price per edge weakens HiGHS's bound).
+# Decision: one alpha / beta per collective, not the cost model's ring time
+# (p devices x (p - 1) hops x alpha / beta in the summed bytes counted here:
+# 5.6 MB for an all-gather over 8). Tried twice on the benchmarks, the second
+# time (2026-11) pricing each collective over a group of p so and each permute
+# round at p x alpha / beta. With that price every row of
+# benchmarks/compiler.py runs within 2x GSPMD's collective count (the
+# data-parallel transformer step GSPMD's one all-reduce, 73.4 MB, where the
+# price here keeps 4 collectives and 68.0 MB), but collectives are bought
+# with bytes everywhere else: 14 of the 19 rows move more (the
+# tensor-parallel step 91.8 MB instead of 67.9, a 1-layer GPT on 2x4 2.72 MB
+# instead of 2.14), ``auto=True`` on a small MLP on 2x4 keeps every weight
+# replicated (1,048,576 B against Megatron's 311,296 B), a data-parallel step
+# on 2x4 trades its one bucketed all-reduce for 3 all-reduces, 6
+# reduce-scatters and an all-gather (the integer program prices each
+# gradient's all-reduce as if it ran alone), and the height-split ResNet's
+# solve takes 29 s instead of 4.5 s. Bytes come first; the data-parallel
+# step's 4 collectives are what that costs (docs/comparison.md says so).
 # False: bytes alone, ties broken by 1/64 B per collective.
 LATENCY = True
 
