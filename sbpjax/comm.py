@@ -4,8 +4,10 @@
 program (``jax.jit(f).lower(...).compile()``, or a ``Lowered`` object, or the
 text itself) and lists every all-reduce, all-gather, reduce-scatter,
 all-to-all and collective-permute with its group size and the bytes each
-device receives. Collectives inside ``while`` bodies are counted once per
-iteration when XLA knows the trip count.
+device receives. Collectives inside a ``while`` loop's body are counted once
+per iteration when XLA knows the trip count (its condition's once more: the
+test that ends the loop), and once when it does not (a loop that stops on a
+value it computes: the count is per iteration, as ``explain()`` plans it).
 
 Bytes each device receives, with ``g`` the group size (ring algorithms, the
 convention of OneFlow Table 2 summed over devices):
@@ -239,16 +241,18 @@ def _multipliers(comps: dict) -> dict:
             return
         mult[comp] += times
         for line in comps[comp]:
-            trip = 1
+            trip, tests = 1, 1
             if re.search(r"\swhile\(", line):
                 tm = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-                trip = int(tm.group(1)) if tm else 1
+                # the condition runs once more than the body: the test that stops it
+                trip, tests = (int(tm.group(1)), int(tm.group(1)) + 1) if tm else (1, 1)
             for key, names in re.findall(
-                r"(body|calls|branch_computations|called_computations)=\{?([%\w.\-,\s]+)\}?", line
+                r"(body|condition|calls|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)", line
             ):
+                runs = {"body": trip, "condition": tests}.get(key, 1)
                 for callee in re.findall(r"%?([\w.\-]+)", names):
                     if callee in by_name:
-                        visit(by_name[callee], times * (trip if key == "body" else 1), depth + 1)
+                        visit(by_name[callee], times * runs, depth + 1)
 
     visit(entry, 1)
     return mult

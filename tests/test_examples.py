@@ -82,6 +82,20 @@ def test_gpt_hybrid_demo_learns():
     assert last < first - 0.3, out[-500:]
 
 
+def test_power_iteration_runs_its_while_loop_split():
+    """The example's loop stops on a tolerance: it runs split, with the
+    eigenvalue and iteration count of one device, without an SBPWarning."""
+    proc = _run(["examples/power_iteration.py", "--n", "256"], 600)
+    out = proc.stdout
+    assert "SBPWarning" not in proc.stderr
+    ours, ref = map(float, re.search(r"largest eigenvalue: sbpjax ([\d.]+), numpy ([\d.]+)", out).groups())
+    assert abs(ours - ref) < 1e-3 * ref
+    iters = int(re.search(r"iterations: (\d+)", out).group(1))
+    assert f"after {iters} iterations" in out
+    planned, compiled = map(int, re.search(r"planned (\d+), compiled (\d+)", out).groups())
+    assert planned == compiled > 0
+
+
 @pytest.mark.slow
 def test_train_benchmark_quick(tmp_path):
     path = tmp_path / "train.json"

@@ -21,7 +21,7 @@ from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler import uneven
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
 from sbpjax.compiler.loops import plan_runs, shift_up
-from sbpjax.compiler.propagate import CONSTRAIN, Propagation
+from sbpjax.compiler.propagate import CONSTRAIN, NESTED, Propagation
 from sbpjax.compiler.switches import plan_switches
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
@@ -111,14 +111,34 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
     grid, names = pl.shape, pl.axis_names
     prog = prop.program
 
-    def n_partial(nd):  # leading physical dims: one per partial axis of size > 1
-        return sum(isinstance(s, Partial) and grid[a] > 1 for a, s in enumerate(nd))
-
     def specs(vars_, nds):
         return tuple(
             Geometry(v.shape, grid).partition_spec(normalized_layout(nd, len(v.shape), grid), names)
             for v, nd in zip(vars_, nds)
         )
+
+    mapped = jax.shard_map(
+        local_program(prop),
+        mesh=pl.mesh,
+        in_specs=specs(prog.inputs, prop.in_sbp),
+        out_specs=specs(prog.outputs, prop.out_sbp),
+        check_vma=False,
+    )
+    return jax.jit(mapped, donate_argnums=tuple(donate))
+
+
+def local_program(prop: Propagation):
+    """The program as one device runs it, inside a ``shard_map`` over the
+    placement's mesh: local blocks in, local blocks out (a partial's block
+    with a leading dim of 1 per partial axis, as its physical array has).
+    ``build`` maps it over the mesh; a while loop's body runs it in each
+    iteration (:mod:`sbpjax.compiler.whiles`)."""
+    pl = prop.placement
+    grid, names = pl.shape, pl.axis_names
+    prog = prop.program
+
+    def n_partial(nd):  # leading physical dims: one per partial axis of size > 1
+        return sum(isinstance(s, Partial) and grid[a] > 1 for a, s in enumerate(nd))
 
     # written-out scans whose iterations are alike run as loops (sbpjax.compiler.loops)
     runs = plan_runs(prop)
@@ -266,7 +286,12 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
                 rule = RULES.get(node.name)
                 keys = [(id(a), nd) for a, nd in zip(node.ins, dec.in_sbp)]
                 ctx = LocalCtx(pl, dec.in_sbp, dec.out_sbp, [o.shape for o in node.outs], keys, shared)
-                local = rule.local if (rule is not None and rule.local is not None) else _default_local
+                if node.name in NESTED:  # runs a planned program of its own
+                    local = NESTED[node.name].local
+                elif rule is not None and rule.local is not None:
+                    local = rule.local
+                else:
+                    local = _default_local
                 outs = local(node.eqn, ins, ctx)
             for v, nd, y in zip(node.outs, dec.out_sbp, outs):
                 env[(id(v), nd)] = y
@@ -432,11 +457,4 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
             results.append(y.reshape((1,) * n_partial(nd) + y.shape))
         return tuple(results)
 
-    mapped = jax.shard_map(
-        body,
-        mesh=pl.mesh,
-        in_specs=specs(prog.inputs, prop.in_sbp),
-        out_specs=specs(prog.outputs, prop.out_sbp),
-        check_vma=False,
-    )
-    return jax.jit(mapped, donate_argnums=tuple(donate))
+    return body

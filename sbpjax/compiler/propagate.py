@@ -116,9 +116,39 @@ class Propagation:
         return int(sum(b.bytes for b in self.boxings) + sum(c.bytes for _, c in self.comm))
 
 
-def op_comm(node: Node, ins, outs, grid, cache: dict | None = None):
+@dataclasses.dataclass(frozen=True)
+class Nested:
+    """An op whose local evaluation runs programs of its own, each planned
+    as a whole (:mod:`sbpjax.compiler.whiles`). Not a rule of
+    :mod:`sbpjax.rules`: planning the inner programs needs the compiler.
+
+    ``signature(node, layouts in, grid)``: its (ins, outs) nd-signature, the
+    only one it takes (None: it runs whole, with a warning, as an op without
+    a rule does); ``comm(node, ins, outs, placement)``: what the inner
+    programs move (a list of ``Comm``); ``local(eqn, local ins, ctx)``: the
+    local evaluation."""
+
+    signature: Any
+    comm: Any
+    local: Any
+
+
+NESTED: dict = {}  # primitive name -> Nested; filled by the modules that plan them
+
+
+def op_comm(node: Node, ins, outs, placement: Placement, cache: dict | None = None):
     """The communication ``node`` runs itself with this nd-signature (a list
     of ``sbpjax.rules.Comm``), or ``None`` when its rule cannot run it."""
+    grid = placement.shape
+    nested = NESTED.get(node.name)
+    if nested is not None:
+        key = (id(node), tuple(ins), tuple(outs))
+        if cache is not None and key in cache:
+            return cache[key]
+        hit = nested.comm(node, ins, outs, placement)
+        if cache is not None:
+            cache[key] = hit
+        return hit
     rule = RULES.get(node.name)
     if rule is None or rule.comm is None:
         return []
@@ -433,6 +463,10 @@ class Propagator:
                     f"{node.ins[0].shape} does not have; split a dim in 0..{len(node.ins[0].shape) - 1}."
                 )
             return self._decide(node, index, [want], [want])
+        nested = NESTED.get(node.name)
+        sig = nested.signature(node, cur, self.grid) if nested is not None else None
+        if sig is not None:
+            return self._decide(node, index, *sig)
         rule = RULES.get(node.name)
         sigs = self.candidates(node) if rule is not None else []
         if not sigs:
@@ -526,7 +560,7 @@ class Propagator:
                 continue
             if any(not self._partial_ok(nd) for nd in ins + outs):
                 continue
-            comm = op_comm(node, ins, outs, self.grid, self._comms)
+            comm = op_comm(node, ins, outs, self.pl, self._comms)
             if comm is None:
                 continue
             combos.append((order, ins, outs, sum(c.bytes for c in comm)))
@@ -649,7 +683,7 @@ class Propagator:
             return True
         if not uneven.fits(nds, [v.shape for v in vals], self.grid):
             return False
-        return not op_comm(node, ins, outs, self.grid, self._comms)
+        return not op_comm(node, ins, outs, self.pl, self._comms)
 
     def _partial_debt(self, cur, ins, outs, node) -> int:
         """Bytes a new partial will cost later, charged when an op's partial
@@ -693,7 +727,7 @@ class Propagator:
             boxings.append(Boxing(atom, src, nd, plan, f"{node.name} at {node.source}", index))
         for v, nd in zip(node.outs, outs):
             self.layout[id(v)] = nd
-        comm = op_comm(node, ins, outs, self.grid, self._comms) or []
+        comm = op_comm(node, ins, outs, self.pl, self._comms) or []
         return Decision(node, list(ins), list(outs), boxings, comm)
 
 

@@ -73,7 +73,16 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
-from sbpjax.compiler.propagate import CONSTRAIN, Boxing, Decision, Propagation, Propagator, op_comm, op_key
+from sbpjax.compiler.propagate import (
+    CONSTRAIN,
+    NESTED,
+    Boxing,
+    Decision,
+    Propagation,
+    Propagator,
+    op_comm,
+    op_key,
+)
 from sbpjax.compiler.trace import Const, Var, common_path
 from sbpjax.rules import RULES, local_shape
 from sbpjax.rules.elementwise import ELEMENTWISE
@@ -424,7 +433,7 @@ def _candidates(pr: Propagator, node, grid):
             continue
         if not all(pr._partial_ok(nd) for nd in ins + outs):
             continue
-        if op_comm(node, ins, outs, grid, pr._comms) is None:
+        if op_comm(node, ins, outs, pr.pl, pr._comms) is None:
             continue
         key = (tuple(ins), tuple(outs))
         if key in seen:
@@ -703,6 +712,11 @@ def solve(
     for index, node in enumerate(program.nodes):
         if fixed is not None and index in fixed:
             cands.append(allowed.restrict(index, node, [fixed[index]]))
+        elif node.name in NESTED:
+            # the layouts its inner program was planned for: greedy's, from the
+            # layouts its operands arrive in (sbpjax.compiler.whiles)
+            dec = greedy.decisions[index]
+            cands.append([(list(dec.in_sbp), list(dec.out_sbp))])
         else:
             key = op_key(node)
             if key not in memo:
@@ -716,7 +730,7 @@ def solve(
         own = [
             64
             * odds.chance(node.branch)
-            * sum(c.bytes for c in op_comm(node, ins, outs, grid, pr._comms) or ())
+            * sum(c.bytes for c in op_comm(node, ins, outs, placement, pr._comms) or ())
             for ins, outs in cs
         ]
         if len(cs) == 1:
@@ -1121,7 +1135,7 @@ def _propagation(program, placement, in_sbp, out_sbp, pr, cands, sel, x_sol) -> 
             box(atom, nd, f"{node.name} at {node.source}", index, boxings)
         for v, nd in zip(node.outs, outs):
             layout[id(v)] = nd
-        comm = op_comm(node, ins, outs, placement.shape, pr._comms) or []
+        comm = op_comm(node, ins, outs, placement, pr._comms) or []
         decisions.append(Decision(node, list(ins), list(outs), boxings, comm))
     out_boxings: list = []
     final: list = []

@@ -1,9 +1,12 @@
 """Primitives every device runs on the whole value: random number generation
 (every device draws the same numbers from a broadcast key), sorting and top-k along a dim.
 
-Control flow (``scan``, ``while``, ``cond``) and primitives without a rule are
-handled by the compiler: their operands are boxed to B and they run whole on
-every device, with a warning naming them and their source line.
+Control flow (``scan``, ``while``, ``cond``) is handled by the compiler: it
+writes scans and conds out (``sbpjax.compiler.trace``) and plans a while loop
+with a run-time trip count as a loop of its own (``sbpjax.compiler.whiles``).
+What it cannot handle, and primitives without a rule, run whole on every
+device with their operands boxed to B, with a warning naming them and their
+source line.
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ import inspect
 
 from sbpjax.rules import RULES
 
-CONTROL_FLOW = ("scan", "while", "cond", "switch")
-
 
 def _summary(fn) -> str:
     doc = inspect.getdoc(fn) or ""
@@ -65,10 +63,12 @@ def markdown() -> str:
         "`sbpjax.compiler.trace.UNROLL_LIMIT` equations; the layers inside then take layouts like",
         "any others, the iterations of a scan the same ones, and the compiled program keeps the",
         "scan as a loop (`sbpjax.compiler.loops`) and the cond as a `lax.switch` that runs only",
-        "the branch taken (`sbpjax.compiler.switches`). Longer loops and `while` loops with a run-time",
-        "trip count",
-        f"({', '.join(f'`{c}`' for c in CONTROL_FLOW)} left in the program) run whole on every device",
-        "with an `SBPWarning`.",
+        "the branch taken (`sbpjax.compiler.switches`). A `while` loop whose trip count is known",
+        "only at run time runs as a loop inside the `shard_map` body, its carries in the layouts",
+        "they arrive in and its body and condition planned as programs of their own",
+        "(`sbpjax.compiler.whiles`). Loops too long to write out, and `while` loops with side",
+        "effects (a `jax.debug.print` in the body), run whole on every device with an",
+        "`SBPWarning`.",
         "",
         'A mark in the "moves data" column: some of the op\'s signatures communicate inside',
         "the op itself (a halo exchange, a prefix carry); `explain()` lists those bytes on the op's",

@@ -3,8 +3,9 @@
 straight-line code to choose layouts, so their layers take layouts like any
 others: no SBPWarning, values equal to ``jax.grad``'s, bytes equal to the same
 layers unrolled by hand and to the compiled program's; the compiled program
-keeps the scans as loops (sbpjax.compiler.loops), with GSPMD's memory. Loops
-that cannot be written out still run whole with a warning."""
+keeps the scans as loops (sbpjax.compiler.loops), with GSPMD's memory. Scans
+too long to write out still run whole with a warning (while loops that stop
+on a value they compute: test_while.py)."""
 
 import warnings
 
@@ -211,18 +212,6 @@ def test_cond_under_grad(pl8):
     g = f(X)
     assert g.sbp == (S(0),)
     assert_close(g.numpy(), np.asarray(jax.grad(fn)(X)), rtol=1e-6, scale=8.0)
-
-
-def test_while_loop_with_a_run_time_trip_count_still_runs_whole_and_warns(pl8):
-    X = np.random.default_rng(5).normal(size=(16, 8)).astype(np.float32)
-
-    def fn(x):
-        return jax.lax.while_loop(lambda c: c.sum() < 1e3, lambda c: c * 2 + 1, x)
-
-    f = sj.jit(fn, placement=pl8, in_sbp=(S(0),))
-    with pytest.warns(sj.SBPWarning, match=r"control flow 'while' at .*test_control_flow.py"):
-        y = f(X)
-    assert_close(y.numpy(), np.asarray(fn(X)), rtol=1e-6)
 
 
 def test_a_loop_over_the_unroll_limit_runs_whole_and_warns(pl8, monkeypatch):

@@ -416,8 +416,12 @@ def test_errors(pl8, pl24):
 def test_unknown_primitive_runs_whole_with_a_warning(pl8):
     X = rng().normal(size=(8, 8)).astype(np.float32)
 
-    def fn(x):  # a trip count known only at run time: the loop cannot be written out
-        return jax.lax.while_loop(lambda c: c.sum() < 1e3, lambda c: c * 2 + 1, x)
+    def fn(x):  # a loop with a side effect in its body is not planned (sbpjax.compiler.whiles)
+        def body(c):
+            jax.debug.callback(lambda v: None, c)
+            return c * 2 + 1
+
+        return jax.lax.while_loop(lambda c: c.sum() < 1e3, body, x)
 
     f = sj.jit(fn, placement=pl8)
     with pytest.warns(sj.SBPWarning, match=r"control flow 'while' at .*test_jit.py"):

@@ -4,6 +4,7 @@ import os
 import warnings
 
 import flax
+import jax
 import numpy as np
 from flax import nnx
 
@@ -38,11 +39,15 @@ def test_ops_inside_flax_layers_point_at_the_calling_line(pl8):
 
 def test_warning_inside_nnx_while_loop_names_the_users_line(pl8):
     """A loop that still runs whole on every device (here ``nnx.while_loop``
-    with a trip count known only at run time) warns at the line that built it,
-    not inside Flax."""
+    with a side effect in its body) warns at the line that built it, not
+    inside Flax."""
+
+    def body(c):
+        jax.debug.callback(lambda v: None, c)  # a side effect: the loop is not planned
+        return c * 2 + 1
 
     def fn(xs):
-        out = nnx.while_loop(lambda c: c.sum() < 1e3, lambda c: c * 2 + 1, xs)  # the loop's line
+        out = nnx.while_loop(lambda c: c.sum() < 1e3, body, xs)  # the loop's line
         return out
 
     f = sj.jit(fn, placement=pl8, in_sbp=(sj.B,))

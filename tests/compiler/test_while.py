@@ -1,0 +1,168 @@
+"""While loops whose trip count is known only at run time (sbpjax.compiler.whiles):
+no SBPWarning, the carries keep the layouts they arrive in, values equal the
+single-device program's, the compiled program keeps the loop with its
+collectives inside, and the plan's bytes (one iteration) equal the compiled
+program's as sj.collectives counts them."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close
+
+import sbpjax as sj
+from sbpjax import B, P, S
+from sbpjax.comm import _computations
+
+
+def compiled_bytes(f, *args) -> int:
+    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
+
+
+def collectives_in_while_bodies(f, *args) -> set:
+    """The kinds of collective the compiled program runs inside a while
+    loop's body or condition (or what they call)."""
+    comps = _computations(f.lower(*args).compile().as_text())
+    names = {k.replace("ENTRY", "", 1): k for k in comps}
+    inside: set = set()
+    todo = [
+        callee
+        for lines in comps.values()
+        for line in lines
+        if re.search(r"\swhile\(", line)
+        for callee in re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)
+    ]
+    seen: set = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in names:
+            continue
+        seen.add(name)
+        for line in comps[names[name]]:
+            inside.update(
+                re.findall(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", line)
+            )
+            todo += re.findall(r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)", line)
+    return inside
+
+
+def strict(fn, placement, in_sbp, *args):
+    """Compile and run with SBPWarning as an error."""
+    f = sj.jit(fn, placement=placement, in_sbp=in_sbp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sj.SBPWarning)
+        out = f(*args)
+    return f, out
+
+
+def doubling(x):
+    return jax.lax.while_loop(lambda c: c.sum() < 1e3, lambda c: c * 2 + 1, x)
+
+
+def test_a_split_carry_stays_split_and_the_predicate_is_reduced_in_the_loop(pl8):
+    X = np.random.default_rng(5).normal(size=(16, 8)).astype(np.float32)
+    f, y = strict(doubling, pl8, (S(0),), X)
+    assert y.sbp == (S(0),)
+    assert_close(y.numpy(), np.asarray(doubling(X)), rtol=1e-6)
+    e = f.explain(X)
+    # each iteration all-reduces the 4-byte partial sum the predicate compares
+    assert e.bytes == compiled_bytes(f, X) == 2 * 7 * 4
+    assert "while_iteration" in str(e)
+    assert collectives_in_while_bodies(f, X) == {"all-reduce"}
+
+
+def mlp_until_small(x, w):
+    """tanh(x @ w) until every entry is small or 50 iterations have run."""
+
+    def body(c):
+        h, i = c
+        return jnp.tanh(h @ w), i + 1
+
+    return jax.lax.while_loop(lambda c: (jnp.abs(c[0]).max() > 0.05) & (c[1] < 50), body, (x, 0))
+
+
+def test_a_column_split_body_boxes_its_result_back_to_the_carry_every_iteration(pl24):
+    """Rows over x, the kernel's columns over y: each iteration computes its
+    columns and gathers them back over y, inside the loop."""
+    r = np.random.default_rng(1)
+    X = r.normal(size=(16, 32)).astype(np.float32)
+    W = (r.normal(size=(32, 32)) / 8).astype(np.float32)
+    f, (h, n) = strict(mlp_until_small, pl24, ((S(0), B), (B, S(1))), X, W)
+    ref_h, ref_n = jax.jit(mlp_until_small)(X, W)
+    assert int(n.numpy()) == int(ref_n) > 1
+    assert h.sbp == (S(0), B)
+    assert_close(h.numpy(), np.asarray(ref_h), rtol=1e-5, scale=1.0)
+    e = f.explain(X, W)
+    assert e.bytes == compiled_bytes(f, X, W) > 0
+    assert "all-gather" in collectives_in_while_bodies(f, X, W)
+
+
+def test_a_partial_carry_is_reduced_and_an_uneven_one_gathered_before_the_loop(pl8):
+    r = np.random.default_rng(2)
+
+    parts = r.normal(size=(8, 16, 8)).astype(np.float32)  # a partial-sum tensor's 8 pieces
+    x = sj.from_local_tensors(list(parts), pl8, (P,), (16, 8))
+    f, y = strict(doubling, pl8, (P,), x)
+    assert_close(y.numpy(), np.asarray(doubling(parts.sum(0))), rtol=1e-5, scale=8.0)
+    loop = next(d for d in f.explain(x).propagation.decisions if d.node.name == "while")
+    assert loop.in_sbp == [(B,)] and loop.out_sbp == [(B,)]
+    # 12 rows on 8 devices: the carry is gathered, the loop runs on the whole value
+    Y = r.normal(size=(12, 8)).astype(np.float32)
+    g, z = strict(doubling, pl8, (S(0),), Y)
+    assert_close(z.numpy(), np.asarray(doubling(Y)), rtol=1e-6)
+    loop = next(d for d in g.explain(Y).propagation.decisions if d.node.name == "while")
+    assert loop.in_sbp == [(B,)]
+    assert g.explain(Y).bytes == compiled_bytes(g, Y)
+
+
+def test_nested_while_loops_and_constants_read_in_the_loop(pl8):
+    r = np.random.default_rng(3)
+    X = r.normal(size=(16, 8)).astype(np.float32)
+    scale = np.float32(1.5)
+
+    def nested(x, s):
+        def inner(c):
+            return jax.lax.while_loop(lambda v: jnp.abs(v).sum() < 50.0, lambda v: v * s, c)
+
+        def outer(c):
+            h, k = c
+            return inner(h) - 1.0, k + 1
+
+        # (a bare counter's bound XLA would find, and count 3 iterations' collectives)
+        return jax.lax.while_loop(lambda c: (c[1] < 3) & (jnp.abs(c[0]).max() < 1e6), outer, (x, 0))
+
+    f, (h, k) = strict(nested, pl8, (S(0), B), X, scale)
+    ref_h, ref_k = nested(X, scale)
+    assert int(k.numpy()) == int(ref_k) == 3
+    assert h.sbp == (S(0),)
+    assert_close(h.numpy(), np.asarray(ref_h), rtol=1e-5, scale=50.0)
+    # per iteration: the outer condition's reduction and the inner one's
+    assert f.explain(X, scale).bytes == compiled_bytes(f, X, scale) == 2 * 2 * 7 * 4
+
+
+def test_a_loop_with_side_effects_still_runs_whole_and_warns(pl8):
+    X = np.random.default_rng(4).normal(size=(16, 8)).astype(np.float32)
+
+    def printing(x):
+        def body(c):
+            jax.debug.callback(lambda v: None, c)
+            return c * 2 + 1
+
+        return jax.lax.while_loop(lambda c: c.sum() < 1e3, body, x)
+
+    f = sj.jit(printing, placement=pl8, in_sbp=(S(0),))
+    with pytest.warns(sj.SBPWarning, match=r"control flow 'while' at .*test_while.py"):
+        y = f(X)
+    assert_close(y.numpy(), np.asarray(doubling(X)), rtol=1e-6)
+
+
+def test_the_loops_result_is_boxed_after_it_to_the_layout_out_sbp_asks(pl8):
+    X = np.random.default_rng(6).normal(size=(16, 8)).astype(np.float32)
+    f = sj.jit(doubling, placement=pl8, in_sbp=(S(0),), out_sbp=(B,))
+    y = f(X)
+    assert y.sbp == (B,)
+    assert_close(y.numpy(), np.asarray(doubling(X)), rtol=1e-6)
+    assert f.explain(X).bytes == compiled_bytes(f, X)
