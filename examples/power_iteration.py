@@ -63,7 +63,9 @@ def main():
     lam, v, iters = f(a, v0)
     print(f.explain(a, v0))
     print(f"iterations: {int(iters.numpy())}")
-    print(f"largest eigenvalue: sbpjax {float(lam.numpy()):.5f}, numpy {np.linalg.eigvalsh(a.astype(np.float64))[-1]:.5f}")
+    print(
+        f"largest eigenvalue: sbpjax {float(lam.numpy()):.5f}, numpy {np.linalg.eigvalsh(a.astype(np.float64))[-1]:.5f}"
+    )
     ref_lam, ref_v, ref_iters = jax.jit(top_eigenpair)(a, v0)
     print(f"one device: {float(ref_lam):.5f} after {int(ref_iters)} iterations")
     compiled = f.lower(a, v0).compile()
