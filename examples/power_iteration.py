@@ -5,7 +5,7 @@
 
 The loop stops when the estimate stops moving, so its trip count is known only
 at run time: ``lax.while_loop`` cannot be written out as a scan. ``sj.jit``
-runs it as a loop inside the ``shard_map`` body (sbpjax.compiler.whiles): the
+runs it as a loop inside the ``shard_map`` body (sbpjax.compiler.inner_loops): the
 carried vector keeps the layout it arrives in (B), the body computes
 ``A @ v`` on each device's rows (S(0)) and gathers the result back to B at
 the end of each iteration, and the stopping test's norm is all-reduced

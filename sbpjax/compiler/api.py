@@ -27,8 +27,8 @@ import numpy as np
 from jax.interpreters import mlir
 
 from sbpjax._errors import SBPError
+from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagate.NESTED)
 from sbpjax.compiler import lower as lowering
-from sbpjax.compiler import whiles  # noqa: F401 (plans while loops: registers them in propagate.NESTED)
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.propagate import CONSTRAIN
 from sbpjax.compiler.regather import add_regathers

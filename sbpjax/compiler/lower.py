@@ -127,17 +127,20 @@ def build(prop: Propagation, donate: tuple[int, ...] = ()):
     return jax.jit(mapped, donate_argnums=tuple(donate))
 
 
-def local_program(prop: Propagation):
+def local_program(prop: Propagation, physical: bool = True):
     """The program as one device runs it, inside a ``shard_map`` over the
-    placement's mesh: local blocks in, local blocks out (a partial's block
-    with a leading dim of 1 per partial axis, as its physical array has).
-    ``build`` maps it over the mesh; a while loop's body runs it in each
-    iteration (:mod:`sbpjax.compiler.whiles`)."""
+    placement's mesh: local blocks in, local blocks out (``physical``: a
+    partial's block with a leading dim of 1 per partial axis, as its physical
+    array has). ``build`` maps it over the mesh; the body of a loop planned
+    on its own runs it in each iteration, on plain blocks
+    (:mod:`sbpjax.compiler.inner_loops`)."""
     pl = prop.placement
     grid, names = pl.shape, pl.axis_names
     prog = prop.program
 
     def n_partial(nd):  # leading physical dims: one per partial axis of size > 1
+        if not physical:
+            return 0
         return sum(isinstance(s, Partial) and grid[a] > 1 for a, s in enumerate(nd))
 
     # written-out scans whose iterations are alike run as loops (sbpjax.compiler.loops)

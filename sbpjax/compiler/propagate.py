@@ -119,10 +119,10 @@ class Propagation:
 @dataclasses.dataclass(frozen=True)
 class Nested:
     """An op whose local evaluation runs programs of its own, each planned
-    as a whole (:mod:`sbpjax.compiler.whiles`). Not a rule of
+    as a whole (:mod:`sbpjax.compiler.inner_loops`). Not a rule of
     :mod:`sbpjax.rules`: planning the inner programs needs the compiler.
 
-    ``signature(node, layouts in, grid)``: its (ins, outs) nd-signature, the
+    ``signature(node, layouts in, placement)``: its (ins, outs) nd-signature, the
     only one it takes (None: it runs whole, with a warning, as an op without
     a rule does); ``comm(node, ins, outs, placement)``: what the inner
     programs move (a list of ``Comm``); ``local(eqn, local ins, ctx)``: the
@@ -464,7 +464,7 @@ class Propagator:
                 )
             return self._decide(node, index, [want], [want])
         nested = NESTED.get(node.name)
-        sig = nested.signature(node, cur, self.grid) if nested is not None else None
+        sig = nested.signature(node, cur, self.pl) if nested is not None else None
         if sig is not None:
             return self._decide(node, index, *sig)
         rule = RULES.get(node.name)

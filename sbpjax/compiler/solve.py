@@ -714,7 +714,7 @@ def solve(
             cands.append(allowed.restrict(index, node, [fixed[index]]))
         elif node.name in NESTED:
             # the layouts its inner program was planned for: greedy's, from the
-            # layouts its operands arrive in (sbpjax.compiler.whiles)
+            # layouts its operands arrive in (sbpjax.compiler.inner_loops)
             dec = greedy.decisions[index]
             cands.append([(list(dec.in_sbp), list(dec.out_sbp))])
         else:

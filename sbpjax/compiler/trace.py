@@ -65,9 +65,9 @@ REMAT = ("checkpoint", "remat", "remat2")
 # as its branches followed by one select_n per result (the layout choice sees
 # every branch); the lowering runs it as a lax.switch again, each branch's
 # ops and boxings inside its branch, so only the branch taken computes (see
-# Cond). Loops above the limit still run whole on every device with an
-# SBPWarning; a while loop whose trip count is only known at run time stays
-# one equation, planned as a loop of its own (sbpjax.compiler.whiles).
+# Cond). Loops above the limit, and while loops whose trip count is only
+# known at run time, stay one equation each, planned as loops of their own
+# (sbpjax.compiler.inner_loops).
 UNROLL_LIMIT = 20_000
 
 # Each written-out scan slices its stacked operands itself: its slices are not

@@ -3,7 +3,8 @@
 
 Control flow (``scan``, ``while``, ``cond``) is handled by the compiler: it
 writes scans and conds out (``sbpjax.compiler.trace``) and plans a while loop
-with a run-time trip count as a loop of its own (``sbpjax.compiler.whiles``).
+with a run-time trip count, or a scan too long to write out, as a loop of its
+own (``sbpjax.compiler.inner_loops``).
 What it cannot handle, and primitives without a rule, run whole on every
 device with their operands boxed to B, with a warning naming them and their
 source line.

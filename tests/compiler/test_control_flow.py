@@ -4,8 +4,8 @@ straight-line code to choose layouts, so their layers take layouts like any
 others: no SBPWarning, values equal to ``jax.grad``'s, bytes equal to the same
 layers unrolled by hand and to the compiled program's; the compiled program
 keeps the scans as loops (sbpjax.compiler.loops), with GSPMD's memory. Scans
-too long to write out still run whole with a warning (while loops that stop
-on a value they compute: test_while.py)."""
+too long to write out are planned as loops of their own (as are while loops
+that stop on a value they compute: test_inner_loops.py)."""
 
 import warnings
 
@@ -214,7 +214,9 @@ def test_cond_under_grad(pl8):
     assert_close(g.numpy(), np.asarray(jax.grad(fn)(X)), rtol=1e-6, scale=8.0)
 
 
-def test_a_loop_over_the_unroll_limit_runs_whole_and_warns(pl8, monkeypatch):
+def test_a_loop_over_the_unroll_limit_runs_split_as_a_loop_of_its_own(pl8, monkeypatch):
+    """Too long to write out: the scan is planned on its own
+    (sbpjax.compiler.inner_loops), its carry keeps its split."""
     monkeypatch.setattr(trace_mod, "UNROLL_LIMIT", 4)
     X = np.random.default_rng(6).normal(size=(16, 8)).astype(np.float32)
 
@@ -222,9 +224,46 @@ def test_a_loop_over_the_unroll_limit_runs_whole_and_warns(pl8, monkeypatch):
         return jax.lax.fori_loop(0, 10, lambda i, c: jnp.sin(c) + 1, x)
 
     f = sj.jit(fn, placement=pl8, in_sbp=(S(0),))
-    with pytest.warns(sj.SBPWarning, match="control flow 'scan'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sj.SBPWarning)
         y = f(X)
+    assert y.sbp == (S(0),)
     assert_close(y.numpy(), np.asarray(fn(X)), rtol=1e-6, scale=2.0)
+    assert f.explain(X).bytes == measured(f.lower(X).compile()) == 0
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["plain", "checkpoint"])
+def test_scanned_layers_over_the_unroll_limit_train_split(pl24, monkeypatch, remat):
+    """Megatron layers in a scan too long to write out: the forward and the
+    backward scans are planned on their own; gradients equal jax.grad's, the
+    plan's bytes the compiled program's and no more than GSPMD's; no
+    warning."""
+    args = stacked_weights(4)
+    loss = lambda w1, w2, x: scanned_loss(w1, w2, x, remat)  # noqa: E731
+    _, written, written_compiled = compile_grad(loss, pl24, args)
+    monkeypatch.setattr(trace_mod, "UNROLL_LIMIT", 4)
+    g, f, compiled = compile_grad(loss, pl24, args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sj.SBPWarning)
+        val, (g1, g2) = f(*args)
+    ref_val, (r1, r2) = jax.jit(g)(*args)
+    assert_close(val.numpy(), ref_val, rtol=1e-5)
+    assert_close(g1.numpy(), r1, rtol=1e-4, scale=float(np.abs(r1).max()))
+    assert_close(g2.numpy(), r2, rtol=1e-4, scale=float(np.abs(r2).max()))
+    assert "scan" in [d.node.name for d in f.explain(*args).propagation.decisions]  # not written out
+    ours = f.explain(*args).bytes
+    assert ours == measured(compiled)
+    # as a loop, the backward pass also reduces the first layer's input
+    # gradient, which the written-out program drops: one all-reduce more
+    assert ours <= measured(written_compiled) + 16 * D * 4 * 2 * 3
+    mesh = pl24.mesh
+    shardings = [
+        NamedSharding(mesh, PS(None, None, "y")),
+        NamedSharding(mesh, PS(None, "y")),
+        NamedSharding(mesh, PS("x")),
+    ]
+    gspmd = jax.jit(g, in_shardings=shardings).lower(*args).compile()
+    assert ours <= measured(gspmd)
 
 
 def test_no_warning_for_scanned_layers(pl24):

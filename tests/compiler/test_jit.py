@@ -416,7 +416,7 @@ def test_errors(pl8, pl24):
 def test_unknown_primitive_runs_whole_with_a_warning(pl8):
     X = rng().normal(size=(8, 8)).astype(np.float32)
 
-    def fn(x):  # a loop with a side effect in its body is not planned (sbpjax.compiler.whiles)
+    def fn(x):  # a loop with a side effect in its body is not planned (sbpjax.compiler.inner_loops)
         def body(c):
             jax.debug.callback(lambda v: None, c)
             return c * 2 + 1

@@ -1,4 +1,4 @@
-"""While loops whose trip count is known only at run time (sbpjax.compiler.whiles):
+"""While loops whose trip count is known only at run time (sbpjax.compiler.inner_loops):
 no SBPWarning, the carries keep the layouts they arrive in, values equal the
 single-device program's, the compiled program keeps the loop with its
 collectives inside, and the plan's bytes (one iteration) equal the compiled
@@ -154,7 +154,7 @@ def test_a_loop_with_side_effects_still_runs_whole_and_warns(pl8):
         return jax.lax.while_loop(lambda c: c.sum() < 1e3, body, x)
 
     f = sj.jit(printing, placement=pl8, in_sbp=(S(0),))
-    with pytest.warns(sj.SBPWarning, match=r"control flow 'while' at .*test_while.py"):
+    with pytest.warns(sj.SBPWarning, match=r"control flow 'while' at .*test_inner_loops.py"):
         y = f(X)
     assert_close(y.numpy(), np.asarray(doubling(X)), rtol=1e-6)
 
@@ -166,3 +166,42 @@ def test_the_loops_result_is_boxed_after_it_to_the_layout_out_sbp_asks(pl8):
     assert y.sbp == (B,)
     assert_close(y.numpy(), np.asarray(doubling(X)), rtol=1e-6)
     assert f.explain(X).bytes == compiled_bytes(f, X)
+
+
+def rnn(h0, xs, w, u, v):
+    """An RNN over the time steps of ``xs`` (T, batch, features); returns
+    the last state and each step's readout."""
+
+    def step(h, x):
+        h = jnp.tanh(h @ w + x @ u)
+        return h, h @ v
+
+    return jax.lax.scan(step, h0, xs)
+
+
+@pytest.mark.parametrize("xs_sbp", [(S(1), B), (S(0), S(2))], ids=["batch-split", "time-split"])
+def test_a_scan_too_long_to_write_out_runs_split_as_a_loop_of_its_own(pl24, monkeypatch, xs_sbp):
+    """The time steps pass trace.UNROLL_LIMIT: the scan stays one equation,
+    its body planned on its own. A batch-split input keeps its split in each
+    slice; one split along time (the stacked dim) is gathered along time
+    first. Readouts stack in the layout the body chose for them."""
+    from sbpjax.compiler import trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "UNROLL_LIMIT", 50)
+    r = np.random.default_rng(7)
+    t, n, d = 64, 16, 8
+    xs = r.normal(size=(t, n, d)).astype(np.float32)
+    h0 = np.zeros((n, d), np.float32)
+    w, u, v = ((r.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32) for _ in range(3))
+    f, (h, ys) = strict(rnn, pl24, ((S(0), B), xs_sbp, (B, B), (B, B), (B, S(1))), h0, xs, w, u, v)
+    ref_h, ref_ys = jax.jit(rnn)(h0, xs, w, u, v)
+    assert_close(h.numpy(), np.asarray(ref_h), rtol=1e-5, scale=1.0)
+    assert_close(ys.numpy(), np.asarray(ref_ys), rtol=1e-5, scale=3.0)
+    e = f.explain(h0, xs, w, u, v)
+    loop = next(d for d in e.propagation.decisions if d.node.name == "scan")
+    assert all(not (isinstance(s, sj.sbp.Split) and s.dim == 0) for s in loop.in_sbp[1])  # time whole
+    assert e.bytes == compiled_bytes(f, h0, xs, w, u, v)
+    # the state keeps its batch split; each readout is (batch, v's columns)
+    assert h.sbp == (S(0), B) and ys.sbp == (S(1), S(2))
+    if xs_sbp == (S(1), B):
+        assert e.bytes == 0  # every step runs on the device's rows alone
