@@ -48,9 +48,11 @@ whole-program problem, which is what writing it out does); the layout the
 carry has where it is made is the one the code before the loop chose, and a
 caller who wants another writes ``sj.constrain`` on the initial value. The
 inner programs are planned with the default ``CostModel`` and the integer
-program (their own time limit: ``INNER_TIME_LIMIT``). A loop with side
-effects (a ``jax.debug.print`` in its body) still runs whole on every
-device, with an ``SBPWarning``.
+program (their own time limit: ``INNER_TIME_LIMIT``). A side effect in a
+body (a ``jax.debug.print``) is an op of the inner program like any other:
+one without a rule runs whole on every device, with an ``SBPWarning``
+naming its line, and the loop around it keeps its layouts (each device
+prints, as in any ``shard_map``).
 """
 
 from __future__ import annotations
@@ -93,11 +95,8 @@ class LoopPlan:
 
 
 def _nestable(eqn) -> bool:
-    """A loop without side effects and with iterations: one with side
-    effects (a ``jax.debug.print`` in its body) runs whole on every device,
-    with a warning; an empty scan computes nothing to plan."""
-    if getattr(eqn, "effects", None):
-        return False
+    """A loop with iterations: an empty scan computes nothing to plan (it
+    runs as it is, whole on every device)."""
     return eqn.primitive.name != SCAN or eqn.params["length"] > 0
 
 
@@ -143,8 +142,8 @@ def signature(node: Node, cur, placement):
     """(ins, outs): every operand in the layout it arrives in (see ``_kept``;
     a scan's stacked ones ``_stack_kept``), the carries' results in their
     layouts and a scan's stacked results in their slices' as the body
-    chose them; None for a loop with side effects or an empty scan (it runs
-    whole on every device, with a warning)."""
+    chose them; None for an empty scan (it runs whole on every device, with
+    a warning)."""
     eqn, grid = node.eqn, placement.shape
     if not _nestable(eqn):
         return None

@@ -121,7 +121,7 @@ ZERO_FILL_WEIGHT = 1 / 16
 # Decision: one alpha / beta per collective, not the cost model's ring time
 # (p devices x (p - 1) hops x alpha / beta in the summed bytes counted here:
 # 5.6 MB for an all-gather over 8). Tried twice on the benchmarks, the second
-# time (2026-11) pricing each collective over a group of p so and each permute
+# time (2026-11) pricing each collective over a group of p that way and each permute
 # round at p x alpha / beta. With that price every row of
 # benchmarks/compiler.py runs within 2x GSPMD's collective count (the
 # data-parallel transformer step GSPMD's one all-reduce, 73.4 MB, where the
@@ -716,7 +716,7 @@ def solve(
             # the layouts its inner program was planned for: greedy's, from the
             # layouts its operands arrive in (sbpjax.compiler.inner_loops)
             dec = greedy.decisions[index]
-            cands.append([(list(dec.in_sbp), list(dec.out_sbp))])
+            cands.append(allowed.restrict(index, node, [(list(dec.in_sbp), list(dec.out_sbp))]))
         else:
             key = op_key(node)
             if key not in memo:

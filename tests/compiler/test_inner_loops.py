@@ -143,20 +143,28 @@ def test_nested_while_loops_and_constants_read_in_the_loop(pl8):
     assert f.explain(X, scale).bytes == compiled_bytes(f, X, scale) == 2 * 2 * 7 * 4
 
 
-def test_a_loop_with_side_effects_still_runs_whole_and_warns(pl8):
+def test_a_side_effect_in_the_body_runs_whole_and_the_loop_stays_split(pl8):
+    """A callback in the body has no rule: it warns at its own line and runs
+    on the gathered value (on every device); the carry keeps its split."""
     X = np.random.default_rng(4).normal(size=(16, 8)).astype(np.float32)
+    seen = []
 
     def printing(x):
         def body(c):
-            jax.debug.callback(lambda v: None, c)
+            jax.debug.callback(lambda v: seen.append(np.asarray(v)), c)  # the callback's line
             return c * 2 + 1
 
         return jax.lax.while_loop(lambda c: c.sum() < 1e3, body, x)
 
     f = sj.jit(printing, placement=pl8, in_sbp=(S(0),))
-    with pytest.warns(sj.SBPWarning, match=r"control flow 'while' at .*test_inner_loops.py"):
+    with pytest.warns(sj.SBPWarning, match=r"no SBP rule for 'debug_callback' at .*test_inner_loops.py"):
         y = f(X)
+    jax.effects_barrier()
+    assert y.sbp == (S(0),)
     assert_close(y.numpy(), np.asarray(doubling(X)), rtol=1e-6)
+    # every device saw the whole carry of each iteration
+    assert seen and all(v.shape == X.shape for v in seen)
+    assert_close(seen[0], X, rtol=0)
 
 
 def test_the_loops_result_is_boxed_after_it_to_the_layout_out_sbp_asks(pl8):

@@ -38,23 +38,21 @@ def test_ops_inside_flax_layers_point_at_the_calling_line(pl8):
 
 
 def test_warning_inside_nnx_while_loop_names_the_users_line(pl8):
-    """A loop that still runs whole on every device (here ``nnx.while_loop``
-    with a side effect in its body) warns at the line that built it, not
-    inside Flax."""
+    """An op without a rule inside ``nnx.while_loop``'s body (its body is
+    planned on its own: sbpjax.compiler.inner_loops) warns at the user's
+    line, not inside Flax."""
 
-    def body(c):
-        jax.debug.callback(lambda v: None, c)  # a side effect: the loop is not planned
-        return c * 2 + 1
+    def body(c):  # cholesky has no rule
+        return jax.lax.linalg.cholesky(c @ c.T + 8 * jax.numpy.eye(8)) * 0.5 + c * 2  # the op's line
 
     def fn(xs):
-        out = nnx.while_loop(lambda c: c.sum() < 1e3, body, xs)  # the loop's line
-        return out
+        return nnx.while_loop(lambda c: c.sum() < 1e3, body, xs)
 
     f = sj.jit(fn, placement=pl8, in_sbp=(sj.B,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        f(np.ones((4, 8), np.float32))
+        f(np.ones((8, 8), np.float32))
     loops = [str(w.message) for w in caught if issubclass(w.category, SBPWarning)]
     with open(HERE) as src:
-        line = next(i for i, text in enumerate(src, 1) if "the loop's line" in text)
+        line = next(i for i, text in enumerate(src, 1) if "the op's line" in text)
     assert loops and all(f"{HERE}:{line}" in m for m in loops), loops
