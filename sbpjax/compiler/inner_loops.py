@@ -65,9 +65,9 @@ import jax.extend.core as jcore
 from jax import lax
 
 from sbpjax.compiler import lower
-from sbpjax.compiler.loops import shift_up
+from sbpjax.compiler.loops import shift_down, shift_up
 from sbpjax.compiler.propagate import NESTED, Nested, Propagation, _even
-from sbpjax.compiler.trace import Node, trace
+from sbpjax.compiler.trace import Node, scan_operands, trace
 from sbpjax.rules import Comm
 from sbpjax.sbp import Broadcast, Partial, Split
 
@@ -113,19 +113,10 @@ def _stack_kept(nd, shape, grid) -> tuple:
     return _kept(whole, shape, grid)
 
 
-def _slice_of(nd) -> tuple:
-    """The layout of one slice of a stack laid out ``nd`` (dim 0 whole)."""
-    return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in nd)
-
-
 def _scan_counts(eqn) -> tuple[int, int]:
     """(constants, carries) among a scan's operands (then its stacked ones)."""
-    p = eqn.params
-    if "ft_in" in p:  # jax >= 0.12 groups the operands as flat trees
-        groups = p["ft_in"].update(list(range(len(eqn.invars)))).unpack()
-        consts, carry = (len(jax.tree_util.tree_leaves(list(g))) for g in list(groups)[:2])
-        return consts, carry
-    return p["num_consts"], p["num_carry"]
+    consts, carry, _ = scan_operands(eqn.params, list(eqn.invars))
+    return len(consts), len(carry)
 
 
 def _split_counts(eqn) -> tuple[int, int]:
@@ -197,7 +188,7 @@ def plan_loop(eqn, ins, placement) -> LoopPlan:
         body = planned(
             p["jaxpr"],
             avals[:n_fixed] + slices,
-            list(ins[:n_fixed]) + [_slice_of(nd) for nd in ins[n_fixed:]],
+            list(ins[:n_fixed]) + [shift_down(nd) for nd in ins[n_fixed:]],
             list(ins[n_consts:n_fixed]) + [None] * n_ys,
         )
         plan = LoopPlan(body, length=int(p["length"]))

@@ -123,6 +123,11 @@ def shift_up(nd) -> tuple:
     return tuple(Split(s.dim + 1) if isinstance(s, Split) else s for s in nd)
 
 
+def shift_down(nd) -> tuple:
+    """The layout of one value of a stack laid out ``nd`` (dim 0 unsplit)."""
+    return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in nd)
+
+
 def plan_runs(prop: Propagation) -> list[Run]:
     """The runs of the program's written-out scans (see the module docstring)."""
     if not ROLL:
@@ -574,7 +579,7 @@ def _pushed_boxings(ctx, stacks, escapes) -> dict:
             continue
         if any(nd2 != tuple(b.src) and nd2 != tuple(b.dst) for _, nd2 in ctx.reads.get(id(var), ())):
             continue
-        dst = tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in b.dst)
+        dst = shift_down(b.dst)
         y = template[key]
         plan = plan_boxing(y.shape, y.dtype, ctx.placement, nd, dst)
         if plan.bytes * var.shape[0] != b.bytes:

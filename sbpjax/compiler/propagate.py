@@ -139,24 +139,19 @@ NESTED: dict = {}  # primitive name -> Nested; filled by the modules that plan t
 def op_comm(node: Node, ins, outs, placement: Placement, cache: dict | None = None):
     """The communication ``node`` runs itself with this nd-signature (a list
     of ``sbpjax.rules.Comm``), or ``None`` when its rule cannot run it."""
-    grid = placement.shape
     nested = NESTED.get(node.name)
-    if nested is not None:
-        key = (id(node), tuple(ins), tuple(outs))
-        if cache is not None and key in cache:
-            return cache[key]
-        hit = nested.comm(node, ins, outs, placement)
-        if cache is not None:
-            cache[key] = hit
-        return hit
     rule = RULES.get(node.name)
-    if rule is None or rule.comm is None:
+    if nested is None and (rule is None or rule.comm is None):
         return []
     key = (id(node), tuple(ins), tuple(outs))
     if cache is not None and key in cache:
         return cache[key]
-    in_avals = [v.aval for v in node.eqn.invars]
-    hit = rule.comm(node.eqn, in_avals, list(ins), list(outs), tuple(grid))
+    if nested is not None:
+        hit = nested.comm(node, ins, outs, placement)
+    else:
+        assert rule is not None and rule.comm is not None  # checked above
+        in_avals = [v.aval for v in node.eqn.invars]
+        hit = rule.comm(node.eqn, in_avals, list(ins), list(outs), tuple(placement.shape))
     if cache is not None:
         cache[key] = hit
     return hit

@@ -406,15 +406,14 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
         body, length = p["jaxpr"], p["length"]
         if length == 0 or length * max(_size(body), 1) > UNROLL_LIMIT:
             return None
-        if "ft_in" in p:  # jax >= 0.12 groups the operands and results as flat trees
-            consts, carry, xs = (list(g) for g in p["ft_in"].update(ins).unpack())
+        consts, carry, xs = scan_operands(p, ins)
+        if "ft_out" in p:  # jax >= 0.12 groups the results as flat trees
 
             def split_out(outs):
                 return (list(g) for g in p["ft_out"].update(outs).unpack())
 
         else:
-            n_consts, n_carry = p["num_consts"], p["num_carry"]
-            consts, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+            n_carry = len(carry)
 
             def split_out(outs):
                 return outs[:n_carry], outs[n_carry:]
@@ -474,6 +473,15 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
         conds.append(cond)
         return outs
     return None
+
+
+def scan_operands(params, ins) -> tuple[list, list, list]:
+    """A scan's operands ``ins`` as (constants, carries, stacked ones)."""
+    if "ft_in" in params:  # jax >= 0.12 groups the operands as flat trees
+        consts, carry, xs = (list(g) for g in params["ft_in"].update(ins).unpack())
+        return consts, carry, xs
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    return ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
 
 
 def _cse_key(eqn, ins):

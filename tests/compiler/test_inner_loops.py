@@ -12,14 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close
+from models import compiled_bytes
 
 import sbpjax as sj
 from sbpjax import B, P, S
 from sbpjax.comm import _computations
-
-
-def compiled_bytes(f, *args) -> int:
-    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
 
 
 def collectives_in_while_bodies(f, *args) -> set:
