@@ -133,8 +133,9 @@ ZERO_FILL_WEIGHT = 1 / 16
 # on 2x4 trades its one bucketed all-reduce for 3 all-reduces, 6
 # reduce-scatters and an all-gather (the integer program prices each
 # gradient's all-reduce as if it ran alone), and the height-split ResNet's
-# solve takes 29 s instead of 4.5 s. Bytes come first; the data-parallel
-# step's 4 collectives are what that costs (docs/comparison.md says so).
+# solve takes 29 s instead of 4.5 s. Bytes come first; the ring's latency
+# then decides, on small programs, only between plans close in bytes
+# (``FEWER_COLLECTIVES``).
 # False: bytes alone, ties broken by 1/64 B per collective.
 LATENCY = True
 
@@ -222,6 +223,8 @@ class Choice:
     whole_bytes: int | None = None
     # why the solve by bytes alone was kept (see choose), or ""
     fallback: str = ""
+    # the plan solved with ring latency replaced the bytes-first one (FEWER_COLLECTIVES), or ""
+    latency_note: str = ""
 
     def describe(self) -> str:
         if self.method == "greedy" and self.ilp_bytes is None and not self.reason:
@@ -252,6 +255,8 @@ class Choice:
             )
         else:
             text = f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
+        if self.latency_note:
+            text += f"; {self.latency_note}"
         if self.auto:
             text += "; AUTO arguments chosen too (greedy starts them B)"
         if self.memory_bytes is not None and (self.auto or self.memory_budget is not None):
@@ -285,15 +290,46 @@ def _launch_bytes(cost_model, axes) -> float:
     return alpha / beta if beta > 0 else 0.0
 
 
-def _cost(plan, cost_model, with_latency: bool = True) -> float:
+def _ring_latency_bytes(cost_model, op: str, axes, group_size: int, rounds: int = 0) -> float:
+    """One collective's latency as the cost model times it (the ring's hops:
+    ``CostModel.collective_time`` of zero bytes; a permute: one alpha per
+    round), in the bytes summed over the group's devices that its links
+    would carry in that time: 5.6 MB for an all-gather over 8 devices on the
+    default model. See ``FEWER_COLLECTIVES``."""
+    alpha, beta = cost_model.group(axes)
+    if beta <= 0 or group_size <= 1:
+        return 0.0
+    if op == "permute":
+        seconds = cost_model.p2p_time(axes, [0.0] * max(1, rounds))
+    else:
+        seconds = cost_model.collective_time(op, axes, group_size, 0.0)
+    return group_size * seconds / beta
+
+
+def _group_size(placement, axes) -> int:
+    names = placement.axis_names
+    return int(np.prod([placement.shape[names.index(a)] for a in axes], dtype=np.int64))
+
+
+def _cost(plan, cost_model, with_latency: bool = True, ring: bool = False) -> float:
     """A boxing's cost in the objective, in 1/64 bytes: its bytes, plus the
     latency of each collective it runs (``_latency_bytes``; ``cost_model``
     None: bytes alone, 1/64 B per collective breaking ties; ``with_latency=False``:
-    none, for a boxing whose bucket pays it), plus, for a zero-fill that
+    none, for a boxing whose bucket pays it; ``ring``: the latency the cost
+    model times, ``_ring_latency_bytes``), plus, for a zero-fill that
     makes a split value a partial, the price of the block it grows
     (``ZERO_FILL_WEIGHT``)."""
     if not plan.bytes or not with_latency:
         latency = 0.0
+    elif ring:
+        # the ring's hops, and a launch per collective on top: by the hops alone
+        # an all-reduce costs what a reduce-scatter and an all-gather cost, and
+        # the pair is two collectives that do not bucket as one
+        latency = _latency_bytes(plan, cost_model) + sum(
+            _ring_latency_bytes(cost_model, st.op, st.axes, _group_size(plan.placement, st.axes), st.rounds)
+            for st in plan.steps
+            if st.bytes > 0
+        )
     elif LATENCY and cost_model is not None:
         latency = _latency_bytes(plan, cost_model)
     else:  # of two boxings moving the same bytes, the one with fewer collectives
@@ -320,7 +356,7 @@ def price(prop: Propagation, cost_model=None) -> float:
     return _weighted_sum(prop, lambda b: _cost(b.plan, cm))
 
 
-def emitted_price(prop: Propagation, cost_model=None) -> float:
+def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> float:
     """``price`` with latency counted for the collectives the lowering emits:
     boxings that ride in one bucket (:mod:`sbpjax.compiler.buckets`) pay for
     the bucket's rounds once. The window search compares its plans by it
@@ -329,11 +365,25 @@ def emitted_price(prop: Propagation, cost_model=None) -> float:
     the one with the fewest collectives the program runs. By ``price``, the
     2-D transformer step of ``benchmarks/compiler.py`` kept a plan of 23
     boxing collectives that compiles to 18 over one of 25 that compiles to 7
-    (and moves 6 kB less)."""
+    (and moves 6 kB less). ``ring``: the collectives of
+    ``emitted_collectives``, each at its latency as the cost model times it
+    (``_ring_latency_bytes``), by which ``FEWER_COLLECTIVES`` compares plans."""
     # buckets plans from liveness, which imports this module's block_bytes
     from sbpjax.compiler.buckets import plan_buckets
 
     cm = cost_model if cost_model is not None else CostModel()
+    if ring:
+        launched = emitted_collectives(prop)
+
+        def ring_cost(b) -> float:
+            latency = sum(
+                _ring_latency_bytes(cm, op, axes, _group_size(prop.placement, axes), rounds)
+                + _launch_bytes(cm, axes)
+                for op, axes, rounds in launched[id(b)]
+            )
+            return _cost(b.plan, cm, with_latency=False) + round(64 * latency)
+
+        return _weighted_sum(prop, ring_cost)
     buckets, joined = plan_buckets(prop)
     names = prop.placement.axis_names
 
@@ -350,6 +400,90 @@ def emitted_price(prop: Propagation, cost_model=None) -> float:
         return _cost(b.plan, cm, with_latency=False) + round(64 * rounds)
 
     return _weighted_sum(prop, cost)
+
+
+def emitted_collectives(prop: Propagation) -> dict:
+    """id(boxing) -> the collectives the compiled program runs for it, as
+    ``(op, axes, rounds)`` (rounds: a permute's). All-reduces are counted as
+    XLA combines them, bucketed or not (a data-parallel step's gradients,
+    reduced where each is made, compile to one all-reduce): one per kind and
+    position in the longest chain of dependent all-reduces of that kind
+    (``_all_reduce_rounds``), paid by the first boxing to reach it. Other
+    collectives as the lowering's buckets run them (XLA on CPU combines no
+    reduce-scatters or all-gathers): a bucket's rounds, paid by its first
+    boxing, else each boxing's own."""
+    from sbpjax.compiler.buckets import plan_buckets
+
+    buckets, joined = plan_buckets(prop)
+    names = prop.placement.axis_names
+    ar_rounds = _all_reduce_rounds(prop)
+    paid: set = set()
+    launched: dict = {}
+    for b in [b for d in prop.decisions for b in d.boxings] + list(prop.out_boxings):
+        mine = []
+        for (axes, reduce, dtype), position in ar_rounds[id(b)]:
+            if (axes, reduce, dtype, position) not in paid:
+                paid.add((axes, reduce, dtype, position))
+                mine.append(("all_reduce", axes, 0))
+        bucket = buckets.get(id(b))
+        if bucket is not None:
+            for (op, group, _), _members in bucket.rounds:
+                if op != "all_reduce":
+                    mine.append((op, tuple(names[g] for g in group), 0))
+        elif id(b) not in joined:
+            for st in b.plan.steps:
+                if st.bytes > 0 and st.collective is not None and st.op != "all_reduce":
+                    mine.append((st.op, tuple(st.axes), st.rounds))
+        launched[id(b)] = mine
+    return launched
+
+
+def _all_reduce_rounds(prop: Propagation) -> dict:
+    """id(boxing) -> [(kind, position)] for each all-reduce it runs: kind is
+    (axes, reduce, dtype), position the most all-reduces of that kind on a
+    path from the program's arguments up to and including this one. All-reduces of one
+    kind at one position cannot depend on one another, and the longest chain
+    of dependent ones bounds how few launches any combining can reach (Mirsky's
+    theorem); XLA's all-reduce combiner reaches it on the programs measured."""
+    chains: dict = {}  # id(var), or (id(var), layout) for a boxed version -> {kind: count}
+    rounds: dict = {}
+
+    def merged(parts) -> dict:
+        out: dict = {}
+        for part in parts:
+            for k, n in part.items():
+                out[k] = max(out.get(k, 0), n)
+        return out
+
+    for d in prop.decisions:
+        for b in d.boxings:
+            chain = dict(chains.get(id(b.var), {}))
+            mine = []
+            for st in b.plan.steps:
+                if st.op == "all_reduce" and st.bytes > 0:
+                    kind = (tuple(st.axes), st.reduce, np.dtype(b.plan.dtype).str)
+                    chain[kind] = chain.get(kind, 0) + 1
+                    mine.append((kind, chain[kind]))
+            rounds[id(b)] = mine
+            chains[(id(b.var), b.dst)] = chain
+        ins = [
+            chains.get((id(a), nd), chains.get(id(a), {}))
+            for a, nd in zip(d.node.ins, d.in_sbp)
+            if isinstance(a, Var)
+        ]
+        out = merged(ins)
+        for o in d.node.outs:
+            chains[id(o)] = out
+    for b in prop.out_boxings:
+        chain = dict(chains.get(id(b.var), {}))
+        mine = []
+        for st in b.plan.steps:
+            if st.op == "all_reduce" and st.bytes > 0:
+                kind = (tuple(st.axes), st.reduce, np.dtype(b.plan.dtype).str)
+                chain[kind] = chain.get(kind, 0) + 1
+                mine.append((kind, chain[kind]))
+        rounds[id(b)] = mine
+    return rounds
 
 
 def _weighted_sum(prop: Propagation, cost) -> float:
@@ -616,7 +750,8 @@ def solve(
 ):
     """The cheapest layouts of ``program`` (bytes and latency, ``_cost``):
     (Propagation, Choice), or (None, Choice) when no solution was found (the
-    Choice says why). ``latency=False``: bytes alone.
+    Choice says why). ``latency=False``: bytes alone; ``"ring"``: each
+    collective's latency as the cost model times it (``FEWER_COLLECTIVES``).
 
     ``in_sbp`` entries may be ``AUTO``: the argument's layout is chosen too
     (one binary per layout of ``auto_layouts``). ``ties`` maps an output index
@@ -801,7 +936,7 @@ def solve(
     def cost_of(plan) -> float:
         hit = plan_costs.get(id(plan))
         if hit is None:
-            hit = plan_costs[id(plan)] = (plan, _cost(plan, cm if latency else None))
+            hit = plan_costs[id(plan)] = (plan, _cost(plan, cm if latency else None, ring=latency == "ring"))
         return hit[1]
 
     for key, (atom, layouts) in needs.items():
@@ -1299,7 +1434,7 @@ def choose(
             raise _over_budget(program, placement, in_sbp, out_sbp, greedy, time_limit, caches, extra, choice)
         choice.memory_bytes = g_memory
         greedy.choice = choice
-        return greedy
+        return _fewer_collectives(program, greedy, run, time_limit, cost_model)
     choice.ilp_bytes = total_bytes(ilp)
     ilp_price = price(ilp, cost_model)
     # On an equal price greedy's choice is kept: its tie-breaks (alpha-beta
@@ -1315,10 +1450,88 @@ def choose(
         ) + (" (greedy is optimal)" if ilp_price == g_price and choice.gap == 0 else f"; {choice.status}")
         choice.memory_bytes = g_memory
         greedy.choice = choice
-        return greedy
+        return _fewer_collectives(program, greedy, run, time_limit, cost_model)
     ilp.warnings = greedy.warnings
     ilp.choice = choice
-    return ilp
+    return _fewer_collectives(program, ilp, run, time_limit, cost_model)
+
+
+# Bytes come first (``LATENCY``), but not at any price in collectives: a plan
+# that moves a few percent fewer bytes through several more collectives is
+# slower wherever a collective's latency is not negligible. On the compiler
+# benchmark's data-parallel transformer step the bytes-first plan saves 7%
+# (67,967,032 B against the 73,414,712 B of one bucketed all-reduce) by
+# gathering the tokens, moving the embedding's output gradient by an
+# all-to-all and all-gathering the embedding's gradient: 4 collectives where
+# GSPMD runs 1, and by the cost model's own alpha-beta time (each collective
+# paying the ring's hops, ``_ring_latency_bytes``: 5.6 MB for 8 devices) the
+# slower plan. So the kept plan is solved once more with that latency, started
+# from it, and the result replaces it when it runs fewer collectives
+# (``emitted_collectives``: what the compiled program runs, all-reduces
+# combined as XLA combines them) and is faster by the cost model
+# (``emitted_price(ring=True)``) while moving at most ``FEWER_COLLECTIVES``
+# more bytes (a share of the kept plan's).
+# Decision: these three conditions rather than pricing every collective at the
+# ring's latency throughout (tried, see ``LATENCY``: collectives were then
+# bought with bytes everywhere, up to 35% more on the tensor-parallel step,
+# and a replicated MLP where Megatron's layouts move 3.4x fewer bytes).
+# "Faster" alone is not enough: the ring's latency grows with the group, so
+# on 2x4 the model prefers several reductions over 4 devices to one over 8,
+# and accepting such plans (tried) moved 4-9% more bytes on 7 GPT sweep
+# rows, and on 4x2 ran 17 collectives in place of 11. With all three only
+# the data-parallel step above changes on benchmarks/compiler.py. Programs of
+# at most UNTIED_OPS ops only (solved whole, in seconds): a deep stack's solve
+# is the time-limited one, and the latency near-ties would slow it further.
+# 0: bytes first throughout.
+FEWER_COLLECTIVES = 0.10
+
+
+def _count(prop: Propagation) -> int:
+    """The collectives the compiled program runs (``emitted_collectives``),
+    permute rounds and ops' own communication included."""
+    launched = sum(
+        max(1, rounds) if op == "permute" else 1
+        for c in emitted_collectives(prop).values()
+        for op, _, rounds in c
+    )
+    return launched + sum(1 for _, c in prop.comm if c.bytes)
+
+
+def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) -> Propagation:
+    """``kept``, or the plan solved with each collective's ring latency (see
+    ``FEWER_COLLECTIVES``) when that one runs fewer collectives, is faster by
+    the cost model and moves at most ``FEWER_COLLECTIVES`` more bytes."""
+    if not FEWER_COLLECTIVES or len(program.nodes) > UNTIED_OPS:
+        return kept
+    kept_bytes = total_bytes(kept)
+    # half the limit: it only ever replaces a plan in hand
+    alt, alt_choice = run(time_limit=time_limit / 2, rel_gap=1e-3, latency="ring", start=kept)
+    choice = kept.choice
+    # the time of the solve is reported, whichever plan is kept
+    choice.solve_s += alt_choice.solve_s
+    choice.build_s += alt_choice.build_s
+    if alt is None:
+        return kept
+    alt_bytes = total_bytes(alt)
+    if alt_bytes > (1 + FEWER_COLLECTIVES) * kept_bytes:
+        return kept
+    kept_time, alt_time = (
+        emitted_price(kept, cost_model, ring=True),
+        emitted_price(alt, cost_model, ring=True),
+    )
+    kept_count, alt_count = _count(kept), _count(alt)
+    if alt_time >= kept_time or alt_count >= kept_count:
+        return kept
+    choice.latency_note = (
+        f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
+        f"in place of {kept_bytes} B "
+        f"({100 * (alt_bytes / max(kept_bytes, 1) - 1):+.1f}%, within {100 * FEWER_COLLECTIVES:.0f}%), "
+        f"{alt_count} collectives in place of {kept_count}, "
+        f"{(kept_time - alt_time) / 1e6:.2f} MB-equivalent faster by the cost model"
+    )
+    alt.warnings = kept.warnings
+    alt.choice = choice
+    return alt
 
 
 # The share of solve_time_limit the whole-program solve takes where layers
