@@ -448,41 +448,28 @@ def _all_reduce_rounds(prop: Propagation) -> dict:
     chains: dict = {}  # id(var), or (id(var), layout) for a boxed version -> {kind: count}
     rounds: dict = {}
 
-    def merged(parts) -> dict:
-        out: dict = {}
-        for part in parts:
-            for k, n in part.items():
-                out[k] = max(out.get(k, 0), n)
-        return out
-
-    for d in prop.decisions:
-        for b in d.boxings:
-            chain = dict(chains.get(id(b.var), {}))
-            mine = []
-            for st in b.plan.steps:
-                if st.op == "all_reduce" and st.bytes > 0:
-                    kind = (tuple(st.axes), st.reduce, np.dtype(b.plan.dtype).str)
-                    chain[kind] = chain.get(kind, 0) + 1
-                    mine.append((kind, chain[kind]))
-            rounds[id(b)] = mine
-            chains[(id(b.var), b.dst)] = chain
-        ins = [
-            chains.get((id(a), nd), chains.get(id(a), {}))
-            for a, nd in zip(d.node.ins, d.in_sbp)
-            if isinstance(a, Var)
-        ]
-        out = merged(ins)
-        for o in d.node.outs:
-            chains[id(o)] = out
-    for b in prop.out_boxings:
+    def box(b) -> None:
         chain = dict(chains.get(id(b.var), {}))
-        mine = []
+        rounds[id(b)] = []
         for st in b.plan.steps:
             if st.op == "all_reduce" and st.bytes > 0:
                 kind = (tuple(st.axes), st.reduce, np.dtype(b.plan.dtype).str)
                 chain[kind] = chain.get(kind, 0) + 1
-                mine.append((kind, chain[kind]))
-        rounds[id(b)] = mine
+                rounds[id(b)].append((kind, chain[kind]))
+        chains[(id(b.var), b.dst)] = chain
+
+    for d in prop.decisions:
+        for b in d.boxings:
+            box(b)
+        out: dict = {}  # the most of each kind on any operand's path
+        for a, nd in zip(d.node.ins, d.in_sbp):
+            if isinstance(a, Var):
+                for k, n in chains.get((id(a), nd), chains.get(id(a), {})).items():
+                    out[k] = max(out.get(k, 0), n)
+        for o in d.node.outs:
+            chains[id(o)] = out
+    for b in prop.out_boxings:
+        box(b)
     return rounds
 
 
