@@ -314,10 +314,41 @@ def test_sweep_bytes_at_most_gspmd(case):
         ssbp2 = state_sbp(args[1], psbp2, (B,) * pl.ndim)
         in_sbp = (psbp2, ssbp2) + in_sbp[2:]
         out_sbp = (psbp2, ssbp2, out_sbp[2])
-    ours, gspmd, e, _ = compare(
+    ours, gspmd, e, compiled = compare(
         step, args, in_sbp, out_sbp, pl, adam_lr=1e-2 if case["opt"] == "adamw" else None
     )
     assert ours <= gspmd, (ours, gspmd, e.choice.describe())
+    # and no more than twice GSPMD's collectives (issue's target; solve.FEWER_COLLECTIVES)
+    g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
+    g_count = sum(c.count for c in sj.collectives(g.lower(*g_args).compile()))
+    count = sum(c.count for c in sj.collectives(compiled))
+    assert count <= 2 * g_count, (count, g_count, e.choice.describe())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known miss (issue 12): found by the sweep with seed 31; the plan is proven optimal "
+    "among sbpjax's candidates and still moves 1% more than GSPMD in 48 collectives against 17",
+)
+def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
+    """A 3-layer MLP at d 32 with kernels split over both axes (2-D) on 4x2,
+    SGD with momentum: sbpjax 326,712 B in 48 collectives, GSPMD 323,632 B in
+    17, with or without latency in the objective."""
+    pl = sj.placement((4, 2), ("x", "y"))
+    opt = optax.sgd(0.1, momentum=0.9)
+    params = deep_mlp_params(32, 3, seed=605)
+    r = np.random.default_rng(606)
+    x, y = (r.normal(size=(32, 32)).astype(np.float32) for _ in range(2))
+    state = opt.init(params)
+    psbp = _two_d(deep_mlp_sbp(params, "megatron", 2))
+    in_sbp = (psbp, state_sbp(state, psbp, (B, B)), (S0, B), (S0, B))
+    out_sbp = (psbp, in_sbp[1], (B, B))
+    step, args = train_step(deep_mlp_loss, opt), (params, state, x, y)
+    ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl)
+    g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
+    g_count = sum(c.count for c in sj.collectives(g.lower(*g_args).compile()))
+    assert ours <= gspmd, (ours, gspmd)
+    assert sum(c.count for c in sj.collectives(compiled)) <= 2 * g_count
 
 
 def test_a_zero_fill_of_a_split_pays_for_the_block_it_grows(pl24):
