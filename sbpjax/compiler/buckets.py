@@ -67,7 +67,7 @@ from jax import lax
 from sbpjax.boxing.lower import IndexTables, _apply, axis_arg, preduce_extreme
 from sbpjax.compiler.liveness import live_bytes
 from sbpjax.compiler.propagate import Boxing, Propagation
-from sbpjax.compiler.trace import Const
+from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
 
 BUCKETING = True
@@ -256,16 +256,93 @@ def plan_buckets(
     return buckets, joined
 
 
-def count_collectives(prop: Propagation, **kw) -> int:
+def count_collectives(prop: Propagation, combined_all_reduces: bool = False, **kw) -> int:
     """Collectives the lowering emits for a program (a bucket counts once per
     round). XLA may combine further (its CPU backend combines independent
-    all-reduces), never less."""
+    all-reduces), never less. ``combined_all_reduces=True``: with the
+    all-reduces combined as XLA combines them, and a permute counted once
+    per round (``emitted_collectives``)."""
+    if combined_all_reduces:
+        return sum(
+            max(1, rounds) if op == "permute" else 1
+            for c in emitted_collectives(prop).values()
+            for op, _, rounds in c
+        )
     buckets, joined = plan_buckets(prop, **kw)
     n = sum(bk.collectives for bk in buckets.values())
     for b in prop.boxings:
         if id(b) not in joined and id(b) not in buckets:
             n += sum(1 for s in b.plan.steps if s.collective is not None)
     return n
+
+
+def emitted_collectives(prop: Propagation) -> dict:
+    """id(boxing) -> the collectives the compiled program runs for it, as
+    ``(op, axes, rounds)`` (rounds: a permute's). All-reduces are counted as
+    XLA combines them, bucketed or not (a data-parallel step's gradients,
+    reduced where each is made, compile to one all-reduce): one per kind and
+    position in the longest chain of dependent all-reduces of that kind
+    (``all_reduce_rounds``), paid by the first boxing to reach it. Other
+    collectives as the lowering's buckets run them (XLA on CPU combines no
+    reduce-scatters or all-gathers): a bucket's rounds, paid by its first
+    boxing, else each boxing's own."""
+    buckets, joined = plan_buckets(prop)
+    names = prop.placement.axis_names
+    ar_rounds = all_reduce_rounds(prop)
+    paid: set = set()
+    launched: dict = {}
+    for b in [b for d in prop.decisions for b in d.boxings] + list(prop.out_boxings):
+        mine = []
+        for (axes, reduce, dtype), position in ar_rounds[id(b)]:
+            if (axes, reduce, dtype, position) not in paid:
+                paid.add((axes, reduce, dtype, position))
+                mine.append(("all_reduce", axes, 0))
+        bucket = buckets.get(id(b))
+        if bucket is not None:
+            for (op, group, _), _members in bucket.rounds:
+                if op != "all_reduce":
+                    mine.append((op, tuple(names[g] for g in group), 0))
+        elif id(b) not in joined:
+            for st in b.plan.steps:
+                if st.bytes > 0 and st.collective is not None and st.op != "all_reduce":
+                    mine.append((st.op, tuple(st.axes), st.rounds))
+        launched[id(b)] = mine
+    return launched
+
+
+def all_reduce_rounds(prop: Propagation) -> dict:
+    """id(boxing) -> [(kind, position)] for each all-reduce it runs: kind is
+    (axes, reduce, dtype), position the most all-reduces of that kind on a
+    path from the program's arguments up to and including this one. All-reduces of one
+    kind at one position cannot depend on one another, and the longest chain
+    of dependent ones bounds how few launches any combining can reach (Mirsky's
+    theorem); XLA's all-reduce combiner reaches it on the programs measured."""
+    chains: dict = {}  # id(var), or (id(var), layout) for a boxed version -> {kind: count}
+    rounds: dict = {}
+
+    def box(b) -> None:
+        chain = dict(chains.get(id(b.var), {}))
+        rounds[id(b)] = []
+        for st in b.plan.steps:
+            if st.op == "all_reduce" and st.bytes > 0:
+                kind = (tuple(st.axes), st.reduce, np.dtype(b.plan.dtype).str)
+                chain[kind] = chain.get(kind, 0) + 1
+                rounds[id(b)].append((kind, chain[kind]))
+        chains[(id(b.var), b.dst)] = chain
+
+    for d in prop.decisions:
+        for b in d.boxings:
+            box(b)
+        out: dict = {}  # the most of each kind on any operand's path
+        for a, nd in zip(d.node.ins, d.in_sbp):
+            if isinstance(a, Var):
+                for k, n in chains.get((id(a), nd), chains.get(id(a), {})).items():
+                    out[k] = max(out.get(k, 0), n)
+        for o in d.node.outs:
+            chains[id(o)] = out
+    for b in prop.out_boxings:
+        box(b)
+    return rounds
 
 
 # ---------------------------------------------------------------------------

@@ -290,25 +290,26 @@ def _launch_bytes(cost_model, axes) -> float:
     return alpha / beta if beta > 0 else 0.0
 
 
-def _ring_latency_bytes(cost_model, op: str, axes, group_size: int, rounds: int = 0) -> float:
+def _ring_bytes(cost_model, placement, op: str, axes, rounds: int = 0) -> float:
     """One collective's latency as the cost model times it (the ring's hops:
     ``CostModel.collective_time`` of zero bytes; a permute: one alpha per
     round), in the bytes summed over the group's devices that its links
-    would carry in that time: 5.6 MB for an all-gather over 8 devices on the
-    default model. See ``FEWER_COLLECTIVES``."""
+    would carry in that time (5.6 MB for an all-gather over 8 devices on the
+    default model), plus its launches (``_launch_bytes``; a permute one per
+    round): by the hops alone an all-reduce costs what a reduce-scatter and
+    an all-gather cost, and the pair is two collectives. See
+    ``FEWER_COLLECTIVES``."""
+    launches = max(1, rounds) if op == "permute" else 1
+    total = launches * _launch_bytes(cost_model, axes)
+    p = int(np.prod([placement.axis_size(a) for a in axes], dtype=np.int64))
     alpha, beta = cost_model.group(axes)
-    if beta <= 0 or group_size <= 1:
-        return 0.0
+    if beta <= 0 or p <= 1:
+        return total
     if op == "permute":
-        seconds = cost_model.p2p_time(axes, [0.0] * max(1, rounds))
+        seconds = cost_model.p2p_time(axes, [0.0] * launches)
     else:
-        seconds = cost_model.collective_time(op, axes, group_size, 0.0)
-    return group_size * seconds / beta
-
-
-def _group_size(placement, axes) -> int:
-    names = placement.axis_names
-    return int(np.prod([placement.shape[names.index(a)] for a in axes], dtype=np.int64))
+        seconds = cost_model.collective_time(op, axes, p, 0.0)
+    return total + p * seconds / beta
 
 
 def _cost(plan, cost_model, with_latency: bool = True, ring: bool = False) -> float:
@@ -316,17 +317,14 @@ def _cost(plan, cost_model, with_latency: bool = True, ring: bool = False) -> fl
     latency of each collective it runs (``_latency_bytes``; ``cost_model``
     None: bytes alone, 1/64 B per collective breaking ties; ``with_latency=False``:
     none, for a boxing whose bucket pays it; ``ring``: the latency the cost
-    model times, ``_ring_latency_bytes``), plus, for a zero-fill that
+    model times, ``_ring_bytes``), plus, for a zero-fill that
     makes a split value a partial, the price of the block it grows
     (``ZERO_FILL_WEIGHT``)."""
     if not plan.bytes or not with_latency:
         latency = 0.0
     elif ring:
-        # the ring's hops, and a launch per collective on top: by the hops alone
-        # an all-reduce costs what a reduce-scatter and an all-gather cost, and
-        # the pair is two collectives that do not bucket as one
-        latency = _latency_bytes(plan, cost_model) + sum(
-            _ring_latency_bytes(cost_model, st.op, st.axes, _group_size(plan.placement, st.axes), st.rounds)
+        latency = sum(
+            _ring_bytes(cost_model, plan.placement, st.op, st.axes, st.rounds)
             for st in plan.steps
             if st.bytes > 0
         )
@@ -367,20 +365,16 @@ def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> flo
     boxing collectives that compiles to 18 over one of 25 that compiles to 7
     (and moves 6 kB less). ``ring``: the collectives of
     ``emitted_collectives``, each at its latency as the cost model times it
-    (``_ring_latency_bytes``), by which ``FEWER_COLLECTIVES`` compares plans."""
+    (``_ring_bytes``), by which ``FEWER_COLLECTIVES`` compares plans."""
     # buckets plans from liveness, which imports this module's block_bytes
-    from sbpjax.compiler.buckets import plan_buckets
+    from sbpjax.compiler.buckets import emitted_collectives, plan_buckets
 
     cm = cost_model if cost_model is not None else CostModel()
     if ring:
         launched = emitted_collectives(prop)
 
         def ring_cost(b) -> float:
-            latency = sum(
-                _ring_latency_bytes(cm, op, axes, _group_size(prop.placement, axes), rounds)
-                + _launch_bytes(cm, axes)
-                for op, axes, rounds in launched[id(b)]
-            )
+            latency = sum(_ring_bytes(cm, prop.placement, *c) for c in launched[id(b)])
             return _cost(b.plan, cm, with_latency=False) + round(64 * latency)
 
         return _weighted_sum(prop, ring_cost)
@@ -400,77 +394,6 @@ def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> flo
         return _cost(b.plan, cm, with_latency=False) + round(64 * rounds)
 
     return _weighted_sum(prop, cost)
-
-
-def emitted_collectives(prop: Propagation) -> dict:
-    """id(boxing) -> the collectives the compiled program runs for it, as
-    ``(op, axes, rounds)`` (rounds: a permute's). All-reduces are counted as
-    XLA combines them, bucketed or not (a data-parallel step's gradients,
-    reduced where each is made, compile to one all-reduce): one per kind and
-    position in the longest chain of dependent all-reduces of that kind
-    (``_all_reduce_rounds``), paid by the first boxing to reach it. Other
-    collectives as the lowering's buckets run them (XLA on CPU combines no
-    reduce-scatters or all-gathers): a bucket's rounds, paid by its first
-    boxing, else each boxing's own."""
-    from sbpjax.compiler.buckets import plan_buckets
-
-    buckets, joined = plan_buckets(prop)
-    names = prop.placement.axis_names
-    ar_rounds = _all_reduce_rounds(prop)
-    paid: set = set()
-    launched: dict = {}
-    for b in [b for d in prop.decisions for b in d.boxings] + list(prop.out_boxings):
-        mine = []
-        for (axes, reduce, dtype), position in ar_rounds[id(b)]:
-            if (axes, reduce, dtype, position) not in paid:
-                paid.add((axes, reduce, dtype, position))
-                mine.append(("all_reduce", axes, 0))
-        bucket = buckets.get(id(b))
-        if bucket is not None:
-            for (op, group, _), _members in bucket.rounds:
-                if op != "all_reduce":
-                    mine.append((op, tuple(names[g] for g in group), 0))
-        elif id(b) not in joined:
-            for st in b.plan.steps:
-                if st.bytes > 0 and st.collective is not None and st.op != "all_reduce":
-                    mine.append((st.op, tuple(st.axes), st.rounds))
-        launched[id(b)] = mine
-    return launched
-
-
-def _all_reduce_rounds(prop: Propagation) -> dict:
-    """id(boxing) -> [(kind, position)] for each all-reduce it runs: kind is
-    (axes, reduce, dtype), position the most all-reduces of that kind on a
-    path from the program's arguments up to and including this one. All-reduces of one
-    kind at one position cannot depend on one another, and the longest chain
-    of dependent ones bounds how few launches any combining can reach (Mirsky's
-    theorem); XLA's all-reduce combiner reaches it on the programs measured."""
-    chains: dict = {}  # id(var), or (id(var), layout) for a boxed version -> {kind: count}
-    rounds: dict = {}
-
-    def box(b) -> None:
-        chain = dict(chains.get(id(b.var), {}))
-        rounds[id(b)] = []
-        for st in b.plan.steps:
-            if st.op == "all_reduce" and st.bytes > 0:
-                kind = (tuple(st.axes), st.reduce, np.dtype(b.plan.dtype).str)
-                chain[kind] = chain.get(kind, 0) + 1
-                rounds[id(b)].append((kind, chain[kind]))
-        chains[(id(b.var), b.dst)] = chain
-
-    for d in prop.decisions:
-        for b in d.boxings:
-            box(b)
-        out: dict = {}  # the most of each kind on any operand's path
-        for a, nd in zip(d.node.ins, d.in_sbp):
-            if isinstance(a, Var):
-                for k, n in chains.get((id(a), nd), chains.get(id(a), {})).items():
-                    out[k] = max(out.get(k, 0), n)
-        for o in d.node.outs:
-            chains[id(o)] = out
-    for b in prop.out_boxings:
-        box(b)
-    return rounds
 
 
 def _weighted_sum(prop: Propagation, cost) -> float:
@@ -1451,7 +1374,7 @@ def choose(
 # gathering the tokens, moving the embedding's output gradient by an
 # all-to-all and all-gathering the embedding's gradient: 4 collectives where
 # GSPMD runs 1, and by the cost model's own alpha-beta time (each collective
-# paying the ring's hops, ``_ring_latency_bytes``: 5.6 MB for 8 devices) the
+# paying the ring's hops, ``_ring_bytes``: 5.6 MB for 8 devices) the
 # slower plan. So the kept plan is solved once more with that latency, started
 # from it, and the result replaces it when it runs fewer collectives
 # (``emitted_collectives``: what the compiled program runs, all-reduces
@@ -1474,14 +1397,12 @@ FEWER_COLLECTIVES = 0.10
 
 
 def _count(prop: Propagation) -> int:
-    """The collectives the compiled program runs (``emitted_collectives``),
-    permute rounds and ops' own communication included."""
-    launched = sum(
-        max(1, rounds) if op == "permute" else 1
-        for c in emitted_collectives(prop).values()
-        for op, _, rounds in c
-    )
-    return launched + sum(1 for _, c in prop.comm if c.bytes)
+    """The collectives the compiled program runs: its boxings' as XLA runs
+    them (``buckets.count_collectives(combined_all_reduces=True)``) and the
+    ops' own communication."""
+    from sbpjax.compiler.buckets import count_collectives
+
+    return count_collectives(prop, combined_all_reduces=True) + sum(1 for _, c in prop.comm if c.bytes)
 
 
 def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) -> Propagation:

@@ -396,18 +396,18 @@ def test_each_collective_pays_its_latency_in_bytes(pl24):
 def test_ring_latency_is_the_cost_models_time_in_summed_bytes(pl24):
     """With ring=True a collective pays the cost model's alpha terms
     (CostModel.collective_time of zero bytes: the ring's hops; a permute one
-    alpha per round) times the group's devices over beta, plus its launch, the
-    bytes the devices' links would carry in that time: 11.2 MB + 100 kB for
-    an all-reduce over 8 devices on the default model."""
+    alpha per round) times the group's devices over beta, plus its launches,
+    the bytes the devices' links would carry in that time: 11.2 MB + 100 kB
+    for an all-reduce over 8 devices on the default model."""
     from sbpjax.boxing.plan import plan_boxing
-    from sbpjax.compiler.solve import _cost, _ring_latency_bytes
+    from sbpjax.compiler.solve import _cost, _ring_bytes
 
     cm = sj.CostModel()
     alpha, beta = cm.group(["x"])
     pl8 = sj.placement((8,), ("x",))
-    assert _ring_latency_bytes(cm, "all_reduce", ["x"], 8) == pytest.approx(8 * 2 * 7 * alpha / beta)
-    assert _ring_latency_bytes(cm, "all_gather", ["x"], 8) == pytest.approx(8 * 7 * alpha / beta)
-    assert _ring_latency_bytes(cm, "permute", ["x"], 8, rounds=3) == pytest.approx(8 * 3 * alpha / beta)
+    assert _ring_bytes(cm, pl8, "all_reduce", ("x",)) == pytest.approx((8 * 2 * 7 + 1) * alpha / beta)
+    assert _ring_bytes(cm, pl8, "all_gather", ("x",)) == pytest.approx((8 * 7 + 1) * alpha / beta)
+    assert _ring_bytes(cm, pl8, "permute", ("x",), rounds=3) == pytest.approx((8 * 3 + 3) * alpha / beta)
     shape, f32 = (64, 32), np.dtype(np.float32)
     reduce = plan_boxing(shape, f32, pl8, (sj.P,), (sj.B,), cost_model=cm)
     ring = 64 * reduce.bytes + round(64 * (8 * 2 * 7 + 1) * alpha / beta)
