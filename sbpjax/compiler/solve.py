@@ -225,6 +225,8 @@ class Choice:
     fallback: str = ""
     # the plan solved with ring latency replaced the bytes-first one (FEWER_COLLECTIVES), or ""
     latency_note: str = ""
+    # the solve started from the plan with 2-D weights whole over the data axes (_gathered_plan)
+    gathered_start: bool = False
 
     def describe(self) -> str:
         if self.method == "greedy" and self.ilp_bytes is None and not self.reason:
@@ -255,6 +257,8 @@ class Choice:
             )
         else:
             text = f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
+        if self.gathered_start and self.method != "greedy":
+            text += "; the solve started from the plan with 2-D weights whole over the data axes"
         if self.latency_note:
             text += f"; {self.latency_note}"
         if self.auto:
@@ -533,6 +537,33 @@ class _Domains:
                     out.update(nd[:a] + (Split(d),) + nd[a + 1 :] for d in range(len(atom.shape)))
         return out
 
+    def _gathered(self, arg) -> set:
+        """A 2-D weight's layouts with its split over one axis gathered: an
+        argument split over two or more axes (the data and the tensor axes,
+        FSDP with tensor parallelism), all-gathered over one of them where a
+        contraction reads it, as ZeRO-3 and GSPMD do. Only such arguments,
+        and only at contractions: the contraction still uses every device
+        (``restrict`` drops one computed whole on an axis), so the batch is
+        not gathered by it. Without these a 3-layer MLP with kernels split
+        over both axes of 4x2 kept its weights split and permuted
+        activations around them: 302 kB where gathering each kernel once
+        moves 188 kB (GSPMD: 324 kB).
+        Decision: not for weights split over one axis (Megatron's). Offered
+        there too (gathering a tensor-parallel kernel to split the batch over
+        the tensor axis), they moved no GPT sweep row of
+        ``benchmarks/compiler.py`` to fewer bytes, slowed the 1- and 4-layer
+        solves from 4 s to 12 s, and left the shared solves of the 8- and
+        32-layer GPTs far from their bounds (71-73%), at 2.2x the bytes
+        (36.2 MB and 139.9 MB against 16.2 MB and 63.5 MB)."""
+        out = set()
+        for nd in self._uses(arg):
+            if sum(isinstance(q, Split) for q, p in zip(nd, self.grid) if p > 1) < 2:
+                continue
+            for a, q in enumerate(nd):
+                if isinstance(q, Split):
+                    out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
+        return out
+
     def _whole_already(self, node, axis) -> bool:
         """Whether ``node`` is a product without batch dimensions that may
         run whole on ``axis``: one with a weight the caller replicated over
@@ -575,6 +606,10 @@ class _Domains:
                     for j, b in enumerate(node.ins):
                         if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape:
                             uses[i] = uses[i] | self._uses(b)
+            if node.name in _HEAVY:
+                for i, a in enumerate(node.ins):
+                    if uses[i] is not None and id(a) in self.args:
+                        uses[i] = uses[i] | self._gathered(a)
             kept = [
                 c
                 for c in cs
@@ -1289,7 +1324,18 @@ def choose(
         windows = _windows(classes, program)
         share, gap = (WHOLE_SHARE, WINDOWS_GAP) if len(windows) > 1 else (1.0, 1e-3)
         # each solve starts from the cheapest plan in hand (sbpjax.compiler.milp)
-        ilp, choice = run(time_limit=share * time_limit, rel_gap=gap, start=greedy)
+        gathered = None if auto or memory_budget is not None else _weights_gathered(program, in_sbp, grid)
+        if gathered is not None:
+            gathered = _gathered_plan(
+                program, placement, gathered, out_sbp, cost_model, caches, extra, share * time_limit, gap
+            )
+        ilp, choice = run(
+            time_limit=share * time_limit, rel_gap=gap, start=greedy if gathered is None else gathered[0]
+        )
+        if gathered is not None:
+            choice.gathered_start = True
+            choice.solve_s += gathered[1].solve_s
+            choice.build_s += gathered[1].build_s
         refined = None
         proven = choice.gap is not None and choice.gap <= gap
         if LATENCY and not proven:
@@ -1304,6 +1350,7 @@ def choose(
             spent = (choice.solve_s + b_choice.solve_s, choice.build_s + b_choice.build_s)
             if by_bytes is not None and (ilp is None or price(by_bytes, cost_model) < price(ilp, cost_model)):
                 b_choice.fallback = f"the solve by bytes and latency stopped at gap {_percent(choice.gap)}"
+                b_choice.gathered_start = choice.gathered_start
                 ilp, choice = by_bytes, b_choice
             choice.solve_s, choice.build_s = spent
         if len(windows) <= 1 and not proven:
@@ -1364,6 +1411,77 @@ def choose(
     ilp.warnings = greedy.warnings
     ilp.choice = choice
     return _fewer_collectives(program, ilp, run, time_limit, cost_model)
+
+
+def _weights_gathered(program, in_sbp, grid) -> list | None:
+    """``in_sbp`` with each weight's splits over the data axes made B, or
+    None where no weight is split so (see ``_gathered_plan``). A weight: a
+    floating argument a contraction reads, split over two or more axes. A
+    data axis: one over which another argument is split along its first
+    dimension: the batch's axis, and in Megatron's 2-D layouts also the axis
+    of a row-split kernel (S(0)) and its optimizer state, which then makes
+    the 2-D weights whole. A heuristic for a start only: the solve that
+    follows is free to split them again."""
+    readers = {id(a) for n in program.nodes if n.name in _HEAVY for a in n.ins if isinstance(a, Var)}
+
+    def weight(v, nd) -> bool:
+        return (
+            nd is not AUTO
+            and id(v) in readers
+            and np.issubdtype(v.dtype, np.floating)
+            and sum(isinstance(q, Split) for q, p in zip(nd, grid) if p > 1) >= 2
+        )
+
+    data_axes = {
+        a
+        for v, nd in zip(program.inputs, in_sbp)
+        if nd is not AUTO and not weight(v, nd)
+        for a, (q, p) in enumerate(zip(nd, grid))
+        if p > 1 and q == Split(0)
+    }
+    relaxed, changed = [], False
+    for v, nd in zip(program.inputs, in_sbp):
+        if weight(v, nd) and any(isinstance(nd[a], Split) for a in data_axes):
+            nd = tuple(Broadcast() if a in data_axes else q for a, q in enumerate(nd))
+            changed = True
+        relaxed.append(nd)
+    return relaxed if changed else None
+
+
+def _gathered_plan(program, placement, relaxed_in, out_sbp, cost_model, caches, extra, time_limit, gap):
+    """``(plan, Choice)``: the plan of ``program`` with its weights whole over
+    the data axes (``relaxed_in``, ``_weights_gathered``), from which the
+    whole-program solve starts; None if none was found.
+
+    Weights split over both the data and the tensor axes (2-D layouts, FSDP
+    with tensor parallelism) make the integer program hard: its relaxation
+    bounds nothing (gaps of 99%). On a 3-layer GPT at d 128 on 4x2 (695 ops)
+    HiGHS ended its 10 s at the greedy plan it started from (28.5 MB in 193
+    collectives; GSPMD 31.5 MB in 53), and 120 s did not close the gap. With
+    the data-axis splits made B the program is the tensor-parallel one,
+    which HiGHS proves optimal in under a second there. Its choices, each
+    weight now all-gathered over the data axis where a contraction reads it
+    (``_Domains._gathered``), are a plan of the real program (HiGHS
+    completes the ops whose choice is not among their candidates; greedy is
+    still compared by ``price`` in ``choose``), and the real solve starts
+    from it: 21.8 MB in 66 collectives on that GPT."""
+    from sbpjax.compiler.propagate import propagate
+
+    greedy = propagate(program, placement, relaxed_in, out_sbp, cost_model, caches=caches)
+    relaxed, choice = solve(
+        program,
+        placement,
+        relaxed_in,
+        out_sbp,
+        greedy,
+        cost_model,
+        caches=caches,
+        time_limit=time_limit,
+        rel_gap=gap,
+        start=greedy,
+        **extra,
+    )
+    return None if relaxed is None else (relaxed, choice)
 
 
 # Bytes come first (``LATENCY``), but not at any price in collectives: a plan

@@ -290,8 +290,18 @@ def _two_d(sbp_tree):
     return jax.tree.map(f, sbp_tree, is_leaf=is_nd_sbp)
 
 
+# Two draws: seed 31's found the 2-D misses fixed by gathering split weights
+# at contractions (solve._Domains._gathered) and by starting the solve from the
+# plan with them whole over the data axes (solve._gathered_plan).
+SWEEP_SEEDS = (12, 31)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", _sweep_cases(), ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize(
+    "case",
+    [c for seed in SWEEP_SEEDS for c in _sweep_cases(seed=seed)],
+    ids=lambda c: "-".join(str(v) for v in c.values()),
+)
 def test_sweep_bytes_at_most_gspmd(case):
     pl = sj.placement(PLACEMENTS[case["placement"]], ("x", "y", "z")[: len(PLACEMENTS[case["placement"]])])
     opt = optax.adamw(1e-2, weight_decay=0.1) if case["opt"] == "adamw" else optax.sgd(0.1, momentum=0.9)
@@ -325,15 +335,12 @@ def test_sweep_bytes_at_most_gspmd(case):
     assert count <= 2 * g_count, (count, g_count, e.choice.describe())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known miss (issue 12): found by the sweep with seed 31; the plan is proven optimal "
-    "among sbpjax's candidates and still moves 1% more than GSPMD in 48 collectives against 17",
-)
 def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
     """A 3-layer MLP at d 32 with kernels split over both axes (2-D) on 4x2,
-    SGD with momentum: sbpjax 326,712 B in 48 collectives, GSPMD 323,632 B in
-    17, with or without latency in the objective."""
+    SGD with momentum (found by the sweep with seed 31). Until contractions
+    could all-gather a split argument over the data axis (solve._Domains.
+    _gathered) the kernels stayed split and activations were permuted around
+    them: 326,712 B in 48 collectives against GSPMD's 323,632 B in 17."""
     pl = sj.placement((4, 2), ("x", "y"))
     opt = optax.sgd(0.1, momentum=0.9)
     params = deep_mlp_params(32, 3, seed=605)
@@ -348,7 +355,11 @@ def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
     g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
     g_count = sum(c.count for c in sj.collectives(g.lower(*g_args).compile()))
     assert ours <= gspmd, (ours, gspmd)
-    assert sum(c.count for c in sj.collectives(compiled)) <= 2 * g_count
+    assert sum(c.count for c in sj.collectives(compiled)) <= g_count
+    # the kernels are gathered over x where the contractions read them (ZeRO-3)
+    gathers = [c for c in sj.collectives(compiled) if c.op == "all-gather" and c.group_size == 4]
+    assert len(gathers) >= len(params), e
+    assert "started from the plan with 2-D weights whole over the data axes" in e.choice.describe()
 
 
 def test_a_zero_fill_of_a_split_pays_for_the_block_it_grows(pl24):
@@ -582,3 +593,33 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
     assert measured(c) == e.bytes
     got = jax.tree.map(lambda t: t.numpy(), f(params, state, tokens, labels), is_leaf=is_gt)
     assert_step_close(got, jax.jit(step)(params, state, tokens, labels), "2-D step", adam_lr=1e-3)
+
+
+def test_weights_split_over_the_data_axis_are_made_whole_there_for_the_start():
+    """solve._weights_gathered: a floating argument a contraction reads, split
+    over two axes, loses its splits over the axes that split another
+    argument's first dimension (the batch's); a weight split over one axis,
+    the batch, an integer argument and a 2-D value no contraction reads keep
+    theirs."""
+    from sbpjax.compiler.solve import _weights_gathered
+    from sbpjax.compiler.trace import trace
+
+    def fn(w2, w1, bias, x, ids):
+        h = jnp.tanh(x @ w2) @ w1
+        return h + bias + ids[:, None]
+
+    f32, i32 = np.float32, np.int32
+    avals = [
+        jax.ShapeDtypeStruct(s, t)
+        for s, t in (((8, 8), f32), ((8, 8), f32), ((4, 8), f32), ((4, 8), f32), ((4,), i32))
+    ]
+    leaves, tree = jax.tree_util.tree_flatten(((*avals,), {}))
+    program = trace(fn, avals, tree)
+    grid = (4, 2)
+    in_sbp = [(S0, S1), (B, S1), (S0, S1), (S0, B), (S0, B)]
+    assert _weights_gathered(program, in_sbp, grid) == [(B, S1), (B, S1), (S0, S1), (S0, B), (S0, B)]
+    # a row-split kernel splits its first dimension over y: y counts too
+    in_sbp[1] = (B, S0)
+    assert _weights_gathered(program, in_sbp, grid) == [(B, B), (B, S0), (S0, S1), (S0, B), (S0, B)]
+    # no other argument's first dimension split: nothing to relax
+    assert _weights_gathered(program, [(S0, S1), (B, S1), (B, S1), (B, B), (B, B)], grid) is None
