@@ -338,7 +338,7 @@ def test_sweep_bytes_at_most_gspmd(case):
 def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
     """A 3-layer MLP at d 32 with kernels split over both axes (2-D) on 4x2,
     SGD with momentum (found by the sweep with seed 31). Until contractions
-    could all-gather a split argument over the data axis (solve._Domains.
+    could all-gather a 2-D weight over one of its axes (solve._Domains.
     _gathered) the kernels stayed split and activations were permuted around
     them: 326,712 B in 48 collectives against GSPMD's 323,632 B in 17."""
     pl = sj.placement((4, 2), ("x", "y"))
@@ -613,7 +613,7 @@ def test_weights_split_over_the_data_axis_are_made_whole_there_for_the_start():
         jax.ShapeDtypeStruct(s, t)
         for s, t in (((8, 8), f32), ((8, 8), f32), ((4, 8), f32), ((4, 8), f32), ((4,), i32))
     ]
-    leaves, tree = jax.tree_util.tree_flatten(((*avals,), {}))
+    _, tree = jax.tree_util.tree_flatten(((*avals,), {}))
     program = trace(fn, avals, tree)
     grid = (4, 2)
     in_sbp = [(S0, S1), (B, S1), (S0, S1), (S0, B), (S0, B)]
