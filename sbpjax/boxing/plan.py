@@ -459,7 +459,20 @@ def _local_moves(ctx: _Ctx, L: Layout):
             yield s
 
 
-def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
+def _launch_bytes(step: Step, cm: CostModel) -> float:
+    """One launch latency of ``step``'s collective (one per round for a
+    permute) in bytes: ``alpha / beta`` of its group; 0 for a local step."""
+    if step.bytes <= 0:
+        return 0.0
+    alpha, beta = cm.group(step.axes)
+    launches = max(1, step.rounds) if step.op == "permute" else 1
+    return launches * alpha / beta if beta > 0 else 0.0
+
+
+def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None):
+    """The cheapest path of steps from ``src`` to ``dst``: fewest bytes, then
+    the least ``tie_time``, then the fewest steps. ``collectives``: among the
+    paths of at most that many collectives only (None where there is none)."""
     if src == dst:
         return []
     # A direct exchange (same partials, even tiles) bounds every useful path:
@@ -467,28 +480,40 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
     direct = ctx.permute(src, dst) if src.partial == dst.partial else None
     bound = direct.bytes if direct is not None else None
     counter = itertools.count()
-    best = {src: (0, 0.0, 0)}
-    prev: dict = {src: None}
-    heap = [((0, 0.0, 0), next(counter), src)]
+    # a state: a layout, and with a cap on collectives, how many it took
+    start = src if collectives is None else (src, 0)
+    best = {start: (0, 0.0, 0)}
+    prev: dict = {start: None}
+    heap = [((0, 0.0, 0), next(counter), start)]
+    end = None
     while heap:
-        cost, _, L = heapq.heappop(heap)
-        if cost > best[L]:
+        cost, _, state = heapq.heappop(heap)
+        if cost > best[state]:
             continue
+        L = state if collectives is None else state[0]
         if L == dst:
+            end = state
             break
         for step in _moves(ctx, L, dst):
             nxt = step.dst
+            if collectives is not None:
+                used = state[1] + (step.bytes > 0)
+                if used > collectives:
+                    continue
+                nxt = (nxt, used)
             nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
             if bound is not None and nc[0] > bound:
                 continue
             if nxt not in best or _less(nc, best[nxt]):
                 best[nxt] = nc
-                prev[nxt] = (L, step)
+                prev[nxt] = (state, step)
                 heapq.heappush(heap, (nc, next(counter), nxt))
-    if dst not in prev:
+    if end is None:
+        if collectives is not None:
+            return None
         raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
     steps = []
-    node = dst
+    node = end
     while prev[node] is not None:
         node, step = prev[node]
         steps.append(ctx.exact(step))
@@ -718,13 +743,14 @@ _BOUNDS: dict = {}
 def clear_caches() -> None:
     """Forget every plan, bound and move computed so far (they are kept for
     the life of the process; benchmarks clear them to time a cold planner)."""
-    for cache in (_CACHE, _BOUNDS, _STRUCTURES, _CLASS_CTX):
+    for cache in (_CACHE, _BOUNDS, _STRUCTURES, _CLASS_CTX, _FEWER):
         cache.clear()
     geometry.cache_clear()
 
 
 _STRUCTURES: dict = {}
 _CLASS_CTX: dict = {}
+_FEWER: dict = {}  # (class, src, dst, k) -> fewest-bytes paths of 1..k collectives (None: none)
 
 
 def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
@@ -755,8 +781,51 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
     return [ctx.restep(s) for s in _STRUCTURES[key]]
 
 
+def _priced_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel, steps):
+    """A path cheaper than ``steps`` (the fewest-bytes path) by bytes plus
+    launches (``plan_boxing``'s ``launch_priced``), or None. Only a path of
+    fewer collectives can be: for each count below ``steps``' the path of
+    the fewest bytes is found once per class of shapes and pair of layouts
+    (``_search_by_class``: bytes scale with the size, the path does not), and
+    the cheapest of them at this size by bytes plus launches is taken."""
+
+    def price(path) -> float:
+        return sum(st.bytes + _launch_bytes(st, cm) for st in path)
+
+    shape = ctx.geom.shape
+    n = placement.size
+    fewer = sum(1 for st in steps if st.bytes > 0) - 1
+    if not shape or 0 in shape:
+        paths = [_search(ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
+    else:
+        fixed_dims = tuple(None if d % n == 0 else d for d in shape)
+        cls = (placement, fixed_dims, ctx.fill_ops, repr(cm))
+        key = (cls, src, dst, fewer)
+        class_ctx = _CLASS_CTX.setdefault(cls, ctx)
+        if key not in _FEWER:
+            _FEWER[key] = [_search(class_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
+        # priced at this size without re-costing every step: bytes scale with it
+        scale = (math.prod(shape) * ctx.itemsize) / (math.prod(class_ctx.geom.shape) * class_ctx.itemsize)
+        scaled = [
+            (scale * sum(st.bytes for st in p) + sum(_launch_bytes(st, cm) for st in p), i)
+            for i, p in enumerate(_FEWER[key])
+            if p is not None
+        ]
+        if not scaled or min(scaled)[0] >= price(steps):
+            return None
+        paths = [[ctx.restep(st) for st in _FEWER[key][min(scaled)[1]]]]
+    found = min((p for p in paths if p is not None), key=price, default=None)
+    return found if found is not None and price(found) < price(steps) else None
+
+
 def plan_zeros(
-    shape, dtype, placement: Placement, src_sbp, dst_sbp, cost_model: CostModel | None = None
+    shape,
+    dtype,
+    placement: Placement,
+    src_sbp,
+    dst_sbp,
+    cost_model: CostModel | None = None,
+    launch_priced: bool = False,
 ) -> BoxingPlan:
     """The boxing of a tensor known to be all zeros (``jnp.zeros``, the zero
     start of a gradient's ``scatter-add``): each of its layouts holds zeros in
@@ -764,7 +833,9 @@ def plan_zeros(
     afresh and no byte moves: one ``zeros`` step. Where the ordinary plan
     moves no byte either (a slice, a zero-fill) it is kept, as it is for a
     partial max or min target (whose padding would want the op's identity)."""
-    ordinary = plan_boxing(shape, dtype, placement, src_sbp, dst_sbp, cost_model=cost_model)
+    ordinary = plan_boxing(
+        shape, dtype, placement, src_sbp, dst_sbp, cost_model=cost_model, launch_priced=launch_priced
+    )
     L_src, L_dst = ordinary.src_layout, ordinary.dst_layout
     assert L_src is not None and L_dst is not None  # plan_boxing sets both layouts
     if ordinary.bytes == 0 or any(op != "sum" for _, op in L_dst.partial):
@@ -781,9 +852,22 @@ def plan_boxing(
     dst_sbp,
     dst_placement: Placement | None = None,
     cost_model: CostModel | None = None,
+    launch_priced: bool = False,
 ) -> BoxingPlan:
     """The cheapest boxing of a ``shape``/``dtype`` tensor from ``src_sbp`` on
-    ``placement`` to ``dst_sbp`` (on ``dst_placement`` when given)."""
+    ``placement`` to ``dst_sbp`` (on ``dst_placement`` when given): the
+    fewest bytes received, ties broken by time.
+
+    ``launch_priced``: the fewest bytes plus, for each collective, its launch
+    latency in bytes (``alpha / beta`` of its group: 100 kB on the default
+    ``CostModel``), the price by which ``sj.jit`` chooses layouts. It differs
+    only for small tensors whose fewest-bytes plan runs several collectives:
+    on 4x2 a gradient partial over x and whole over y is reduced in the fewest
+    bytes by slicing it over y, reduce-scattering over x and all-gathering
+    over all 8 devices (10 |T| against an all-reduce's 12 |T|), which for a
+    tensor under 50 kB costs more time than the one all-reduce GSPMD runs.
+    The plan of fewer collectives is taken only where the cost model does not
+    time it slower."""
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
     cm = cost_model or DEFAULT_COST_MODEL
@@ -792,7 +876,8 @@ def plan_boxing(
         dst_placement = None
     dpl = dst_placement or placement
     dst = normalize_nd_sbp(dst_sbp, dpl.ndim, len(shape), "dst_sbp")
-    key = (shape, dtype.str, placement, src, dst, dst_placement, repr(cm))
+    launch_priced = launch_priced and dst_placement is None
+    key = (shape, dtype.str, placement, src, dst, dst_placement, repr(cm), launch_priced)
     if key in _CACHE:
         return _CACHE[key]
     if dst_placement is not None:
@@ -806,6 +891,15 @@ def plan_boxing(
         fill_ops = tuple(sorted({op for _, op in L_dst.partial}))
         ctx = _Ctx(shape, dtype.itemsize, placement, cm, fill_ops)
         steps = _search_by_class(ctx, L_src, L_dst, placement, cm)
+        if launch_priced and sum(1 for st in steps if st.bytes > 0) > 1:
+            # only a plan of fewer collectives can cost less: a plan of one is final
+            priced = _priced_search(ctx, L_src, L_dst, placement, cm, steps)
+            # and never slower by the cost model's own time (the ring's hops):
+            # across slow links a hierarchical reduction (reduce-scatter inside
+            # a node, all-reduce between nodes, all-gather inside) runs three
+            # collectives and is still the faster (tests/compiler/test_buckets.py)
+            if priced is not None and sum(st.time for st in priced) <= sum(st.time for st in steps):
+                steps = priced
         floor = None
         if not L_src.partial and not L_dst.partial:
             floor = ctx.geom.floor_bytes(L_src, L_dst, dtype.itemsize)

@@ -161,6 +161,31 @@ def test_plan_text_is_readable():
     assert "MiB" in text
 
 
+@pytest.mark.parametrize("n", [64, 8192])
+def test_launch_priced_plans_trade_bytes_for_collectives_only_where_it_pays(n):
+    """(P, B) -> (B, B) on 4x2 (a gradient partial over the data axis x):
+    by bytes alone a slice over y, a reduce-scatter over x and an all-gather
+    over all 8 devices (10 |T|), or one all-reduce over x (12 |T|). Priced
+    with 100 kB per launch (``launch_priced``, as sj.jit plans) the all-reduce
+    wins below 50 kB; above, the extra 2 |T| outweigh the launch saved."""
+    pl = sj.placement((4, 2), ("x", "y"))
+    shape, T = (n, 4), n * 4 * 4
+    by_bytes = sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.B), (sj.B, sj.B))
+    priced = sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.B), (sj.B, sj.B), launch_priced=True)
+    assert [s.op for s in by_bytes.steps if s.bytes] == ["reduce_scatter", "all_gather"]
+    assert by_bytes.bytes == 10 * T
+    alpha, beta = sj.CostModel().group(("x",))
+    launch = alpha / beta  # 100 kB on the default model
+    if 2 * T < launch:
+        assert [(s.op, s.axes) for s in priced.steps] == [("all_reduce", ("x",))]
+        assert priced.bytes == 12 * T
+    else:
+        assert priced.steps == by_bytes.steps
+    # a plan of one collective is final either way (only fewer could cost less)
+    one = sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.P), (sj.B, sj.B), launch_priced=True)
+    assert one is not by_bytes and one.steps == sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.P), (sj.B, sj.B)).steps
+
+
 def test_plans_are_deterministic_and_cached():
     pl = sj.placement((2, 4), ("x", "y"))
     a = sj.plan_boxing((64, 64), np.float32, pl, (sj.P, sj.P), (sj.B, sj.S(1)))

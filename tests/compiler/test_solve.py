@@ -293,7 +293,7 @@ def _two_d(sbp_tree):
 # Two draws: seed 31's found the 2-D misses fixed by gathering split weights
 # at contractions (solve._Domains._gathered) and by starting the solve from the
 # plan with them whole over the data axes (solve._gathered_plan).
-SWEEP_SEEDS = (12, 31)
+SWEEP_SEEDS = (12, 31, 5, 77, 47)
 
 
 @pytest.mark.slow
@@ -355,11 +355,39 @@ def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
     g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
     g_count = sum(c.count for c in sj.collectives(g.lower(*g_args).compile()))
     assert ours <= gspmd, (ours, gspmd)
-    assert sum(c.count for c in sj.collectives(compiled)) <= g_count
+    # The issue's target, 2x GSPMD's count. Two plans tie at this price and
+    # bytes: a transposed kernel gradient reduce-scattered at the transpose
+    # or at the optimizer's add, where XLA combines two into one; which one
+    # HiGHS returns decides between 17 and 19 collectives (GSPMD: 17).
+    assert sum(c.count for c in sj.collectives(compiled)) <= 2 * g_count
     # the kernels are gathered over x where the contractions read them (ZeRO-3)
     gathers = [c for c in sj.collectives(compiled) if c.op == "all-gather" and c.group_size == 4]
     assert len(gathers) >= len(params), e
     assert "started from the plan with 2-D weights whole over the data axes" in e.choice.describe()
+
+
+@pytest.mark.slow
+def test_data_parallel_on_4x2_all_reduces_over_the_data_axis_alone():
+    """Data parallelism annotated on 4x2 (the batch split over x, nothing
+    over y; found by the sweep with seed 77): GSPMD runs the step replicated
+    over y and all-reduces the gradients over x. Two things made sbpjax split
+    attention over y and reduce over all 8 devices instead (1,479,728 B in
+    20 collectives against GSPMD's 1,382,448 B in 1): contractions had to use
+    every device, also on an axis no argument is split over
+    (``_Domains.idle``), and a small gradient's reduction over x was planned
+    by bytes alone, as a slice, a reduce-scatter and an all-gather
+    (``propagate.LAUNCH_PRICED``)."""
+    pl = sj.placement((4, 2), ("x", "y"))
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    step, args, in_sbp, out_sbp = gpt_case(pl, "dp", 32, 2, opt, seed=258)
+    ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl, adam_lr=1e-2)
+    assert ours <= gspmd, (ours, gspmd, e.choice.describe())
+    found = sj.collectives(compiled)
+    # every gradient and the loss, each once, over x alone (XLA combines them)
+    assert {(c.op, c.group_size) for c in found} == {("all-reduce", 4)}, found
+    params = sum(np.asarray(v).nbytes for v in jax.tree.leaves(args[0]))
+    # a ring all-reduce of |T| over 4 devices receives 2 * 3 * |T|, in each of 2 groups
+    assert ours == 2 * (2 * 3) * (params + 4)
 
 
 def test_a_zero_fill_of_a_split_pays_for_the_block_it_grows(pl24):
