@@ -480,8 +480,8 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None)
     direct = ctx.permute(src, dst) if src.partial == dst.partial else None
     bound = direct.bytes if direct is not None else None
     counter = itertools.count()
-    # a state: a layout, and with a cap on collectives, how many it took
-    start = src if collectives is None else (src, 0)
+    # a state: a layout and, under a cap on collectives, how many it took (else 0)
+    start: tuple = (src, 0)
     best = {start: (0, 0.0, 0)}
     prev: dict = {start: None}
     heap = [((0, 0.0, 0), next(counter), start)]
@@ -490,17 +490,17 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None)
         cost, _, state = heapq.heappop(heap)
         if cost > best[state]:
             continue
-        L = state if collectives is None else state[0]
+        L, used = state
         if L == dst:
             end = state
             break
         for step in _moves(ctx, L, dst):
-            nxt = step.dst
+            n = used
             if collectives is not None:
-                used = state[1] + (step.bytes > 0)
-                if used > collectives:
+                n += step.bytes > 0
+                if n > collectives:
                     continue
-                nxt = (nxt, used)
+            nxt = (step.dst, n)
             nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
             if bound is not None and nc[0] > bound:
                 continue

@@ -183,7 +183,10 @@ def test_launch_priced_plans_trade_bytes_for_collectives_only_where_it_pays(n):
         assert priced.steps == by_bytes.steps
     # a plan of one collective is final either way (only fewer could cost less)
     one = sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.P), (sj.B, sj.B), launch_priced=True)
-    assert one is not by_bytes and one.steps == sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.P), (sj.B, sj.B)).steps
+    assert (
+        one is not by_bytes
+        and one.steps == sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.P), (sj.B, sj.B)).steps
+    )
 
 
 def test_plans_are_deterministic_and_cached():
