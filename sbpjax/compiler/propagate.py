@@ -275,19 +275,40 @@ def zero_values(program: Program) -> set:
     return out
 
 
-# Boxings are planned by the layout choice's price (``plan_boxing``'s
-# ``launch_priced``: bytes plus one launch latency per collective, as
-# ``sbpjax.compiler.solve.LATENCY`` prices them), not by bytes alone. By
-# bytes alone a small gradient, partial over the data axis x of 4x2 and
-# whole over y, was reduced by a slice over y, a reduce-scatter over x and
-# an all-gather over all 8 devices; the integer program, which prices those
-# collectives, then preferred to make the gradient partial over y as well and
-# all-reduce it over 8 devices in one collective, at more bytes than the
-# all-reduce over x it could not choose: a data-parallel 2-layer GPT at d 32
-# on 4x2 moved 1,414,192 B in 8 collectives against GSPMD's 1,382,448 B in
-# one. Planned by price, it moves GSPMD's bytes.
+# In a program with an idle axis (``idle_axes``), a boxing whose plan of
+# the fewest bytes runs a collective over that axis is planned instead by the
+# layout choice's price (``plan_boxing``'s ``launch_priced``: bytes plus one
+# launch latency per collective, as ``sbpjax.compiler.solve.LATENCY`` prices
+# them). By bytes alone a small gradient, partial over the data axis x of
+# 4x2 and whole over the idle y, was reduced by a slice over y, a
+# reduce-scatter over x and an all-gather over all 8 devices; the integer
+# program, which prices those collectives, then preferred to make the
+# gradient partial over y as well and all-reduce it over 8 devices in one
+# collective, at more bytes than the all-reduce over x it could not choose:
+# a data-parallel 2-layer GPT at d 32 on 4x2 moved 1,414,192 B in 8
+# collectives against GSPMD's 1,382,448 B in one. Planned by price, it
+# moves GSPMD's bytes.
+# Decision: not for every boxing of every program. Priced that way
+# throughout, the cheaper launches of other plans (Megatron's reductions
+# over the tensor axis, which borrow the data axis the same way) changed no
+# GPT row's bytes on benchmarks/compiler.py but weakened the integer
+# program's bound: the 4-, 8- and 16-layer rows ended their solves 3-7% from
+# it instead of proving it within 0.1-0.6%, and the 4-layer solve took
+# 10.9 s instead of 3.5 s.
 # False: by bytes alone (ties by time), as ``plan_boxing`` plans by default.
 LAUNCH_PRICED = True
+
+
+def idle_axes(in_sbp, grid) -> frozenset:
+    """The placement axes (of size > 1) over which no argument is split or
+    partial in any layout it may take (an AUTO argument may take any): data
+    parallelism annotated on 4x2 leaves y idle. See ``LAUNCH_PRICED`` and
+    ``sbpjax.compiler.solve._Domains``."""
+    if not all(isinstance(nd, tuple) for nd in in_sbp):  # an AUTO argument
+        return frozenset()
+    return frozenset(
+        a for a, p in enumerate(grid) if p > 1 and all(isinstance(nd[a], Broadcast) for nd in in_sbp)
+    )
 
 
 class Propagator:
@@ -298,7 +319,8 @@ class Propagator:
         self.cm = cost_model
         self.layout: dict = {}  # id(var) -> nd-SBP
         self.versions: dict = {}  # id(var) -> {nd: True}: layouts already produced
-        self._plans: dict = {}  # (shape, dtype, src, dst) -> BoxingPlan
+        self._plans: dict = {}  # (shape, dtype, src, dst, zero, idle) -> BoxingPlan
+        self.idle: frozenset = frozenset()  # idle_axes of the program's arguments
         self._bounds: dict = {}  # (shape, dtype, src, dst) -> lower bound of its bytes
         self._sigs: dict = {}  # id(node) -> its candidate signatures
         self._choices: dict = {}  # (id(node), what the choice depends on) -> (ins, outs) | False
@@ -387,13 +409,15 @@ class Propagator:
         # plan_boxing's own cache normalizes its arguments first; choices ask
         # for the same few plans thousands of times, so look them up raw here
         zero = id(atom) in self.zeros
-        key = (atom.shape, atom.dtype, src, dst, zero, LAUNCH_PRICED)
+        key = (atom.shape, atom.dtype, src, dst, zero, self.idle)
         hit = self._plans.get(key)
         if hit is None:
             planner = plan_zeros if zero else plan_boxing
-            hit = planner(
-                atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=LAUNCH_PRICED
-            )
+            hit = planner(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
+            if LAUNCH_PRICED and any(st.bytes and self.idle.intersection(st.group) for st in hit.steps):
+                hit = planner(
+                    atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=True
+                )
             self._plans[key] = hit
         return hit
 
@@ -749,8 +773,10 @@ def propagate(
     cost_model=None,
     passes: int = 3,
     caches=None,
+    idle=None,
 ) -> Propagation:
     """Choose layouts for every value; ``out_sbp[k]`` None keeps the chosen one.
+    ``idle``: the program's ``idle_axes`` (default: those of ``in_sbp``).
 
     The greedy pass is repeated: each later pass also prefers, for every value
     that had to be boxed, the layout its consumer asked for in the previous
@@ -765,6 +791,7 @@ def propagate(
     # plans, bounds, signatures, choices, evenness: shared by the passes (and
     # by the whole-program solver when it passes its own)
     caches = caches if caches is not None else ({}, {}, {}, {}, {})
+    idle = idle_axes(in_sbp, placement.shape) if idle is None else idle
 
     def learn(prop) -> dict:
         out: dict = {}
@@ -792,6 +819,7 @@ def propagate(
             caches=caches,
             uses=uses,
             rank_with_prefs=rank_with_prefs,
+            idle=idle,
         )
         ranked_apart |= apart
         total = prop.bytes
@@ -815,9 +843,20 @@ def propagate(
 
 
 def _one_pass(
-    program, placement, in_sbp, out_sbp, cost_model, learned, quiet, caches, uses, rank_with_prefs=False
+    program,
+    placement,
+    in_sbp,
+    out_sbp,
+    cost_model,
+    learned,
+    quiet,
+    caches,
+    uses,
+    rank_with_prefs=False,
+    idle=frozenset(),
 ) -> tuple[Propagation, bool]:
     pr = Propagator(program, placement, cost_model)
+    pr.idle = idle
     pr.quiet = quiet
     pr.rank_with_prefs = rank_with_prefs
     pr._plans, pr._bounds, pr._sigs, pr._choices, pr._evens = caches[:5]

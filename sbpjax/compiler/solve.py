@@ -80,6 +80,7 @@ from sbpjax.compiler.propagate import (
     Decision,
     Propagation,
     Propagator,
+    idle_axes,
     op_comm,
     op_key,
 )
@@ -517,7 +518,7 @@ class _Domains:
     even where greedy gathered it. Contractions computed whole on an axis are
     left out where another candidate exists (see ``restrict``)."""
 
-    def __init__(self, program, placement, in_layouts, greedy):
+    def __init__(self, program, placement, in_layouts, greedy, idle=frozenset()):
         self.grid = placement.shape
         self.dom: dict = {id(v): set(lays) for v, lays in zip(program.inputs, in_layouts)}
         self.args = {id(v) for v in program.inputs}
@@ -525,19 +526,15 @@ class _Domains:
         # filled in program order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
         self.greedy = greedy.decisions
-        # Axes the caller left idle: no argument may be split (or partial) over
-        # them. Data parallelism annotated on 4x2 splits the batch over x and
-        # nothing over y; GSPMD then runs the step replicated over y and
-        # all-reduces the gradients over x once. Holding contractions to
-        # "use every device" there made the solve split attention's heads over
-        # y and regather them: 1,479,728 B in 20 collectives on a 2-layer GPT
-        # at d 32 against GSPMD's 1,382,448 B in 1. On an idle axis running a
-        # contraction whole gathers nothing (see ``_whole_already``).
-        self.idle = {
-            a
-            for a, p in enumerate(self.grid)
-            if p > 1 and all(isinstance(nd[a], Broadcast) for lays in self.dom.values() for nd in lays)
-        }
+        # Axes the caller left idle (``propagate.idle_axes``). Data parallelism
+        # annotated on 4x2 splits the batch over x and nothing over y; GSPMD
+        # then runs the step replicated over y and all-reduces the gradients
+        # over x once. Holding contractions to "use every device" there made
+        # the solve split attention's heads over y and regather them:
+        # 1,479,728 B in 20 collectives on a 2-layer GPT at d 32 against
+        # GSPMD's 1,382,448 B in 1. On an idle axis running a contraction
+        # whole gathers nothing (see ``_whole_already``).
+        self.idle = idle
 
     def _uses(self, atom) -> set:
         # An S or P over an axis of size 1 is B (a user's (B, S(1)) on an 8x1
@@ -747,6 +744,7 @@ def solve(
     t0 = time.perf_counter()
     grid = placement.shape
     pr = Propagator(program, placement, cost_model)
+    pr.idle = idle_axes(in_sbp, grid)
     pr.quiet = True
     cm = cost_model if cost_model is not None else CostModel()
     if caches is not None:
@@ -810,7 +808,7 @@ def solve(
     shared: dict = {}  # (class, signature) -> column
     cands: list = []
     sel: list[list[int] | None] = []  # per node: candidates; their columns (None when fixed)
-    allowed = _Domains(program, placement, in_layouts, greedy)
+    allowed = _Domains(program, placement, in_layouts, greedy, pr.idle)
     for index, node in enumerate(program.nodes):
         if fixed is not None and index in fixed:
             cands.append(allowed.restrict(index, node, [fixed[index]]))
@@ -1308,6 +1306,7 @@ def choose(
         greedy_out if (out_sbp is not None or ties) else None,
         cost_model,
         caches=caches,
+        idle=idle_axes(in_sbp, grid),
     )
     g_bytes = total_bytes(greedy)
     g_price = price(greedy, cost_model)

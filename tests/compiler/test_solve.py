@@ -290,10 +290,13 @@ def _two_d(sbp_tree):
     return jax.tree.map(f, sbp_tree, is_leaf=is_nd_sbp)
 
 
-# Two draws: seed 31's found the 2-D misses fixed by gathering split weights
+# Three draws: seed 31's found the 2-D misses fixed by gathering split weights
 # at contractions (solve._Domains._gathered) and by starting the solve from the
-# plan with them whole over the data axes (solve._gathered_plan).
-SWEEP_SEEDS = (12, 31, 5, 77, 47)
+# plan with them whole over the data axes (solve._gathered_plan); seed 77's
+# the data-parallel steps on 4x2 fixed by letting contractions run whole on an
+# idle axis (solve._Domains.idle) and planning boxings by bytes plus launches
+# (propagate.LAUNCH_PRICED).
+SWEEP_SEEDS = (12, 31, 77)
 
 
 @pytest.mark.slow
