@@ -389,6 +389,16 @@ def test_data_parallel_on_4x2_all_reduces_over_the_data_axis_alone():
     assert ours == 2 * (2 * 3) * (params + 4)
 
 
+def test_idle_axes_are_those_no_argument_is_split_or_partial_over():
+    from sbpjax.compiler.propagate import idle_axes
+
+    assert idle_axes([(S0, B), (B, B)], (4, 2)) == {1}  # data parallel on 4x2
+    assert idle_axes([(S0, B), (B, S1)], (4, 2)) == set()  # Megatron
+    assert idle_axes([(S0, B), (B, P)], (4, 2)) == set()  # a partial argument uses y
+    assert idle_axes([(S0, B)], (8, 1)) == set()  # an axis of one device is no axis
+    assert idle_axes([(S0, B), sj.AUTO], (4, 2)) == set()  # AUTO may split over any
+
+
 def test_a_zero_fill_of_a_split_pays_for_the_block_it_grows(pl24):
     """S -> P moves nothing but makes every device's block full size; B -> P
     does not grow a block and stays free (solve.ZERO_FILL_WEIGHT)."""
