@@ -459,14 +459,23 @@ def _local_moves(ctx: _Ctx, L: Layout):
             yield s
 
 
-def _launch_bytes(step: Step, cm: CostModel) -> float:
-    """One launch latency of ``step``'s collective (one per round for a
-    permute) in bytes: ``alpha / beta`` of its group; 0 for a local step."""
+def launch_bytes(cost_model: CostModel, axes) -> float:
+    """One collective's launch over ``axes``, in bytes: ``alpha / beta`` of
+    the group (the bytes its links would carry in that time; 100 kB on the
+    default ``CostModel``); 0 where beta is 0 (``calibrate`` clamps a
+    negative fit to 0). The layout choice prices latency by it
+    (``sbpjax.compiler.solve.LATENCY``), and ``launch_priced`` plans too."""
+    alpha, beta = cost_model.group(axes)
+    return alpha / beta if beta > 0 else 0.0
+
+
+def step_launch_bytes(step: Step, cost_model: CostModel) -> float:
+    """The launches of ``step`` in bytes (``launch_bytes``): one for a
+    collective, one per round for a permute, none for a local step."""
     if step.bytes <= 0:
         return 0.0
-    alpha, beta = cm.group(step.axes)
     launches = max(1, step.rounds) if step.op == "permute" else 1
-    return launches * alpha / beta if beta > 0 else 0.0
+    return launches * launch_bytes(cost_model, step.axes)
 
 
 def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None):
@@ -753,6 +762,17 @@ _CLASS_CTX: dict = {}
 _FEWER: dict = {}  # (class, src, dst, k) -> fewest-bytes paths of 1..k collectives (None: none)
 
 
+def _shape_class(ctx: _Ctx, placement: Placement, cm: CostModel):
+    """The class of ``ctx``'s shape (``_search_by_class``): the dims that do
+    not divide by the device count, with the placement, fill ops and cost
+    model; None for a scalar or an empty tensor (searched on their own)."""
+    shape = ctx.geom.shape
+    if not shape or 0 in shape:
+        return None
+    fixed_dims = tuple(None if d % placement.size == 0 else d for d in shape)
+    return (placement, fixed_dims, ctx.fill_ops, repr(cm))
+
+
 def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
     """The search, shared by all shapes of one class.
 
@@ -766,12 +786,9 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
     re-costed for each shape (sj.jit asks for many shapes of a few classes).
     All searches of a class run in one context (that of the first shape seen),
     so the moves of the layouts they share are generated once."""
-    shape = ctx.geom.shape
-    n = placement.size
-    if not shape or 0 in shape:
+    cls = _shape_class(ctx, placement, cm)
+    if cls is None:
         return _search(ctx, src, dst)
-    fixed_dims = tuple(None if d % n == 0 else d for d in shape)
-    cls = (placement, fixed_dims, ctx.fill_ops, repr(cm))
     key = (cls, src, dst)
     if key not in _STRUCTURES:
         class_ctx = _CLASS_CTX.setdefault(cls, ctx)
@@ -788,34 +805,35 @@ def _priced_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm
     the fewest bytes is found once per class of shapes and pair of layouts
     (``_search_by_class``: bytes scale with the size, the path does not), and
     the cheapest of them at this size by bytes plus launches is taken."""
-
-    def price(path) -> float:
-        return sum(st.bytes + _launch_bytes(st, cm) for st in path)
-
-    shape = ctx.geom.shape
-    n = placement.size
     fewer = sum(1 for st in steps if st.bytes > 0) - 1
-    if not shape or 0 in shape:
-        paths = [_search(ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
+    cls = _shape_class(ctx, placement, cm)
+    search_ctx = ctx if cls is None else _CLASS_CTX.setdefault(cls, ctx)
+
+    def search() -> list:
+        return [_search(search_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
+
+    if cls is None:
+        found = search()
     else:
-        fixed_dims = tuple(None if d % n == 0 else d for d in shape)
-        cls = (placement, fixed_dims, ctx.fill_ops, repr(cm))
         key = (cls, src, dst, fewer)
-        class_ctx = _CLASS_CTX.setdefault(cls, ctx)
         if key not in _FEWER:
-            _FEWER[key] = [_search(class_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
-        # priced at this size without re-costing every step: bytes scale with it
-        scale = (math.prod(shape) * ctx.itemsize) / (math.prod(class_ctx.geom.shape) * class_ctx.itemsize)
-        scaled = [
-            (scale * sum(st.bytes for st in p) + sum(_launch_bytes(st, cm) for st in p), i)
-            for i, p in enumerate(_FEWER[key])
-            if p is not None
-        ]
-        if not scaled or min(scaled)[0] >= price(steps):
-            return None
-        paths = [[ctx.restep(st) for st in _FEWER[key][min(scaled)[1]]]]
-    found = min((p for p in paths if p is not None), key=price, default=None)
-    return found if found is not None and price(found) < price(steps) else None
+            _FEWER[key] = search()
+        found = _FEWER[key]
+    paths = [p for p in found if p is not None]
+    # priced at this size without re-costing every step: bytes scale with it
+    scale = 1.0
+    if search_ctx is not ctx:
+        scale = (math.prod(ctx.geom.shape) * ctx.itemsize) / (
+            math.prod(search_ctx.geom.shape) * search_ctx.itemsize
+        )
+
+    def price(path, scale=1.0) -> float:
+        return sum(scale * st.bytes + step_launch_bytes(st, cm) for st in path)
+
+    best = min(paths, key=lambda p: price(p, scale), default=None)
+    if best is None or price(best, scale) >= price(steps):
+        return None
+    return best if search_ctx is ctx else [ctx.restep(st) for st in best]
 
 
 def plan_zeros(

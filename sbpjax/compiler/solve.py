@@ -73,6 +73,7 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
+from sbpjax.boxing.plan import launch_bytes, step_launch_bytes
 from sbpjax.compiler.propagate import (
     CONSTRAIN,
     NESTED,
@@ -279,20 +280,7 @@ def _latency_bytes(plan, cost_model) -> float:
     collective it runs, ``alpha / beta`` of its group (the bytes its links
     would carry in that time; 100 kB on the default ``CostModel``). A permute
     runs one collective-permute per round. See ``LATENCY``."""
-    total = 0.0
-    for st in plan.steps:
-        if st.bytes > 0:
-            launches = max(1, st.rounds) if st.op == "permute" else 1
-            total += launches * _launch_bytes(cost_model, st.axes)
-    return total
-
-
-def _launch_bytes(cost_model, axes) -> float:
-    """One collective's launch over ``axes``, in bytes: ``alpha / beta`` of
-    the group; 0 where beta is 0 (``calibrate`` clamps a negative fit to 0),
-    in ``_cost`` and ``emitted_price`` alike."""
-    alpha, beta = cost_model.group(axes)
-    return alpha / beta if beta > 0 else 0.0
+    return sum(step_launch_bytes(st, cost_model) for st in plan.steps)
 
 
 def _ring_bytes(cost_model, placement, op: str, axes, rounds: int = 0) -> float:
@@ -300,12 +288,12 @@ def _ring_bytes(cost_model, placement, op: str, axes, rounds: int = 0) -> float:
     ``CostModel.collective_time`` of zero bytes; a permute: one alpha per
     round), in the bytes summed over the group's devices that its links
     would carry in that time (5.6 MB for an all-gather over 8 devices on the
-    default model), plus its launches (``_launch_bytes``; a permute one per
+    default model), plus its launches (``launch_bytes``; a permute one per
     round): by the hops alone an all-reduce costs what a reduce-scatter and
     an all-gather cost, and the pair is two collectives. See
     ``FEWER_COLLECTIVES``."""
     launches = max(1, rounds) if op == "permute" else 1
-    total = launches * _launch_bytes(cost_model, axes)
+    total = launches * launch_bytes(cost_model, axes)
     p = int(np.prod([placement.axis_size(a) for a in axes], dtype=np.int64))
     alpha, beta = cost_model.group(axes)
     if beta <= 0 or p <= 1:
@@ -395,7 +383,7 @@ def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> flo
         rounds = 0.0
         for (_, group, _), _members in bucket.rounds:
             # as _cost prices a collective
-            rounds += _launch_bytes(cm, [names[g] for g in group]) if LATENCY else 1 / 64
+            rounds += launch_bytes(cm, [names[g] for g in group]) if LATENCY else 1 / 64
         return _cost(b.plan, cm, with_latency=False) + round(64 * rounds)
 
     return _weighted_sum(prop, cost)
@@ -1306,6 +1294,7 @@ def choose(
         greedy_out if (out_sbp is not None or ties) else None,
         cost_model,
         caches=caches,
+        # the caller's arguments' (greedy_in makes AUTO ones B, which would idle axes)
         idle=idle_axes(in_sbp, grid),
     )
     g_bytes = total_bytes(greedy)
