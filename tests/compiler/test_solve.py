@@ -421,9 +421,8 @@ def test_the_collapsed_solve_keeps_every_value_whole_over_the_idle_axes():
     opt = optax.sgd(0.1, momentum=0.9)
     step, args, in_sbp, out_sbp = mlp_case(pl, "dp", 32, 2, opt, seed=3)
     e = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp).explain(*args)
-    greedy = e.propagation
-    program, flat_in = greedy.program, greedy.in_sbp
-    plan, choice = solve(program, pl, flat_in, greedy.out_sbp, greedy, collapse_idle=True)
+    chosen = e.propagation  # the plan sj.jit kept; it stands in for the greedy pass's
+    plan, choice = solve(chosen.program, pl, chosen.in_sbp, chosen.out_sbp, chosen, collapse_idle=True)
     assert plan is not None and choice.gap is not None and choice.gap <= 1e-3, choice.describe()
     for d in plan.decisions:
         assert all(isinstance(nd[1], sj.sbp.Broadcast) for nd in list(d.in_sbp) + list(d.out_sbp)), d
