@@ -1298,6 +1298,7 @@ def choose(
             "the greedy pass; use solver='ilp' (the default), or annotate every argument."
         )
     grid = placement.shape
+    idle = idle_axes(in_sbp, grid)
     rep = (Broadcast(),) * len(grid)
     greedy_in = [rep if nd is AUTO else nd for nd in in_sbp]
     greedy_out = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
@@ -1312,7 +1313,7 @@ def choose(
         cost_model,
         caches=caches,
         # the caller's arguments' (greedy_in makes AUTO ones B, which would idle axes)
-        idle=idle_axes(in_sbp, grid),
+        idle=idle,
     )
     g_bytes = total_bytes(greedy)
     g_price = price(greedy, cost_model)
@@ -1358,7 +1359,7 @@ def choose(
             )
         start = greedy if gathered is None else gathered[0]
         collapsed = idle_choice = None
-        if IDLE_START and idle_axes(in_sbp, grid) and memory_budget is None:
+        if IDLE_START and idle and memory_budget is None:
             collapsed, idle_choice = run(
                 time_limit=share * time_limit / 2, rel_gap=gap, start=start, collapse_idle=True
             )

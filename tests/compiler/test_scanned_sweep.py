@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from models import state_sbp
-from test_solve import PLACEMENTS, compare
+from test_solve import PLACEMENTS, compare, train_step
 
 import sbpjax as sj
 
@@ -31,15 +31,6 @@ def scanned_loss(p, x, y):
 
     h, _ = jax.lax.scan(layer, x, (p["w1"], p["b1"], p["w2"]))
     return jnp.mean((h @ p["out"] - y) ** 2)
-
-
-def train_step(opt):
-    def step(p, s, x, y):
-        loss, g = jax.value_and_grad(scanned_loss)(p, x, y)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, loss
-
-    return step
 
 
 def scanned_case(seed):
@@ -85,7 +76,14 @@ def scanned_case(seed):
     ssbp = state_sbp(state, psbp, rep)
     data = on(0, sj.S(0))
     cid = f"{name}-{kind}-d{d}-L{layers}-b{batch}-{'adamw' if adamw else 'momentum'}-{seed}"
-    return cid, train_step(opt), (params, state, x, y), (psbp, ssbp, data, data), (psbp, ssbp, rep), grid
+    return (
+        cid,
+        train_step(scanned_loss, opt),
+        (params, state, x, y),
+        (psbp, ssbp, data, data),
+        (psbp, ssbp, rep),
+        grid,
+    )
 
 
 # Seeds 1-28 were run while writing this (26 cases, every one at or below
