@@ -36,8 +36,9 @@ Models:
    embedding, non-causal blocks, mean pool, classifier) with 2-D layouts on 2x4
    (batch over the first axis, Megatron over the second). Its plan all-gathers
    the blocks' weights (FSDP style) and, by ``sj.jit``'s default
-   ``regather="auto"``, gathers them again for the backward pass rather than
-   holding them across the memory peak (``sbpjax.compiler.regather``).
+   ``regather="auto"``, gathers the largest again for the backward pass
+   rather than holding them across the memory peak
+   (``sbpjax.compiler.regather``).
 7. ``linen_mlp``: a ``flax.linen`` MLP (Dense + LayerNorm) whose kernels carry
    ``sjf.linen.with_sbp`` annotations (column / row Megatron on 2x4); its
    layouts are read with ``sjf.linen.get_sbp``.

@@ -637,14 +637,16 @@ def jit(
     ``reshard_after_forward``), where that lowers the step's estimated memory
     peak by at least 5% (``sbpjax.compiler.regather``). Each regather moves
     the gather's bytes again; ``explain()`` lists them. ``"auto"`` (default):
-    only while the plan with them moves no more bytes than the greedy pass's
-    plan (``explain().choice.greedy_bytes``; otherwise ``explain()`` says
-    what they would have saved and cost); ``True``: whatever the bytes;
-    ``False``: never. On the model benchmark's ViT "auto" regathers: peak
-    7.62 to 6.31 MB per device (GSPMD 7.19), bytes 23.0 to 32.4 MB (GSPMD
-    66.9, greedy 36.0); on the compiler benchmark's transformer steps it
-    does not (the plans would move 37-43% more, above the greedy plans', to
-    lower peaks already below GSPMD's).
+    the fewest (the largest first) that bring the estimated peak 5% under
+    the greedy pass's plan's (``explain().choice.greedy_peak``), and only
+    while the plan with them moves no more bytes than that plan
+    (``explain().choice.greedy_bytes``; otherwise ``explain()`` says what
+    they would have saved and cost); ``True``: every one that lowers the
+    estimate, whatever the bytes; ``False``: never. On the model
+    benchmark's ViT "auto" regathers 2 of 12 weights: peak 7.62 to 7.10 MB
+    per device (GSPMD 7.19), bytes 23.0 to 26.1 MB (GSPMD 66.9); on the
+    compiler benchmark's tensor-parallel transformer step none (they would
+    cost more than the greedy plan's bytes).
     """
     kw = dict(
         in_sbp=in_sbp,

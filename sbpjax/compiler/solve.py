@@ -211,6 +211,9 @@ class Choice:
     build_s: float = 0.0
     greedy_bytes: int | None = None
     ilp_bytes: int | None = None
+    # the greedy plan's estimated per-device peak (liveness.live_bytes): the
+    # memory regather="auto" holds the chosen plan to (sbpjax.compiler.regather)
+    greedy_peak: int | None = None
     variables: int = 0
     constraints: int = 0
     status: str = ""
@@ -1414,6 +1417,10 @@ def choose(
         )
         return greedy
     choice.greedy_bytes = g_bytes
+    # liveness imports this module's block_bytes
+    from sbpjax.compiler.liveness import live_bytes
+
+    choice.greedy_peak = int(live_bytes(greedy).max())
     choice.auto, choice.memory_budget = auto, memory_budget
     if refined is not None:
         prop, rounds, spent = refined

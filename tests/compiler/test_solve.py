@@ -362,8 +362,11 @@ def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
     assert ours <= gspmd, (ours, gspmd)
     assert sum(c.count for c in sj.collectives(compiled)) <= g_count
     # the kernels are gathered over x where the contractions read them (ZeRO-3)
-    gathers = [c for c in sj.collectives(compiled) if c.op == "all-gather" and c.group_size == 4]
-    assert len(gathers) >= len(args[0]), e
+    assert any(c.op == "all-gather" and c.group_size == 4 for c in sj.collectives(compiled))
+    inputs = e.propagation.program.inputs  # the parameters' leaves first, in key order
+    kernels = [inputs[i] for i, k in enumerate(sorted(args[0])) if np.ndim(args[0][k]) == 2]
+    gathered = {id(b.var) for b in e.boxings if any(s.op == "all_gather" for s in b.plan.steps)}
+    assert kernels and all(id(v) in gathered for v in kernels), e
     assert "started from the plan with 2-D weights whole over the data axes" in e.choice.describe()
 
 
@@ -647,7 +650,8 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
     about 26% from the bound, no better than greedy's 75.8 MB. The window
     search then runs over stretches of consecutive ops (solve._stretches),
     from the solve's plan and from greedy's, and finds a plan that moves at
-    least 5% less (68.7 MB on this machine; GSPMD 105.1 MB)."""
+    least 5% less (68.7 MB on this machine; GSPMD 105.1 MB). The plan search
+    alone: regather=False (regather="auto" adds 6.3 MB of regathers)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
         import compiler as bench
@@ -657,7 +661,7 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
     pl = sj.placement((2, 4), ("x", "y"))
     ps, rep = bench.block_sbp("2d", pl, params), (B, B)
     ss = bench.state_sbp(state, ps, rep)
-    f = sj.jit(step, placement=pl, in_sbp=(ps, ss, (S0, B), (S0, B)), out_sbp=(ps, ss, rep))
+    f = sj.jit(step, placement=pl, in_sbp=(ps, ss, (S0, B), (S0, B)), out_sbp=(ps, ss, rep), regather=False)
     e = f.explain(params, state, tokens, labels)
     program = e.propagation.program
     assert len(program.nodes) <= solve_module.UNTIED_OPS
