@@ -20,8 +20,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from sbpjax.compiler.propagate import Boxing, Propagation
-from sbpjax.compiler.solve import block_bytes
 from sbpjax.compiler.trace import Var
+from sbpjax.rules import local_shape
+
+
+def block_bytes(shape, dtype, nd, grid) -> int:
+    """Bytes of one device's block of a value in layout ``nd`` (padded where
+    uneven). A PRNG key's dtype (``key<fry>``) is no NumPy dtype but has an
+    itemsize of its own."""
+    size = dtype.itemsize if isinstance(getattr(dtype, "itemsize", None), int) else np.dtype(dtype).itemsize
+    return int(np.prod(local_shape(shape, nd, grid), dtype=np.int64)) * size
 
 
 def value_bytes(var, nd, grid) -> int:

@@ -76,6 +76,8 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
 from sbpjax.boxing.plan import launch_bytes, step_launch_bytes
+from sbpjax.compiler.buckets import count_collectives, emitted_collectives, plan_buckets
+from sbpjax.compiler.liveness import block_bytes, live_bytes
 from sbpjax.compiler.propagate import (
     CONSTRAIN,
     NESTED,
@@ -88,7 +90,7 @@ from sbpjax.compiler.propagate import (
     op_key,
 )
 from sbpjax.compiler.trace import Const, Var, common_path
-from sbpjax.rules import RULES, local_shape
+from sbpjax.rules import RULES
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
 
@@ -180,14 +182,6 @@ def auto_layouts(shape, grid) -> list[tuple]:
         if all(n >= k for n, k in zip(shape, pieces)):
             out.append(tuple(nd))
     return out
-
-
-def block_bytes(shape, dtype, nd, grid) -> int:
-    """Bytes of one device's block of a value in layout ``nd`` (padded where
-    uneven). A PRNG key's dtype (``key<fry>``) is no NumPy dtype but has an
-    itemsize of its own."""
-    size = dtype.itemsize if isinstance(getattr(dtype, "itemsize", None), int) else np.dtype(dtype).itemsize
-    return int(np.prod(local_shape(shape, nd, grid), dtype=np.int64)) * size
 
 
 @dataclasses.dataclass
@@ -369,9 +363,6 @@ def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> flo
     (and moves 6 kB less). ``ring``: the collectives of
     ``emitted_collectives``, each at its latency as the cost model times it
     (``_ring_bytes``), by which ``FEWER_COLLECTIVES`` compares plans."""
-    # buckets plans from liveness, which imports this module's block_bytes
-    from sbpjax.compiler.buckets import emitted_collectives, plan_buckets
-
     cm = cost_model if cost_model is not None else CostModel()
     if ring:
         launched = emitted_collectives(prop)
@@ -1417,9 +1408,6 @@ def choose(
         )
         return greedy
     choice.greedy_bytes = g_bytes
-    # liveness imports this module's block_bytes
-    from sbpjax.compiler.liveness import live_bytes
-
     choice.greedy_peak = int(live_bytes(greedy).max())
     choice.auto, choice.memory_budget = auto, memory_budget
     if refined is not None:
@@ -1599,8 +1587,6 @@ def _count(prop: Propagation) -> int:
     """The collectives the compiled program runs: its boxings' as XLA runs
     them (``buckets.count_collectives(combined_all_reduces=True)``) and the
     ops' own communication."""
-    from sbpjax.compiler.buckets import count_collectives
-
     return count_collectives(prop, combined_all_reduces=True) + sum(1 for _, c in prop.comm if c.bytes)
 
 
@@ -1802,5 +1788,4 @@ __all__ = [
     "SOLVERS",
     "AUTO",
     "auto_layouts",
-    "block_bytes",
 ]
