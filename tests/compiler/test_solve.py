@@ -85,6 +85,11 @@ def compare(step, args, in_sbp, out_sbp, pl, solver="ilp", adam_lr=None, cost_mo
     return ours, measured(g.lower(*g_args).compile()), e, compiled
 
 
+def collective_count(compiled) -> int:
+    """The collectives ``compiled`` runs (``sj.collectives``' counts summed)."""
+    return sum(c.count for c in sj.collectives(compiled))
+
+
 def gspmd_jit(step, args, in_sbp, out_sbp, pl, want):
     """GSPMD's ``jax.jit`` of ``step`` given the same layouts, and ``args``
     placed so (``want``: the step's results, for their shapes)."""
@@ -300,19 +305,13 @@ def test_a_larger_launch_latency_buys_fewer_collectives_with_bytes():
     a launch (alpha 1e-4) the same step runs GSPMD's one all-reduce."""
     pl = sj.placement((4, 2), ("x", "y"))
     step, args, in_sbp, out_sbp = mlp_case(pl, "dp", 256, 1, optax.sgd(0.1, momentum=0.9))
-
-    def count(compiled):
-        return sum(c.count for c in sj.collectives(compiled))
-
     ours, gspmd, _, compiled = compare(step, args, in_sbp, out_sbp, pl)
-    slow_ours, slow_gspmd, _, slow = compare(
-        step, args, in_sbp, out_sbp, pl, cost_model=sj.CostModel(alpha=1e-4)
-    )
+    slow_ours, _, _, slow = compare(step, args, in_sbp, out_sbp, pl, cost_model=sj.CostModel(alpha=1e-4))
     g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
-    g_count = count(g.lower(*g_args).compile())
-    assert g_count == 1 and slow_gspmd == gspmd
-    assert ours < 0.9 * gspmd and count(compiled) > 2 * g_count
-    assert slow_ours == gspmd and count(slow) == g_count
+    g_count = collective_count(g.lower(*g_args).compile())
+    assert g_count == 1
+    assert ours < 0.9 * gspmd and collective_count(compiled) > 2 * g_count
+    assert slow_ours == gspmd and collective_count(slow) == g_count
     assert [c.op for c in sj.collectives(slow)] == ["all-reduce"]
 
 
@@ -363,8 +362,8 @@ def test_sweep_bytes_at_most_gspmd(case):
     assert ours <= gspmd, (ours, gspmd, e.choice.describe())
     # and no more than twice GSPMD's collectives (issue's target; solve.FEWER_COLLECTIVES)
     g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
-    g_count = sum(c.count for c in sj.collectives(g.lower(*g_args).compile()))
-    count = sum(c.count for c in sj.collectives(compiled))
+    g_count = collective_count(g.lower(*g_args).compile())
+    count = collective_count(compiled)
     assert count <= 2 * g_count, (count, g_count, e.choice.describe())
 
 
@@ -382,9 +381,9 @@ def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
     out_sbp = (psbp, in_sbp[1], (B, B))
     ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl)
     g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
-    g_count = sum(c.count for c in sj.collectives(g.lower(*g_args).compile()))
+    g_count = collective_count(g.lower(*g_args).compile())
     assert ours <= gspmd, (ours, gspmd)
-    assert sum(c.count for c in sj.collectives(compiled)) <= g_count
+    assert collective_count(compiled) <= g_count
     # the kernels are gathered over x where the contractions read them (ZeRO-3)
     assert any(c.op == "all-gather" and c.group_size == 4 for c in sj.collectives(compiled))
     inputs = e.propagation.program.inputs  # the parameters' leaves first, in key order
@@ -559,7 +558,7 @@ def test_independent_all_reduces_are_counted_as_one_launch():
         latency = launches * (8 * 2 * 7 + 1) * alpha / beta
         assert emitted_price(prop, ring=True) == pytest.approx(solve_module.total_bytes(prop) + latency)
         compiled = f.lower(x, x).compile()
-        assert sum(c.count for c in sj.collectives(compiled)) == launches, fn.__name__
+        assert collective_count(compiled) == launches, fn.__name__
 
 
 @pytest.mark.slow
@@ -584,8 +583,8 @@ def test_a_few_percent_of_bytes_are_not_bought_with_collectives(monkeypatch):
     in_sbp, out_sbp = (ps, ss, (S0,), (S0,)), (ps, ss, (B,))
     ours, g_bytes, e, compiled = compare(step, args, in_sbp, out_sbp, pl, adam_lr=1e-3)
     g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
-    g_count = sum(c.count for c in sj.collectives(g.lower(*g_args).compile()))
-    assert sum(c.count for c in sj.collectives(compiled)) <= 2 * g_count
+    g_count = collective_count(g.lower(*g_args).compile())
+    assert collective_count(compiled) <= 2 * g_count
     assert ours <= g_bytes
     assert "ring latency, and that plan kept" in e.choice.describe()
 
@@ -593,7 +592,7 @@ def test_a_few_percent_of_bytes_are_not_bought_with_collectives(monkeypatch):
     f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
     by_bytes = f.explain(*args)
     assert by_bytes.bytes < ours <= (1 + 0.10) * by_bytes.bytes
-    assert sum(c.count for c in sj.collectives(f.lower(*args).compile())) > 2 * g_count
+    assert collective_count(f.lower(*args).compile()) > 2 * g_count
     assert solve_module.emitted_price(e.propagation, ring=True) < solve_module.emitted_price(
         by_bytes.propagation, ring=True
     )
