@@ -36,6 +36,27 @@ class Layout:
 
     dims: tuple
     partial: tuple = ()
+    # The boxing search keys its states by layout and hashes them millions of
+    # times on a 3-D placement: the hash is computed once (a fifth of the
+    # search's time went to hashing the nested tuples again).
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.dims, self.partial)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if self is other:
+            return True
+        if other.__class__ is not Layout:
+            return NotImplemented
+        return self._hash == other._hash and self.dims == other.dims and self.partial == other.partial
+
+    def __reduce__(self):
+        # rebuilt, not copied: a string's hash differs between processes
+        return (Layout, (self.dims, self.partial))
 
     @staticmethod
     def from_nd_sbp(sbp: Sequence, ndim: int) -> Layout:

@@ -390,12 +390,20 @@ def _reducible(layout: Layout, axis: int) -> bool:
     return all(op == ops[axis] for b, op in layout.partial if b > axis)
 
 
-def _moves(ctx: _Ctx, L: Layout, target: Layout) -> list[Step]:
-    """Every move from ``L``: the target-free ones are cached on the context
-    (a class context serves many searches, which meet the same layouts)."""
+def _free_moves(ctx: _Ctx, L: Layout) -> list[Step]:
+    """The moves from ``L`` that do not depend on the target, cached on the
+    context (a class context serves many searches, which meet the same
+    layouts)."""
     local = ctx._move_cache.get(L)
     if local is None:
         local = ctx._move_cache[L] = list(_local_moves(ctx, L))
+    return local
+
+
+def _moves(ctx: _Ctx, L: Layout, target: Layout) -> list[Step]:
+    """Every move from ``L``: ``_free_moves`` and, last, the point-to-point
+    exchange straight to ``target`` (where one is offered)."""
+    local = _free_moves(ctx, L)
     if L.partial == target.partial and L != target:
         s = ctx.permute(L, target)
         if s is not None:
@@ -478,12 +486,44 @@ def step_launch_bytes(step: Step, cost_model: CostModel) -> float:
     return launches * launch_bytes(cost_model, step.axes)
 
 
-def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None):
+def _search(ctx: _Ctx, src: Layout, dst: Layout):
     """The cheapest path of steps from ``src`` to ``dst``: fewest bytes, then
-    the least ``tie_time``, then the fewest steps. ``collectives``: among the
-    paths of at most that many collectives only (None where there is none)."""
+    the least ``tie_time``, then the fewest steps."""
     if src == dst:
         return []
+    for _, path in _dijkstra(ctx, src, dst, None):
+        return path
+    raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
+
+
+def _search_by_count(ctx: _Ctx, src: Layout, dst: Layout, most: int) -> list:
+    """For each cap k in 1..``most``, the path ``_search`` would find among
+    the paths of at most k collectives, or None where there is none. One
+    search answers every cap: its states are (layout, collectives so far),
+    so the first time it reaches ``dst`` having run n collectives is the
+    answer for every cap from n up to the caps already answered, and the
+    states of n or more collectives are dropped from then on (searched one
+    cap at a time, the capped searches were a third of the 3-D layout
+    choice's boxing searches)."""
+    found: list = [None] * most
+    if src == dst:
+        return [[] for _ in range(most)]
+    answered = [most + 1]  # caps >= this are answered (read by the search as it runs)
+    for n, path in _dijkstra(ctx, src, dst, most, answered):
+        for k in range(max(n, 1), answered[0]):
+            found[k - 1] = path
+        answered[0] = max(n, 1)
+        if answered[0] == 1:
+            break
+    return found
+
+
+def _dijkstra(ctx: _Ctx, src: Layout, dst: Layout, most: int | None, limit: list | None = None):
+    """Yield ``(collectives, path)`` each time the search reaches ``dst`` by
+    fewer collectives than before (``most`` None: collectives are not
+    counted, and the first path is the cheapest). Costs are (bytes,
+    ``tie_time``, steps); ``limit[0]``, which the caller lowers as answers
+    come: states of at least that many collectives are dropped."""
     # A direct exchange (same partials, even tiles) bounds every useful path:
     # costs only grow, so states above its bytes are never pushed.
     direct = ctx.permute(src, dst) if src.partial == dst.partial else None
@@ -494,20 +534,27 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None)
     best = {start: (0, 0.0, 0)}
     prev: dict = {start: None}
     heap = [((0, 0.0, 0), next(counter), start)]
-    end = None
     while heap:
         cost, _, state = heapq.heappop(heap)
         if cost > best[state]:
             continue
         L, used = state
+        if limit is not None and used >= limit[0]:
+            continue  # answered already
         if L == dst:
-            end = state
-            break
+            steps = []
+            node = state
+            while prev[node] is not None:
+                node, step = prev[node]
+                steps.append(ctx.exact(step))
+            yield used, steps[::-1]
+            continue
+        cap = None if most is None else (most if limit is None else min(most, limit[0] - 1))
         for step in _moves(ctx, L, dst):
             n = used
-            if collectives is not None:
+            if cap is not None:
                 n += step.bytes > 0
-                if n > collectives:
+                if n > cap:
                     continue
             nxt = (step.dst, n)
             nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
@@ -517,14 +564,92 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None)
                 best[nxt] = nc
                 prev[nxt] = (state, step)
                 heapq.heappush(heap, (nc, next(counter), nxt))
-    if end is None:
-        if collectives is not None:
-            return None
+
+
+@dataclasses.dataclass
+class _Tree:
+    """Every layout's cheapest path from one source by the target-free moves
+    (``_free_moves``): ``best`` its cost, ``prev`` (layout, step) it was
+    reached by, ``order`` the layouts in the order the search expanded them."""
+
+    best: dict
+    prev: dict
+    order: dict
+
+
+def _tree(ctx: _Ctx, src: Layout) -> _Tree:
+    """The search of ``_dijkstra`` from ``src`` run to the end, without a
+    target (``_search_from``)."""
+    counter = itertools.count()
+    best = {src: (0, 0.0, 0)}
+    prev: dict = {src: None}
+    order: dict = {}
+    heap = [((0, 0.0, 0), next(counter), src)]
+    while heap:
+        cost, _, L = heapq.heappop(heap)
+        if cost > best[L]:
+            continue
+        order.setdefault(L, len(order))
+        for step in _free_moves(ctx, L):
+            nxt = step.dst
+            nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
+            if nxt not in best or _less(nc, best[nxt]):
+                best[nxt] = nc
+                prev[nxt] = (L, step)
+                heapq.heappush(heap, (nc, next(counter), nxt))
+    return _Tree(best, prev, order)
+
+
+def _search_from(ctx: _Ctx, tree: _Tree, src: Layout, dst: Layout) -> list:
+    """``_search(ctx, src, dst)``'s path, read from ``src``'s ``tree``.
+
+    The targeted search's moves are the target-free ones plus, last from
+    each layout, an exchange straight to the target, which ends a path. Its
+    states are expanded in the tree's order (the extra pushes of the target
+    do not reorder the others), so its path is the cheaper of the tree's own
+    path to ``dst`` and each expanded layout's path followed by the
+    exchange, on equal cost (``_less``) the one found first: by the
+    expansion of the layout it leaves from, the exchange after that
+    layout's other moves. Every pair of layouts in a class is asked for
+    (thousands for a 2-D GPT on 2x2x2), and one tree per source answers
+    them all."""
+    if src == dst:
+        return []
+    # (time, cost, (layout, step)): the time of a relaxation is the expansion
+    # index of the layout it leaves from, and 1 for the exchange (moved last)
+    events = []
+    if dst in tree.best:
+        came = tree.prev[dst]
+        events.append(((tree.order[came[0]], 0), tree.best[dst], came))
+    # no path of more bytes than the direct exchange or the tree's own path can
+    # win, and the tree expanded its layouts in order of cost
+    direct = ctx.permute(src, dst) if src.partial == dst.partial else None
+    bound = min(
+        [e[1][0] for e in events] + ([direct.bytes] if direct is not None else []),
+        default=math.inf,
+    )
+    for L, index in tree.order.items():
+        if tree.best[L][0] > bound:
+            break
+        if L.partial != dst.partial or L == dst:
+            continue
+        s = ctx.permute(L, dst)
+        if s is not None:
+            c = tree.best[L]
+            events.append(((index, 1), (c[0] + s.bytes, c[1] + s.tie_time, c[2] + 1), (L, s)))
+    events.sort(key=lambda e: e[0])
+    won = None
+    for _, cost, came in events:
+        if won is None or _less(cost, won[0]):
+            won = (cost, came)
+    if won is None:
         raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
     steps = []
-    node = end
-    while prev[node] is not None:
-        node, step = prev[node]
+    last = won[1]
+    steps.append(ctx.exact(last[1]))
+    node = last[0]
+    while tree.prev[node] is not None:
+        node, step = tree.prev[node]
         steps.append(ctx.exact(step))
     return steps[::-1]
 
@@ -752,7 +877,7 @@ _BOUNDS: dict = {}
 def clear_caches() -> None:
     """Forget every plan, bound and move computed so far (they are kept for
     the life of the process; benchmarks clear them to time a cold planner)."""
-    for cache in (_CACHE, _BOUNDS, _STRUCTURES, _CLASS_CTX, _FEWER):
+    for cache in (_CACHE, _BOUNDS, _STRUCTURES, _CLASS_CTX, _FEWER, _TREES):
         cache.clear()
     geometry.cache_clear()
 
@@ -760,6 +885,7 @@ def clear_caches() -> None:
 _STRUCTURES: dict = {}
 _CLASS_CTX: dict = {}
 _FEWER: dict = {}  # (class, src, dst, k) -> fewest-bytes paths of 1..k collectives (None: none)
+_TREES: dict = {}  # (class, src) -> _Tree: every target's search from src
 
 
 def _shape_class(ctx: _Ctx, placement: Placement, cm: CostModel):
@@ -792,7 +918,10 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
     key = (cls, src, dst)
     if key not in _STRUCTURES:
         class_ctx = _CLASS_CTX.setdefault(cls, ctx)
-        _STRUCTURES[key] = _search(class_ctx, src, dst)
+        tree = _TREES.get((cls, src))
+        if tree is None:
+            tree = _TREES[cls, src] = _tree(class_ctx, src)
+        _STRUCTURES[key] = _search_from(class_ctx, tree, src, dst)
         if class_ctx is ctx:
             return _STRUCTURES[key]
     return [ctx.restep(s) for s in _STRUCTURES[key]]
@@ -810,7 +939,7 @@ def _priced_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm
     search_ctx = ctx if cls is None else _CLASS_CTX.setdefault(cls, ctx)
 
     def search() -> list:
-        return [_search(search_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
+        return _search_by_count(search_ctx, src, dst, fewer)
 
     if cls is None:
         found = search()

@@ -214,3 +214,70 @@ def test_plan_errors():
         sj.plan_boxing((4, 4), np.float32, pl, (sj.S(0),), (sj.B, sj.B))
     with pytest.raises(sj.SBPError, match="splits dim 3"):
         sj.plan_boxing((4, 4), np.float32, pl, (sj.B, sj.B), (sj.S(3), sj.B))
+
+
+def _layout_pairs(grid, ndim, n, seed):
+    from sbpjax.boxing.plan import normalized_layout
+
+    atoms = [sj.S(d) for d in range(ndim)] + [sj.B, sj.P, sj.P_max]
+    nds = list(itertools.product(atoms, repeat=len(grid)))
+    pairs = [(a, b) for a in nds for b in nds if a != b]
+    rng = np.random.default_rng(seed)
+    for i in rng.choice(len(pairs), size=min(n, len(pairs)), replace=False):
+        a, b = pairs[i]
+        yield normalized_layout(a, ndim, grid), normalized_layout(b, ndim, grid)
+
+
+@pytest.mark.parametrize("grid,shape", [((2, 2, 2), (16, 32)), ((2, 4), (8, 16, 32)), ((2, 2, 2), (6, 4))])
+def test_one_search_per_source_finds_the_targeted_searchs_paths(grid, shape):
+    """Oracle: the path read from a source's search tree (``_search_from``,
+    what sj.jit's layout choice asks for thousands of pairs of a class)
+    moves the bytes of the search for that one target and is no worse by
+    the search's own order (bytes, then time, then steps), and is a path
+    from src to dst. It may be better: the targeted search's heap orders
+    exact float sums of time, so between times equal within ``_less``'
+    tolerance it can stop at a path of more steps (1 pair in a few
+    thousand)."""
+    from sbpjax.boxing import plan as P
+
+    pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
+    trees, contexts = {}, {}
+    for src, dst in _layout_pairs(grid, len(shape), 400, seed=sum(shape)):
+        fill = tuple(sorted({op for _, op in dst.partial}))
+        ctx = contexts.setdefault(fill, P._Ctx(shape, 4, pl, P.DEFAULT_COST_MODEL, fill))
+        want = P._search(ctx, src, dst)
+        tree = trees.get((fill, src)) or trees.setdefault((fill, src), P._tree(ctx, src))
+        got = P._search_from(ctx, tree, src, dst)
+
+        def cost(path):
+            return (sum(s.bytes for s in path), sum(s.tie_time for s in path), len(path))
+
+        assert cost(got)[0] == cost(want)[0], (src, dst, want, got)
+        assert not P._less(cost(want), cost(got)), (src, dst, want, got)
+        assert [s.src for s in got[:1]] in ([src], []) and [s.dst for s in got[-1:]] in ([dst], [])
+        assert all(a.dst == b.src for a, b in zip(got, got[1:]))
+
+
+@pytest.mark.parametrize("grid,shape", [((2, 2, 2), (16, 32)), ((4, 2), (8, 16))])
+def test_one_capped_search_answers_every_cap(grid, shape):
+    """Oracle: ``_search_by_count`` (one search for caps 1..k on the number
+    of collectives) gives, for each cap, exactly the path of a search under
+    that cap alone."""
+    from sbpjax.boxing import plan as P
+
+    pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
+    checked = 0
+    for src, dst in _layout_pairs(grid, len(shape), 200, seed=7):
+        fill = tuple(sorted({op for _, op in dst.partial}))
+        ctx = P._Ctx(shape, 4, pl, P.DEFAULT_COST_MODEL, fill)
+        full = P._search(ctx, src, dst)
+        most = sum(1 for s in full if s.bytes > 0)
+        if most < 2:
+            continue
+        alone = [next(P._dijkstra(ctx, src, dst, k), (None, None))[1] for k in range(1, most + 1)]
+        together = P._search_by_count(ctx, src, dst, most)
+        steps = lambda p: None if p is None else [(s.op, s.src, s.dst, s.group) for s in p]  # noqa: E731
+        assert [steps(p) for p in together] == [steps(p) for p in alone], (src, dst)
+        assert steps(together[-1]) == steps(full)  # no cap below the path's own count binds
+        checked += 1
+    assert checked > 20
