@@ -374,22 +374,12 @@ def test_two_d_mlp_on_4x2_with_momentum_moves_no_more_than_gspmd():
     _gathered) the kernels stayed split and activations were permuted around
     them: 326,712 B in 48 collectives against GSPMD's 323,632 B in 17."""
     pl = sj.placement((4, 2), ("x", "y"))
-    opt = optax.sgd(0.1, momentum=0.9)
-    step, args, in_sbp, out_sbp = mlp_case(pl, "megatron", 32, 3, opt, seed=605)
-    psbp = _two_d(in_sbp[0])
-    in_sbp = (psbp, state_sbp(args[1], psbp, (B, B))) + in_sbp[2:]
-    out_sbp = (psbp, in_sbp[1], (B, B))
-    ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl)
-    g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
-    g_count = collective_count(g.lower(*g_args).compile())
+    ours, gspmd, e, compiled, g_count = _two_d_mlp_against_gspmd(pl, 32, 3, seed=605)
     assert ours <= gspmd, (ours, gspmd)
     assert collective_count(compiled) <= g_count
     # the kernels are gathered over x where the contractions read them (ZeRO-3)
     assert any(c.op == "all-gather" and c.group_size == 4 for c in sj.collectives(compiled))
-    inputs = e.propagation.program.inputs  # the parameters' leaves first, in key order
-    kernels = [inputs[i] for i, k in enumerate(sorted(args[0])) if np.ndim(args[0][k]) == 2]
-    gathered = {id(b.var) for b in e.boxings if any(s.op == "all_gather" for s in b.plan.steps)}
-    assert kernels and all(id(v) in gathered for v in kernels), e
+    assert _every_kernel_gathered(e, 6), e
     assert "started from the plan with 2-D weights whole over the data axes" in e.choice.describe()
 
 
@@ -403,20 +393,32 @@ def test_fsdp_kernels_on_8x1_are_gathered_where_read():
     in 12 collectives against GSPMD's 344,120 B in 5. Gathered like the
     first kernel: 258,104 B in 8."""
     pl = sj.placement((8, 1), ("x", "y"))
-    step, args, in_sbp, out_sbp = mlp_case(pl, "megatron", 32, 2, optax.sgd(0.1, momentum=0.9), seed=151)
+    ours, gspmd, e, compiled, g_count = _two_d_mlp_against_gspmd(pl, 32, 2, seed=151)
+    assert ours <= gspmd, (ours, gspmd)
+    assert collective_count(compiled) <= 2 * g_count, e
+    assert not any(c.op == "all-to-all" for c in sj.collectives(compiled)), e
+    assert _every_kernel_gathered(e, 4), e
+
+
+def _two_d_mlp_against_gspmd(pl, d, layers, seed):
+    """An MLP step (SGD with momentum) with the sweep's "2d" kernel layouts
+    on ``pl``, against GSPMD: ``compare``'s results and GSPMD's collective
+    count."""
+    step, args, in_sbp, out_sbp = mlp_case(pl, "megatron", d, layers, optax.sgd(0.1, momentum=0.9), seed=seed)
     psbp = _two_d(in_sbp[0])
     in_sbp = (psbp, state_sbp(args[1], psbp, (B, B))) + in_sbp[2:]
     out_sbp = (psbp, in_sbp[1], (B, B))
     ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl)
     g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
-    g_count = collective_count(g.lower(*g_args).compile())
-    assert ours <= gspmd, (ours, gspmd)
-    assert collective_count(compiled) <= 2 * g_count, e
-    assert not any(c.op == "all-to-all" for c in sj.collectives(compiled)), e
-    inputs = e.propagation.program.inputs  # the parameters' leaves first, in key order
-    kernels = [inputs[i] for i, k in enumerate(sorted(args[0]))]
+    return ours, gspmd, e, compiled, collective_count(g.lower(*g_args).compile())
+
+
+def _every_kernel_gathered(e, n_kernels) -> bool:
+    """Whether the plan all-gathers each of a deep MLP step's ``n_kernels``
+    kernels (its parameters, the program's first inputs) somewhere."""
+    kernels = e.propagation.program.inputs[:n_kernels]
     gathered = {id(b.var) for b in e.boxings if any(s.op == "all_gather" for s in b.plan.steps)}
-    assert all(id(v) in gathered for v in kernels), e
+    return all(id(v) in gathered for v in kernels)
 
 
 @pytest.mark.slow
