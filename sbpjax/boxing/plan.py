@@ -486,44 +486,12 @@ def step_launch_bytes(step: Step, cost_model: CostModel) -> float:
     return launches * launch_bytes(cost_model, step.axes)
 
 
-def _search(ctx: _Ctx, src: Layout, dst: Layout):
+def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None):
     """The cheapest path of steps from ``src`` to ``dst``: fewest bytes, then
-    the least ``tie_time``, then the fewest steps."""
+    the least ``tie_time``, then the fewest steps. ``collectives``: among the
+    paths of at most that many collectives only (None where there is none)."""
     if src == dst:
         return []
-    for _, path in _dijkstra(ctx, src, dst, None):
-        return path
-    raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
-
-
-def _search_by_count(ctx: _Ctx, src: Layout, dst: Layout, most: int) -> list:
-    """For each cap k in 1..``most``, the path ``_search`` would find among
-    the paths of at most k collectives, or None where there is none. One
-    search answers every cap: its states are (layout, collectives so far),
-    so the first time it reaches ``dst`` having run n collectives is the
-    answer for every cap from n up to the caps already answered, and the
-    states of n or more collectives are dropped from then on (searched one
-    cap at a time, the capped searches were a third of the 3-D layout
-    choice's boxing searches)."""
-    found: list = [None] * most
-    if src == dst:
-        return [[] for _ in range(most)]
-    answered = [most + 1]  # caps >= this are answered (read by the search as it runs)
-    for n, path in _dijkstra(ctx, src, dst, most, answered):
-        for k in range(max(n, 1), answered[0]):
-            found[k - 1] = path
-        answered[0] = max(n, 1)
-        if answered[0] == 1:
-            break
-    return found
-
-
-def _dijkstra(ctx: _Ctx, src: Layout, dst: Layout, most: int | None, limit: list | None = None):
-    """Yield ``(collectives, path)`` each time the search reaches ``dst`` by
-    fewer collectives than before (``most`` None: collectives are not
-    counted, and the first path is the cheapest). Costs are (bytes,
-    ``tie_time``, steps); ``limit[0]``, which the caller lowers as answers
-    come: states of at least that many collectives are dropped."""
     # A direct exchange (same partials, even tiles) bounds every useful path:
     # costs only grow, so states above its bytes are never pushed.
     direct = ctx.permute(src, dst) if src.partial == dst.partial else None
@@ -534,27 +502,20 @@ def _dijkstra(ctx: _Ctx, src: Layout, dst: Layout, most: int | None, limit: list
     best = {start: (0, 0.0, 0)}
     prev: dict = {start: None}
     heap = [((0, 0.0, 0), next(counter), start)]
+    end = None
     while heap:
         cost, _, state = heapq.heappop(heap)
         if cost > best[state]:
             continue
         L, used = state
-        if limit is not None and used >= limit[0]:
-            continue  # answered already
         if L == dst:
-            steps = []
-            node = state
-            while prev[node] is not None:
-                node, step = prev[node]
-                steps.append(ctx.exact(step))
-            yield used, steps[::-1]
-            continue
-        cap = None if most is None else (most if limit is None else min(most, limit[0] - 1))
+            end = state
+            break
         for step in _moves(ctx, L, dst):
             n = used
-            if cap is not None:
+            if collectives is not None:
                 n += step.bytes > 0
-                if n > cap:
+                if n > collectives:
                     continue
             nxt = (step.dst, n)
             nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
@@ -564,6 +525,21 @@ def _dijkstra(ctx: _Ctx, src: Layout, dst: Layout, most: int | None, limit: list
                 best[nxt] = nc
                 prev[nxt] = (state, step)
                 heapq.heappush(heap, (nc, next(counter), nxt))
+    if end is None:
+        if collectives is not None:
+            return None
+        raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
+    return _path(ctx, prev, end)
+
+
+def _path(ctx: _Ctx, prev: dict, end) -> list:
+    """The exact steps a search's ``prev`` links lead back from ``end``."""
+    steps = []
+    node = end
+    while prev[node] is not None:
+        node, step = prev[node]
+        steps.append(ctx.exact(step))
+    return steps[::-1]
 
 
 @dataclasses.dataclass
@@ -578,8 +554,8 @@ class _Tree:
 
 
 def _tree(ctx: _Ctx, src: Layout) -> _Tree:
-    """The search of ``_dijkstra`` from ``src`` run to the end, without a
-    target (``_search_from``)."""
+    """``_search`` from ``src`` run to the end, without a target
+    (``_search_from``)."""
     counter = itertools.count()
     best = {src: (0, 0.0, 0)}
     prev: dict = {src: None}
@@ -644,14 +620,8 @@ def _search_from(ctx: _Ctx, tree: _Tree, src: Layout, dst: Layout) -> list:
             won = (cost, came)
     if won is None:
         raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
-    steps = []
-    last = won[1]
-    steps.append(ctx.exact(last[1]))
-    node = last[0]
-    while tree.prev[node] is not None:
-        node, step = tree.prev[node]
-        steps.append(ctx.exact(step))
-    return steps[::-1]
+    left, last = won[1]
+    return _path(ctx, tree.prev, left) + [ctx.exact(last)]
 
 
 def _less(a, b) -> bool:
@@ -939,7 +909,7 @@ def _priced_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm
     search_ctx = ctx if cls is None else _CLASS_CTX.setdefault(cls, ctx)
 
     def search() -> list:
-        return _search_by_count(search_ctx, src, dst, fewer)
+        return [_search(search_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
 
     if cls is None:
         found = search()

@@ -499,11 +499,13 @@ def _batch_axes(program, in_layouts, grid) -> frozenset:
     MLP's inputs; the indices of a gather, the tokens) and no op reads as a
     weight (its first contraction contracts its first dimension, a
     row-split kernel ``h @ w``; no gather or dynamic slice indexes into it,
-    an embedding table split along the vocabulary). Optimizer state, read by neither,
-    is not a batch (a row-split kernel's Adam moments on 1x8 would make the
-    tensor axis one). ``in_layouts``: per argument its possible layouts (one
-    unless ``AUTO``). A weight split over such an axis (ZeRO-3 / FSDP) may be
-    gathered there where a contraction reads it (``_Domains._gathered``)."""
+    an embedding table split along the vocabulary). Optimizer state, read
+    by neither, is not a batch (a row-split kernel's Adam moments on 1x8
+    would make the tensor axis one). ``in_layouts``: per argument its
+    possible layouts (one unless ``AUTO``). A weight split over such an
+    axis (ZeRO-3 / FSDP) may be gathered there where a contraction reads it
+    (``_Domains._gathered``). ``_weights_gathered`` has its own, older rule
+    for the start plan's data axes (see its docstring)."""
     weightlike: set = set()
     data: set = set()
     producer: dict = {}
@@ -609,7 +611,8 @@ class _Domains:
         axes; its kernels were otherwise kept split, their matmuls moving
         activations by all-to-alls: a 2-layer MLP at d 32 moved 301,112 B
         in 12 collectives, gathered 258,104 B in 8, GSPMD 344,120 B in 5).
-        Only such arguments, and only at contractions: the contraction still uses every device
+        Only such arguments, and only at contractions: the contraction
+        still uses every device
         (``restrict`` drops one computed whole on an axis), so the batch is
         not gathered by it. Without these a 3-layer MLP with kernels split
         over both axes of 4x2 kept its weights split and permuted

@@ -256,28 +256,3 @@ def test_one_search_per_source_finds_the_targeted_searchs_paths(grid, shape):
         assert not P._less(cost(want), cost(got)), (src, dst, want, got)
         assert [s.src for s in got[:1]] in ([src], []) and [s.dst for s in got[-1:]] in ([dst], [])
         assert all(a.dst == b.src for a, b in zip(got, got[1:]))
-
-
-@pytest.mark.parametrize("grid,shape", [((2, 2, 2), (16, 32)), ((4, 2), (8, 16))])
-def test_one_capped_search_answers_every_cap(grid, shape):
-    """Oracle: ``_search_by_count`` (one search for caps 1..k on the number
-    of collectives) gives, for each cap, exactly the path of a search under
-    that cap alone."""
-    from sbpjax.boxing import plan as P
-
-    pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
-    checked = 0
-    for src, dst in _layout_pairs(grid, len(shape), 200, seed=7):
-        fill = tuple(sorted({op for _, op in dst.partial}))
-        ctx = P._Ctx(shape, 4, pl, P.DEFAULT_COST_MODEL, fill)
-        full = P._search(ctx, src, dst)
-        most = sum(1 for s in full if s.bytes > 0)
-        if most < 2:
-            continue
-        alone = [next(P._dijkstra(ctx, src, dst, k), (None, None))[1] for k in range(1, most + 1)]
-        together = P._search_by_count(ctx, src, dst, most)
-        steps = lambda p: None if p is None else [(s.op, s.src, s.dst, s.group) for s in p]  # noqa: E731
-        assert [steps(p) for p in together] == [steps(p) for p in alone], (src, dst)
-        assert steps(together[-1]) == steps(full)  # no cap below the path's own count binds
-        checked += 1
-    assert checked > 20
