@@ -504,8 +504,8 @@ def _batch_axes(program, in_layouts, grid) -> frozenset:
     would make the tensor axis one). ``in_layouts``: per argument its
     possible layouts (one unless ``AUTO``). A weight split over such an
     axis (ZeRO-3 / FSDP) may be gathered there where a contraction reads it
-    (``_Domains._gathered``). ``_weights_gathered`` has its own, older rule
-    for the start plan's data axes (see its docstring)."""
+    (``_Domains._gathered``), and the start plan makes 2-D weights whole
+    over it (``_weights_gathered``)."""
     weightlike: set = set()
     data: set = set()
     producer: dict = {}
@@ -1510,23 +1510,22 @@ def choose(
 
 
 def _weights_gathered(program, in_sbp, grid) -> list | None:
-    """``in_sbp`` with each weight's splits over the data axes made B, or
-    None where no weight is split so (see ``_gathered_plan``). A weight: a
-    floating argument a contraction reads, split over two or more axes. A
-    data axis: one over which a batch is split, a batch being any other
-    argument of rank 2 or more split along its first dimension alone: the
-    tokens' axis, and on a Megatron layout also the tensor axis of a
-    row-split kernel (S(0)) split over that axis alone, and of its optimizer
-    state, which then makes the 2-D weights whole.
-    Decision: not a 2-D weight's optimizer state (split along two
-    dimensions, e.g. (S(1), S(0)) for a row kernel) nor a bias (rank 1).
-    Counted, the state of 2-D weights made both axes of 4x2 data axes, the
-    start the fully replicated data-parallel plan, and the solve from it
-    stopped far from GSPMD: a 2-layer GPT at d_model 32 with 2-D weights
-    (batch 20) moved 2.24 MB against GSPMD's 1.70 MB, a 3-layer one at 128
-    (batch 40) 28.8 MB against 33.3 MB; with the tokens' axis alone they
-    move 1.24 MB and 19.2 MB. A heuristic for a start only: the solve that
-    follows is free to split the weights again."""
+    """``in_sbp`` with each weight's splits over the batch's axes
+    (``_batch_axes``) made B, or None where no weight is split so (see
+    ``_gathered_plan``). A weight: a floating argument a contraction reads,
+    split over two or more axes. A heuristic for a start only: the solve
+    that follows is free to split the weights again.
+    Decision: the batch's axes (read as data), not every axis some argument
+    of rank 2 or more is split along its first dimension alone over. That
+    older rule also counted a Megatron row kernel (S(0) over the tensor
+    axis) and its optimizer state, making the tensor axis a data axis (both
+    axes of 2x4 on the benchmark's 2-D transformer step); the same bytes
+    are planned without it on every row of benchmarks/compiler.py. An
+    earlier one counted a 2-D weight's optimizer state ((S(1), S(0)) for a
+    row kernel), which made both axes of 4x2 data axes and the start the
+    replicated data-parallel plan, from which the solve stopped far from
+    GSPMD: a 2-layer GPT at d_model 32 with 2-D weights moved 2.24 MB
+    against GSPMD's 1.70 MB (with the tokens' axis alone 1.24 MB)."""
     readers = {id(a) for n in program.nodes if n.name in _HEAVY for a in n.ins if isinstance(a, Var)}
 
     def weight(v, nd) -> bool:
@@ -1534,21 +1533,7 @@ def _weights_gathered(program, in_sbp, grid) -> list | None:
             nd is not AUTO and id(v) in readers and np.issubdtype(v.dtype, np.floating) and _two_d(nd, grid)
         )
 
-    def batch(v, nd) -> bool:
-        return (
-            nd is not AUTO
-            and not weight(v, nd)
-            and len(v.shape) >= 2
-            and all(q == Split(0) for q, p in zip(nd, grid) if p > 1 and isinstance(q, Split))
-        )
-
-    data_axes = {
-        a
-        for v, nd in zip(program.inputs, in_sbp)
-        if batch(v, nd)
-        for a, (q, p) in enumerate(zip(nd, grid))
-        if p > 1 and q == Split(0)
-    }
+    data_axes = _batch_axes(program, [() if nd is AUTO else (nd,) for nd in in_sbp], grid)
     relaxed, changed = [], False
     for v, nd in zip(program.inputs, in_sbp):
         if weight(v, nd) and any(isinstance(nd[a], Split) for a in data_axes):

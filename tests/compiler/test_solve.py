@@ -754,9 +754,10 @@ def test_a_program_without_repeated_layers_is_searched_by_stretches():
 def test_weights_split_over_the_data_axis_are_made_whole_there_for_the_start():
     """solve._weights_gathered: a floating argument a contraction reads, split
     over two axes, loses its splits over the axes that split a batch's first
-    dimension (an argument of rank 2 or more split along its first dimension
-    alone); a weight split over one axis, the batch, an integer argument and
-    a 2-D value no contraction reads keep theirs."""
+    dimension (solve._batch_axes: an argument of rank 2 or more split along
+    its first dimension alone that the model reads as data); a weight split
+    over one axis, the batch, an integer argument and a 2-D value no
+    contraction reads keep theirs."""
     from sbpjax.compiler.solve import _weights_gathered
     from sbpjax.compiler.trace import trace
 
@@ -776,9 +777,10 @@ def test_weights_split_over_the_data_axis_are_made_whole_there_for_the_start():
     # so its S(0) over y does not make y a data axis
     in_sbp = [(S0, S1), (B, S1), (S0, S1), (S0, B), (S0, B), (S1, S0)]
     assert _weights_gathered(program, in_sbp, grid) == [(B, S1), (B, S1), *in_sbp[2:]]
-    # a row-split kernel splits its first dimension over y alone: y counts too
+    # a row-split kernel splits its first dimension over y alone, but its
+    # contraction contracts that dimension: a weight, so y is no data axis
     in_sbp[1] = (B, S0)
-    assert _weights_gathered(program, in_sbp, grid) == [(B, B), (B, S0), *in_sbp[2:]]
+    assert _weights_gathered(program, in_sbp, grid) == [(B, S1), (B, S0), *in_sbp[2:]]
     # no batch split: nothing to relax
     assert _weights_gathered(program, [(S0, S1), (B, S1), (B, S1), (B, B), (B, B), (B, B)], grid) is None
 
