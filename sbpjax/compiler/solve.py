@@ -1663,8 +1663,8 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
         return kept
     alt_bytes = total_bytes(alt)
     kept_count, alt_count = _count(kept), _count(alt)
-    halved = 2 * alt_count <= kept_count
-    if alt_bytes > (1 + FEWER_COLLECTIVES) * kept_bytes and not halved:
+    within = alt_bytes <= (1 + FEWER_COLLECTIVES) * kept_bytes
+    if not within and 2 * alt_count > kept_count:
         return kept
     kept_time, alt_time = (
         emitted_price(kept, cost_model, ring=True),
@@ -1672,7 +1672,7 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
     )
     if alt_time >= kept_time or alt_count >= kept_count:
         return kept
-    why = "half the collectives" if halved else f"within {100 * FEWER_COLLECTIVES:.0f}%"
+    why = f"within {100 * FEWER_COLLECTIVES:.0f}%" if within else "half the collectives"
     choice.latency_note = (
         f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
         f"in place of {kept_bytes} B "
