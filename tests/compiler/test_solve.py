@@ -400,28 +400,6 @@ def test_fsdp_kernels_on_8x1_are_gathered_where_read():
     assert _every_kernel_gathered(e, 4), e
 
 
-@pytest.mark.slow
-def test_half_the_collectives_outweighs_the_bytes_bound():
-    """A 1-layer GPT at d 128 with the sweep's "2d" layouts on 8x1 (FSDP:
-    kernels split over the batch's axis; seeds 5 and 2002). Bytes first it
-    moved 8,494,136 B in 20 collectives, GSPMD 17,676,344 B in 8: all-to-alls
-    around the MLP and each gradient reduced where made. The second solve,
-    by the ring's latency, runs half the collectives for 54% more bytes,
-    beyond FEWER_COLLECTIVES' 10%, and 1.8x faster by the cost model: kept
-    (solve._fewer_collectives), still below GSPMD's bytes."""
-    pl = sj.placement((8, 1), ("x", "y"))
-    step, args, in_sbp, out_sbp = gpt_case(pl, "megatron", 128, 1, optax.sgd(0.1, momentum=0.9), seed=468)
-    psbp = _two_d(in_sbp[0])
-    in_sbp = (psbp, state_sbp(args[1], psbp, (B, B))) + in_sbp[2:]
-    out_sbp = (psbp, in_sbp[1], out_sbp[2])
-    ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl)
-    g, g_args = gspmd_jit(step, args, in_sbp, out_sbp, pl, jax.eval_shape(step, *args))
-    g_count = collective_count(g.lower(*g_args).compile())
-    assert ours <= gspmd, (ours, gspmd)
-    assert collective_count(compiled) <= 2 * g_count, (collective_count(compiled), g_count)
-    assert "half the collectives" in e.choice.describe(), e.choice.describe()
-
-
 def _two_d_mlp_against_gspmd(pl, d, layers, seed):
     """An MLP step (SGD with momentum) with the sweep's "2d" kernel layouts
     on ``pl``, against GSPMD: ``compare``'s results and GSPMD's collective
