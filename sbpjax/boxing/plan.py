@@ -486,6 +486,39 @@ def step_launch_bytes(step: Step, cost_model: CostModel) -> float:
     return launches * launch_bytes(cost_model, step.axes)
 
 
+def ring_latency_bytes(cost_model: CostModel, placement: Placement, op: str, axes, rounds: int = 0) -> float:
+    """One collective's latency as the cost model times it (the ring's hops:
+    ``CostModel.collective_time`` of zero bytes; a permute: one alpha per
+    round), in the bytes that every device's links would carry in that time,
+    summed over the placement's devices as a plan's bytes are (5.6 MB for an
+    all-gather over 8 devices on the default model; over 4 of 8, each group
+    of 4 running at once, 2.4 MB), plus its launches (``launch_bytes``; a
+    permute one per round): by the hops alone an all-reduce costs what a
+    reduce-scatter and an all-gather cost, and the pair is two collectives.
+    ``plan_boxing``'s ``launch_priced="ring"`` and the layout choice's second
+    solve (``sbpjax.compiler.solve.FEWER_COLLECTIVES``) price collectives by
+    it.
+
+    Decision: summed over the placement, not over the group (as it was
+    until 2026-11): the bytes it is added to count every device's, so over
+    the group it priced a collective over 4 of 8 devices at half its time,
+    and a 4x2 data-parallel step's three collectives per gradient (slice
+    over y, reduce-scatter over x, all-gather over all 8: 17% fewer bytes)
+    then looked faster than the one all-reduce over x that the cost model's
+    own time says is faster for a gradient under 1.6 MB per device."""
+    launches = max(1, rounds) if op == "permute" else 1
+    total = launches * launch_bytes(cost_model, axes)
+    p = int(np.prod([placement.axis_size(a) for a in axes], dtype=np.int64))
+    alpha, beta = cost_model.group(axes)
+    if beta <= 0 or p <= 1:
+        return total
+    if op == "permute":
+        seconds = cost_model.p2p_time(axes, [0.0] * launches)
+    else:
+        seconds = cost_model.collective_time(op, axes, p, 0.0)
+    return total + placement.size * seconds / beta
+
+
 def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None):
     """The cheapest path of steps from ``src`` to ``dst``: fewest bytes, then
     the least ``tie_time``, then the fewest steps. ``collectives``: among the
@@ -897,9 +930,12 @@ def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, 
     return [ctx.restep(s) for s in _STRUCTURES[key]]
 
 
-def _priced_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel, steps):
+def _priced_search(
+    ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel, steps, ring: bool = False
+):
     """A path cheaper than ``steps`` (the fewest-bytes path) by bytes plus
-    launches (``plan_boxing``'s ``launch_priced``), or None. Only a path of
+    launches (``plan_boxing``'s ``launch_priced``; ``ring``: plus each
+    collective's ring latency, ``ring_latency_bytes``), or None. Only a path of
     fewer collectives can be: for each count below ``steps``' the path of
     the fewest bytes is found once per class of shapes and pair of layouts
     (``_search_by_class``: bytes scale with the size, the path does not), and
@@ -926,8 +962,13 @@ def _priced_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm
             math.prod(search_ctx.geom.shape) * search_ctx.itemsize
         )
 
+    def latency(st) -> float:
+        if not ring:
+            return step_launch_bytes(st, cm)
+        return ring_latency_bytes(cm, placement, st.op, st.axes, st.rounds) if st.bytes > 0 else 0.0
+
     def price(path, scale=1.0) -> float:
-        return sum(scale * st.bytes + step_launch_bytes(st, cm) for st in path)
+        return sum(scale * st.bytes + latency(st) for st in path)
 
     best = min(paths, key=lambda p: price(p, scale), default=None)
     if best is None or price(best, scale) >= price(steps):
@@ -942,7 +983,7 @@ def plan_zeros(
     src_sbp,
     dst_sbp,
     cost_model: CostModel | None = None,
-    launch_priced: bool = False,
+    launch_priced: bool | str = False,
 ) -> BoxingPlan:
     """The boxing of a tensor known to be all zeros (``jnp.zeros``, the zero
     start of a gradient's ``scatter-add``): each of its layouts holds zeros in
@@ -969,7 +1010,7 @@ def plan_boxing(
     dst_sbp,
     dst_placement: Placement | None = None,
     cost_model: CostModel | None = None,
-    launch_priced: bool = False,
+    launch_priced: bool | str = False,
 ) -> BoxingPlan:
     """The cheapest boxing of a ``shape``/``dtype`` tensor from ``src_sbp`` on
     ``placement`` to ``dst_sbp`` (on ``dst_placement`` when given): the
@@ -982,9 +1023,14 @@ def plan_boxing(
     on 4x2 a gradient partial over x and whole over y is reduced in the fewest
     bytes by slicing it over y, reduce-scattering over x and all-gathering
     over all 8 devices (10 |T| against an all-reduce's 12 |T|), which for a
-    tensor under 50 kB costs more time than the one all-reduce GSPMD runs.
+    tensor under 50 kB costs more than the one all-reduce GSPMD runs.
     The plan of fewer collectives is taken only where the cost model does not
-    time it slower."""
+    time it slower. ``launch_priced="ring"``: each collective priced at its
+    latency as the cost model times it (``ring_latency_bytes``: the ring's
+    hops too), the price of ``sj.jit``'s second solve, which looks for a plan
+    of fewer collectives (``sbpjax.compiler.solve.FEWER_COLLECTIVES``); there
+    the 4x2 gradient above is all-reduced up to 1.6 MB, where the cost model
+    times the one all-reduce faster."""
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
     cm = cost_model or DEFAULT_COST_MODEL
@@ -993,7 +1039,7 @@ def plan_boxing(
         dst_placement = None
     dpl = dst_placement or placement
     dst = normalize_nd_sbp(dst_sbp, dpl.ndim, len(shape), "dst_sbp")
-    launch_priced = launch_priced and dst_placement is None
+    launch_priced = launch_priced if dst_placement is None else False
     key = (shape, dtype.str, placement, src, dst, dst_placement, repr(cm), launch_priced)
     if key in _CACHE:
         return _CACHE[key]
@@ -1010,7 +1056,7 @@ def plan_boxing(
         steps = _search_by_class(ctx, L_src, L_dst, placement, cm)
         if launch_priced and sum(1 for st in steps if st.bytes > 0) > 1:
             # only a plan of fewer collectives can cost less: a plan of one is final
-            priced = _priced_search(ctx, L_src, L_dst, placement, cm, steps)
+            priced = _priced_search(ctx, L_src, L_dst, placement, cm, steps, ring=launch_priced == "ring")
             # and never slower by the cost model's own time (the ring's hops):
             # across slow links a hierarchical reduction (reduce-scatter inside
             # a node, all-reduce between nodes, all-gather inside) runs three

@@ -319,8 +319,12 @@ class Propagator:
         self.cm = cost_model
         self.layout: dict = {}  # id(var) -> nd-SBP
         self.versions: dict = {}  # id(var) -> {nd: True}: layouts already produced
-        self._plans: dict = {}  # (shape, dtype, src, dst, zero, idle) -> BoxingPlan
+        self._plans: dict = {}  # (shape, dtype, src, dst, zero, idle, ring) -> BoxingPlan
         self.idle: frozenset = frozenset()  # idle_axes of the program's arguments
+        # each boxing's plan priced by bytes plus its collectives' ring latency
+        # (plan_boxing's launch_priced="ring"): the layout choice's second solve
+        # (sbpjax.compiler.solve.FEWER_COLLECTIVES)
+        self.ring = False
         self._bounds: dict = {}  # (shape, dtype, src, dst) -> lower bound of its bytes
         self._sigs: dict = {}  # id(node) -> its candidate signatures
         self._choices: dict = {}  # (id(node), what the choice depends on) -> (ins, outs) | False
@@ -409,12 +413,14 @@ class Propagator:
         # plan_boxing's own cache normalizes its arguments first; choices ask
         # for the same few plans thousands of times, so look them up raw here
         zero = id(atom) in self.zeros
-        key = (atom.shape, atom.dtype, src, dst, zero, self.idle)
+        key = (atom.shape, atom.dtype, src, dst, zero, self.idle, self.ring)
         hit = self._plans.get(key)
         if hit is None:
             planner = plan_zeros if zero else plan_boxing
-            hit = planner(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm)
-            if LAUNCH_PRICED and any(st.bytes and self.idle.intersection(st.group) for st in hit.steps):
+            priced = "ring" if self.ring else False
+            hit = planner(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=priced)
+            borrows_idle = any(st.bytes and self.idle.intersection(st.group) for st in hit.steps)
+            if not self.ring and LAUNCH_PRICED and borrows_idle:
                 hit = planner(
                     atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=True
                 )

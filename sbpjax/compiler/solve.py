@@ -75,7 +75,7 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
-from sbpjax.boxing.plan import launch_bytes, step_launch_bytes
+from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes, step_launch_bytes
 from sbpjax.compiler.buckets import count_collectives, emitted_collectives, plan_buckets
 from sbpjax.compiler.liveness import block_bytes, live_bytes
 from sbpjax.compiler.propagate import (
@@ -287,41 +287,19 @@ def _latency_bytes(plan, cost_model) -> float:
     return sum(step_launch_bytes(st, cost_model) for st in plan.steps)
 
 
-def _ring_bytes(cost_model, placement, op: str, axes, rounds: int = 0) -> float:
-    """One collective's latency as the cost model times it (the ring's hops:
-    ``CostModel.collective_time`` of zero bytes; a permute: one alpha per
-    round), in the bytes summed over the group's devices that its links
-    would carry in that time (5.6 MB for an all-gather over 8 devices on the
-    default model), plus its launches (``launch_bytes``; a permute one per
-    round): by the hops alone an all-reduce costs what a reduce-scatter and
-    an all-gather cost, and the pair is two collectives. See
-    ``FEWER_COLLECTIVES``."""
-    launches = max(1, rounds) if op == "permute" else 1
-    total = launches * launch_bytes(cost_model, axes)
-    p = int(np.prod([placement.axis_size(a) for a in axes], dtype=np.int64))
-    alpha, beta = cost_model.group(axes)
-    if beta <= 0 or p <= 1:
-        return total
-    if op == "permute":
-        seconds = cost_model.p2p_time(axes, [0.0] * launches)
-    else:
-        seconds = cost_model.collective_time(op, axes, p, 0.0)
-    return total + p * seconds / beta
-
-
 def _cost(plan, cost_model, with_latency: bool = True, ring: bool = False) -> float:
     """A boxing's cost in the objective, in 1/64 bytes: its bytes, plus the
     latency of each collective it runs (``_latency_bytes``; ``cost_model``
     None: bytes alone, 1/64 B per collective breaking ties; ``with_latency=False``:
     none, for a boxing whose bucket pays it; ``ring``: the latency the cost
-    model times, ``_ring_bytes``), plus, for a zero-fill that
+    model times, ``ring_latency_bytes``), plus, for a zero-fill that
     makes a split value a partial, the price of the block it grows
     (``ZERO_FILL_WEIGHT``)."""
     if not plan.bytes or not with_latency:
         latency = 0.0
     elif ring:
         latency = sum(
-            _ring_bytes(cost_model, plan.placement, st.op, st.axes, st.rounds)
+            ring_latency_bytes(cost_model, plan.placement, st.op, st.axes, st.rounds)
             for st in plan.steps
             if st.bytes > 0
         )
@@ -362,13 +340,13 @@ def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> flo
     boxing collectives that compiles to 18 over one of 25 that compiles to 7
     (and moves 6 kB less). ``ring``: the collectives of
     ``emitted_collectives``, each at its latency as the cost model times it
-    (``_ring_bytes``), by which ``FEWER_COLLECTIVES`` compares plans."""
+    (``ring_latency_bytes``), by which ``FEWER_COLLECTIVES`` compares plans."""
     cm = cost_model if cost_model is not None else CostModel()
     if ring:
         launched = emitted_collectives(prop)
 
         def ring_cost(b) -> float:
-            latency = sum(_ring_bytes(cm, prop.placement, *c) for c in launched[id(b)])
+            latency = sum(ring_latency_bytes(cm, prop.placement, *c) for c in launched[id(b)])
             return _cost(b.plan, cm, with_latency=False) + round(64 * latency)
 
         return _weighted_sum(prop, ring_cost)
@@ -806,6 +784,7 @@ def solve(
     grid = placement.shape
     pr = Propagator(program, placement, cost_model)
     pr.idle = idle_axes(in_sbp, grid)
+    pr.ring = latency == "ring"
     pr.quiet = True
     cm = cost_model if cost_model is not None else CostModel()
     if caches is not None:
@@ -1608,22 +1587,38 @@ IDLE_START = True
 # gathering the tokens, moving the embedding's output gradient by an
 # all-to-all and all-gathering the embedding's gradient: 4 collectives where
 # GSPMD runs 1, and by the cost model's own alpha-beta time (each collective
-# paying the ring's hops, ``_ring_bytes``: 5.6 MB for 8 devices) the
-# slower plan. So the kept plan is solved once more with that latency, started
+# paying the ring's hops, ``ring_latency_bytes``: 5.6 MB for 8 devices) the
+# slower plan. So the kept plan is solved once more with that latency (its
+# boxings planned by it too: plan_boxing's launch_priced="ring"), started
 # from it, and the result replaces it when it runs fewer collectives
 # (``emitted_collectives``: what the compiled program runs, all-reduces
 # combined as XLA combines them) and is faster by the cost model
 # (``emitted_price(ring=True)``) while moving at most ``FEWER_COLLECTIVES``
-# more bytes (a share of the kept plan's).
+# more bytes (a share of the kept plan's), or while running at most half the
+# collectives with an estimated peak (``liveness.live_bytes``) no larger
+# than the kept plan's. The second way takes GSPMD's one all-reduce for a
+# data-parallel MLP at width 256 on 4x2 (6,291,504 B in 1 collective; bytes
+# first sliced each gradient over y, reduce-scattered it over x and
+# all-gathered it over all 8 devices: 5,242,928 B in 3), which the cost
+# model times faster (11.2 against 18.3 MB-equivalent). The peak condition
+# is what keeps FSDP plans: an 8-device FSDP MLP's bytes-first plan
+# reduce-scatters each gradient as it is made (974,848 B in 12 collectives,
+# estimated peak 139,268 B), where the second solve's holds the gathered
+# weights and whole gradients (5,132,288 B in 6, peak 456,708 B); taken
+# without that condition (tried), XLA's temp memory no longer fell with
+# regathering (tests/compiler/test_regather.py).
 # Decision: these three conditions rather than pricing every collective at the
 # ring's latency throughout (tried, see ``LATENCY``: collectives were then
 # bought with bytes everywhere, up to 35% more on the tensor-parallel step,
 # and a replicated MLP where Megatron's layouts move 3.4x fewer bytes).
 # "Faster" alone is not enough: the ring's latency grows with the group, so
-# on 2x4 the model prefers several reductions over 4 devices to one over 8,
-# and accepting such plans (tried) moved 4-9% more bytes on 7 GPT sweep
-# rows, and on 4x2 ran 17 collectives in place of 11. With all three only
-# the data-parallel step above changes on benchmarks/compiler.py. Programs of
+# on 2x4 the model preferred several reductions over 4 devices to one over 8
+# (measured while ring_latency_bytes summed a group's devices alone), and
+# accepting such plans (tried) moved 4-9% more bytes on 7 GPT sweep rows, and
+# on 4x2 ran 17 collectives in place of 11. With all the conditions two rows
+# of benchmarks/compiler.py change: the data-parallel step above, and the GPT
+# step at d_model 128 on 8x8 (42,664,384 B in 12 collectives, as many as
+# GSPMD's 50,291,136 B; bytes first: 39,969,216 B in 18). Programs of
 # at most UNTIED_OPS ops only (solved whole, in seconds): a deep stack's solve
 # is the time-limited one, and the latency near-ties would slow it further.
 # 0: bytes first throughout.
@@ -1640,7 +1635,9 @@ def _count(prop: Propagation) -> int:
 def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) -> Propagation:
     """``kept``, or the plan solved with each collective's ring latency (see
     ``FEWER_COLLECTIVES``) when that one runs fewer collectives, is faster by
-    the cost model and moves at most ``FEWER_COLLECTIVES`` more bytes."""
+    the cost model and moves at most ``FEWER_COLLECTIVES`` more bytes, or
+    runs at most half the collectives without a larger estimated peak
+    (``liveness.live_bytes``)."""
     if not FEWER_COLLECTIVES or len(program.nodes) > UNTIED_OPS:
         return kept
     kept_bytes = total_bytes(kept)
@@ -1653,19 +1650,21 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
     if alt is None:
         return kept
     alt_bytes = total_bytes(alt)
-    if alt_bytes > (1 + FEWER_COLLECTIVES) * kept_bytes:
+    kept_count, alt_count = _count(kept), _count(alt)
+    within = alt_bytes <= (1 + FEWER_COLLECTIVES) * kept_bytes
+    if not within and (2 * alt_count > kept_count or live_bytes(alt).max() > live_bytes(kept).max()):
         return kept
     kept_time, alt_time = (
         emitted_price(kept, cost_model, ring=True),
         emitted_price(alt, cost_model, ring=True),
     )
-    kept_count, alt_count = _count(kept), _count(alt)
     if alt_time >= kept_time or alt_count >= kept_count:
         return kept
+    why = f"within {100 * FEWER_COLLECTIVES:.0f}%" if within else "half the collectives, no larger peak"
     choice.latency_note = (
         f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
         f"in place of {kept_bytes} B "
-        f"({100 * (alt_bytes / max(kept_bytes, 1) - 1):+.1f}%, within {100 * FEWER_COLLECTIVES:.0f}%), "
+        f"({100 * (alt_bytes / max(kept_bytes, 1) - 1):+.1f}%, {why}), "
         f"{alt_count} collectives in place of {kept_count}, "
         f"{(kept_time - alt_time) / 1e6:.2f} MB-equivalent faster by the cost model"
     )

@@ -190,6 +190,32 @@ def test_launch_priced_plans_trade_bytes_for_collectives_only_where_it_pays(n):
     )
 
 
+@pytest.mark.parametrize("rows", [64, 256, 512, 2048])
+def test_ring_priced_plans_take_the_all_reduce_where_the_cost_model_times_it_faster(rows):
+    """The same (P, B) -> (B, B) on 4x2 priced with each collective's ring
+    latency (``launch_priced="ring"``, sj.jit's second solve): the one
+    all-reduce over x is taken exactly where ``CostModel.collective_time``
+    (2 (p-1) alpha + ... for an all-reduce, (p-1) alpha + ... for the others)
+    times it faster than the slice, reduce-scatter and all-gather, at
+    1.6 MB per device on the default model."""
+    pl = sj.placement((4, 2), ("x", "y"))
+    cm = sj.CostModel()
+    shape = (rows, 1024)
+    n = rows * 1024 * 4  # bytes of the tensor, each device's partial
+    ring = sj.plan_boxing(shape, np.float32, pl, (sj.P, sj.B), (sj.B, sj.B), launch_priced="ring")
+    all_reduce = cm.collective_time("all_reduce", ("x",), 4, n)
+    # the slice halves each partial; the all-gather over 8 devices gathers n / 8 blocks
+    three = cm.collective_time("reduce_scatter", ("x",), 4, n / 2) + cm.collective_time(
+        "all_gather", ("x", "y"), 8, n
+    )
+    ops = [(s.op, s.axes) for s in ring.steps if s.bytes]
+    if all_reduce < three:
+        assert ops == [("all_reduce", ("x",))]
+    else:
+        assert [op for op, _ in ops] == ["reduce_scatter", "all_gather"]
+    assert (rows <= 256) == (all_reduce < three)  # both sides of the crossing are tried
+
+
 def test_plans_are_deterministic_and_cached():
     pl = sj.placement((2, 4), ("x", "y"))
     a = sj.plan_boxing((64, 64), np.float32, pl, (sj.P, sj.P), (sj.B, sj.S(1)))
