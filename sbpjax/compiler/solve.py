@@ -1618,9 +1618,16 @@ IDLE_START = True
 # on 4x2 ran 17 collectives in place of 11. With all the conditions two rows
 # of benchmarks/compiler.py change: the data-parallel step above, and the GPT
 # step at d_model 128 on 8x8 (42,664,384 B in 12 collectives, as many as
-# GSPMD's 50,291,136 B; bytes first: 39,969,216 B in 18). Programs of
-# at most UNTIED_OPS ops only (solved whole, in seconds): a deep stack's solve
-# is the time-limited one, and the latency near-ties would slow it further.
+# GSPMD's 50,291,136 B; bytes first: 39,969,216 B in 18). On a program of
+# more than UNTIED_OPS ops the second solve keeps every op's signature (the
+# kept plan's layouts) and re-plans only its boxings at the ring's latency:
+# a deep stack's whole-program solve is the time-limited one, and freeing
+# the layouts there (tried) doubled the solve of the compiler benchmark's
+# 4- to 32-layer GPT steps (L32: 11.2 s, over its 10 s target) and changed
+# none of their plans. With the layouts kept it costs about a second (L32:
+# 5.5 s as before) and finds what is lost in boxings alone: a 3-layer
+# data-parallel GPT at d_model 64 with AdamW on 4x2 (1,300 ops) runs GSPMD's
+# one all-reduce (7,489,584 B) where bytes first ran three collectives.
 # 0: bytes first throughout.
 FEWER_COLLECTIVES = 0.10
 
@@ -1637,12 +1644,17 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
     ``FEWER_COLLECTIVES``) when that one runs fewer collectives, is faster by
     the cost model and moves at most ``FEWER_COLLECTIVES`` more bytes, or
     runs at most half the collectives without a larger estimated peak
-    (``liveness.live_bytes``)."""
-    if not FEWER_COLLECTIVES or len(program.nodes) > UNTIED_OPS:
+    (``liveness.live_bytes``). On a program of more than ``UNTIED_OPS`` ops
+    the layouts are ``kept``'s and only the boxings are planned again."""
+    if not FEWER_COLLECTIVES:
         return kept
     kept_bytes = total_bytes(kept)
+    reboxed = len(program.nodes) > UNTIED_OPS
+    fixed = None
+    if reboxed:
+        fixed = {i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(kept.decisions)}
     # half the limit: it only ever replaces a plan in hand
-    alt, alt_choice = run(time_limit=time_limit / 2, rel_gap=1e-3, latency="ring", start=kept)
+    alt, alt_choice = run(time_limit=time_limit / 2, rel_gap=1e-3, latency="ring", start=kept, fixed=fixed)
     choice = kept.choice
     # the time of the solve is reported, whichever plan is kept
     choice.solve_s += alt_choice.solve_s
@@ -1661,8 +1673,9 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
     if alt_time >= kept_time or alt_count >= kept_count:
         return kept
     why = f"within {100 * FEWER_COLLECTIVES:.0f}%" if within else "half the collectives, no larger peak"
+    again = "its boxings planned again" if reboxed else "solved again"
     choice.latency_note = (
-        f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
+        f"then {again} with each collective's ring latency, and that plan kept: {alt_bytes} B "
         f"in place of {kept_bytes} B "
         f"({100 * (alt_bytes / max(kept_bytes, 1) - 1):+.1f}%, {why}), "
         f"{alt_count} collectives in place of {kept_count}, "

@@ -320,6 +320,21 @@ def test_data_parallel_on_4x2_runs_the_one_all_reduce_the_cost_model_times_faste
             assert "1 collectives in place of 3" in note, note
 
 
+def test_a_deep_data_parallel_step_on_4x2_runs_the_one_all_reduce_too():
+    """The same on a program over UNTIED_OPS (a 3-layer GPT, drawn by the
+    random sweep's seed 202): there the second solve keeps the layouts and
+    plans the boxings again at the ring's latency, and each gradient's slice,
+    reduce-scatter and all-gather become GSPMD's one all-reduce."""
+    pl = sj.placement((4, 2), ("x", "y"))
+    step, args, in_sbp, out_sbp = gpt_case(pl, "dp", 64, 3, optax.adamw(1e-2, weight_decay=0.1), seed=461)
+    ours, gspmd, e, compiled = compare(step, args, in_sbp, out_sbp, pl, adam_lr=1e-2)
+    assert len(e.propagation.decisions) > solve_module.UNTIED_OPS
+    assert ours == gspmd == 7489584
+    assert [c.op for c in sj.collectives(compiled)] == ["all-reduce"]
+    note = e.choice.latency_note
+    assert "its boxings planned again" in note and "1 collectives in place of 3" in note, note
+
+
 def _two_d(sbp_tree):
     """Megatron over the last axis plus the other split dim over the first
     axis (2-D parameter layouts: kernels split on both axes)."""
