@@ -1625,9 +1625,9 @@ IDLE_START = True
 # the layouts there (tried) doubled the solve of the compiler benchmark's
 # 4- to 32-layer GPT steps (L32: 11.2 s, over its 10 s target) and changed
 # none of their plans. With the layouts kept it costs about a second (L32:
-# 5.5 s as before) and finds what is lost in boxings alone: a 3-layer
-# data-parallel GPT at d_model 64 with AdamW on 4x2 (1,300 ops) runs GSPMD's
-# one all-reduce (7,489,584 B) where bytes first ran three collectives.
+# 6.1 s in all, 5.5 s without it) and finds what is lost in boxings alone: a
+# 3-layer data-parallel GPT at d_model 64 with AdamW on 4x2 (1,066 ops) runs
+# GSPMD's one all-reduce (7,489,584 B) where bytes first ran three collectives.
 # 0: bytes first throughout.
 FEWER_COLLECTIVES = 0.10
 
