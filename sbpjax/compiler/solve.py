@@ -1230,22 +1230,48 @@ def _add(acc: _Lin, lin: _Lin, weight: float) -> None:
 
 def _start_columns(start: Propagation | None, sel, cands) -> dict[int, float] | None:
     """The MIP start of ``start``'s plan: each op's column of the signature
-    the plan gave it (HiGHS completes the rest). An op whose signature is not
-    among its candidates is left to HiGHS, and so is an op that shares its
-    columns (a layer class) with an op already given one: the plan may have
-    chosen differently for the two, which the shared columns cannot hold."""
+    the plan gave it (HiGHS completes the rest). Left to HiGHS: an op whose
+    signature is not among its candidates, and an op whose column would
+    break another op's one-of row. Ops of a layer class share columns, but
+    each op has its own candidates (``_Domains`` narrows them op by op), so
+    two ops of a class may hold overlapping, different sets of columns, and
+    the plan may have chosen differently for them: a column is given only
+    where no op holding it has another column given already, and where no
+    op is then left without a column that may still be 1.
+
+    Decision: checked here, since HiGHS rejects an infeasible start whole
+    (its completion's presolve finds it infeasible) and says so only in its
+    log. Before this check the 8-layer GPT step of ``benchmarks/compiler.py``
+    gave 256 columns, 49 of its one-of rows held two, and every solve of it
+    started from nothing."""
     if start is None:
         return None
+    holders: dict[int, list[int]] = {}  # column -> the ops whose one-of row holds it
+    for index, columns in enumerate(sel):
+        for col in columns or ():
+            holders.setdefault(col, []).append(index)
     given: dict[int, float] = {}
+    zero: set[int] = set()  # columns a given column's rows make 0
     for index, columns in enumerate(sel):
         if columns is None or any(c in given for c in columns):
             continue
         d = start.decisions[index]
         want = (tuple(d.in_sbp), tuple(d.out_sbp))
-        for col, (ins, outs) in zip(columns, cands[index]):
-            if (tuple(ins), tuple(outs)) == want:
-                given[col] = 1.0
-                break
+        col = next(
+            (c for c, (ins, outs) in zip(columns, cands[index]) if (tuple(ins), tuple(outs)) == want),
+            None,
+        )
+        if col is None or col in zero:
+            continue
+        others = {c for j in holders[col] for c in sel[j]} - {col}
+        if not others.isdisjoint(given):
+            continue
+        newly = others - zero
+        touched = {j for c in newly for j in holders[c]}
+        if any(col not in sel[j] and all(c in zero or c in newly for c in sel[j]) for j in touched):
+            continue
+        given[col] = 1.0
+        zero |= newly
     return given
 
 

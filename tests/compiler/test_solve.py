@@ -335,6 +335,45 @@ def test_a_deep_data_parallel_step_on_4x2_runs_the_one_all_reduce_too():
     assert "its boxings planned again" in note and "1 collectives in place of 3" in note, note
 
 
+def test_the_mip_start_of_a_tied_solve_is_one_highs_can_complete(monkeypatch):
+    """A program over UNTIED_OPS is solved with alike layers sharing columns,
+    while each op keeps its own candidates: two ops of a class can hold
+    overlapping, different sets of columns. The MIP start (greedy's plan,
+    which chose differently in different layers) once gave two columns of
+    one op's one-of row on the 8-layer GPT of benchmarks/compiler.py, and
+    HiGHS dropped the start whole. Every solve's start must leave the
+    integer program feasible: checked by HiGHS on the program with the
+    start's columns required to be 1."""
+    from scipy.sparse import csr_array, vstack
+
+    import sbpjax.compiler.milp as milp
+
+    solve_binary, seen = milp.solve_binary, []
+
+    def spy(cost, A, lo, hi, *, time_limit, rel_gap, start=None):
+        seen.append((A, lo, hi, dict(start or {})))
+        return solve_binary(cost, A, lo, hi, time_limit=time_limit, rel_gap=rel_gap, start=start)
+
+    monkeypatch.setattr(milp, "solve_binary", spy)
+    pl = sj.placement((2, 4), ("x", "y"))
+    step, args, in_sbp, out_sbp = gpt_case(pl, "megatron", 32, 4, optax.adamw(1e-2))
+    e = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp).explain(*args)
+    assert len(e.propagation.decisions) > solve_module.UNTIED_OPS and e.choice.shared
+    assert seen and all(start for *_, start in seen)
+    for A, lo, hi, start in seen:
+        cols = sorted(start)
+        pick = csr_array((np.ones(len(cols)), (np.arange(len(cols)), cols)), shape=(len(cols), A.shape[1]))
+        res = solve_binary(
+            np.zeros(A.shape[1]),
+            vstack([A, pick]),
+            np.concatenate([lo, np.ones(len(cols))]),
+            np.concatenate([hi, np.ones(len(cols))]),
+            time_limit=60.0,
+            rel_gap=1.0,
+        )
+        assert res.x is not None, f"{len(cols)} start columns: {res.message}"
+
+
 def _two_d(sbp_tree):
     """Megatron over the last axis plus the other split dim over the first
     axis (2-D parameter layouts: kernels split on both axes)."""
