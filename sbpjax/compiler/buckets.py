@@ -196,10 +196,12 @@ def plan_buckets(
         peak = int(live_bytes(prop).max())
         gather_cap = int(GATHER_SHARE * peak) if peak > 0 else None
     pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
+    local: dict = {}  # id(boxing) -> its block's bytes (each pending boxing is sized once per bucket)
     for b in order:
         k = keys[id(b)]
         if k is not None:
             pending.setdefault(k[0], []).append(b)
+            local[id(b)] = _local_bytes(b, grid)
     if not any(len(v) > 1 for v in pending.values()):
         return buckets, joined
 
@@ -217,7 +219,7 @@ def plan_buckets(
             members = [b]
             seqs = [k[1]]  # distinct kind sequences in the bucket
             n_rounds = len(k[1])
-            size = _local_bytes(b, grid)
+            size = local[id(b)]
             limit = cap
             if gather_cap is not None and all(kind[0] == "all_gather" for kind in k[1]):
                 limit = min(cap, gather_cap)
@@ -225,7 +227,7 @@ def plan_buckets(
             for c in pending[k[0]]:
                 if id(c) in done:
                     continue
-                nb = _local_bytes(c, grid)
+                nb = local[id(c)]
                 if (
                     (id(c.var), c.src) not in ready
                     or size + nb > limit
@@ -263,17 +265,19 @@ def count_collectives(prop: Propagation, combined_all_reduces: bool = False, **k
     all-reduces combined as XLA combines them, and a permute counted once
     per round (``emitted_collectives``)."""
     if combined_all_reduces:
-        return sum(
-            max(1, rounds) if op == "permute" else 1
-            for c in emitted_collectives(prop).values()
-            for op, _, rounds in c
-        )
+        return launch_count(emitted_collectives(prop))
     buckets, joined = plan_buckets(prop, **kw)
     n = sum(bk.collectives for bk in buckets.values())
     for b in prop.boxings:
         if id(b) not in joined and id(b) not in buckets:
             n += sum(1 for s in b.plan.steps if s.collective is not None)
     return n
+
+
+def launch_count(launched: dict) -> int:
+    """The collectives of ``emitted_collectives``' answer: one per entry, a
+    permute once per round."""
+    return sum(max(1, rounds) if op == "permute" else 1 for c in launched.values() for op, _, rounds in c)
 
 
 def emitted_collectives(prop: Propagation) -> dict:

@@ -76,7 +76,7 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
 from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes, step_launch_bytes
-from sbpjax.compiler.buckets import count_collectives, emitted_collectives, plan_buckets
+from sbpjax.compiler.buckets import emitted_collectives, launch_count, plan_buckets
 from sbpjax.compiler.liveness import block_bytes, live_bytes
 from sbpjax.compiler.propagate import (
     CONSTRAIN,
@@ -329,7 +329,9 @@ def price(prop: Propagation, cost_model=None) -> float:
     return _weighted_sum(prop, lambda b: _cost(b.plan, cm))
 
 
-def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> float:
+def emitted_price(
+    prop: Propagation, cost_model=None, ring: bool = False, launched: dict | None = None
+) -> float:
     """``price`` with latency counted for the collectives the lowering emits:
     boxings that ride in one bucket (:mod:`sbpjax.compiler.buckets`) pay for
     the bucket's rounds once. The window search compares its plans by it
@@ -340,10 +342,12 @@ def emitted_price(prop: Propagation, cost_model=None, ring: bool = False) -> flo
     boxing collectives that compiles to 18 over one of 25 that compiles to 7
     (and moves 6 kB less). ``ring``: the collectives of
     ``emitted_collectives``, each at its latency as the cost model times it
-    (``ring_latency_bytes``), by which ``FEWER_COLLECTIVES`` compares plans."""
+    (``ring_latency_bytes``), by which ``FEWER_COLLECTIVES`` compares plans;
+    ``launched``: ``emitted_collectives(prop)`` where the caller has it."""
     cm = cost_model if cost_model is not None else CostModel()
     if ring:
-        launched = emitted_collectives(prop)
+        if launched is None:
+            launched = emitted_collectives(prop)
 
         def ring_cost(b) -> float:
             latency = sum(ring_latency_bytes(cm, prop.placement, *c) for c in launched[id(b)])
@@ -1658,11 +1662,12 @@ IDLE_START = True
 FEWER_COLLECTIVES = 0.10
 
 
-def _count(prop: Propagation) -> int:
+def _count(prop: Propagation, launched: dict) -> int:
     """The collectives the compiled program runs: its boxings' as XLA runs
-    them (``buckets.count_collectives(combined_all_reduces=True)``) and the
-    ops' own communication."""
-    return count_collectives(prop, combined_all_reduces=True) + sum(1 for _, c in prop.comm if c.bytes)
+    them (``launched``: ``emitted_collectives(prop)``, as
+    ``buckets.count_collectives(combined_all_reduces=True)`` counts them)
+    and the ops' own communication."""
+    return launch_count(launched) + sum(1 for _, c in prop.comm if c.bytes)
 
 
 def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) -> Propagation:
@@ -1688,13 +1693,16 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
     if alt is None:
         return kept
     alt_bytes = total_bytes(alt)
-    kept_count, alt_count = _count(kept), _count(alt)
+    # what each plan's compiled program runs, read by the count and the price
+    # alike: each plan's buckets are planned once
+    kept_launched, alt_launched = emitted_collectives(kept), emitted_collectives(alt)
+    kept_count, alt_count = _count(kept, kept_launched), _count(alt, alt_launched)
     within = alt_bytes <= (1 + FEWER_COLLECTIVES) * kept_bytes
     if not within and (2 * alt_count > kept_count or live_bytes(alt).max() > live_bytes(kept).max()):
         return kept
     kept_time, alt_time = (
-        emitted_price(kept, cost_model, ring=True),
-        emitted_price(alt, cost_model, ring=True),
+        emitted_price(kept, cost_model, ring=True, launched=kept_launched),
+        emitted_price(alt, cost_model, ring=True, launched=alt_launched),
     )
     if alt_time >= kept_time or alt_count >= kept_count:
         return kept
