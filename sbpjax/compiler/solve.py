@@ -1670,6 +1670,11 @@ def _count(prop: Propagation, launched: dict) -> int:
     return launch_count(launched) + sum(1 for _, c in prop.comm if c.bytes)
 
 
+def _signatures(plan: Propagation, free=()) -> dict:
+    """``solve``'s ``fixed`` for ``plan``: each op's signature, but those of ``free``."""
+    return {i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(plan.decisions) if i not in free}
+
+
 def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) -> Propagation:
     """``kept``, or the plan solved with each collective's ring latency (see
     ``FEWER_COLLECTIVES``) when that one runs fewer collectives, is faster by
@@ -1683,7 +1688,7 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
     reboxed = len(program.nodes) > UNTIED_OPS
     fixed = None
     if reboxed:
-        fixed = {i: (list(d.in_sbp), list(d.out_sbp)) for i, d in enumerate(kept.decisions)}
+        fixed = _signatures(kept)
     # half the limit: it only ever replaces a plan in hand
     alt, alt_choice = run(time_limit=time_limit / 2, rel_gap=1e-3, latency="ring", start=kept, fixed=fixed)
     choice = kept.choice
@@ -1822,11 +1827,7 @@ def _refine(run, starts, deadline, windows, cost_model=None):
                 left = min(deadline - time.perf_counter(), per_solve)
                 if left <= 0 or stale >= len(windows):
                     break
-                fixed = {
-                    i: (list(d.in_sbp), list(d.out_sbp))
-                    for i, d in enumerate(best.decisions)
-                    if i not in window
-                }
+                fixed = _signatures(best, free=window)
                 prop, _ = run(time_limit=left, fixed=fixed, start=best)
                 rounds += 1
                 if prop is not None and emitted_price(prop, cost_model) < emitted_price(best, cost_model):
