@@ -196,7 +196,7 @@ def plan_buckets(
         peak = int(live_bytes(prop).max())
         gather_cap = int(GATHER_SHARE * peak) if peak > 0 else None
     pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
-    local: dict = {}  # id(boxing) -> its block's bytes (each pending boxing is sized once per bucket)
+    local: dict = {}  # id(boxing) -> its block's bytes, read once per bucket a pending boxing is tried for
     for b in order:
         k = keys[id(b)]
         if k is not None:

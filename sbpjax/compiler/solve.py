@@ -1729,9 +1729,10 @@ def _fewer_collectives(program, kept: Propagation, run, time_limit, cost_model) 
 # repeat; the window search then has the rest (it usually stops before: when
 # a round over every window improves nothing). Decision: 0.7, not half. The
 # tied program of a deep GPT step (benchmarks/compiler.py's 4- to 32-layer
-# rows: 7,779 binaries whatever the depth) is proven within 1% in 4.7-6.2 s,
-# about all of it HiGHS's root node (cuts, then a sub-MIP finds the optimum);
-# with 5 s the 8-layer row was proven on some runs and not on others, and
+# rows: 7,779 binaries whatever the depth) is proven within 1% in 2.7 s (32
+# layers) to 4.5-6.2 s (8 layers), about all of it HiGHS's root node (cuts,
+# then a sub-MIP finds the optimum); with 5 s the 8-layer row was proven on
+# some runs and not on others, and
 # when not, the window search from the bytes-only plan stopped in a local
 # optimum: 16,241,720 B in 74 collectives where the proven plan runs 36
 # (GSPMD's count). The cost falls on programs whose solve is not proven
