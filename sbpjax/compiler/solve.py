@@ -1662,11 +1662,13 @@ IDLE_START = True
 FEWER_COLLECTIVES = 0.10
 
 
-def _count(prop: Propagation, launched: dict) -> int:
+def _count(prop: Propagation, launched: dict | None = None) -> int:
     """The collectives the compiled program runs: its boxings' as XLA runs
-    them (``launched``: ``emitted_collectives(prop)``, as
-    ``buckets.count_collectives(combined_all_reduces=True)`` counts them)
-    and the ops' own communication."""
+    them (``buckets.count_collectives(combined_all_reduces=True)``) and the
+    ops' own communication. ``launched``: ``emitted_collectives(prop)``
+    where the caller has it."""
+    if launched is None:
+        launched = emitted_collectives(prop)
     return launch_count(launched) + sum(1 for _, c in prop.comm if c.bytes)
 
 
