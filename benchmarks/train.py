@@ -120,9 +120,8 @@ def reference_step(cfg, optimizer, batch_):
     return new_params, float(loss)
 
 
-def run_both(cfg, pl, optimizer, batch_, solve_time_limit=10.0):
-    """One step by sbpjax and by GSPMD: compiled programs, their bytes and results
-    (``solve_time_limit``: the Trainer's, seconds for the layout solve)."""
+def run_both(cfg, pl, optimizer, batch_):
+    """One step by sbpjax and by GSPMD: compiled programs, their bytes and results."""
     vocab, seq, d, heads, layers, _ = cfg
     out = {}
     model = build(vocab, seq, d, heads, layers)
@@ -132,9 +131,7 @@ def run_both(cfg, pl, optimizer, batch_, solve_time_limit=10.0):
 
     sjf.annotate(model, HYBRID_RULES)
     # no donation: the program is timed on the same arguments again and again (and GSPMD's does not donate)
-    trainer = sjf.Trainer(
-        model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP, donate=False, solve_time_limit=solve_time_limit
-    )
+    trainer = sjf.Trainer(model, optimizer, loss_fn, pl, batch_sbp=BATCH_SBP, donate=False)
     ts = trainer.train_step
     gbatch = (
         tuple(sj.to_global(v, pl, BATCH_SBP) for v in batch_),

@@ -36,6 +36,7 @@ from sbpjax.sbp import (
 from sbpjax.tensor import GlobalTensor, from_local_tensors, to_global
 from sbpjax.show import layout_text, show
 from sbpjax.compiler.api import AUTO, CompiledFunction, constrain, jit
+from sbpjax.compiler.options import CompileOptions
 
 __all__ = [
     "__version__",
@@ -71,6 +72,7 @@ __all__ = [
     "jit",
     "constrain",
     "AUTO",
+    "CompileOptions",
     "CompiledFunction",
     "show",
     "layout_text",

@@ -6,6 +6,15 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# sj.jit's plan cache (sbpjax.compiler.plan_cache): one directory per test run,
+# shared by its xdist workers (their run id), never the user's cache: a plan
+# made by this run's code is the only kind a test reads back. Every program
+# planned twice in a run goes through the cache's check and restore.
+if "SBPJAX_PLAN_CACHE" not in os.environ:
+    import tempfile
+
+    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
+    os.environ["SBPJAX_PLAN_CACHE"] = os.path.join(tempfile.gettempdir(), f"sbpjax-test-plans-{_run}")
 
 import itertools  # noqa: E402
 

@@ -82,6 +82,9 @@ def test_global_tensors_boxing_and_sj_jit_across_two_processes():
     for p in (0, 1):
         assert _lines(out, "OK", p) == [str(p)], out[-3000:]
         assert _lines(out, "boxing pairs equal the logical array:", p) == ["200"]
+    # process 0 plans (or reads its plan cache), process 1 receives the plan
+    (source0, plan0), (source1, plan1) = (_lines(out, "PLAN", p)[0].rsplit(" ", 1) for p in (0, 1))
+    assert source0 in ("solved", "plan cache") and source1 == "process 0" and plan0 == plan1, out[-3000:]
 
 
 def test_trainer_across_two_processes_matches_one_process():

@@ -20,7 +20,9 @@ tensors (partials stay partial unless ``out_sbp`` asks otherwise).
 from __future__ import annotations
 
 import functools
+import os
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -29,10 +31,13 @@ from jax.interpreters import mlir
 from sbpjax._errors import SBPError
 from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagate.NESTED)
 from sbpjax.compiler import lower as lowering
+from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
+from sbpjax.compiler.options import checked_options
+from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
+from sbpjax.compiler.planning import plan
 from sbpjax.compiler.propagate import CONSTRAIN
 from sbpjax.compiler.regather import add_regathers
-from sbpjax.compiler.solve import AUTO, choose
 from sbpjax.compiler.trace import trace
 from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
@@ -227,12 +232,21 @@ def _broadcast_spec(spec, tree, what, ndim):
         ) from None
 
 
-def checked_time_limit(value, where: str) -> float:
-    """``value`` as seconds for the layout solve, or an SBPError naming
-    ``where`` (a bool, a string, zero or a negative number)."""
+def checked_time_limit(value, where: str) -> None:
+    """Check a ``solve_time_limit`` (an SBPError naming ``where`` for a bool,
+    a string, zero or a negative number) and warn that it no longer decides
+    anything: the layout choice is bounded by ``CompileOptions.effort``, a
+    count of work, so that a plan never depends on the clock."""
+    if value is None:
+        return
     if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
         raise SBPError(f"{where}: solve_time_limit must be a positive number of seconds, got {value!r}.")
-    return float(value)
+    warnings.warn(
+        f"{where}: solve_time_limit is ignored: plans no longer depend on the clock. The solver's work "
+        "is bounded by sj.CompileOptions(effort=...); pass options= instead.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def checked_regather(value, where: str):
@@ -268,11 +282,13 @@ class CompiledFunction:
         out_sbp=None,
         cost_model=None,
         solver="ilp",
-        solve_time_limit=10.0,
+        solve_time_limit=None,
         donate_argnums=(),
         auto=False,
         memory_budget=None,
         regather="auto",
+        options=None,
+        plan_cache=None,
     ):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
@@ -282,7 +298,14 @@ class CompiledFunction:
         self.out_sbp = out_sbp
         self.cost_model = cost_model
         self.solver = solver
-        self.solve_time_limit = checked_time_limit(solve_time_limit, "sj.jit")
+        checked_time_limit(solve_time_limit, "sj.jit")
+        self.options = checked_options(options, "sj.jit")
+        if not (plan_cache is None or isinstance(plan_cache, (bool, str, os.PathLike))):
+            raise SBPError(
+                f"sj.jit: plan_cache must be a directory (str or os.PathLike), False (no cache) or None "
+                f"(${PLAN_CACHE_ENV}, else the user's cache directory), got {plan_cache!r}."
+            )
+        self.plan_cache = plan_cache
         self.donate_argnums = _donate_argnums(donate_argnums)
         self.auto = bool(auto)
         if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):
@@ -353,7 +376,8 @@ class CompiledFunction:
             return hit
         t0 = time.perf_counter()
         avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in gts]
-        program = trace(self.fn, avals, tree)
+        opts = self.options
+        program = trace(self.fn, avals, tree, unroll_limit=opts.unroll_limit, loop_slices=opts.loop_slices)
         t_traced = time.perf_counter()
         out_specs = None
         if self.out_sbp is not None:
@@ -373,18 +397,19 @@ class CompiledFunction:
             for k, (nd, o) in enumerate(zip(out_specs, program.outputs)):
                 if nd is not None:
                     check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
-        prop = choose(
+        prop = plan(
             program,
             self.placement,
             [t.sbp for t in gts],
             out_specs,
             self.cost_model,
             solver=self.solver,
-            time_limit=self.solve_time_limit,
+            options=self.options,
             ties=self._ties(gts, tree, program, out_specs),
             memory_budget=self.memory_budget,
             same_layout=self._mirrors(gts, tree),
             arg_names=[_leaf_name(p) for p in _leaf_paths(tree)],
+            cache=self.plan_cache,
         )
         if self.regather:
             add_regathers(prop, self.regather)
@@ -574,22 +599,33 @@ def jit(
     out_sbp=None,
     cost_model=None,
     solver="ilp",
-    solve_time_limit=10.0,
+    solve_time_limit=None,
     donate_argnums=(),
     auto=False,
     memory_budget=None,
     regather="auto",
+    options=None,
+    plan_cache=None,
 ):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
-    ``solver="ilp"`` (default) chooses every layout for the program as a whole
-    (an integer program solved by HiGHS within ``solve_time_limit`` seconds,
+    ``solver="ilp"`` (default) chooses every layout for the program as a whole,
     minimizing bytes moved plus each collective's latency priced in bytes by
-    ``cost_model``; where that solve is not proven near its optimum, one by
-    bytes alone runs too, in as long, and the cheaper plan is kept; the
-    greedy choice is kept if it costs no more or the solve fails, and
-    ``explain()`` says which was used); ``solver="greedy"`` is the fast
-    op-by-op pass, for prototyping.
+    ``cost_model`` (:mod:`sbpjax.compiler.choose`): a pairwise problem solved
+    within a work limit, never a wall clock, so the same program gets the same
+    plan on every machine and in every process; the greedy choice is kept
+    if it costs no more, and ``explain()`` says which was used and the
+    proven gap. ``solver="greedy"`` is the fast op-by-op pass, for
+    prototyping. ``options``: an ``sj.CompileOptions`` (the solver's
+    ``effort`` and the other settings of the layout choice and the
+    lowering). ``solve_time_limit`` is accepted for compatibility and
+    ignored, with a DeprecationWarning.
+
+    ``plan_cache``: where plans are kept on disk and read back
+    (:mod:`sbpjax.compiler.plan_cache`): a directory, False for none, or
+    None for ``$SBPJAX_PLAN_CACHE`` (a directory, or ``0`` for none), else
+    ``~/.cache/sbpjax/plans``. With several processes, process 0 plans and
+    sends its plan to the others.
 
     Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
     ``@functools.partial(sj.jit, placement=pl)``.
@@ -658,6 +694,8 @@ def jit(
         auto=auto,
         memory_budget=memory_budget,
         regather=regather,
+        options=options,
+        plan_cache=plan_cache,
     )
     if fn is None:
         return lambda f: CompiledFunction(f, placement, **kw)

@@ -36,14 +36,14 @@ only, so values do not change; buffers may live longer. A bucket does not
 cross the edge of a ``jax.checkpoint`` region (the recomputation stays after
 its optimization barrier).
 
-``BUCKET_BYTES`` caps a bucket's local input size (bytes one device
-contributes): 25 MiB, PyTorch DDP's default ``bucket_cap_mb``. Larger buckets
-mean fewer collectives and fewer latency terms; a cap bounds the extra memory
-of the flat buffer (about twice its size while the pieces are copied in and
-out). A boxing larger than the cap runs alone. ``BUCKETING = False`` turns
+``CompileOptions.bucket_bytes`` caps a bucket's local input size (bytes one
+device contributes): 25 MiB, PyTorch DDP's default ``bucket_cap_mb``. Larger
+buckets mean fewer collectives and fewer latency terms; a cap bounds the extra
+memory of the flat buffer (about twice its size while the pieces are copied in
+and out). A boxing larger than the cap runs alone. ``bucketing=False`` turns
 combining off (each boxing runs alone, as before).
 
-A bucket of all-gathers only is also capped at ``GATHER_SHARE`` (1/16) of the
+A bucket of all-gathers only is also capped at ``gather_share`` (1/16) of the
 program's estimated peak per device (:mod:`sbpjax.compiler.liveness`). Such
 buckets gather parameters (ZeRO-3 / FSDP plans), and every parameter is ready
 at the start, so without that cap the first gather takes every layer's
@@ -69,16 +69,6 @@ from sbpjax.compiler.liveness import live_bytes
 from sbpjax.compiler.propagate import Boxing, Propagation
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
-
-BUCKETING = True
-"""Combine qualifying boxings (module default; ``False`` lowers each boxing alone)."""
-
-BUCKET_BYTES = 25 * 2**20
-"""Cap on the bytes one device contributes to a bucket (PyTorch DDP's 25 MiB)."""
-
-GATHER_SHARE = 1 / 16
-"""Cap on a bucket of all-gathers only, as a share of the program's estimated
-peak per device (:mod:`sbpjax.compiler.liveness`)."""
 
 
 @dataclasses.dataclass
@@ -173,8 +163,8 @@ def plan_buckets(
     first boxing to its :class:`Bucket` (buckets of one boxing are left out:
     they lower as before); ``joined``: ids of the other members, which run with
     their bucket and are skipped at their own place."""
-    cap = BUCKET_BYTES if cap is None else cap
-    enabled = BUCKETING if enabled is None else enabled
+    cap = prop.options.bucket_bytes if cap is None else cap
+    enabled = prop.options.bucketing if enabled is None else enabled
     buckets: dict = {}
     joined: set = set()
     if not enabled:
@@ -194,7 +184,7 @@ def plan_buckets(
         k is not None and all(q[0] == "all_gather" for q in k[1]) for k in keys.values()
     ):
         peak = int(live_bytes(prop).max())
-        gather_cap = int(GATHER_SHARE * peak) if peak > 0 else None
+        gather_cap = int(prop.options.gather_share * peak) if peak > 0 else None
     pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
     local: dict = {}  # id(boxing) -> its block's bytes, read once per bucket a pending boxing is tried for
     for b in order:

@@ -65,6 +65,7 @@ import jax.extend.core as jcore
 from jax import lax
 
 from sbpjax.compiler import lower
+from sbpjax.compiler.choose import choose
 from sbpjax.compiler.loops import shift_down, shift_up
 from sbpjax.compiler.propagate import NESTED, Nested, Propagation, _even
 from sbpjax.compiler.trace import Node, scan_operands, trace
@@ -72,9 +73,6 @@ from sbpjax.rules import Comm
 from sbpjax.sbp import Broadcast, Partial, Split
 
 WHILE, SCAN = "while", "scan"
-
-INNER_TIME_LIMIT = 10.0
-"""Seconds the integer program may take on a loop's body (and on its condition)."""
 
 _CACHE_SIZE = 64  # planned loops kept (a compiled function keeps its own lowering)
 
@@ -162,8 +160,6 @@ def plan_loop(eqn, ins, placement) -> LoopPlan:
     if hit is not None and hit[0] is eqn and hit[1] is placement:
         _plans.move_to_end(key)
         return hit[2]
-    from sbpjax.compiler.solve import choose
-
     p = eqn.params
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
     rep = (Broadcast(),) * placement.ndim
@@ -172,7 +168,7 @@ def plan_loop(eqn, ins, placement) -> LoopPlan:
         closed = jaxpr if hasattr(jaxpr, "consts") else jcore.ClosedJaxpr(jaxpr, ())
         fn = jcore.jaxpr_as_fun(closed)
         program = trace(fn, args, jax.tree_util.tree_structure((tuple(args), {})))
-        return choose(program, placement, in_sbp, out_sbp, time_limit=INNER_TIME_LIMIT)
+        return choose(program, placement, in_sbp, out_sbp)
 
     if eqn.primitive.name == WHILE:
         nc, nb = p["cond_nconsts"], p["body_nconsts"]

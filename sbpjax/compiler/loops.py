@@ -56,7 +56,6 @@ from sbpjax.compiler.trace import Const, Loop
 from sbpjax.sbp import Broadcast, Split
 
 OUTER = "outer"
-ROLL = True  # False: every scan stays written out in the lowered program
 
 
 @dataclasses.dataclass(eq=False)
@@ -130,7 +129,7 @@ def shift_down(nd) -> tuple:
 
 def plan_runs(prop: Propagation) -> list[Run]:
     """The runs of the program's written-out scans (see the module docstring)."""
-    if not ROLL:
+    if not prop.options.roll_loops:  # every scan stays written out
         return []
     prog = prop.program
     decs = prop.decisions

@@ -32,6 +32,7 @@ import numpy as np
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import BoxingPlan, bytes_lower_bound, plan_boxing, plan_zeros
 from sbpjax.compiler import uneven
+from sbpjax.compiler.options import DEFAULT_OPTIONS
 from sbpjax.compiler.trace import Const, Node, Program, Var
 from sbpjax.dtypes import partial_supported
 from sbpjax.placement import Placement
@@ -88,6 +89,14 @@ class Propagation:
     # seconds spent per phase of sj.jit's front end (trace_s, choose_s, build_s;
     # lower_s and xla_compile_s once measured): see Explanation.timings
     timings: dict = dataclasses.field(default_factory=dict)
+    # the settings the plan was made with (sbpjax.compiler.options): the
+    # lowering, buckets, loops and regathers read theirs from here
+    options: Any = DEFAULT_OPTIONS
+    # {value key (decode.value_keys): the layout it was boxed to first}: the
+    # layout choice's hub versions (sbpjax.compiler.decode)
+    first_versions: dict = dataclasses.field(default_factory=dict)
+    # its boxings planned and compared by the ring's latency (the second solve)
+    ring: bool = False
 
     @property
     def boxings(self) -> list:
@@ -275,7 +284,7 @@ def zero_values(program: Program) -> set:
     return out
 
 
-# In a program with an idle axis (``idle_axes``), a boxing whose plan of
+# LAUNCH PRICED. In a program with an idle axis (``idle_axes``), a boxing whose plan of
 # the fewest bytes runs a collective over that axis is planned instead by the
 # layout choice's price (``plan_boxing``'s ``launch_priced``: bytes plus one
 # launch latency per collective, as ``sbpjax.compiler.solve.LATENCY`` prices
@@ -295,14 +304,14 @@ def zero_values(program: Program) -> set:
 # program's bound: the 4-, 8- and 16-layer rows ended their solves 3-7% from
 # it instead of proving it within 0.1-0.6%, and the 4-layer solve took
 # 10.9 s instead of 3.5 s.
-# False: by bytes alone (ties by time), as ``plan_boxing`` plans by default.
-LAUNCH_PRICED = True
+# ``CompileOptions.launch_priced`` False: by bytes alone (ties by time), as
+# ``plan_boxing`` plans by default.
 
 
 def idle_axes(in_sbp, grid) -> frozenset:
     """The placement axes (of size > 1) over which no argument is split or
     partial in any layout it may take (an AUTO argument may take any): data
-    parallelism annotated on 4x2 leaves y idle. See ``LAUNCH_PRICED`` and
+    parallelism annotated on 4x2 leaves y idle. See LAUNCH PRICED above and
     ``sbpjax.compiler.solve._Domains``."""
     if not all(isinstance(nd, tuple) for nd in in_sbp):  # an AUTO argument
         return frozenset()
@@ -312,8 +321,10 @@ def idle_axes(in_sbp, grid) -> frozenset:
 
 
 class Propagator:
-    def __init__(self, program: Program, placement: Placement, cost_model=None):
+    def __init__(self, program: Program, placement: Placement, cost_model=None, launch_priced: bool = True):
         self.prog = program
+        # plan a boxing that borrows an idle axis by bytes plus latency (LAUNCH PRICED above)
+        self.launch_priced = launch_priced
         self.pl = placement
         self.grid = placement.shape
         self.cm = cost_model
@@ -329,7 +340,7 @@ class Propagator:
         self._sigs: dict = {}  # id(node) -> its candidate signatures
         self._choices: dict = {}  # (id(node), what the choice depends on) -> (ins, outs) | False
         self._evens: dict = {}  # (nd-SBP, shape) -> whether every split divides
-        self._comms: dict = {}  # (id(node), ins, outs) -> the op's own communication
+        self.comms: dict = {}  # (id(node), ins, outs) -> the op's own communication
         self.uses: dict = {}  # id(var) -> how many ops and outputs use it
         self.zeros = zero_values(program)
         self.warnings: list = []
@@ -420,7 +431,7 @@ class Propagator:
             priced = "ring" if self.ring else False
             hit = planner(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=priced)
             borrows_idle = any(st.bytes and self.idle.intersection(st.group) for st in hit.steps)
-            if not self.ring and LAUNCH_PRICED and borrows_idle:
+            if not self.ring and self.launch_priced and borrows_idle:
                 hit = planner(
                     atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=True
                 )
@@ -596,11 +607,11 @@ class Propagator:
         for order, combo in enumerate(itertools.product(*per_axis)):
             ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
             outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
-            if not self._fits(node, ins, outs):
+            if not self.fits(node, ins, outs):
                 continue
-            if any(not self._partial_ok(nd) for nd in ins + outs):
+            if any(not self.partial_ok(nd) for nd in ins + outs):
                 continue
-            comm = op_comm(node, ins, outs, self.pl, self._comms)
+            comm = op_comm(node, ins, outs, self.pl, self.comms)
             if comm is None:
                 continue
             combos.append((order, ins, outs, sum(c.bytes for c in comm)))
@@ -670,7 +681,7 @@ class Propagator:
         rule = RULES.get(node.name)
         if rule is not None and rule.comm is not None:
             return None  # its candidates may cost bytes of their own: cost them all
-        if any(id(o) in self.pref for o in node.outs) or not all(self._partial_ok(nd) for nd in cur):
+        if any(id(o) in self.pref for o in node.outs) or not all(self.partial_ok(nd) for nd in cur):
             return None
         per_axis, sizes = [], []
         for a, p in enumerate(self.grid):
@@ -696,9 +707,9 @@ class Propagator:
         for idx in itertools.product(*[range(len(c)) for c in per_axis]):
             combo = [per_axis[a][i] for a, i in enumerate(idx)]
             outs = [tuple(s.outs[j] for s in combo) for j in range(len(node.outs))]
-            if not self._fits(node, cur, outs):
+            if not self.fits(node, cur, outs):
                 continue
-            if any(not self._partial_ok(nd) for nd in outs):
+            if any(not self.partial_ok(nd) for nd in outs):
                 continue  # (no debt: debt comes from an input boxed to a partial)
             fresh = _fresh_splits(outs, cur)
             order = sum(i * st for i, st in zip(idx, strides))
@@ -713,7 +724,7 @@ class Propagator:
             hit = self._evens[key] = _even(nd, shape, self.grid)
         return hit
 
-    def _fits(self, node: Node, ins, outs) -> bool:
+    def fits(self, node: Node, ins, outs) -> bool:
         """Whether ``node`` can run this nd-signature on its pieces: every
         split even, or uneven splits that keep their padded positions in place
         and need no communication of the op's own (``sbpjax.compiler.uneven``)."""
@@ -723,7 +734,7 @@ class Propagator:
             return True
         if not uneven.fits(nds, [v.shape for v in vals], self.grid):
             return False
-        return not op_comm(node, ins, outs, self.pl, self._comms)
+        return not op_comm(node, ins, outs, self.pl, self.comms)
 
     def _partial_debt(self, cur, ins, outs, node) -> int:
         """Bytes a new partial will cost later, charged when an op's partial
@@ -746,7 +757,7 @@ class Propagator:
         return debt
 
     @staticmethod
-    def _partial_ok(nd) -> bool:
+    def partial_ok(nd) -> bool:
         # mixed partial ops on one tensor are valid but no rule produces them on purpose
         return len({s.op for s in nd if isinstance(s, Partial)}) <= 1
 
@@ -767,7 +778,7 @@ class Propagator:
             boxings.append(Boxing(atom, src, nd, plan, f"{node.name} at {node.source}", index))
         for v, nd in zip(node.outs, outs):
             self.layout[id(v)] = nd
-        comm = op_comm(node, ins, outs, self.pl, self._comms) or []
+        comm = op_comm(node, ins, outs, self.pl, self.comms) or []
         return Decision(node, list(ins), list(outs), boxings, comm)
 
 
@@ -780,6 +791,7 @@ def propagate(
     passes: int = 3,
     caches=None,
     idle=None,
+    launch_priced: bool = True,
 ) -> Propagation:
     """Choose layouts for every value; ``out_sbp[k]`` None keeps the chosen one.
     ``idle``: the program's ``idle_axes`` (default: those of ``in_sbp``).
@@ -826,6 +838,7 @@ def propagate(
             uses=uses,
             rank_with_prefs=rank_with_prefs,
             idle=idle,
+            launch_priced=launch_priced,
         )
         ranked_apart |= apart
         total = prop.bytes
@@ -860,8 +873,9 @@ def _one_pass(
     uses,
     rank_with_prefs=False,
     idle=frozenset(),
+    launch_priced=True,
 ) -> tuple[Propagation, bool]:
-    pr = Propagator(program, placement, cost_model)
+    pr = Propagator(program, placement, cost_model, launch_priced=launch_priced)
     pr.idle = idle
     pr.quiet = quiet
     pr.rank_with_prefs = rank_with_prefs

@@ -16,7 +16,8 @@ after every op (each value's block in its layout, from the op that makes it
 to its last use, in program order; an upper bound, as XLA fuses many of them
 away) and, while a gathered argument is held across the estimated peak
 without being used there, gathers it again at its first use after the peak;
-it keeps the regathers if the estimate falls by ``MIN_SAVING`` or more. A
+it keeps the regathers if the estimate falls by
+``CompileOptions.regather_min_saving`` (5%) or more. A
 regather moves the boxing's bytes again (``explain()`` lists it, and its
 bytes count).
 
@@ -25,7 +26,7 @@ When (``sj.jit``'s ``regather``):
 * ``"auto"`` (the default): the chosen plan may hold as much as the greedy
   pass's plan, no more. The greedy pass takes each op's layouts from its
   operands', starting from the annotations, as a per-op partitioner (GSPMD)
-  does. Where the plan's estimated peak is above ``1 - AUTO_MARGIN`` of the
+  does. Where the plan's estimated peak is above ``1 - regather_margin`` of the
   greedy plan's (``explain().choice.greedy_peak``), the largest gathered
   weights are gathered again first, the fewest that bring it there (all of
   them where that is out of reach), and only if the plan with them still
@@ -54,7 +55,7 @@ When (``sj.jit``'s ``regather``):
   below GSPMD's 28.3 MB: the estimate's slack costs that much there.
   A program solved by the greedy pass (``solver="greedy"``, or where it was
   kept) never regathers on "auto".
-* ``True``: whenever the estimate falls by ``MIN_SAVING``, whatever the bytes.
+* ``True``: whenever the estimate falls by ``regather_min_saving``, whatever the bytes.
 * ``False``: never; every gathered copy is held from its first use to its last.
 
 Each regather runs alone, at its consumer: letting one regather's bucket
@@ -76,17 +77,6 @@ from sbpjax.compiler.liveness import Held, live_bytes, value_bytes
 from sbpjax.compiler.loops import plan_runs
 from sbpjax.compiler.propagate import Propagation
 from sbpjax.compiler.switches import plan_switches
-
-MIN_SAVING = 0.05
-"""Regathers are kept only when they lower the estimated peak by at least
-this fraction of it. Each moves bytes again; on the GPT sweep of
-``benchmarks/compiler.py`` single regathers (of the embedding table) saved
-under 1.5% of the estimate for 100-230 kB each."""
-
-
-AUTO_MARGIN = 0.05
-"""regather="auto" regathers until the estimated peak is this fraction below
-the greedy plan's (see the module docstring)."""
 
 
 def plan_regathers(prop: Propagation, excluded: set, target: int | None = None) -> tuple[dict, tuple | None]:
@@ -158,7 +148,7 @@ def plan_regathers(prop: Propagation, excluded: set, target: int | None = None) 
                 if trial.max() <= goal:
                     break
         live = trial
-    if first - int(live.max()) < MIN_SAVING * first:
+    if first - int(live.max()) < prop.options.regather_min_saving * first:
         return {}, None
     out: dict = {}
     for h in held:
@@ -175,7 +165,7 @@ def add_regathers(prop: Propagation, mode: bool | str = True) -> None:
     """Plan the regathers of a chosen program and add them to the decisions
     that run them (before lowering, so ``explain()`` and the bytes count them).
     ``mode=True`` adds every regather :func:`plan_regathers` keeps;
-    ``"auto"`` the fewest that bring the estimated peak ``AUTO_MARGIN`` under
+    ``"auto"`` the fewest that bring the estimated peak ``regather_margin`` under
     the greedy plan's, and only if the plan with them moves no more bytes
     than the greedy pass's plan (see the module docstring), else it records
     why in ``prop.regather_declined`` for ``explain()``."""
@@ -191,7 +181,7 @@ def add_regathers(prop: Propagation, mode: bool | str = True) -> None:
         target = prop.choice.greedy_peak if prop.choice is not None else None
         if target is None:
             return
-        target = int((1 - AUTO_MARGIN) * target)
+        target = int((1 - prop.options.regather_margin) * target)
     planned, estimate = plan_regathers(prop, excluded, target)
     if estimate is None:
         return

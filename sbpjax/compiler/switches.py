@@ -27,7 +27,7 @@ collectives inside a branch match up), each select's result has the layout
 of its cases, the cond's ops are contiguous in program order, and no boxing
 owned by a rolled loop (:mod:`sbpjax.compiler.loops`) would have to move
 across its edge. Otherwise it runs as written out, every branch computed and
-the selects picking (correct, and as costly as before). ``SWITCHES = False``
+the selects picking (correct, and as costly as before). ``CompileOptions.switches=False``
 runs every cond that way (the benchmarks' written-out baseline).
 """
 
@@ -38,8 +38,6 @@ import dataclasses
 from sbpjax.compiler.propagate import Propagation
 from sbpjax.compiler.trace import Cond, Var, common_path
 from sbpjax.sbp import Partial
-
-SWITCHES = True  # False: every cond stays written out in the lowered program
 
 
 @dataclasses.dataclass
@@ -64,7 +62,7 @@ def plan_switches(prop: Propagation, runs: list) -> tuple[dict, dict]:
     ``switches`` maps ``Cond.id`` to its :class:`Switch`; ``places`` maps
     ``id`` of each boxing inside a switch's branch to its place (see the
     module docstring)."""
-    if not SWITCHES:
+    if not prop.options.switches:  # every cond stays written out
         return {}, {}
     # boxings a rolled loop runs itself, outside its body or at its end: id -> the run
     fixed = {id(b): r for r in runs for b in [*r.hoisted, *r.done, *(p[0] for p in r.pushed.values())]}

@@ -68,6 +68,7 @@ REMAT = ("checkpoint", "remat", "remat2")
 # Cond). Loops above the limit, and while loops whose trip count is only
 # known at run time, stay one equation each, planned as loops of their own
 # (sbpjax.compiler.inner_loops).
+# The default of ``CompileOptions.unroll_limit``.
 UNROLL_LIMIT = 20_000
 
 # Each written-out scan slices its stacked operands itself: its slices are not
@@ -82,6 +83,7 @@ UNROLL_LIMIT = 20_000
 # the two passes different layouts. That decoder: 74.1 MB moved instead of
 # 68.9 (GSPMD: 99.0), peak 7.1 MB instead of 10.3 (GSPMD: 8.9), and the forward
 # pass's last layer is no longer peeled out of its loop. False: merge them.
+# The default of ``CompileOptions.loop_slices``.
 LOOP_SLICES = True
 
 
@@ -262,8 +264,12 @@ def _inner_jaxpr(eqn):
     return None
 
 
-def trace(fn, leaves_avals, in_tree) -> Program:
-    """Trace ``fn`` on abstract leaves; inline nested calls; drop dead code."""
+def trace(
+    fn, leaves_avals, in_tree, unroll_limit: int = UNROLL_LIMIT, loop_slices: bool = LOOP_SLICES
+) -> Program:
+    """Trace ``fn`` on abstract leaves; inline nested calls; drop dead code.
+    ``unroll_limit`` and ``loop_slices``: see ``UNROLL_LIMIT``, ``LOOP_SLICES``
+    (``sj.CompileOptions`` sets both)."""
 
     def flat_fn(*leaves):
         args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
@@ -273,12 +279,22 @@ def trace(fn, leaves_avals, in_tree) -> Program:
     out_tree = jax.tree_util.tree_structure(out_shape)
     inputs = [Var(tuple(a.shape), _dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
     nodes: list = []
-    loops: list = []
-    conds: list = []
-    outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, loops=loops, conds=conds)
+    flat = _Flattening(unroll_limit=unroll_limit, loop_slices=loop_slices)
+    outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, flat=flat)
     nodes = _dce(nodes, outs)
     nodes = _dce(_fuse_padded_windows(nodes, outs), outs)
-    return Program(inputs, nodes, outs, out_tree, loops, conds)
+    return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
+
+
+@dataclasses.dataclass
+class _Flattening:
+    """What writing loops and branches out needs: the limits, and the
+    loops and conds written out so far."""
+
+    unroll_limit: int = UNROLL_LIMIT
+    loop_slices: bool = LOOP_SLICES
+    loops: list = dataclasses.field(default_factory=list)
+    conds: list = dataclasses.field(default_factory=list)
 
 
 def _fuse_padded_windows(nodes, outputs):
@@ -334,10 +350,9 @@ def _fuse_padded_windows(nodes, outputs):
     return out
 
 
-def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None, conds=None):
+def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
     cse = {} if cse is None else cse
-    loops = [] if loops is None else loops
-    conds = [] if conds is None else conds
+    flat = _Flattening() if flat is None else flat
     env: dict = {}
     for v, c in zip(jaxpr.constvars, consts):
         env[v] = Const(c)
@@ -351,9 +366,9 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None, conds=None):
 
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        flat = _flatten_control(eqn, ins, nodes, cse, loops, conds)
-        if flat is not None:
-            for v, o in zip(eqn.outvars, flat):
+        written = _flatten_control(eqn, ins, nodes, cse, flat)
+        if written is not None:
+            for v, o in zip(eqn.outvars, written):
                 env[v] = o
             continue
         inner = _inner_jaxpr(eqn) if eqn.primitive.name in INLINE else None
@@ -363,12 +378,12 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, loops=None, conds=None):
             if len(inner_jaxpr.invars) == len(ins):
                 if eqn.primitive.name in REMAT and eqn.params.get("prevent_cse", False):
                     start = len(nodes)
-                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {}, loops, conds)
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {}, flat)
                     region = next(_regions)
                     for n in nodes[start:]:
                         n.region = n.region or region  # the innermost region wins
                 else:
-                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse, loops, conds)
+                    outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse, flat)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
@@ -396,7 +411,7 @@ def _size(closed) -> int:
     return len(getattr(closed, "jaxpr", closed).eqns)
 
 
-def _flatten_control(eqn, ins, nodes, cse, loops, conds):
+def _flatten_control(eqn, ins, nodes, cse, flat):
     """The outputs of a scan or cond written out as straight-line code (see
     ``UNROLL_LIMIT``), or None to keep the equation as it is."""
     name, p = eqn.primitive.name, eqn.params
@@ -404,7 +419,7 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
         return None
     if name == "scan":
         body, length = p["jaxpr"], p["length"]
-        if length == 0 or length * max(_size(body), 1) > UNROLL_LIMIT:
+        if length == 0 or length * max(_size(body), 1) > flat.unroll_limit:
             return None
         consts, carry, xs = scan_operands(p, ins)
         if "ft_out" in p:  # jax >= 0.12 groups the results as flat trees
@@ -419,7 +434,7 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
                 return outs[:n_carry], outs[n_carry:]
 
         ys: dict = {}
-        slice_cse = {} if LOOP_SLICES else cse
+        slice_cse = {} if flat.loop_slices else cse
         loop = Loop(p["reverse"], len(consts), len(carry), list(xs), [])
         for i in reversed(range(length)) if p["reverse"] else range(length):
             sliced_from = len(nodes)
@@ -433,7 +448,7 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
             # a copy of the merge table: equal equations merge within the iteration
             # and with the code before the loop, never across iterations (the
             # lowering rolls iterations that are alike back into one loop body)
-            outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), loops, conds)
+            outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), flat)
             made = {id(o) for n in nodes[start:] for o in n.outs}
             loop.iterations.append(Iteration(i, ins_i, list(outs_i), made, slicing))
             carry, ys[i] = split_out(outs_i)
@@ -444,22 +459,22 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
         if len(carry) + len(stacked) != len(eqn.outvars):
             return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
         loop.stacked, loop.source = list(stacked), source_of(eqn)
-        loops.append(loop)
+        flat.loops.append(loop)
         return carry + stacked
     if name == "cond":
         branches = p["branches"]
-        if sum(_size(b) for b in branches) > UNROLL_LIMIT:
+        if sum(_size(b) for b in branches) > flat.unroll_limit:
             return None
         index, operands = ins[0], ins[1:]
         if len(branches) == 1:
-            return _inline(branches[0].jaxpr, list(branches[0].consts), operands, nodes, cse, loops, conds)
+            return _inline(branches[0].jaxpr, list(branches[0].consts), operands, nodes, cse, flat)
         cond = Cond(next(_conds), index, len(branches), [], source_of(eqn))
         results = []
         for k, b in enumerate(branches):
             start = len(nodes)
             # a copy of the merge table: a branch's equations may read the code
             # before the cond, but nothing outside the branch reads its values
-            results.append(_inline(b.jaxpr, list(b.consts), operands, nodes, dict(cse), loops, conds))
+            results.append(_inline(b.jaxpr, list(b.consts), operands, nodes, dict(cse), flat))
             for n in nodes[start:]:
                 n.branch = ((cond.id, k), *n.branch)
         # lax.switch has already clamped the index; select_n picks case ``index``
@@ -470,7 +485,7 @@ def _flatten_control(eqn, ins, nodes, cse, loops, conds):
             for n in nodes[start:]:
                 n.source = cond.source  # the user's cond, not this line
             cond.selects += [n for n in nodes[start:] if n.name == "select_n"]
-        conds.append(cond)
+        flat.conds.append(cond)
         return outs
     return None
 

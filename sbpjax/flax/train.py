@@ -35,6 +35,7 @@ from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.api import checked_regather, checked_time_limit, constrain, is_nd_sbp, jit, state_sbp
+from sbpjax.compiler.options import checked_options
 from sbpjax.dtypes import canonical_dtype
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.layout import Geometry
@@ -148,10 +149,10 @@ class TrainStep:
     ``donate=False`` keeps them valid (e.g. to run a step twice from the same
     state).
 
-    ``solve_time_limit``: seconds for ``sj.jit``'s whole-program layout
-    solve (default 10). The solve is cut by the wall clock, so a busy or slow
-    machine reaches a plan a free one would improve on; give a large model,
-    or a machine shared with other work, more.
+    ``options``: an ``sj.CompileOptions`` for ``sj.jit`` (the layout
+    solver's work limit and the other settings). ``solve_time_limit`` is
+    accepted for compatibility and ignored, with a DeprecationWarning (plans
+    do not depend on the clock).
 
     ``regather``: ``sj.jit``'s (default ``"auto"``): whether weights the plan
     all-gathers are gathered again for the backward pass rather than held
@@ -172,8 +173,9 @@ class TrainStep:
         aux_sbp=None,
         cost_model=None,
         donate: bool = True,
-        solve_time_limit: float = 10.0,
+        solve_time_limit=None,
         regather="auto",
+        options=None,
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -187,8 +189,9 @@ class TrainStep:
         self.cost_model = cost_model
         self.donate = bool(donate)
         # checked here, not first in sj.jit: a Trainer builds the optimizer
-        # state before the step, and a bad limit would fail only after that ran
-        self.solve_time_limit = checked_time_limit(solve_time_limit, "TrainStep")
+        # state before the step, and a bad setting would fail only after that ran
+        checked_time_limit(solve_time_limit, "TrainStep")
+        self.options = checked_options(options, "TrainStep")
         self.regather = checked_regather(regather, "TrainStep")
         self.stored_sbp = None
         self._fn = None
@@ -294,7 +297,7 @@ class TrainStep:
             out_sbp=outs,
             cost_model=self.cost_model,
             donate_argnums=(0, 1) if self.donate else (),
-            solve_time_limit=self.solve_time_limit,
+            options=self.options,
             regather=self.regather,
         )
 
@@ -349,7 +352,7 @@ def bytes_per_device(tree) -> int:
     return max(per.values()) if per else 0
 
 
-def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather) -> dict:
+def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options) -> dict:
     """The TrainStep keywords both Trainer constructors take and pass on as they are."""
     return dict(
         zero=zero,
@@ -358,6 +361,7 @@ def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, reg
         donate=donate,
         solve_time_limit=solve_time_limit,
         regather=regather,
+        options=options,
     )
 
 
@@ -392,9 +396,8 @@ class Trainer:
     keeps the previous state until the loss is read (all or nothing at every
     point) at the cost of the second copy.
 
-    ``solve_time_limit``: seconds for the whole-program layout solve, and
-    ``regather``: whether gathered weights are gathered again for the backward
-    pass (both: see :class:`TrainStep`).
+    ``options`` (``sj.CompileOptions``) and ``regather`` (whether gathered
+    weights are gathered again for the backward pass): see :class:`TrainStep`.
     """
 
     def __init__(
@@ -409,8 +412,9 @@ class Trainer:
         compute_dtype=None,
         cost_model=None,
         donate: bool = True,
-        solve_time_limit: float = 10.0,
+        solve_time_limit=None,
         regather="auto",
+        options=None,
     ):
         self._setup(
             model,
@@ -418,7 +422,7 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather),
+            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options),
         )
         # typed PRNG keys cannot be global tensors: carry their key data (uint32)
         self._key_impls = jax.tree.map(
@@ -445,8 +449,9 @@ class Trainer:
         compute_dtype=None,
         cost_model=None,
         donate: bool = True,
-        solve_time_limit: float = 10.0,
+        solve_time_limit=None,
         regather="auto",
+        options=None,
     ) -> Trainer:
         """A Trainer whose state is born sharded: ``model_factory()`` (no
         arguments, e.g. ``lambda: sjf.annotate(GPT(cfg, nnx.Rngs(0)), RULES)``)
@@ -467,7 +472,7 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather),
+            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options),
         )
         impls: dict = {}
 

@@ -161,7 +161,7 @@ def compiled_bytes(f, *args) -> int:
     return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
 
 
-def check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, opt=None, steps=2):
+def check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, opt=None, steps=2, options=None):
     """``steps`` sj.jit train steps (``opt``, AdamW by default) against jax.jit's
     on one device, every parameter and loss compared; the plan's bytes equal
     the compiled program's. Returns the sj.jit step and its explain()."""
@@ -172,7 +172,13 @@ def check_train(loss_fn, params, x, y, pl, param_sbp, x_sbp, y_sbp, opt=None, st
     state = opt.init(params)
     rep = (B_,) * pl.ndim
     st_sbp = state_sbp(state, param_sbp, rep)
-    f = sj.jit(step, placement=pl, in_sbp=(param_sbp, st_sbp, x_sbp, y_sbp), out_sbp=(param_sbp, st_sbp, rep))
+    f = sj.jit(
+        step,
+        placement=pl,
+        in_sbp=(param_sbp, st_sbp, x_sbp, y_sbp),
+        out_sbp=(param_sbp, st_sbp, rep),
+        options=options,
+    )
     ref = jax.jit(step)
     p_ref, s_ref = params, state
     p_sj, s_sj = params, state

@@ -54,7 +54,7 @@ PLACEMENTS = {
 }
 
 
-def _jit(p, opt, pl, batch_sbp, param_sbp=None, cost_model=None):
+def _jit(p, opt, pl, batch_sbp, param_sbp=None, cost_model=None, options=None):
     rep = (B,) * pl.ndim
     psbp = param_sbp or {k: rep for k in p}
     ssbp = state_sbp(opt.init(p), psbp, rep)
@@ -65,6 +65,7 @@ def _jit(p, opt, pl, batch_sbp, param_sbp=None, cost_model=None):
         in_sbp=(psbp, ssbp, batch_sbp, batch_sbp),
         out_sbp=(psbp, ssbp, rep),
         cost_model=cost_model,
+        options=options,
     )
 
 
@@ -123,8 +124,7 @@ def test_data_parallel_step_reduces_the_gradients_in_one_bucket(where, opt_name,
     _check_values(step, f, p, opt, x, y)
 
     # the same program lowered one boxing at a time: the same bytes, more collectives
-    monkeypatch.setattr(buckets, "BUCKETING", False)
-    _, g = _jit(p, opt, pl, batch_sbp, cost_model=cm)
+    _, g = _jit(p, opt, pl, batch_sbp, cost_model=cm, options=sj.CompileOptions(bucketing=False))
     alone, alone_bytes = _found(g, args)
     assert alone_bytes == nbytes == g.explain(*args).bytes
     if cm is not None:  # XLA:CPU combines all-reduces by itself, not reduce-scatters or all-gathers
@@ -133,12 +133,15 @@ def test_data_parallel_step_reduces_the_gradients_in_one_bucket(where, opt_name,
 
 
 def test_emitted_price_counts_a_bucket_once(monkeypatch):
-    """The window search compares plans by solve.emitted_price: the bytes plus
+    """The second solve compares plans by pricing.emitted_price: the bytes plus
     alpha / beta for each collective the compiled program runs. A
     data-parallel sgd step's seven reductions (six gradients and the loss)
-    run as one all-reduce: one latency, where solve.price, boxing by boxing,
+    run as one all-reduce: one latency, where pricing.price, boxing by boxing,
     counts seven."""
-    from sbpjax.compiler.solve import emitted_price, price, total_bytes
+    import dataclasses
+
+    from sbpjax.compiler.choose import total_bytes
+    from sbpjax.compiler.pricing import emitted_price, price
 
     pl = sj.placement(8, "x")
     p, (x, y) = mlp_params(), _data()
@@ -158,7 +161,7 @@ def test_emitted_price_counts_a_bucket_once(monkeypatch):
     free = sj.CostModel(beta=0.0)
     assert emitted_price(prop, free) == price(prop, free) == pytest.approx(nbytes)
     # lowered without buckets, each boxing runs (and pays) its own collective
-    monkeypatch.setattr(buckets, "BUCKETING", False)
+    prop.options = dataclasses.replace(prop.options, bucketing=False)
     assert emitted_price(prop) == pytest.approx(price(prop))
 
 
@@ -168,8 +171,8 @@ def test_bucket_cap_splits_a_bucket_and_keeps_the_bytes(monkeypatch):
     opt = optax.sgd(0.1, momentum=0.9)
     args = (p, opt.init(p), x, y)
     # the largest gradient (32x32 f32) fills a bucket by itself; the others share
-    monkeypatch.setattr(buckets, "BUCKET_BYTES", 32 * 32 * 4)
-    step, f = _jit(p, opt, pl, (S(0), S(0)), cost_model=NODES)
+    capped = sj.CompileOptions(bucket_bytes=32 * 32 * 4)
+    step, f = _jit(p, opt, pl, (S(0), S(0)), cost_model=NODES, options=capped)
     counts, nbytes = _found(f, args)
     e = f.explain(*args)
     assert nbytes == e.bytes
@@ -256,8 +259,8 @@ def test_gathers_and_scatters_on_every_dim_share_buckets(monkeypatch):
 
     results = {}
     for on in (False, True):
-        monkeypatch.setattr(buckets, "BUCKETING", on)
-        f = sj.jit(fn, placement=pl, in_sbp=tuple(in_sbp), out_sbp=tuple(out_sbp))
+        options = sj.CompileOptions(bucketing=on)
+        f = sj.jit(fn, placement=pl, in_sbp=tuple(in_sbp), out_sbp=tuple(out_sbp), options=options)
         outs = f(*xs)
         for got, w, dst in zip(outs, want, out_sbp):
             assert got.sbp == dst
@@ -313,7 +316,7 @@ def test_gather_buckets_hold_at_most_a_share_of_the_peak(monkeypatch):
     here six split arrays gathered whole) would run as one bucket, its flat
     buffer and the pieces cut from it alive together (on jax 0.12 the model
     zoo's unrolled decoder peaked there, at 9.7 MB against GSPMD's 9.1 MB); a
-    bucket of all-gathers holds at most GATHER_SHARE of the program's
+    bucket of all-gathers holds at most CompileOptions.gather_share of the program's
     estimated peak per device (sbpjax.compiler.liveness), with the same bytes
     and values."""
     from sbpjax.compiler.liveness import live_bytes
@@ -325,18 +328,17 @@ def test_gather_buckets_hold_at_most_a_share_of_the_peak(monkeypatch):
     def fn(*args):
         return tuple(a * 2.0 for a in args)
 
-    def jit():
-        return sj.jit(fn, placement=pl, in_sbp=((S(0),),) * 6, out_sbp=((B,),) * 6)
+    def jit(share):
+        options = sj.CompileOptions(gather_share=share)
+        return sj.jit(fn, placement=pl, in_sbp=((S(0),),) * 6, out_sbp=((B,),) * 6, options=options)
 
     def gather_buckets(f):
         bks, _ = buckets.plan_buckets(f.explain(*xs).propagation)
         return [bk for bk in bks.values() if all(kind[0] == "all_gather" for kind, _ in bk.rounds)]
 
-    monkeypatch.setattr(buckets, "GATHER_SHARE", 1e9)  # no cap but BUCKET_BYTES
-    whole = jit()
+    whole = jit(1e9)  # no cap but bucket_bytes
     assert [len(bk.boxings) for bk in gather_buckets(whole)] == [6]
-    monkeypatch.setattr(buckets, "GATHER_SHARE", 1 / 16)
-    f = jit()
+    f = jit(1 / 16)
     e = f.explain(*xs)
     cap = int(live_bytes(e.propagation).max() / 16)
     capped = gather_buckets(f)

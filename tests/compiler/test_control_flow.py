@@ -19,8 +19,6 @@ from jax.sharding import PartitionSpec as PS
 
 import sbpjax as sj
 from sbpjax import B, S
-from sbpjax.compiler import loops
-from sbpjax.compiler import trace as trace_mod
 
 N, D, H = 16, 32, 64
 
@@ -55,9 +53,10 @@ def stacked_weights(layers, seed=0, n=N, d=D, h=H):
 W1_SBP, W2_SBP, X_SBP = (B, S(2)), (B, S(1)), (S(0), B)
 
 
-def compile_grad(loss, pl, args):
+def compile_grad(loss, pl, args, options=None):
     g = jax.value_and_grad(loss, argnums=(0, 1))
-    f = sj.jit(g, placement=pl, in_sbp=(W1_SBP, W2_SBP, X_SBP), out_sbp=(None, (W1_SBP, W2_SBP)))
+    out_sbp = (None, (W1_SBP, W2_SBP))
+    f = sj.jit(g, placement=pl, in_sbp=(W1_SBP, W2_SBP, X_SBP), out_sbp=out_sbp, options=options)
     compiled = f.lower(*args).compile()
     return g, f, compiled
 
@@ -124,12 +123,13 @@ def test_scanned_step_keeps_its_loops_moves_no_more_than_gspmd_and_fits_its_memo
     argnums = (0, 1, 2) if input_grad else (0, 1)
     loss = lambda *a: scanned_loss(*a, remat=remat)  # noqa: E731
 
-    def compiled_step():
+    def compiled_step(options=None):
         f = sj.jit(
             jax.value_and_grad(loss, argnums=argnums),
             placement=pl24,
             in_sbp=(W1_SBP, W2_SBP, X_SBP),
             out_sbp=(None, (W1_SBP, W2_SBP, X_SBP)[: len(argnums)]),
+            options=options,
         )
         return f, f.lower(*args).compile()
 
@@ -146,8 +146,8 @@ def test_scanned_step_keeps_its_loops_moves_no_more_than_gspmd_and_fits_its_memo
     if input_grad:
         assert ours <= 1.1 * theirs, (ours, theirs)
     else:
-        monkeypatch.setattr(loops, "ROLL", False)
-        written = compiled_step()[1].memory_analysis().temp_size_in_bytes
+        written_step = compiled_step(sj.CompileOptions(roll_loops=False))[1]
+        written = written_step.memory_analysis().temp_size_in_bytes
         assert ours <= 1.5 * theirs and ours <= 0.75 * written, (ours, theirs, written)
     value, grads = f(*args)
     want_value, want_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*args)
@@ -217,13 +217,12 @@ def test_cond_under_grad(pl8):
 def test_a_loop_over_the_unroll_limit_runs_split_as_a_loop_of_its_own(pl8, monkeypatch):
     """Too long to write out: the scan is planned on its own
     (sbpjax.compiler.inner_loops), its carry keeps its split."""
-    monkeypatch.setattr(trace_mod, "UNROLL_LIMIT", 4)
     X = np.random.default_rng(6).normal(size=(16, 8)).astype(np.float32)
 
     def fn(x):
         return jax.lax.fori_loop(0, 10, lambda i, c: jnp.sin(c) + 1, x)
 
-    f = sj.jit(fn, placement=pl8, in_sbp=(S(0),))
+    f = sj.jit(fn, placement=pl8, in_sbp=(S(0),), options=sj.CompileOptions(unroll_limit=4))
     with warnings.catch_warnings():
         warnings.simplefilter("error", sj.SBPWarning)
         y = f(X)
@@ -241,8 +240,7 @@ def test_scanned_layers_over_the_unroll_limit_train_split(pl24, monkeypatch, rem
     args = stacked_weights(4)
     loss = lambda w1, w2, x: scanned_loss(w1, w2, x, remat)  # noqa: E731
     _, written, written_compiled = compile_grad(loss, pl24, args)
-    monkeypatch.setattr(trace_mod, "UNROLL_LIMIT", 4)
-    g, f, compiled = compile_grad(loss, pl24, args)
+    g, f, compiled = compile_grad(loss, pl24, args, sj.CompileOptions(unroll_limit=4))
     with warnings.catch_warnings():
         warnings.simplefilter("error", sj.SBPWarning)
         val, (g1, g2) = f(*args)

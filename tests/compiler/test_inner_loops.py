@@ -46,9 +46,9 @@ def collectives_in_while_bodies(f, *args) -> set:
     return inside
 
 
-def strict(fn, placement, in_sbp, *args):
+def strict(fn, placement, in_sbp, *args, options=None):
     """Compile and run with SBPWarning as an error."""
-    f = sj.jit(fn, placement=placement, in_sbp=in_sbp)
+    f = sj.jit(fn, placement=placement, in_sbp=in_sbp, options=options)
     with warnings.catch_warnings():
         warnings.simplefilter("error", sj.SBPWarning)
         out = f(*args)
@@ -185,20 +185,18 @@ def rnn(h0, xs, w, u, v):
 
 
 @pytest.mark.parametrize("xs_sbp", [(S(1), B), (S(0), S(2))], ids=["batch-split", "time-split"])
-def test_a_scan_too_long_to_write_out_runs_split_as_a_loop_of_its_own(pl24, monkeypatch, xs_sbp):
-    """The time steps pass trace.UNROLL_LIMIT: the scan stays one equation,
+def test_a_scan_too_long_to_write_out_runs_split_as_a_loop_of_its_own(pl24, xs_sbp):
+    """The time steps pass CompileOptions.unroll_limit: the scan stays one equation,
     its body planned on its own. A batch-split input keeps its split in each
     slice; one split along time (the stacked dim) is gathered along time
     first. Readouts stack in the layout the body chose for them."""
-    from sbpjax.compiler import trace as trace_mod
-
-    monkeypatch.setattr(trace_mod, "UNROLL_LIMIT", 50)
     r = np.random.default_rng(7)
     t, n, d = 64, 16, 8
     xs = r.normal(size=(t, n, d)).astype(np.float32)
     h0 = np.zeros((n, d), np.float32)
     w, u, v = ((r.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32) for _ in range(3))
-    f, (h, ys) = strict(rnn, pl24, ((S(0), B), xs_sbp, (B, B), (B, B), (B, S(1))), h0, xs, w, u, v)
+    in_sbp = ((S(0), B), xs_sbp, (B, B), (B, B), (B, S(1)))
+    f, (h, ys) = strict(rnn, pl24, in_sbp, h0, xs, w, u, v, options=sj.CompileOptions(unroll_limit=50))
     ref_h, ref_ys = jax.jit(rnn)(h0, xs, w, u, v)
     assert_close(h.numpy(), np.asarray(ref_h), rtol=1e-5, scale=1.0)
     assert_close(ys.numpy(), np.asarray(ref_ys), rtol=1e-5, scale=3.0)

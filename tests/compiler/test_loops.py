@@ -114,10 +114,9 @@ def test_rolled_and_written_out_lowerings_agree(monkeypatch):
     fn = jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1))
     pl = sj.placement((2, 4), ("x", "y"))
     rolled = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B)))
-    monkeypatch.setattr(loops, "ROLL", False)
-    written = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B)))
+    unrolled = sj.CompileOptions(roll_loops=False)
+    written = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B)), options=unrolled)
     c_written = written.lower(W, X).compile()
-    monkeypatch.setattr(loops, "ROLL", True)
     c_rolled = rolled.lower(W, X).compile()
     assert c_rolled.as_text().count(" while(") == 2 and c_written.as_text().count(" while(") == 0
     measured = [sum(c.bytes for c in sj.collectives(c)) for c in (c_rolled, c_written)]
@@ -159,7 +158,7 @@ def test_slices_share_their_layouts(case):
     the same layouts: a free slice made before the body or inside it is a tie
     the solver would otherwise break per iteration, and the iterations that
     break it otherwise are written out of the loop."""
-    from sbpjax.compiler.solve import loop_classes
+    from sbpjax.compiler.classes import loop_classes
 
     _, fn, args, shape, in_sbp, n_loops = case
     pl = sj.placement(shape, ("x", "y")[: len(shape)])
@@ -203,8 +202,6 @@ def test_each_loop_boxes_its_own_slices(monkeypatch):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as PS
 
-    from sbpjax.compiler import trace
-
     w = (RNG.normal(size=(4, 32, 32)) / 6).astype(np.float32)
     x = RNG.normal(size=(2048, 32)).astype(np.float32)
 
@@ -215,8 +212,8 @@ def test_each_loop_boxes_its_own_slices(monkeypatch):
     grad = jax.grad(loss, argnums=(0, 1))
     pl = sj.placement(8, "x")
 
-    def compiled():
-        f = sj.jit(grad, placement=pl, in_sbp=(S(1), S(0)), out_sbp=(S(1), S(0)))
+    def compiled(options=None):
+        f = sj.jit(grad, placement=pl, in_sbp=(S(1), S(0)), out_sbp=(S(1), S(0)), options=options)
         e = f.explain(w, x)
         c = f.lower(w, x).compile()
         assert sum(col.bytes for col in sj.collectives(c)) == e.bytes
@@ -227,8 +224,7 @@ def test_each_loop_boxes_its_own_slices(monkeypatch):
 
     f, own, c_own, from_stack, gathers = compiled()
     assert not from_stack and len(gathers) == 2  # one all-gather in each loop body
-    monkeypatch.setattr(trace, "LOOP_SLICES", False)
-    _, shared, c_shared, from_stack, gathers = compiled()
+    _, shared, c_shared, from_stack, gathers = compiled(sj.CompileOptions(loop_slices=False))
     assert from_stack and len(gathers) == 1  # the backward reads the forward's gathered weights
     assert shared.bytes < own.bytes
     temp = lambda c: c.memory_analysis().temp_size_in_bytes  # noqa: E731

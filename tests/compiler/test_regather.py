@@ -13,12 +13,13 @@ import optax
 import pytest
 from conftest import assert_close
 from models import gpt_loss, gpt_params, gpt_sbp, state_sbp
-from test_solve import _two_d, assert_step_close, gspmd_jit, mlp_case
+from test_choose import _two_d, assert_step_close, gspmd_jit, mlp_case
 
 import sbpjax as sj
 from sbpjax import B, S
 from sbpjax.compiler.lower import _after
-from sbpjax.compiler.regather import AUTO_MARGIN
+
+AUTO_MARGIN = sj.CompileOptions().regather_margin
 
 RNG = np.random.default_rng(3)
 LAYERS, D, H, N = 3, 64, 256, 32

@@ -1,6 +1,6 @@
 """Scanned layers (a ``lax.scan`` over stacked weights, as Flax's ``nn.scan``
 and MaxText write a decoder) under the whole-program choice: random train
-steps on every placement of the GPT/MLP sweep (test_solve.py), with data
+steps on every placement of the GPT/MLP sweep (test_choose.py), with data
 parallel, Megatron, 2-D and FSDP layouts of the stacked weights, odd widths
 (48) and batches that split unevenly over a data axis of 8 (24).
 
@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from models import state_sbp
-from test_solve import PLACEMENTS, compare, train_step
+from test_choose import PLACEMENTS, compare, train_step
 
 import sbpjax as sj
 

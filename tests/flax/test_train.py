@@ -12,9 +12,9 @@ from flax import nnx
 from mlp_model import loss_fn
 
 import sbpjax as sj
-import sbpjax.compiler.solve as solve
 import sbpjax.flax as sjf
 from sbpjax import B, S
+from sbpjax.compiler import pricing
 
 D, H, N = 16, 64, 16
 
@@ -162,19 +162,25 @@ def test_zero_splits_master_weights_and_state_and_trains_the_same(monkeypatch):
     assert ops.get("all-reduce", 0) <= 2 * 7 * 4 * 8  # only the scalar loss (and nothing parameter-sized)
     # With 16 rows, priced by bytes alone, the compiler gathers the activations
     # (fewer bytes than Fig. 14's plan); with each collective's latency priced
-    # too (the default, sbpjax.compiler.solve.LATENCY), Fig. 14's two
+    # too (the default, CompileOptions.latency), Fig. 14's two
     # collectives per parameter cost less than the gathers' extra ones.
     small = data()[0]
     fig14 = 2 * 7 * 4 * n_params  # a reduce-scatter and an all-gather of every parameter
     measured = sum(c.bytes for c in sj.collectives(zero.lower(small).compile()))
     kept = zero.explain(small)
     assert measured == kept.bytes <= fig14 + 2 * 7 * 4 * 8  # + the loss's all-reduce
-    monkeypatch.setattr(solve, "LATENCY", False)
-    by_bytes = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adamw(1e-2), loss_fn, pl, batch_sbp=(S(0),), zero=True)
+    by_bytes = sjf.Trainer(
+        MLP(nnx.Rngs(0)),
+        optax.adamw(1e-2),
+        loss_fn,
+        pl,
+        batch_sbp=(S(0),),
+        zero=True,
+        options=sj.CompileOptions(latency=False),
+    )
     gathered = by_bytes.explain(small)
     assert sum(c.bytes for c in sj.collectives(by_bytes.lower(small).compile())) == gathered.bytes < fig14
-    monkeypatch.undo()
-    assert solve.price(kept.propagation) <= solve.price(gathered.propagation)
+    assert pricing.price(kept.propagation) <= pricing.price(gathered.propagation)
 
 
 def test_bf16_compute_keeps_fp32_master_and_gathers_bf16():

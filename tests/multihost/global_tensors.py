@@ -6,6 +6,7 @@ compares with NumPy on the whole array, computed in every process. The last
 line each process prints is ``OK <process index>``.
 """
 
+import hashlib
 import itertools
 
 import jax
@@ -147,6 +148,9 @@ e = f.explain(ga, gb, batch)
 measured = sum(c.bytes for c in sj.collectives(f.lower(ga, gb, batch).compile()))
 assert e.bytes == measured, (e.bytes, measured)
 print("sj.jit: 3 steps equal one device; bytes", e.bytes)
+# process 0 planned the step and sent its plan: every process runs its signatures
+signatures = [(tuple(d.in_sbp), tuple(d.out_sbp)) for d in e.propagation.decisions]
+print("PLAN", e.choice.source, hashlib.sha256(repr(signatures).encode()).hexdigest())
 
 # a process calling with another shape gets an SBPError (in every process), not a hang
 wrong = batch if me == 0 else batch[:4]

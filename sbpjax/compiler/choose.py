@@ -1,0 +1,449 @@
+"""Whole-program layout choice: the greedy pass, then the exact solve of the pairwise form.
+
+The greedy pass (:mod:`sbpjax.compiler.propagate`) picks each op's
+signature from its inputs' layouts as it walks the program; what is cheap at
+one op can be expensive later (a kernel gathered at a forward matmul, an Adam
+moment reduce-scattered twice). Here the choice is made for the program as a
+whole, as in Alpa's intra-operator ILP: :mod:`sbpjax.compiler.formulate`
+writes it as a pairwise problem (ops, arguments and shared values as nodes,
+boxing costs on the edges) and the solver minimizes it within a work limit
+(``CompileOptions.effort``), never a wall clock: the same program, placement,
+layouts, cost model and options give the same plan on every machine. The
+plan is compared with greedy's by ``pricing.price`` and the cheaper kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from sbpjax._errors import SBPError
+from sbpjax.boxing.cost import CostModel
+from sbpjax.compiler import plan_cache
+from sbpjax.compiler.backend import solve_settled
+from sbpjax.compiler.buckets import emitted_collectives
+from sbpjax.compiler.classes import layer_classes, loop_classes
+from sbpjax.compiler.decode import propagation_of, value_keys
+from sbpjax.compiler.domains import AUTO, allowed, auto_layouts
+from sbpjax.compiler.formulate import formulate, least_usage
+from sbpjax.compiler.liveness import block_bytes, live_bytes
+from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
+from sbpjax.compiler.pricing import boxing_cost, count_collectives, emitted_price, price
+from sbpjax.compiler.propagate import Propagation, Propagator, idle_axes, propagate
+from sbpjax.compiler.trace import Var
+from sbpjax.sbp import Broadcast
+
+SOLVERS = ("ilp", "greedy")
+
+
+@dataclasses.dataclass
+class Choice:
+    """How the layouts were chosen, for ``explain()``.
+
+    ``method``: "ilp" (the whole-program solve) or "greedy"; ``reason``: why
+    greedy was kept; ``objective``: the kept plan's cost in the solver's own
+    count, in bytes (bytes moved, plus collectives' latency and the price of
+    zero-filled splits: ``pricing.price``); ``bound``: the solver's proven
+    lower bound; ``gap``: (objective - bound) / objective; ``ops``,
+    ``groups`` (decisions the ops make), ``variables`` (nodes of the
+    problem: groups, AUTO arguments, values with several readers) and
+    ``constraints`` (its edges); ``solve_s`` / ``build_s``: seconds in the
+    solver and building the problem; ``greedy_bytes`` / ``ilp_bytes``: what
+    each choice moves; ``source``: where this process got the plan ("solved"
+    here, "plan cache" (``sbpjax.compiler.plan_cache``) or "process 0", which
+    planned it for every process)."""
+
+    method: str
+    reason: str = ""
+    objective: float | None = None
+    bound: float | None = None
+    gap: float | None = None
+    solve_s: float = 0.0
+    build_s: float = 0.0
+    greedy_bytes: int | None = None
+    ilp_bytes: int | None = None
+    # the greedy plan's estimated per-device peak (liveness.live_bytes): the
+    # memory regather="auto" holds the chosen plan to (sbpjax.compiler.regather)
+    greedy_peak: int | None = None
+    ops: int = 0
+    groups: int = 0
+    variables: int = 0
+    constraints: int = 0
+    status: str = ""
+    shared: bool = False  # alike layers shared their decisions (CompileOptions.tie_layers)
+    # per-device bytes of arguments and results (a donated pair once), and the budget
+    memory_bytes: int | None = None
+    memory_budget: int | None = None
+    auto: bool = False
+    # the plan solved with ring latency replaced the bytes-first one (fewer_collectives), or ""
+    latency_note: str = ""
+    source: str = "solved"
+    # solves until every boxing cost the plan uses was planned exactly, and
+    # the costs planned out of all the tables' entries (sbpjax.compiler.tables)
+    rounds: int = 0
+    planned: int = 0
+    entries: int = 0
+
+    def describe(self) -> str:
+        if self.method == "greedy" and self.ilp_bytes is None and not self.reason:
+            return "layouts: greedy pass (solver='greedy')"
+        gap = "n/a" if self.gap is None else f"{100 * self.gap:.2f}%"
+        size = (
+            f"{self.ops} ops in {self.groups} decisions; {self.variables} nodes, {self.constraints} edges"
+            + (", alike layers sharing decisions" if self.shared else "")
+        )
+        if self.method == "ilp":
+            text = (
+                f"layouts: whole-program choice ({size}): objective {self.objective:.0f} B, proven gap {gap}, "
+                f"solve {self.solve_s:.2f} s in {self.rounds} rounds (+{self.build_s:.2f} s building, "
+                f"{self.planned} of {self.entries} boxing costs planned); greedy would move {self.greedy_bytes} B"
+            )
+        else:
+            text = f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
+        if self.latency_note:
+            text += f"; {self.latency_note}"
+        if self.auto:
+            text += "; AUTO arguments chosen too (greedy starts them B)"
+        if self.memory_bytes is not None and (self.auto or self.memory_budget is not None):
+            budget = "" if self.memory_budget is None else f" of a {self.memory_budget} B budget"
+            text += f"; arguments + results hold {self.memory_bytes} B per device{budget}"
+        if self.source != "solved":
+            text += f"; from {'the plan cache' if self.source == 'plan cache' else 'process 0'}"
+        return text
+
+
+def total_bytes(prop: Propagation) -> int:
+    return prop.bytes
+
+
+def restore(program, placement, in_sbp, out_sbp, ties, entry, cost_model=None, options=DEFAULT_OPTIONS):
+    """The plan of a plan cache entry (``plan_cache.Entry``), or None where
+    it is not a plan of this call: its layouts must be the ones asked for
+    (an ``AUTO`` argument's one it may take) and each op's signature one its
+    rule allows (``domains.allowed``). The boxings are derived again, as for
+    a solved plan (:mod:`sbpjax.compiler.decode`)."""
+    grid = placement.shape
+    pr = Propagator(program, placement, cost_model, launch_priced=options.launch_priced)
+    pr.idle = idle_axes(in_sbp, grid)
+    pr.ring = entry.ring
+    pr.quiet = True
+    if len(entry.in_sbp) != len(in_sbp) or len(entry.out_sbp) != len(program.outputs):
+        return None
+    for v, want, got in zip(program.inputs, in_sbp, entry.in_sbp):
+        if got not in (auto_layouts(v.shape, grid) if want is AUTO else [want]):
+            return None
+    final = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
+    for k, i in (ties or {}).items():
+        final[k] = entry.in_sbp[i]
+    for k, want in enumerate(final):
+        if want is not None and entry.out_sbp[k] != want:
+            return None
+    if not all(allowed(pr, node, ins, outs) for node, (ins, outs) in zip(program.nodes, entry.signatures)):
+        return None
+    keys = set(value_keys(program).values())
+    for key, nd in entry.first.items():
+        if key not in keys or len(nd) != len(grid):
+            return None
+    cm = cost_model if cost_model is not None else CostModel()
+
+    def cost(plan):
+        return boxing_cost(plan, cm, options, ring=entry.ring)
+
+    prop = propagation_of(
+        program, placement, pr, list(entry.in_sbp), final, entry.signatures, entry.first, cost
+    )
+    prop.ring = entry.ring
+    if any(want is None and got != have for want, got, have in zip(final, entry.out_sbp, prop.out_sbp)):
+        return None
+    fields = {f.name for f in dataclasses.fields(Choice)}
+    prop.choice = Choice(**{k: v for k, v in entry.choice.items() if k in fields})
+    prop.choice.source = "plan cache"
+    prop.options = options
+    return prop
+
+
+def entry_of(prop: Propagation):
+    """The plan cache entry of a plan (``plan_cache.Entry``)."""
+    choice = {} if prop.choice is None else dataclasses.asdict(prop.choice)
+    choice["source"] = "solved"
+    return plan_cache.Entry(
+        list(prop.in_sbp),
+        [(list(d.in_sbp), list(d.out_sbp)) for d in prop.decisions],
+        list(prop.out_sbp),
+        choice,
+        dict(prop.first_versions),
+        prop.ring,
+    )
+
+
+def choose(
+    program,
+    placement,
+    in_sbp,
+    out_sbp,
+    cost_model=None,
+    solver: str = "ilp",
+    ties=None,
+    memory_budget=None,
+    same_layout=None,
+    arg_names=None,
+    options: CompileOptions = DEFAULT_OPTIONS,
+) -> Propagation:
+    """The layouts of every value: the greedy pass, then (``solver="ilp"``)
+    the whole-program solve, keeping whichever is cheaper by ``price`` (the
+    Choice attached to the result says which, and why).
+
+    ``in_sbp`` entries may be ``AUTO``: the argument's layout is chosen too.
+    ``ties`` maps an output index to the index of an ``AUTO`` argument whose
+    layout it must have (a donated train-step state: the step is a fixed
+    point). ``memory_budget``: per-device bytes that arguments and results
+    together may hold (a tied pair counted once). ``same_layout`` maps an
+    ``AUTO`` argument's index to an earlier ``AUTO`` argument's whose layout
+    it takes (optimizer state mirroring a parameter). ``arg_names``: the
+    arguments' paths, by which alike layers are found
+    (``CompileOptions.tie_layers``)."""
+    prop = _choose(
+        program,
+        placement,
+        in_sbp,
+        out_sbp,
+        cost_model,
+        solver,
+        ties,
+        memory_budget,
+        same_layout,
+        arg_names,
+        options,
+    )
+    prop.options = options
+    return prop
+
+
+def _choose(
+    program,
+    placement,
+    in_sbp,
+    out_sbp,
+    cost_model,
+    solver,
+    ties,
+    memory_budget,
+    same_layout,
+    arg_names,
+    options,
+):
+    if solver not in SOLVERS:
+        raise SBPError(
+            f"sj.jit: solver={solver!r} is not one of {SOLVERS}; use 'ilp' (whole-program "
+            "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping)."
+        )
+    ties = dict(ties or {})
+    auto = any(nd is AUTO for nd in in_sbp)
+    if solver == "greedy" and (auto or memory_budget is not None):
+        raise SBPError(
+            "sj.jit: AUTO layouts and memory_budget are chosen by the whole-program solver, not "
+            "the greedy pass; use solver='ilp' (the default), or annotate every argument."
+        )
+    grid = placement.shape
+    rep = (Broadcast(),) * len(grid)
+    greedy_in = [rep if nd is AUTO else nd for nd in in_sbp]
+    greedy_out = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
+    for k, i in ties.items():
+        greedy_out[k] = greedy_in[i]
+    caches: tuple[dict, ...] = ({}, {}, {}, {}, {}, {})
+    greedy = propagate(
+        program,
+        placement,
+        greedy_in,
+        greedy_out if (out_sbp is not None or ties) else None,
+        cost_model,
+        caches=caches,
+        # the caller's arguments' (greedy_in makes AUTO ones B, which would idle axes)
+        idle=idle_axes(in_sbp, grid),
+        launch_priced=options.launch_priced,
+    )
+    g_bytes = total_bytes(greedy)
+    if solver == "greedy":
+        greedy.choice = Choice("greedy", greedy_bytes=g_bytes, ops=len(program.nodes))
+        return greedy
+    g_price = price(greedy, cost_model, options)
+    g_memory = held_bytes(program, greedy, ties, grid)
+    g_fits = memory_budget is None or g_memory <= memory_budget
+    classes = _classes(program, arg_names, options)
+    t0 = time.perf_counter()
+    form = formulate(
+        program,
+        placement,
+        in_sbp,
+        out_sbp,
+        greedy,
+        cost_model,
+        options,
+        caches=caches,
+        ties=ties,
+        same_layout=same_layout,
+        classes=classes,
+    )
+    t1 = time.perf_counter()
+    solved = solve_settled(form, options.effort, start=form.start(greedy), usage_limit=memory_budget)
+    choice = Choice(
+        "ilp",
+        build_s=t1 - t0,
+        solve_s=time.perf_counter() - t1,
+        status=solved.status,
+        ops=len(program.nodes),
+        groups=form.groups,
+        variables=len(form.costs),
+        constraints=len(form.edges),
+        shared=options.tie_layers,
+        greedy_bytes=g_bytes,
+        greedy_peak=int(live_bytes(greedy).max()),
+        auto=auto,
+        memory_budget=memory_budget,
+        rounds=solved.rounds,
+        planned=form.tables.planned,
+        entries=form.tables.entries,
+    )
+    if solved.strategies is None:
+        if not g_fits:
+            raise _over_budget(memory_budget, least_usage(form), solved.status)
+        choice.method, choice.reason = "greedy", f"the solver found no plan ({solved.status})"
+        choice.memory_bytes = g_memory
+        greedy.choice = choice
+        return greedy
+    chosen = form.plan(solved.strategies)
+    choice.objective = solved.cost / 64
+    if solved.bound is not None:
+        choice.bound = solved.bound / 64
+        choice.gap = max(0.0, (solved.cost - solved.bound) / solved.cost) if solved.cost else 0.0
+    choice.ilp_bytes = total_bytes(chosen)
+    chosen_price = price(chosen, cost_model, options)
+    # On an equal price greedy's choice is kept: its tie-breaks (alpha-beta
+    # time, fewer boxings, no splits made from nothing) are finer than the
+    # solver's objective. Except where scans were written out: the solve gives
+    # their iterations the same layouts (loop_classes), so the lowering can
+    # keep the loop (sbpjax.compiler.loops); greedy's iterations may each differ.
+    if g_fits and (chosen_price > g_price or (chosen_price == g_price and not program.loops)):
+        choice.method = "greedy"
+        choice.reason = (
+            f"the whole-program plan moves {choice.ilp_bytes} B (objective {chosen_price:.0f} B), "
+            f"greedy's {g_bytes} B (objective {g_price:.0f} B)"
+        )
+        choice.memory_bytes = g_memory
+        greedy.choice = choice
+        kept = greedy
+    else:
+        choice.memory_bytes = held_bytes(program, chosen, ties, grid)
+        chosen.warnings = greedy.warnings
+        chosen.choice = choice
+        kept = chosen
+    again = dict(ties=ties, same_layout=same_layout, classes=classes, memory_budget=memory_budget)
+    return fewer_collectives(
+        program, placement, in_sbp, out_sbp, kept, greedy, cost_model, options, caches, again
+    )
+
+
+def _classes(program, arg_names, options: CompileOptions) -> list | None:
+    """Per op the key of the ops it decides alike with, or None: the
+    iterations of a written-out scan always (``loop_classes``), alike layers
+    where ``options.tie_layers`` asks."""
+    in_loops = loop_classes(program)
+    layers = layer_classes(program, arg_names) if options.tie_layers and arg_names is not None else None
+    if layers is None and all(c is None for c in in_loops):
+        return None
+    return [
+        lc if lc is not None else (None if layers is None else ("layer", layers[i]))
+        for i, lc in enumerate(in_loops)
+    ]
+
+
+def held_bytes(program, prop: Propagation, ties, grid) -> int:
+    """Per-device bytes of a plan's arguments and results (a tied result once)."""
+    held = sum(block_bytes(v.shape, v.dtype, nd, grid) for v, nd in zip(program.inputs, prop.in_sbp))
+    for k, (atom, nd) in enumerate(zip(program.outputs, prop.out_sbp)):
+        if isinstance(atom, Var) and k not in ties:
+            held += block_bytes(atom.shape, atom.dtype, nd, grid)
+    return held
+
+
+def _over_budget(budget, least: int, status: str) -> SBPError:
+    return SBPError(
+        f"sj.jit: no layout fits memory_budget={budget} B per device: the least any layout holds is "
+        f"{least} B per device (arguments and results, a donated argument and its result once; the "
+        f"solver: {status}). Raise the budget to at least {least} B, or use a placement with more devices."
+    )
+
+
+def fewer_collectives(
+    program, placement, in_sbp, out_sbp, kept: Propagation, greedy, cost_model, options, caches, again
+) -> Propagation:
+    """``kept``, or the plan solved with each collective at the cost model's
+    ring latency (boxings planned by the same price) where that plan runs
+    fewer collectives, is faster by the cost model, and either moves at most
+    ``options.fewer_collectives`` more bytes or runs at most half the
+    collectives with no larger estimated peak (``liveness.live_bytes``).
+
+    Bytes come first, but not at any price in collectives: on the compiler
+    benchmark's data-parallel transformer step the bytes-first plan moves 7%
+    fewer bytes in 4 collectives where GSPMD runs one all-reduce, and the cost
+    model times it slower. Decision: these conditions rather than the ring's
+    latency throughout (tried: collectives were bought with bytes everywhere,
+    up to 35% more on the tensor-parallel step). The peak condition keeps
+    FSDP plans, whose ring-priced alternative holds gathered weights and
+    whole gradients (an 8-device FSDP MLP: 6 collectives instead of 12 for
+    3.3x the estimated peak)."""
+    if not options.fewer_collectives or kept.choice is None:
+        return kept
+    choice = kept.choice
+    t0 = time.perf_counter()
+    form = formulate(
+        program,
+        placement,
+        in_sbp,
+        out_sbp,
+        greedy,
+        cost_model,
+        options,
+        caches=caches,
+        ring=True,
+        **{k: again[k] for k in ("ties", "same_layout", "classes")},
+    )
+    t1 = time.perf_counter()
+    solved = solve_settled(form, options.effort, start=form.start(kept), usage_limit=again["memory_budget"])
+    choice.build_s += t1 - t0
+    choice.solve_s += time.perf_counter() - t1
+    choice.rounds += solved.rounds
+    choice.planned += form.tables.planned
+    choice.entries += form.tables.entries
+    if solved.strategies is None:
+        return kept
+    alt = form.plan(solved.strategies)
+    kept_bytes, alt_bytes = total_bytes(kept), total_bytes(alt)
+    kept_launched, alt_launched = emitted_collectives(kept), emitted_collectives(alt)
+    kept_count, alt_count = count_collectives(kept, kept_launched), count_collectives(alt, alt_launched)
+    within = alt_bytes <= (1 + options.fewer_collectives) * kept_bytes
+    if not within and (2 * alt_count > kept_count or live_bytes(alt).max() > live_bytes(kept).max()):
+        return kept
+    kept_time = emitted_price(kept, cost_model, ring=True, launched=kept_launched, options=options)
+    alt_time = emitted_price(alt, cost_model, ring=True, launched=alt_launched, options=options)
+    if alt_time >= kept_time or alt_count >= kept_count:
+        return kept
+    why = (
+        f"within {100 * options.fewer_collectives:.0f}%" if within else "half the collectives, no larger peak"
+    )
+    choice.latency_note = (
+        f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
+        f"in place of {kept_bytes} B ({100 * (alt_bytes / max(kept_bytes, 1) - 1):+.1f}%, {why}), "
+        f"{alt_count} collectives in place of {kept_count}, "
+        f"{(kept_time - alt_time) / 1e6:.2f} MB-equivalent faster by the cost model"
+    )
+    if choice.method == "greedy":
+        choice.method = "ilp"
+    choice.ilp_bytes = alt_bytes
+    choice.memory_bytes = held_bytes(program, alt, again["ties"], placement.shape)
+    alt.warnings = kept.warnings
+    alt.choice = choice
+    return alt
+
+
+__all__ = ["choose", "restore", "entry_of", "Choice", "SOLVERS", "total_bytes", "held_bytes"]

@@ -1,0 +1,400 @@
+"""Which signatures each op may take, and which layouts each value may be in.
+
+The layout choice (:mod:`sbpjax.compiler.choose`) picks one candidate
+nd-signature per op. Here the candidates are made (every product of the
+rule's 1-D signatures over the placement's axes that fits the pieces) and
+then narrowed (:class:`Domains`) to those that use each input in a layout it
+can be in without an invented conversion: a layout its producer can give it,
+a reduction of one of its partials, or the layout the greedy pass used. The
+narrowing keeps the problem small and removes near-ties; the greedy pass's
+choice always stays, so the optimum over the narrowed space never costs more
+than greedy's plan.
+
+``AUTO`` marks an argument whose layout the solver chooses
+(:func:`auto_layouts` lists the layouts it may take).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from sbpjax.compiler.propagate import CONSTRAIN, NESTED, Propagator, op_comm
+from sbpjax.compiler.trace import Var
+from sbpjax.rules import RULES
+from sbpjax.rules.elementwise import ELEMENTWISE
+from sbpjax.sbp import Broadcast, Partial, Split
+
+
+class _Auto:
+    """The layout of an argument the solver chooses (``sj.AUTO``)."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self):
+        return "sj.AUTO"
+
+    def __reduce__(self):
+        return (_Auto, ())
+
+
+AUTO = _Auto()
+
+
+def auto_layouts(shape, grid) -> list[tuple]:
+    """The layouts an ``AUTO`` argument may take: on every placement axis B or
+    a split of any dim, where no device would be left without a piece (a dim
+    split by axes whose sizes multiply to more than its length). Partials are
+    not offered: an argument is data the caller holds, and a partial one
+    would mean the caller had summed nothing yet."""
+    per_axis = [[Broadcast()] + ([Split(d) for d in range(len(shape))] if p > 1 else []) for p in grid]
+    out = []
+    for nd in itertools.product(*per_axis):
+        pieces = [1] * len(shape)
+        for a, q in enumerate(nd):
+            if isinstance(q, Split):
+                pieces[q.dim] *= grid[a]
+        if all(n >= k for n, k in zip(shape, pieces)):
+            out.append(tuple(nd))
+    return out
+
+
+def candidates(pr: Propagator, node, grid):
+    """The op's nd-signatures as (ins, outs) lists; one fixed candidate for
+    constraints and ops without a rule (run whole, as the greedy pass does)."""
+    rep = (Broadcast(),) * len(grid)
+    if node.name == CONSTRAIN:
+        want = node.eqn.params["sbp"]
+        return [([want], [want])]
+    rule = RULES.get(node.name)
+    sigs = pr.candidates(node) if rule is not None else []
+    if not sigs:
+        return [([rep] * len(node.ins), [rep] * len(node.outs))]
+    per_axis = []
+    for p in grid:
+        if p == 1:
+            per_axis.append([None])
+        else:
+            per_axis.append(sigs)
+    out, seen = [], set()
+    for combo in itertools.product(*per_axis):
+        ins = [tuple(Broadcast() if s is None else s.ins[j] for s in combo) for j in range(len(node.ins))]
+        outs = [tuple(Broadcast() if s is None else s.outs[j] for s in combo) for j in range(len(node.outs))]
+        if not pr.fits(node, ins, outs):
+            continue
+        if not all(pr.partial_ok(nd) for nd in ins + outs):
+            continue
+        if op_comm(node, ins, outs, pr.pl, pr.comms) is None:
+            continue
+        key = (tuple(ins), tuple(outs))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((ins, outs))
+    if not out:
+        return [([rep] * len(node.ins), [rep] * len(node.outs))]
+    return out
+
+
+HEAVY = ("dot_general", "conv_general_dilated")
+
+
+def two_d(nd, grid) -> bool:
+    """Whether layout ``nd`` splits its value over two or more axes of
+    ``grid`` (a 2-D weight, ``Domains._gathered``)."""
+    return sum(isinstance(q, Split) for q, p in zip(nd, grid) if p > 1) >= 2
+
+
+def batch_axes(program, in_layouts, grid) -> frozenset:
+    """The axes a batch is split over: an argument of rank 2 or more split
+    along its first dimension alone, over axes of size > 1, that the model
+    reads as data (its first contraction keeps its first dimension, an
+    MLP's inputs; the indices of a gather, the tokens) and no op reads as a
+    weight (its first contraction contracts its first dimension, a
+    row-split kernel ``h @ w``; no gather or dynamic slice indexes into it,
+    an embedding table split along the vocabulary). Optimizer state, read
+    by neither, is not a batch (a row-split kernel's Adam moments on 1x8
+    would make the tensor axis one). ``in_layouts``: per argument its
+    possible layouts (one unless ``AUTO``). A weight split over such an
+    axis (ZeRO-3 / FSDP) may be gathered there where a contraction reads it
+    (``Domains._gathered``)."""
+    weightlike: set = set()
+    data: set = set()
+    producer: dict = {}
+    for n in program.nodes:
+        if n.name == "dot_general":
+            # by its first contraction, in program order the forward pass's
+            # (the weight gradient's product contracts the batch dimension)
+            (lc, rc), _ = n.eqn.params["dimension_numbers"]
+            for a, contracted in zip(n.ins, (lc, rc)):
+                if isinstance(a, Var) and id(a) not in weightlike and id(a) not in data:
+                    (weightlike if 0 in contracted else data).add(id(a))
+        elif n.name in ("gather", "dynamic_slice") and n.ins and isinstance(n.ins[0], Var):
+            weightlike.add(id(n.ins[0]))
+            # the indices, and what they are computed from (``x[tokens]``
+            # wraps negative ids and adds a dimension before its gather)
+            todo = [a for a in n.ins[1:] if isinstance(a, Var)]
+            while todo:
+                a = todo.pop()
+                if id(a) not in data:
+                    data.add(id(a))
+                    if id(a) in producer:
+                        todo.extend(b for b in producer[id(a)].ins if isinstance(b, Var))
+        for o in n.outs:
+            producer[id(o)] = n
+    axes: set = set()
+    for v, lays in zip(program.inputs, in_layouts):
+        if len(lays) != 1 or len(v.shape) < 2 or id(v) not in data or id(v) in weightlike:
+            continue
+        split = [(a, q) for a, (q, p) in enumerate(zip(lays[0], grid)) if p > 1 and isinstance(q, Split)]
+        if split and all(q == Split(0) for _, q in split):
+            axes.update(a for a, _ in split)
+    return frozenset(axes)
+
+
+class Domains:
+    """Which layouts each value may take, to keep the integer program small.
+
+    A value's producer layouts are those its producer's kept candidates give;
+    a consumer's candidates are kept when each input is used in a layout the
+    value can be in without an invented conversion: a producer layout, one of
+    its partials reduced (to B or to a split of any dim, the layouts a
+    reduction makes), or the layout the greedy pass used. The greedy choice is
+    kept (except a contraction computed whole on an axis, below), so the
+    program's optimum is at most greedy's bytes; layouts
+    flow forward from the annotations as they do in GSPMD's propagation, so a
+    choice that keeps a parameter's split through its matmuls is in the space
+    even where greedy gathered it. Contractions computed whole on an axis are
+    left out where another candidate exists (see ``restrict``)."""
+
+    def __init__(self, program, placement, in_layouts, greedy, idle=frozenset()):
+        self.grid = placement.shape
+        self.dom: dict = {id(v): set(lays) for v, lays in zip(program.inputs, in_layouts)}
+        # Weights split over the batch's axis alone (ZeRO-3 / FSDP) may be
+        # gathered at contractions (``_gathered``) on a placement of one axis
+        # of size > 1, which the batch then spans. Decision: not where other
+        # axes exist. Offered on 2x4 with y idle (ZeRO-3 over x), the larger
+        # integer program of a 2-layer GPT at d 64 stopped at its time limit
+        # (gap 43%) where it had been proven: 5.87 MB instead of 4.86 MB
+        # (GSPMD: 9.58 MB), the same 33 collectives.
+        one_axis = sum(p > 1 for p in self.grid) == 1
+        self.batch_axes = batch_axes(program, in_layouts, self.grid) if one_axis else frozenset()
+        self.args = {id(v) for v in program.inputs}
+        # axis -> ids of the operands of products with a replicated weight there;
+        # filled in program order, so before the weight's gradient reads them
+        self.whole_operands: dict = {}
+        self.greedy = greedy.decisions
+        # Axes the caller left idle (``propagate.idle_axes``). Data parallelism
+        # annotated on 4x2 splits the batch over x and nothing over y; GSPMD
+        # then runs the step replicated over y and all-reduces the gradients
+        # over x once. Holding contractions to "use every device" there made
+        # the solve split attention's heads over y and regather them:
+        # 1,479,728 B in 20 collectives on a 2-layer GPT at d 32 against
+        # GSPMD's 1,382,448 B in 1. On an idle axis running a contraction
+        # whole gathers nothing (see ``_whole_already``).
+        self.idle = idle
+
+    def _uses(self, atom) -> set:
+        # An S or P over an axis of size 1 is B (a user's (B, S(1)) on an 8x1
+        # placement): the normalized form too. Gathering a split value to B is
+        # not offered (only greedy's own gathers are): bytes alone would then
+        # gather a small batch and run the whole step replicated on every
+        # device (Alpa likewise enumerates only strategies that use every
+        # device).
+        base = self.dom.get(id(atom), set())
+        base = base | {tuple(Broadcast() if p == 1 else q for p, q in zip(self.grid, nd)) for nd in base}
+        out = set(base)
+        for nd in base:
+            for a, q in enumerate(nd):
+                if isinstance(q, Partial):
+                    out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
+                    out.update(nd[:a] + (Split(d),) + nd[a + 1 :] for d in range(len(atom.shape)))
+        return out
+
+    def _gathered(self, arg) -> set:
+        """A weight's layouts with its split over one axis gathered: an
+        argument split over two or more axes (the data and the tensor axes,
+        FSDP with tensor parallelism), all-gathered over one of them where a
+        contraction reads it, as ZeRO-3 and GSPMD do; and on a placement of
+        one axis of size > 1 an argument split over the batch's axis
+        (``batch_axes``: FSDP on 8x1, where no weight is split over two
+        axes; its kernels were otherwise kept split, their matmuls moving
+        activations by all-to-alls: a 2-layer MLP at d 32 moved 301,112 B
+        in 12 collectives, gathered 258,104 B in 8, GSPMD 344,120 B in 5).
+        Only such arguments, and only at contractions: the contraction
+        still uses every device
+        (``restrict`` drops one computed whole on an axis), so the batch is
+        not gathered by it. Without these a 3-layer MLP with kernels split
+        over both axes of 4x2 kept its weights split and permuted
+        activations around them: 302 kB where gathering each kernel once
+        moves 188 kB (GSPMD: 324 kB).
+        Decision: not for weights split over a tensor axis alone (Megatron's). Offered
+        there too (gathering a tensor-parallel kernel to split the batch over
+        the tensor axis), they moved no GPT sweep row of
+        ``benchmarks/compiler.py`` to fewer bytes, slowed the 1- and 4-layer
+        solves from 4 s to 12 s, and left the shared solves of the 8- and
+        32-layer GPTs far from their bounds (71-73%), at 2.2x the bytes
+        (36.2 MB and 139.9 MB against 16.2 MB and 63.5 MB)."""
+        out = set()
+        for nd in self._uses(arg):
+            wide = two_d(nd, self.grid)
+            for a, q in enumerate(nd):
+                if isinstance(q, Split) and (wide or a in self.batch_axes):
+                    out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
+        return out
+
+    def _whole_already(self, node, axis) -> bool:
+        """Whether ``node`` is a product without batch dimensions that may
+        run whole on ``axis``: one with a weight the caller replicated over
+        ``axis`` (an argument whole there in every layout it may take), or
+        that weight's gradient (a product reading an operand such a product
+        read); and none of its operands exists only split over ``axis``
+        (using it whole there would be a gather). Any contraction may run
+        whole on an axis the caller left idle (``self.idle``)."""
+        if axis in self.idle:
+            return True
+        if node.name != "dot_general" or node.eqn.params["dimension_numbers"][1][0]:
+            return False
+        if any(
+            isinstance(a, Var) and all(isinstance(nd[axis], Split) for nd in self.dom.get(id(a), ()))
+            for a in node.ins
+        ):
+            return False
+        seen = self.whole_operands.setdefault(axis, set())
+        weight = any(
+            id(a) in self.args and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
+            for a in node.ins
+            if isinstance(a, Var)
+        )
+        if weight:
+            seen.update(id(a) for a in node.ins if isinstance(a, Var))
+        return weight or any(isinstance(a, Var) and id(a) in seen for a in node.ins)
+
+    def restrict(self, index, node, cs):
+        dec = self.greedy[index]
+        keep_g = (list(dec.in_sbp), list(dec.out_sbp))
+        if len(cs) > 1:
+            uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
+            if node.name in HEAVY or node.name == "add_any":
+                # A contraction or a sum of gradients may also take an operand in
+                # a layout another operand of the same shape has (an activation
+                # and its gradient meeting at a kernel gradient, or two gradients
+                # of one value, one split along height, the other along the
+                # batch): one is boxed to the other's layout, where the producer
+                # layouts alone would leave a gather, or zero-filling both into a
+                # partial that is reduced later at full size. (All elementwise
+                # ops would triple the integer program for little more.)
+                for i, a in enumerate(node.ins):
+                    for j, b in enumerate(node.ins):
+                        if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape:
+                            uses[i] = uses[i] | self._uses(b)
+            if node.name in HEAVY:
+                for i, a in enumerate(node.ins):
+                    if uses[i] is not None and id(a) in self.args:
+                        uses[i] = uses[i] | self._gathered(a)
+            kept = [
+                c
+                for c in cs
+                if c == keep_g
+                or all(u is None or nd in u or nd == g for u, nd, g in zip(uses, c[0], dec.in_sbp))
+            ]
+            if node.name in ELEMENTWISE:
+                # Elementwise ops take their same-shape operands in the output's
+                # layout (no operand zero-filled into a partial the others do not
+                # have): the same bytes, since any reduction of the result
+                # reduces a tensor of the same size, and far fewer near-equal
+                # alternatives for the solver to tell apart.
+                shape = node.outs[0].shape
+                kept = [
+                    c
+                    for c in kept
+                    if c == keep_g
+                    or all(
+                        nd == c[1][0]
+                        for a, nd in zip(node.ins, c[0])
+                        if isinstance(a, Var) and a.shape == shape
+                    )
+                ]
+            if node.name in HEAVY:
+                # Alpa's rule: a contraction uses every device. Computing it whole
+                # on every device of an axis moves the fewest bytes when weights
+                # are smaller than activations (gather the weights, never reduce)
+                # but multiplies its time by the axis size (8x a tensor-parallel
+                # step); such candidates stay out unless nothing else is left.
+                # The greedy choice may be one (it is then not kept), so the
+                # guarantee against greedy is the comparison in choose().
+                # The exception (_whole_already): a product with a weight the
+                # caller left B on the axis, on operands that exist whole there
+                # already (a head on a Megatron block's replicated residual
+                # stream), and that weight's gradient. Nothing is gathered for
+                # it and GSPMD computes it there whole; splitting the batch
+                # over the tensor axis instead made the head's weight gradient
+                # a partial over both axes: 23.5 MB on linen_mlp (models.py)
+                # against GSPMD's 22.4 (now 21.9). Wider exceptions (any
+                # product without batch dimensions whose operands may be whole
+                # there, so also split weights' gradients) added near-ties that
+                # left the scanned decoder's time-limited solve at 107 MB
+                # instead of 94 on jax 0.12, above GSPMD's 99.
+                excepted = {a for a, p in enumerate(self.grid) if p > 1 and self._whole_already(node, a)}
+                spread = [
+                    c
+                    for c in kept
+                    if not any(
+                        p > 1
+                        and a not in excepted
+                        and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
+                        for a, p in enumerate(self.grid)
+                    )
+                ]
+                kept = spread or kept
+            elif keep_g not in kept:
+                kept.append(keep_g)
+            cs = kept
+        for j, o in enumerate(node.outs):
+            self.dom[id(o)] = {c[1][j] for c in cs}
+        return cs
+
+
+def allowed(pr: Propagator, node, ins, outs) -> bool:
+    """Whether ``node`` may run with the nd-signature (ins, outs): what its
+    rule allows on every axis (or, for an op without one, B throughout), on
+    pieces it can run on, as ``candidates`` would list it. Checks a
+    signature that comes from outside the solver (the plan cache)."""
+    grid = pr.grid
+    if len(ins) != len(node.ins) or len(outs) != len(node.outs):
+        return False
+    nds = list(ins) + list(outs)
+    values = list(node.ins) + list(node.outs)
+    if not all(isinstance(nd, tuple) and len(nd) == len(grid) for nd in nds):
+        return False
+    if any(isinstance(q, Split) and q.dim >= len(v.shape) for nd, v in zip(nds, values) for q in nd):
+        return False
+    if node.name == CONSTRAIN:
+        want = tuple(node.eqn.params["sbp"])
+        return all(nd == want for nd in nds)
+    rep = (Broadcast(),) * len(grid)
+    if node.name in NESTED:
+        sig = NESTED[node.name].signature(node, list(ins), pr.pl)
+        whole = all(nd == rep for nd in nds)
+        return (
+            whole
+            if sig is None
+            else (list(map(tuple, sig[0])), list(map(tuple, sig[1]))) == (list(ins), list(outs))
+        )
+    sigs = pr.candidates(node) if node.name in RULES else []
+    if not sigs:
+        return all(nd == rep for nd in nds)
+    for a, p in enumerate(grid):
+        on_axis = (tuple(nd[a] for nd in ins), tuple(nd[a] for nd in outs))
+        if p == 1:
+            if not all(isinstance(q, Broadcast) for nd in nds for q in (nd[a],)):
+                return False
+        elif not any((tuple(s.ins), tuple(s.outs)) == on_axis for s in sigs):
+            return False
+    if not pr.fits(node, list(ins), list(outs)) or not all(pr.partial_ok(nd) for nd in nds):
+        return False
+    return op_comm(node, list(ins), list(outs), pr.pl, pr.comms) is not None

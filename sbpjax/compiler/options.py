@@ -1,0 +1,132 @@
+"""``sj.CompileOptions``: every setting of ``sj.jit``'s front end in one frozen object.
+
+A plan is a pure function of the program, the placement, the layouts, the
+cost model, these options and the sbpjax version (the plan cache keys on
+all of them, :mod:`sbpjax.compiler.plan_cache`). Users pass them to
+``sj.jit(..., options=sj.CompileOptions(...))``; tests pass them too, rather
+than patching module globals. ``dataclasses.replace(options, field=value)``
+makes a variant.
+
+Each default is justified where it is used; the figures behind them are in
+``docs/concepts/compiler.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sbpjax._errors import SBPError
+
+# The solver's work limit (``sbpjax.solver``'s ``effort``): a count of table
+# entries and search steps, never seconds, so the same program gets the same
+# plan on any machine under any load. See ``CompileOptions.effort``.
+DEFAULT_EFFORT = 20_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """Settings of the layout choice and the lowering.
+
+    Layout choice:
+
+    * ``effort``: the solver's deterministic work limit (table entries
+      computed plus search steps). Plans are exact wherever the program's
+      graph can be eliminated within it (``explain()`` prints the proven
+      gap); a larger effort never gives a costlier plan.
+    * ``latency``: price each collective's launch latency (``alpha / beta``
+      of its group from the cost model, in bytes) besides its bytes; False:
+      bytes alone, ties broken by 1/64 B per collective.
+    * ``launch_priced``: in a program with an idle placement axis, plan a
+      boxing whose fewest-bytes plan borrows that axis by bytes plus
+      latency (``sbpjax.compiler.propagate.Propagator.plan``).
+    * ``zero_fill_weight``: the price of each byte a zero-fill (S -> P) adds
+      to a device's blocks, as a fraction of a byte moved.
+    * ``fewer_collectives``: after the bytes-first solve, solve again with
+      each collective at its ring latency and keep that plan where it runs
+      fewer collectives, is faster by the cost model and moves at most this
+      share more bytes (or runs at most half the collectives with no larger
+      estimated peak); 0 turns the second solve off.
+    * ``tie_layers``: give the alike ops of repeated layers one decision
+      (``sbpjax.compiler.classes.layer_classes``): a smaller problem, but a
+      restriction (the first and last layers may want other layouts).
+
+    Lowering:
+
+    * ``bucketing``, ``bucket_bytes``, ``gather_share``: combined
+      collectives (``sbpjax.compiler.buckets``).
+    * ``roll_loops``: roll a written-out scan's alike iterations back into
+      one loop (``sbpjax.compiler.loops``); ``switches``: run a written-out
+      cond as a ``lax.switch`` (``sbpjax.compiler.switches``).
+    * ``regather_min_saving``, ``regather_margin``: FSDP-style regathers
+      (``sbpjax.compiler.regather``).
+
+    Tracing:
+
+    * ``unroll_limit``: loops and branches are written out while the flat
+      program stays within this many equations per loop or branch
+      (``sbpjax.compiler.trace``); ``loop_slices``: each written-out scan
+      slices its stacked operands itself.
+    """
+
+    effort: int = DEFAULT_EFFORT
+    latency: bool = True
+    launch_priced: bool = True
+    zero_fill_weight: float = 1 / 16
+    fewer_collectives: float = 0.10
+    tie_layers: bool = False
+    bucketing: bool = True
+    bucket_bytes: int = 25 * 2**20
+    gather_share: float = 1 / 16
+    roll_loops: bool = True
+    switches: bool = True
+    regather_min_saving: float = 0.05
+    regather_margin: float = 0.05
+    unroll_limit: int = 20_000
+    loop_slices: bool = True
+
+    def __post_init__(self):
+        for name in ("effort", "bucket_bytes", "unroll_limit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise SBPError(f"sj.CompileOptions: {name} must be a positive int, got {v!r}.")
+        for name in ("zero_fill_weight", "fewer_collectives", "gather_share", "regather_min_saving"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise SBPError(f"sj.CompileOptions: {name} must be a number >= 0, got {v!r}.")
+        v = self.regather_margin
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise SBPError(f"sj.CompileOptions: regather_margin must be in [0, 1), got {v!r}.")
+        for name in (
+            "latency",
+            "launch_priced",
+            "tie_layers",
+            "bucketing",
+            "roll_loops",
+            "switches",
+            "loop_slices",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise SBPError(
+                    f"sj.CompileOptions: {name} must be True or False, got {getattr(self, name)!r}."
+                )
+
+    def fingerprint(self) -> tuple:
+        """The settings as plain data (a plan cache key's part)."""
+        return tuple(sorted(dataclasses.asdict(self).items()))
+
+
+DEFAULT_OPTIONS = CompileOptions()
+
+
+def checked_options(value, where: str) -> CompileOptions:
+    """``value`` (None: the defaults) as CompileOptions, or an SBPError naming ``where``."""
+    if value is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(value, CompileOptions):
+        raise SBPError(
+            f"{where}: options must be an sj.CompileOptions (e.g. sj.CompileOptions(effort=...)), got {value!r}."
+        )
+    return value
+
+
+__all__ = ["CompileOptions", "DEFAULT_OPTIONS", "DEFAULT_EFFORT", "checked_options"]

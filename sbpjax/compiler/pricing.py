@@ -1,0 +1,177 @@
+"""What a plan costs, in the layout choice's own measure.
+
+A boxing costs the bytes it moves (OneFlow's Table 2 convention), plus each
+collective's launch latency priced in bytes (``alpha / beta`` of its group
+from the ``CostModel``: the bytes its links could carry meanwhile, 100 kB on
+the default model), plus, for a zero-fill that turns a split value into a
+partial, ``zero_fill_weight`` per byte the devices' blocks grow. Costs are
+kept in 1/64 bytes and rounded, so the solver works on integers.
+
+Decision: one ``alpha / beta`` per collective, not the ring's ``p - 1`` hops.
+Priced by the ring (tried twice, see ``docs/concepts/compiler.md``),
+collectives were bought with bytes everywhere: 14 of the 19 rows of
+``benchmarks/compiler.py`` moved more bytes. Bytes come first; the ring's
+latency decides only between plans close in bytes, in the second solve
+(``CompileOptions.fewer_collectives``), where ``ring=True`` prices it.
+
+Decision: ``zero_fill_weight`` 1/16. Device memory is some 10-50x faster than
+the links between devices; with the weight 0 a height-split ResNet kept its
+BatchNorm-backward activations as full-size (P, P) partials to save 0.5% of
+the bytes and peaked at 1.5x GSPMD's memory (6.1 MB against 4.0 MB); at 1/16
+it peaks at 4.0 MB.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sbpjax.boxing.cost import CostModel
+from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes, step_launch_bytes
+from sbpjax.compiler.buckets import emitted_collectives, launch_count, plan_buckets
+from sbpjax.compiler.liveness import block_bytes
+from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
+from sbpjax.compiler.propagate import Propagation
+from sbpjax.compiler.trace import common_path
+
+
+def latency_bytes(plan, cost_model) -> float:
+    """The launch latency of a boxing's collectives, in bytes: ``alpha /
+    beta`` of each collective's group (a permute: one per round)."""
+    return sum(step_launch_bytes(st, cost_model) for st in plan.steps)
+
+
+def boxing_cost(
+    plan, cost_model, options: CompileOptions = DEFAULT_OPTIONS, with_latency: bool = True, ring: bool = False
+) -> int:
+    """A boxing's cost in 1/64 bytes (an int): its bytes, each collective's
+    latency (``latency_bytes``; ``ring``: the cost model's ring time,
+    ``ring_latency_bytes``; ``options.latency`` False or ``cost_model``
+    None: 1/64 B per collective, breaking ties; ``with_latency=False``:
+    none, for a boxing whose bucket pays it), and the blocks a zero-fill of
+    a split grows (``options.zero_fill_weight`` per byte)."""
+    if not plan.bytes or not with_latency:
+        latency = 0.0
+    elif ring:
+        latency = sum(
+            ring_latency_bytes(cost_model, plan.placement, st.op, st.axes, st.rounds)
+            for st in plan.steps
+            if st.bytes > 0
+        )
+    elif options.latency and cost_model is not None:
+        latency = latency_bytes(plan, cost_model)
+    else:
+        latency = sum(1 for st in plan.steps if st.bytes > 0) / 64
+    grown = 0  # bytes a zero-fill of a split adds to the blocks, summed over devices
+    if options.zero_fill_weight and any(st.op == "zero_fill" and st.dim is not None for st in plan.steps):
+        grid = plan.placement.shape
+        before = block_bytes(plan.shape, plan.dtype, plan.src_sbp, grid)
+        after = block_bytes(plan.shape, plan.dtype, plan.dst_sbp, grid)
+        grown = int(np.prod(grid)) * max(0, after - before)
+    return 64 * plan.bytes + round(64 * latency) + round(64 * options.zero_fill_weight * grown)
+
+
+def price(prop: Propagation, cost_model=None, options: CompileOptions = DEFAULT_OPTIONS) -> float:
+    """A whole plan's cost in bytes (``boxing_cost`` of each boxing, weighted
+    by the chance it runs, plus the ops' own communication): what the
+    solver minimizes, by which the plan kept is compared with greedy's."""
+    cm = cost_model if cost_model is not None else CostModel()
+    return _weighted_sum(prop, lambda b: boxing_cost(b.plan, cm, options))
+
+
+def emitted_price(
+    prop: Propagation,
+    cost_model=None,
+    ring: bool = False,
+    launched: dict | None = None,
+    options: CompileOptions = DEFAULT_OPTIONS,
+) -> float:
+    """``price`` with latency counted for the collectives the lowering emits:
+    boxings that ride in one bucket (:mod:`sbpjax.compiler.buckets`) pay for
+    the bucket's rounds once. ``ring``: the collectives of
+    ``emitted_collectives`` (all-reduces combined as XLA combines them), each
+    at the cost model's ring latency, by which the second solve's plan is
+    compared (``CompileOptions.fewer_collectives``); ``launched``:
+    ``emitted_collectives(prop)`` where the caller has it."""
+    cm = cost_model if cost_model is not None else CostModel()
+    if ring:
+        if launched is None:
+            launched = emitted_collectives(prop)
+
+        def ring_cost(b) -> float:
+            latency = sum(ring_latency_bytes(cm, prop.placement, *c) for c in launched[id(b)])
+            return boxing_cost(b.plan, cm, options, with_latency=False) + round(64 * latency)
+
+        return _weighted_sum(prop, ring_cost)
+    buckets, joined = plan_buckets(prop)
+    names = prop.placement.axis_names
+
+    def cost(b) -> float:
+        if id(b) in joined:  # its bucket's first boxing pays the rounds
+            return boxing_cost(b.plan, cm, options, with_latency=False)
+        bucket = buckets.get(id(b))
+        if bucket is None:
+            return boxing_cost(b.plan, cm, options)
+        rounds = 0.0
+        for (_, group, _), _members in bucket.rounds:
+            rounds += launch_bytes(cm, [names[g] for g in group]) if options.latency else 1 / 64
+        return boxing_cost(b.plan, cm, options, with_latency=False) + round(64 * rounds)
+
+    return _weighted_sum(prop, cost)
+
+
+def count_collectives(prop: Propagation, launched: dict | None = None) -> int:
+    """The collectives the compiled program runs: its boxings' as XLA runs
+    them (all-reduces that do not depend on one another combined) and the
+    ops' own communication."""
+    if launched is None:
+        launched = emitted_collectives(prop)
+    return launch_count(launched) + sum(1 for _, c in prop.comm if c.bytes)
+
+
+def _weighted_sum(prop: Propagation, cost) -> float:
+    """A plan's price in bytes from ``cost(boxing)`` (in 1/64 bytes): each
+    boxing weighted by the chance that it runs (inside a cond's branch: less
+    than 1), plus the bytes of ops that communicate themselves."""
+    odds = BranchOdds(prop.program)
+    readers: dict = {}
+    for d in prop.decisions:
+        for i, (a, nd) in enumerate(zip(d.node.ins, d.in_sbp)):
+            readers.setdefault((id(a), nd), []).append(odds.read_path(d.node, i))
+    total = sum(cost(b) for b in prop.out_boxings)
+    for d in prop.decisions:
+        for b in d.boxings:
+            total += odds.boxing(readers.get((id(b.var), b.dst), [()])) * cost(b)
+    total += 64 * sum(odds.chance(prop.decisions[i].node.branch) * c.bytes for i, c in prop.comm)
+    return total / 64
+
+
+class BranchOdds:
+    """How often code inside a cond's branches runs, for pricing it.
+
+    A cond runs as a ``lax.switch`` (:mod:`sbpjax.compiler.switches`), so
+    what lies inside a branch runs only when that branch is taken; not
+    knowing the index, each branch is taken alike often: 1 / branches per
+    level of nesting. A boxing runs where all its readers are (the innermost
+    branch holding them). Priced so, a reduction one branch needs is made
+    inside it, not after the cond, where it would run on every step (every
+    branch's result zero-filled into a partial to share one reduction)."""
+
+    def __init__(self, program):
+        conds = getattr(program, "conds", [])
+        self.n_branches = {c.id: c.n_branches for c in conds}
+        self.select_of = {id(n): c.id for c in conds for n in c.selects}
+
+    def chance(self, path) -> float:
+        return float(np.prod([1.0 / self.n_branches[c] for c, _ in path])) if path else 1.0
+
+    def read_path(self, node, i) -> tuple:
+        """Where ``node`` reads operand ``i``: a select reads case ``k`` in branch ``k``."""
+        cond = self.select_of.get(id(node))
+        return (*node.branch, (cond, i - 1)) if cond is not None and i > 0 else node.branch
+
+    def boxing(self, reader_paths) -> float:
+        """The chance a boxing read at ``reader_paths`` runs."""
+        return self.chance(common_path(reader_paths)) if self.n_branches else 1.0
+
+
+__all__ = ["boxing_cost", "latency_bytes", "price", "emitted_price", "count_collectives", "BranchOdds"]
