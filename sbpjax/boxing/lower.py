@@ -26,7 +26,8 @@ import numpy as np
 from jax import lax
 
 from sbpjax._errors import SBPError
-from sbpjax.boxing.plan import BoxingPlan, Step, p2p_schedule
+from sbpjax.boxing.p2p import p2p_schedule
+from sbpjax.boxing.steps import BoxingPlan, Step
 from sbpjax.layout import Geometry, Layout
 
 # ---------------------------------------------------------------------------

@@ -17,8 +17,6 @@ plan and its bytes are the same; only the per-piece loop is skipped).
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 
 import jax
@@ -28,106 +26,15 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sbpjax._errors import SBPError
-from sbpjax.boxing.plan import BoxingPlan, Step, normalized_layout, plan_boxing
+from sbpjax.boxing.lower import boxing_fn, layout_sharding
+from sbpjax.boxing.plan import TransferPlan, normalized_layout, plan_boxing, transfer_bytes
 from sbpjax.layout import Geometry
 from sbpjax.sbp import Broadcast, Split
-
-
-def _no_partial_sbps(n_axes: int, ndim: int):
-    options = [Broadcast()] + [Split(d) for d in range(ndim)]
-    return [tuple(c) for c in itertools.product(options, repeat=n_axes)]
-
-
-def transfer_bytes(shape, itemsize: int, placement, sbp) -> tuple[int, int]:
-    """(total, largest per device) bytes the target devices receive for ``sbp``."""
-    geom = Geometry(shape, placement.shape)
-    layout = normalized_layout(sbp, len(shape), placement.shape)
-    sizes = [math.prod(n for _, n in geom.local_box(layout, c)) * itemsize for c in geom.coords]
-    return int(sum(sizes)), int(max(sizes))
-
-
-def plan_transfer(shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp, cm) -> BoxingPlan:
-    itemsize = np.dtype(dtype).itemsize
-    src_layout = normalized_layout(src_sbp, len(shape), src_pl.shape)
-    if not src_layout.partial:
-        src_side = plan_boxing(shape, dtype, src_pl, src_sbp, src_sbp, cost_model=cm)
-    else:
-        cands = [
-            plan_boxing(shape, dtype, src_pl, src_sbp, x, cost_model=cm)
-            for x in _no_partial_sbps(src_pl.ndim, len(shape))
-        ]
-        src_side = min(cands, key=lambda p: (p.bytes, p.time(), len(p.steps)))
-    best = None
-    ys = _no_partial_sbps(dst_pl.ndim, len(shape))
-    for y in ys:
-        total, per_device = transfer_bytes(shape, itemsize, dst_pl, y)
-        dst_side = plan_boxing(shape, dtype, dst_pl, y, dst_sbp, cost_model=cm)
-        t_time = cm.transfer_time(per_device, dst_pl.axis_names)
-        key = (total + dst_side.bytes, t_time + dst_side.time(), len(dst_side.steps))
-        if best is None or key < best[0]:
-            best = (key, y, total, t_time, dst_side)
-    assert best is not None  # ys is never empty: B over every axis is a candidate
-    _, y, total, t_time, dst_side = best
-    assert src_side.dst_layout is not None and dst_side.src_layout is not None  # plan_boxing sets both
-    move = _TransferStep(
-        op="transfer",
-        axes=(),
-        bytes=total,
-        src=src_side.dst_layout,
-        dst=dst_side.src_layout,
-        time=t_time,
-        n_axes=dst_pl.ndim,
-        axis_names=dst_pl.axis_names,
-        src_nd=src_side.dst_sbp,
-        dst_nd=y,
-    )
-    steps = tuple(src_side.steps) + (move,) + tuple(dst_side.steps)
-    return TransferPlan(
-        tuple(shape),
-        np.dtype(dtype),
-        src_pl,
-        src_sbp,
-        dst_sbp,
-        steps,
-        dst_pl,
-        None,
-        src_layout,
-        normalized_layout(dst_sbp, len(shape), dst_pl.shape),
-        src_side=src_side,
-        dst_side=dst_side,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _TransferStep(Step):
-    """The move between placements; its two ends live on different placements,
-    so it names their nd-SBPs itself."""
-
-    src_nd: tuple = ()
-    dst_nd: tuple = ()
-
-    @property
-    def src_sbp(self):
-        return self.src_nd
-
-    @property
-    def dst_sbp(self):
-        return self.dst_nd
-
-    def label(self):
-        return "transfer"
-
-
-@dataclasses.dataclass(frozen=True, repr=False)
-class TransferPlan(BoxingPlan):
-    src_side: BoxingPlan | None = None
-    dst_side: BoxingPlan | None = None
 
 
 def execute_transfer(plan: TransferPlan, data: jax.Array) -> tuple[jax.Array, int]:
     """Run a transfer plan on a source physical array; returns the target
     physical array and the bytes actually moved between devices."""
-    from sbpjax.boxing.lower import boxing_fn, layout_sharding
 
     if isinstance(data, jax.core.Tracer):
         raise SBPError(
@@ -229,7 +136,6 @@ def transfer_across_processes(data, shape, dtype, src_pl, src_sbp, dst_pl, dst_s
     move's bytes are the target's blocks of ``X``. Needs grids of one shape
     and disjoint placements (pipeline stages); returns the target physical
     array and the bytes moved."""
-    from sbpjax.boxing.lower import boxing_fn, layout_sharding  # (the lower <-> transfer circle)
 
     if src_pl.shape != dst_pl.shape or not src_pl.is_disjoint(dst_pl):
         raise SBPError(

@@ -264,13 +264,14 @@ def test_one_search_per_source_finds_the_targeted_searchs_paths(grid, shape):
     exact float sums of time, so between times equal within ``_less``'
     tolerance it can stop at a path of more steps (1 pair in a few
     thousand)."""
-    from sbpjax.boxing import plan as P
+    from sbpjax.boxing import search as P
+    from sbpjax.boxing.cost import DEFAULT_COST_MODEL
 
     pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
     trees, contexts = {}, {}
     for src, dst in _layout_pairs(grid, len(shape), 400, seed=sum(shape)):
         fill = tuple(sorted({op for _, op in dst.partial}))
-        ctx = contexts.setdefault(fill, P._Ctx(shape, 4, pl, P.DEFAULT_COST_MODEL, fill))
+        ctx = contexts.setdefault(fill, P._Ctx(shape, 4, pl, DEFAULT_COST_MODEL, fill))
         want = P._search(ctx, src, dst)
         tree = trees.get((fill, src)) or trees.setdefault((fill, src), P._tree(ctx, src))
         got = P._search_from(ctx, tree, src, dst)

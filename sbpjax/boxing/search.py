@@ -1,0 +1,354 @@
+"""The planner's searches: the cheapest path of steps between two layouts.
+
+A plan is a shortest path over layouts (:class:`~sbpjax.layout.Layout`), with
+cost ``(bytes, time, steps)`` compared in that order (see
+:mod:`sbpjax.boxing.plan`). The moves from a layout are its collectives over
+one axis or a group, its free local steps and a point-to-point exchange
+(``_local_moves``). A search is shared by every shape of a class
+(``_search_by_class``): the dims that divide by the device count scale a
+step's bytes without changing which path is cheapest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+
+from sbpjax._errors import SBPError
+from sbpjax.boxing.cost import CostModel
+from sbpjax.boxing.steps import Step, _Ctx, ring_latency_bytes, step_launch_bytes
+from sbpjax.layout import Layout
+from sbpjax.placement import Placement
+
+_STRUCTURES: dict = {}
+_CLASS_CTX: dict = {}
+_FEWER: dict = {}  # (class, src, dst, k) -> fewest-bytes paths of 1..k collectives (None: none)
+_TREES: dict = {}  # (class, src) -> _Tree: every target's search from src
+
+
+def clear_search_caches() -> None:
+    """Forget every search made so far."""
+    for cache in (_STRUCTURES, _CLASS_CTX, _FEWER, _TREES):
+        cache.clear()
+
+
+def _with_dims(layout: Layout, changes: dict) -> tuple:
+    return tuple(changes.get(d, axes) for d, axes in enumerate(layout.dims))
+
+
+def _reducible(layout: Layout, axis: int) -> bool:
+    """A partial over ``axis`` may be reduced now: later partial axes share its op."""
+    ops = dict(layout.partial)
+    return all(op == ops[axis] for b, op in layout.partial if b > axis)
+
+
+def _free_moves(ctx: _Ctx, L: Layout) -> list[Step]:
+    """The moves from ``L`` that do not depend on the target, cached on the
+    context (a class context serves many searches, which meet the same
+    layouts)."""
+    local = ctx._move_cache.get(L)
+    if local is None:
+        local = ctx._move_cache[L] = list(_local_moves(ctx, L))
+    return local
+
+
+def _moves(ctx: _Ctx, L: Layout, target: Layout) -> list[Step]:
+    """Every move from ``L``: ``_free_moves`` and, last, the point-to-point
+    exchange straight to ``target`` (where one is offered)."""
+    local = _free_moves(ctx, L)
+    if L.partial == target.partial and L != target:
+        s = ctx.permute(L, target)
+        if s is not None:
+            return local + [s]
+    return local
+
+
+def _local_moves(ctx: _Ctx, L: Layout):
+    grid = ctx.geom.grid
+    ndim = ctx.geom.ndim
+    partial = dict(L.partial)
+    split_axes = L.split_axes()
+    # Gathers, all-to-alls and fills of the innermost splits of each dim.
+    for d, axes in enumerate(L.dims):
+        for k in range(1, len(axes) + 1):
+            group, rest = axes[-k:], axes[:-k]
+            yield ctx.step("all_gather", L, Layout(_with_dims(L, {d: rest}), L.partial), group, dim=d)
+            for e in range(ndim):
+                if e == d:
+                    continue
+                new = Layout(_with_dims(L, {d: rest, e: L.dims[e] + group}), L.partial)
+                yield ctx.step("all_to_all", L, new, group, dim=d, dim2=e)
+        if axes:
+            a = axes[-1]
+            for op in ctx.fill_ops:
+                others = {o for _, o in L.partial}
+                if op != "sum" and others - {op}:
+                    continue  # the identity fill of max/min does not commute with a sum
+                new = Layout(_with_dims(L, {d: axes[:-1]}), tuple(sorted(L.partial + ((a, op),))))
+                yield ctx.step("zero_fill", L, new, (a,), reduce=op, dim=d)
+    # Reductions of partials, over one axis or several with the same op.
+    reducible = [a for a, _ in L.partial if _reducible(L, a)]
+    by_op: dict = {}
+    for a in reducible:
+        by_op.setdefault(partial[a], []).append(a)
+    for op, cand in by_op.items():
+        for r in range(1, len(cand) + 1):
+            for group in itertools.combinations(cand, r):
+                rest = tuple((a, o) for a, o in L.partial if a not in group)
+                yield ctx.step("all_reduce", L, Layout(L.dims, rest), group, reduce=op)
+                for d in range(ndim):
+                    new = Layout(_with_dims(L, {d: L.dims[d] + group}), rest)
+                    yield ctx.step("reduce_scatter", L, new, group, reduce=op, dim=d)
+    # Free local steps from B.
+    for a in range(len(grid)):
+        if a in split_axes or a in partial or grid[a] == 1:
+            continue
+        for d in range(ndim):
+            yield ctx.step(
+                "local_slice", L, Layout(_with_dims(L, {d: L.dims[d] + (a,)}), L.partial), (a,), dim=d
+            )
+        for op in ctx.fill_ops:
+            yield ctx.step(
+                "zero_fill", L, Layout(L.dims, tuple(sorted(L.partial + ((a, op),)))), (a,), reduce=op
+            )
+    # Point-to-point exchange to the nd-SBP order (the one straight to the
+    # target is added by _moves).
+    if not L.canonical:
+        s = ctx.permute(L, L.canonicalized())
+        if s is not None:
+            yield s
+
+
+def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None):
+    """The cheapest path of steps from ``src`` to ``dst``: fewest bytes, then
+    the least ``tie_time``, then the fewest steps. ``collectives``: among the
+    paths of at most that many collectives only (None where there is none)."""
+    if src == dst:
+        return []
+    # A direct exchange (same partials, even tiles) bounds every useful path:
+    # costs only grow, so states above its bytes are never pushed.
+    direct = ctx.permute(src, dst) if src.partial == dst.partial else None
+    bound = direct.bytes if direct is not None else None
+    counter = itertools.count()
+    # a state: a layout and, under a cap on collectives, how many it took (else 0)
+    start: tuple = (src, 0)
+    best = {start: (0, 0.0, 0)}
+    prev: dict = {start: None}
+    heap = [((0, 0.0, 0), next(counter), start)]
+    end = None
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        if cost > best[state]:
+            continue
+        L, used = state
+        if L == dst:
+            end = state
+            break
+        for step in _moves(ctx, L, dst):
+            n = used
+            if collectives is not None:
+                n += step.bytes > 0
+                if n > collectives:
+                    continue
+            nxt = (step.dst, n)
+            nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
+            if bound is not None and nc[0] > bound:
+                continue
+            if nxt not in best or _less(nc, best[nxt]):
+                best[nxt] = nc
+                prev[nxt] = (state, step)
+                heapq.heappush(heap, (nc, next(counter), nxt))
+    if end is None:
+        if collectives is not None:
+            return None
+        raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
+    return _path(ctx, prev, end)
+
+
+def _path(ctx: _Ctx, prev: dict, end) -> list:
+    """The exact steps a search's ``prev`` links lead back from ``end``."""
+    steps = []
+    node = end
+    while prev[node] is not None:
+        node, step = prev[node]
+        steps.append(ctx.exact(step))
+    return steps[::-1]
+
+
+@dataclasses.dataclass
+class _Tree:
+    """Every layout's cheapest path from one source by the target-free moves
+    (``_free_moves``): ``best`` its cost, ``prev`` (layout, step) it was
+    reached by, ``order`` the layouts in the order the search expanded them."""
+
+    best: dict
+    prev: dict
+    order: dict
+
+
+def _tree(ctx: _Ctx, src: Layout) -> _Tree:
+    """``_search`` from ``src`` run to the end, without a target
+    (``_search_from``)."""
+    counter = itertools.count()
+    best = {src: (0, 0.0, 0)}
+    prev: dict = {src: None}
+    order: dict = {}
+    heap = [((0, 0.0, 0), next(counter), src)]
+    while heap:
+        cost, _, L = heapq.heappop(heap)
+        if cost > best[L]:
+            continue
+        order.setdefault(L, len(order))
+        for step in _free_moves(ctx, L):
+            nxt = step.dst
+            nc = (cost[0] + step.bytes, cost[1] + step.tie_time, cost[2] + 1)
+            if nxt not in best or _less(nc, best[nxt]):
+                best[nxt] = nc
+                prev[nxt] = (L, step)
+                heapq.heappush(heap, (nc, next(counter), nxt))
+    return _Tree(best, prev, order)
+
+
+def _search_from(ctx: _Ctx, tree: _Tree, src: Layout, dst: Layout) -> list:
+    """``_search(ctx, src, dst)``'s path, read from ``src``'s ``tree``.
+
+    The targeted search's moves are the target-free ones plus, last from
+    each layout, an exchange straight to the target, which ends a path. Its
+    states are expanded in the tree's order (the extra pushes of the target
+    do not reorder the others), so its path is the cheaper of the tree's own
+    path to ``dst`` and each expanded layout's path followed by the
+    exchange, on equal cost (``_less``) the one found first: by the
+    expansion of the layout it leaves from, the exchange after that
+    layout's other moves. Every pair of layouts in a class is asked for
+    (thousands for a 2-D GPT on 2x2x2), and one tree per source answers
+    them all."""
+    if src == dst:
+        return []
+    # (time, cost, (layout, step)): the time of a relaxation is the expansion
+    # index of the layout it leaves from, and 1 for the exchange (moved last)
+    events = []
+    if dst in tree.best:
+        came = tree.prev[dst]
+        events.append(((tree.order[came[0]], 0), tree.best[dst], came))
+    # no path of more bytes than the direct exchange or the tree's own path can
+    # win, and the tree expanded its layouts in order of cost
+    direct = ctx.permute(src, dst) if src.partial == dst.partial else None
+    bound = min(
+        [e[1][0] for e in events] + ([direct.bytes] if direct is not None else []),
+        default=math.inf,
+    )
+    for L, index in tree.order.items():
+        if tree.best[L][0] > bound:
+            break
+        if L.partial != dst.partial or L == dst:
+            continue
+        s = ctx.permute(L, dst)
+        if s is not None:
+            c = tree.best[L]
+            events.append(((index, 1), (c[0] + s.bytes, c[1] + s.tie_time, c[2] + 1), (L, s)))
+    events.sort(key=lambda e: e[0])
+    won = None
+    for _, cost, came in events:
+        if won is None or _less(cost, won[0]):
+            won = (cost, came)
+    if won is None:
+        raise SBPError(f"no boxing path from {src} to {dst} (please report this as a bug).")
+    left, last = won[1]
+    return _path(ctx, tree.prev, left) + [ctx.exact(last)]
+
+
+def _less(a, b) -> bool:
+    # Times are float sums: compare with a relative tolerance so equal-cost paths
+    # fall back to the step count deterministically.
+    if a[0] != b[0]:
+        return a[0] < b[0]
+    if not math.isclose(a[1], b[1], rel_tol=1e-9, abs_tol=1e-15):
+        return a[1] < b[1]
+    return a[2] < b[2]
+
+
+def _shape_class(ctx: _Ctx, placement: Placement, cm: CostModel):
+    """The class of ``ctx``'s shape (``_search_by_class``): the dims that do
+    not divide by the device count, with the placement, fill ops and cost
+    model; None for a scalar or an empty tensor (searched on their own)."""
+    shape = ctx.geom.shape
+    if not shape or 0 in shape:
+        return None
+    fixed_dims = tuple(None if d % placement.size == 0 else d for d in shape)
+    return (placement, fixed_dims, ctx.fill_ops, repr(cm))
+
+
+def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
+    """The search, shared by all shapes of one class.
+
+    A dim that divides by the number of devices splits evenly under every
+    layout, so a step's bytes are its size times a factor of the layouts alone;
+    the dims that do not divide (often size-1 dims kept by a reduction) are part
+    of the class. Between two shapes of one class every step's bytes then scale
+    by the same ratio, and paths of equal bytes differ in time only by their
+    latency terms. The cheapest step structure is the same for the whole class,
+    so it is found once per (placement, class, layouts, cost model) and
+    re-costed for each shape (sj.jit asks for many shapes of a few classes).
+    All searches of a class run in one context (that of the first shape seen),
+    so the moves of the layouts they share are generated once."""
+    cls = _shape_class(ctx, placement, cm)
+    if cls is None:
+        return _search(ctx, src, dst)
+    key = (cls, src, dst)
+    if key not in _STRUCTURES:
+        class_ctx = _CLASS_CTX.setdefault(cls, ctx)
+        tree = _TREES.get((cls, src))
+        if tree is None:
+            tree = _TREES[cls, src] = _tree(class_ctx, src)
+        _STRUCTURES[key] = _search_from(class_ctx, tree, src, dst)
+        if class_ctx is ctx:
+            return _STRUCTURES[key]
+    return [ctx.restep(s) for s in _STRUCTURES[key]]
+
+
+def _priced_search(
+    ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel, steps, ring: bool = False
+):
+    """A path cheaper than ``steps`` (the fewest-bytes path) by bytes plus
+    launches (``plan_boxing``'s ``launch_priced``; ``ring``: plus each
+    collective's ring latency, ``ring_latency_bytes``), or None. Only a path of
+    fewer collectives can be: for each count below ``steps``' the path of
+    the fewest bytes is found once per class of shapes and pair of layouts
+    (``_search_by_class``: bytes scale with the size, the path does not), and
+    the cheapest of them at this size by bytes plus launches is taken."""
+    fewer = sum(1 for st in steps if st.bytes > 0) - 1
+    cls = _shape_class(ctx, placement, cm)
+    search_ctx = ctx if cls is None else _CLASS_CTX.setdefault(cls, ctx)
+
+    def search() -> list:
+        return [_search(search_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
+
+    if cls is None:
+        found = search()
+    else:
+        key = (cls, src, dst, fewer)
+        if key not in _FEWER:
+            _FEWER[key] = search()
+        found = _FEWER[key]
+    paths = [p for p in found if p is not None]
+    # priced at this size without re-costing every step: bytes scale with it
+    scale = 1.0
+    if search_ctx is not ctx:
+        scale = (math.prod(ctx.geom.shape) * ctx.itemsize) / (
+            math.prod(search_ctx.geom.shape) * search_ctx.itemsize
+        )
+
+    def latency(st) -> float:
+        if not ring:
+            return step_launch_bytes(st, cm)
+        return ring_latency_bytes(cm, placement, st.op, st.axes, st.rounds) if st.bytes > 0 else 0.0
+
+    def price(path, scale=1.0) -> float:
+        return sum(scale * st.bytes + latency(st) for st in path)
+
+    best = min(paths, key=lambda p: price(p, scale), default=None)
+    if best is None or price(best, scale) >= price(steps):
+        return None
+    return best if search_ctx is ctx else [ctx.restep(st) for st in best]
