@@ -36,6 +36,7 @@ import optax
 from sbpjax._errors import SBPError
 from sbpjax.compiler.api import is_nd_sbp
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
+from sbpjax.pipeline.costs import program_costs
 from sbpjax.pipeline.graph import StageThreads, build_graph
 from sbpjax.pipeline.lockstep import LockstepSystem
 from sbpjax.pipeline.programs import StagePrograms
@@ -425,6 +426,12 @@ class Pipeline:
                         "stash_counts, use 1f1b instead of gpipe, or a larger budget."
                     )
         self._budget_checked.add(key)
+
+    def program_costs(self, inputs, targets) -> list[dict]:
+        """Per stage, XLA's FLOPs, bytes accessed and compiled memory of each
+        program (forward, backward, backward_input, backward_weight) for one
+        microbatch of ``inputs`` / ``targets`` (see :mod:`sbpjax.pipeline.costs`)."""
+        return program_costs(self, inputs, targets)
 
     def simulate(self, durations: Durations | None = None) -> Timeline:
         """The same actor graph on the simulated clock (see :func:`simulate`)."""

@@ -203,11 +203,11 @@ class Timeline:
             )
             if a.microbatch is not None and a.kind in COMPUTE:
                 ax.text(a.start - t0 + w / 2, y, str(a.microbatch), ha="center", va="center", fontsize=6)
-        self._draw_kept(ax, rows, t0)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels(rows)
         ax.invert_yaxis()
         ax.set_xlabel("seconds")
+        self._draw_kept(ax, rows, t0)
         shown = [k for k in colours if any(a.kind == k for a in self.actions)]
         handles: list = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in shown]
         labels = [{"backward_input": "B", "backward_weight": "W"}.get(k, k) for k in shown]
@@ -241,4 +241,4 @@ class Timeline:
             xs.append(end)
             ys.append(held)
             ax.plot(xs, [y + 0.4 - 0.35 * v / top for v in ys], color="black", linewidth=0.8)
-        ax.text(0, -0.6, f"lines: bytes kept for W (row height = {top} bytes)", fontsize=6, va="bottom")
+        ax.set_xlabel(f"seconds  (black lines: bytes kept for W, a row's height = {top} bytes)")

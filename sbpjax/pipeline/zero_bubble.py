@@ -17,18 +17,21 @@ simulated clock measures them:
   ``m >= p``: a third of 1F1B's bubble at equal costs.
 * :class:`ZeroBubbleH2` (``"zb-h2"``): up to ``2p - 1`` microbatches in flight on
   the first device so the start needs no idle time: the makespan is
-  ``m (F + B + W) + (p - 1) F``, the least any order reaches (the last device
-  cannot start earlier, nor idle after). Equal to ZB-H1's at equal costs;
-  ahead of it when W is shorter than F.
+  ``m (F + B + W) + (p - 1) F`` for ``m >= p``, the least any order reaches
+  (the last device cannot start earlier, nor idle after). Equal to ZB-H1's at
+  equal costs; ahead of it when W is shorter than F.
 * :class:`ZeroBubbleV` (``"zb-v"``): two chunks per device in a V (stage ``s``
   and ``2p - 1 - s`` on device ``s``), so the first and last stages share
   device 0; 1F1B's memory (``2p`` chunk activations, ``p`` stages' worth) and the
-  makespan ``2m (f + b + w) + (p - 1) f`` per chunk, the least possible.
+  makespan ``2m (f + b + w) + (p - 1) f`` per chunk, the least possible, for
+  ``m >= 2p`` (the greedy order below reaches it for p <= 4 and p = 8; at
+  p = 5..7 it is up to 2 chunk-times longer).
 * :class:`DualPipeV` (``"dualpipev"``): DeepSeek's DualPipe folded into a V,
   eight phases per device (warm-up forwards, forward pairs, B-W-F triples,
   the steady F&B pairs, and a cool-down whose Ws fill the tail). The F&B pairs
   overlap computation with communication on GPUs; here they run one after
-  the other. Needs ``m >= 2p``; holds ``p + 1`` stages' activations.
+  the other. Needs ``m >= 2p``; holds ``p + 1`` stages' activations; the
+  makespan is ZB-V's bound.
 
 ZB-H1 and DualPipeV are written out by rule. ZB-H2 and ZB-V come from a list
 scheduler: the orders a greedy simulation of the devices gives with the
