@@ -28,7 +28,10 @@ def _analysis(compiled) -> dict:
     memory = 0
     if mem is not None:
         memory = (
-            mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes
         )
     return {
         "flops": float(cost.get("flops", 0.0)),
@@ -79,7 +82,9 @@ def program_costs(pipe, inputs, targets) -> list[dict]:
             saved_b = tuple(saved[i] for i in split.saved_for_input)
             costs[s]["backward_input"] = _measure(prog.backward_input, stage.params, *args, saved_b, ct)
             dx, kept = ready(prog.backward_input(stage.params, *args, saved_b, ct))
-        costs[s]["backward_weight"] = _measure(prog.backward_weight, stage.params, *args, saved_w, ct, kept, prog.zeros)
+        costs[s]["backward_weight"] = _measure(
+            prog.backward_weight, stage.params, *args, saved_w, ct, kept, prog.zeros
+        )
         if s > 0:
             ct = ready(dx.to_global(sbp=stages[s - 1].out_sbp, placement=stages[s - 1].placement))
     return costs

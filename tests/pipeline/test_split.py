@@ -76,7 +76,10 @@ LAYERS = [dense, tanh_dense, gelu_mlp, remat_block, jitted_block, scanned_layers
 
 def _params(rng, n):
     return [
-        {"w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32), "b": rng.normal(size=(D,)).astype(np.float32)}
+        {
+            "w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
+            "b": rng.normal(size=(D,)).astype(np.float32),
+        }
         for _ in range(n)
     ]
 
@@ -107,7 +110,11 @@ def _run_split(fn, p, x, rest=(), differentiate_input=True, ct=None):
     args = [*leaves_p, *leaves_x, *leaves_r]
     split = split_vjp(flat, args, n_p, n_x if differentiate_input else 0)
     out, saved = split.forward(args)
-    cts = ct if ct is not None else [np.cos(np.arange(np.size(o), dtype=np.float32)).reshape(np.shape(o)) for o in out]
+    cts = (
+        ct
+        if ct is not None
+        else [np.cos(np.arange(np.size(o), dtype=np.float32)).reshape(np.shape(o)) for o in out]
+    )
     dx, kept = split.backward_input(args, [saved[i] for i in split.saved_for_input], cts)
     dp = split.backward_weight(args, [saved[i] for i in split.saved_for_weight], cts, kept)
     whole = split.backward(args, saved, cts)

@@ -120,9 +120,16 @@ def test_w_waits_at_most_as_long_as_the_kept_register_allows():
     assert need == [1, 2, 3, 4]
     tl = sjp.simulate("zb-h1", 4, 8, EQUAL)
     assert tl.peak_live_kept() == {0: 1, 1: 2, 2: 3, 3: 4}
-    with pytest.raises(sj.SBPError, match=r"device 3, entry \d+ \(backward_input of stage 3, microbatch 3\).*kept"):
+    with pytest.raises(
+        sj.SBPError, match=r"device 3, entry \d+ \(backward_input of stage 3, microbatch 3\).*kept"
+    ):
         sjp.simulate("zb-h1", 4, 8, EQUAL, kept_counts=[1, 2, 3, 3])
-    assert lists[3][:4] == [("forward", 3, 0), ("backward_input", 3, 0), ("forward", 3, 1), ("backward_input", 3, 1)]
+    assert lists[3][:4] == [
+        ("forward", 3, 0),
+        ("backward_input", 3, 0),
+        ("forward", 3, 1),
+        ("backward_input", 3, 1),
+    ]
 
 
 def test_durations_split_a_whole_backward_in_half():
