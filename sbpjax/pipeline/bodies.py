@@ -44,7 +44,7 @@ def physical_nbytes(value) -> int:
         if isinstance(array, jax.Array):
             shard = array.sharding.shard_shape(array.shape)
             total += int(np.prod(shard)) * array.dtype.itemsize * len(array.sharding.device_set)
-        elif isinstance(array, np.ndarray):
+        elif isinstance(array, (np.ndarray, np.generic)):
             total += array.nbytes
     return total
 
@@ -183,7 +183,10 @@ class StepBodies:
         return backward
 
     def backward_input(self, s: int):
-        """B: the input cotangent, and what W will need."""
+        """B: the input cotangent, and what W will need. The first stage has no
+        input cotangent, and nothing waits for its backward: its B runs the whole
+        backward (the residuals are freed at once, nothing is kept) and its W
+        only hands the gradient on."""
         prog, stage = self.pipe.programs[s], self.pipe.stages[s]
         if prog is None:
             return lambda k, v: {f"dx{s}": self._dx_handle(s, v[f"stash{s}"][0]), f"kept{s}": None}
@@ -191,11 +194,12 @@ class StepBodies:
         def backward_input(k, v):
             inputs, saved = v[f"stash{s}"]
             ct = self._cotangent(s, v)
+            if s == 0:
+                prog.acc = ready(prog.backward(stage.params, *inputs, saved, ct, prog.acc))
+                return {f"dx{s}": None, f"kept{s}": ()}
             split = prog.vjp.split(stage.params, inputs[0], inputs[1:])
-            saved_w = tuple(saved[i] for i in split.saved_for_weight)
-            if s == 0:  # no input cotangent: W does the whole backward
-                return {f"dx{s}": None, f"kept{s}": (inputs, saved_w, ct, ())}
             saved_b = tuple(saved[i] for i in split.saved_for_input)
+            saved_w = tuple(saved[i] for i in split.saved_for_weight)
             dx, kept = ready(prog.backward_input(stage.params, *inputs, saved_b, ct))
             self.check(s, "input gradient", dx)
             return {f"dx{s}": dx, f"kept{s}": (inputs, saved_w, ct, kept)}
@@ -209,8 +213,9 @@ class StepBodies:
             return lambda k, v: {f"grads{s}": None}
 
         def backward_weight(k, v):
-            inputs, saved_w, ct, kept = v[f"kept{s}"]
-            prog.acc = ready(prog.backward_weight(stage.params, *inputs, saved_w, ct, kept, prog.acc))
+            if s > 0:
+                inputs, saved_w, ct, kept = v[f"kept{s}"]
+                prog.acc = ready(prog.backward_weight(stage.params, *inputs, saved_w, ct, kept, prog.acc))
             self.check(s, "weight gradient (accumulated)", prog.acc)
             return {f"grads{s}": prog.acc}
 

@@ -75,13 +75,16 @@ class StageVJP:
     def slot_bytes(self, p, x, rest) -> tuple[int, int]:
         """Logical bytes one microbatch holds in the stash (inputs and residuals)
         and in the kept register (inputs, residuals W reads, the output
-        cotangent and what B computes for W); ``p``, ``x``, ``rest``: values or
+        cotangent and what B computes for W; nothing on the first stage, whose
+        B runs the whole backward); ``p``, ``x``, ``rest``: values or
         ``jax.ShapeDtypeStruct``s."""
         sp = self.split(p, x, rest)
         inputs = sum(_nbytes(v) for v in jax.tree_util.tree_leaves((x, rest)))
         saved = [_nbytes(r.aval) for r in sp.saved_refs]
         ct = sum(_nbytes(r.aval) for r in sp.ct_refs)
         stash = inputs + sum(saved)
+        if not self.differentiate_input:
+            return stash, 0
         kept = inputs + sum(saved[i] for i in sp.saved_for_weight) + ct + sp.kept_nbytes
         return stash, kept
 

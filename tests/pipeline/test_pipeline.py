@@ -102,7 +102,11 @@ def test_step_equals_the_whole_batch_step(one_device_stages, n, schedule):
         assert result.timeline.peak_activation_bytes()[0] == peaks[0] * per_microbatch
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", sjp.Interleaved1F1B(2)], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize(
+    "schedule",
+    ["1f1b", sjp.Interleaved1F1B(2), "zb-h1", sjp.ZeroBubbleV()],
+    ids=["1f1b", "interleaved", "zb-h1", "zb-v"],
+)
 def test_lockstep_order_gives_the_threaded_runtimes_values(schedule):
     """The lockstep runtime (stages in several processes) performs the actions
     in the simulated order; forced on in one process it gives the threaded
@@ -112,12 +116,13 @@ def test_lockstep_order_gives_the_threaded_runtimes_values(schedule):
     devs = jax.devices()
     p = 2
     groups = [sj.Placement(np.array([devs[6 + d]]), ("d",)) for d in range(p)]
-    n = schedule.stages(p) if not isinstance(schedule, str) else p
+    schedule = sjp.as_schedule(schedule)
+    n = schedule.stages(p)
     params = [_layer_params(rng) for _ in range(n)]
     opt = optax.sgd(0.1)
     runs = []
     for lockstep in (False, True):
-        stages = [sjp.Stage(layer, params[s], groups[s % p]) for s in range(n)]
+        stages = [sjp.Stage(layer, params[s], groups[schedule.device_of(s, p)]) for s in range(n)]
         pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule=schedule)
         assert pipe.lockstep is False  # one process: the threaded runtime unless forced
         pipe.lockstep = lockstep

@@ -1,0 +1,227 @@
+"""Every schedule, run for real, against the non-pipelined step on one device:
+losses, gradients and updated parameters; the bytes B keeps for W counted and
+bounded; back-pressure and budgets refused before a step runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sbpjax as sj
+import sbpjax.pipeline as sjp
+
+D, MB = 8, 2
+ONE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+SGD = optax.sgd(0.1)  # one optimizer object: stages compile their programs once per (loss, optimizer)
+
+
+def layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def remat_layer(p, x):  # the user's own remat: the backward recomputes it, once
+    return jax.checkpoint(lambda x: x + layer(p, x))(x)
+
+
+def mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _host(tree):
+    return jax.tree_util.tree_map(
+        lambda t: np.asarray(t.numpy()), tree, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)
+    )
+
+
+def _assert_close(got, want):
+    """float32 rounding of a different summation order: rtol, plus an atol scaled to the operands."""
+
+    def one(a, b):
+        b = np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * max(1.0, float(np.max(np.abs(b)))))
+
+    jax.tree_util.tree_map(one, got, want)
+
+
+def _params(rng, n):
+    return [
+        {
+            "w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
+            "b": (0.1 * rng.normal(size=(D,))).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _batch(m, seed):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(m * MB, D)).astype(np.float32), rng.normal(size=(m * MB, D)).astype(np.float32))
+
+
+def reference_step(fns, params, x, y, opt, state=None):
+    """The non-pipelined step: one jitted value_and_grad of the whole model on the whole batch."""
+
+    def loss(ps):
+        h = x
+        for f, p in zip(fns, ps):
+            h = f(p, h)
+        return mse(h, y)
+
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    state = opt.init(params) if state is None else state
+    updates, state = opt.update(grads, state, params)
+    return float(value), grads, optax.apply_updates(params, updates), state
+
+
+def _groups(first_device, p, per=1):
+    devs = jax.devices()
+    return [
+        sj.Placement(np.array(devs[first_device + per * d : first_device + per * (d + 1)]), ("tp",))
+        for d in range(p)
+    ]
+
+
+@pytest.fixture(scope="module")
+def stage_sets():
+    """Stages on 2 single-device groups, shared by the schedules that place them
+    alike (their programs compile once): 2 stages, 4 round robin, 4 in a V."""
+    rng = np.random.default_rng(0)
+    params = _params(rng, 4)
+    groups = _groups(4, 2)
+    return {
+        "one": (params[:2], [sjp.Stage(layer, params[s], groups[s]) for s in range(2)]),
+        "loop": (params, [sjp.Stage(layer, params[s], groups[s % 2]) for s in range(4)]),
+        "v": (params, [sjp.Stage(layer, params[s], groups[(0, 1, 1, 0)[s]]) for s in range(4)]),
+    }
+
+
+def _set_for(name):
+    return "one" if name in ONE_CHUNK else "loop" if name == "interleaved" else "v"
+
+
+@pytest.mark.parametrize("name", tuple(sjp.SCHEDULES))
+def test_every_schedule_equals_the_whole_batch_step(stage_sets, name):
+    params, stages = stage_sets[_set_for(name)]
+    opt = SGD
+    for m in (4, 5) if name not in ("interleaved", "dualpipev") else (4,):
+        for st, prm in zip(stages, params):  # each step from the same parameters
+            st.params = jax.tree_util.tree_map(
+                lambda v, t: sj.to_global(v, t.placement, t.sbp), prm, st.params
+            )
+        x, y = _batch(m, seed=m)
+        want_loss, want_grads, want_params, _ = reference_step([layer] * len(stages), params, x, y, opt)
+        pipe = sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=name)
+        result = pipe.step(x, y)
+        assert result.loss == pytest.approx(want_loss, rel=2e-6)
+        _assert_close([_host(g) for g in result.grads], want_grads)
+        _assert_close([_host(st.params) for st in stages], want_params)
+        kinds = {a.kind for a in result.timeline.actions}
+        split = name.startswith("zb") or name == "dualpipev"
+        assert ({"backward_input", "backward_weight"} <= kinds) == split and ("backward" in kinds) == (
+            not split
+        )
+        if split:  # what B keeps for W: counted per microbatch, bounded by the kept register
+            rest = (y[:MB],) if len(stages) == 2 else ()  # stage 1 is the last of two: it reads the targets
+            per_mb = pipe.programs[1].vjp.slot_bytes(params[1], x[:MB], rest)[1]
+            held, live = result.timeline.peak_kept_bytes(), result.timeline.peak_live_kept()
+            counts = {r.name: r.count for r in pipe.graph.registers}
+            assert held[1] == live[1] * per_mb and 1 <= live[1] <= counts["kept1"]
+
+
+def test_tensor_parallel_stages_with_adam_under_zero_bubble():
+    """2 groups of 2 devices, Megatron layouts inside each stage; ZB-H1 (2 stages)
+    and ZB-V (4 chunks in a V); two steps, so Adam's state carries over."""
+
+    def mlp(p, x):
+        return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+    rng = np.random.default_rng(4)
+    layout = {"w1": (sj.S(1),), "w2": (sj.S(0),)}
+    params = [
+        {
+            "w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
+            "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32),
+        }
+        for _ in range(4)
+    ]
+    groups = _groups(0, 2, per=2)
+    for name, placed in (("zb-h1", (0, 1)), ("zb-v", (0, 1, 1, 0))):
+        n = len(placed)
+        stages = [sjp.Stage(mlp, params[s], groups[placed[s]], param_sbp=layout) for s in range(n)]
+        opt = optax.adam(1e-2)
+        pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule=name)
+        want_params, state = [params[s] for s in range(n)], None
+        for step in range(2):
+            x, y = _batch(4, seed=20 + step)
+            want_loss, want_grads, want_params, state = reference_step(
+                [mlp] * n, want_params, x, y, opt, state
+            )
+            result = pipe.step(x, y)
+            assert result.loss == pytest.approx(want_loss, rel=2e-6)
+            _assert_close([_host(g) for g in result.grads], want_grads)
+            _assert_close([_host(st.params) for st in stages], want_params)
+        for st in stages:  # the weights keep their tensor-parallel layout
+            assert st.params["w1"].sbp == (sj.S(1),) and st.params["w2"].sbp == (sj.S(0),)
+
+
+def test_remat_stage_under_zb_h1():
+    rng = np.random.default_rng(6)
+    params = _params(rng, 2)
+    stages = [sjp.Stage(remat_layer, params[s], g) for s, g in enumerate(_groups(2, 2))]
+    x, y = _batch(4, seed=6)
+    opt = SGD
+    want_loss, want_grads, want_params, _ = reference_step([remat_layer] * 2, params, x, y, opt)
+    pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="zb-h1")
+    result = pipe.step(x, y)
+    assert result.loss == pytest.approx(want_loss, rel=2e-6)
+    _assert_close([_host(g) for g in result.grads], want_grads)
+    _assert_close([_host(st.params) for st in stages], want_params)
+    # with remat the forward keeps only the stage input: the checkpointed region's residual
+    stash = pipe.programs[0].vjp.slot_bytes(params[0], x[:MB], ())[0]
+    assert stash == MB * D * 4  # the checkpointed region's one residual is the stage input itself
+
+
+def test_budgets_and_counts_are_refused_before_anything_runs(stage_sets):
+    params, stages = stage_sets["one"]
+    opt = SGD
+    ran = []
+    x, y = _batch(8, seed=1)
+    with pytest.raises(sj.SBPError, match="backward_input of stage 1, microbatch 1.*1 kept slot"):
+        sjp.Pipeline(stages, mse, opt, microbatches=8, schedule="zb-h1", kept_counts=[1, 1])
+    prog = sjp.Pipeline(stages, mse, opt, microbatches=8).programs
+    stash0 = prog[0].vjp.slot_bytes(params[0], x[:MB], ())[0]
+    stash1, kept1 = prog[1].vjp.slot_bytes(params[1], x[:MB], (y[:MB],))
+    # 1F1B: group 0 holds 2 microbatches' residuals; ZB-H1's stage 1 (last) keeps 2 B's for its W's at most
+    need = {"1f1b": 2 * stash0, "zb-h1": max(2 * stash0, stash1 + kept1, 2 * kept1)}
+    for name, budget in need.items():
+        ran.clear()
+        pipe = sjp.Pipeline(
+            stages,
+            mse,
+            opt,
+            microbatches=8,
+            schedule=name,
+            memory_budget=budget - 1,
+            before_action=lambda spec, k: ran.append(spec),
+        )
+        with pytest.raises(
+            sj.SBPError, match=f"over (the )?memory_budget={budget - 1}|over the budget of {budget - 1}"
+        ):
+            pipe.step(x, y)
+        assert ran == []  # refused before any action
+        pipe.memory_budget = budget
+        assert np.isfinite(pipe.step(x, y).loss)
+        for st, prm in zip(stages, params):  # put the parameters back for the other tests
+            st.params = jax.tree_util.tree_map(
+                lambda v, t: sj.to_global(v, t.placement, t.sbp), prm, st.params
+            )
+
+
+def test_v_schedules_need_their_placement(stage_sets):
+    _, loop = stage_sets["loop"]
+    with pytest.raises(sj.SBPError, match="runs stage 2 on group 1"):
+        sjp.Pipeline(loop, mse, SGD, microbatches=4, schedule="zb-v")
+    _, one = stage_sets["one"]
+    with pytest.raises(sj.SBPError, match="zb-v and dualpipev two"):
+        sjp.Pipeline(one, mse, SGD, microbatches=4, schedule="dualpipev")
