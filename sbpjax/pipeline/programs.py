@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optax
 
-from sbpjax.compiler.api import jit, state_sbp
+from sbpjax.compiler.api import constrain, jit, state_sbp
 from sbpjax.pipeline.split import SplitVJP, split_vjp
 from sbpjax.sbp import Broadcast
 from sbpjax.tensor import GlobalTensor, to_global
@@ -131,6 +131,13 @@ class StageVJP:
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), leaves)
 
 
+def _gathered(fn: Callable, compute_sbp) -> Callable:
+    def stage(p, x):
+        return fn(jax.tree_util.tree_map(constrain, p, compute_sbp, is_leaf=is_global), x)
+
+    return stage
+
+
 def _add(acc, d):
     return jax.tree_util.tree_map(lambda a, b: a + b, acc, d)
 
@@ -145,7 +152,7 @@ class StagePrograms:
     programs (each compiles at its first call)."""
 
     def __init__(self, stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp):
-        pl, ps = stage.placement, stage.param_sbp
+        pl, ps = stage.placement, stage.stored_sbp
         host_params = jax.tree_util.tree_map(lambda t: t.numpy(), stage.params, is_leaf=is_global)
         state = optimizer.init(host_params)
         layout = state_sbp(state, ps, (Broadcast(),) * pl.ndim)
@@ -165,9 +172,13 @@ class StagePrograms:
 
 
 def _compile(stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp, state_layout):
-    """The split VJP and the stage's programs (see :class:`StagePrograms`)."""
+    """The split VJP and the stage's programs (see :class:`StagePrograms`).
+    Parameters come in their stored layouts; a ZeRO stage gathers them to its
+    compute layouts where it uses them (``sj.constrain``)."""
     pl, fn = stage.placement, stage.fn
-    ps, xs, ys = stage.param_sbp, stage.in_sbp, stage.out_sbp
+    ps, xs, ys = stage.stored_sbp, stage.in_sbp, stage.out_sbp
+    if stage.stored_sbp is not stage.param_sbp:
+        fn = _gathered(fn, stage.param_sbp)
     rep = (Broadcast(),) * pl.ndim
     if loss_fn is not None:  # the last stage: its forward ends in the loss, seeded with 1 / m
 

@@ -33,8 +33,10 @@ import jax
 import numpy as np
 import optax
 
+from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.compiler.api import is_nd_sbp
+from sbpjax.flax.train import zero_layout
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
 from sbpjax.pipeline.costs import program_costs
 from sbpjax.pipeline.graph import StageThreads, build_graph
@@ -77,13 +79,37 @@ def _param_layouts(params, param_sbp, placement: Placement, where: str):
         ) from None
 
 
+def _zero_axis(zero, in_sbp: tuple, placement: Placement, name: str) -> int:
+    """The axis a ZeRO stage stores its state split over."""
+    if isinstance(zero, str):
+        if zero not in placement.axis_names:
+            raise SBPError(f"Stage {name!r}: zero={zero!r}; the placement's axes are {placement.axis_names}.")
+        return placement.axis_names.index(zero)
+    for a, sbp in enumerate(in_sbp):
+        if isinstance(sbp, Split) and sbp.dim == 0 and placement.shape[a] > 1:
+            return a
+    raise SBPError(
+        f"Stage {name!r}: zero=True needs a data axis, one over which in_sbp splits the batch (S(0)); "
+        f"in_sbp is {in_sbp}. Split the input over an axis, or name the axis: zero='dp'."
+    )
+
+
 class Stage:
     """One pipeline stage: ``fn(params, x) -> y`` on ``placement``.
 
     A Flax module is a stage as ``Stage(module.apply, variables, placement)``.
-    ``param_sbp``: the parameters' nd-SBPs (a matching pytree, or one nd-SBP for
-    all; default B). ``in_sbp`` / ``out_sbp``: nd-SBPs of ``x`` and ``y``
-    (default B). Inside, :func:`sbpjax.jit` chooses every other layout.
+    ``param_sbp``: the parameters' nd-SBPs as the stage computes with them (a
+    matching pytree, or one nd-SBP for all; default B). ``in_sbp`` /
+    ``out_sbp``: nd-SBPs of ``x`` and ``y`` (default B). Inside,
+    :func:`sbpjax.jit` chooses every other layout.
+
+    ``zero``: ZeRO within the stage (OneFlow's Fig. 14, as
+    :class:`sbpjax.flax.TrainStep` does it): ``True`` (the data axis is the one
+    ``in_sbp`` splits dim 0 over) or an axis name. Parameters, their gradient
+    accumulator and the optimizer state are then stored split over that axis
+    (``stored_sbp``); each program gathers the weights to ``param_sbp`` where
+    it uses them (the backward gathers them again rather than keeping a
+    gathered copy per microbatch) and the gradient is reduce-scattered.
     """
 
     def __init__(
@@ -95,6 +121,7 @@ class Stage:
         param_sbp=None,
         in_sbp=None,
         out_sbp=None,
+        zero=None,
         name: str | None = None,
     ):
         self.name = name or getattr(fn, "__name__", "stage")
@@ -122,7 +149,14 @@ class Stage:
             if out_sbp is None
             else normalize_nd_sbp(out_sbp, placement.ndim, None, f"Stage {self.name!r} out_sbp")
         )
-        self.params = jax.tree_util.tree_map(lambda p, s: to_global(p, placement, s), host, self.param_sbp)
+        self.zero = zero
+        self.stored_sbp = self.param_sbp
+        if zero:
+            axis = _zero_axis(zero, self.in_sbp, placement, self.name)
+            self.stored_sbp = jax.tree_util.tree_map(
+                lambda nd, p: zero_layout(nd, np.shape(p), placement, axis), self.param_sbp, host, is_leaf=is_nd_sbp
+            )
+        self.params = jax.tree_util.tree_map(lambda p, s: to_global(p, placement, s), host, self.stored_sbp)
         self._compiled: dict = {}  # (loss, first?, optimizer, target layout) -> compiled programs
 
     def __repr__(self):
@@ -426,6 +460,32 @@ class Pipeline:
                         "stash_counts, use 1f1b instead of gpipe, or a larger budget."
                     )
         self._budget_checked.add(key)
+
+    def save(self, path) -> None:
+        """Write every stage's parameters and optimizer state to the new folder
+        ``path`` (:mod:`sbpjax.checkpoint`: logical arrays, restorable into any
+        placement and layout). Between steps nothing else is live: the gradient
+        accumulators are zero and no B has kept anything for a W."""
+        checkpoint.save(path, self._state_tree())
+
+    def restore(self, path) -> None:
+        """Load what :meth:`save` wrote (by a pipeline of the same stages and
+        optimizer, whatever its schedule and layouts) into this pipeline's layouts."""
+        saved = checkpoint.restore(path, self._state_tree())
+        for stage, prog, params, state in zip(self.stages, self.programs, saved["params"], saved["opt_state"]):
+            stage.params = params
+            prog.state = state  # type: ignore[union-attr]
+
+    def _state_tree(self) -> dict:
+        if any(prog is None for prog in self.programs):
+            raise SBPError(
+                "Pipeline.save / restore: some stages run in other processes; save each process's "
+                "stages with sbpjax.checkpoint (stage.params and pipe.programs[s].state)."
+            )
+        return {
+            "params": [st.params for st in self.stages],
+            "opt_state": [prog.state for prog in self.programs],  # type: ignore[union-attr]
+        }
 
     def program_costs(self, inputs, targets) -> list[dict]:
         """Per stage, XLA's FLOPs, bytes accessed and compiled memory of each
