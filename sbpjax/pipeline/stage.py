@@ -79,7 +79,7 @@ def _param_layouts(params, param_sbp, placement: Placement, where: str):
         ) from None
 
 
-def _zero_axis(zero, in_sbp: tuple, placement: Placement, name: str) -> int:
+def _zero_axis(zero, in_sbp: tuple, placement: Placement, name) -> int:
     """The axis a ZeRO stage stores its state split over."""
     if isinstance(zero, str):
         if zero not in placement.axis_names:
@@ -154,7 +154,10 @@ class Stage:
         if zero:
             axis = _zero_axis(zero, self.in_sbp, placement, self.name)
             self.stored_sbp = jax.tree_util.tree_map(
-                lambda nd, p: zero_layout(nd, np.shape(p), placement, axis), self.param_sbp, host, is_leaf=is_nd_sbp
+                lambda nd, p: zero_layout(nd, np.shape(p), placement, axis),
+                self.param_sbp,
+                host,
+                is_leaf=is_nd_sbp,
             )
         self.params = jax.tree_util.tree_map(lambda p, s: to_global(p, placement, s), host, self.stored_sbp)
         self._compiled: dict = {}  # (loss, first?, optimizer, target layout) -> compiled programs
@@ -472,7 +475,9 @@ class Pipeline:
         """Load what :meth:`save` wrote (by a pipeline of the same stages and
         optimizer, whatever its schedule and layouts) into this pipeline's layouts."""
         saved = checkpoint.restore(path, self._state_tree())
-        for stage, prog, params, state in zip(self.stages, self.programs, saved["params"], saved["opt_state"]):
+        for stage, prog, params, state in zip(
+            self.stages, self.programs, saved["params"], saved["opt_state"]
+        ):
             stage.params = params
             prog.state = state  # type: ignore[union-attr]
 
