@@ -254,10 +254,7 @@ class SplitVJP:
     in one program). ``saved_b`` / ``saved_w`` are the entries of ``saved``
     at ``saved_for_input`` / ``saved_for_weight``."""
 
-    n_args: int
     out_tree: object  # the treedef of fn's output
-    n_params: int  # the first n_params leaves of args are the parameters
-    n_ct: int
     forward_ops: tuple
     input_ops: tuple
     weight_ops: tuple
@@ -270,8 +267,7 @@ class SplitVJP:
     kept_refs: tuple
     dparam_refs: tuple
     dinput_refs: tuple
-    weight_reads_ct: bool
-    weight_reads_args: tuple[int, ...]  # positions in args W reads (forwarded residuals)
+    weight_reads_ct: bool  # whether W reads the output cotangent
 
     def forward(self, args):
         values = dict(zip(map(id, self.arg_refs), args))
@@ -349,7 +345,6 @@ def split_vjp(fn: Callable, args: Sequence, n_params: int, n_inputs: int) -> Spl
     jaxpr: Jaxpr = closed.jaxpr
     n_out = len(jax.tree_util.tree_leaves(shapes[0]))
     n_res = len(shapes[1])
-    n_ct = len(jax.tree_util.tree_leaves(out_shape))
 
     env: dict = {v: _Const(c) for v, c in zip(jaxpr.constvars, closed.consts)}
     arg_refs = tuple(_Ref(v.aval) for v in jaxpr.invars[: len(args)])
@@ -386,12 +381,8 @@ def split_vjp(fn: Callable, args: Sequence, n_params: int, n_inputs: int) -> Spl
     b_defined = _defined(input_ops)
     kept = [r for i, r in w_reads.items() if i in b_defined]
     kept += [r for r in dparam_refs if isinstance(r, _Ref) and id(r) in b_defined and id(r) not in w_reads]
-    arg_index = {id(r): k for k, r in enumerate(arg_refs)}
     return SplitVJP(
-        n_args=len(args),
         out_tree=jax.tree_util.tree_structure(out_shape),
-        n_params=n_params,
-        n_ct=n_ct,
         forward_ops=forward_ops,
         input_ops=input_ops,
         weight_ops=weight_ops,
@@ -405,5 +396,4 @@ def split_vjp(fn: Callable, args: Sequence, n_params: int, n_inputs: int) -> Spl
         dparam_refs=dparam_refs,
         dinput_refs=dinput_refs,
         weight_reads_ct=any(id(r) in w_reads for r in ct_refs),
-        weight_reads_args=tuple(sorted(arg_index[i] for i in w_reads if i in arg_index)),
     )

@@ -38,13 +38,13 @@ from sbpjax._errors import SBPError
 from sbpjax.compiler.api import is_nd_sbp
 from sbpjax.flax.train import zero_layout
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
+from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
 from sbpjax.pipeline.graph import StageThreads, build_graph
 from sbpjax.pipeline.lockstep import LockstepSystem
 from sbpjax.pipeline.programs import StagePrograms
 from sbpjax.pipeline.registry import as_schedule
 from sbpjax.pipeline.runtime import ThreadedSystem
-from sbpjax.pipeline.schedule import ActionList
 from sbpjax.pipeline.simulate import Durations, simulate_graph
 from sbpjax.pipeline.timeline import Timeline
 from sbpjax.placement import Placement
@@ -354,7 +354,7 @@ class Pipeline:
         losses: list = [None] * m
         pending: list = [None] * len(self.stages)
         if self.memory_budget is not None:
-            self._check_budget(load_inputs, load_targets)
+            check_budget(self, load_inputs, load_targets)
         bodies = StepBodies(self, load_inputs, load_targets, losses, pending).bodies()
         system: ThreadedSystem | LockstepSystem
         if self.lockstep:
@@ -415,54 +415,6 @@ class Pipeline:
             return lambda spec: self.FIRST_STEP_TIMEOUT_S
         slowest = dict(self._slowest)
         return lambda spec: max(self.MIN_TIMEOUT_S, self.TIMEOUT_FACTOR * slowest.get(spec.kind, 0.0))
-
-    def _check_budget(self, load_inputs, load_targets) -> None:
-        """Before a step runs: refuse an order (or register counts) that would
-        hold more than ``memory_budget`` bytes of residuals and kept values on
-        a device group. Bytes per microbatch come from the stages' shapes (a
-        function feed is called once more, for microbatch 0's shape)."""
-        x, t = load_inputs(0), load_targets(0)
-        key = (np.shape(x), np.result_type(x), np.shape(t), np.result_type(t))
-        if key in self._budget_checked:
-            return
-        h = jax.ShapeDtypeStruct(key[0], key[1])
-        target = jax.ShapeDtypeStruct(key[2], key[3])
-        slot_bytes, last = {}, len(self.stages) - 1
-        for s, (stage, prog) in enumerate(zip(self.stages, self.programs)):
-            params = jax.tree_util.tree_map(
-                lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
-                stage.params,
-                is_leaf=lambda v: hasattr(v, "sbp"),
-            )
-            rest = (target,) if s == last else ()
-            slot_bytes[s] = prog.vjp.slot_bytes(params, h, rest) if prog is not None else (0, 0)
-            if s < last:
-                h = jax.eval_shape(stage.fn, params, h)
-        counts = {r.name: r.count for r in self.graph.registers}
-        n, p = len(self.stages), len(self.groups)
-        stash = [counts[f"stash{s}"] for s in range(n)]
-        if isinstance(self.schedule, ActionList):
-            kept = [counts[f"kept{s}"] for s in range(n)] if self.schedule.split_backward else None
-            self.schedule.validate(
-                p,
-                self.microbatches,
-                stash_counts=stash,
-                kept_counts=kept,
-                slot_bytes=slot_bytes,
-                memory_budget=self.memory_budget,
-            )
-        else:
-            for d in range(p):
-                mine = [s for s in range(n) if self._group_of(s) == d]
-                held = sum(stash[s] * slot_bytes[s][0] for s in mine)
-                if held > self.memory_budget:  # type: ignore[operator]
-                    parts = " + ".join(f"stage {s}: {stash[s]} x {slot_bytes[s][0]}" for s in mine)
-                    raise SBPError(
-                        f"Pipeline: {self.schedule!r} keeps up to {held} bytes of residuals on device group {d} "
-                        f"({parts} bytes per microbatch), over memory_budget={self.memory_budget}; give fewer "
-                        "stash_counts, use 1f1b instead of gpipe, or a larger budget."
-                    )
-        self._budget_checked.add(key)
 
     def save(self, path) -> None:
         """Write every stage's parameters and optimizer state to the new folder
