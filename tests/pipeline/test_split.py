@@ -126,11 +126,12 @@ def _run_split(fn, p, x, rest=(), differentiate_input=True, ct=None):
     return split, (list(dp), list(dx)), whole, list(want), args, cts
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(len(LAYERS)))
 def test_b_then_w_equals_the_whole_backward_on_random_stages(seed):
+    """Each layer kind once, followed by up to two random others."""
     rng = np.random.default_rng(seed)
     pick = random.Random(seed)
-    layers = [pick.choice(LAYERS) for _ in range(pick.randint(1, 4))]
+    layers = [LAYERS[seed]] + [pick.choice(LAYERS) for _ in range(pick.randint(0, 2))]
     params = _params(rng, len(layers))
     x = rng.normal(size=(3, D)).astype(np.float32)
     split, (dp, dx), (whole_dx, whole_dp), want, *_ = _run_split(_stage(layers), params, x)
@@ -195,7 +196,7 @@ def _flops(fn, *args):
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
 
-@pytest.mark.parametrize("layers", [[tanh_dense, gelu_mlp], [remat_block, dense], [scanned_layers]])
+@pytest.mark.parametrize("layers", [[tanh_dense, gelu_mlp], [remat_block, scanned_layers]])
 def test_f_b_w_do_no_more_work_than_jax_vjp(layers):
     """No forward recompute beyond the user's remat: F, B and W together cost
     what JAX's own VJP costs as two programs (``jax.vjp`` forward returning its
