@@ -47,8 +47,9 @@ class StageVJP:
     """``fn(params, x, *rest)``'s VJP, split per input shapes (traced once each).
 
     ``differentiate_input``: False for the first stage, whose input needs no
-    cotangent (it may be integer tokens); its B then has nothing to do and
-    W computes the whole backward."""
+    cotangent (it may be integer tokens); it has no B program, and its whole
+    backward runs as one program (in its B action, see
+    :mod:`sbpjax.pipeline.bodies`)."""
 
     def __init__(self, fn: Callable, differentiate_input: bool):
         self.fn = fn

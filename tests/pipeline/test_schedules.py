@@ -7,71 +7,47 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from pipeline_helpers import MB, D, assert_close, batch, host, layer, layer_params, mse, reference_step
 
 import sbpjax as sj
 import sbpjax.pipeline as sjp
 
-D, MB = 8, 2
 ONE_CHUNK = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SGD = optax.sgd(0.1)  # one optimizer object: stages compile their programs once per (loss, optimizer)
-
-
-def layer(p, x):
-    return jnp.tanh(x @ p["w"] + p["b"])
 
 
 def remat_layer(p, x):  # the user's own remat: the backward recomputes it, once
     return jax.checkpoint(lambda x: x + layer(p, x))(x)
 
 
-def mse(y, t):
-    return jnp.mean((y - t) ** 2)
-
-
-def _host(tree):
-    return jax.tree_util.tree_map(
-        lambda t: np.asarray(t.numpy()), tree, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)
-    )
-
-
-def _assert_close(got, want):
-    """float32 rounding of a different summation order: rtol, plus an atol scaled to the operands."""
-
-    def one(a, b):
-        b = np.asarray(b)
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6 * max(1.0, float(np.max(np.abs(b)))))
-
-    jax.tree_util.tree_map(one, got, want)
-
-
 def _params(rng, n):
+    return [layer_params(rng) for _ in range(n)]
+
+
+def mlp(p, x):
+    return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
+
+
+def _mlp_params(rng, n):
     return [
         {
-            "w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
-            "b": (0.1 * rng.normal(size=(D,))).astype(np.float32),
+            "w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
+            "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32),
         }
         for _ in range(n)
     ]
 
 
-def _batch(m, seed):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(m * MB, D)).astype(np.float32), rng.normal(size=(m * MB, D)).astype(np.float32))
-
-
-def reference_step(fns, params, x, y, opt, state=None):
-    """The non-pipelined step: one jitted value_and_grad of the whole model on the whole batch."""
-
-    def loss(ps):
-        h = x
-        for f, p in zip(fns, ps):
-            h = f(p, h)
-        return mse(h, y)
-
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
-    state = opt.init(params) if state is None else state
-    updates, state = opt.update(grads, state, params)
-    return float(value), grads, optax.apply_updates(params, updates), state
+def _two_adam_steps(pipe, fns, params, opt, seed):
+    """Two steps of ``pipe`` against two whole-batch steps (Adam's state carried over)."""
+    want_params, state = params, None
+    for step in range(2):
+        x, y = batch(4, seed=seed + step)
+        want_loss, want_grads, want_params, state = reference_step(fns, want_params, x, y, opt, state)
+        result = pipe.step(x, y)
+        assert result.loss == pytest.approx(want_loss, rel=2e-6)
+        assert_close([host(g) for g in result.grads], want_grads)
+        assert_close([host(st.params) for st in pipe.stages], want_params)
 
 
 def _groups(first_device, p, per=1):
@@ -109,13 +85,13 @@ def test_every_schedule_equals_the_whole_batch_step(stage_sets, name):
             st.params = jax.tree_util.tree_map(
                 lambda v, t: sj.to_global(v, t.placement, t.sbp), prm, st.params
             )
-        x, y = _batch(m, seed=m)
+        x, y = batch(m, seed=m)
         want_loss, want_grads, want_params, _ = reference_step([layer] * len(stages), params, x, y, opt)
         pipe = sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=name)
         result = pipe.step(x, y)
         assert result.loss == pytest.approx(want_loss, rel=2e-6)
-        _assert_close([_host(g) for g in result.grads], want_grads)
-        _assert_close([_host(st.params) for st in stages], want_params)
+        assert_close([host(g) for g in result.grads], want_grads)
+        assert_close([host(st.params) for st in stages], want_params)
         kinds = {a.kind for a in result.timeline.actions}
         split = name.startswith("zb") or name == "dualpipev"
         assert ({"backward_input", "backward_weight"} <= kinds) == split and ("backward" in kinds) == (
@@ -130,32 +106,14 @@ def test_every_schedule_equals_the_whole_batch_step(stage_sets, name):
 
 
 def test_tensor_parallel_stages_with_adam_under_zero_bubble():
-    """2 groups of 2 devices, Megatron layouts inside each stage, ZB-H1; two
-    steps, so Adam's state carries over."""
-
-    def mlp(p, x):
-        return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
-
-    rng = np.random.default_rng(4)
+    """2 groups of 2 devices, Megatron layouts inside each stage, ZB-H1."""
+    params = _mlp_params(np.random.default_rng(4), 2)
     layout = {"w1": (sj.S(1),), "w2": (sj.S(0),)}
-    params = [
-        {
-            "w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
-            "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32),
-        }
-        for _ in range(2)
-    ]
     stages = [sjp.Stage(mlp, params[s], g, param_sbp=layout) for s, g in enumerate(_groups(0, 2, per=2))]
     opt = optax.adam(1e-2)
-    pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="zb-h1")
-    want_params, state = params, None
-    for step in range(2):
-        x, y = _batch(4, seed=20 + step)
-        want_loss, want_grads, want_params, state = reference_step([mlp, mlp], want_params, x, y, opt, state)
-        result = pipe.step(x, y)
-        assert result.loss == pytest.approx(want_loss, rel=2e-6)
-        _assert_close([_host(g) for g in result.grads], want_grads)
-        _assert_close([_host(st.params) for st in stages], want_params)
+    _two_adam_steps(
+        sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="zb-h1"), [mlp, mlp], params, opt, 20
+    )
     for st in stages:  # the weights keep their tensor-parallel layout
         assert st.params["w1"].sbp == (sj.S(1),) and st.params["w2"].sbp == (sj.S(0),)
 
@@ -164,14 +122,14 @@ def test_remat_stage_under_zb_h1():
     rng = np.random.default_rng(6)
     params = _params(rng, 2)
     stages = [sjp.Stage(remat_layer, params[s], g) for s, g in enumerate(_groups(2, 2))]
-    x, y = _batch(4, seed=6)
+    x, y = batch(4, seed=6)
     opt = SGD
     want_loss, want_grads, want_params, _ = reference_step([remat_layer] * 2, params, x, y, opt)
     pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="zb-h1")
     result = pipe.step(x, y)
     assert result.loss == pytest.approx(want_loss, rel=2e-6)
-    _assert_close([_host(g) for g in result.grads], want_grads)
-    _assert_close([_host(st.params) for st in stages], want_params)
+    assert_close([host(g) for g in result.grads], want_grads)
+    assert_close([host(st.params) for st in stages], want_params)
     # with remat the forward keeps only the stage input: the checkpointed region's residual
     stash = pipe.programs[0].vjp.slot_bytes(params[0], x[:MB], ())[0]
     assert stash == MB * D * 4  # the checkpointed region's one residual is the stage input itself
@@ -181,7 +139,7 @@ def test_budgets_and_counts_are_refused_before_anything_runs(stage_sets):
     params, stages = stage_sets["one"]
     opt = SGD
     ran = []
-    x, y = _batch(8, seed=1)
+    x, y = batch(8, seed=1)
     with pytest.raises(sj.SBPError, match="backward_input of stage 1, microbatch 1.*1 kept slot"):
         sjp.Pipeline(stages, mse, opt, microbatches=8, schedule="zb-h1", kept_counts=[1, 1])
     prog = sjp.Pipeline(stages, mse, opt, microbatches=8).programs
@@ -226,35 +184,16 @@ def test_zero_within_stages_under_zero_bubble():
     """Each stage data parallel over its 2 devices with ZeRO: weights, gradients and
     Adam's state stored split over the data axis, gathered where used. ZB-H1's
     two steps equal the whole-batch steps."""
-
-    def mlp(p, x):
-        return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
-
-    rng = np.random.default_rng(8)
-    params = [
-        {
-            "w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
-            "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32),
-        }
-        for _ in range(2)
-    ]
+    params = _mlp_params(np.random.default_rng(8), 2)
     groups = [sj.Placement(np.array(jax.devices()[4 + 2 * d : 6 + 2 * d]), ("dp",)) for d in range(2)]
     stages = [
         sjp.Stage(mlp, params[s], groups[s], in_sbp=sj.S(0), out_sbp=sj.S(0), zero=True) for s in range(2)
     ]
-    assert stages[0].stored_sbp == {"w1": (sj.S(0),), "w2": (sj.S(0),)} and stages[0].param_sbp["w1"] == (
-        sj.B,
-    )
+    assert stages[0].stored_sbp == {"w1": (sj.S(0),), "w2": (sj.S(0),)}
+    assert stages[0].param_sbp["w1"] == (sj.B,)
     opt = optax.adam(1e-2)
     pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="zb-h1", target_sbp=sj.S(0))
-    want_params, state = params, None
-    for step in range(2):
-        x, y = _batch(4, seed=30 + step)
-        want_loss, want_grads, want_params, state = reference_step([mlp, mlp], want_params, x, y, opt, state)
-        result = pipe.step(x, y)
-        assert result.loss == pytest.approx(want_loss, rel=2e-6)
-        _assert_close([_host(g) for g in result.grads], want_grads)
-        _assert_close([_host(st.params) for st in stages], want_params)
+    _two_adam_steps(pipe, [mlp, mlp], params, opt, 30)
     for st, prog in zip(stages, pipe.programs):
         assert st.params["w1"].sbp == (sj.S(0),)
         adam_mu = prog.state[0].mu
@@ -267,7 +206,7 @@ def test_checkpoint_between_zero_bubble_steps_restores_into_another_schedule(tmp
     rng = np.random.default_rng(9)
     params = _params(rng, 2)
     opt = optax.adam(1e-2)
-    batches = [_batch(4, seed=40 + k) for k in range(2)]
+    batches = [batch(4, seed=40 + k) for k in range(2)]
 
     groups = _groups(6, 2)
     straight_stages = [sjp.Stage(layer, params[s], g) for s, g in enumerate(groups)]
@@ -284,5 +223,5 @@ def test_checkpoint_between_zero_bubble_steps_restores_into_another_schedule(tmp
     again.restore(tmp_path / "step1")
     got = again.step(*batches[1])
     assert got.loss == pytest.approx(want.loss, rel=2e-6)
-    _assert_close([_host(st.params) for st in again.stages], [_host(st.params) for st in straight.stages])
-    _assert_close([_host(p.state) for p in again.programs], [_host(p.state) for p in straight.programs])
+    assert_close([host(st.params) for st in again.stages], [host(st.params) for st in straight.stages])
+    assert_close([host(p.state) for p in again.programs], [host(p.state) for p in straight.programs])
