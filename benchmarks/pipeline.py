@@ -19,6 +19,29 @@ against the pipeline's; the two alternate step by step); and the peak live
 activation bytes per stage under GPipe and 1F1B (logical bytes of the stage
 inputs kept for the backward). Median over steps after a warm-up step.
 
+(c) Schedules (``schedules``): every schedule (gpipe, 1f1b, interleaved,
+zb-h1, zb-h2, zb-v, dualpipev) at p = 4 device groups and m = 8 microbatches
+(and m = 16 outside --quick), one entry each, with
+- ``simulated_makespan_ratio_vs_1f1b``: on the simulated clock, F, B and W of
+  equal length per stage (per chunk, half as long, for two-chunk schedules;
+  a whole backward is B + W), against 1F1B's makespan;
+- ``measured_makespan_ratio_vs_1f1b``: real runs on 8 CPU devices, 4 groups of
+  2 (2-way tensor parallel stages), a model of 8 Megatron MLP blocks (2 per
+  stage, or 1 per chunk); median makespan over steps (first action to last),
+  the schedules taking turns step by step so that all see the same load;
+- ``flops_ratio_vs_1f1b``: XLA's cost analysis of each stage program
+  (``Pipeline.program_costs``), summed over the programs a step runs
+  (m x (F + whole backward) or m x (F + B + W));
+- ``peak_ratio_vs_1f1b``: the largest device group's compiled memory (the
+  biggest program it runs, per device) plus the bytes it holds between
+  actions (residuals and what B keeps for W, measured in the real run, per
+  device), against 1F1B's;
+- ``bubble`` (simulated, the idle share of the step) and ``bubble_theory``
+  (the schedule's closed form at equal costs, sbpjax.pipeline.zero_bubble),
+  and ``measured_bubble`` from the real run.
+The first real ZB-H1 step's Gantt chart (F, B, W and the bytes kept for W)
+goes to ``benchmarks/results/pipeline_zb-h1.png``.
+
 Writes ``benchmarks/results/pipeline.json`` and the real run's Gantt chart
 ``benchmarks/results/pipeline.png``.
 """
@@ -212,6 +235,180 @@ def real_run(quick: bool, steps: int, png: str) -> dict:
     }
 
 
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+
+
+def simulated_schedule(name: str, p: int, m: int) -> dict:
+    """Makespan and bubble of ``name`` on the simulated clock at equal F, B, W per stage."""
+    schedule = sjp.as_schedule(name)
+    v = schedule.chunks
+    tl = sjp.simulate(
+        schedule,
+        p,
+        m,
+        {"forward": 1 / v, "backward_input": 1 / v, "backward_weight": 1 / v, "backward": 2 / v},
+    )
+    return {"makespan": tl.makespan, "bubble": tl.bubble, "bubble_theory": schedule.theory_bubble(p, m)}
+
+
+def stage_sets(blocks_params) -> dict:
+    """``blocks_params`` (8 blocks) as pipeline stages on 4 groups of 2 devices:
+    2 blocks per stage for one-chunk schedules, 1 per chunk for the two-chunk
+    ones, round robin (interleaved) or in a V (zb-v, dualpipev). Schedules with
+    the same stages share them, so their programs compile once."""
+    devs = jax.devices()
+    layout = {"w1": sj.S(1), "w2": sj.S(0)}
+    groups = [sj.Placement(np.array(devs[2 * d : 2 * d + 2]), ("tp",)) for d in range(4)]
+
+    def stage_fn(ps, x):
+        for q in ps:
+            x = block(q, x)
+        return x
+
+    def make(placing: str, per: int):
+        n = len(blocks_params) // per
+        device = {"loop": lambda s: s % 4, "v": lambda s: s if s < 4 else 7 - s}[placing]
+        return [
+            sjp.Stage(
+                stage_fn,
+                blocks_params[s * per : (s + 1) * per],
+                groups[device(s)],
+                param_sbp=[layout] * per,
+                name=f"{placing}{per}:stage{s}",
+            )
+            for s in range(n)
+        ]
+
+    return {"one": make("loop", 2), "loop": make("loop", 1), "v": make("v", 1)}
+
+
+def stages_for(sets: dict, name: str) -> list:
+    return sets["v" if name in ("zb-v", "dualpipev") else "loop" if name == "interleaved" else "one"]
+
+
+def step_flops_and_memory(pipe, costs) -> tuple[float, dict]:
+    """FLOPs of the programs one step runs, and per device group the compiled
+    memory of the biggest one (per device)."""
+    split = pipe.schedule.split_backward
+    kinds = ("forward", "backward_input", "backward_weight") if split else ("forward", "backward")
+    flops = pipe.microbatches * sum(c[k]["flops"] for c in costs for k in kinds if k in c)
+    memory: dict = {}
+    for s, c in enumerate(costs):
+        g = f"group{pipe.schedule.device_of(s, len(pipe.groups))}"
+        memory[g] = max(memory.get(g, 0), *(c[k]["memory_bytes"] for k in kinds if k in c))
+    return flops, memory
+
+
+def step_from_same_params(pipe, batch):
+    """One step, then the stages' parameters put back (schedules share stages
+    and every step starts from the same parameters)."""
+    before = [st.params for st in pipe.stages]
+    try:
+        return pipe.step(*batch)
+    finally:
+        for st, prm in zip(pipe.stages, before):
+            st.params = prm
+
+
+def measure_schedules(pipes: dict, batch, steps: int) -> dict:
+    """Per schedule: median makespan and bubble of ``steps`` real steps, per
+    device group the most bytes held between actions, and the last step's
+    timeline. The schedules take turns step by step, so that all see the same
+    machine load."""
+    runs: dict = {name: {"makespan": [], "bubble": [], "held": {}} for name in pipes}
+    for _ in range(steps):
+        for name, pipe in pipes.items():
+            tl = step_from_same_params(pipe, batch).timeline
+            run = runs[name]
+            run["timeline"] = tl
+            run["makespan"].append(tl.makespan)
+            run["bubble"].append(tl.bubble)
+            for g, nbytes in tl.peak_held_bytes().items():
+                run["held"][g] = max(run["held"].get(g, 0), nbytes)
+    return {
+        name: {
+            "makespan": statistics.median(r["makespan"]),
+            "bubble": statistics.median(r["bubble"]),
+            "held": r["held"],
+        }
+        for name, r in runs.items()
+    }
+
+
+def schedule_rows(quick: bool, steps: int, png: str) -> list[dict]:
+    d, rows_per_mb, p = (128, 8, 4) if quick else (256, 16, 4)
+    opt = optax.sgd(0.05)
+    sets = stage_sets(init(8, d, seed=2))
+    rows = []
+    for m in (8,) if quick else (8, 16):
+        rng = np.random.default_rng(m)
+        batch = [rng.normal(size=(m * rows_per_mb, d)).astype(np.float32) for _ in range(2)]
+        pipes = {
+            name: sjp.Pipeline(stages_for(sets, name), mse, opt, microbatches=m, schedule=name)
+            for name in SCHEDULE_NAMES
+        }
+        first = {name: step_from_same_params(pipe, batch) for name, pipe in pipes.items()}  # compiles
+        losses = {name: r.loss for name, r in first.items()}
+        assert max(losses.values()) - min(losses.values()) < 1e-5 * max(1.0, abs(losses["1f1b"])), losses
+        if m == 8:
+            first["zb-h1"].timeline.gantt(
+                png, title=f"benchmarks/pipeline.py: ZB-H1, 4 groups x 2-way TP, m={m}"
+            )
+        real = measure_schedules(pipes, batch, steps)
+        sim = {name: simulated_schedule(name, p, m) for name in pipes}
+        cost = {name: step_flops_and_memory(pipe, pipe.program_costs(*batch)) for name, pipe in pipes.items()}
+        # per device: the biggest program's memory plus what its group holds between actions, over its 2 devices
+        peak = {
+            name: max(memory[g] + real[name]["held"].get(g, 0) / 2 for g in memory)
+            for name, (_, memory) in cost.items()
+        }
+        for name in pipes:
+            rows.append(
+                {
+                    "schedule": name,
+                    "p": p,
+                    "m": m,
+                    "simulated_makespan_ratio_vs_1f1b": sim[name]["makespan"] / sim["1f1b"]["makespan"],
+                    "measured_makespan_ratio_vs_1f1b": real[name]["makespan"] / real["1f1b"]["makespan"],
+                    "flops_ratio_vs_1f1b": cost[name][0] / cost["1f1b"][0],
+                    "peak_ratio_vs_1f1b": peak[name] / peak["1f1b"],
+                    "bubble": sim[name]["bubble"],
+                    "bubble_theory": sim[name]["bubble_theory"],
+                    "measured_bubble": real[name]["bubble"],
+                    "measured_makespan_ms": 1e3 * real[name]["makespan"],
+                    "step_flops": cost[name][0],
+                    "peak_bytes_per_device": peak[name],
+                }
+            )
+    return rows
+
+
+def search_rows(quick: bool) -> list[dict] | None:
+    """HOOK for the ``search`` list of issue 52 (one entry per searched case:
+    name, predicted_step_s, measured_step_s, brute_force_step_s, search_s,
+    layers, devices). The joint search's benchmark, benchmarks/pipeline_search.py,
+    produces those rows; wire it in here (return its list). None: no ``search``
+    key is written."""
+    return None
+
+
+def schedule_targets(rows: list[dict]) -> dict:
+    """The issue's targets, checked on the m = 8 rows."""
+    at8 = {r["schedule"]: r for r in rows if r["m"] == 8}
+    zb = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+    return {
+        "zb_h1_simulated_le_0.87": at8["zb-h1"]["simulated_makespan_ratio_vs_1f1b"] <= 0.87,
+        "zb_h1_measured_le_0.92": at8["zb-h1"]["measured_makespan_ratio_vs_1f1b"] <= 0.92,
+        "zb_flops_ratio_le_1.02": all(r["flops_ratio_vs_1f1b"] <= 1.02 for r in rows if r["schedule"] in zb),
+        "zb_h1_peak_ratio_le_1.1": at8["zb-h1"]["peak_ratio_vs_1f1b"] <= 1.1,
+        "zb_v_dualpipev_bubble_within_5pct_of_theory": all(
+            abs(r["bubble"] - r["bubble_theory"]) <= 0.05 * r["bubble_theory"]
+            for r in rows
+            if r["schedule"] in ("zb-v", "dualpipev")
+        ),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -247,19 +444,39 @@ def main():
     print(f"throughput vs single program  {real['throughput_ratio_vs_single_program']:.3f}")
     print(f"peak activation bytes/stage   gpipe {real['peak_activation_bytes']['gpipe']}")
     print(f"                              1f1b  {real['peak_activation_bytes']['1f1b']}")
-    targets = {"simulated_equals_theory": sim_ok, "overhead_le_100us": real["overhead_us_per_action"] <= 100}
-    with open(args.output, "w") as f:
-        json.dump(
-            {
-                "config": {"quick": args.quick, "steps": steps, "devices": 8},
-                "simulated": sim,
-                "real": real,
-                "targets": targets,
-            },
-            f,
-            indent=1,
+    zb_png = os.path.splitext(args.output)[0] + "_zb-h1.png"
+    rows = schedule_rows(args.quick, steps, zb_png)
+    print(
+        "\n(c) schedules, p = 4 groups of 2 devices; ratios vs 1F1B (simulated at equal F/B/W; measured on CPU)"
+    )
+    print(
+        f"{'schedule':<12}{'m':>3}{'sim':>8}{'measured':>10}{'flops':>8}{'peak':>8}{'bubble':>9}{'theory':>9}"
+        f"{'meas.bubble':>13}"
+    )
+    for r in rows:
+        print(
+            f"{r['schedule']:<12}{r['m']:>3}{r['simulated_makespan_ratio_vs_1f1b']:>8.3f}"
+            f"{r['measured_makespan_ratio_vs_1f1b']:>10.3f}{r['flops_ratio_vs_1f1b']:>8.3f}"
+            f"{r['peak_ratio_vs_1f1b']:>8.3f}{r['bubble']:>9.4f}{r['bubble_theory']:>9.4f}{r['measured_bubble']:>13.3f}"
         )
-    print(f"\nwrote {args.output} and {png}; targets {targets}")
+    targets = {
+        "simulated_equals_theory": sim_ok,
+        "overhead_le_100us": real["overhead_us_per_action"] <= 100,
+        **schedule_targets(rows),
+    }
+    results = {
+        "config": {"quick": args.quick, "steps": steps, "devices": 8},
+        "simulated": sim,
+        "real": real,
+        "schedules": rows,
+        "targets": targets,
+    }
+    search = search_rows(args.quick)  # the joint search's rows (issue 52), when wired in
+    if search is not None:
+        results["search"] = search
+    with open(args.output, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.output}, {png} and {zb_png}; targets {targets}")
 
 
 if __name__ == "__main__":

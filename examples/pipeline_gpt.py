@@ -3,6 +3,7 @@
     python examples/pipeline_gpt.py                 # 40 steps, 1F1B, 8 microbatches
     python examples/pipeline_gpt.py --quick         # 6 steps
     python examples/pipeline_gpt.py --schedule gpipe --png gpt_gpipe.png
+    python examples/pipeline_gpt.py --schedule zb-h1   # zero bubble: each backward split into B and W
 
 Each stage is one transformer block (the first also embeds, the last also
 projects to the vocabulary) on its own pair of devices, laid out Megatron-style
@@ -14,7 +15,8 @@ actor prepares microbatch k + 1 while stage 0 works on k.
 The script checks the first step against the non-pipelined step (one jitted
 value_and_grad on the whole batch, whole model on one device), trains on a
 repeated sentence until the loss falls, prints the timeline summary, compares
-GPipe's and 1F1B's peak activation memory, and writes the Gantt chart PNG.
+the memory GPipe, 1F1B and ZB-H1 hold between actions (residuals, and what
+ZB-H1's B keeps for its W) with the same stages, and writes the Gantt chart PNG.
 Runs on a laptop: 8 simulated CPU devices.
 """
 
@@ -171,7 +173,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "zb-h1", "zb-h2"])
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--rows", type=int, default=4, help="sequences per microbatch")
     ap.add_argument("--png", default="pipeline_gpt_timeline.png")
@@ -224,25 +226,35 @@ def main():
     overlaps = sum(any(lo.start < f.end and f.start < lo.end for f in fwd0) for lo in load)
     print(f"loader overlapped stage 0's forward on {overlaps} of {len(load)} microbatches")
 
-    # memory: the same model under GPipe keeps every microbatch's stage input until the flush
-    other = "gpipe" if args.schedule == "1f1b" else "1f1b"
-    other_tl = (
-        sjp.Pipeline(pipe.stages, cross_entropy, opt, microbatches=m, schedule=other)
-        .step(tokens, labels)
-        .timeline
-    )  # the same stages: their compiled programs are reused
-    for name, t in ((args.schedule, tl), (other, other_tl)):
+    # memory: the same stages (their programs are reused) under GPipe, 1F1B and ZB-H1
+    for name in ("gpipe", "1f1b", "zb-h1"):
+        if name == args.schedule:
+            t = tl
+        else:  # one step more (it trains the same stages)
+            t = (
+                sjp.Pipeline(pipe.stages, cross_entropy, opt, microbatches=m, schedule=name)
+                .step(tokens, labels)
+                .timeline
+            )
         peaks = t.peak_live_activations()
-        nbytes = t.peak_activation_bytes()
+        kept = t.peak_kept_bytes()
         print(
             f"{name:>6}: peak live activation registers per stage {[peaks[i] for i in range(4)]}, "
-            f"bytes {[nbytes[i] for i in range(4)]}"
+            f"bytes {[t.peak_activation_bytes()[i] for i in range(4)]}"
+            + (f", bytes kept for W {[kept[i] for i in range(4)]}" if kept else "")
         )
     sim = pipe.simulate({"forward": 1.0, "backward": 2.0})
-    print(
-        f"simulated with F=1, B=2: makespan {sim.makespan:g} = (m + p - 1)(F + B) = {(m + 3) * 3:g}, "
-        f"bubble {sim.bubble:.3f}"
-    )
+    p = len(pipe.stages)
+    if args.schedule.startswith("zb"):
+        print(
+            f"simulated with F=B=W=1: makespan {sim.makespan:g} = m(F + B + W) + (p - 1)F = {3 * m + p - 1:g} "
+            f"(1F1B: {3 * (m + p - 1)}), bubble {sim.bubble:.3f}"
+        )
+    else:
+        print(
+            f"simulated with F=1, B=2: makespan {sim.makespan:g} = (m + p - 1)(F + B) = {(m + p - 1) * 3:g}, "
+            f"bubble {sim.bubble:.3f}"
+        )
     print(f"timeline written to {tl.gantt(args.png, title=f'pipeline_gpt: {args.schedule}, m={m}')}")
 
 

@@ -121,6 +121,16 @@ def test_two_stage_pipeline_with_one_stage_per_process_matches_one_process():
     np.testing.assert_allclose(two[0], one, rtol=2e-6, atol=0)
 
 
+def test_zero_bubble_pipeline_with_one_stage_per_process():
+    """ZB-H1 across the two processes: B and W of each stage in its process, in
+    the simulated order; the script checks every step against one device."""
+    out = launch(os.path.join(SCRIPTS, "pipeline.py"), "zb-h1")
+    for p in (0, 1):
+        assert _lines(out, "RUNTIME", p) == ["lockstep"] and _lines(out, "OK", p) == [str(p)], out[-3000:]
+        kinds = ast.literal_eval(_lines(out, "KINDS", p)[0])
+        assert {"backward_input", "backward_weight"} <= set(kinds) and "backward" not in kinds
+
+
 @pytest.mark.parametrize("writer, reader", [("two", "one"), ("one", "two")])
 def test_checkpoint_saved_by_one_process_count_restores_in_the_other(tmp_path, writer, reader):
     script = os.path.join(SCRIPTS, "checkpoint.py")

@@ -24,7 +24,7 @@ from sbpjax.pipeline.timeline import RegisterStats
 
 REQ, ACK = 0, 1  # message kinds: "this slot is readable" / "I am done with this slot"
 
-KINDS = ("load", "put", "forward", "backward", "transfer", "update")
+KINDS = ("load", "put", "forward", "backward", "backward_input", "backward_weight", "transfer", "update")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +165,9 @@ class ActorSystem(abc.ABC):
             for i, _ in seq:
                 self.actors[i].ordered = True
         self.actions = sum(s.actions for s in graph.actors)
+        # (stage, microbatch, "stash" | "kept") -> bytes a forward kept for its
+        # backward, or a B for its W (the timeline replays them over time)
+        self.held_bytes: dict = {}
 
     # -- driver hooks -----------------------------------------------------------
     @abc.abstractmethod
@@ -246,7 +249,10 @@ class ActorSystem(abc.ABC):
             if not spec.writes_on(k):
                 continue
             value = values.get(spec.name)
-            slot = reg.write(self.nbytes(value) if spec.activation else 0)
+            nbytes = self.nbytes(value) if spec.activation or spec.kept else 0
+            slot = reg.write(nbytes)
+            if spec.activation or spec.kept:
+                self.held_bytes[(actor.spec.stage, k, "kept" if spec.kept else "stash")] = nbytes
             for dst in self._consumers[reg.index]:
                 self.send(dst, (REQ, dst.index, reg.index, slot, value))
         for box in actor.inboxes:
@@ -287,6 +293,7 @@ class ActorSystem(abc.ABC):
                 r.peak_bytes,
                 r.spec.activation,
                 self._by_name[r.spec.producer].spec.stage,
+                r.spec.kept,
             )
             for r in self.registers
         )

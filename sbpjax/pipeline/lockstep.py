@@ -81,4 +81,6 @@ class LockstepSystem(_SimulatedSystem):
     def run(self) -> Timeline:
         self._t0 = time.perf_counter()
         simulated = super().run()
-        return Timeline(tuple(self._real), simulated.registers, simulated.threads)
+        return Timeline(
+            tuple(self._real), simulated.registers, simulated.threads, held_bytes=simulated.held_bytes
+        )

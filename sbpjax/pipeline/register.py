@@ -35,6 +35,9 @@ class RegisterSpec:
     # True for the activations a forward keeps for its backward: the figure
     # the schedules are about (peak live activation registers per stage).
     activation: bool = False
+    # True for what a B keeps for its W (zero-bubble schedules): bounded by the
+    # count, so a W must run before more than ``count`` microbatches' values pile up.
+    kept: bool = False
 
     def writes_on(self, action_index: int) -> bool:
         """Whether the producer's ``action_index``-th action (0-based) writes a slot."""

@@ -253,7 +253,9 @@ class ThreadedSystem(ActorSystem):
             raise err
         records = sorted((r for rs in self._records.values() for r in rs), key=lambda r: r.start)
         overhead = sum(self._busy_s.values()) - sum(self._body_s.values())
-        return Timeline(tuple(records), self.register_stats(), tuple(self.thread_names), overhead)
+        return Timeline(
+            tuple(records), self.register_stats(), tuple(self.thread_names), overhead, dict(self.held_bytes)
+        )
 
     def _join(self, threads) -> list[str]:
         """Join every thread; after a failure wait at most ``grace_s`` in all and

@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.actor import KINDS, ActorGraph, ActorSystem
 from sbpjax.pipeline.errors import PipelineStall
-from sbpjax.pipeline.schedule import as_schedule, build_graph
+from sbpjax.pipeline.graph import build_graph
+from sbpjax.pipeline.registry import as_schedule
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
 
 Durations = Mapping[str, float] | Callable[[str, "int | None", "int | None"], float]
@@ -68,12 +69,21 @@ class _SimulatedSystem(ActorSystem):
             raise PipelineStall(
                 "simulate: the step cannot finish; nothing is left to act on:\n" + self.stall_report()
             )
-        return Timeline(tuple(self.records), self.register_stats(), tuple(self.thread_names))
+        return Timeline(
+            tuple(self.records),
+            self.register_stats(),
+            tuple(self.thread_names),
+            held_bytes=dict(self.held_bytes),
+        )
 
 
 def duration_function(durations: Durations | None) -> Callable:
-    """``durations``: ``{kind: seconds}`` (missing kinds take 0; default forward 1,
-    backward 2) or a function ``(kind, stage, microbatch) -> seconds``."""
+    """``durations``: ``{kind: seconds}`` or a function ``(kind, stage, microbatch)
+    -> seconds``. Kinds: ``forward``, ``backward`` (a whole backward),
+    ``backward_input`` (B) and ``backward_weight`` (W) of a split backward,
+    ``load``, ``put``, ``transfer``, ``update``. Missing kinds take 0, except
+    B and W: each takes half of ``backward`` when not given, so one table
+    serves every schedule. Default: forward 1, backward 2 (B 1, W 1)."""
     if durations is None:
         durations = {"forward": 1.0, "backward": 2.0}
     if callable(durations):
@@ -84,6 +94,9 @@ def duration_function(durations: Durations | None) -> Callable:
             f"simulate: unknown action kinds {sorted(unknown)} in durations; kinds are {', '.join(KINDS)}."
         )
     table = dict(durations)
+    half = table.get("backward", 0.0) / 2
+    table.setdefault("backward_input", half)
+    table.setdefault("backward_weight", half)
     return lambda kind, stage, microbatch: table.get(kind, 0.0)
 
 
@@ -101,11 +114,15 @@ def simulate(
     data_registers: int = 2,
     activation_registers: int = 2,
     stash_counts: list[int] | None = None,
+    kept_counts: list[int] | None = None,
 ) -> Timeline:
     """Simulate one training step of ``schedule`` on ``devices`` device groups.
 
-    ``schedule``: 'gpipe', '1f1b', :class:`Interleaved1F1B` or :class:`ActionList`.
-    Returns the :class:`Timeline` (makespan, bubble, peak live registers, Gantt chart).
+    ``schedule``: a name in :data:`~sbpjax.pipeline.SCHEDULES` ('gpipe', '1f1b',
+    'interleaved', 'zb-h1', 'zb-h2', 'zb-v', 'dualpipev') or a :class:`Schedule`
+    (:class:`Interleaved1F1B`, :class:`ActionList`, ...). ``durations``: see
+    :func:`duration_function`. Returns the :class:`Timeline` (makespan, bubble,
+    peak live registers, Gantt chart).
     """
     sched = as_schedule(schedule)
     if not isinstance(devices, int) or devices < 1:
@@ -117,5 +134,6 @@ def simulate(
         data_registers=data_registers,
         activation_registers=activation_registers,
         stash_counts=stash_counts,
+        kept_counts=kept_counts,
     )
     return simulate_graph(graph, durations)

@@ -7,15 +7,15 @@ driven by the actor runtime.
     result.timeline.gantt("pipeline.png")
 
 Each stage is ``fn(params, x) -> y`` on its own placement; the last stage's
-output goes through ``loss_fn(y, targets) -> scalar``. Per stage, three
-programs are compiled with :func:`sbpjax.jit` (so a stage can be tensor
-parallel inside, with its own SBP layouts): the forward, the backward
-(``jax.vjp`` of the forward, recomputed from the stage input, adding the
-parameter gradient into an accumulator), and the optimizer update. The
-backward recomputes because the register a forward fills for its backward then
-holds only the stage input, the activation-checkpointing OneFlow uses for GPT
-(one forward-to-backward edge per stage). Activations and gradients cross
-stages by disjoint-placement boxing (``GlobalTensor.to_global(placement=...)``).
+output goes through ``loss_fn(y, targets) -> scalar``. Per stage, the programs
+of :mod:`sbpjax.pipeline.programs` are compiled with :func:`sbpjax.jit` (so a
+stage can be tensor parallel inside, with its own SBP layouts): the forward,
+which keeps the residuals of the stage's VJP, the backward (whole, or split
+into B for the input cotangent and W for the weight cotangent, from that one
+VJP: :mod:`sbpjax.pipeline.split`), and the optimizer update. Nothing of the
+forward is recomputed beyond the user's own ``jax.checkpoint``. Activations
+and gradients cross stages by disjoint-placement boxing
+(``GlobalTensor.to_global(placement=...)``).
 
 The accumulated gradient is the mean over microbatches of each microbatch's
 gradient (the backward of the last stage is seeded with ``1 / m``), which is
@@ -30,20 +30,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sbpjax import checkpoint
 from sbpjax._errors import SBPError
-from sbpjax.compiler.api import is_nd_sbp, jit, state_sbp
+from sbpjax.compiler.api import is_nd_sbp
+from sbpjax.flax.train import zero_layout
+from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
+from sbpjax.pipeline.budget import check_budget
+from sbpjax.pipeline.costs import program_costs
+from sbpjax.pipeline.graph import StageThreads, build_graph
 from sbpjax.pipeline.lockstep import LockstepSystem
+from sbpjax.pipeline.programs import StagePrograms
+from sbpjax.pipeline.registry import as_schedule
 from sbpjax.pipeline.runtime import ThreadedSystem
-from sbpjax.pipeline.schedule import StageThreads, as_schedule, build_graph
 from sbpjax.pipeline.simulate import Durations, simulate_graph
 from sbpjax.pipeline.timeline import Timeline
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
-from sbpjax.tensor import GlobalTensor, placeholder, to_global
+from sbpjax.tensor import to_global
 
 
 def _is_layout_leaf(v) -> bool:
@@ -73,37 +79,37 @@ def _param_layouts(params, param_sbp, placement: Placement, where: str):
         ) from None
 
 
-def _is_global(v) -> bool:
-    return isinstance(v, GlobalTensor)
-
-
-def _logical_nbytes(value) -> int:
-    return sum(
-        int(t.size) * t.dtype.itemsize
-        for t in jax.tree_util.tree_leaves(value, is_leaf=_is_global)
-        if isinstance(t, (GlobalTensor, jax.Array, np.ndarray))
+def _zero_axis(zero, in_sbp: tuple, placement: Placement, name) -> int:
+    """The axis a ZeRO stage stores its state split over."""
+    if isinstance(zero, str):
+        if zero not in placement.axis_names:
+            raise SBPError(f"Stage {name!r}: zero={zero!r}; the placement's axes are {placement.axis_names}.")
+        return placement.axis_names.index(zero)
+    for a, sbp in enumerate(in_sbp):
+        if isinstance(sbp, Split) and sbp.dim == 0 and placement.shape[a] > 1:
+            return a
+    raise SBPError(
+        f"Stage {name!r}: zero=True needs a data axis, one over which in_sbp splits the batch (S(0)); "
+        f"in_sbp is {in_sbp}. Split the input over an axis, or name the axis: zero='dp'."
     )
-
-
-def _ready(tree):
-    """Wait for the values: an action ends when its work is done, so the
-    timeline shows real durations and a register never holds pending work."""
-    return jax.block_until_ready(tree)
-
-
-def _move(t: GlobalTensor, sbp: tuple, placement: Placement) -> GlobalTensor:
-    """Box ``t`` onto another stage's ``(placement, sbp)`` (disjoint-placement
-    boxing; same grid and layout is one ``device_put``, see sbpjax.boxing.transfer)."""
-    return _ready(t.to_global(sbp=sbp, placement=placement))
 
 
 class Stage:
     """One pipeline stage: ``fn(params, x) -> y`` on ``placement``.
 
     A Flax module is a stage as ``Stage(module.apply, variables, placement)``.
-    ``param_sbp``: the parameters' nd-SBPs (a matching pytree, or one nd-SBP for
-    all; default B). ``in_sbp`` / ``out_sbp``: nd-SBPs of ``x`` and ``y``
-    (default B). Inside, :func:`sbpjax.jit` chooses every other layout.
+    ``param_sbp``: the parameters' nd-SBPs as the stage computes with them (a
+    matching pytree, or one nd-SBP for all; default B). ``in_sbp`` /
+    ``out_sbp``: nd-SBPs of ``x`` and ``y`` (default B). Inside,
+    :func:`sbpjax.jit` chooses every other layout.
+
+    ``zero``: ZeRO within the stage (OneFlow's Fig. 14, as
+    :class:`sbpjax.flax.TrainStep` does it): ``True`` (the data axis is the one
+    ``in_sbp`` splits dim 0 over) or an axis name. Parameters, their gradient
+    accumulator and the optimizer state are then stored split over that axis
+    (``stored_sbp``); each program gathers the weights to ``param_sbp`` where
+    it uses them (the backward gathers them again rather than keeping a
+    gathered copy per microbatch) and the gradient is reduce-scattered.
     """
 
     def __init__(
@@ -115,6 +121,7 @@ class Stage:
         param_sbp=None,
         in_sbp=None,
         out_sbp=None,
+        zero=None,
         name: str | None = None,
     ):
         self.name = name or getattr(fn, "__name__", "stage")
@@ -142,7 +149,17 @@ class Stage:
             if out_sbp is None
             else normalize_nd_sbp(out_sbp, placement.ndim, None, f"Stage {self.name!r} out_sbp")
         )
-        self.params = jax.tree_util.tree_map(lambda p, s: to_global(p, placement, s), host, self.param_sbp)
+        self.zero = zero
+        self.stored_sbp = self.param_sbp
+        if zero:
+            axis = _zero_axis(zero, self.in_sbp, placement, self.name)
+            self.stored_sbp = jax.tree_util.tree_map(
+                lambda nd, p: zero_layout(nd, np.shape(p), placement, axis),
+                self.param_sbp,
+                host,
+                is_leaf=is_nd_sbp,
+            )
+        self.params = jax.tree_util.tree_map(lambda p, s: to_global(p, placement, s), host, self.stored_sbp)
         self._compiled: dict = {}  # (loss, first?, optimizer, target layout) -> compiled programs
 
     def __repr__(self):
@@ -159,97 +176,40 @@ class StepResult:
     timeline: Timeline
 
 
-def _compile(stage: Stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp, state_layout):
-    """The stage's forward, backward and update as :func:`sbpjax.jit` programs."""
-    pl, fn = stage.placement, stage.fn
-    ps, xs, ys = stage.param_sbp, stage.in_sbp, stage.out_sbp
-    rep = (Broadcast(),) * pl.ndim
-    backward: Callable[..., Any]  # (p, x, t, acc, scale) on the last stage, (p, x, dy, acc) before it
-    if loss_fn is not None:  # the last stage: its forward ends in the loss
-
-        def forward(p, x, t):
-            return loss_fn(fn(p, x), t)
-
-        def backward(p, x, t, acc, scale):
-            if first:
-                dp = jax.grad(lambda p: loss_fn(fn(p, x), t) * scale)(p)
-                return _add(acc, dp)
-            dp, dx = jax.grad(lambda p, x: loss_fn(fn(p, x), t) * scale, argnums=(0, 1))(p, x)
-            return dx, _add(acc, dp)
-
-        forward_c = jit(forward, placement=pl, in_sbp=(ps, xs, target_sbp), out_sbp=rep)
-        backward_c = jit(
-            backward, placement=pl, in_sbp=(ps, xs, target_sbp, ps, rep), out_sbp=ps if first else (xs, ps)
-        )
-    else:
-
-        def backward(p, x, dy, acc):
-            if first:  # the first stage's input needs no gradient (it may be integer tokens)
-                _, vjp = jax.vjp(lambda p: fn(p, x), p)
-                return _add(acc, vjp(dy)[0])
-            _, vjp = jax.vjp(fn, p, x)
-            dp, dx = vjp(dy)
-            return dx, _add(acc, dp)
-
-        forward_c = jit(fn, placement=pl, in_sbp=(ps, xs), out_sbp=ys)
-        backward_c = jit(backward, placement=pl, in_sbp=(ps, xs, ys, ps), out_sbp=ps if first else (xs, ps))
-
-    def update(p, s, g):
-        u, s = optimizer.update(g, s, p)
-        return optax.apply_updates(p, u), s
-
-    update_c = jit(update, placement=pl, in_sbp=(ps, state_layout, ps), out_sbp=(ps, state_layout))
-    return forward_c, backward_c, update_c
-
-
-class _StagePrograms:
-    """One stage's compiled programs (shared by every pipeline built on the same
-    stage, loss and optimizer, so they compile once) and this pipeline's state
-    for it: optimizer state, gradient accumulator, last step's gradients."""
-
-    def __init__(self, stage: Stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp):
-        pl, ps = stage.placement, stage.param_sbp
-        host_params = jax.tree_util.tree_map(lambda t: t.numpy(), stage.params, is_leaf=_is_global)
-        state = optimizer.init(host_params)
-        layout = state_sbp(state, ps, (Broadcast(),) * pl.ndim)
-        self.state = jax.tree_util.tree_map(lambda v, s: to_global(np.asarray(v), pl, s), state, layout)
-        key = (loss_fn, first, optimizer, target_sbp)
-        if key not in stage._compiled:
-            stage._compiled[key] = _compile(stage, loss_fn, first, optimizer, target_sbp, layout)
-        self.forward, self.backward, self.update = stage._compiled[key]
-        self.zeros = jax.tree_util.tree_map(
-            lambda t, s: to_global(np.zeros(t.shape, t.dtype), pl, s), stage.params, ps, is_leaf=_is_global
-        )
-        self.acc = self.zeros
-        self.grads = None
-
-
-def _add(acc, d):
-    return jax.tree_util.tree_map(jnp.add, acc, d)
-
-
 class Pipeline:
     """A model split into stages, trained by the actor runtime.
 
-    ``schedule``: 'gpipe', '1f1b' (default), :class:`Interleaved1F1B` or
-    :class:`ActionList`. With ``p`` device groups, stage ``s`` must live on the
-    ``s % p``-th distinct placement (interleaved schedules put ``v`` stages on
-    each group; the others one). ``data_registers`` / ``activation_registers``:
-    slots of the loader / put registers and of the registers between stages;
-    ``stash_counts`` overrides the schedule's forward-to-backward slots per
-    stage. ``before_action(actor_spec, k)`` is called before every action (for
-    tracing, injected delays or faults). A step that cannot finish raises
-    :class:`PipelineStall` as soon as no actor can act.
+    ``schedule``: a name in :data:`~sbpjax.pipeline.SCHEDULES` ('gpipe',
+    '1f1b' (default), 'interleaved', 'zb-h1', 'zb-h2', 'zb-v', 'dualpipev') or
+    a :class:`Schedule` (:class:`Interleaved1F1B`, :class:`ActionList`, ...).
+    With ``p`` device groups (distinct placements, in the order stages first
+    use them), stage ``s`` must live on the schedule's group for it: group
+    ``s % p`` for the round-robin schedules (interleaved ones put ``v`` stages
+    on each group, the others one), and for the V schedules (zb-v, dualpipev)
+    stages ``d`` and ``2p - 1 - d`` on group ``d``.
+
+    ``data_registers`` / ``activation_registers``: slots of the loader / put
+    registers and of the registers between stages; ``stash_counts`` overrides
+    the schedule's forward-to-backward slots per stage and ``kept_counts`` its
+    B-to-W slots (split schedules): an action list that would need more is
+    refused before it runs. ``memory_budget``: bytes each device group may hold
+    in residuals and kept values (logical bytes, counted from the stages'
+    shapes at the first step; an action list or register counts that would
+    exceed it are refused, naming the action). ``before_action(actor_spec, k)``
+    is called before every action (for tracing, injected delays or faults). A
+    step that cannot finish raises :class:`PipelineStall` as soon as no actor
+    can act.
 
     ``action_timeout``: each action's deadline in seconds, past which the step
     stops every actor and raises :class:`PipelineTimeout` naming the stage,
     microbatch and action. ``"auto"`` (default): ``FIRST_STEP_TIMEOUT_S`` until
     a step has finished (the first one compiles), then the larger of
     ``MIN_TIMEOUT_S`` and ``TIMEOUT_FACTOR`` times the slowest action of the
-    same kind in the last finished step. A number: that many seconds for every
-    action; ``None``: no deadline. ``check_finite=True`` checks every stage's
-    forward output, the loss and, before the update, every gradient, and
-    raises naming the stage where a NaN or infinity first appears.
+    same kind (forward, backward, B, W, ...) in the last finished step. A
+    number: that many seconds for every action; ``None``: no deadline.
+    ``check_finite=True`` checks every stage's forward output, the loss, input
+    gradients, each W's accumulated gradient and, before the update, every
+    gradient, and raises naming the stage where a NaN or infinity first appears.
 
     With ``jax.distributed``, stages may live in different processes: build
     the same pipeline in every process. ``lockstep`` is then True: each
@@ -274,6 +234,8 @@ class Pipeline:
         data_registers: int = 2,
         activation_registers: int = 2,
         stash_counts: Sequence[int] | None = None,
+        kept_counts: Sequence[int] | None = None,
+        memory_budget: float | None = None,
         before_action: Callable | None = None,
         action_timeout="auto",
         check_finite: bool = False,
@@ -286,12 +248,6 @@ class Pipeline:
         self.microbatches = microbatches
         self.groups = self._device_groups(stages)
         p = len(self.groups)
-        if self.schedule.stages(p) != len(stages):
-            raise SBPError(
-                f"Pipeline: {len(stages)} stages on {p} device groups, but {self.schedule!r} runs "
-                f"{self.schedule.stages(p)} stages on {p} groups; give Interleaved1F1B(chunks=v) "
-                f"v stages per group, other schedules one."
-            )
         last_pl = stages[-1].placement
         self.target_sbp = (
             (Broadcast(),) * last_pl.ndim
@@ -307,14 +263,19 @@ class Pipeline:
             data_registers=data_registers,
             activation_registers=activation_registers,
             stash_counts=None if stash_counts is None else list(stash_counts),
+            kept_counts=None if kept_counts is None else list(kept_counts),
         )
+        if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):
+            raise SBPError(f"Pipeline: memory_budget={memory_budget!r}; give bytes (> 0) or None.")
+        self.memory_budget = memory_budget
+        self._budget_checked: set = set()  # microbatch shapes already checked against the budget
         n = len(stages)
         # With jax.distributed, each process runs the stages that have devices in
         # it and meets the others in the transfers (sbpjax.pipeline.lockstep).
         self.here = [st.placement.in_this_process for st in stages]
         self.lockstep = len(frozenset().union(*(st.placement.processes for st in stages))) > 1
-        self.programs: list[_StagePrograms | None] = [
-            _StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer, self.target_sbp)
+        self.programs: list[StagePrograms | None] = [
+            StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer, self.target_sbp)
             if self.here[i]
             else None
             for i, st in enumerate(stages)
@@ -333,6 +294,8 @@ class Pipeline:
         self._slowest: dict | None = None  # kind -> slowest action (s) of the last finished step
 
     def _device_groups(self, stages) -> list[Placement]:
+        """Distinct placements in the order stages first use them; each stage on
+        the group the schedule gives it."""
         groups: list[Placement] = []
         for s, st in enumerate(stages):
             pl = st.placement
@@ -343,20 +306,29 @@ class Pipeline:
                     raise SBPError(
                         f"Pipeline: stage {s} ({st.name}) on {pl!r} shares devices with {g!r} but is "
                         "not the same placement; stages run on disjoint device groups (or on exactly "
-                        "the same one, for interleaved schedules)."
+                        "the same one, for schedules with several stages per group)."
                     )
             groups.append(pl)
         p = len(groups)
+        want = self.schedule.stages(p)
+        if want != len(stages):
+            raise SBPError(
+                f"Pipeline: {len(stages)} stages on {p} device groups, but {self.schedule!r} runs "
+                f"{want} stages on {p} groups; give Interleaved1F1B(chunks=v) v stages per group, "
+                "zb-v and dualpipev two, other schedules one."
+            )
         for s, st in enumerate(stages):
-            if st.placement != groups[s % p]:
+            d = self.schedule.device_of(s, p)
+            if st.placement != groups[d]:
                 raise SBPError(
-                    f"Pipeline: stage {s} ({st.name}) is on {st.placement!r} but with {p} device "
-                    f"groups stage {s} belongs on group {s % p}, {groups[s % p]!r}."
+                    f"Pipeline: stage {s} ({st.name}) is on {st.placement!r} but {self.schedule!r} on "
+                    f"{p} device groups runs stage {s} on group {d}, {groups[d]!r} (groups are numbered "
+                    "in the order the stages first use them)."
                 )
         return groups
 
     def _group_of(self, stage: int) -> int:
-        return stage % len(self.groups)
+        return self.schedule.device_of(stage, len(self.groups))
 
     @property
     def params(self) -> list:
@@ -381,7 +353,9 @@ class Pipeline:
         load_targets = self._feed("targets", targets, m)
         losses: list = [None] * m
         pending: list = [None] * len(self.stages)
-        bodies = self._bodies(load_inputs, load_targets, losses, pending)
+        if self.memory_budget is not None:
+            check_budget(self, load_inputs, load_targets)
+        bodies = StepBodies(self, load_inputs, load_targets, losses, pending).bodies()
         system: ThreadedSystem | LockstepSystem
         if self.lockstep:
             system = LockstepSystem(self.graph, bodies, before_action=self.before_action)
@@ -389,7 +363,7 @@ class Pipeline:
             system = ThreadedSystem(
                 self.graph,
                 bodies,
-                nbytes=_logical_nbytes,
+                nbytes=physical_nbytes,
                 before_action=self.before_action,
                 action_timeout=self._deadline(),
             )
@@ -442,6 +416,40 @@ class Pipeline:
         slowest = dict(self._slowest)
         return lambda spec: max(self.MIN_TIMEOUT_S, self.TIMEOUT_FACTOR * slowest.get(spec.kind, 0.0))
 
+    def save(self, path) -> None:
+        """Write every stage's parameters and optimizer state to the new folder
+        ``path`` (:mod:`sbpjax.checkpoint`: logical arrays, restorable into any
+        placement and layout). Between steps nothing else is live: the gradient
+        accumulators are zero and no B has kept anything for a W."""
+        checkpoint.save(path, self._state_tree())
+
+    def restore(self, path) -> None:
+        """Load what :meth:`save` wrote (by a pipeline of the same stages and
+        optimizer, whatever its schedule and layouts) into this pipeline's layouts."""
+        saved = checkpoint.restore(path, self._state_tree())
+        for stage, prog, params, state in zip(
+            self.stages, self.programs, saved["params"], saved["opt_state"]
+        ):
+            stage.params = params
+            prog.state = state  # type: ignore[union-attr]
+
+    def _state_tree(self) -> dict:
+        if any(prog is None for prog in self.programs):
+            raise SBPError(
+                "Pipeline.save / restore: some stages run in other processes; save each process's "
+                "stages with sbpjax.checkpoint (stage.params and pipe.programs[s].state)."
+            )
+        return {
+            "params": [st.params for st in self.stages],
+            "opt_state": [prog.state for prog in self.programs],  # type: ignore[union-attr]
+        }
+
+    def program_costs(self, inputs, targets) -> list[dict]:
+        """Per stage, XLA's FLOPs, bytes accessed and compiled memory of each
+        program (forward, backward, backward_input, backward_weight) for one
+        microbatch of ``inputs`` / ``targets`` (see :mod:`sbpjax.pipeline.costs`)."""
+        return program_costs(self, inputs, targets)
+
     def simulate(self, durations: Durations | None = None) -> Timeline:
         """The same actor graph on the simulated clock (see :func:`simulate`)."""
         return simulate_graph(self.graph, durations)
@@ -461,142 +469,3 @@ class Pipeline:
             )
         size = shape[0] // m
         return lambda k: np.asarray(data[k * size : (k + 1) * size])
-
-    def _bodies(self, load_inputs, load_targets, losses, pending) -> dict:
-        stages, n, m = self.stages, len(self.stages), self.microbatches
-        last = n - 1
-        scale = np.float32(1.0 / m)
-        bodies: dict[str, Callable] = {
-            "load:inputs": lambda k, _: {"host:inputs": load_inputs(k)},
-            "load:targets": lambda k, _: {"host:targets": load_targets(k)},
-            "put:inputs": lambda k, v: {
-                "inputs": _ready(to_global(v["host:inputs"], stages[0].placement, stages[0].in_sbp))
-            },
-            "put:targets": lambda k, v: {
-                "targets": _ready(to_global(v["host:targets"], stages[last].placement, self.target_sbp))
-            },
-        }
-        for s in range(n):
-            bodies[f"forward{s}"] = self._forward_body(s, losses)
-            bodies[f"backward{s}"] = self._backward_body(s, scale)
-            bodies[f"update{s}"] = self._update_body(s, pending)
-            if s < last:
-                nxt = stages[s + 1]
-                bodies[f"transfer:act{s}->{s + 1}"] = lambda k, v, s=s, nxt=nxt: {
-                    f"in{s + 1}": self._transfer(s, s + 1, v[f"out{s}"], nxt.in_sbp)
-                }
-            if s > 0:
-                prev = stages[s - 1]
-                bodies[f"transfer:grad{s}->{s - 1}"] = lambda k, v, s=s, prev=prev: {
-                    f"dy{s - 1}": self._transfer(s, s - 1, v[f"dx{s}"], prev.out_sbp)
-                }
-        return bodies
-
-    def _transfer(self, src: int, dst: int, t: GlobalTensor, sbp: tuple) -> GlobalTensor:
-        """Box ``t`` from stage ``src`` onto stage ``dst``. Across processes this
-        is a collective of both stages' processes; a process with neither
-        stage passes a handle on."""
-        pl = self.stages[dst].placement
-        if not (self.here[src] or self.here[dst]):
-            return placeholder(t.shape, t.dtype, pl, sbp)
-        return _move(t, sbp, pl)
-
-    def _input_name(self, s: int) -> str:
-        return "inputs" if s == 0 else f"in{s}"
-
-    def _check(self, s: int, what: str, tree) -> None:
-        """With ``check_finite``: raise naming stage ``s`` if ``tree`` holds a NaN or infinity."""
-        if not self.check_finite:
-            return
-        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_global)[0]
-        for path, t in leaves:
-            if isinstance(t, GlobalTensor) and jnp.issubdtype(t.dtype, jnp.inexact):
-                value = t.numpy()
-                bad = int(value.size - np.count_nonzero(np.isfinite(value)))
-                if bad:
-                    raise FloatingPointError(
-                        f"stage {s} ({self.stages[s].name!r}): {bad} non-finite value(s) (NaN or inf) in its {what}"
-                        f"{jax.tree_util.keystr(path)}; nothing was updated. Look at this stage's inputs and "
-                        "parameters, or lower the learning rate."
-                    )
-
-    def _forward_body(self, s: int, losses: list):
-        prog, stage, x_name = self.programs[s], self.stages[s], self._input_name(s)
-        if prog is None:  # another process runs this stage: pass handles of its results on
-            if s == len(self.stages) - 1:
-                return lambda k, v: {f"stash{s}": (v[x_name], None)}
-
-            shapes: dict = {}  # (input shape, dtype) -> the output's (traced once)
-
-            def elsewhere(k, v):
-                x = v[x_name]
-                key = (x.shape, x.dtype)
-                if key not in shapes:
-                    params = jax.tree_util.tree_map(
-                        lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype), stage.params, is_leaf=_is_global
-                    )
-                    shapes[key] = jax.eval_shape(stage.fn, params, jax.ShapeDtypeStruct(x.shape, x.dtype))
-                y = shapes[key]
-                return {
-                    f"out{s}": placeholder(y.shape, y.dtype, stage.placement, stage.out_sbp),
-                    f"stash{s}": x,
-                }
-
-            return elsewhere
-        if s == len(self.stages) - 1:
-
-            def forward_last(k, v):
-                x, t = v[x_name], v["targets"]
-                losses[k] = _ready(prog.forward(stage.params, x, t))
-                self._check(s, "loss", losses[k])
-                return {f"stash{s}": (x, t)}
-
-            return forward_last
-
-        def forward(k, v):
-            x = v[x_name]
-            y = _ready(prog.forward(stage.params, x))
-            self._check(s, "forward output", y)
-            return {f"out{s}": y, f"stash{s}": x}
-
-        return forward
-
-    def _backward_body(self, s: int, scale):
-        prog, stage = self.programs[s], self.stages[s]
-        last, first = s == len(self.stages) - 1, s == 0
-        if prog is None:  # another process runs this stage
-
-            def elsewhere(k, v):
-                x = v[f"stash{s}"][0] if last else v[f"stash{s}"]  # the stage input's handle
-                dx = None if first else placeholder(x.shape, x.dtype, stage.placement, stage.in_sbp)
-                return {f"dx{s}": dx, f"grads{s}": None}
-
-            return elsewhere
-
-        def backward(k, v):
-            if last:
-                x, t = v[f"stash{s}"]
-                out = prog.backward(stage.params, x, t, prog.acc, scale)
-            else:
-                out = prog.backward(stage.params, v[f"stash{s}"], v[f"dy{s}"], prog.acc)
-            dx, prog.acc = (None, out) if first else out
-            _ready(prog.acc)
-            if not first:  # the gradient this stage sends back: where a NaN made here shows first
-                self._check(s, "input gradient", dx)
-            return {f"dx{s}": _ready(dx), f"grads{s}": prog.acc}
-
-        return backward
-
-    def _update_body(self, s: int, pending: list):
-        prog, stage = self.programs[s], self.stages[s]
-        if prog is None:
-            return lambda k, v: {}
-
-        def update(k, v):
-            grads = v[f"grads{s}"]
-            self._check(s, "gradient", grads)
-            params, state = _ready(prog.update(stage.params, prog.state, grads))
-            pending[s] = (params, state, grads)  # made current by step() once every stage has succeeded
-            return {}
-
-        return update

@@ -1,10 +1,18 @@
 """Timelines: every action of a run, its summary, and a Gantt chart.
 
 Times are seconds from the start of the run (real or simulated). The bubble
-is measured over the forward and backward actions, on the threads that run
-them: ``1 - busy / (threads * span)`` with ``span`` from the first such start
-to the last such end; data loading, transfers and updates are outside it so
-that it compares with the schedules' theory.
+is measured over the compute actions (forward, backward, and a split
+backward's B and W), on the threads that run them: ``1 - busy / (threads *
+span)`` with ``span`` from the first such start to the last such end; data
+loading, transfers and updates are outside it so that it compares with the
+schedules' theory.
+
+Memory: the registers report the most slots and bytes each held: the
+residuals a forward keeps for its backward (``peak_activation_bytes``) and,
+under zero-bubble schedules, what each B keeps for its W
+(``peak_kept_bytes``); ``held_bytes_over_time`` replays both from the
+actions (``peak_held_bytes``: their most at once per device group), and the
+Gantt chart draws the kept bytes in each device's row.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import dataclasses
 
 from sbpjax._errors import SBPError
 
-COMPUTE = ("forward", "backward")
+COMPUTE = ("forward", "backward", "backward_input", "backward_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +51,7 @@ class RegisterStats:
     peak_bytes: int
     activation: bool
     stage: int | None
+    kept: bool = False  # what a B keeps for its W
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +63,9 @@ class Timeline:
     threads: tuple[str, ...]
     # real runs: seconds the runtime's threads spent outside action bodies
     runtime_overhead_s: float = 0.0
+    # (stage, microbatch, "stash" | "kept") -> bytes its forward kept for its
+    # backward (residuals), or its B for its W
+    held_bytes: dict = dataclasses.field(default_factory=dict)
 
     @property
     def makespan(self) -> float:
@@ -86,6 +98,39 @@ class Timeline:
         """Per stage: the most bytes its live activation registers held at once."""
         return {r.stage: r.peak_bytes for r in self.registers if r.activation}
 
+    def peak_live_kept(self) -> dict[int | None, int]:
+        """Per stage: the most microbatches whose B had run and W had not, at once."""
+        return {r.stage: r.peak_live for r in self.registers if r.kept}
+
+    def peak_kept_bytes(self) -> dict[int | None, int]:
+        """Per stage: the most bytes B kept for W at once (zero-bubble schedules)."""
+        return {r.stage: r.peak_bytes for r in self.registers if r.kept}
+
+    def held_bytes_over_time(self, thread: str, what=("stash", "kept")) -> list[tuple[float, int]]:
+        """``(time, bytes)`` steps of what the stages on ``thread`` hold between
+        actions: ``"stash"``, a forward's residuals (from its end to the end of
+        its backward or B), and ``"kept"``, what a B keeps for its W (to the end
+        of the W)."""
+        events = []
+        for a in self.actions:
+            if a.thread != thread or a.kind not in COMPUTE:
+                continue
+            gets = {"forward": "stash", "backward_input": "kept"}.get(a.kind)
+            frees = {"backward": "stash", "backward_input": "stash", "backward_weight": "kept"}.get(a.kind)
+            for key, sign in ((gets, 1), (frees, -1)):
+                if key in what:
+                    events.append((a.end, sign * self.held_bytes.get((a.stage, a.microbatch, key), 0)))
+        steps, held = [], 0
+        for t, delta in sorted(events):  # at equal times a release before a new hold
+            held += delta
+            steps.append((t, held))
+        return steps
+
+    def peak_held_bytes(self, what=("stash", "kept")) -> dict[str, int]:
+        """Per thread (device group): the most bytes its stages held at once
+        in residuals and kept values (see :meth:`held_bytes_over_time`)."""
+        return {t: max((b for _, b in self.held_bytes_over_time(t, what)), default=0) for t in self.threads}
+
     @property
     def overhead_per_action_s(self) -> float:
         return self.runtime_overhead_s / max(len(self.actions), 1)
@@ -101,6 +146,8 @@ class Timeline:
             "actions": len(self.actions),
             "peak_live_activations": self.peak_live_activations(),
             "peak_activation_bytes": self.peak_activation_bytes(),
+            "peak_live_kept": self.peak_live_kept(),
+            "peak_kept_bytes": self.peak_kept_bytes(),
             "peak_live_registers": {r.name: r.peak_live for r in self.registers},
             "seconds_per_kind": per_kind,
             "overhead_us_per_action": 1e6 * self.overhead_per_action_s,
@@ -110,10 +157,12 @@ class Timeline:
         s = self.summary()
         live = ", ".join(f"stage {k}: {v}" for k, v in sorted(s["peak_live_activations"].items()))
         kinds = ", ".join(f"{k} {v:.4g}s" for k, v in s["seconds_per_kind"].items())
+        kept = ", ".join(f"stage {k}: {v}" for k, v in sorted(s["peak_kept_bytes"].items()))
         return (
             f"Timeline: {s['actions']} actions on {len(self.threads)} threads, makespan "
             f"{s['makespan']:.4g}s, bubble {s['bubble']:.3f}\n  peak live activation registers: {live}"
-            f"\n  busy time per kind: {kinds}"
+            + (f"\n  peak bytes kept for W: {kept}" if kept else "")
+            + f"\n  busy time per kind: {kinds}"
         )
 
     def gantt(self, path: str, title: str | None = None) -> str:
@@ -134,6 +183,8 @@ class Timeline:
             "put": "#c7a76c",
             "forward": "#4c8bd6",
             "backward": "#e07b39",
+            "backward_input": "#e07b39",
+            "backward_weight": "#f2c14e",
             "transfer": "#7bc47f",
             "update": "#9b59b6",
         }
@@ -156,10 +207,38 @@ class Timeline:
         ax.set_yticklabels(rows)
         ax.invert_yaxis()
         ax.set_xlabel("seconds")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-        ax.legend(handles, list(colours), loc="upper right", fontsize=7, ncol=len(colours))
+        self._draw_kept(ax, rows, t0)
+        shown = [k for k in colours if any(a.kind == k for a in self.actions)]
+        handles: list = [plt.Rectangle((0, 0), 1, 1, color=colours[k]) for k in shown]
+        labels = [{"backward_input": "B", "backward_weight": "W"}.get(k, k) for k in shown]
+        if any(key[2] == "kept" and b for key, b in self.held_bytes.items()):
+            handles.append(plt.Line2D([0], [0], color="black", linewidth=1))
+            labels.append("bytes kept for W")
+        ax.legend(handles, labels, loc="upper right", fontsize=7, ncol=len(handles))
         ax.set_title(title or f"pipeline timeline: bubble {self.bubble:.3f}, makespan {self.makespan:.4g}s")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+    def _draw_kept(self, ax, rows: list, t0: float) -> None:
+        """Under each row, a line of the bytes its B's keep for their W's (scaled
+        to the largest held anywhere; labelled with it)."""
+        series = {t: self.held_bytes_over_time(t, ("kept",)) for t in rows}
+        top = max((b for steps in series.values() for _, b in steps), default=0)
+        if not top:
+            return
+        end = max(a.end for a in self.actions) - t0
+        for y, thread in enumerate(rows):
+            steps = series[thread]
+            if not steps:
+                continue
+            xs, ys, held = [0.0], [0], 0
+            for t, b in steps:
+                xs += [t - t0, t - t0]
+                ys += [held, b]
+                held = b
+            xs.append(end)
+            ys.append(held)
+            ax.plot(xs, [y + 0.4 - 0.35 * v / top for v in ys], color="black", linewidth=0.8)
+        ax.set_xlabel(f"seconds  (black lines: bytes kept for W, a row's height = {top} bytes)")

@@ -1,4 +1,5 @@
-"""A 2-stage 1F1B pipeline, stage 0 on devices 0-3 and stage 1 on devices 4-7.
+"""A 2-stage pipeline (1F1B, or the schedule named by the first argument, e.g.
+zb-h1), stage 0 on devices 0-3 and stage 1 on devices 4-7.
 
 Run alone on 8 devices (one process: the threaded runtime) or under
 ``python -m sbpjax.launch -n 2 --local-devices 4`` (one stage per process: the
@@ -7,6 +8,8 @@ way every step is checked against the same training on one device (plain
 JAX, the whole batch), and the losses are printed for tests/test_multihost.py
 to compare the two runs.
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +53,7 @@ pipe = sjp.Pipeline(
     loss_fn,
     optax.sgd(0.5),
     microbatches=MICRO,
-    schedule="1f1b",
+    schedule=sys.argv[1] if len(sys.argv) > 1 else "1f1b",
     target_sbp=(B,),
 )
 print("RUNTIME", "lockstep" if pipe.lockstep else "threaded")

@@ -18,6 +18,13 @@ def test_pipeline_gpt_example_runs(tmp_path):
     assert peaks, out[-800:]
     assert all(1 <= int(v) <= 4 - i for i, v in enumerate(peaks.group(1).split(", ")))
     assert "peak live activation registers per stage [8, 8, 8, 8]" in out  # GPipe
+    # ZB-H1 with the same stages: 1F1B's registers, and the bytes its B's keep for their W's
+    zb = re.search(
+        r"zb-h1: peak live activation registers per stage \[([\d, ]+)\].*bytes kept for W \[([\d, ]+)\]", out
+    )
+    assert zb and [int(v) for v in zb.group(1).split(", ")] == [4, 3, 2, 1], out[-1500:]
+    kept = [int(v) for v in zb.group(2).split(", ")]
+    assert kept[0] == 0 and all(b > 0 for b in kept[1:])  # the first stage's B runs its whole backward
     assert "makespan 33 = (m + p - 1)(F + B) = 33" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -44,3 +51,27 @@ def test_pipeline_benchmark_quick(tmp_path):
     assert len(gpipe) == len(one) == 4 and all(o < g for o, g in zip(one, gpipe))
     assert real["overhead_us_per_action"] > 0 and real["throughput_ratio_vs_single_program"] > 0
     assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "pipeline_zb-h1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = data["schedules"]
+    names = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+    assert [(r["schedule"], r["p"], r["m"]) for r in rows] == [
+        (n, 4, 8) for n in names
+    ]  # --quick: m = 8 only
+    fields = {
+        "simulated_makespan_ratio_vs_1f1b",
+        "measured_makespan_ratio_vs_1f1b",
+        "flops_ratio_vs_1f1b",
+        "peak_ratio_vs_1f1b",
+        "bubble",
+        "bubble_theory",
+    }
+    by = {r["schedule"]: r for r in rows}
+    for r in rows:
+        assert fields <= set(r) and r["measured_makespan_ratio_vs_1f1b"] > 0
+        assert (
+            abs(r["bubble"] - r["bubble_theory"]) <= 1e-9
+        )  # the simulated clock meets every closed form at p=4, m=8
+        if r["schedule"] in names[3:]:
+            assert r["flops_ratio_vs_1f1b"] <= 1.02  # B and W partition the backward: no recompute
+    assert by["zb-h1"]["simulated_makespan_ratio_vs_1f1b"] == pytest.approx(27 / 33)
+    assert by["zb-v"]["simulated_makespan_ratio_vs_1f1b"] == pytest.approx(25.5 / 33)

@@ -250,3 +250,60 @@ def test_failing_update_changes_no_stage(failing):
     pipe.before_action = None
     again = pipe.step(x, y)
     assert np.isfinite(again.loss)
+
+
+# -- zero-bubble schedules: a W that fails, a W that makes NaN, a W that hangs -------------------
+
+
+@pytest.mark.parametrize("failing_stage", [0, 1])
+def test_failing_w_stops_the_step_with_nothing_updated(failing_stage):
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.adam(1e-2), microbatches=4, schedule="zb-h1")
+    x, y = _batch(4)
+    pipe.step(x, y)  # compiles; adam's state is no longer its initial zeros
+    before = _snapshot(pipe)
+
+    def fault(spec, k):
+        if spec.kind == "backward_weight" and spec.stage == failing_stage and k == 2:
+            raise RuntimeError("W lost its device")
+
+    pipe.before_action = fault
+    with pytest.raises(sjp.PipelineError, match="W lost its device") as e:
+        pipe.step(x, y)
+    assert (e.value.kind, e.value.stage, e.value.microbatch) == ("backward_weight", failing_stage, 2)
+    assert f"stage {failing_stage}, microbatch 2" in str(e.value)
+    _assert_unchanged(before, _snapshot(pipe))
+    pipe.before_action = None
+    assert np.isfinite(pipe.step(x, y).loss)  # and the next step runs from the same parameters
+
+
+def test_nan_weight_gradient_is_named_at_its_w():
+    def nan_weight_grad(p, x):  # finite forward and input gradient; d/db sqrt(0 * b) is 0 * inf = NaN
+        return layer(p, x) + jnp.sqrt(p["b"] * 0.0)
+
+    stages = _stages([layer, nan_weight_grad, layer], names=["first", "sqrt", "last"])
+    pipe = sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=3, schedule="zb-h1", check_finite=True)
+    before = _snapshot(pipe)
+    with pytest.raises(sjp.PipelineError) as e:
+        pipe.step(*_batch(3))
+    assert (e.value.kind, e.value.stage) == ("backward_weight", 1), str(e.value)
+    assert "stage 1 ('sqrt')" in str(e.value) and "weight gradient" in str(e.value)
+    _assert_unchanged(before, _snapshot(pipe))
+
+
+def test_hanging_w_raises_within_the_deadline(no_leftover_threads_after_release):
+    release = no_leftover_threads_after_release
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), microbatches=4, schedule="zb-h1")
+    x, y = _batch(4)
+    pipe.step(x, y)
+    before = _snapshot(pipe)
+
+    def block(spec, k):
+        if spec.kind == "backward_weight" and spec.stage == 1 and k == 1:
+            release.wait()
+
+    pipe.before_action = block
+    pipe.action_timeout = 1.0
+    with pytest.raises(sjp.PipelineTimeout) as e:
+        pipe.step(x, y)
+    assert (e.value.kind, e.value.stage, e.value.microbatch) == ("backward_weight", 1, 1)
+    _assert_unchanged(before, _snapshot(pipe))

@@ -9,54 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from pipeline_helpers import MB, D, assert_close, batch, host, layer, layer_params, mse, reference_step
 
 import sbpjax as sj
 import sbpjax.pipeline as sjp
 
-D, MB = 8, 2  # feature width; rows per microbatch (fixed, so every m reuses the compiled stages)
-
-
-def layer(p, x):
-    return jnp.tanh(x @ p["w"] + p["b"])
-
 
 def mlp(p, x):  # Megatron's MLP: column-parallel w1, row-parallel w2 under 2-way TP
     return x + jnp.tanh(x @ p["w1"]) @ p["w2"]
-
-
-def mse(y, t):
-    return jnp.mean((y - t) ** 2)
-
-
-def _host(tree):
-    return jax.tree_util.tree_map(
-        lambda t: np.asarray(t.numpy()), tree, is_leaf=lambda v: isinstance(v, sj.GlobalTensor)
-    )
-
-
-def reference_step(fns, params, x, y, opt):
-    """The non-pipelined step: one jitted value_and_grad of the whole model on the whole batch."""
-
-    def loss(ps):
-        h = x
-        for f, p in zip(fns, ps):
-            h = f(p, h)
-        return mse(h, y)
-
-    value, grads = jax.jit(jax.value_and_grad(loss))(params)
-    updates, _ = opt.update(grads, opt.init(params), params)
-    return float(value), grads, optax.apply_updates(params, updates)
-
-
-def _assert_close(a, b):
-    jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, rtol=2e-5, atol=2e-6), a, b)
-
-
-def _layer_params(rng):
-    return {
-        "w": (rng.normal(size=(D, D)) / np.sqrt(D)).astype(np.float32),
-        "b": (0.1 * rng.normal(size=(D,))).astype(np.float32),
-    }
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +25,11 @@ def one_device_stages():
     devs = jax.devices()
     return {
         n: [
-            sjp.Stage(layer, _layer_params(rng), sj.Placement(np.array([devs[i]]), ("d",)), name=f"layer{i}")
+            sjp.Stage(layer, layer_params(rng), sj.Placement(np.array([devs[i]]), ("d",)), name=f"layer{i}")
             for i in range(n)
         ]
         for n in (2, 4)
     }
-
-
-def _batch(m, seed):
-    rng = np.random.default_rng(seed)
-    return (rng.normal(size=(m * MB, D)).astype(np.float32), rng.normal(size=(m * MB, D)).astype(np.float32))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -83,22 +38,30 @@ def test_step_equals_the_whole_batch_step(one_device_stages, n, schedule):
     stages = one_device_stages[n]
     opt = optax.sgd(0.1)
     for m in range(1, 9):  # m < p included: gradient accumulation over fewer microbatches than stages
-        x, y = _batch(m, seed=m)
-        before = [_host(st.params) for st in stages]
-        want_loss, want_grads, want_params = reference_step([layer] * n, before, x, y, opt)
-        result = sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=schedule).step(x, y)
+        x, y = batch(m, seed=m)
+        before = [host(st.params) for st in stages]
+        want_loss, want_grads, want_params, _ = reference_step([layer] * n, before, x, y, opt)
+        pipe = sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=schedule)
+        result = pipe.step(x, y)
         assert result.loss == pytest.approx(want_loss, rel=2e-6)
-        _assert_close([_host(g) for g in result.grads], want_grads)
-        _assert_close([_host(st.params) for st in stages], want_params)
+        assert_close([host(g) for g in result.grads], want_grads)
+        assert_close([host(st.params) for st in stages], want_params)
         peaks = result.timeline.peak_live_activations()
         if schedule == "gpipe":  # the flush holds every microbatch on every stage, whatever the timing
             assert peaks == {i: m for i in range(n)}
         else:  # the register count bounds each stage; the last one's backward follows its forward at once
             assert all(1 <= peaks[i] <= min(n - i, m) for i in range(n)) and peaks[n - 1] == 1
-        assert result.timeline.peak_activation_bytes()[0] == peaks[0] * MB * D * 4
+        # the stash holds the stage input and the VJP's residuals (one device: physical = logical bytes)
+        per_microbatch = pipe.programs[0].vjp.slot_bytes(host(stages[0].params), x[:MB], ())[0]
+        assert per_microbatch > MB * D * 4  # more than the input: the residuals too, nothing recomputed
+        assert result.timeline.peak_activation_bytes()[0] == peaks[0] * per_microbatch
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", sjp.Interleaved1F1B(2)], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize(
+    "schedule",
+    ["1f1b", sjp.Interleaved1F1B(2), "zb-h1", sjp.ZeroBubbleV()],
+    ids=["1f1b", "interleaved", "zb-h1", "zb-v"],
+)
 def test_lockstep_order_gives_the_threaded_runtimes_values(schedule):
     """The lockstep runtime (stages in several processes) performs the actions
     in the simulated order; forced on in one process it gives the threaded
@@ -108,24 +71,23 @@ def test_lockstep_order_gives_the_threaded_runtimes_values(schedule):
     devs = jax.devices()
     p = 2
     groups = [sj.Placement(np.array([devs[6 + d]]), ("d",)) for d in range(p)]
-    n = schedule.stages(p) if not isinstance(schedule, str) else p
-    params = [_layer_params(rng) for _ in range(n)]
+    schedule = sjp.as_schedule(schedule)
+    n = schedule.stages(p)
+    params = [layer_params(rng) for _ in range(n)]
     opt = optax.sgd(0.1)
     runs = []
     for lockstep in (False, True):
-        stages = [sjp.Stage(layer, params[s], groups[s % p]) for s in range(n)]
+        stages = [sjp.Stage(layer, params[s], groups[schedule.device_of(s, p)]) for s in range(n)]
         pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule=schedule)
         assert pipe.lockstep is False  # one process: the threaded runtime unless forced
         pipe.lockstep = lockstep
-        results = [pipe.step(*_batch(4, seed=20 + k)) for k in range(2)]
-        runs.append(
-            ([r.microbatch_losses for r in results], [_host(st.params) for st in stages], results[-1])
-        )
+        results = [pipe.step(*batch(4, seed=20 + k)) for k in range(2)]
+        runs.append(([r.microbatch_losses for r in results], [host(st.params) for st in stages], results[-1]))
     (losses_t, params_t, last_t), (losses_l, params_l, last_l) = runs
     assert losses_l == losses_t
     jax.tree_util.tree_map(np.testing.assert_array_equal, params_l, params_t)
     jax.tree_util.tree_map(
-        np.testing.assert_array_equal, [_host(g) for g in last_l.grads], [_host(g) for g in last_t.grads]
+        np.testing.assert_array_equal, [host(g) for g in last_l.grads], [host(g) for g in last_t.grads]
     )
     done = sorted((r.actor, r.microbatch) for r in last_l.timeline.actions)
     assert done == sorted((r.actor, r.microbatch) for r in last_t.timeline.actions)
@@ -136,16 +98,16 @@ def test_interleaved_step_equals_the_whole_batch_step(one_device_stages):
     rng = np.random.default_rng(3)
     devs = jax.devices()
     groups = [sj.Placement(np.array([devs[4 + d]]), ("d",)) for d in range(2)]
-    stages = [sjp.Stage(layer, _layer_params(rng), groups[s % 2]) for s in range(4)]
+    stages = [sjp.Stage(layer, layer_params(rng), groups[s % 2]) for s in range(4)]
     opt = optax.sgd(0.1)
     for m in (2, 4):
-        x, y = _batch(m, seed=10 + m)
-        before = [_host(st.params) for st in stages]
-        want_loss, want_grads, want_params = reference_step([layer] * 4, before, x, y, opt)
+        x, y = batch(m, seed=10 + m)
+        before = [host(st.params) for st in stages]
+        want_loss, want_grads, want_params, _ = reference_step([layer] * 4, before, x, y, opt)
         result = sjp.Pipeline(stages, mse, opt, microbatches=m, schedule=sjp.Interleaved1F1B(2)).step(x, y)
         assert result.loss == pytest.approx(want_loss, rel=2e-6)
-        _assert_close([_host(g) for g in result.grads], want_grads)
-        _assert_close([_host(st.params) for st in stages], want_params)
+        assert_close([host(g) for g in result.grads], want_grads)
+        assert_close([host(st.params) for st in stages], want_params)
         assert set(result.timeline.threads) >= {"group0", "group1"}
 
 
@@ -168,17 +130,17 @@ def test_tensor_parallel_stages_with_adam():
     pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="1f1b")
     state = [opt.init(p) for p in params]
     for step in range(2):  # the second step checks the optimizer state carried between steps
-        x, y = _batch(4, seed=20 + step)
-        before = [_host(st.params) for st in stages]
-        want_loss, want_grads, _ = reference_step([mlp, mlp], before, x, y, opt)
+        x, y = batch(4, seed=20 + step)
+        before = [host(st.params) for st in stages]
+        want_loss, want_grads, _, _ = reference_step([mlp, mlp], before, x, y, opt)
         want_params = []
         for i in range(2):
             u, state[i] = opt.update(want_grads[i], state[i], before[i])
             want_params.append(optax.apply_updates(before[i], u))
         result = pipe.step(x, y)
         assert result.loss == pytest.approx(want_loss, rel=2e-6)
-        _assert_close([_host(g) for g in result.grads], want_grads)
-        _assert_close([_host(st.params) for st in stages], want_params)
+        assert_close([host(g) for g in result.grads], want_grads)
+        assert_close([host(st.params) for st in stages], want_params)
         for st in stages:  # the weights keep their tensor-parallel layout
             assert st.params["w1"].sbp == (sj.S(1),) and st.params["w2"].sbp == (sj.S(0),)
 
@@ -186,7 +148,7 @@ def test_tensor_parallel_stages_with_adam():
 def test_random_delays_give_the_same_numbers(one_device_stages):
     stages = one_device_stages[4]
     opt = optax.sgd(0.1)
-    x, y = _batch(6, seed=30)
+    x, y = batch(6, seed=30)
     start = [st.params for st in stages]
     results = []
     for delays in (False, True, True):
@@ -201,9 +163,7 @@ def test_random_delays_give_the_same_numbers(one_device_stages):
         r = sjp.Pipeline(
             stages, mse, opt, microbatches=6, schedule="1f1b", before_action=before if delays else None
         ).step(x, y)
-        results.append(
-            (r.microbatch_losses, [_host(g) for g in r.grads], [_host(st.params) for st in stages])
-        )
+        results.append((r.microbatch_losses, [host(g) for g in r.grads], [host(st.params) for st in stages]))
     for other in results[1:]:
         assert other[0] == results[0][0]
         jax.tree_util.tree_map(np.testing.assert_array_equal, other[1:], results[0][1:])
@@ -211,7 +171,7 @@ def test_random_delays_give_the_same_numbers(one_device_stages):
 
 def test_loader_fault_is_reraised_with_its_microbatch(one_device_stages):
     before = set(threading.enumerate())
-    x, y = _batch(4, seed=40)
+    x, y = batch(4, seed=40)
 
     def inputs(k):
         if k == 2:
@@ -230,11 +190,11 @@ def test_stage_fault_names_the_stage(one_device_stages):
     stages = one_device_stages[2]
     bad = sjp.Stage(
         lambda p, x: jnp.tanh(x @ p["w"][:3]),
-        _layer_params(np.random.default_rng(5)),
+        layer_params(np.random.default_rng(5)),
         stages[1].placement,
         name="bad",
     )
-    x, y = _batch(2, seed=41)
+    x, y = batch(2, seed=41)
     with pytest.raises(sjp.PipelineError) as e:
         sjp.Pipeline([stages[0], bad], mse, optax.sgd(0.1), microbatches=2).step(x, y)
     assert (e.value.kind, e.value.stage, e.value.microbatch) == ("forward", 1, 0)
@@ -245,11 +205,11 @@ def test_bad_input_raises_sbperror(one_device_stages):
     stages = one_device_stages[2]
     opt = optax.sgd(0.1)
     with pytest.raises(sj.SBPError, match="do not split into 3 equal microbatches"):
-        sjp.Pipeline(stages, mse, opt, microbatches=3).step(*_batch(2, seed=0))
+        sjp.Pipeline(stages, mse, opt, microbatches=3).step(*batch(2, seed=0))
     with pytest.raises(sj.SBPError, match="shares devices"):
         overlapping = sj.Placement(np.array(jax.devices()[0:2]), ("d",))
         sjp.Pipeline(
-            [stages[0], sjp.Stage(layer, _layer_params(np.random.default_rng(0)), overlapping)],
+            [stages[0], sjp.Stage(layer, layer_params(np.random.default_rng(0)), overlapping)],
             mse,
             opt,
             microbatches=2,
@@ -257,10 +217,10 @@ def test_bad_input_raises_sbperror(one_device_stages):
     with pytest.raises(sj.SBPError, match="v stages per group"):
         sjp.Pipeline(stages, mse, opt, microbatches=2, schedule=sjp.Interleaved1F1B(2))
     with pytest.raises(sj.SBPError, match="must be an sj.Placement"):
-        sjp.Stage(layer, _layer_params(np.random.default_rng(0)), jax.devices()[0])
+        sjp.Stage(layer, layer_params(np.random.default_rng(0)), jax.devices()[0])
     with pytest.raises(sj.SBPError, match="param_sbp"):
         sjp.Stage(
-            layer, _layer_params(np.random.default_rng(0)), stages[0].placement, param_sbp={"w": (sj.B,)}
+            layer, layer_params(np.random.default_rng(0)), stages[0].placement, param_sbp={"w": (sj.B,)}
         )
     with pytest.raises(sj.SBPError, match="microbatches must be an int"):
         sjp.Pipeline(stages, mse, opt, microbatches=0)
@@ -282,7 +242,7 @@ def test_flax_modules_as_stages():
             return x + nn.tanh(nn.Dense(D)(x))
 
     modules = [Block(), Block()]
-    x, y = _batch(4, seed=50)
+    x, y = batch(4, seed=50)
     variables = [m.init(jax.random.key(i), x[:MB]) for i, m in enumerate(modules)]
     devs = jax.devices()
     stages = [
@@ -290,8 +250,8 @@ def test_flax_modules_as_stages():
         for i, (m, v) in enumerate(zip(modules, variables))
     ]
     opt = optax.sgd(0.1)
-    want_loss, want_grads, want_params = reference_step([m.apply for m in modules], variables, x, y, opt)
+    want_loss, want_grads, want_params, _ = reference_step([m.apply for m in modules], variables, x, y, opt)
     result = sjp.Pipeline(stages, mse, opt, microbatches=4).step(x, y)
     assert result.loss == pytest.approx(want_loss, rel=2e-6)
-    _assert_close([_host(g) for g in result.grads], want_grads)
-    _assert_close([_host(st.params) for st in stages], want_params)
+    assert_close([host(g) for g in result.grads], want_grads)
+    assert_close([host(st.params) for st in stages], want_params)

@@ -8,7 +8,7 @@ import pytest
 
 import sbpjax as sj
 import sbpjax.pipeline as sjp
-from sbpjax.pipeline.schedule import as_schedule
+from sbpjax.pipeline.registry import as_schedule
 
 
 def _run(schedule, p, m, body=None, **kw):

@@ -1,0 +1,131 @@
+"""The actor graph of one training step, built from a schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sbpjax._errors import SBPError
+from sbpjax.pipeline.actor import ActorGraph, ActorSpec
+from sbpjax.pipeline.register import RegisterSpec
+from sbpjax.pipeline.schedule import ActionList, Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class StageThreads:
+    """Thread names: one per device group, plus the host loader and the host-to-device queue."""
+
+    per_stage: tuple[str, ...]
+    loader: str = "host"
+    copy: str = "h2d"
+
+
+def _counts(given, default, n: int, what: str) -> list[int]:
+    counts = list(given) if given is not None else default
+    if len(counts) != n or any((not isinstance(c, int)) or c < 1 for c in counts):
+        raise SBPError(f"pipeline: {what} {counts} needs one int >= 1 per stage ({n} stages).")
+    return counts
+
+
+def build_graph(
+    schedule: Schedule,
+    devices: int,
+    microbatches: int,
+    threads: StageThreads | None = None,
+    *,
+    data_registers: int = 2,
+    activation_registers: int = 2,
+    stash_counts: list[int] | None = None,
+    kept_counts: list[int] | None = None,
+    slot_bytes: dict | None = None,
+    memory_budget: float | None = None,
+) -> ActorGraph:
+    """The actor graph of one training step.
+
+    Data: for each feed (``inputs`` to the first stage, ``targets`` to the
+    last), a loader actor on the host thread and a host-to-device put actor on
+    the copy thread, each with ``data_registers`` slots. Per stage: forward,
+    backward and update actors, the backward as one actor or, for schedules
+    that split it, as ``backward_input`` (B) and ``backward_weight`` (W) with a
+    ``kept`` register between them (what B keeps for W, ``kept_counts`` slots);
+    between stages, transfer actors bound to the *consumer's* thread (OneFlow
+    inserts the pulling actor at the consumer's side).
+
+    An action list is validated first (with the register counts, and with
+    ``slot_bytes`` / ``memory_budget`` when given: see
+    :func:`~sbpjax.pipeline.validate.validate_action_lists`)."""
+    m = microbatches
+    if not isinstance(m, int) or m < 1:
+        raise SBPError(f"pipeline: microbatches must be an int >= 1, got {m!r}.")
+    schedule.check(devices, m)
+    n = schedule.stages(devices)
+    if threads is None:
+        threads = StageThreads(tuple(f"device{schedule.device_of(s, devices)}" for s in range(n)))
+    if len(threads.per_stage) != n:
+        raise SBPError(f"pipeline: {n} stages but {len(threads.per_stage)} stage threads.")
+    lists = schedule.action_lists(devices, m)
+    stash = _counts(stash_counts, schedule.stash_counts(devices, m), n, "stash_counts")
+    split = schedule.split_backward
+    kept = _counts(kept_counts, schedule.kept_counts(devices, m), n, "kept_counts") if split else None
+    if isinstance(schedule, ActionList) and (
+        stash_counts is not None or kept_counts is not None or memory_budget is not None
+    ):
+        schedule.validate(
+            devices,
+            m,
+            stash_counts=stash,
+            kept_counts=kept,
+            slot_bytes=slot_bytes,
+            memory_budget=memory_budget,
+        )
+    # An explicit order decides when things are consumed; registers across
+    # devices then get a slot per microbatch so a valid order can never block on them.
+    between = m if lists is not None else activation_registers
+    last = n - 1
+    actors: list[ActorSpec] = []
+    regs: list[RegisterSpec] = []
+    for feed, stage in (("inputs", 0), ("targets", last)):
+        actors += [
+            ActorSpec(f"load:{feed}", "load", None, threads.loader, m),
+            ActorSpec(f"put:{feed}", "put", stage, threads.copy, m),
+        ]
+        regs += [
+            RegisterSpec(f"host:{feed}", f"load:{feed}", (f"put:{feed}",), data_registers),
+            RegisterSpec(feed, f"put:{feed}", (f"forward{stage}",), data_registers),
+        ]
+    for s in range(n):
+        t = threads.per_stage[s]
+        b, w = (f"backward_input{s}", f"backward_weight{s}") if split else (f"backward{s}", f"backward{s}")
+        actors.append(ActorSpec(f"forward{s}", "forward", s, t, m))
+        if split:
+            actors += [ActorSpec(b, "backward_input", s, t, m), ActorSpec(w, "backward_weight", s, t, m)]
+            regs.append(RegisterSpec(f"kept{s}", b, (w,), kept[s], kept=True))  # type: ignore[index]
+        else:
+            actors.append(ActorSpec(b, "backward", s, t, m))
+        actors.append(ActorSpec(f"update{s}", "update", s, t, 1, per_step=True))
+        regs += [
+            RegisterSpec(f"stash{s}", f"forward{s}", (b,), stash[s], activation=True),
+            RegisterSpec(f"grads{s}", w, (f"update{s}",), 1, every=m),
+        ]
+        if s < last:
+            send = f"transfer:act{s}->{s + 1}"
+            actors.append(ActorSpec(send, "transfer", s + 1, threads.per_stage[s + 1], m))
+            regs += [
+                RegisterSpec(f"out{s}", f"forward{s}", (send,), between),
+                RegisterSpec(f"in{s + 1}", send, (f"forward{s + 1}",), between),
+            ]
+        if s > 0:
+            send = f"transfer:grad{s}->{s - 1}"
+            actors.append(ActorSpec(send, "transfer", s - 1, threads.per_stage[s - 1], m))
+            regs += [
+                RegisterSpec(f"dx{s}", b, (send,), between),
+                RegisterSpec(
+                    f"dy{s - 1}", send, (f"{'backward_input' if split else 'backward'}{s - 1}",), between
+                ),
+            ]
+    if schedule.flush:
+        regs.append(RegisterSpec("flush", f"forward{last}", (f"backward{last}",), 1, every=m, reuse=m))
+    orders = {}
+    if lists is not None:  # each device's list orders the actors on that device's thread
+        thread_of = {schedule.device_of(s, devices): threads.per_stage[s] for s in range(n)}
+        orders = {thread_of[d]: [(f"{kind}{s}", k) for kind, s, k in seq] for d, seq in lists.items()}
+    return ActorGraph(tuple(actors), tuple(regs), orders)

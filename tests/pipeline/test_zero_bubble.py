@@ -1,0 +1,165 @@
+"""Zero-bubble schedules on the simulated clock: makespans equal their closed
+forms, memory stays within each schedule's bound, the lists pass the validator,
+and every schedule is in the registry."""
+
+import random
+
+import pytest
+
+import sbpjax as sj
+import sbpjax.pipeline as sjp
+
+EQUAL = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 1.0}
+ZB = ("zb-h1", "zb-h2", "zb-v", "dualpipev")
+
+
+def _grid(name):
+    for p in (1, 2, 3, 4, 8):
+        for m in sorted({1, 2, 3, p, p + 1, 2 * p, 3 * p + 1, 4 * p}):
+            if name == "dualpipev" and m < 2 * p:
+                continue
+            yield p, m
+
+
+def test_registry_lists_every_schedule():
+    assert tuple(sjp.SCHEDULES) == ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "dualpipev")
+    for name, cls in sjp.SCHEDULES.items():
+        schedule = sjp.as_schedule(name)
+        assert isinstance(schedule, cls) and schedule.name == name
+        assert sjp.as_schedule(name.upper()).name == name
+    with pytest.raises(sj.SBPError, match="'zb-h1'"):  # the message lists the names
+        sjp.as_schedule("zb-h3")
+
+
+@pytest.mark.parametrize("name", ZB)
+def test_makespan_equals_the_closed_form(name):
+    """At equal F, B, W (per chunk for the V schedules) and free communication:
+    ZB-H1 m(F+B+W) + (p-1)(F+B-W) = 3m + p - 1 and ZB-H2 3m + p - 1 for m >= p;
+    ZB-V and DualPipeV 6m + p - 1 chunk-times for m >= 2p (the last device never
+    idles), ZB-V's greedy order within 2 chunk-times of it at p = 5..7."""
+    schedule = sjp.as_schedule(name)
+    for p in (1, 2, 3, 4, 5, 8):
+        low = schedule.chunks * p
+        for m in sorted({low, low + 1, 2 * low + 1, 4 * p + 3}):
+            tl = sjp.simulate(schedule, p, m, EQUAL)
+            want = 6 * m + p - 1 if schedule.chunks == 2 else 3 * m + p - 1
+            if name == "zb-v" and 5 <= p <= 7:
+                assert want <= tl.makespan <= want + 2, (p, m, tl.makespan)
+                continue
+            assert tl.makespan == want, (name, p, m, tl.makespan)
+            assert abs(tl.bubble - schedule.theory_bubble(p, m)) < 1e-12
+    tl = sjp.simulate(schedule, 3, 2 * 3 + 1, EQUAL)
+    assert len(tl.of_kind("backward_input")) == len(tl.of_kind("backward_weight")) == schedule.stages(3) * 7
+
+
+def test_zero_bubble_beats_1f1b_at_p4_m8():
+    one = sjp.simulate("1f1b", 4, 8, {"forward": 1.0, "backward": 2.0}).makespan
+    assert one == 33
+    assert sjp.simulate("zb-h1", 4, 8, EQUAL).makespan / one == pytest.approx(27 / 33)
+    half = {k: 0.5 for k in EQUAL}  # two chunks per device: each half a stage
+    assert sjp.simulate("zb-v", 4, 8, half).makespan / one == pytest.approx(25.5 / 33)
+
+
+def _in_flight(lists):
+    """Per device, the most microbatch-chunks between a forward and its W."""
+    peaks = {}
+    for d, seq in lists.items():
+        live = peak = 0
+        for kind, _, _ in seq:
+            live += {"forward": 1, "backward_weight": -1}.get(kind, 0)
+            peak = max(peak, live)
+        peaks[d] = peak
+    return peaks
+
+
+@pytest.mark.parametrize("name", ZB)
+def test_memory_bounds_of_each_schedule(name):
+    """ZB-H1 holds no more than 1F1B's first stage (p microbatches in flight on any
+    device, p - d waiting for B on device d); ZB-H2 2p - 1; ZB-V 1F1B's memory in
+    chunks (2p); DualPipeV p + 1 stages' worth (2p + 2 chunks)."""
+    schedule = sjp.as_schedule(name)
+    for p, m in _grid(name):
+        lists = schedule.action_lists(p, m)
+        flight = _in_flight(lists)
+        bound = {"zb-h1": p, "zb-h2": 2 * p - 1, "zb-v": 2 * p, "dualpipev": 2 * p + 2}[name]
+        assert max(flight.values()) <= bound, (name, p, m, flight)
+        if name == "zb-h1":
+            assert schedule.stash_counts(p, m) == [min(p - d, m) for d in range(p)]  # 1F1B's
+        schedule.validate(p, m)  # the generated lists pass the validator
+
+
+@pytest.mark.parametrize("name", ZB)
+def test_random_durations_never_deadlock(name):
+    """The lists are fixed before the run; whatever the actions take, they finish
+    and every action runs once."""
+    rng = random.Random(7)
+    schedule = sjp.as_schedule(name)
+    table: dict = {}
+
+    def duration(kind, stage, microbatch):
+        return table.setdefault((kind, stage, microbatch), rng.choice([0.0, 0.5, 1.0, 3.0, 7.0]))
+
+    for _ in range(10):
+        p = rng.choice([2, 3, 4])
+        m = rng.choice([2 * p, 2 * p + 1, 3 * p])
+        table.clear()
+        tl = sjp.simulate(schedule, p, m, duration)
+        n = schedule.stages(p)
+        for kind in ("forward", "backward_input", "backward_weight"):
+            assert sorted((a.stage, a.microbatch) for a in tl.of_kind(kind)) == [
+                (s, k) for s in range(n) for k in range(m)
+            ]
+
+
+def test_w_waits_at_most_as_long_as_the_kept_register_allows():
+    """Back-pressure: with fewer kept slots than the list needs, the list is
+    refused naming the B that would exceed them; the register counts bound the
+    B's waiting for their W in a run."""
+    lists = sjp.ZeroBubbleH1().action_lists(4, 8)
+    need = sjp.ZeroBubbleH1().kept_counts(4, 8)
+    assert need == [1, 2, 3, 4]
+    tl = sjp.simulate("zb-h1", 4, 8, EQUAL)
+    assert tl.peak_live_kept() == {0: 1, 1: 2, 2: 3, 3: 4}
+    with pytest.raises(
+        sj.SBPError, match=r"device 3, entry \d+ \(backward_input of stage 3, microbatch 3\).*kept"
+    ):
+        sjp.simulate("zb-h1", 4, 8, EQUAL, kept_counts=[1, 2, 3, 3])
+    assert lists[3][:4] == [
+        ("forward", 3, 0),
+        ("backward_input", 3, 0),
+        ("forward", 3, 1),
+        ("backward_input", 3, 1),
+    ]
+
+
+def test_durations_split_a_whole_backward_in_half():
+    a = sjp.simulate("zb-h1", 4, 8, {"forward": 1.0, "backward": 2.0})
+    b = sjp.simulate("zb-h1", 4, 8, EQUAL)
+    assert a.makespan == b.makespan == 27
+    c = sjp.simulate("zb-h1", 4, 8, {"forward": 1.0, "backward": 2.0, "backward_weight": 0.5})
+    assert {r.end - r.start for r in c.of_kind("backward_weight")} == {0.5}
+    assert {r.end - r.start for r in c.of_kind("backward_input")} == {1.0}
+
+
+def test_planned_durations_change_the_generated_order():
+    """ZB-H2 and ZB-V plan their lists for given F/B/W lengths; planned for a short
+    W, ZB-H2 meets the bound m(F+B+W) + (p-1)F at those lengths."""
+    short_w = {"forward": 1.0, "backward_input": 1.0, "backward_weight": 0.5}
+    tl = sjp.simulate(sjp.ZeroBubbleH2(short_w), 4, 8, short_w)
+    assert tl.makespan == 8 * 2.5 + 3
+    with pytest.raises(sj.SBPError, match="unknown kinds"):
+        sjp.ZeroBubbleV({"backward": 1.0})
+
+
+def test_dualpipev_needs_two_microbatches_per_device():
+    with pytest.raises(sj.SBPError, match="m >= 2p = 8"):
+        sjp.simulate("dualpipev", 4, 6)
+
+
+def test_gantt_shows_f_b_w(tmp_path):
+    pytest.importorskip("matplotlib")
+    tl = sjp.simulate("zb-v", 2, 4)
+    assert {a.kind for a in tl.actions} >= {"forward", "backward_input", "backward_weight"}
+    path = tl.gantt(str(tmp_path / "zb.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
