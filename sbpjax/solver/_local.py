@@ -4,58 +4,79 @@
 pairs priced at the neighbours' current strategies, so the change of the total when node
 i moves to b is ``local[i, b] - local[i, s_i]``), and the usage per time segment.
 
-- :meth:`State.descend`: best-improvement moves that keep the solution within the limit,
-  until none is left (iterated conditional modes under the constraint).
+- :meth:`State.descend`: improving moves that keep every segment within the limit, in
+  node order, sweep after sweep until none is left (iterated conditional modes under the
+  constraint).
 - :meth:`State.repair`: while some segment is over the limit, the move that removes the
-  most excess per unit of cost added.
+  most excess usage per unit of cost added.
 
-Both are sequences of moves fixed by the data (ties by node, then strategy), and each
-counts its work in table entries.
+Both are sequences of moves fixed by the data (ties by node, then strategy), and count
+their work in table entries.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sbpjax.solver._model import Model, local_index, offsets
+from sbpjax.solver._model import Model, local_index, offsets, segment_ids
 
 
-class Pieces:
-    """Each node's usage over time as a step function: node i changes the usage of segments
-    ``brk[i][j] <= t < brk[i][j + 1]`` by ``val[i][a, j]`` under strategy a."""
+class Steps:
+    """Each node's usage over time as a step function, flat: node i has steps
+    ``soff[i] .. soff[i+1]-1``; step j covers segments ``lo[j] <= t < hi[j]`` and adds
+    ``val[voff[i] + a * ns_i + (j - soff[i])]`` under strategy a (ns_i: i's step count)."""
 
     def __init__(self, model: Model):
         mem = model.memory
         n = model.n
-        self.brk: list = [None] * n
-        self.val: list = [None] * n
-        if mem is None or not len(mem.qnode):
-            return
-        order = np.argsort(mem.qnode, kind="stable")
-        counts = np.bincount(mem.qnode, minlength=n)
-        starts = offsets(counts)
-        for i in np.flatnonzero(counts).tolist():
-            qs = order[starts[i] : starts[i + 1]]
-            lo, hi = mem.qlo[qs], mem.qhi[qs]
-            brk = np.unique(np.concatenate([lo, hi]))
-            k = int(model.k[i])
-            diff = np.zeros((k, len(brk)))
-            u = mem.qusage[mem.qoff[qs][:, None] + np.arange(k)[None, :]]  # pieces x k
-            np.add.at(diff.T, np.searchsorted(brk, lo), u)
-            np.add.at(diff.T, np.searchsorted(brk, hi), -u)
-            self.brk[i] = brk
-            self.val[i] = np.cumsum(diff, axis=1)[:, :-1]
+        counts = np.zeros(n, dtype=np.int64)
+        los, his, vals = [], [], []
+        if mem is not None and len(mem.qnode):
+            order = np.argsort(mem.qnode, kind="stable")
+            qcount = np.bincount(mem.qnode, minlength=n)
+            starts = offsets(qcount)
+            for i in np.flatnonzero(qcount).tolist():
+                qs = order[starts[i] : starts[i + 1]]
+                lo, hi = mem.qlo[qs], mem.qhi[qs]
+                brk = np.unique(np.concatenate([lo, hi]))
+                k = int(model.k[i])
+                u = mem.qusage[mem.qoff[qs][:, None] + np.arange(k)[None, :]]  # pieces x k
+                diff = np.zeros((len(brk), k))
+                np.add.at(diff, np.searchsorted(brk, lo), u)
+                np.add.at(diff, np.searchsorted(brk, hi), -u)
+                val = np.cumsum(diff, axis=0)[:-1]  # steps x k
+                keep = np.abs(val).max(axis=1) > 0
+                counts[i] = int(keep.sum())
+                los.append(brk[:-1][keep])
+                his.append(brk[1:][keep])
+                vals.append(val[keep].T.reshape(-1))
+        self.ns = counts
+        self.soff = offsets(counts)
+        self.lo = np.concatenate(los) if los else np.zeros(0, np.int64)
+        self.hi = np.concatenate(his) if his else np.zeros(0, np.int64)
+        self.voff = offsets(counts * model.k)
+        self.val = np.concatenate(vals) if vals else np.zeros(0)
+        # for each value entry: its node, strategy position (flat) and step
+        sizes = counts * model.k
+        self.e_node = segment_ids(sizes)
+        loc = local_index(sizes)
+        ns_e = np.repeat(counts, sizes)
+        self.e_pos = model.noff[self.e_node] + loc // np.maximum(ns_e, 1)
+        self.e_step = self.soff[self.e_node] + loc % np.maximum(ns_e, 1)
+
+    def rows(self, i: int) -> np.ndarray:
+        """Node i's values: strategies x steps."""
+        return self.val[self.voff[i] : self.voff[i + 1]].reshape(-1, self.ns[i]) if self.ns[i] else np.zeros((0, 0))
 
 
 class State:
-    def __init__(self, model: Model, pieces: Pieces, s: np.ndarray, unary: np.ndarray | None = None):
+    def __init__(self, model: Model, steps: Steps, s: np.ndarray, unary: np.ndarray | None = None):
         self.m = model
-        self.pieces = pieces
+        self.steps = steps
         self.unary = model.unary if unary is None else unary
         self.s = s.copy()
         self.work = 0.0
         m = model
-        # each node's pairs: (pair, other node, node is the row side)
         self.adj: list = [[] for _ in range(m.n)]
         for p, (u, v) in enumerate(zip(m.pu.tolist(), m.pv.tolist())):
             self.adj[u].append((p, v, True))
@@ -73,44 +94,46 @@ class State:
             kv = np.repeat(m.k[m.pv], sizes)
             loc = local_index(sizes)
             a, b = loc // kv, loc % kv
-            su, sv = np.repeat(self.s[m.pu], sizes), np.repeat(self.s[m.pv], sizes)
+            by_col = b == np.repeat(self.s[m.pv], sizes)
+            by_row = a == np.repeat(self.s[m.pu], sizes)
             rows = np.repeat(m.noff[m.pu], sizes) + a
             cols = np.repeat(m.noff[m.pv], sizes) + b
-            local += np.bincount(rows[b == sv], weights=m.pflat[b == sv], minlength=len(local))
-            local += np.bincount(cols[a == su], weights=m.pflat[a == su], minlength=len(local))
+            local += np.bincount(rows[by_col], weights=m.pflat[by_col], minlength=len(local))
+            local += np.bincount(cols[by_row], weights=m.pflat[by_row], minlength=len(local))
             self.work += float(sizes.sum())
         return local
 
     def vec(self, i: int) -> np.ndarray:
         return self.local[self.m.noff[i] : self.m.noff[i + 1]]
 
-    @property
     def cost(self) -> float:
-        return self.m.costs(self.s) if self.unary is self.m.unary else float("nan")
+        return float(self.local[self.m.noff[:-1] + self.s].sum() + self.unary[self.m.noff[:-1] + self.s].sum()) / 2
 
-    @property
     def excess(self) -> float:
         return float(np.maximum(self.profile - self.limit, 0).sum()) if self.profile.size else 0.0
 
-    def delta_profile(self, i: int, b: int) -> tuple[int, int, np.ndarray] | None:
-        """The usage change of moving node i to b, densely over its span, or None."""
-        brk = self.pieces.brk[i]
-        if brk is None:
+    def _delta(self, i: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        st = self.steps
+        if not st.ns[i]:
             return None
-        val = self.pieces.val[i]
-        d = val[b] - val[self.s[i]]
-        return int(brk[0]), int(brk[-1]), np.repeat(d, np.diff(brk))
+        rows = st.rows(i)
+        sl = slice(st.soff[i], st.soff[i + 1])
+        return st.lo[sl], st.hi[sl], rows[b] - rows[self.s[i]]
 
     def fits(self, i: int, b: int) -> bool:
-        """Moving node i to b keeps every segment within the limit (or makes none worse)."""
-        dp = self.delta_profile(i, b)
-        if dp is None:
+        """Moving node i to b keeps every segment it raises within the limit."""
+        d = self._delta(i, b)
+        if d is None:
             return True
-        lo, hi, d = dp
-        self.work += hi - lo
-        new = self.profile[lo:hi] + d
-        up = d > 0
-        return not up.any() or bool((new[up] <= self.limit).all())
+        lo, hi, dv = d
+        up = dv > 0
+        if not up.any():
+            return True
+        bounds = np.empty(2 * int(up.sum()), dtype=np.int64)
+        bounds[0::2], bounds[1::2] = lo[up], hi[up]
+        peak = np.maximum.reduceat(np.append(self.profile, -np.inf), bounds)[0::2]
+        self.work += float((hi[up] - lo[up]).sum())
+        return bool((peak + dv[up] <= self.limit).all())
 
     def move(self, i: int, b: int) -> None:
         a = int(self.s[i])
@@ -122,65 +145,92 @@ class State:
             seg = slice(m.noff[o], m.noff[o + 1])
             self.local[seg] += (mat[b] - mat[a]) if is_row else (mat[:, b] - mat[:, a])
             self.work += mat.shape[1] if is_row else mat.shape[0]
-        dp = self.delta_profile(i, b)
-        if dp is not None:
-            lo, hi, d = dp
-            self.profile[lo:hi] += d
+        d = self._delta(i, b)
+        if d is not None:
+            lo, hi, dv = d
+            diff = np.zeros(len(self.profile) + 1)
+            np.add.at(diff, lo, dv)
+            np.add.at(diff, hi, -dv)
+            self.profile += np.cumsum(diff)[:-1]
+            self.work += len(self.profile)
         self.s[i] = b
 
-    def descend(self, budget: float, nodes: np.ndarray | None = None) -> int:
-        """Improving moves that keep the limit, best first per sweep, until none or the
-        budget (table entries) is spent. Returns the number of moves."""
-        moves = 0
+    def descend(self, limit: float) -> int:
+        """Improving moves that keep the limit, sweep after sweep, until none is left or the
+        work reaches ``limit``. Returns the number of moves."""
         m = self.m
-        todo = np.arange(m.n) if nodes is None else nodes
-        while self.work < budget:
-            improved = False
+        moves = 0
+        node = m.node_of()
+        while self.work < limit:
+            cur = self.local[m.noff[:-1] + self.s]
+            gain = cur[node] - self.local
+            tol = 1e-9 * (1.0 + np.abs(cur[node]))
+            todo = np.unique(node[gain > tol])
+            self.work += len(self.local)
+            swept = 0
             for i in todo.tolist():
-                if m.k[i] < 2:
-                    continue
                 v = self.vec(i)
-                cur = v[self.s[i]]
+                c = v[self.s[i]]
                 for b in np.argsort(v, kind="stable").tolist():
-                    if not v[b] < cur - 1e-9 * (1 + abs(cur)):
+                    if not v[b] < c - 1e-9 * (1.0 + abs(c)):
                         break
                     if self.fits(i, b):
                         self.move(i, b)
-                        moves += 1
-                        improved = True
+                        swept += 1
                         break
-                if self.work >= budget:
+                if self.work >= limit:
                     break
-            if not improved:
+            moves += swept
+            if not swept:
                 break
         return moves
 
-    def repair(self, budget: float) -> bool:
-        """Moves that cut the usage over the limit, most excess removed per cost first,
-        until within the limit (True) or out of budget or moves (False)."""
-        m = self.m
-        holders = [i for i in range(m.n) if self.pieces.brk[i] is not None and m.k[i] > 1]
-        while self.excess > 0:
-            if self.work >= budget:
+    def repair(self, limit: float, batch: int = 64) -> bool:
+        """Moves that cut the usage over the limit, the most excess removed per unit of cost
+        added first, until within the limit (True) or out of work or moves (False). Each
+        round prices every move, then takes up to ``batch`` of the best, each re-priced
+        against the usage as it is then, on nodes not next to one moved in the round."""
+        m, st = self.m, self.steps
+        node = m.node_of()
+        while self.excess() > 0:
+            if self.work >= limit:
                 return False
-            over = np.maximum(self.profile - self.limit, 0)
-            cum = np.concatenate([[0.0], np.cumsum(over > 0)])
-            best, best_key = None, None
-            for i in holders:
-                brk = self.pieces.brk[i]
-                hits = cum[brk[1:]] - cum[brk[:-1]]  # over-limit segments in each step
-                if not hits.any():
+            over = np.concatenate([[0], np.cumsum(self.profile > self.limit)])
+            hits = (over[st.hi] - over[st.lo]).astype(np.float64)
+            cur = self.s[st.e_node]
+            ns_e = st.ns[st.e_node]
+            cur_val = st.val[st.voff[st.e_node] + cur * ns_e + (st.e_step - st.soff[st.e_node])]
+            gain = np.bincount(st.e_pos, weights=(cur_val - st.val) * hits[st.e_step], minlength=len(self.local))
+            dcost = self.local - self.local[m.noff[:-1] + self.s][node]
+            self.work += len(st.val) + len(self.local)
+            ok = gain > 0
+            if not ok.any():
+                return False
+            key = np.where(ok, np.maximum(dcost, 0.0) / np.where(ok, gain, 1.0), np.inf)
+            order = np.argsort(key, kind="stable")[: 4 * batch]
+            moved: set = set()
+            blocked: set = set()
+            for pos in order.tolist():
+                if len(moved) >= batch or not np.isfinite(key[pos]) or self.excess() == 0:
+                    break
+                i = int(node[pos])
+                if i in blocked:
                     continue
-                val = self.pieces.val[i]
-                gain = (val[self.s[i]] - val) @ hits  # usage removed from the over-limit segments
-                v = self.vec(i)
-                dcost = v - v[self.s[i]]
-                self.work += val.size
-                for b in np.flatnonzero(gain > 0).tolist():
-                    key = max(dcost[b], 0.0) / gain[b]
-                    if best_key is None or key < best_key:
-                        best, best_key = (i, b), key
-            if best is None:
-                return False
-            self.move(*best)
+                b = pos - int(m.noff[i])
+                if self._gain(i, b) <= 0:
+                    continue
+                self.move(i, b)
+                moved.add(i)
+                blocked.add(i)
+                blocked.update(o for _, o, _ in self.adj[i])
         return True
+
+    def _gain(self, i: int, b: int) -> float:
+        """Usage that moving node i to b removes from the segments now over the limit."""
+        d = self._delta(i, b)
+        if d is None:
+            return 0.0
+        lo, hi, dv = d
+        over = np.concatenate([[0], np.cumsum(self.profile > self.limit)])
+        self.work += len(self.profile)
+        return float(-(dv * (over[hi] - over[lo])).sum())

@@ -4,14 +4,16 @@ Nodes go greedily by *min-size*: the node whose new factor has the fewest entrie
 ties by node index. Scores are log2 of entry counts in exact fixed point, kept up to date
 incrementally, so the order is a pure function of the graph and the domain sizes.
 
-When the cheapest node's factor would exceed ``cap`` entries, the planner either
+When the cheapest node's factor would exceed ``cap`` entries, the planner gives up
+(``mode="exact"``: None, the graph is too wide for the cap), or
 
 - splits that node's factors into *mini-buckets* within the cap (``mode="minibucket"``: a
   run then gives a lower bound and a heuristic solution), or
 - *conditions* a node (``mode="condition"``): the remaining node of most neighbours (ties
-  by ``priority``, highest first) is fixed at the strategy it has in the solution handed to
-  the run, its factors sliced there. A run is then an exact large-neighbourhood move: the
-  best solution with the conditioned nodes where they are.
+  by ``priority``, highest first; ``protect``-ed nodes only when no other is left) is fixed
+  at the strategy it has in the solution handed to the run, its factors sliced there. A
+  run is then an exact large-neighbourhood move: the best solution with the conditioned
+  nodes where they are.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ _FIXED = 1 << 20  # fixed-point scale of log2 scores
 
 
 class _Planner:
-    def __init__(self, model: Model, cap: float, mode: str, priority: np.ndarray | None, min_batch: int):
-        self.batches, alive, pair_alive = leaf_rounds(model, min_batch)
+    def __init__(self, model: Model, cap: float, mode: str, priority, protect, leaves: tuple):
+        self.batches, alive, pair_alive = leaves
         self.k = [int(v) for v in model.k]
         self.cap, self.mode = cap, mode
         self.logcap = math.log2(cap) * _FIXED if cap < np.inf else np.inf
         n = model.n
         self.priority = [0] * n if priority is None else priority.tolist()
+        self.protect = [False] * n if protect is None else protect.tolist()
         self.scopes: list = [(int(u), int(v)) for u, v in zip(model.pu, model.pv)]
         self.by_scope: dict = {sc: i for i, sc in enumerate(self.scopes) if pair_alive[i]}
         self.var_slots: list = [set() for _ in range(n)]
@@ -51,7 +54,7 @@ class _Planner:
         live = [x for x in np.flatnonzero(alive).tolist() if self.nb[x]]
         self.heap = [(self.score[x], x, 0) for x in live]
         heapq.heapify(self.heap)
-        self.hubs = [(-len(self.nb[x]), -self.priority[x], x, 0) for x in live]
+        self.hubs = [self._hub_key(x) for x in live]
         heapq.heapify(self.hubs)
         self.steps: list = []
         self.work = float(sum(int(b.pos.size) for b in self.batches))
@@ -59,11 +62,13 @@ class _Planner:
         self.exact = True
         self.conditioned = 0
 
-    def build(self, model: Model) -> Plan:
+    def build(self, model: Model) -> Plan | None:
         while self.heap:
             sc, x, ver = heapq.heappop(self.heap)
             if self.done[x] or ver != self.version[x]:
                 continue
+            if sc > self.logcap and self.mode == "exact":
+                return None
             if sc > self.logcap and self.mode == "condition":
                 heapq.heappush(self.heap, (sc, x, ver))
                 self._condition(self._hub())
@@ -74,9 +79,12 @@ class _Planner:
         stats = {"conditioned": self.conditioned, "eliminated": len(self.steps) - self.conditioned}
         return Plan(self.batches, self.steps, isolated, self.scopes, self.work, self.exact, self.max_table, stats)
 
+    def _hub_key(self, x: int) -> tuple:
+        return (self.protect[x], -len(self.nb[x]), -self.priority[x], x, self.version[x])
+
     def _hub(self) -> int:
         while True:
-            _, _, x, ver = heapq.heappop(self.hubs)
+            *_, x, ver = heapq.heappop(self.hubs)
             if not self.done[x] and ver == self.version[x]:
                 return x
 
@@ -85,7 +93,7 @@ class _Planner:
             self.version[v] += 1
             if self.nb[v] and not self.done[v]:
                 heapq.heappush(self.heap, (self.score[v], v, self.version[v]))
-                heapq.heappush(self.hubs, (-len(self.nb[v]), -self.priority[v], v, self.version[v]))
+                heapq.heappush(self.hubs, self._hub_key(v))
 
     def _output(self, rest: tuple) -> int:
         """Where a factor over ``rest`` goes: -2 constant, -1 unary, else a slot (merged with
@@ -164,12 +172,18 @@ def plan(
     cap: float = np.inf,
     mode: str = "minibucket",
     priority: np.ndarray | None = None,
+    protect: np.ndarray | None = None,
     min_batch: int = 16,
-) -> Plan:
-    """The elimination plan of ``model``'s graph (see the module docstring)."""
-    if mode not in ("minibucket", "condition"):
+    leaves: tuple | None = None,
+) -> Plan | None:
+    """The elimination plan of ``model``'s graph (see the module docstring). ``leaves``: the
+    model's ``leaf_rounds(model, min_batch)``, when the caller has them already (they do
+    not depend on the mode, cap or priorities, and plans may share them)."""
+    if mode not in ("exact", "minibucket", "condition"):
         raise ValueError(f"mode {mode!r}")
-    return _Planner(model, cap, mode, priority, min_batch).build(model)
+    if leaves is None:
+        leaves = leaf_rounds(model, min_batch)
+    return _Planner(model, cap, mode, priority, protect, leaves).build(model)
 
 
 def _shape(target: tuple, scope: tuple, k: list) -> tuple:
