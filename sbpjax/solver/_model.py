@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -89,6 +89,7 @@ class Model:
     mmap: np.ndarray
     memory: Memory | None
     infeasible: str | None = None  # why no solution exists, when the reductions proved it
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)  # index arrays, made once
 
     @property
     def n(self) -> int:
@@ -107,6 +108,11 @@ class Model:
 
     def entry_index(self) -> tuple[np.ndarray, np.ndarray]:
         """For each entry of ``pflat``, the flat positions of its row strategy and column strategy."""
+        if "entry" not in self._cache:
+            self._cache["entry"] = self._entry_index()
+        return self._cache["entry"]
+
+    def _entry_index(self) -> tuple[np.ndarray, np.ndarray]:
         sizes = self.k[self.pu] * self.k[self.pv]
         loc = local_index(sizes)
         kv = np.repeat(self.k[self.pv], sizes)
@@ -117,6 +123,11 @@ class Model:
     def line_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Each entry's row and column of its pair, numbered over all pairs, and the flat strategy
         position of each such row and column."""
+        if "line" not in self._cache:
+            self._cache["line"] = self._line_index()
+        return self._cache["line"]
+
+    def _line_index(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         sizes = self.k[self.pu] * self.k[self.pv]
         loc = local_index(sizes)
         kv = np.repeat(self.k[self.pv], sizes)

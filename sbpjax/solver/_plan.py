@@ -54,7 +54,8 @@ class _Planner:
         live = [x for x in np.flatnonzero(alive).tolist() if self.nb[x]]
         self.heap = [(self.score[x], x, 0) for x in live]
         heapq.heapify(self.heap)
-        self.hubs = [self._hub_key(x) for x in live]
+        self.conditioning = mode == "condition"
+        self.hubs = [self._hub_key(x) for x in live] if self.conditioning else []
         heapq.heapify(self.hubs)
         self.steps: list = []
         self.work = float(sum(int(b.pos.size) for b in self.batches))
@@ -89,11 +90,13 @@ class _Planner:
                 return x
 
     def _touch(self, nodes) -> None:
+        version, heap, nb, done, score = self.version, self.heap, self.nb, self.done, self.score
         for v in sorted(nodes):
-            self.version[v] += 1
-            if self.nb[v] and not self.done[v]:
-                heapq.heappush(self.heap, (self.score[v], v, self.version[v]))
-                heapq.heappush(self.hubs, self._hub_key(v))
+            version[v] += 1
+            if nb[v] and not done[v]:
+                heapq.heappush(heap, (score[v], v, version[v]))
+                if self.conditioning:
+                    heapq.heappush(self.hubs, self._hub_key(v))
 
     def _output(self, rest: tuple) -> int:
         """Where a factor over ``rest`` goes: -2 constant, -1 unary, else a slot (merged with
@@ -187,8 +190,12 @@ def plan(
 
 
 def _shape(target: tuple, scope: tuple, k: list) -> tuple:
-    members = set(scope)
-    return tuple(k[v] if v in members else 1 for v in target)
+    if len(scope) == len(target):
+        return tuple(k[v] for v in target)
+    shape = [1] * len(target)
+    for v in scope:
+        shape[target.index(v)] = k[v]
+    return tuple(shape)
 
 
 def _split(x: int, factors: list, scopes: list, k: list, cap: float) -> list:

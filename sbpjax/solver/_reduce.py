@@ -35,6 +35,8 @@ def reduce(model: Model, rounds: int = 64) -> Model:
 
 def prune(model: Model) -> Model:
     allowed = np.isfinite(model.unary)
+    if model.memory is None and allowed.all() and np.isfinite(model.pflat).all():
+        return model  # nothing is forbidden: nothing to prune
     rows, cols = model.entry_index()
     rkey, ckey, rpos, cpos = model.line_index()
     finite = np.isfinite(model.pflat)

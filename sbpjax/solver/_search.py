@@ -1,23 +1,15 @@
-"""The heuristic part of a solve: large-neighbourhood moves and Lagrangian multipliers.
+"""Large-neighbourhood moves: the heuristic part of a solve.
 
-*Moves.* A move re-solves the whole model by elimination with a few nodes held where they
-are (``_plan`` in conditioning mode): the nodes held are the ones of most neighbours,
-outside a *protected* region (a breadth-first ball around a seed node) that the move may
-change freely. A move never makes the solution worse for the costs it is given. Plans
-depend only on the graph, so a pool of them (one per seed) is built once and reused.
+A move re-solves the whole model by elimination with a few nodes held where they are
+(``_plan`` in conditioning mode): the nodes held are the ones of most neighbours, outside
+a *protected* region (a breadth-first ball around a seed node) that the move may change
+freely. A move never makes the solution worse for the costs it is given. Plans depend
+only on the graph, so they are built once per seed and reused with any costs (those with
+usage priced in, see ``_memory``).
 
-*Memory.* The usage limit is relaxed with one multiplier per time segment (only
-*maximal* segments, where some piece starts and some ends, can bind when usages are not
-negative). The multipliers price usage into the unary costs; moves optimize the priced
-problem; each result is repaired into the limit and improved by single-node moves
-(``_local``); the multipliers follow the subgradient (usage minus limit) with a
-Polyak-type step toward the best cost found. When the priced problem is solved exactly
-(an exact plan), each step also gives a lower bound: the priced minimum minus the
-multipliers times the limit.
-
-Every choice is made by a generator seeded from the iteration number, and every step's
-work is counted, so the trajectory is the same at any effort; a larger effort only lets it
-run longer.
+Every choice is made by a generator seeded from the move's number, and every step's work
+is counted, so the trajectory is the same at any effort; a larger effort only lets it run
+longer.
 """
 
 from __future__ import annotations
@@ -76,19 +68,19 @@ class Search:
     # within 1% of best on each; smaller balls leave hubs frozen, larger ones force
     # conditioning of ordinary nodes, which freezes more of the graph.
     BALL = 0.05
-    POOL = 16  # plans kept (by seed); the multiplier steps cycle through these
+    POOL = 16  # seeds a phase cycles through (twice as many plans are kept)
     CYCLE = 1 << 20  # seeds repeat after this many moves
+    POLISH = 20  # a repair or a descent may read the model's tables this many times
 
     def __init__(self, model: Model, budget: Budget, incumbent: Incumbent, cap: float):
         self.m, self.budget, self.inc, self.cap = model, budget, incumbent, cap
         ptr, _, other = _eliminate.adjacency(model)
         self.nb = [other[ptr[i] : ptr[i + 1]].tolist() for i in range(model.n)]
+        self.cumdeg = np.cumsum(np.diff(ptr), dtype=np.float64) if model.n else np.zeros(1)
         self.plans: dict = {}
         self.leaves = _eliminate.leaf_rounds(model, 16)
         self.steps = Steps(model) if model.memory is not None else None
         self.moves = 0
-        self.lower_bound = -np.inf
-        self.lagrange_steps = 0
 
     # ---- moves ----------------------------------------------------------------------
 
@@ -96,7 +88,12 @@ class Search:
         n = self.m.n
         inside = np.zeros(n, dtype=bool)
         size = max(1, int(self.BALL * n))
-        seed = int(rng.integers(n))
+        # centres: any node, or (every other plan) a node drawn in proportion to its degree,
+        # so that the nodes of many neighbours, which are the ones held, get freed too
+        if rng.random() < 0.5 or not self.cumdeg[-1] > 0:
+            seed = int(rng.integers(n))
+        else:
+            seed = int(np.searchsorted(self.cumdeg, rng.random() * self.cumdeg[-1], side="right"))
         inside[seed] = True
         count, front = 1, [seed]
         while front and count < size:
@@ -119,8 +116,9 @@ class Search:
             plan = _plan.plan(self.m, self.cap, "condition", rng.permutation(self.m.n), protect, leaves=self.leaves)
             assert plan is not None
             self.budget.spend(len(self.m.pflat) + self.m.n)
-            if seed < self.POOL:
-                self.plans[seed] = plan
+            if len(self.plans) >= 2 * self.POOL:  # keep the newest: phases reuse a window of seeds
+                del self.plans[next(iter(self.plans))]
+            self.plans[seed] = plan
         return plan
 
     def move(self, s: np.ndarray, unary: np.ndarray, seed: int) -> np.ndarray | None:
@@ -146,66 +144,31 @@ class Search:
             idle = 0 if c < cost - 1e-9 * (1 + abs(cost)) else idle + 1
             s, cost = nxt, c
             self.inc.offer(s)
-            if self.steps is not None:
-                self.polish(s, self.budget.spent + 20.0 * (len(self.m.pflat) + len(self.m.unary)))
+        if self.steps is not None:
+            self.polish(s)
         return s
 
     # ---- memory ---------------------------------------------------------------------
 
-    def polish(self, s: np.ndarray, limit: float) -> np.ndarray:
-        """``s`` repaired into the usage limit and improved by single-node moves."""
+    def polish(self, s: np.ndarray) -> np.ndarray:
+        """``s`` repaired into the usage limit and improved by single-node moves (each at
+        most ``POLISH`` passes over the model's tables)."""
         assert self.steps is not None
-        state = State(self.m, self.steps, s)
-        cap = min(limit, self.budget.left())
-        ok = state.repair(cap)
+        state = State(self.m, self.steps, s, self.budget.late)
+        ok = state.repair(min(self._polish_work(), self.budget.left()))
         if ok:
-            state.descend(cap)
+            state.descend(state.work + min(self._polish_work(), self.budget.left()))
         self.budget.spend(state.work)
         self.inc.offer(state.s)
         return state.s
 
-    def lagrange(self, s: np.ndarray, exact: _eliminate.Plan | None, patience: int, inner: int, first: int = 0) -> None:
-        """Multiplier steps until ``patience`` steps in a row improve nothing (the step size
-        halves each time) or the budget ends."""
-        m = self.m
-        mem = m.memory
-        assert mem is not None
-        starts = np.zeros(mem.nseg + 1, bool)
-        ends = np.zeros(mem.nseg + 1, bool)
-        starts[mem.qlo] = True
-        ends[mem.qhi] = True
-        binding = starts[:-1] & ends[1:] if (mem.qusage >= 0).all() else np.ones(mem.nseg, bool)
-        lam = np.zeros(mem.nseg)
-        theta, idle, j = 1.0, 0, first
-        polish_work = 20.0 * (len(m.pflat) + len(m.unary))
-        while not self.budget.over() and theta > 1e-3:
-            unary = m.unary + mem.penalty(m.noff, len(m.unary), lam)
-            self.budget.spend(len(mem.qusage))
-            if exact is not None:
-                if not self.budget.affords(exact.work):
-                    return
-                self.budget.spend(exact.work)
-                value, s = _eliminate.run(exact, m, unary)
-                self.lower_bound = max(self.lower_bound, value - float(lam.sum()) * mem.limit)
-            else:
-                for _ in range(inner):
-                    nxt = self.move(s, unary, j)
-                    j += 1
-                    if nxt is None:
-                        return
-                    s = nxt
-            before = self.inc.improvements
-            self.inc.offer(s)
-            self.polish(s, self.budget.spent + polish_work)
-            self.lagrange_steps += 1
-            if self.inc.feasible and self.lower_bound >= self.inc.cost - 1e-9 * abs(self.inc.cost):
-                return  # proven optimal
-            g = np.where(binding, mem.profile(m.noff, s) - mem.limit, 0.0)
-            priced = m.costs(s) + float(lam @ g)
-            target = self.inc.cost if self.inc.feasible else 1.05 * m.costs(s)
-            norm = float(g @ g)
-            if norm > 0 and np.isfinite(target):
-                lam = np.maximum(0.0, lam + theta * max(target - priced, 0.01 * abs(target)) / norm * g)
-            idle = 0 if self.inc.improvements > before else idle + 1
-            if idle >= patience:
-                theta, idle = theta / 2, 0
+    def descend_local(self, s: np.ndarray) -> np.ndarray:
+        """``s`` (within the limit) improved by single-node moves that keep it so."""
+        assert self.steps is not None
+        state = State(self.m, self.steps, s, self.budget.late)
+        state.descend(min(self._polish_work(), self.budget.left()))
+        self.budget.spend(state.work)
+        return state.s
+
+    def _polish_work(self) -> float:
+        return self.POLISH * float(len(self.m.pflat) + len(self.m.unary))

@@ -23,6 +23,7 @@ from sbpjax.solver import _eliminate, _plan
 from sbpjax.solver._budget import Budget
 from sbpjax.solver._model import Model, raw_model
 from sbpjax.solver._reduce import reduce
+from sbpjax.solver._memory import MemorySearch
 from sbpjax.solver._search import Incumbent, Search
 from sbpjax.solver.problem import Problem
 
@@ -38,7 +39,10 @@ MOVE_CAP = 1e5
 # that leaves room for wider programs of the same size, and for a heuristic solve it is
 # about 40 moves of the largest IOPDDL instance's reduced graph.
 DEFAULT_EFFORT = 2e9
-PATIENCE = 4  # moves (or multiplier steps) in a row without a better solution before stopping
+# Library mode stops after this many rounds in a row without a better solution (contest
+# mode runs until the time is up): on the IOPDDL instance G a round finds nothing twice
+# in a row, then the optimum, in some runs; three covers that at a round's cost.
+IDLE_ROUNDS = 3
 
 
 @dataclass(frozen=True)
@@ -162,22 +166,25 @@ class _Solve:
         """Rounds of moves (and multiplier steps), each from the best solution so far with
         fresh plans, until a round improves nothing (library mode) or time is up."""
         search = Search(model, self.budget, inc, MOVE_CAP)
-        rounds = 0
+        memory = MemorySearch(search, exact) if model.memory is not None else None
+        rounds = idle = 0
         while not self.budget.over():
             assert inc.s is not None
             before = inc.improvements
             first = rounds * 1000
-            if model.memory is None:
+            if memory is None:
                 search.descend_moves(inc.s, Search.POOL, first)
             else:
-                s = search.descend_moves(inc.s, Search.POOL, first) if exact is None else inc.s
-                search.lagrange(s, exact, PATIENCE, inner=2, first=first)
+                shape, scale = memory.weights(inc.s, first + 100)
+                memory.centred(scale * shape, scale, first + 500, Search.POOL)
             rounds += 1
-            optimal = inc.feasible and search.lower_bound >= inc.cost
-            if optimal or (self.budget.deadline is None and inc.improvements == before):
+            idle = 0 if inc.improvements > before else idle + 1
+            if (memory is not None and memory.proven()) or (self.budget.deadline is None and idle >= IDLE_ROUNDS):
                 break
-        self.lower_bound = max(self.lower_bound, search.lower_bound)
-        self.stats.update(rounds=rounds, moves=search.moves, lagrange_steps=search.lagrange_steps)
+        if memory is not None:
+            self.lower_bound = max(self.lower_bound, memory.lower_bound)
+            self.stats["priced_steps"] = memory.steps
+        self.stats.update(rounds=rounds, moves=search.moves)
         self.stats["trace"] = [(w, k[2]) for w, k in inc.trace if k[0] == 0]
 
     def _finish(self, inc: Incumbent | None, model: Model) -> Solution:

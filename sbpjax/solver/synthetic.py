@@ -9,7 +9,8 @@ backward pass and the optimizer, with the costs of a sharding choice:
 - each matmul has a weight, read by the forward op, the two backward ops and an optimizer
   chain hanging off it; with ``shared`` > 1, that many consecutive layers share one weight
   node (one decision read by every one of them: a hub);
-- strategies are layouts: a few per op, one of them "replicated"; moving between layouts
+- strategies are layouts: 1 to 30 per op (drawn from 1, 2, 3, 4, 4, 6, 8, 8, 9, 12, 16, 24,
+  30: mostly a handful), one of them "replicated"; moving between layouts
   costs bytes (zero when equal), a few op pairs cannot change layout between them (inf
   off the diagonal), and each strategy uses memory over the op's live interval (forward
   time to its backward read), less when split.
@@ -23,6 +24,7 @@ import numpy as np
 
 from sbpjax.solver.problem import Problem
 
+_LAYOUTS = (1, 2, 3, 4, 4, 6, 8, 8, 9, 12, 16, 24, 30)
 _OPS = ("norm", "matmul", "act", "matmul", "add", "norm", "matmul", "act", "matmul", "add")
 
 
@@ -37,7 +39,7 @@ def train_step(
     """A training step's layout choice (see the module docstring).
 
     :param layers: model layers (each adds about 46 nodes).
-    :param strategies: the most layouts an op may have (1-30 in ``sj.jit``'s problems).
+    :param strategies: the most layouts an op may have (draws above it are cut to it).
     :param shared: consecutive layers that share each weight (1: none).
     :param memory: the usage limit as a multiple of the least possible peak (None: no limit).
     :param seed: the random generator's seed.
@@ -95,7 +97,8 @@ class _Builder:
         self.edges: list = []
 
     def node(self, t: int, weight: bool = False) -> int:
-        k = 1 if self.rng.random() < 0.05 else int(self.rng.integers(2, self.kmax + 1)) if self.kmax > 1 else 1
+        # layouts of a 2-4 dimensional tensor on a 2-D mesh: mostly a handful, a few up to kmax
+        k = min(self.kmax, int(self.rng.choice(_LAYOUTS)))
         self.k.append(k)
         self.size.append(float(self.rng.integers(1, 64)) * (4.0 if weight else 1.0))
         self.live.append((t, t + 1))
