@@ -1,0 +1,146 @@
+"""solve(): optimal where brute force can tell, bounds that hold, determinism, effort."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from solver_cases import INSTANCES, ROOT, brute_force, close, random_problem
+
+from sbpjax import SBPError
+from sbpjax.solver import Problem, load_problem, solve
+from sbpjax.solver.synthetic import train_step
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_solve_against_brute_force(memory):
+    rng = np.random.default_rng(7 if memory else 8)
+    for _ in range(120):
+        n = int(rng.integers(1, 8))
+        p = random_problem(rng, n, int(rng.integers(0, 2 * n + 2)), memory=memory)
+        best, _ = brute_force(p)
+        sol = solve(p, effort=1e6)
+        assert sol.lower_bound <= best or close(sol.lower_bound, best)
+        assert sol.feasible == np.isfinite(best)  # small problems: never a feasible one missed
+        assert (sol.cost, sol.feasible, sol.stats["peak_usage"]) == p.evaluate(sol.strategies)
+        if sol.feasible:
+            assert close(sol.cost, best) or sol.cost >= best
+            assert p.usage_limit is None or sol.stats["peak_usage"] <= p.usage_limit
+        if not memory and np.isfinite(best):
+            assert close(sol.cost, best) and sol.optimal  # the graphs are narrow: exact
+        if not np.isfinite(best):
+            assert sol.lower_bound == np.inf or not sol.feasible
+
+
+def test_infeasible_problems_are_reported():
+    # every pair of strategies between 0 and 1 is forbidden
+    p = Problem([[1.0, 2.0], [3.0]], [(0, 1, [[np.inf], [np.inf]])])
+    sol = solve(p)
+    assert not sol.feasible and sol.lower_bound == np.inf and sol.cost == np.inf
+    # the smallest usages already overflow the limit
+    p = Problem([[1.0, 2.0], [3.0]], (), [[5.0, 4.0], [2.0]], [[0, 2], [1, 3]], 5.0)
+    sol = solve(p)
+    assert not sol.feasible and sol.lower_bound == np.inf
+    assert "smallest usages" in sol.stats["infeasible"]
+
+
+def test_train_step_is_solved_exactly():
+    p = train_step(12, strategies=12, seed=3)
+    sol = solve(p)
+    assert sol.stats["exact"] and sol.optimal and sol.gap == 0.0
+    assert sol.cost == p.evaluate(sol.strategies)[0]
+
+
+def test_memory_limit_is_kept_and_bounded():
+    p = train_step(6, strategies=8, memory=1.15, seed=4)
+    sol = solve(p, effort=2e8)
+    assert sol.feasible and sol.stats["peak_usage"] <= p.usage_limit
+    unlimited = solve(Problem(p.costs, p.edges))
+    # the limit can only cost more; the bound lies below the cost
+    assert sol.cost >= unlimited.cost and sol.lower_bound <= sol.cost
+    assert sol.lower_bound >= unlimited.lower_bound
+
+
+def test_start_is_never_beaten_by_a_worse_answer():
+    p = train_step(6, strategies=8, memory=1.1, seed=5)
+    good = solve(p, effort=3e8)
+    sol = solve(p, effort=1e5, start=good.strategies)  # too little effort to find it alone
+    assert (sol.feasible, -sol.cost) >= (good.feasible, -good.cost)
+    with pytest.raises(SBPError, match="one strategy index per node"):
+        solve(p, start=[0])
+
+
+def test_arguments_are_checked():
+    p = Problem([[1.0]])
+    with pytest.raises(SBPError, match="not both"):
+        solve(p, effort=10, time_limit=1)
+    with pytest.raises(SBPError, match="effort must be a positive"):
+        solve(p, effort=0)
+    with pytest.raises(SBPError, match="time_limit must be positive"):
+        solve(p, time_limit=-1)
+
+
+def _rank(sol) -> tuple:
+    return (not sol.feasible, sol.cost if sol.feasible else sol.stats["peak_usage"], sol.cost)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: train_step(8, strategies=10, memory=1.1, seed=6),
+        lambda: train_step(8, strategies=10, shared=4, seed=7),
+        lambda: random_problem(np.random.default_rng(9), 60, 150, kmax=6, memory=True),
+    ],
+    ids=["memory", "shared-weights", "random"],
+)
+def test_more_effort_is_never_worse_and_the_same_effort_gives_the_same_answer(make):
+    p = make()
+    previous = None
+    for effort in (3e5, 3e6, 3e7):
+        sol = solve(p, effort=effort)
+        again = solve(p, effort=effort)
+        assert (sol.strategies == again.strategies).all() and sol.lower_bound == again.lower_bound
+        if previous is not None:
+            assert _rank(sol) <= _rank(previous)
+            assert sol.lower_bound >= previous.lower_bound
+        previous = sol
+
+
+_CHILD = """
+import sys, numpy as np
+from sbpjax.solver.synthetic import train_step
+from sbpjax.solver import solve
+sol = solve(train_step(6, strategies=8, memory=1.1, seed=6), effort=1e7)
+print(sol.cost, sol.lower_bound, list(sol.strategies))
+"""
+
+
+def test_processes_agree_under_load_and_any_hash_seed():
+    """Two processes (different PYTHONHASHSEED), one beside CPU hogs, print the same answer."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        loaded = subprocess.run(
+            [sys.executable, "-c", _CHILD], env=dict(env, PYTHONHASHSEED="1"), capture_output=True, text=True, timeout=600
+        )
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    quiet = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=dict(env, PYTHONHASHSEED="2"), capture_output=True, text=True, timeout=600
+    )
+    assert loaded.returncode == 0 and quiet.returncode == 0, loaded.stderr + quiet.stderr
+    assert loaded.stdout == quiet.stdout
+
+
+@pytest.mark.slow
+def test_instance_g_in_library_mode_is_repeatable_and_feasible():
+    p = load_problem(INSTANCES / "asplos-2025-iopddl-G.json.gz")
+    a = solve(p, effort=1e8)
+    b = solve(p, effort=1e8)
+    assert a.feasible and (a.strategies == b.strategies).all()
+    assert a.lower_bound <= 217039 <= a.cost  # the contest's best is optimal (HiGHS proves it)
