@@ -1,9 +1,11 @@
-"""Solving a :class:`~sbpjax.compiler.formulate.Formulation` (interim: the pairwise ILP by HiGHS).
+"""Solving a :class:`~sbpjax.compiler.formulate.Formulation` with :mod:`sbpjax.solver`.
 
-The integer program of the pairwise form (the local polytope: a binary per
-node strategy, a column per edge entry whose sums over a row or a column
-equal the strategies at its ends) is solved by HiGHS without a time limit,
-so its plan does not depend on the clock.
+The formulation is handed to the solver in the contest's form (nodes with
+strategy costs and usages, edges with cost tables, a usage limit) and solved
+within a work limit, never a wall clock: the same formulation and effort give
+the same strategies on any machine. Its cost tables start as lower bounds
+(:mod:`sbpjax.compiler.tables`); :func:`solve_settled` plans the entries a
+solution uses and solves again until they are all exact.
 """
 
 from __future__ import annotations
@@ -12,92 +14,86 @@ import dataclasses
 
 import numpy as np
 
+from sbpjax.solver import Problem, solve
+
 
 @dataclasses.dataclass
 class Solved:
     """``strategies``: one per node (None when no solution exists);
-    ``cost``: its cost, in the form's units (1/64 bytes), ``const``
-    included; ``bound``: a proven lower bound of the optimum; ``status``:
-    how the solve ended."""
+    ``cost``: its cost in the form's units (1/64 bytes), ``const``
+    included; ``bound``: a proven lower bound of the optimum (None: none
+    known); ``status``: how the solve ended; ``rounds``: solves until every
+    cost table entry the solution uses was exact."""
 
     strategies: list | None
     cost: float | None
     bound: float | None
     status: str
-    rounds: int = 1  # solves until every table entry the solution uses was exact
+    rounds: int = 1
 
 
 def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
     """Solve ``form``, plan the table entries its solution uses exactly
-    (``Formulation.settle``) and solve again, until the solution's entries
-    are all exact (:mod:`sbpjax.compiler.tables`)."""
+    (``Formulation.settle``) and solve again from that solution, until the
+    entries it uses are all exact. The tables' bounds never exceed their
+    costs, so the last solve's lower bound holds for the exact tables.
+
+    ``effort`` is the work of all the rounds together: each round may spend
+    half of what is left (a round the solver proves optimal spends far less).
+    Decision: a shared budget rather than ``effort`` per round, because a
+    problem the solver cannot prove (tied layers, a binding memory budget)
+    spends its whole limit each round, and ten to twenty rounds of that made
+    one ``sj.jit`` call take minutes. When less than ``1/64`` of it is left
+    the last solution stands; its entries are then planned exactly and its
+    cost priced on them, so the plan and its objective always agree."""
     rounds = 0
+    left = int(effort)
     if start is not None:
         form.settle(start)  # the plan in hand's costs exact from the first solve on
     while True:
-        solved = solve_form(form, effort, start, usage_limit)
+        solved, work = solve_form(form, max(left // 2, 1), start, usage_limit)
+        left -= work
         rounds += 1
+        solved.rounds = rounds
         if solved.strategies is None or not form.settle(solved.strategies):
-            solved.rounds = rounds
             return solved
         start = solved.strategies
+        if left < effort // 64:
+            solved.cost = float(form_problem(form, usage_limit).evaluate(start)[0]) + form.const
+            solved.status += "; its cost tables settled after the effort was spent"
+            return solved
 
 
-def solve_form(form, effort: int, start=None, usage_limit=None) -> Solved:
-    from scipy.sparse import coo_array
-
-    from sbpjax.compiler.milp import solve_binary
-
-    costs, edges = form.costs, form.edges
-    if not costs:
-        return Solved([], form.const, form.const, "no choice to make")
-    offsets, c = [], []
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = col = 0
-    for x in costs:
-        offsets.append(col)
-        c.extend(np.minimum(x, 1e15))
-        for k in range(len(x)):
-            rows.append(r)
-            cols.append(col + k)
-            vals.append(1.0)
-        lo.append(1.0)
-        hi.append(1.0)
-        r += 1
-        col += len(x)
-    for (u, v), table in edges.items():
-        k, l = table.shape
-        base = col
-        c.extend(np.minimum(table.ravel(), 1e15))
-        col += k * l
-        for a in range(k):
-            rows.extend([r] * (l + 1))
-            cols.extend(list(range(base + a * l, base + a * l + l)) + [offsets[u] + a])
-            vals.extend([1.0] * l + [-1.0])
-            lo.append(0.0)
-            hi.append(0.0)
-            r += 1
-        for b in range(l):
-            rows.extend([r] * (k + 1))
-            cols.extend([base + a * l + b for a in range(k)] + [offsets[v] + b])
-            vals.extend([1.0] * k + [-1.0])
-            lo.append(0.0)
-            hi.append(0.0)
-            r += 1
+def form_problem(form, usage_limit=None) -> Problem:
+    """``form`` as it stands in the solver's form."""
+    memory = {}
     if usage_limit is not None:
-        for n, u in enumerate(form.usages):
-            for k, x in enumerate(u):
-                if x:
-                    rows.append(r)
-                    cols.append(offsets[n] + k)
-                    vals.append(float(x))
-        lo.append(-np.inf)
-        hi.append(float(usage_limit - form.const_usage))
-        r += 1
-    A = coo_array((vals, (rows, cols)), shape=(r, col)).tocsr()
-    res = solve_binary(np.asarray(c), A, lo, hi, time_limit=np.inf, rel_gap=0.0)
-    if res.x is None:
-        return Solved(None, None, None, res.message)
-    strategies = [int(np.argmax(res.x[o : o + len(x)])) for o, x in zip(offsets, costs)]
-    bound = None if res.bound is None else res.bound + form.const
-    return Solved(strategies, res.objective + form.const, bound, res.message)
+        memory = dict(
+            usages=form.usages,
+            intervals=np.array([[0, 1]] * len(form.costs)),
+            usage_limit=float(usage_limit - form.const_usage),
+        )
+    return Problem(form.costs, [(u, v, t) for (u, v), t in form.edges.items()], **memory)
+
+
+def solve_form(form, effort: int, start=None, usage_limit=None) -> tuple[Solved, int]:
+    """One solve of ``form`` as it stands (see :func:`solve_settled`), and
+    the work it did."""
+    costs = form.costs
+    if not costs:
+        return Solved([], form.const, form.const, "no choice to make"), 0
+    problem = form_problem(form, usage_limit)
+    if start is not None:
+        # a strategy the plan in hand does not name: the node's cheapest of its own
+        start = [s if s >= 0 else int(np.argmin(c)) for s, c in zip(start, costs)]
+    sol = solve(problem, effort=effort, start=start)
+    work = int(sol.stats.get("work", effort))
+    if not sol.feasible:
+        why = "no layout fits the memory budget" if np.isfinite(sol.cost) else "no allowed strategy"
+        return Solved(None, None, None, why), work
+    bound = None if not np.isfinite(sol.lower_bound) else sol.lower_bound + form.const
+    status = "optimal" if sol.optimal else f"stopped at its effort, gap {100 * sol.gap:.2f}%"
+    return Solved([int(s) for s in sol.strategies], sol.cost + form.const, bound, status), work
+
+
+__all__ = ["Solved", "solve_settled", "solve_form", "form_problem"]

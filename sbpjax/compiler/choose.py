@@ -25,11 +25,12 @@ from sbpjax.compiler.buckets import emitted_collectives
 from sbpjax.compiler.classes import layer_classes, loop_classes
 from sbpjax.compiler.decode import propagation_of, value_keys
 from sbpjax.compiler.domains import AUTO, allowed, auto_layouts
-from sbpjax.compiler.formulate import formulate, least_usage
+from sbpjax.compiler.formulate import formulate, least_usage, propagator
 from sbpjax.compiler.liveness import block_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.pricing import boxing_cost, count_collectives, emitted_price, price
 from sbpjax.compiler.propagate import Propagation, Propagator, idle_axes, propagate
+from sbpjax.compiler.tables import Tables
 from sbpjax.compiler.trace import Var
 from sbpjax.sbp import Broadcast
 
@@ -337,10 +338,7 @@ def _choose(
         chosen.warnings = greedy.warnings
         chosen.choice = choice
         kept = chosen
-    again = dict(ties=ties, same_layout=same_layout, classes=classes, memory_budget=memory_budget)
-    return fewer_collectives(
-        program, placement, in_sbp, out_sbp, kept, greedy, cost_model, options, caches, again
-    )
+    return fewer_collectives(program, kept, form, in_sbp, cost_model, options, caches, ties, memory_budget)
 
 
 def _classes(program, arg_names, options: CompileOptions) -> list | None:
@@ -375,7 +373,7 @@ def _over_budget(budget, least: int, status: str) -> SBPError:
 
 
 def fewer_collectives(
-    program, placement, in_sbp, out_sbp, kept: Propagation, greedy, cost_model, options, caches, again
+    program, kept: Propagation, form, in_sbp, cost_model, options, caches, ties, memory_budget
 ) -> Propagation:
     """``kept``, or the plan solved with each collective at the cost model's
     ring latency (boxings planned by the same price) where that plan runs
@@ -396,20 +394,12 @@ def fewer_collectives(
         return kept
     choice = kept.choice
     t0 = time.perf_counter()
-    form = formulate(
-        program,
-        placement,
-        in_sbp,
-        out_sbp,
-        greedy,
-        cost_model,
-        options,
-        caches=caches,
-        ring=True,
-        **{k: again[k] for k in ("ties", "same_layout", "classes")},
-    )
+    # the first solve's problem, its boxings planned and priced by the ring's latency
+    ring = propagator(program, form.placement, in_sbp, cost_model, options, caches, ring=True)
+    cm = cost_model if cost_model is not None else CostModel()
+    form = form.repriced(ring, Tables(ring, cm, options, ring=True))
     t1 = time.perf_counter()
-    solved = solve_settled(form, options.effort, start=form.start(kept), usage_limit=again["memory_budget"])
+    solved = solve_settled(form, options.effort, start=form.start(kept), usage_limit=memory_budget)
     choice.build_s += t1 - t0
     choice.solve_s += time.perf_counter() - t1
     choice.rounds += solved.rounds
@@ -440,7 +430,7 @@ def fewer_collectives(
     if choice.method == "greedy":
         choice.method = "ilp"
     choice.ilp_bytes = alt_bytes
-    choice.memory_bytes = held_bytes(program, alt, again["ties"], placement.shape)
+    choice.memory_bytes = held_bytes(program, alt, ties, form.placement.shape)
     alt.warnings = kept.warnings
     alt.choice = choice
     return alt

@@ -35,11 +35,11 @@ def layer_classes(program, arg_names) -> list:
     producers back, from alike ops or from the same parameter of different
     layers (``_arg_class``). The layers of a model written as a loop (a
     Python loop, or a scan the tracer writes out) then fall into one class
-    per op of a layer, and the solver gives every op of a class the same
-    signature: an L-layer model has about one layer's choices, and each
-    version of a value is priced once for all layers (see ``versions`` in
-    :func:`solve`). It is a restriction (layers could choose differently),
-    which choose() backs with the comparison against greedy."""
+    per op of a layer; with ``CompileOptions.tie_layers`` every op of a
+    class takes the same signature (one node of the problem,
+    :mod:`sbpjax.compiler.formulate`): an L-layer model has about one
+    layer's decisions. It is a restriction (layers could choose
+    differently)."""
     producer = {}
     own = []
     for index, node in enumerate(program.nodes):
@@ -64,11 +64,11 @@ def layer_classes(program, arg_names) -> list:
     return level
 
 
-def same_candidates(cands, same_choice, fixed) -> None:
+def same_candidates(cands, same_choice) -> None:
     """Give the ops of each ``same_choice`` key one candidate list (in place):
     the union of theirs (each op's domain is cut by its own producers'
-    layouts, so alike ops may keep different lists, and shared columns would
-    then not tie them), or the signature one of them is fixed to."""
+    layouts, so alike ops may keep different lists, and one node could not
+    then hold them all)."""
     if same_choice is None:
         return
     groups: dict = {}
@@ -78,17 +78,13 @@ def same_candidates(cands, same_choice, fixed) -> None:
     for members in groups.values():
         if len(members) < 2:
             continue
-        pinned = [cands[i] for i in members if fixed is not None and i in fixed]
-        if pinned:
-            common = pinned[0]
-        else:
-            common, seen = [], set()
-            for i in members:
-                for c in cands[i]:
-                    k = (tuple(map(tuple, c[0])), tuple(map(tuple, c[1])))
-                    if k not in seen:
-                        seen.add(k)
-                        common.append(c)
+        common, seen = [], set()
+        for i in members:
+            for c in cands[i]:
+                k = (tuple(map(tuple, c[0])), tuple(map(tuple, c[1])))
+                if k not in seen:
+                    seen.add(k)
+                    common.append(c)
         for i in members:
             cands[i] = list(common)
 

@@ -124,26 +124,35 @@ class Formulation:
             self._folded = (costs, edges, const)
         return self._folded
 
+    def repriced(self, pr: Propagator, tables: Tables) -> Formulation:
+        """The same problem with its boxings planned by ``pr`` and priced by
+        ``tables`` (the second solve's ring latency): the same nodes,
+        strategies and links, new cost tables."""
+        links = [(tables.table(t.atom, t.src, t.dst), u, v, w) for t, u, v, w in self.links]
+        return dataclasses.replace(self, links=links, tables=tables, pr=pr, _folded=None)
+
     def settle(self, strategies) -> int:
         """Plan exactly every table entry the solution ``strategies`` uses
-        (``Tables.settle``), with their rows and columns; the number whose
-        cost changed (0: the solution's cost is exact, and its optimality
-        holds for the exact tables too). A strategy of -1 (``start``'s
+        (``Tables.settle``), with their rows and columns; the number of the
+        solution's own entries whose cost changed (0: its cost was exact, so
+        its optimality holds for the exact tables too: every other entry
+        only rose from its bound). A strategy of -1 (``start``'s
         unknown) settles nothing at its node."""
-        changed = 0
+        changed = used = 0
         for table, u, v, _ in self.links:
             a = 0 if u is None else strategies[u]
             c = 0 if v is None else strategies[v]
             if a >= 0 and c >= 0 and not table.exact[a, c]:
+                used += self.tables.settle(table, a, c)
                 # the entry's row and column too: what moving either end
                 # alone costs, so the next solve does not walk a bound at a time
                 for c2 in range(table.values.shape[1]):
                     changed += self.tables.settle(table, a, c2)
                 for a2 in range(table.values.shape[0]):
                     changed += self.tables.settle(table, a2, c)
-        if changed:
+        if changed or used:
             self._folded = None
-        return changed
+        return used
 
     @property
     def groups(self) -> int:
@@ -210,8 +219,6 @@ def formulate(
     ties=None,
     same_layout=None,
     classes=None,
-    fixed=None,
-    ring: bool = False,
     lazy: bool = True,
 ) -> Formulation:
     """The pairwise problem of ``program``'s layout choice (see the module docstring).
@@ -220,9 +227,7 @@ def formulate(
     AUTO argument whose layout it must have} (a donated train-step state).
     ``same_layout``: {AUTO argument: earlier AUTO argument whose layout it
     takes}. ``classes``: per op a key or None: ops with one key decide alike
-    (the iterations of a scan; alike layers). ``fixed``: {op index: (ins,
-    outs)}, ops whose signature is given. ``ring``: boxings planned and priced
-    by the cost model's ring latency (``pricing.boxing_cost``). ``lazy``: cost table entries start as lower
+    (the iterations of a scan; alike layers). ``lazy``: cost table entries start as lower
     bounds (:mod:`sbpjax.compiler.tables`; ``Formulation.settle``).
     ``caches``: the greedy pass's
     planner caches (plans, bounds, signatures, choices, evenness) and a memo
@@ -230,11 +235,7 @@ def formulate(
     grid = placement.shape
     cm = cost_model if cost_model is not None else CostModel()
     caches = caches if caches is not None else ({}, {}, {}, {}, {}, {})
-    pr = _propagator(program, placement, in_sbp, cost_model, options, caches, ring=False)
-    # ring: the tables' entries and the chosen plan's boxings are planned by
-    # the ring's price (a propagator that plans so); lazily, only the entries
-    # a solution uses are (sbpjax.compiler.tables)
-    decoder = _propagator(program, placement, in_sbp, cost_model, options, caches, ring=True) if ring else pr
+    pr = propagator(program, placement, in_sbp, cost_model, options, caches, ring=False)
     memo = caches[5]
     ties = dict(ties or {})
     same_layout = dict(same_layout or {})
@@ -245,9 +246,7 @@ def formulate(
     allowed = Domains(program, placement, in_layouts, greedy, pr.idle)
     cands = []
     for index, node in enumerate(program.nodes):
-        if fixed is not None and index in fixed:
-            cands.append(allowed.restrict(index, node, [fixed[index]]))
-        elif node.name in NESTED:
+        if node.name in NESTED:
             # the layouts its inner programs were planned for: greedy's
             # (sbpjax.compiler.inner_loops)
             dec = greedy.decisions[index]
@@ -257,9 +256,9 @@ def formulate(
             if key not in memo:
                 memo[key] = candidates(pr, node, grid)
             cands.append(allowed.restrict(index, node, memo[key]))
-    same_candidates(cands, classes, fixed)
+    same_candidates(cands, classes)
 
-    b = _Builder(program, placement, pr, Tables(decoder, cm, options, ring, lazy=lazy))
+    b = _Builder(program, placement, pr, Tables(pr, cm, options, ring=False, lazy=lazy))
     for i, lays in enumerate(in_layouts):
         if len(lays) > 1:
             j = same_layout.get(i)
@@ -286,11 +285,11 @@ def formulate(
         out_sbp,
         program,
         placement,
-        decoder,
+        pr,
     )
 
 
-def _propagator(program, placement, in_sbp, cost_model, options, caches, ring: bool) -> Propagator:
+def propagator(program, placement, in_sbp, cost_model, options, caches, ring: bool) -> Propagator:
     """A planner of boxings for the layout choice, sharing ``caches``."""
     pr = Propagator(program, placement, cost_model, launch_priced=options.launch_priced)
     pr.idle = idle_axes(in_sbp, placement.shape)
@@ -442,4 +441,4 @@ def least_usage(form: Formulation) -> int:
     return int(form.const_usage + sum(u.min() for u in form.usages if len(u)))
 
 
-__all__ = ["Formulation", "formulate", "least_usage"]
+__all__ = ["Formulation", "formulate", "least_usage", "propagator"]

@@ -83,17 +83,21 @@ def test_a_four_layer_gpt_moves_less_than_gspmd_and_greedy(pl24):
 def test_tied_layers_share_decisions_in_a_smaller_space(pl24):
     """With tie_layers the alike ops of a 3-layer GPT share decisions: fewer
     decisions, the tied space inside the untied one, so the untied optimum
-    moves no more than the tied plan (both proven, both exact)."""
+    (proven) costs no more than the tied plan. The tied problem's shared
+    decisions join the layers, which the solver cannot eliminate exactly: it
+    reports a proven gap."""
     params, tokens, labels = _gpt(3, d=16, vocab=32)
     loss = functools.partial(gpt_loss, heads=2)
     psbp = gpt_sbp(params, "megatron", 2)
     _, alone = check_train(loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=1)
-    tied_options = sj.CompileOptions(tie_layers=True)
+    # a tenth of the default effort: the tied solve spends all it is given
+    tied_options = sj.CompileOptions(tie_layers=True, effort=sj.CompileOptions().effort // 10)
     _, tied = check_train(
         loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=1, options=tied_options
     )
     a, t = alone.propagation.choice, tied.propagation.choice
     assert t.shared and not a.shared and "sharing decisions" in str(tied)
     assert t.groups < a.groups, (t.groups, a.groups)
-    assert a.gap <= 1e-9 and t.gap <= 1e-9
+    assert a.gap <= 1e-9 and 0 <= t.gap < 1 and t.bound <= t.objective
+    assert t.gap == (t.objective - t.bound) / t.objective
     assert price(alone.propagation) <= price(tied.propagation)
