@@ -12,10 +12,15 @@ device group, FIFO queues) or on a simulated clock.
                         microbatches=8, schedule="1f1b")
     result = pipe.step(x, y)
     result.timeline.gantt("timeline.png")
+    c = sjp.cut(nnx_model, sj.placement((4, 2), ("pp", "tp")), axis="pp", sample=tokens)  # stages from the model
+    pipe = sjp.Pipeline(c.stages, loss_fn, optax.sgd(0.1), microbatches=8)
     sjp.simulate("1f1b", devices=4, microbatches=8, durations={"forward": 1, "backward": 2}).makespan
 """
 
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec
+from sbpjax.pipeline.balance import Balance, balance
+from sbpjax.pipeline.chain import Layer, LayerChain
+from sbpjax.pipeline.cut import Cut, cut, layer_costs, layer_flops, layer_times
 from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout
 from sbpjax.pipeline.register import RegisterSpec
 from sbpjax.pipeline.runtime import ThreadedSystem
@@ -52,6 +57,15 @@ __all__ = [
     "ActorSpec",
     "RegisterSpec",
     "ThreadedSystem",
+    "LayerChain",
+    "Layer",
+    "balance",
+    "Balance",
+    "cut",
+    "Cut",
+    "layer_costs",
+    "layer_flops",
+    "layer_times",
     "PipelineError",
     "PipelineStall",
     "PipelineTimeout",
