@@ -40,7 +40,7 @@ class Balance:
         return f"Balance(layers per stage: {parts}; slowest {self.slowest:.4g})"
 
 
-def range_costs(costs: Sequence[float]) -> np.ndarray:
+def range_costs(costs: Sequence[float] | np.ndarray) -> np.ndarray:
     """``C[a, b]``: the cost of layers ``a .. b - 1`` summed left to right (as
     Python's ``sum(costs[a:b])``), ``inf`` where ``b <= a`` (an empty stage)."""
     c = np.asarray(costs, dtype=np.float64)
@@ -87,7 +87,7 @@ def check_stages(stages, layers: int, where: str) -> None:
         )
 
 
-def balance(costs: Sequence[float], stages: int) -> Balance:
+def balance(costs: Sequence[float] | np.ndarray, stages: int) -> Balance:
     """The contiguous cut of layers with these ``costs`` into ``stages`` non-empty
     stages whose slowest stage is as cheap as any cut's (exact; ties go to the
     cut whose stage ends come first)."""

@@ -182,13 +182,14 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
             f"LayerChain.from_model: {type(model).__name__} has several lists of blocks ({found}); "
             "name the one to cut with blocks='<path>'."
         )
-    stacks = []
+    stacks: list[tuple[str, int]] = []
     for name in _attributes(model):
         node = getattr(model, name)
-        if isinstance(node, nnx.Module) and _stack_depth(node) is not None:
-            stacks.append((name, _stack_depth(node)))
+        depth = _stack_depth(node) if isinstance(node, nnx.Module) else None
+        if depth is not None:
+            stacks.append((name, depth))
     if len(stacks) == 1:
-        return (stacks[0][0],), "stacked", int(stacks[0][1])
+        return (stacks[0][0],), "stacked", stacks[0][1]
     if len(stacks) > 1:
         raise SBPError(
             f"LayerChain.from_model: several modules of {type(model).__name__} look stacked "
@@ -205,7 +206,7 @@ def _attributes(model) -> list:
 def _module_layer(module, name: str, tie: str, stacked_index: int | None = None) -> Layer:
     """A block as a layer: its parameters as a pure dict, applied by merging them
     back into its graph (with the ``stacked_index``-th slice of a stack)."""
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
     if stacked_index is not None:
         depth = _stack_depth(module)
         params = jax.tree_util.tree_map(lambda v: v[stacked_index], params)
@@ -256,7 +257,7 @@ class _Parts:
         ):
             copy = nnx.merge(*nnx.split(model))
             _set(copy, path, probe)
-            graphdef, params, rest = nnx.split(copy, nnx.Param, ...)
+            graphdef, params, rest = nnx.split(copy, nnx.Param, ...)  # type: ignore[misc]
             self.graphs[role] = (graphdef, params, rest)
         flat = _flatten(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(self.graphs["before"][1])))
         self.probe_params = {p: v for p, v in flat.items() if _under(p, path)}
