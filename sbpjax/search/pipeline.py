@@ -106,6 +106,7 @@ def search_pipeline(
     microbatches=None,
     schedules=None,
     remat=(False, True),
+    groups=None,
     method: str = "branch_and_bound",
     tolerance: float = 0.01,
     max_simulations: int = 2,
@@ -117,8 +118,9 @@ def search_pipeline(
 
     ``batch``: examples per step (default: the chain's sample). ``compute``:
     device speed and action cost (:func:`calibrate_compute`). ``microbatches``,
-    ``schedules`` (names or :class:`Schedule` objects) and ``remat`` (booleans):
-    the values to search (defaults in the module docstring). ``method``:
+    ``schedules`` (names or :class:`Schedule` objects), ``remat`` (booleans) and
+    ``groups`` (device group counts): the values to search (defaults in the
+    module docstring; every count of groups that tiles the grid). ``method``:
     "branch_and_bound" or "exhaustive". ``tolerance``: branch and bound skips
     what its bounds put within this fraction of the best step found, so the
     plan's step is at most ``1 + tolerance`` times the best of the space (0:
@@ -140,7 +142,7 @@ def search_pipeline(
             f"microbatches; use divisors of {batch}."
         )
     scheds = [as_schedule(s) for s in (schedules if schedules is not None else schedule_names())]
-    space = Space(profiles, grid, batch, memory, compute, ms, scheds, tuple(remat))
+    space = Space(profiles, grid, batch, memory, compute, ms, scheds, tuple(remat), groups)
     if not space.protos:
         raise SBPError(
             f"search_pipeline: no configuration of {len(profiles)} layers on {grid!r} with microbatches {ms} "

@@ -66,6 +66,7 @@ class Space:
         microbatches,
         schedules,
         remats,
+        groups=None,
     ):
         self.profiles, self.grid, self.batch = profiles, grid, batch
         self.memory, self.compute = memory, compute
@@ -73,28 +74,27 @@ class Space:
         self._layouts: dict = {}
         self._floors: dict = {}
         self.protos: list[Proto] = []
-        for (groups, shape, spans), m, sched, remat in itertools.product(
-            stage_shapes(grid), microbatches, schedules, remats
-        ):
-            n = sched.stages(groups)
+        shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
+        for (count, shape, spans), m, sched, remat in itertools.product(shapes, microbatches, schedules, remats):
+            n = sched.stages(count)
             if n > len(profiles) or self.scaled(m) is None:
                 continue
             try:
-                sched.check(groups, m)
+                sched.check(count, m)
             except SBPError:
                 continue
             kept_counts = getattr(sched, "kept_counts", None)
             self.protos.append(
                 Proto(
-                    groups,
+                    count,
                     shape,
                     spans,
                     m,
                     sched,
                     remat,
-                    [sched.device_of(s, groups) for s in range(n)],
-                    list(sched.stash_counts(groups, m)),
-                    kept_counts(groups, m) if kept_counts is not None else None,
+                    [sched.device_of(s, count) for s in range(n)],
+                    list(sched.stash_counts(count, m)),
+                    kept_counts(count, m) if kept_counts is not None else None,
                     bool(getattr(sched, "split_backward", False)),
                 )
             )
