@@ -75,7 +75,9 @@ class Space:
         self._floors: dict = {}
         self.protos: list[Proto] = []
         shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
-        for (count, shape, spans), m, sched, remat in itertools.product(shapes, microbatches, schedules, remats):
+        for (count, shape, spans), m, sched, remat in itertools.product(
+            shapes, microbatches, schedules, remats
+        ):
             n = sched.stages(count)
             if n > len(profiles) or self.scaled(m) is None:
                 continue
