@@ -45,9 +45,10 @@ def range_costs(costs: Sequence[float] | np.ndarray) -> np.ndarray:
     Python's ``sum(costs[a:b])``), ``inf`` where ``b <= a`` (an empty stage)."""
     c = np.asarray(costs, dtype=np.float64)
     n = len(c)
+    # row a holds c[j] from j = a on: its running sum adds them left to right
+    sums = np.cumsum(np.where(np.arange(n)[None, :] >= np.arange(n)[:, None], c[None, :], 0.0), axis=1)
     table = np.full((n + 1, n + 1), np.inf)
-    for a in range(n):
-        table[a, a + 1 :] = np.cumsum(c[a:])
+    table[:n, 1:] = np.where(np.arange(1, n + 1)[None, :] > np.arange(n)[:, None], sums, np.inf)
     return table
 
 

@@ -84,6 +84,7 @@ class LayerChain:
         if not self.layers:
             raise SBPError(f"LayerChain{source}: no layers; give at least one layer function.")
         self.sample = sample
+        self.flops_cache: dict = {}  # examples -> per-layer (forward, backward) flops (sbpjax.pipeline.cut)
         self._to_model = to_model
         self.source = source
 

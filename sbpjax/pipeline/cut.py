@@ -63,16 +63,20 @@ def layer_flops(chain: LayerChain, examples: int | None = None) -> list[tuple[fl
     """Per layer, ``(forward, backward)`` flops as XLA counts them in the compiled
     programs (``cost_analysis``) on ``examples`` examples (default: the
     sample's). Layers with the same tie are compiled once."""
+    key = examples or chain.examples
+    if key in chain.flops_cache:  # a cut and a search of one chain count once
+        return chain.flops_cache[key]
     shapes = chain.boundaries(examples)
     out, seen = [], {}
     for layer, x, y in zip(chain.layers, shapes, shapes[1:]):
-        key = layer.tie
-        if key is None or key not in seen:
+        tie = layer.tie
+        if tie is None or tie not in seen:
             fwd = _flops(jax.jit(layer.apply).lower(layer.params, x).compile())
             both = _flops(jax.jit(_backward(layer.apply)).lower(layer.params, x, y).compile())
             # the backward program runs the forward again to get its residuals
-            seen[key] = (fwd, max(both - fwd, 0.0))
-        out.append(seen[key])
+            seen[tie] = (fwd, max(both - fwd, 0.0))
+        out.append(seen[tie])
+    chain.flops_cache[key] = out
     return out
 
 

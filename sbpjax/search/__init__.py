@@ -28,6 +28,7 @@ from sbpjax.search.algorithms import (
     exhaustive,
     metropolis_hastings,
 )
+from sbpjax.search.calibrate import calibrate_compute, calibrate_transfer
 from sbpjax.search.cost import ClosedForm, MemoryModel, Planned, Price, build_tables
 from sbpjax.search.layers import (
     MatmulOp,
@@ -42,7 +43,7 @@ from sbpjax.search.layers import (
     transformer,
 )
 from sbpjax.search.pipeline import PIPELINE_METHODS, schedule_names, search_pipeline
-from sbpjax.search.pipeline_cost import ComputeModel, calibrate_compute
+from sbpjax.search.pipeline_cost import ComputeModel
 from sbpjax.search.pipeline_space import stage_shapes
 from sbpjax.search.plan import PipelinePlan
 from sbpjax.search.profile import LayerProfile, gpt_profiles, profile
@@ -150,6 +151,7 @@ __all__ = [
     "LayerProfile",
     "PipelinePlan",
     "calibrate_compute",
+    "calibrate_transfer",
     "gpt_profiles",
     "profile",
     "schedule_names",

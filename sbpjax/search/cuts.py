@@ -178,40 +178,43 @@ def evaluate(st: Setting, bounds) -> Evaluated | None:
 def _bound_tables(st: Setting):
     """Per stage ``s``, ``C_s[a, b]``: the decomposable bound of stage ``s`` on layers
     ``a .. b-1`` (``inf`` where its group would be over budget, when every group
-    runs one stage)."""
+    runs one stage). What does not depend on ``s`` is computed once."""
     c, n, m = st.costs, st.stages, st.microbatches
     L = c.layers
-    RF, RB = range_costs(c.f), range_costs(c.b)
-    pre_f = np.concatenate([[0.0], np.cumsum(c.f)])
-    pre_b = np.concatenate([[0.0], np.cumsum(c.b)])
-    t_min = float(c.transfer[1:].min()) if L > 1 else 0.0
     ov = c.action_s
-    arrays = {
-        "params": range_costs(c.param_bytes),
-        "stash": range_costs(c.stash_bytes),
-        "kept": range_costs(c.kept_bytes),
-    }
+    F, B = range_costs(c.f) + ov, range_costs(c.b) + ov
+    pre_f = np.concatenate([[0.0], np.cumsum(c.f)])[:, None]
+    pre_b = np.concatenate([[0.0], np.cumsum(c.b)])[:, None]
+    t_min = float(c.transfer[1:].min()) if L > 1 else 0.0
     by_end = np.append(c.transfer, 0.0)  # by_end[j]: the boundary before layer j (none at the end)
-    t_in = np.broadcast_to(by_end[:, None], (L + 1, L + 1))  # stage s > 0: its input, at a
-    t_out = np.broadcast_to(by_end[None, :], (L + 1, L + 1))  # stage 0: its output, at b
+    t_in, t_out = (
+        m * by_end[:, None],
+        m * by_end[None, :],
+    )  # stage s > 0: its input (at a); 0: its output (at b)
+    edges = pre_f + (0.0 if st.split else pre_b)  # the head's and tail's layers
+    work = edges + m * (F + B)
+    if not st.split:
+        after = (pre_f[L, 0] - pre_f + pre_b[L, 0] - pre_b).T  # the later stages' layers, by end b
+        stashed = edges + F + after + m * B
+    if st.budget is not None and st.one_stage_per_group:
+        params, stash = range_costs(c.param_bytes) + c.recompute_bytes, range_costs(c.stash_bytes)
+        kept = range_costs(c.kept_bytes) if st.kept is not None else None
 
     def table(s: int) -> np.ndarray:
         lands = (s > 0) + (s < n - 1)
-        t = t_in if s > 0 else t_out
-        head = pre_f[:, None] + s * ov + max(s - 1, 0) * t_min
-        tail = 0.0 if st.split else pre_b[:, None] + s * (ov + t_min)
-        F, B = RF + ov, RB + ov
-        bound = head + m * (F + B + lands * t) + tail
+        # the head's and tail's actions and transfers (the transfers bounded by the cheapest)
+        chains = s * ov + max(s - 1, 0) * t_min + (0.0 if st.split else s * (ov + t_min))
+        bound = work + chains
+        if lands:
+            bound = bound + (t_in if s > 0 else t_out) * (lands if s > 0 else 1)
         if not st.split:
-            later = n - 1 - s
-            trip = (pre_f[L] - pre_f + pre_b[L] - pre_b)[None, :] + later * (2 * ov + 2 * t_min)
             ahead = max(0, m - st.stash[s])
-            stashed = head + F + trip + m * B + (ahead * F if ahead else 0.0) + tail
-            bound = np.maximum(bound, stashed)
+            trip = (n - 1 - s) * (2 * ov + 2 * t_min)
+            bound = np.maximum(bound, stashed + (chains + trip) + (ahead * F if ahead else 0.0))
         if st.budget is not None and st.one_stage_per_group:
-            held = arrays["params"] + st.stash[s] * arrays["stash"] + c.recompute_bytes
-            if st.kept is not None:
-                held = held + st.kept[s] * arrays["kept"]
+            held = params + st.stash[s] * stash
+            if kept is not None:
+                held = held + st.kept[s] * kept
             bound = np.where(held > st.budget, np.inf, bound)
         return bound
 

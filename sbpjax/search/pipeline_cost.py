@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 
 import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.search.algorithms import Problem, coordinate_descent
-from sbpjax.search.cost import ClosedForm, MemoryModel, build_tables, op_memory, out_dims
+from sbpjax.search.cost import ClosedForm, MemoryModel, Tables, build_tables, op_memory, out_dims
 from sbpjax.search.profile import LayerProfile
 from sbpjax.search.space import Grid, choices
 from sbpjax.search.strategy import build
@@ -45,47 +43,10 @@ from sbpjax.search.strategy import build
 class ComputeModel:
     """Compute speed of one device (``flops_per_s``) and the fixed cost of one
     pipeline action (``action_s``: dispatch of its program, the actor runtime's
-    messages). :func:`calibrate_compute` measures both here."""
+    messages). :func:`sbpjax.search.calibrate_compute` measures both here."""
 
     flops_per_s: float = 1e12
     action_s: float = 0.0
-
-
-def calibrate_compute(device=None, n: int = 512, repeats: int = 9) -> ComputeModel:
-    """Measure ``flops_per_s`` (a jitted ``n x n`` matmul chain on ``device``) and
-    ``action_s`` (a jitted call that does next to nothing, plus the actor
-    runtime's own time per action): medians after a warm-up, a wall-clock
-    measure of this machine as it is loaded now."""
-    import jax
-    import jax.numpy as jnp
-
-    import sbpjax.pipeline as sjp
-
-    device = device or jax.devices()[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.float32) / n, device)
-    reps = 8
-    chain = jax.jit(lambda x: [x := x @ x for _ in range(reps)][-1])
-    tiny = jax.jit(lambda x: x + 1)
-    small = jax.device_put(jnp.ones((8,), jnp.float32), device)
-
-    def median(fn, arg):
-        jax.block_until_ready(fn(arg))
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(arg))
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-
-    t_call = median(tiny, small)
-    flops = 2.0 * n**3 * reps / max(median(chain, a) - t_call, 1e-9)
-    graph = sjp.build_graph(sjp.OneFOneB(), 2, 4)
-    bodies: dict = {spec.name: (lambda k, inputs: {}) for spec in graph.actors}
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        sjp.ThreadedSystem(graph, bodies).run()
-    runtime = (time.perf_counter() - t0) / repeats / sum(spec.actions for spec in graph.actors)
-    return ComputeModel(flops_per_s=flops, action_s=t_call + runtime)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +69,8 @@ def layout_candidates(
     ops = [op for p in profiles for op in p.ops]
     if not ops or grid.size == 1:
         return [_per_layer(profiles, None, grid, memory)]
-    unlimited = MemoryModel(memory.bytes_per_param, True, None)
     try:
-        tables = build_tables(ops, grid, ClosedForm(grid), memory=unlimited)
+        tables = chain_tables(profiles, grid, MemoryModel(memory.bytes_per_param, True, None))
     except SBPError:
         return []
     problem = Problem(tables)
@@ -131,6 +91,53 @@ def layout_candidates(
             strategy = build(tables, assign, grid, "coordinate_descent", 0.0)
             out.append(_per_layer(profiles, strategy, grid, memory))
     return out
+
+
+def chain_tables(profiles: list[LayerProfile], grid: Grid, memory: MemoryModel) -> Tables:
+    """:func:`sbpjax.search.cost.build_tables` of every matmul of the chain, priced
+    on a shorter chain: each run of four or more alike layers (one tie) is priced
+    as three (first, middle, last), since its layers share their prices and so
+    do the boxings between them; the tables are then laid out for every op."""
+    ties = [p.tie if p.ops else None for p in profiles]
+    short: list[int] = []  # the layers priced
+    where: list[int] = []  # per layer, its stand-in's index in `short`
+    i = 0
+    while i < len(profiles):
+        j = i
+        while j + 1 < len(profiles) and ties[i] is not None and ties[j + 1] == ties[i]:
+            j += 1
+        if j - i >= 3:
+            short += [i, i + 1, j]
+            where += [len(short) - 3] + [len(short) - 2] * (j - i - 1) + [len(short) - 1]
+        else:
+            where += [len(short) + k for k in range(j - i + 1)]
+            short += list(range(i, j + 1))
+        i = j + 1
+    ops = [op for p in profiles for op in p.ops]
+    short_ops = [op for layer in short for op in profiles[layer].ops]
+    tables = build_tables(short_ops, grid, ClosedForm(grid), memory=memory)
+    if len(short_ops) == len(ops):
+        return tables
+    first = np.cumsum([0] + [len(profiles[layer].ops) for layer in short])  # first op of each stand-in
+    op_of = [int(first[where[l]]) + q for l, p in enumerate(profiles) for q in range(len(p.ops))]
+    # an op's edge to the next op is its stand-in's; from one middle layer of a run to
+    # the next, the alike edge is the one into the middle stand-in (from the run's first)
+    edge_of = [op_of[i] if op_of[i + 1] == op_of[i] + 1 else op_of[i + 1] - 1 for i in range(len(ops) - 1)]
+    parts = tables.parts
+    return dataclasses.replace(
+        tables,
+        ops=ops,
+        op_group=np.asarray([tables.op_group[j] for j in op_of]),
+        unary=[tables.unary[j] for j in op_of],
+        memory=[tables.memory[j] for j in op_of],
+        pair=[tables.pair[j] for j in edge_of],
+        dims=[tables.dims[j] for j in edge_of],
+        parts={
+            "sync": [parts["sync"][j] for j in op_of],
+            "output": [parts["output"][j] for j in op_of],
+            "edge": [parts["edge"][j] for j in edge_of],
+        },
+    )
 
 
 def _per_layer(profiles, strategy, grid: Grid, memory: MemoryModel) -> Layouts:

@@ -35,6 +35,14 @@ def stage_shapes(grid: Grid) -> list[tuple[int, tuple[int, ...], tuple[str, ...]
     return sorted(out, key=lambda r: (r[0], r[1]))
 
 
+def sub_grid(grid: Grid, shape: tuple) -> Grid:
+    """The grid of one device group: ``shape`` on the same axes and cost model,
+    refined into prime axes as ``grid`` is (``Grid(..., refine=False)`` keeps
+    every axis whole, in its groups too)."""
+    refined = any(len(factors) > 1 for factors in grid.axis_factors)
+    return Grid(shape, grid.axis_names, grid.cost_model, refine=refined)
+
+
 @dataclasses.dataclass
 class Proto:
     """A configuration without layouts and cut; ``floor``: its least bound with
@@ -73,6 +81,7 @@ class Space:
         self._scaled: dict = {}
         self._layouts: dict = {}
         self._floors: dict = {}
+        self._grids: dict = {}
         self.protos: list[Proto] = []
         shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
         for (count, shape, spans), m, sched, remat in itertools.product(
@@ -112,7 +121,11 @@ class Space:
         return self._scaled[m]
 
     def stage_grid(self, proto: Proto) -> Grid:
-        return Grid(proto.shape, self.grid.axis_names, self.grid.cost_model)
+        # one Grid object per shape: the price caches of sbpjax.search.cost are keyed
+        # by the grid, and the same object is found without comparing grids
+        if proto.shape not in self._grids:
+            self._grids[proto.shape] = sub_grid(self.grid, proto.shape)
+        return self._grids[proto.shape]
 
     def layouts(self, proto: Proto) -> list[Layouts]:
         """The layout candidates of the proto's stage grid and microbatch size (cached)."""

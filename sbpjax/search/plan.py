@@ -15,6 +15,7 @@ import jax
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import human_bytes
+from sbpjax.search.pipeline_space import sub_grid
 from sbpjax.search.space import Grid
 
 
@@ -59,7 +60,7 @@ class PipelinePlan:
 
     @property
     def stage_grid(self) -> Grid:
-        return Grid(self.stage_shape, self.grid.axis_names, self.grid.cost_model)
+        return sub_grid(self.grid, self.stage_shape)
 
     def key(self) -> tuple:
         """What identifies the configuration (two plans with equal keys run alike)."""
