@@ -198,8 +198,7 @@ def _bound_tables(st: Setting):
         stashed = edges + F + after + m * B
     if st.budget is not None and st.one_stage_per_group:
         params, stash = range_costs(c.param_bytes) + c.recompute_bytes, range_costs(c.stash_bytes)
-        kept = range_costs(c.kept_bytes)
-        kept_counts = st.kept if st.kept is not None else [0] * n
+        kept = range_costs(c.kept_bytes) if st.kept is not None else None
 
     def table(s: int) -> np.ndarray:
         lands = (s > 0) + (s < n - 1)
@@ -213,7 +212,9 @@ def _bound_tables(st: Setting):
             trip = (n - 1 - s) * (2 * ov + 2 * t_min)
             bound = np.maximum(bound, stashed + (chains + trip) + (ahead * F if ahead else 0.0))
         if st.budget is not None and st.one_stage_per_group:
-            held = params + st.stash[s] * stash + kept_counts[s] * kept
+            held = params + st.stash[s] * stash
+            if kept is not None and st.kept is not None:
+                held = held + st.kept[s] * kept
             bound = np.where(held > st.budget, np.inf, bound)
         return bound
 

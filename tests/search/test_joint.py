@@ -15,9 +15,11 @@ import sbpjax as sj
 import sbpjax.pipeline as sjp
 import sbpjax.search as ss
 from sbpjax.pipeline.schedule import as_schedule
-from sbpjax.search.cost import MemoryModel
+from sbpjax.search.algorithms import Problem
+from sbpjax.search.cost import ClosedForm, MemoryModel, build_tables
 from sbpjax.search.cuts import evaluate, every_cut, least_bound, lower_bound
 from sbpjax.search.layers import MatmulOp
+from sbpjax.search.pipeline_cost import chain_tables
 from sbpjax.search.pipeline_space import Space
 
 
@@ -86,6 +88,26 @@ def test_search_equals_exhaustive_search_on_small_spaces(seed):
     assert brute.step_s <= fast.step_s <= 1.01 * brute.step_s
     for plan in (brute, exact, fast):
         assert kw["memory"] is None or plan.peak_memory <= kw["memory"]
+
+
+@pytest.mark.parametrize("layers", [1, 3, 4, 9])
+def test_chain_tables_price_every_assignment_as_the_whole_chain(layers):
+    """Runs of alike layers are priced as three: every assignment costs the same,
+    in time and memory, as with tables of the whole chain."""
+    profiles = ss.gpt_profiles(layers, d_model=64, heads=4, seq=16, vocab=128, examples=4)
+    rng = np.random.default_rng(layers)
+    for devices in (4, 8):
+        grid = ss.Grid(devices, "x")
+        ops = [op for p in profiles for op in p.ops]
+        whole = Problem(build_tables(ops, grid, ClosedForm(grid), memory=MemoryModel()))
+        short = Problem(chain_tables(profiles, grid, MemoryModel()))
+        assert whole.sizes == short.sizes
+        for _ in range(40):
+            a = [int(rng.integers(n)) for n in whole.sizes]
+            assert short.cost(a) == pytest.approx(whole.cost(a), rel=1e-12)
+            assert sum(m[i] for m, i in zip(short.memory, a)) == pytest.approx(
+                sum(m[i] for m, i in zip(whole.memory, a)), rel=1e-12
+            )
 
 
 def least_from_message(text):
