@@ -41,8 +41,8 @@ class Balance:
 
 
 def range_costs(costs: Sequence[float] | np.ndarray) -> np.ndarray:
-    """``C[a, b]``: the cost of layers ``a .. b - 1`` summed left to right (as
-    Python's ``sum(costs[a:b])``), ``inf`` where ``b <= a`` (an empty stage)."""
+    """``C[a, b]``: the cost of layers ``a .. b - 1`` summed left to right,
+    ``inf`` where ``b <= a`` (an empty stage)."""
     c = np.asarray(costs, dtype=np.float64)
     n = len(c)
     # row a holds c[j] from j = a on: its running sum adds them left to right

@@ -306,20 +306,21 @@ class _Parts:
         args = ([own[k] for k in keys], self.probe_params[marker_path], x)
         closed = jax.make_jaxpr(whole)(*args)
         eqn = _scan_over(closed.jaxpr, closed.jaxpr.invars[len(keys)])
-        if eqn.params["num_carry"] != 1:
+        consts, carried = _scan_counts(eqn)
+        if carried != 1:
             raise SBPError(
-                f"LayerChain.from_model: the scan over the stacked blocks carries {eqn.params['num_carry']} "
-                "values; a pipeline passes one array from layer to layer (carry the hidden state only)."
+                f"LayerChain.from_model: the scan over the stacked blocks carries {carried} values; a "
+                "pipeline passes one array from layer to layer (carry the hidden state only)."
             )
-        return closed, eqn, jax.tree_util.tree_leaves(args)
+        return closed, eqn, jax.tree_util.tree_leaves(args), consts
 
     def _before_scan(self, own: dict, x):
-        closed, eqn, args = self._traced_scan(own, x)
-        prefix = closed.jaxpr.replace(outvars=[eqn.invars[eqn.params["num_consts"]]])
+        closed, eqn, args, consts = self._traced_scan(own, x)
+        prefix = closed.jaxpr.replace(outvars=[eqn.invars[consts]])
         return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(prefix, closed.consts))(*args)[0]
 
     def _after_scan(self, own: dict, dummy, h):
-        closed, eqn, args = self._traced_scan(own, dummy)
+        closed, eqn, args, _ = self._traced_scan(own, dummy)
         jaxpr = closed.jaxpr
         carry_out, ys = eqn.outvars[0], eqn.outvars[1:]
         later = [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars)
@@ -357,6 +358,18 @@ def _scan_over(jaxpr, marker):
         "__call__ (nnx.scan or jax.lax.scan, not inside a jit or a loop over slices); run them with "
         "nnx.scan, keep them in an nnx.List, or give the layers as functions with LayerChain.from_functions."
     )
+
+
+def _scan_counts(eqn) -> tuple[int, int]:
+    """How many of a scan equation's inputs are constants, and how many are carried:
+    ``num_consts`` / ``num_carry`` up to JAX 0.10, the first two groups of
+    ``ft_in`` (constants, carry, scanned) after."""
+    params = eqn.params
+    if "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    groups = params["ft_in"]  # a flat tree (consts, carry, xs); its subtrees count their leaves
+    parts = getattr(groups, "elts", None) or tuple(groups.unpack())
+    return len(parts[0]), len(parts[1])
 
 
 def _split_params(parts: _Parts, sample) -> tuple[dict, dict, bool, bool]:
