@@ -12,35 +12,24 @@ scan body. Layer ``i`` of a stack is the stacked module's graph merged with the
 ``i``-th slice of its state, the slice ``nnx.scan`` hands its body.
 
 **Before and after** are found by running the model's own ``__call__`` with
-the blocks swapped for probes, so no stage function is written by hand:
-
-* *before*: every block is a probe that stops the call at the first block it
-  reaches and hands back that block's input: the embedding, whatever it is;
-* *after*: every block is a probe that returns the value given, the output of
-  the last block: the rest of ``__call__`` is the head. What the call computed
-  before the blocks is then dead code (the compiler and XLA drop it; the
-  parameters it reads are zeros there).
-
-Which parameters each part reads is read off its traced program with JAX's
-dead-code elimination, so the embedding goes to the first stage and the head
-to the last, and a weight read by both (a head tied to the embedding) is an
-error: stages own their parameters. The chain is checked against the model on
+the blocks swapped for probes (:mod:`sbpjax.pipeline.probe`), so no stage
+function is written by hand. Which parameters each part reads is read off its
+traced program, so the embedding goes to the first stage and the head to the
+last, and a weight read by both (a head tied to the embedding) is an error:
+stages own their parameters. The chain is checked against the model on
 ``sample`` before it is handed out. Non-parameter state (batch statistics, RNG
 streams) is held constant: the chain is the model in inference mode.
 """
 
 from __future__ import annotations
 
-import contextvars
-
 import jax
-import jax.extend.core as jax_core
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.chain import Layer, LayerChain
+from sbpjax.pipeline.probe import Parts, flatten, get_path, nest, path_text, split_params, under
 
 _NOT_FOUND = (
     "LayerChain.from_model: found no blocks in {model}: no nnx.List (or list in nnx.data) of two or more "
@@ -50,86 +39,8 @@ _NOT_FOUND = (
 )
 
 
-class _Reached(Exception):
-    """Raised by a stop probe: the model's call reached its first block."""
-
-    def __init__(self, x, args, kwargs):
-        super().__init__("first block reached")
-        self.x, self.args, self.kwargs = x, args, kwargs
-
-
-_INJECTED: contextvars.ContextVar = contextvars.ContextVar("sbpjax_pipeline_injected")
-
-
-class _StopProbe(nnx.Module):
-    def __call__(self, x, *args, **kwargs):
-        raise _Reached(x, args, kwargs)
-
-
-class _InjectProbe(nnx.Module):
-    def __call__(self, x, *args, **kwargs):
-        return _INJECTED.get()
-
-
-class _StackedPass(nnx.Module):
-    """A stand-in for a stacked block module that passes its input on: one
-    parameter with the stack's leading dim, so the model's scan over it has
-    something to slice (and the scan can be found by it)."""
-
-    def __init__(self, n: int):
-        self.layer = nnx.Param(jnp.zeros((n,), jnp.float32))
-
-    def __call__(self, x, *args, **kwargs):
-        # an exact identity, yet not one JAX sees through: a scan forwards a carry its
-        # body returns untouched, and then the carry to cut at is gone
-        return x + (self.layer[...] * 0).astype(x.dtype)
-
-
-# -- paths -------------------------------------------------------------------------
-def _path_text(path) -> str:
-    return ".".join(str(k) for k in path)
-
-
 def _parse_path(text: str) -> tuple:
     return tuple(int(k) if k.isdigit() else k for k in text.split("."))
-
-
-def _get(node, path):
-    for k in path:
-        node = node[k] if isinstance(k, int) else getattr(node, k)
-    return node
-
-
-def _set(root, path, value):
-    parent = _get(root, path[:-1])
-    if isinstance(path[-1], int):
-        parent[path[-1]] = value
-    else:
-        setattr(parent, path[-1], value)
-
-
-def _flatten(tree, prefix=()) -> dict:
-    """A nested dict (``nnx.to_pure_dict``) as ``{path: leaf}``."""
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, (*prefix, k)))
-        return out
-    return {prefix: tree}
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
-
-
-def _under(path, prefix) -> bool:
-    return path[: len(prefix)] == prefix
 
 
 # -- finding the blocks ------------------------------------------------------------
@@ -157,7 +68,7 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
     if blocks is not None:
         path = _parse_path(blocks)
         try:
-            node = _get(model, path)
+            node = get_path(model, path)
         except (AttributeError, IndexError, KeyError, TypeError):
             raise SBPError(
                 f"LayerChain.from_model: {type(model).__name__} has no attribute path {blocks!r}; "
@@ -173,11 +84,11 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
             )
         return path, "stacked", depth
     lists = [(p, n) for p, n in nnx.iter_graph(model) if p and _is_block_list(n)]
-    lists = [(p, n) for p, n in lists if not any(q != p and _under(p, q) for q, _ in lists)]
+    lists = [(p, n) for p, n in lists if not any(q != p and under(p, q) for q, _ in lists)]
     if len(lists) == 1:
         return tuple(lists[0][0]), "list", len(lists[0][1])
     if len(lists) > 1:
-        found = ", ".join(repr(_path_text(p)) for p, _ in lists)
+        found = ", ".join(repr(path_text(p)) for p, _ in lists)
         raise SBPError(
             f"LayerChain.from_model: {type(model).__name__} has several lists of blocks ({found}); "
             "name the one to cut with blocks='<path>'."
@@ -228,206 +139,21 @@ def _module_layer(module, name: str, tie: str, stacked_index: int | None = None)
     return Layer(name, apply, pure, layouts, tie, "block")
 
 
-def _used_inputs(fn, *args) -> list:
-    """Per leaf of ``args``: whether ``fn``'s outputs depend on it (JAX's dead-code
-    elimination over the traced program; private API, so an older or newer JAX
-    without it counts every leaf that an equation reads)."""
-    closed = jax.make_jaxpr(fn)(*args)
-    jaxpr = closed.jaxpr
-    try:
-        from jax._src.interpreters.partial_eval import dce_jaxpr
-    except ImportError:  # pragma: no cover - the fallback for a JAX that moved it
-        read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
-        return [id(v) in read for v in jaxpr.invars]
-    _, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
-    return list(used)
-
-
-class _Parts:
-    """The model with probes in place of its blocks: ``before`` and ``after`` as
-    functions of the non-block parameters."""
-
-    def __init__(self, model, path, kind: str, n: int, sample):
-        self.sample = sample
-        self.stacked = kind == "stacked"
-        self.graphs = {}
-        for role, probe in (
-            ("before", _StackedPass(n) if kind == "stacked" else nnx.List([_StopProbe() for _ in range(n)])),
-            ("after", _StackedPass(n) if kind == "stacked" else nnx.List([_InjectProbe() for _ in range(n)])),
-        ):
-            copy = nnx.merge(*nnx.split(model))
-            _set(copy, path, probe)
-            graphdef, params, rest = nnx.split(copy, nnx.Param, ...)  # type: ignore[misc]
-            self.graphs[role] = (graphdef, params, rest)
-        flat = _flatten(jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(self.graphs["before"][1])))
-        self.probe_params = {p: v for p, v in flat.items() if _under(p, path)}
-        self.params = {p: v for p, v in flat.items() if not _under(p, path)}
-
-    def _merged(self, role, own: dict, probe: dict | None = None):
-        graphdef, template, rest = self.graphs[role]
-        # the other part's parameters are never read here (_split_params checks it): zeros stand in
-        flat = {p: own[p] if p in own else jnp.zeros(np.shape(v), v.dtype) for p, v in self.params.items()}
-        flat.update(probe or self.probe_params)
-        state = jax.tree_util.tree_map(lambda v: v, template)
-        nnx.replace_by_pure_dict(state, _nest(flat))
-        return nnx.merge(graphdef, state, rest)
-
-    def before(self, own: dict, x):
-        if self.stacked:
-            return self._before_scan(own, x)
-        try:
-            self._merged("before", own)(x)
-        except _Reached as stop:
-            if stop.args or stop.kwargs:
-                raise SBPError(
-                    "LayerChain.from_model: the model calls its blocks with more than one value "
-                    f"({1 + len(stop.args)} positional, keywords {sorted(stop.kwargs)}); a pipeline passes one "
-                    "array from layer to layer. Compute masks and positions inside the blocks, or give the "
-                    "layers as functions with LayerChain.from_functions."
-                ) from None
-            return stop.x
-        raise SBPError(
-            "LayerChain.from_model: the model's __call__ never called its blocks; name the blocks the call "
-            "runs with blocks='<path>'."
-        )
-
-    def _traced_scan(self, own: dict, x):
-        """The model's call traced with a pass-through stack, and its scan over
-        the stack: ``(closed jaxpr, scan equation, arguments)``. A probe cannot
-        stop a scan's trace and hand back an outer value (the carry inside the
-        body is the scan's own), so the stacked model is cut at the scan's
-        carry in its traced program instead."""
-        keys = list(own)
-        (marker_path,) = self.probe_params
-
-        def whole(vals, marker, x):
-            return self._merged("before", dict(zip(keys, vals)), {marker_path: marker})(x)
-
-        args = ([own[k] for k in keys], self.probe_params[marker_path], x)
-        closed = jax.make_jaxpr(whole)(*args)
-        eqn = _scan_over(closed.jaxpr, closed.jaxpr.invars[len(keys)])
-        consts, carried = _scan_counts(eqn)
-        if carried != 1:
-            raise SBPError(
-                f"LayerChain.from_model: the scan over the stacked blocks carries {carried} values; a "
-                "pipeline passes one array from layer to layer (carry the hidden state only)."
-            )
-        return closed, eqn, jax.tree_util.tree_leaves(args), consts
-
-    def _before_scan(self, own: dict, x):
-        closed, eqn, args, consts = self._traced_scan(own, x)
-        prefix = closed.jaxpr.replace(outvars=[eqn.invars[consts]])
-        return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(prefix, closed.consts))(*args)[0]
-
-    def _after_scan(self, own: dict, dummy, h):
-        closed, eqn, args, _ = self._traced_scan(own, dummy)
-        jaxpr = closed.jaxpr
-        carry_out, ys = eqn.outvars[0], eqn.outvars[1:]
-        later = [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars)
-        if any(y in later for y in ys):
-            raise SBPError(
-                "LayerChain.from_model: the model reads the scan's stacked outputs (ys) after its blocks; a "
-                "pipeline passes only the carry (the hidden state) from layer to layer."
-            )
-        suffix = jaxpr.replace(
-            invars=[*jaxpr.invars, carry_out], eqns=[e for e in jaxpr.eqns if e is not eqn]
-        )
-        return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(suffix, closed.consts))(*args, h)[0]
-
-    def after(self, own: dict, h):
-        dummy = jnp.zeros((np.shape(h)[0], *np.shape(self.sample)[1:]), np.asarray(self.sample).dtype)
-        if self.stacked:
-            return self._after_scan(own, dummy, h)
-        token = _INJECTED.set(h)
-        try:
-            return self._merged("after", own)(dummy)
-        finally:
-            _INJECTED.reset(token)
-
-
-def _scan_over(jaxpr, marker):
-    """The first scan equation whose scanned inputs come from ``marker``."""
-    derived = {marker}
-    for eqn in jaxpr.eqns:
-        if any(v in derived for v in eqn.invars if not isinstance(v, jax_core.Literal)):
-            if eqn.primitive.name == "scan":
-                return eqn
-            derived.update(eqn.outvars)
-    raise SBPError(
-        "LayerChain.from_model: the model does not run its stacked blocks with a scan at the top of its "
-        "__call__ (nnx.scan or jax.lax.scan, not inside a jit or a loop over slices); run them with "
-        "nnx.scan, keep them in an nnx.List, or give the layers as functions with LayerChain.from_functions."
-    )
-
-
-def _scan_counts(eqn) -> tuple[int, int]:
-    """How many of a scan equation's inputs are constants, and how many are carried:
-    ``num_consts`` / ``num_carry`` up to JAX 0.10, the first two groups of
-    ``ft_in`` (constants, carry, scanned) after."""
-    params = eqn.params
-    if "num_carry" in params:
-        return int(params["num_consts"]), int(params["num_carry"])
-    groups = params["ft_in"]  # a flat tree (consts, carry, xs); its subtrees count their leaves
-    parts = getattr(groups, "elts", None) or tuple(groups.unpack())
-    return len(parts[0]), len(parts[1])
-
-
-def _split_params(parts: _Parts, sample) -> tuple[dict, dict, bool, bool]:
-    """Non-block parameters read before and after the blocks, and whether each
-    part is there at all (it reads a parameter, or is not the identity)."""
-    paths = list(parts.params)
-    leaves = [parts.params[p] for p in paths]
-
-    def before_fn(vals, x):
-        return parts.before(dict(zip(paths, vals)), x)
-
-    def after_fn(vals, h):
-        return parts.after(dict(zip(paths, vals)), h)
-
-    used_before = _used_inputs(before_fn, leaves, sample)
-    h = jax.eval_shape(before_fn, leaves, sample)
-    used_after = _used_inputs(after_fn, leaves, jax.ShapeDtypeStruct(h.shape, h.dtype))
-    tied = [_path_text(p) for p, b, a in zip(paths, used_before, used_after[: len(paths)]) if b and a]
-    if tied:
-        raise SBPError(
-            f"LayerChain.from_model: parameter(s) {tied} are read both before the blocks (first stage) and "
-            "after them (last stage), e.g. a head tied to the embedding. Stages own their parameters: untie "
-            "them (a separate head weight), or cut the layers by hand with LayerChain.from_functions."
-        )
-    if used_after[-1] is False:
-        raise SBPError(
-            "LayerChain.from_model: the model's output does not depend on its blocks' output; name the blocks "
-            "its __call__ runs with blocks='<path>'."
-        )
-    before = {p: v for p, v, u in zip(paths, leaves, used_before) if u}
-    after = {p: v for p, v, u in zip(paths, leaves, used_after) if u}
-    # parameters neither part reads stay with the head (their gradient is zero)
-    after.update({p: v for p, v in parts.params.items() if p not in before and p not in after})
-    identity_before = not before and _is_identity(before_fn, leaves, sample)
-    identity_after = not after and _is_identity(after_fn, leaves, jax.ShapeDtypeStruct(h.shape, h.dtype))
-    return before, after, not identity_before, not identity_after
-
-
-def _is_identity(fn, leaves, x) -> bool:
-    jaxpr = jax.make_jaxpr(fn)(leaves, x).jaxpr
-    return list(jaxpr.outvars) == [jaxpr.invars[-1]]
-
-
-def _part_layer(parts: _Parts, role: str, own: dict, model) -> Layer:
+def _part_layer(parts: Parts, role: str, own: dict, model) -> Layer:
     keys = list(own)
 
     def apply(p, x):
-        flat = _flatten(p)
+        flat = flatten(p)
         return getattr(parts, role)({k: flat[k] for k in keys}, x)
 
     def layouts(placement):
         from sbpjax.flax.annotate import get_sbp
 
-        flat = _flatten(get_sbp(model, placement))
-        return _nest({k: flat[k] for k in keys})
+        flat = flatten(get_sbp(model, placement))
+        return nest({k: flat[k] for k in keys})
 
     name = "embed" if role == "before" else "head"
-    return Layer(name, apply, _nest(own), layouts, None, role)
+    return Layer(name, apply, nest(own), layouts, None, role)
 
 
 def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) -> LayerChain:
@@ -439,10 +165,10 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
             "LayerChain.from_functions(fns, params, sample)."
         )
     path, kind, n = find_blocks(model, blocks)
-    parts = _Parts(model, path, kind, n, sample)
-    before, after, has_before, has_after = _split_params(parts, sample)
-    node = _get(model, path)
-    where = _path_text(path)
+    parts = Parts(model, path, kind, n, sample)
+    before, after, has_before, has_after = split_params(parts, sample)
+    node = get_path(model, path)
+    where = path_text(path)
     if kind == "list":
         layers = [_module_layer(m, f"{where}.{i}", _block_tie(m)) for i, m in enumerate(node)]
     else:
@@ -457,18 +183,18 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
         flat: dict = {}
         k = 0
         if has_before:
-            flat.update(_flatten(per_layer[0]))
+            flat.update(flatten(per_layer[0]))
             k = 1
         blocks_params = per_layer[k : k + n]
         if kind == "list":
             for i, p in enumerate(blocks_params):
-                flat.update({(*path, i, *q): v for q, v in _flatten(p).items()})
+                flat.update({(*path, i, *q): v for q, v in flatten(p).items()})
         else:
             stacked = jax.tree_util.tree_map(lambda *vs: np.stack(vs), *blocks_params)
-            flat.update({(*path, *q): v for q, v in _flatten(stacked).items()})
+            flat.update({(*path, *q): v for q, v in flatten(stacked).items()})
         if has_after:
-            flat.update(_flatten(per_layer[-1]))
-        return _nest(flat)
+            flat.update(flatten(per_layer[-1]))
+        return nest(flat)
 
     chain = LayerChain(chain_layers, sample, to_model=to_model, source=".from_model")
     if check:
