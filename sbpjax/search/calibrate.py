@@ -40,8 +40,8 @@ def _ready(t):
 
 
 def calibrate_compute(placement=None, n: int = 512, repeats: int = 9) -> ComputeModel:
-    """``flops_per_s``: a jitted chain of ``n x n`` matmuls on the placement's
-    first device; ``action_s``: one call of a small :func:`sbpjax.jit` program
+    """``flops_per_s``: a jitted chain of ``n x n`` matmuls on every device of the
+    placement at once (default: all devices), per device; ``action_s``: one call of a small :func:`sbpjax.jit` program
     on global tensors (what every forward and backward action is), plus the
     actor runtime's own time per action (an empty step's)."""
     import jax
@@ -55,9 +55,15 @@ def calibrate_compute(placement=None, n: int = 512, repeats: int = 9) -> Compute
 
     devices = list(placement.devices.flat) if placement is not None else jax.devices()
     reps = 8
-    a = jax.device_put(jnp.ones((n, n), jnp.float32) / n, devices[0])
+    # every device multiplies at once, as a pipeline's stages do: devices that share
+    # hardware (CPU devices on a few cores) then show the speed each really gets
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
+    a = jax.device_put(
+        jnp.ones((len(devices), n, n), jnp.float32) / n,
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")),
+    )
     matmuls = jax.jit(lambda x: [x := x @ x for _ in range(reps)][-1])
-    flops = 2.0 * n**3 * reps / _median_time(lambda: matmuls(a), repeats)  # ~2 GFLOP: dispatch is noise
+    flops = 2.0 * n**3 * reps / _median_time(lambda: matmuls(a), repeats)  # ~2 GFLOP each: dispatch is noise
 
     pl = Placement(np.asarray(devices[:2], dtype=object), ("x",))
     rep = (Broadcast(),)

@@ -108,7 +108,7 @@ def search_pipeline(
     remat=(False, True),
     groups=None,
     method: str = "branch_and_bound",
-    tolerance: float = 0.01,
+    tolerance: float = 0.0,
     max_simulations: int = 2,
 ) -> PipelinePlan:
     """The fastest pipeline configuration of ``model`` (a :class:`LayerChain` or a
