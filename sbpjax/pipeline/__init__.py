@@ -15,11 +15,16 @@ FIFO queues) or on a simulated clock.
                         microbatches=8, schedule="1f1b")
     result = pipe.step(x, y)
     result.timeline.gantt("timeline.png")
+    c = sjp.cut(nnx_model, sj.placement((4, 2), ("pp", "tp")), axis="pp", sample=tokens)  # stages from the model
+    pipe = sjp.Pipeline(c.stages, loss_fn, optax.sgd(0.1), microbatches=8)
     sjp.simulate("zb-h1", devices=4, microbatches=8,
                  durations={"forward": 1, "backward_input": 1, "backward_weight": 1}).makespan
 """
 
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec
+from sbpjax.pipeline.balance import Balance, balance
+from sbpjax.pipeline.chain import Layer, LayerChain
+from sbpjax.pipeline.cut import Cut, cut, layer_costs, layer_flops, layer_times
 from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout
 from sbpjax.pipeline.graph import build_graph
 from sbpjax.pipeline.register import RegisterSpec
@@ -69,6 +74,15 @@ __all__ = [
     "ActorSpec",
     "RegisterSpec",
     "ThreadedSystem",
+    "LayerChain",
+    "Layer",
+    "balance",
+    "Balance",
+    "cut",
+    "Cut",
+    "layer_costs",
+    "layer_flops",
+    "layer_times",
     "PipelineError",
     "PipelineStall",
     "PipelineTimeout",

@@ -10,6 +10,11 @@ On real devices, ``ss.search(ops, ss.Grid.from_placement(pl), placement=pl)``
 prices every boxing with ``sj.plan_boxing`` and the result annotates ``sj.jit``
 (``best.placement``, ``best.param_sbp(params)``, ``best.matmul``,
 ``best.synced``); ``best.rules()`` maps parameter paths to layouts.
+
+Pipelines: ``ss.search_pipeline(chain, grid, batch=..., memory=...)`` searches
+device groups, schedule, microbatches, remat, layouts and the stage cut at
+once and returns a :class:`PipelinePlan` whose ``build(...)`` is a runnable
+``sbpjax.pipeline.Pipeline``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from sbpjax.search.algorithms import (
     exhaustive,
     metropolis_hastings,
 )
+from sbpjax.search.calibrate import calibrate_compute, calibrate_transfer
 from sbpjax.search.cost import ClosedForm, MemoryModel, Planned, Price, build_tables
 from sbpjax.search.layers import (
     MatmulOp,
@@ -36,6 +42,11 @@ from sbpjax.search.layers import (
     repeat,
     transformer,
 )
+from sbpjax.search.pipeline import PIPELINE_METHODS, schedule_names, search_pipeline
+from sbpjax.search.pipeline_cost import ComputeModel
+from sbpjax.search.pipeline_space import stage_shapes
+from sbpjax.search.plan import PipelinePlan
+from sbpjax.search.profile import LayerProfile, gpt_profiles, profile
 from sbpjax.search.space import Choice, Grid, choices
 from sbpjax.search.strategy import LayerPlan, Strategy, build, spearman
 
@@ -135,6 +146,17 @@ def evaluate(
 
 __all__ = [
     "METHODS",
+    "PIPELINE_METHODS",
+    "ComputeModel",
+    "LayerProfile",
+    "PipelinePlan",
+    "calibrate_compute",
+    "calibrate_transfer",
+    "gpt_profiles",
+    "profile",
+    "schedule_names",
+    "search_pipeline",
+    "stage_shapes",
     "Choice",
     "Grid",
     "LayerPlan",

@@ -1,0 +1,224 @@
+"""A Flax NNX model as a :class:`~sbpjax.pipeline.chain.LayerChain`: its blocks,
+and what runs before (embedding) and after (head) them.
+
+    chain = sjp.LayerChain.from_model(model, sample=tokens)              # blocks found
+    chain = sjp.LayerChain.from_model(model, sample=tokens, blocks="h")  # or named
+
+**The blocks** are an ``nnx.List`` (or a list in ``nnx.data``) of at least two
+modules, or one module whose parameters were stacked along a leading layer dim
+by ``nnx.vmap`` (and that ``__call__`` runs with ``nnx.scan``). Block ``i`` is
+called as ``block(x) -> y``: the same call each layer gets in a Python loop or a
+scan body. Layer ``i`` of a stack is the stacked module's graph merged with the
+``i``-th slice of its state, the slice ``nnx.scan`` hands its body.
+
+**Before and after** are found by running the model's own ``__call__`` with
+the blocks swapped for probes (:mod:`sbpjax.pipeline.probe`), so no stage
+function is written by hand. Which parameters each part reads is read off its
+traced program, so the embedding goes to the first stage and the head to the
+last, and a weight read by both (a head tied to the embedding) is an error:
+stages own their parameters. The chain is checked against the model on
+``sample`` before it is handed out. Non-parameter state (batch statistics, RNG
+streams) is held constant: the chain is the model in inference mode.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sbpjax._errors import SBPError
+from sbpjax.pipeline.chain import Layer, LayerChain
+from sbpjax.pipeline.probe import Parts, flatten, get_path, nest, path_text, split_params, under
+
+_NOT_FOUND = (
+    "LayerChain.from_model: found no blocks in {model}: no nnx.List (or list in nnx.data) of two or more "
+    "modules, and no module whose parameters share a leading (stacked) layer dim. Its attributes are "
+    "{attrs}. Pass blocks='<attribute path>' naming the blocks, keep them in nnx.List([...]), or give the "
+    "layers as functions with LayerChain.from_functions(fns, params, sample)."
+)
+
+
+def _parse_path(text: str) -> tuple:
+    return tuple(int(k) if k.isdigit() else k for k in text.split("."))
+
+
+# -- finding the blocks ------------------------------------------------------------
+def _is_block_list(node) -> bool:
+    return (
+        isinstance(node, (list, tuple, nnx.List))
+        and len(node) >= 2
+        and all(isinstance(m, nnx.Module) for m in node)
+    )
+
+
+def _stack_depth(module) -> int | None:
+    """The shared leading dim of every parameter of ``module`` when it looks like a
+    stack (two or more parameters, each at least 2-D), else None."""
+    leaves = jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(module, nnx.Param)))
+    if len(leaves) < 2 or any(np.ndim(v) < 2 for v in leaves):
+        return None
+    dims = {np.shape(v)[0] for v in leaves}
+    depth = dims.pop() if len(dims) == 1 else 0
+    return depth if depth >= 2 else None
+
+
+def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
+    """``(path, "list" | "stacked", layers)`` of the model's blocks."""
+    if blocks is not None:
+        path = _parse_path(blocks)
+        try:
+            node = get_path(model, path)
+        except (AttributeError, IndexError, KeyError, TypeError):
+            raise SBPError(
+                f"LayerChain.from_model: {type(model).__name__} has no attribute path {blocks!r}; "
+                f"its attributes are {_attributes(model)}."
+            ) from None
+        if _is_block_list(node):
+            return path, "list", len(node)
+        depth = _stack_depth(node) if isinstance(node, nnx.Module) else None
+        if depth is None:
+            raise SBPError(
+                f"LayerChain.from_model: {blocks!r} is a {type(node).__name__}, neither a list of two or more "
+                "modules nor a module stacked by nnx.vmap (parameters sharing a leading layer dim)."
+            )
+        return path, "stacked", depth
+    lists = [(p, n) for p, n in nnx.iter_graph(model) if p and _is_block_list(n)]
+    lists = [(p, n) for p, n in lists if not any(q != p and under(p, q) for q, _ in lists)]
+    if len(lists) == 1:
+        return tuple(lists[0][0]), "list", len(lists[0][1])
+    if len(lists) > 1:
+        found = ", ".join(repr(path_text(p)) for p, _ in lists)
+        raise SBPError(
+            f"LayerChain.from_model: {type(model).__name__} has several lists of blocks ({found}); "
+            "name the one to cut with blocks='<path>'."
+        )
+    stacks: list[tuple[str, int]] = []
+    for name in _attributes(model):
+        node = getattr(model, name)
+        depth = _stack_depth(node) if isinstance(node, nnx.Module) else None
+        if depth is not None:
+            stacks.append((name, depth))
+    if len(stacks) == 1:
+        return (stacks[0][0],), "stacked", stacks[0][1]
+    if len(stacks) > 1:
+        raise SBPError(
+            f"LayerChain.from_model: several modules of {type(model).__name__} look stacked "
+            f"({', '.join(repr(n) for n, _ in stacks)}); name the blocks with blocks='<attribute>'."
+        )
+    raise SBPError(_NOT_FOUND.format(model=type(model).__name__, attrs=_attributes(model)))
+
+
+def _attributes(model) -> list:
+    return [k for k in vars(model) if not k.startswith("_")]
+
+
+# -- the layers ----------------------------------------------------------------------
+def _module_layer(module, name: str, tie: str, stacked_index: int | None = None) -> Layer:
+    """A block as a layer: its parameters as a pure dict, applied by merging them
+    back into its graph (with the ``stacked_index``-th slice of a stack)."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
+    if stacked_index is not None:
+        depth = _stack_depth(module)
+        params = jax.tree_util.tree_map(lambda v: v[stacked_index], params)
+        rest = jax.tree_util.tree_map(
+            lambda v: v[stacked_index] if np.ndim(v) and np.shape(v)[0] == depth else v, rest
+        )
+    pure = jax.tree_util.tree_map(np.asarray, nnx.to_pure_dict(params))
+
+    def apply(p, x):
+        state = jax.tree_util.tree_map(lambda v: v, params)
+        nnx.replace_by_pure_dict(state, p)
+        return nnx.merge(graphdef, state, rest)(x)
+
+    def layouts(placement):
+        from sbpjax.flax.annotate import get_sbp
+
+        return get_sbp(nnx.merge(graphdef, params, rest), placement)
+
+    return Layer(name, apply, pure, layouts, tie, "block")
+
+
+def _part_layer(parts: Parts, role: str, own: dict, model) -> Layer:
+    keys = list(own)
+
+    def apply(p, x):
+        flat = flatten(p)
+        return getattr(parts, role)({k: flat[k] for k in keys}, x)
+
+    def layouts(placement):
+        from sbpjax.flax.annotate import get_sbp
+
+        flat = flatten(get_sbp(model, placement))
+        return nest({k: flat[k] for k in keys})
+
+    name = "embed" if role == "before" else "head"
+    return Layer(name, apply, nest(own), layouts, None, role)
+
+
+def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) -> LayerChain:
+    """The :class:`LayerChain` of an NNX model (see the module docstring).
+    ``check``: run the chain and the model on ``sample`` and compare."""
+    if not isinstance(model, nnx.Module):
+        raise SBPError(
+            f"LayerChain.from_model: {type(model).__name__} is not a Flax NNX module; for layer functions use "
+            "LayerChain.from_functions(fns, params, sample)."
+        )
+    path, kind, n = find_blocks(model, blocks)
+    parts = Parts(model, path, kind, n, sample)
+    before, after, has_before, has_after = split_params(parts, sample)
+    node = get_path(model, path)
+    where = path_text(path)
+    if kind == "list":
+        layers = [_module_layer(m, f"{where}.{i}", _block_tie(m)) for i, m in enumerate(node)]
+    else:
+        layers = [_module_layer(node, f"{where}.{i}", f"{where}.*", stacked_index=i) for i in range(n)]
+    chain_layers = (
+        ([_part_layer(parts, "before", before, model)] if has_before else [])
+        + layers
+        + ([_part_layer(parts, "after", after, model)] if has_after else [])
+    )
+
+    def to_model(per_layer):
+        flat: dict = {}
+        k = 0
+        if has_before:
+            flat.update(flatten(per_layer[0]))
+            k = 1
+        blocks_params = per_layer[k : k + n]
+        if kind == "list":
+            for i, p in enumerate(blocks_params):
+                flat.update({(*path, i, *q): v for q, v in flatten(p).items()})
+        else:
+            stacked = jax.tree_util.tree_map(lambda *vs: np.stack(vs), *blocks_params)
+            flat.update({(*path, *q): v for q, v in flatten(stacked).items()})
+        if has_after:
+            flat.update(flatten(per_layer[-1]))
+        return nest(flat)
+
+    chain = LayerChain(chain_layers, sample, to_model=to_model, source=".from_model")
+    if check:
+        _check_against_model(chain, model, sample)
+    return chain
+
+
+def _block_tie(module) -> str:
+    """Blocks with the same graph and parameter shapes are alike."""
+    graphdef, params = nnx.split(module, nnx.Param)[:2]
+    shapes = tuple((np.shape(v), str(v.dtype)) for v in jax.tree_util.tree_leaves(params))
+    return f"{type(module).__qualname__}:{hash((graphdef, shapes))}"
+
+
+def _check_against_model(chain: LayerChain, model, sample) -> None:
+    graphdef, state = nnx.split(model)
+    want = np.asarray(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, sample))
+    got = np.asarray(jax.jit(chain.__call__)(chain.params, sample))
+    scale = float(np.max(np.abs(want))) if want.size else 0.0
+    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
+        raise SBPError(
+            f"LayerChain.from_model: running embed -> {len(chain)} layers -> head does not give the model's "
+            f"output on the sample (shapes {got.shape} vs {want.shape}, largest difference "
+            f"{float(np.max(np.abs(got - want))) if got.shape == want.shape else 'n/a'}). The model's __call__ "
+            "must run each block once, in order, as x = block(x); otherwise give the layers as functions with "
+            "LayerChain.from_functions."
+        )

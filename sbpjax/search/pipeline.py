@@ -1,0 +1,259 @@
+"""One search over pipeline configurations: device groups and their shape, the
+schedule, the microbatch count, remat, the layouts inside each stage and the
+cut, under a per-device memory budget.
+
+    chain = sjp.LayerChain.from_model(model, sample=tokens)
+    plan = ss.search_pipeline(chain, ss.Grid.from_placement(pl), batch=64, memory=ss.MemoryModel(limit=8e9),
+                              compute=ss.calibrate_compute())
+    print(plan)                                    # predicted step time and memory per device
+    pipe = plan.build(chain, loss_fn, optax.adam(1e-3), placement=pl)
+    pipe.step(tokens, labels)
+
+The space: every number of device groups ``g`` that divides the grid, every
+stage shape (a box of the grid; its axes keep their cost-model parameters),
+every schedule the pipeline's registry names (what ``as_schedule`` accepts,
+so schedules added there are searched too; a schedule with ``v`` chunks per
+group cuts the model into ``g v`` stages), every microbatch count given
+(default: the divisors of the batch up to 64), remat off and on, and the
+layout candidates of :mod:`sbpjax.search.pipeline_cost` for the stage grid and
+microbatch size. For each configuration :mod:`sbpjax.search.cuts` finds the
+best cut exactly (branch and bound on the simulated step), and configurations
+are taken cheapest lower bound first, so the search stops as soon as no
+configuration left can beat the best step found. ``method="exhaustive"``
+simulates every cut of every configuration instead: the same space and the
+same prices, for checking the search on small cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+
+from sbpjax._errors import SBPError
+from sbpjax.boxing.plan import human_bytes
+from sbpjax.pipeline.balance import range_costs, suffix_table, walk
+from sbpjax.pipeline.schedule import Schedule, as_schedule
+from sbpjax.search.cost import MemoryModel
+from sbpjax.search.cuts import Setting, branch_and_bound, evaluate, every_cut, group_memory, least_bound
+from sbpjax.search.pipeline_cost import ComputeModel
+from sbpjax.search.pipeline_space import Space
+from sbpjax.search.plan import PipelinePlan
+from sbpjax.search.profile import LayerProfile, profile
+from sbpjax.search.space import Grid
+
+PIPELINE_METHODS = ("branch_and_bound", "exhaustive")
+
+
+def schedule_names() -> list[str]:
+    """Every schedule name :func:`sbpjax.pipeline.schedule.as_schedule` accepts:
+    the names of the :class:`Schedule` classes it builds from a name."""
+    found: list[str] = []
+    pending = list(Schedule.__subclasses__())
+    while pending:
+        cls = pending.pop(0)
+        pending += cls.__subclasses__()
+        name = getattr(cls, "name", None)
+        if isinstance(name, str) and name not in found:
+            try:
+                as_schedule(name)
+            except (SBPError, TypeError):
+                continue
+            found.append(name)
+    return found
+
+
+def _divisors(n: int, cap: int) -> list[int]:
+    return [d for d in range(1, min(n, cap) + 1) if n % d == 0]
+
+
+def _as_profiles(model) -> list[LayerProfile]:
+    if isinstance(model, (list, tuple)) and model and all(isinstance(p, LayerProfile) for p in model):
+        return list(model)
+    from sbpjax.pipeline.chain import LayerChain
+
+    if isinstance(model, LayerChain):
+        return profile(model)
+    raise SBPError(
+        f"search_pipeline: {type(model).__name__} is neither a sbpjax.pipeline.LayerChain nor a list of "
+        "LayerProfile; build one with sjp.LayerChain.from_model(model, sample) or ss.gpt_profiles(...)."
+    )
+
+
+def _as_grid(devices) -> tuple[Grid, object]:
+    from sbpjax.placement import Placement
+
+    if isinstance(devices, Grid):
+        return devices, None
+    if isinstance(devices, Placement):
+        return Grid.from_placement(devices), devices
+    if isinstance(devices, int):
+        return Grid(devices, "x"), None
+    raise SBPError(
+        f"search_pipeline: devices={devices!r}; give an ss.Grid (devices that need not exist), an sj.Placement "
+        "or a device count."
+    )
+
+
+def search_pipeline(
+    model,
+    devices,
+    *,
+    batch: int | None = None,
+    memory: MemoryModel | float | None = None,
+    compute: ComputeModel | None = None,
+    microbatches=None,
+    schedules=None,
+    remat=(False, True),
+    groups=None,
+    method: str = "branch_and_bound",
+    tolerance: float = 0.0,
+    max_simulations: int = 2,
+) -> PipelinePlan:
+    """The fastest pipeline configuration of ``model`` (a :class:`LayerChain` or a
+    list of :class:`LayerProfile`) on ``devices`` (an :class:`Grid`, an
+    ``sj.Placement`` or a count) that fits ``memory`` (a :class:`MemoryModel`
+    whose ``limit`` is the budget in bytes per device, or the budget itself).
+
+    ``batch``: examples per step (default: the chain's sample). ``compute``:
+    device speed and action cost (:func:`calibrate_compute`). ``microbatches``,
+    ``schedules`` (names or :class:`Schedule` objects), ``remat`` (booleans) and
+    ``groups`` (device group counts): the values to search (defaults in the
+    module docstring; every count of groups that tiles the grid). ``method``:
+    "branch_and_bound" or "exhaustive". ``tolerance``: branch and bound skips
+    what its bounds put within this fraction of the best step found, so the
+    plan's step is at most ``1 + tolerance`` times the best of the space (0:
+    exact). ``max_simulations``: per configuration, after which its cut is the
+    best found (``plan.proven`` says whether no configuration hit it)."""
+    t0 = time.perf_counter()
+    if method not in PIPELINE_METHODS:
+        raise SBPError(f"search_pipeline: unknown method {method!r}; use one of {PIPELINE_METHODS}.")
+    profiles = _as_profiles(model)
+    grid, placement = _as_grid(devices)
+    memory = memory if isinstance(memory, MemoryModel) else MemoryModel(limit=memory)
+    compute = compute or ComputeModel()
+    batch = int(batch if batch is not None else profiles[0].examples)
+    ms = sorted(set(microbatches)) if microbatches is not None else _divisors(batch, 64)
+    bad = [m for m in ms if not isinstance(m, int) or m < 1 or batch % m]
+    if bad:
+        raise SBPError(
+            f"search_pipeline: microbatch counts {bad} do not divide the batch of {batch} examples into equal "
+            f"microbatches; use divisors of {batch}."
+        )
+    scheds = [as_schedule(s) for s in (schedules if schedules is not None else schedule_names())]
+    space = Space(profiles, grid, batch, memory, compute, ms, scheds, tuple(remat), groups)
+    if not space.protos:
+        raise SBPError(
+            f"search_pipeline: no configuration of {len(profiles)} layers on {grid!r} with microbatches {ms} "
+            "and schedules {[_name(s) for s in scheds]} can run (a microbatch's rows must scale to whole "
+            "rows, and a pipeline needs at least one layer per stage); use a larger batch or other "
+            "microbatch counts."
+        )
+    if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
+        raise SBPError(f"search_pipeline: tolerance={tolerance!r}; give a fraction >= 0 (0: exact).")
+    best, proven, sims = _search(space, method, max_simulations, tolerance)
+    if best is None:
+        raise SBPError(_over_budget(space))
+    proto, layouts, result = best
+    return PipelinePlan(
+        grid=grid,
+        placement_=placement,
+        stage_shape=proto.shape,
+        groups=proto.groups,
+        schedule=proto.schedule,
+        microbatches=proto.microbatches,
+        remat=proto.remat,
+        layouts=layouts.strategy,
+        bounds=result.bounds,
+        step_s=result.step_s,
+        memory=result.memory,
+        search_s=time.perf_counter() - t0,
+        proven=proven,
+        configurations=len(space.protos),
+        simulations=sims,
+        layer_names=tuple(p.name for p in profiles),
+    )
+
+
+def _search(space: Space, method: str, max_simulations: int, tolerance: float):
+    """``((proto, layouts, Evaluated) or None, proven, simulations)``."""
+    best: tuple | None = None
+    best_step, proven, sims = math.inf, True, 0
+    if method == "exhaustive":
+        for proto in space.protos:
+            for layouts in space.layouts(proto):
+                st = space.setting(proto, layouts)
+                for bounds in every_cut(st.costs.layers, st.stages):
+                    sims += 1
+                    r = evaluate(st, bounds)
+                    if r is not None and r.step_s < best_step:
+                        best, best_step = (proto, layouts, r), r.step_s
+        return best, True, sims
+    # best first over one queue: a configuration without layouts enters at its floor;
+    # taken out, its layout candidates enter at their own bounds; a priced one taken
+    # out is searched for its cut. Whatever is left is bounded above the best step.
+    queue: list = []
+    for i, proto in enumerate(space.protos):
+        proto.floor = least_bound(space.setting(proto))
+        if math.isfinite(proto.floor):
+            heapq.heappush(queue, (proto.floor, i, -1, proto, None))
+    while queue and queue[0][0] * (1 + tolerance) < best_step:
+        _, i, k, proto, st = heapq.heappop(queue)
+        if st is None:
+            for k, layouts in enumerate(space.layouts(proto)):
+                st = space.setting(proto, layouts)
+                bound = least_bound(st)
+                if math.isfinite(bound):
+                    heapq.heappush(queue, (bound, i, k, proto, (st, layouts)))
+            continue
+        st, layouts = st
+        r, done, n = branch_and_bound(st, best_step, max_simulations, tolerance)
+        sims += n
+        proven = proven and done
+        if r is not None and r.step_s < best_step:
+            best, best_step = (proto, layouts, r), r.step_s
+    return best, proven, sims
+
+
+def _over_budget(space: Space) -> str:
+    """The error for a budget nothing fits, with the least memory any configuration needs."""
+    least, where = math.inf, None
+    for proto in space.protos:
+        for layouts in space.layouts(proto):
+            st = dataclasses.replace(space.setting(proto, layouts), budget=None)
+            bounds = _least_memory_cut(st)
+            need = max(group_memory(st, bounds))
+            if need < least:
+                least, where = need, (proto, bounds)
+    if where is None:
+        return (
+            "search_pipeline: no layout of the layers divides evenly on any stage grid; use a batch and "
+            "layer sizes that are multiples of the device counts."
+        )
+    proto, bounds = where
+    return (
+        f"search_pipeline: no configuration fits the memory budget of {human_bytes(space.memory.limit or 0)} per "
+        f"device. The least any configuration needs is {human_bytes(least)} per device ({least:.6g} bytes: "
+        f"{proto.groups} device groups of {proto.shape}, schedule {_name(proto.schedule)}, "
+        f"{proto.microbatches} microbatches, remat {proto.remat}, layers per stage "
+        f"{[b - a for a, b in bounds]}). Raise the budget to at least that, use more devices, more "
+        "microbatches or smaller layers."
+    )
+
+
+def _least_memory_cut(st: Setting) -> list:
+    """The cut whose fullest stage holds least (exact when each group runs one
+    stage; with several, the cut that balances the stages)."""
+    costs = st.costs
+    params, stash, kept = (range_costs(a) for a in (costs.param_bytes, costs.stash_bytes, costs.kept_bytes))
+
+    def table(s):
+        held = params + st.stash[s] * stash
+        return held + st.kept[s] * kept if st.kept is not None else held
+
+    return walk(suffix_table(table, costs.layers, st.stages)[1])
+
+
+def _name(schedule) -> str:
+    return getattr(schedule, "name", repr(schedule))

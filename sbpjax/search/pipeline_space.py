@@ -1,0 +1,164 @@
+"""The space of pipeline configurations, and their prices.
+
+A configuration without its layouts and cut (:class:`Proto`): the device
+groups and their shape, the microbatch count, the schedule and remat. Its
+layout candidates (:func:`sbpjax.search.pipeline_cost.layout_candidates`) are
+searched only when it is needed: a configuration is first priced with the
+floor no layout beats (everything shared by the stage's devices, each matmul's
+cheapest own communication, free boxings between matmuls), and one whose floor
+cannot beat the best step found is dropped without searching its layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from sbpjax._errors import SBPError
+from sbpjax.search.cost import MemoryModel
+from sbpjax.search.cuts import Setting
+from sbpjax.search.pipeline_cost import ComputeModel, Layouts, config_costs, floor_layouts, layout_candidates
+from sbpjax.search.profile import LayerProfile
+from sbpjax.search.space import Grid
+
+
+def stage_shapes(grid: Grid) -> list[tuple[int, tuple[int, ...], tuple[str, ...]]]:
+    """``(groups, stage shape, axes the groups span)`` for every box of the grid
+    that tiles it, fewest groups first."""
+    per_axis = [[t for t in range(1, s + 1) if s % t == 0] for s in grid.shape]
+    out = []
+    for shape in itertools.product(*per_axis):
+        groups = math.prod(s // t for s, t in zip(grid.shape, shape))
+        spans = tuple(n for n, s, t in zip(grid.axis_names, grid.shape, shape) if s > t)
+        out.append((groups, tuple(shape), spans))
+    return sorted(out, key=lambda r: (r[0], r[1]))
+
+
+def sub_grid(grid: Grid, shape: tuple) -> Grid:
+    """The grid of one device group: ``shape`` on the same axes and cost model,
+    refined into prime axes as ``grid`` is (``Grid(..., refine=False)`` keeps
+    every axis whole, in its groups too)."""
+    refined = any(len(factors) > 1 for factors in grid.axis_factors)
+    return Grid(shape, grid.axis_names, grid.cost_model, refine=refined)
+
+
+@dataclasses.dataclass
+class Proto:
+    """A configuration without layouts and cut; ``floor``: its least bound with
+    the floor layouts."""
+
+    groups: int
+    shape: tuple
+    spans: tuple
+    microbatches: int
+    schedule: object
+    remat: bool
+    where: list
+    stash: list
+    kept: list | None
+    split: bool
+    floor: float = math.inf
+
+
+class Space:
+    """Every configuration of the search (see :func:`sbpjax.search.search_pipeline`)."""
+
+    def __init__(
+        self,
+        profiles: list[LayerProfile],
+        grid: Grid,
+        batch: int,
+        memory: MemoryModel,
+        compute: ComputeModel,
+        microbatches,
+        schedules,
+        remats,
+        groups=None,
+    ):
+        self.profiles, self.grid, self.batch = profiles, grid, batch
+        self.memory, self.compute = memory, compute
+        self._scaled: dict = {}
+        self._layouts: dict = {}
+        self._floors: dict = {}
+        self._grids: dict = {}
+        self.protos: list[Proto] = []
+        shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
+        for (count, shape, spans), m, sched, remat in itertools.product(
+            shapes, microbatches, schedules, remats
+        ):
+            n = sched.stages(count)
+            if n > len(profiles) or self.scaled(m) is None:
+                continue
+            try:
+                sched.check(count, m)
+            except SBPError:
+                continue
+            kept_counts = getattr(sched, "kept_counts", None)
+            self.protos.append(
+                Proto(
+                    count,
+                    shape,
+                    spans,
+                    m,
+                    sched,
+                    remat,
+                    [sched.device_of(s, count) for s in range(n)],
+                    list(sched.stash_counts(count, m)),
+                    kept_counts(count, m) if kept_counts is not None else None,
+                    bool(getattr(sched, "split_backward", False)),
+                )
+            )
+
+    def scaled(self, m: int) -> list[LayerProfile] | None:
+        """The profiles at one microbatch of ``batch / m`` examples (None when a
+        matmul's rows do not scale to it)."""
+        if m not in self._scaled:
+            try:
+                self._scaled[m] = [p.at(self.batch // m) for p in self.profiles]
+            except SBPError:
+                self._scaled[m] = None
+        return self._scaled[m]
+
+    def stage_grid(self, proto: Proto) -> Grid:
+        # one Grid object per shape: the price caches of sbpjax.search.cost are keyed
+        # by the grid, and the same object is found without comparing grids
+        if proto.shape not in self._grids:
+            self._grids[proto.shape] = sub_grid(self.grid, proto.shape)
+        return self._grids[proto.shape]
+
+    def layouts(self, proto: Proto) -> list[Layouts]:
+        """The layout candidates of the proto's stage grid and microbatch size (cached)."""
+        key = (proto.shape, proto.microbatches)
+        if key not in self._layouts:
+            scaled = self.scaled(proto.microbatches)
+            assert scaled is not None  # protos are made only where the profiles scale
+            self._layouts[key] = layout_candidates(scaled, self.stage_grid(proto), self.memory)
+        return self._layouts[key]
+
+    def setting(self, proto: Proto, layouts: Layouts | None = None) -> Setting:
+        """The proto priced with ``layouts`` (default: the floor layouts)."""
+        scaled = self.scaled(proto.microbatches)
+        assert scaled is not None
+        devices = math.prod(proto.shape)
+        if layouts is None:
+            key = (proto.shape, proto.microbatches)
+            if key not in self._floors:
+                self._floors[key] = floor_layouts(scaled, self.stage_grid(proto), self.memory)
+            layouts = self._floors[key]
+
+        def transfer(nbytes):
+            return self.grid.cost_model.transfer_time(nbytes, proto.spans) if proto.spans else 0.0
+
+        costs = config_costs(scaled, layouts, devices, self.compute, proto.remat, transfer)
+        return Setting(
+            proto.schedule,
+            proto.groups,
+            proto.microbatches,
+            costs,
+            self.memory.limit,
+            proto.stash,
+            proto.kept,
+            proto.where,
+            proto.split,
+        )

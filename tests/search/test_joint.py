@@ -1,0 +1,199 @@
+"""The joint pipeline search: its bounds hold, it finds what exhaustive search
+finds, its budget error is exact, and the plan it returns runs."""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+
+import sbpjax as sj
+import sbpjax.pipeline as sjp
+import sbpjax.search as ss
+from sbpjax.pipeline.schedule import as_schedule
+from sbpjax.search.algorithms import Problem
+from sbpjax.search.cost import ClosedForm, MemoryModel, build_tables
+from sbpjax.search.cuts import evaluate, every_cut, least_bound, lower_bound
+from sbpjax.search.layers import MatmulOp
+from sbpjax.search.pipeline_cost import chain_tables
+from sbpjax.search.pipeline_space import Space
+
+
+def random_profiles(rng, layers):
+    """Uneven layers of two matmuls each, on 8 examples of 8 rows."""
+    out = []
+    for i in range(layers):
+        d, h = int(rng.choice([8, 16, 32])), int(rng.choice([16, 32, 64]))
+        ops = (MatmulOp(f"{i}:l/a", 64, d, h, 4, param="a"), MatmulOp(f"{i}:l/b", 64, h, d, 4, param="b"))
+        f = float(rng.uniform(1e6, 2e7))
+        out.append(
+            ss.LayerProfile(
+                f"l{i}", 8, (f, f * rng.uniform(1.6, 2.4)), ops, 2 * d * h + d, 256.0 * d, 256.0 * d
+            )
+        )
+    return out
+
+
+def random_case(seed):
+    rng = np.random.default_rng(seed)
+    profiles = random_profiles(rng, int(rng.integers(2, 6)))
+    grid = ss.Grid(int(rng.choice([2, 4, 8])), "x")
+    compute = ss.ComputeModel(float(rng.uniform(1e9, 1e11)), float(rng.uniform(0, 1e-4)))
+    budget = None if seed % 3 == 0 else float(rng.uniform(3e4, 3e5))
+    return profiles, grid, dict(batch=8, compute=compute, memory=budget, microbatches=[1, 2, 4, 8])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bounds_never_exceed_the_simulated_step(seed):
+    """Every cut of every configuration: its bound, and the least bound of its
+    configuration, are at most its simulated step (what makes the branch and
+    bound exact)."""
+    profiles, grid, kw = random_case(seed)
+    memory = MemoryModel(limit=None)
+    schedules = [sjp.Interleaved1F1B(2)] + [as_schedule(n) for n in ss.schedule_names()]
+    space = Space(profiles, grid, 8, memory, kw["compute"], [1, 2, 4, 8], schedules, (False, True))
+    checked = 0
+    for proto in space.protos:
+        floor = least_bound(space.setting(proto))
+        for layouts in space.layouts(proto):
+            st = space.setting(proto, layouts)
+            least = least_bound(st)
+            assert floor <= least * (1 + 1e-12)
+            for bounds in every_cut(st.costs.layers, st.stages):
+                step = evaluate(st, bounds).step_s
+                assert lower_bound(st, bounds) <= step * (1 + 1e-12), (proto, bounds)
+                assert least <= step * (1 + 1e-12)
+                checked += 1
+    assert checked > 50
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_search_equals_exhaustive_search_on_small_spaces(seed):
+    profiles, grid, kw = random_case(seed)
+    try:
+        brute = ss.search_pipeline(profiles, grid, method="exhaustive", **kw)
+    except sj.SBPError as e:
+        assert "no configuration fits the memory budget" in str(e)
+        with pytest.raises(sj.SBPError, match="no configuration fits the memory budget"):
+            ss.search_pipeline(profiles, grid, **kw)
+        return
+    exact = ss.search_pipeline(profiles, grid, tolerance=0.0, max_simulations=10**6, **kw)
+    assert exact.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    assert exact.proven and exact.simulations < brute.simulations
+    fast = ss.search_pipeline(profiles, grid, **kw)  # the defaults: two simulations per configuration
+    assert fast.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    for plan in (brute, exact, fast):
+        assert kw["memory"] is None or plan.peak_memory <= kw["memory"]
+
+
+@pytest.mark.parametrize("layers", [1, 3, 4, 9])
+def test_chain_tables_price_every_assignment_as_the_whole_chain(layers):
+    """Runs of alike layers are priced as three: every assignment costs the same,
+    in time and memory, as with tables of the whole chain."""
+    profiles = ss.gpt_profiles(layers, d_model=64, heads=4, seq=16, vocab=128, examples=4)
+    rng = np.random.default_rng(layers)
+    for devices in (4, 8):
+        grid = ss.Grid(devices, "x")
+        ops = [op for p in profiles for op in p.ops]
+        whole = Problem(build_tables(ops, grid, ClosedForm(grid), memory=MemoryModel()))
+        short = Problem(chain_tables(profiles, grid, MemoryModel()))
+        assert whole.sizes == short.sizes
+        for _ in range(40):
+            a = [int(rng.integers(n)) for n in whole.sizes]
+            assert short.cost(a) == pytest.approx(whole.cost(a), rel=1e-12)
+            assert sum(m[i] for m, i in zip(short.memory, a)) == pytest.approx(
+                sum(m[i] for m, i in zip(whole.memory, a)), rel=1e-12
+            )
+
+
+def least_from_message(text):
+    return float(re.search(r"\(([\d.e+]+) bytes:", text).group(1))
+
+
+def test_budget_error_names_the_least_memory_and_that_is_enough():
+    profiles = random_profiles(np.random.default_rng(7), 4)
+    kw = dict(
+        batch=8, compute=ss.ComputeModel(1e10, 1e-5), microbatches=[1, 2, 4, 8], schedules=["gpipe", "1f1b"]
+    )
+    with pytest.raises(sj.SBPError, match="least any configuration needs is") as e:
+        ss.search_pipeline(profiles, ss.Grid(4, "x"), memory=1e3, **kw)
+    assert "Raise the budget to at least that" in str(e.value)
+    least = least_from_message(str(e.value))
+    plan = ss.search_pipeline(profiles, ss.Grid(4, "x"), memory=least * (1 + 1e-9), **kw)
+    assert plan.peak_memory <= least * (1 + 1e-9)
+    with pytest.raises(sj.SBPError, match="no configuration fits"):
+        ss.search_pipeline(profiles, ss.Grid(4, "x"), memory=least * (1 - 1e-6), **kw)
+
+
+def test_schedules_come_from_the_pipeline_registry():
+    names = ss.schedule_names()
+    assert {"gpipe", "1f1b"} <= set(names)
+    for name in names:
+        assert as_schedule(name).name == name
+
+
+def test_bad_requests_say_what_to_fix():
+    profiles = random_profiles(np.random.default_rng(0), 3)
+    with pytest.raises(sj.SBPError, match=r"microbatch counts \[3\] do not divide the batch of 8"):
+        ss.search_pipeline(profiles, 4, batch=8, microbatches=[2, 3])
+    with pytest.raises(sj.SBPError, match="unknown method"):
+        ss.search_pipeline(profiles, 4, batch=8, method="greedy")
+    with pytest.raises(sj.SBPError, match="tolerance"):
+        ss.search_pipeline(profiles, 4, batch=8, tolerance=-1)
+    with pytest.raises(sj.SBPError, match="neither a sbpjax.pipeline.LayerChain"):
+        ss.search_pipeline("model", 4, batch=8)
+
+
+# -- the plan runs ---------------------------------------------------------------------
+WIDTHS = [16, 64, 32, 64, 16]
+
+
+def mlp_layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def mlp_chain(rows=16):
+    rng = np.random.default_rng(0)
+    params = [
+        {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
+        for a, b in zip(WIDTHS, WIDTHS[1:])
+    ]
+    x = rng.normal(size=(rows, WIDTHS[0])).astype(np.float32)
+    return sjp.LayerChain.from_functions([mlp_layer] * len(params), params, x), params, x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", [False, True])
+def test_plan_builds_a_pipeline_that_steps_like_one_program(remat):
+    chain, params, x = mlp_chain()
+    y = np.random.default_rng(1).normal(size=(16, WIDTHS[-1])).astype(np.float32)
+    pl = sj.placement(8, "x")
+    plan = ss.search_pipeline(
+        chain,
+        pl,
+        groups=[2],
+        microbatches=[2, 4],
+        schedules=["1f1b"],
+        remat=(remat,),
+        compute=ss.ComputeModel(1e9, 1e-5),
+    )
+    assert plan.groups == 2 and plan.stage_shape == (4,) and plan.remat is remat
+    assert plan.layouts is not None and math.isfinite(plan.step_s) and plan.peak_memory > 0
+    assert "predicted step" in str(plan)
+
+    def mse(out, target):
+        return jnp.mean((out - target) ** 2)
+
+    pipe = plan.build(chain, mse, optax.sgd(0.1), placement=pl)
+    assert [st.placement.size for st in pipe.stages] == [4, 4]
+    r = pipe.step(x, y)
+    want_loss, want_grads = jax.value_and_grad(lambda ps: mse(chain(ps, x), y))(params)
+    assert r.loss == pytest.approx(float(want_loss), rel=1e-5)
+    got = [g for stage in r.grads for g in stage]
+    for g, w in zip(got, want_grads):
+        assert_close(g["w"].numpy(), w["w"], rtol=1e-4, scale=1e-2)
+        assert_close(g["b"].numpy(), w["b"], rtol=1e-4, scale=1e-2)
