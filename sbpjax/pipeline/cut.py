@@ -29,7 +29,7 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.balance import Balance, balance, check_stages, range_costs
 from sbpjax.pipeline.chain import LayerChain
-from sbpjax.pipeline.schedule import as_schedule
+from sbpjax.pipeline.registry import as_schedule
 from sbpjax.pipeline.stage import Stage
 from sbpjax.placement import Placement
 

@@ -34,7 +34,8 @@ import time
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import human_bytes
 from sbpjax.pipeline.balance import range_costs, suffix_table, walk
-from sbpjax.pipeline.schedule import Schedule, as_schedule
+from sbpjax.pipeline.registry import as_schedule
+from sbpjax.pipeline.schedule import Schedule
 from sbpjax.search.cost import MemoryModel
 from sbpjax.search.cuts import Setting, branch_and_bound, evaluate, every_cut, group_memory, least_bound
 from sbpjax.search.pipeline_cost import ComputeModel

@@ -14,7 +14,7 @@ from conftest import assert_close
 import sbpjax as sj
 import sbpjax.pipeline as sjp
 import sbpjax.search as ss
-from sbpjax.pipeline.schedule import as_schedule
+from sbpjax.pipeline.registry import as_schedule
 from sbpjax.search.algorithms import Problem
 from sbpjax.search.cost import ClosedForm, MemoryModel, build_tables
 from sbpjax.search.cuts import evaluate, every_cut, least_bound, lower_bound
@@ -84,8 +84,12 @@ def test_search_equals_exhaustive_search_on_small_spaces(seed):
     exact = ss.search_pipeline(profiles, grid, tolerance=0.0, max_simulations=10**6, **kw)
     assert exact.step_s == pytest.approx(brute.step_s, rel=1e-12)
     assert exact.proven and exact.simulations < brute.simulations
-    fast = ss.search_pipeline(profiles, grid, **kw)  # the defaults: two simulations per configuration
-    assert fast.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    # the defaults: two simulations per configuration, then its best cut found stands;
+    # the step is the best when no configuration hit that limit (fast.proven)
+    fast = ss.search_pipeline(profiles, grid, **kw)
+    assert fast.step_s >= brute.step_s * (1 - 1e-12)
+    if fast.proven:
+        assert fast.step_s == pytest.approx(brute.step_s, rel=1e-12)
     for plan in (brute, exact, fast):
         assert kw["memory"] is None or plan.peak_memory <= kw["memory"]
 
