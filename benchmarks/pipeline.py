@@ -1,6 +1,6 @@
 """Pipeline benchmark: simulated schedules against theory, and the actor runtime on real work.
 
-    python benchmarks/pipeline.py            # default sizes (about 20 s on 8 CPU devices)
+    python benchmarks/pipeline.py            # default sizes (a few minutes on 8 CPU devices)
     python benchmarks/pipeline.py --quick    # small sizes, same fields, under two minutes
 
 (a) Simulated clock: bubble fraction of GPipe, 1F1B and interleaved 1F1B
@@ -41,6 +41,10 @@ zb-h1, zb-h2, zb-v, dualpipev) at p = 4 device groups and m = 8 microbatches
   and ``measured_bubble`` from the real run.
 The first real ZB-H1 step's Gantt chart (F, B, W and the bytes kept for W)
 goes to ``benchmarks/results/pipeline_zb-h1.png``.
+
+(d) The joint search (``search``, not with --quick): ``benchmarks/pipeline_search.py``'s
+cases, the searched plan and the exhaustive search's built and measured (a few
+minutes; that script's docstring says what each field is).
 
 Writes ``benchmarks/results/pipeline.json`` and the real run's Gantt chart
 ``benchmarks/results/pipeline.png``.
@@ -383,13 +387,13 @@ def schedule_rows(quick: bool, steps: int, png: str) -> list[dict]:
     return rows
 
 
-def search_rows(quick: bool) -> list[dict] | None:
-    """HOOK for the ``search`` list of issue 52 (one entry per searched case:
-    name, predicted_step_s, measured_step_s, brute_force_step_s, search_s,
-    layers, devices). The joint search's benchmark, benchmarks/pipeline_search.py,
-    produces those rows; wire it in here (return its list). None: no ``search``
-    key is written."""
-    return None
+def search_rows(quick: bool) -> list[dict]:
+    """The ``search`` list (issue 52): the joint search against exhaustive
+    search, each searched plan built and measured, from
+    ``benchmarks/pipeline_search.py`` (its docstring says what each field is)."""
+    import pipeline_search
+
+    return pipeline_search.run(quick)["search"]
 
 
 def schedule_targets(rows: list[dict]) -> dict:
@@ -471,9 +475,8 @@ def main():
         "schedules": rows,
         "targets": targets,
     }
-    search = search_rows(args.quick)  # the joint search's rows (issue 52), when wired in
-    if search is not None:
-        results["search"] = search
+    if not args.quick:  # --quick leaves them to pipeline_search.py --quick (minutes of exhaustive search)
+        results["search"] = search_rows(quick=False)  # the joint search's rows (issue 52)
     with open(args.output, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nwrote {args.output}, {png} and {zb_png}; targets {targets}")

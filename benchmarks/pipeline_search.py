@@ -1,7 +1,8 @@
 """Pipeline search benchmark: the joint search against exhaustive search, measured.
 
     python benchmarks/pipeline_search.py            # three cases (a few minutes on 8 CPU devices)
-    python benchmarks/pipeline_search.py --quick    # two cases, same fields, under two minutes
+    python benchmarks/pipeline_search.py --quick    # two cases, same fields
+    python benchmarks/pipeline_search.py --smoke    # the tests' run: a 4-layer MLP, a small space
 
 For every case the search (``ss.search_pipeline`` with its defaults) and the
 exhaustive search of the same space with the same prices (every configuration,
@@ -72,21 +73,21 @@ def mse(y, t):
     return jnp.mean((y - t) ** 2)
 
 
-def mlp_case(rows: int):
+def mlp_case(rows: int, widths=WIDTHS):
     rng = np.random.default_rng(0)
     params = [
         {"w": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
-        for a, b in zip(WIDTHS, WIDTHS[1:])
+        for a, b in zip(widths, widths[1:])
     ]
     chain = sjp.LayerChain.from_functions(
-        [dense] * len(params), params, np.zeros((rows, WIDTHS[0]), np.float32)
+        [dense] * len(params), params, np.zeros((rows, widths[0]), np.float32)
     )
 
     def data(seed):
         r = np.random.default_rng(seed)
         return (
-            r.normal(size=(rows, WIDTHS[0])).astype(np.float32),
-            r.normal(size=(rows, WIDTHS[-1])).astype(np.float32),
+            r.normal(size=(rows, widths[0])).astype(np.float32),
+            r.normal(size=(rows, widths[-1])).astype(np.float32),
         )
 
     return chain, mse, data
@@ -129,16 +130,17 @@ def measure(plans: list, chain, loss, data, steps: int, placement) -> list[float
     return [statistics.median(t) for t in times]
 
 
-def measured_case(name, chain, loss, data, rows, budget, grid, compute, steps, placement) -> dict:
+def measured_case(name, chain, loss, data, rows, budget, grid, compute, steps, placement, space=None) -> dict:
     t0 = time.perf_counter()
     profiles = ss.profile(chain)  # XLA's flop counts and the matmuls: once, for both searches
     profile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plan = ss.search_pipeline(profiles, grid, batch=rows, memory=budget, compute=compute)
+    space = space or {}
+    plan = ss.search_pipeline(profiles, grid, batch=rows, memory=budget, compute=compute, **space)
     search_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     brute = ss.search_pipeline(
-        profiles, grid, batch=rows, memory=budget, compute=compute, method="exhaustive"
+        profiles, grid, batch=rows, memory=budget, compute=compute, method="exhaustive", **space
     )
     brute_s = time.perf_counter() - t0
     same = plan.key() == brute.key()
@@ -169,12 +171,12 @@ def measured_case(name, chain, loss, data, rows, budget, grid, compute, steps, p
     return row
 
 
-def priced_case() -> dict:
+def priced_case(space=None) -> dict:
     profiles = ss.gpt_profiles(64, d_model=4096, heads=32, seq=2048, vocab=50304, examples=1)
     grid = ss.Grid(64, "x")  # the default alpha-beta model: 10 us, 10 GB/s
     compute = ss.ComputeModel(flops_per_s=1e14, action_s=2e-5)
     t0 = time.perf_counter()
-    plan = ss.search_pipeline(profiles, grid, batch=512, memory=80e9, compute=compute)
+    plan = ss.search_pipeline(profiles, grid, batch=512, memory=80e9, compute=compute, **(space or {}))
     return {
         "name": "gpt_64x64",
         "predicted_step_s": plan.step_s,
@@ -190,15 +192,16 @@ def priced_case() -> dict:
     }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--output", default=os.path.join(HERE, "results", "pipeline_search.json"))
-    args = ap.parse_args()
-    steps = 3 if args.quick else 8
+def run(quick: bool, smoke: bool = False) -> dict:
+    """Calibrate, search and measure every case; the JSON record (``search``:
+    the rows). ``benchmarks/pipeline.py`` calls this for its ``search`` list.
+    ``smoke`` (the tests' setting): a 4-layer MLP over a small space (GPipe and
+    1F1B, 1 or 2 microbatches), one timed step: the same fields in seconds."""
+    quick = quick or smoke
+    steps = 1 if smoke else 3 if quick else 8
     pl = sj.placement((2, 4), ("node", "gpu"))
     t0 = time.perf_counter()
-    cost_model = sj.calibrate(pl, sizes=(1 << 12, 1 << 16, 1 << 20), repeats=3 if args.quick else 5)
+    cost_model = sj.calibrate(pl, sizes=(1 << 12, 1 << 16, 1 << 20), repeats=3 if quick else 5)
     cost_model = ss.calibrate_transfer(cost_model, pl)
     compute = ss.calibrate_compute(pl)
     grid = ss.Grid.from_placement(pl, cost_model=cost_model, refine=False)
@@ -208,15 +211,16 @@ def main():
         f"{compute.action_s * 1e6:.0f} us per action, transfers {cost_model.transfer_alpha:.2e} s + "
         f"{cost_model.transfer_beta:.2e} s/byte"
     )
-    rows = 128 if args.quick else 512
-    cases = [("mlp_uneven", *mlp_case(rows), rows, 8e6)]
-    if not args.quick:
+    rows = 64 if smoke else 128 if quick else 512
+    cases = [("mlp_uneven", *mlp_case(rows, WIDTHS[:5] if smoke else WIDTHS), rows, 8e6)]
+    space = {"microbatches": [1, 2], "schedules": ["gpipe", "1f1b"]} if smoke else None
+    if not quick:
         cases.append(("nanogpt", *gpt_case(16), 16, 2e6))
     results = [
-        measured_case(name, chain, loss, data, examples, budget, grid, compute, steps, pl)
+        measured_case(name, chain, loss, data, examples, budget, grid, compute, steps, pl, space)
         for name, chain, loss, data, examples, budget in cases
     ]
-    results.append(priced_case())
+    results.append(priced_case(space))
     header = (
         "case",
         "layers",
@@ -243,8 +247,7 @@ def main():
             r.get("same_configuration", "-"),
         )
         print(" ".join(f"{str(c):>12}" for c in cells))
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    result = {
+    return {
         "search": results,
         "cost_model": {
             "alpha": {a: cost_model.axis_alpha(a) for a in pl.axis_names},
@@ -254,9 +257,19 @@ def main():
             "transfer_alpha": cost_model.transfer_alpha,
             "transfer_beta": cost_model.transfer_beta,
         },
-        "quick": args.quick,
+        "quick": quick,
         "jax": jax.__version__,
     }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="the tests' setting: one small case, a small space")
+    ap.add_argument("--output", default=os.path.join(HERE, "results", "pipeline_search.json"))
+    args = ap.parse_args()
+    result = run(args.quick, args.smoke)
+    os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {args.output}")

@@ -122,7 +122,12 @@ def main() -> None:
                 f"{row['seconds']:.2f} s, work {row['work']:.3g}, gap {row['proven_gap']:.4f}",
                 flush=True,
             )
-    out = {"quick": args.quick, "machine": {"cpus": os.cpu_count()}, "instances": instances, "synthetic": synthetic}
+    out = {
+        "quick": args.quick,
+        "machine": {"cpus": os.cpu_count()},
+        "instances": instances,
+        "synthetic": synthetic,
+    }
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(out, f, indent=1)
@@ -138,7 +143,10 @@ def main() -> None:
     for r in synthetic:
         label = f"{r['layers']} layers" + (f", shared {r['shared']}" if r["shared"] > 1 else "")
         label += f", memory {r['memory']}" if r["memory"] else ""
-        print(f"| {label} | {r['nodes']:,} | {r['seconds']:.2f} | {r['work']:.3g} | {r['exact']} | {r['proven_gap']:.4f} |")
+        print(
+            f"| {label} | {r['nodes']:,} | {r['seconds']:.2f} | {r['work']:.3g} | {r['exact']} "
+            f"| {r['proven_gap']:.4f} |"
+        )
     print(f"\nwrote {args.output}")
 
 

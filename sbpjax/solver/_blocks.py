@@ -80,7 +80,9 @@ class Blocks:
             m.pflat[(in_u & in_v)[self.epair]],
         )
         plan = _plan.plan(sub, min_batch=1)
-        assert plan.exact and not plan.steps, "an induced forest is eliminated by leaf rounds alone"
+        assert plan is not None and plan.exact and not plan.steps, (
+            "an induced forest is eliminated by leaf rounds alone"
+        )
         _, sub_s = _eliminate.run(plan, sub, sub.unary)
         out = s.copy()
         out[nodes] = sub_s

@@ -20,8 +20,6 @@ lower bound instead of the optimum, and the read-back an ordinary heuristic solu
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,7 +148,9 @@ def seg_argmin(vals: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndar
     return mins, np.where(arg == big, 0, arg)  # an all-NaN segment cannot occur; inf rows give 0
 
 
-def run(plan_: Plan, model: Model, unary: np.ndarray, fixed: np.ndarray | None = None) -> tuple[float, np.ndarray]:
+def run(
+    plan_: Plan, model: Model, unary: np.ndarray, fixed: np.ndarray | None = None
+) -> tuple[float, np.ndarray]:
     """Run the plan with these unary costs: (value, strategies). Conditioned nodes keep their
     strategy in ``fixed``. The value is the least total cost with them there when
     ``plan_.exact``, and a lower bound on it otherwise."""

@@ -66,7 +66,11 @@ class Steps:
 
     def rows(self, i: int) -> np.ndarray:
         """Node i's values: strategies x steps."""
-        return self.val[self.voff[i] : self.voff[i + 1]].reshape(-1, self.ns[i]) if self.ns[i] else np.zeros((0, 0))
+        return (
+            self.val[self.voff[i] : self.voff[i + 1]].reshape(-1, self.ns[i])
+            if self.ns[i]
+            else np.zeros((0, 0))
+        )
 
 
 class State:
@@ -108,7 +112,10 @@ class State:
         return self.local[self.m.noff[i] : self.m.noff[i + 1]]
 
     def cost(self) -> float:
-        return float(self.local[self.m.noff[:-1] + self.s].sum() + self.unary[self.m.noff[:-1] + self.s].sum()) / 2
+        return (
+            float(self.local[self.m.noff[:-1] + self.s].sum() + self.unary[self.m.noff[:-1] + self.s].sum())
+            / 2
+        )
 
     def excess(self) -> float:
         return float(np.maximum(self.profile - self.limit, 0).sum()) if self.profile.size else 0.0
@@ -201,7 +208,9 @@ class State:
             cur = self.s[st.e_node]
             ns_e = st.ns[st.e_node]
             cur_val = st.val[st.voff[st.e_node] + cur * ns_e + (st.e_step - st.soff[st.e_node])]
-            gain = np.bincount(st.e_pos, weights=(cur_val - st.val) * hits[st.e_step], minlength=len(self.local))
+            gain = np.bincount(
+                st.e_pos, weights=(cur_val - st.val) * hits[st.e_step], minlength=len(self.local)
+            )
             dcost = self.local - self.local[m.noff[:-1] + self.s][node]
             self.work += len(st.val) + len(self.local)
             ok = gain > 0

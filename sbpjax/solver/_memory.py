@@ -33,8 +33,9 @@ class MemorySearch:
     def __init__(self, search: Search, exact: _eliminate.Plan | None):
         self.se = search
         self.m = search.m
-        self.mem = search.m.memory
-        assert self.mem is not None
+        memory = search.m.memory
+        assert memory is not None
+        self.mem = memory
         self.exact = exact
         self.lower_bound = -np.inf
         self.steps = 0

@@ -72,7 +72,9 @@ class Memory:
         cum = np.concatenate([[0.0], np.cumsum(weight_per_segment)])
         per_piece = cum[self.qhi] - cum[self.qlo]
         sizes = np.diff(self.qoff)
-        return np.bincount(self.positions(noff), weights=self.qusage * np.repeat(per_piece, sizes), minlength=size)
+        return np.bincount(
+            self.positions(noff), weights=self.qusage * np.repeat(per_piece, sizes), minlength=size
+        )
 
 
 @dataclass
@@ -243,4 +245,6 @@ def plain_model(k: np.ndarray, unary: np.ndarray, pu: np.ndarray, pv: np.ndarray
     """A model of its own nodes only (no members to map back, no memory): a sub-problem."""
     noff = offsets(k)
     n = len(k)
-    return Model(k, noff, unary, pu, pv, offsets(k[pu] * k[pv]), pflat, np.arange(n), noff, local_index(k), None)
+    return Model(
+        k, noff, unary, pu, pv, offsets(k[pu] * k[pv]), pflat, np.arange(n), noff, local_index(k), None
+    )

@@ -78,7 +78,9 @@ class _Planner:
         gone = set(st.x for st in self.steps)
         isolated = np.array([x for x in range(model.n) if not self.done[x] and x not in gone], dtype=np.int64)
         stats = {"conditioned": self.conditioned, "eliminated": len(self.steps) - self.conditioned}
-        return Plan(self.batches, self.steps, isolated, self.scopes, self.work, self.exact, self.max_table, stats)
+        return Plan(
+            self.batches, self.steps, isolated, self.scopes, self.work, self.exact, self.max_table, stats
+        )
 
     def _hub_key(self, x: int) -> tuple:
         return (self.protect[x], -len(self.nb[x]), -self.priority[x], x, self.version[x])

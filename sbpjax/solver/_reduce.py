@@ -57,7 +57,9 @@ def prune(model: Model) -> Model:
         count = np.bincount(node, weights=allowed, minlength=model.n)
         if (count == 0).any():
             i = int(np.flatnonzero(count == 0)[0])
-            return _infeasible(model, f"node {int(np.flatnonzero(model.mroot == i)[0])} has no strategy of finite cost")
+            return _infeasible(
+                model, f"node {int(np.flatnonzero(model.mroot == i)[0])} has no strategy of finite cost"
+            )
         if mem is not None and len(mem.qnode):
             assert qpos is not None
             masked = np.where(allowed[qpos], mem.qusage, np.inf)
@@ -120,7 +122,9 @@ def restrict(model: Model, allowed: np.ndarray) -> Model:
     mem = model.memory
     if mem is not None:
         qkeep = allowed[mem.positions(model.noff)]
-        mem = Memory(mem.qnode, mem.qlo, mem.qhi, offsets(k[mem.qnode]), mem.qusage[qkeep], mem.nseg, mem.limit)
+        mem = Memory(
+            mem.qnode, mem.qlo, mem.qhi, offsets(k[mem.qnode]), mem.qusage[qkeep], mem.nseg, mem.limit
+        )
     return Model(
         k=k,
         noff=offsets(k),
@@ -240,7 +244,9 @@ def _collapse(model: Model, parent: list, link: list) -> Model:
     gb = gflat[np.repeat(goff[hi_node], sizes) + loc % kc]
     sw = np.repeat(swap, sizes)
     old_row, old_col = np.where(sw, gb, ga), np.where(sw, ga, gb)
-    vals = model.pflat[np.repeat(model.poff[p_out], sizes) + old_row * np.repeat(model.k[model.pv[p_out]], sizes) + old_col]
+    vals = model.pflat[
+        np.repeat(model.poff[p_out], sizes) + old_row * np.repeat(model.k[model.pv[p_out]], sizes) + old_col
+    ]
     if len(p_out):
         _, first, inv = np.unique(rlo * n + rhi, return_index=True, return_inverse=True)
         poff = offsets(sizes[first])
@@ -248,11 +254,13 @@ def _collapse(model: Model, parent: list, link: list) -> Model:
         pu, pv = rlo[first], rhi[first]
     else:
         pu = pv = np.zeros(0, np.int64)
-        poff, pflat = np.zeros(1, np.int64), np.zeros(0)
+        poff, pflat = np.zeros(1, np.int64), np.zeros(0, np.float64)
     # members and memory pieces follow their model node
     mroot = rid[model.mroot]
     msizes = k[mroot]
-    mmap = model.mmap[np.repeat(model.moff[:-1], msizes) + gflat[np.repeat(goff[model.mroot], msizes) + local_index(msizes)]]
+    mmap = model.mmap[
+        np.repeat(model.moff[:-1], msizes) + gflat[np.repeat(goff[model.mroot], msizes) + local_index(msizes)]
+    ]
     mem = model.memory
     if mem is not None:
         qsz = k[rid[mem.qnode]]
@@ -283,9 +291,22 @@ def split_additive(model: Model) -> Model:
     first_col = sel & (b == 0)  # r[a] = M[a, 0]
     np.add.at(unary, np.repeat(model.noff[model.pu], sizes)[first_col] + a[first_col], m[first_col])
     first_row = sel & (a == 0)  # c[b] = M[0, b] - M[0, 0]
-    np.add.at(unary, np.repeat(model.noff[model.pv], sizes)[first_row] + b[first_row], m[first_row] - m[base][first_row])
+    np.add.at(
+        unary,
+        np.repeat(model.noff[model.pv], sizes)[first_row] + b[first_row],
+        m[first_row] - m[base][first_row],
+    )
     keep = ~additive
     return Model(
-        model.k, model.noff, unary, model.pu[keep], model.pv[keep], offsets(sizes[keep]), m[~sel],
-        model.mroot, model.moff, model.mmap, model.memory,
+        model.k,
+        model.noff,
+        unary,
+        model.pu[keep],
+        model.pv[keep],
+        offsets(sizes[keep]),
+        m[~sel],
+        model.mroot,
+        model.moff,
+        model.mmap,
+        model.memory,
     )

@@ -113,7 +113,9 @@ class Search:
         if plan is None:
             rng = np.random.default_rng(seed)
             protect = self._ball(rng)
-            plan = _plan.plan(self.m, self.cap, "condition", rng.permutation(self.m.n), protect, leaves=self.leaves)
+            plan = _plan.plan(
+                self.m, self.cap, "condition", rng.permutation(self.m.n), protect, leaves=self.leaves
+            )
             assert plan is not None
             self.budget.spend(len(self.m.pflat) + self.m.n)
             if len(self.plans) >= 2 * self.POOL:  # keep the newest: phases reuse a window of seeds

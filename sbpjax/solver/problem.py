@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -44,7 +45,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _ragged(seqs, what: str) -> list[np.ndarray]:
+def _ragged(seqs, what: Callable[[int], str]) -> list[np.ndarray]:
     """Each sequence of costs as a float64 array (a view into one checked flat array): NaN is
     an error, a cost at or above FORBIDDEN_COST becomes inf. ``what(i)`` names entry i."""
     arrays = []
@@ -83,9 +84,9 @@ class Problem:
     :param name: a label (the contest files carry one).
     """
 
-    costs: tuple
-    edges: tuple = ()
-    usages: tuple | None = None
+    costs: Sequence
+    edges: Sequence = ()
+    usages: Sequence | None = None
     intervals: np.ndarray | None = None
     usage_limit: float | None = None
     name: str | None = None
@@ -113,7 +114,9 @@ class Problem:
             if not (0 <= ends[-1][0] < n and 0 <= ends[-1][1] < n):
                 raise SBPError(f"edge {j}: joins nodes {u} and {v}, but the nodes are 0 .. {n - 1}.")
             if ends[-1][0] == ends[-1][1]:
-                raise SBPError(f"edge {j}: joins node {u} to itself; put such a cost in the node's own costs.")
+                raise SBPError(
+                    f"edge {j}: joins node {u} to itself; put such a cost in the node's own costs."
+                )
         matrices = _ragged([e[2] for e in edges], lambda j: f"edge {j} {ends[j]}")
         out = []
         for j, ((u, v), m) in enumerate(zip(ends, matrices)):
@@ -130,7 +133,9 @@ class Problem:
         n = len(costs)
         if self.usages is None:
             if self.intervals is not None or self.usage_limit is not None:
-                raise SBPError("intervals or usage_limit given without usages; give usages (one per strategy).")
+                raise SBPError(
+                    "intervals or usage_limit given without usages; give usages (one per strategy)."
+                )
             return
         if self.intervals is None:
             raise SBPError("usages given without intervals; give each node's [lo, hi) live interval.")
@@ -139,12 +144,16 @@ class Problem:
         usages = tuple(_frozen(np.array(u, dtype=np.float64).reshape(-1)) for u in self.usages)
         for i, (u, c) in enumerate(zip(usages, costs)):
             if u.size != c.size:
-                raise SBPError(f"node {i}: {c.size} strategies but {u.size} usages; give one usage per strategy.")
+                raise SBPError(
+                    f"node {i}: {c.size} strategies but {u.size} usages; give one usage per strategy."
+                )
             if not np.isfinite(u).all():
                 raise SBPError(f"node {i}: usages {u.tolist()} are not all finite numbers.")
         iv = np.array(self.intervals, dtype=np.float64)
         if iv.shape != (n, 2) or not np.isfinite(iv).all() or (iv != np.round(iv)).any():
-            raise SBPError(f"intervals has shape {iv.shape}; give one [lo, hi] pair of integers per node ({n}).")
+            raise SBPError(
+                f"intervals has shape {iv.shape}; give one [lo, hi] pair of integers per node ({n})."
+            )
         bad = np.flatnonzero(iv[:, 0] > iv[:, 1])
         if bad.size:
             i = int(bad[0])
@@ -153,7 +162,9 @@ class Problem:
                 "[lo, hi) with lo <= hi ([t, t] holds no memory)."
             )
         if self.usage_limit is not None and not np.isfinite(float(self.usage_limit)):
-            raise SBPError(f"usage_limit {self.usage_limit!r} is not a finite number; give None for no limit.")
+            raise SBPError(
+                f"usage_limit {self.usage_limit!r} is not a finite number; give None for no limit."
+            )
         object.__setattr__(self, "usages", usages)
         object.__setattr__(self, "intervals", _frozen(iv.astype(np.int64)))
         if self.usage_limit is not None:
@@ -188,7 +199,9 @@ class Problem:
         """``strategies`` as an int64 array, or an SBPError saying which entry is out of range."""
         s = np.asarray(strategies)
         if s.shape != (self.num_nodes,):
-            raise SBPError(f"strategies has shape {s.shape}; give one strategy index per node ({self.num_nodes}).")
+            raise SBPError(
+                f"strategies has shape {s.shape}; give one strategy index per node ({self.num_nodes})."
+            )
         if s.size and not np.issubdtype(s.dtype, np.integer):
             if not np.issubdtype(s.dtype, np.floating) or (s != np.round(s)).any():
                 raise SBPError(f"strategies must be integers, got dtype {s.dtype}.")
@@ -243,12 +256,16 @@ class Problem:
             raise SBPError(f"a problem is a JSON object, got {type(obj).__name__}.")
         p = obj.get("problem", obj)
         if not isinstance(p, dict) or not isinstance(p.get("nodes"), dict):
-            raise SBPError('the problem has no "nodes" object; see the IOPDDL form (nodes.costs, edges.nodes, ...).')
+            raise SBPError(
+                'the problem has no "nodes" object; see the IOPDDL form (nodes.costs, edges.nodes, ...).'
+            )
         nodes, edges = p["nodes"], p.get("edges") or {}
         costs = _list(nodes, "costs", "nodes")
         ends, ecosts = _list(edges, "nodes", "edges", []), _list(edges, "costs", "edges", [])
         if len(ends) != len(ecosts):
-            raise SBPError(f"edges.nodes has {len(ends)} entries but edges.costs {len(ecosts)}; give one each.")
+            raise SBPError(
+                f"edges.nodes has {len(ends)} entries but edges.costs {len(ecosts)}; give one each."
+            )
         triples = []
         for j, (pair, m) in enumerate(zip(ends, ecosts)):
             if not isinstance(pair, list | tuple) or len(pair) != 2:
@@ -289,7 +306,7 @@ def _list(obj: dict, key: str, where: str, default=None) -> list:
     if value is None:
         raise SBPError(f'{where} has no "{key}" list; see the IOPDDL form.')
     if not isinstance(value, list):
-        raise SBPError(f'{where}.{key} must be a list, got {type(value).__name__}.')
+        raise SBPError(f"{where}.{key} must be a list, got {type(value).__name__}.")
     return value
 
 

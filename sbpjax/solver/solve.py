@@ -21,9 +21,10 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.solver import _eliminate, _plan
 from sbpjax.solver._budget import Budget
+from sbpjax.solver._eliminate import Plan
+from sbpjax.solver._memory import MemorySearch
 from sbpjax.solver._model import Model, raw_model
 from sbpjax.solver._reduce import reduce
-from sbpjax.solver._memory import MemorySearch
 from sbpjax.solver._search import Incumbent, Search
 from sbpjax.solver.problem import Problem
 
@@ -162,7 +163,7 @@ class _Solve:
         inc.offer(s)
         return plan if plan.exact else None
 
-    def _search(self, model: Model, inc: Incumbent, exact: _eliminate.Plan | None) -> None:
+    def _search(self, model: Model, inc: Incumbent, exact: Plan | None) -> None:
         """Rounds of moves (and multiplier steps), each from the best solution so far with
         fresh plans, until a round improves nothing (library mode) or time is up."""
         search = Search(model, self.budget, inc, MOVE_CAP)
@@ -179,7 +180,9 @@ class _Solve:
                 memory.centred(scale * shape, scale, first + 500, Search.POOL)
             rounds += 1
             idle = 0 if inc.improvements > before else idle + 1
-            if (memory is not None and memory.proven()) or (self.budget.deadline is None and idle >= IDLE_ROUNDS):
+            if (memory is not None and memory.proven()) or (
+                self.budget.deadline is None and idle >= IDLE_ROUNDS
+            ):
                 break
         if memory is not None:
             self.lower_bound = max(self.lower_bound, memory.lower_bound)

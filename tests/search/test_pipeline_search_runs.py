@@ -8,9 +8,9 @@ from conftest import run_script
 
 
 @pytest.mark.slow
-def test_pipeline_search_benchmark_quick(tmp_path):
+def test_pipeline_search_benchmark_smoke(tmp_path):
     path = tmp_path / "pipeline_search.json"
-    run_script(["benchmarks/pipeline_search.py", "--quick", "--output", str(path)], 900)
+    run_script(["benchmarks/pipeline_search.py", "--smoke", "--output", str(path)], 900)
     rows = {r["name"]: r for r in json.loads(path.read_text())["search"]}
     fields = {
         "name",

@@ -17,7 +17,11 @@ from sbpjax.solver import load_problem
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run(
-        [sys.executable, "-m", "sbpjax.solver", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "sbpjax.solver", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -49,7 +53,9 @@ def test_plain_json_file_in_library_mode(tmp_path):
 
 
 def test_bad_input_gives_a_message_and_a_status(tmp_path):
-    (tmp_path / "bad.json").write_text('{"problem": {"nodes": {"costs": [[1, 2]]}, "edges": {"nodes": [[0, 1]], "costs": [[1]]}}}')
+    (tmp_path / "bad.json").write_text(
+        '{"problem": {"nodes": {"costs": [[1, 2]]}, "edges": {"nodes": [[0, 1]], "costs": [[1]]}}}'
+    )
     for args, message in [
         ([str(tmp_path / "bad.json")], "edge 0: joins nodes 0 and 1, but the nodes are 0 .. 0"),
         ([str(tmp_path / "missing.json")], "cannot read problem file"),

@@ -84,7 +84,11 @@ def test_a_move_is_the_best_with_the_held_nodes_fixed(seed):
     for rng, p in _cases(300 + seed, 80, memory=False, dense=3):
         model = raw_model(p)  # unreduced: wider graphs, so that nodes are held
         plan = _plan.plan(
-            model, float(rng.choice([2, 4, 8])), "condition", rng.permutation(model.n), rng.random(model.n) < 0.3
+            model,
+            float(rng.choice([2, 4, 8])),
+            "condition",
+            rng.permutation(model.n),
+            rng.random(model.n) < 0.3,
         )
         fixed = np.array([rng.integers(0, k) for k in model.k])
         value, s = _eliminate.run(plan, model, model.unary, fixed)
@@ -92,7 +96,8 @@ def test_a_move_is_the_best_with_the_held_nodes_fixed(seed):
         held_some += bool(held)
         assert (s[held] == fixed[held]).all()
         best = min(
-            (model.costs(a) for a in _model_assignments(model) if (a[held] == fixed[held]).all()), default=np.inf
+            (model.costs(a) for a in _model_assignments(model) if (a[held] == fixed[held]).all()),
+            default=np.inf,
         )
         assert close(value, best) and close(model.costs(s), best)
     assert held_some > 10

@@ -124,14 +124,22 @@ def test_processes_agree_under_load_and_any_hash_seed():
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         loaded = subprocess.run(
-            [sys.executable, "-c", _CHILD], env=dict(env, PYTHONHASHSEED="1"), capture_output=True, text=True, timeout=600
+            [sys.executable, "-c", _CHILD],
+            env=dict(env, PYTHONHASHSEED="1"),
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
     finally:
         for h in hogs:
             h.kill()
             h.wait()
     quiet = subprocess.run(
-        [sys.executable, "-c", _CHILD], env=dict(env, PYTHONHASHSEED="2"), capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _CHILD],
+        env=dict(env, PYTHONHASHSEED="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert loaded.returncode == 0 and quiet.returncode == 0, loaded.stderr + quiet.stderr
     assert loaded.stdout == quiet.stdout
