@@ -49,7 +49,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from models import max_error  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
-from sbpjax.compiler import switches  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 B, S = sj.B, sj.S
@@ -116,15 +115,12 @@ def main():
     # the compiled programs, each built once (sj.jit caches per shapes and layouts)
     jitted, programs, runners = {}, {}, {}
     for name, as_switch in (("sbpjax", True), ("sbpjax_written_out", False)):
-        f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
+        options = sj.CompileOptions(switches=as_switch)
+        f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp, options=options)
         gts, tree = global_args(f, masks["all_kept"])
-        switches.SWITCHES = as_switch
-        try:
-            prog = f._compile(gts, tree)[1]
-            compiled = f.lower(w1, w2, masks["all_kept"], x, y).compile()
-            explained = f.explain(w1, w2, masks["all_kept"], x, y).bytes
-        finally:
-            switches.SWITCHES = True
+        prog = f._compile(gts, tree)[1]
+        compiled = f.lower(w1, w2, masks["all_kept"], x, y).compile()
+        explained = f.explain(w1, w2, masks["all_kept"], x, y).bytes
         programs[name] = {
             "bytes": collective_bytes(compiled),
             "explained_bytes": explained,

@@ -39,19 +39,22 @@ def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
     costs, so the last solve's lower bound holds for the exact tables.
 
     ``effort`` is the work of all the rounds together: each round may spend
-    half of what is left (a round the solver proves optimal spends far less).
-    Decision: a shared budget rather than ``effort`` per round, because a
-    problem the solver cannot prove (tied layers, a binding memory budget)
-    spends its whole limit each round, and ten to twenty rounds of that made
-    one ``sj.jit`` call take minutes. When less than ``1/64`` of it is left
-    the last solution stands; its entries are then planned exactly and its
-    cost priced on them, so the plan and its objective always agree."""
+    what is left, and a round the solver proves optimal (an exact
+    elimination) spends only what that needs. Decision: a shared budget
+    rather than ``effort`` per round, because a problem the solver cannot
+    prove (tied layers, a binding memory budget) spends its whole limit each
+    round, and ten to twenty rounds of that made one ``sj.jit`` call take
+    minutes; and not half of what is left per round, which would deny a
+    large exact elimination its work in the second round and leave it to
+    the heuristic. When less than ``1/64`` of it is left the last solution
+    stands; its entries are then planned exactly and its cost priced on
+    them, so the plan and its objective always agree."""
     rounds = 0
     left = int(effort)
     if start is not None:
         form.settle(start)  # the plan in hand's costs exact from the first solve on
     while True:
-        solved, work = solve_form(form, max(left // 2, 1), start, usage_limit)
+        solved, work = solve_form(form, max(left, 1), start, usage_limit)
         left -= work
         rounds += 1
         solved.rounds = rounds

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from conftest import gspmd_bytes
 from models import adamw, check_train, gpt_loss, gpt_params, gpt_sbp, state_sbp, train_step
 
@@ -80,6 +81,7 @@ def test_a_four_layer_gpt_moves_less_than_gspmd_and_greedy(pl24):
     assert e.bytes <= gspmd, (e.bytes, gspmd)
 
 
+@pytest.mark.slow
 def test_tied_layers_share_decisions_in_a_smaller_space(pl24):
     """With tie_layers the alike ops of a 3-layer GPT share decisions: fewer
     decisions, the tied space inside the untied one, so the untied optimum
@@ -90,8 +92,8 @@ def test_tied_layers_share_decisions_in_a_smaller_space(pl24):
     loss = functools.partial(gpt_loss, heads=2)
     psbp = gpt_sbp(params, "megatron", 2)
     _, alone = check_train(loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=1)
-    # a tenth of the default effort: the tied solve spends all it is given
-    tied_options = sj.CompileOptions(tie_layers=True, effort=sj.CompileOptions().effort // 10)
+    # a twentieth of the default effort: the tied solve spends all it is given
+    tied_options = sj.CompileOptions(tie_layers=True, effort=sj.CompileOptions().effort // 20)
     _, tied = check_train(
         loss, params, tokens, labels, pl24, psbp, (S0, B), (S0, B), steps=1, options=tied_options
     )
@@ -99,5 +101,5 @@ def test_tied_layers_share_decisions_in_a_smaller_space(pl24):
     assert t.shared and not a.shared and "sharing decisions" in str(tied)
     assert t.groups < a.groups, (t.groups, a.groups)
     assert a.gap <= 1e-9 and 0 <= t.gap < 1 and t.bound <= t.objective
-    assert t.gap == (t.objective - t.bound) / t.objective
+    assert t.gap == pytest.approx((t.objective - t.bound) / t.objective, rel=1e-9, abs=1e-12)
     assert price(alone.propagation) <= price(tied.propagation)
