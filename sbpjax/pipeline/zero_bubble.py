@@ -225,7 +225,9 @@ class _Generated(ActionList):
         return self._cache[key]
 
     def _build(self, devices: int, microbatches: int) -> dict[int, list]:
-        raise NotImplementedError
+        # the rule itself: each schedule below (ZB-H1, ZB-H2, ZB-V, DualPipeV) defines it;
+        # _Generated is never used on its own (it is not in the registry)
+        raise NotImplementedError(f"{type(self).__name__} defines no action-list rule")
 
     def stages(self, devices):
         return devices * self.chunks
