@@ -674,7 +674,7 @@ def main():
     global ONLY
     ONLY = [o for o in (args.only or "").split(",") if o]
     repeats = args.repeats or (3 if args.quick else 10)
-    samples = args.compile_samples or (2 if args.quick else 5)
+    samples = args.compile_samples if args.compile_samples is not None else (2 if args.quick else 5)
     q = args.quick
     rng = np.random.default_rng(0)
     if args.compile_only_child:

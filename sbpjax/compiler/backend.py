@@ -16,6 +16,9 @@ import numpy as np
 
 from sbpjax.solver import Problem, solve
 
+# The most of the effort left a heuristic settling round may spend (see solve_settled).
+HEURISTIC_SHARE = 1 / 4
+
 
 @dataclasses.dataclass
 class Solved:
@@ -38,23 +41,33 @@ def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
     entries it uses are all exact. The tables' bounds never exceed their
     costs, so the last solve's lower bound holds for the exact tables.
 
-    ``effort`` is the work of all the rounds together: each round may spend
-    what is left, and a round the solver proves optimal (an exact
-    elimination) spends only what that needs. Decision: a shared budget
-    rather than ``effort`` per round, because a problem the solver cannot
-    prove (tied layers, a binding memory budget) spends its whole limit each
-    round, and ten to twenty rounds of that made one ``sj.jit`` call take
-    minutes; and not half of what is left per round, which would deny a
-    large exact elimination its work in the second round and leave it to
-    the heuristic. When less than ``1/64`` of it is left the last solution
-    stands; its entries are then planned exactly and its cost priced on
-    them, so the plan and its objective always agree."""
+    ``effort`` is the work of all the rounds together. A round the solver
+    proves optimal (an exact elimination) may spend all that is left, and
+    spends only what that needs; a heuristic round (no exact elimination
+    fits) at most a quarter of what is left (``HEURISTIC_SHARE``), so
+    the rounds after it, whose tables are more exact, still get work. When
+    less than ``1/64`` of it is left the last solution stands; its entries
+    are then planned exactly and its cost priced on them, so the plan and
+    its objective always agree.
+
+    Decisions: not ``effort`` per round, because a problem the solver cannot
+    prove (tied layers, a binding memory budget, a 2-D GPT with hundreds of
+    strategies a node) would spend it ten to twenty times over. Not all
+    that is left per heuristic round: the first round, whose entries are
+    mostly lower bounds, then spent two thirds of the effort on a plan the
+    settling showed optimistic, and the rounds that corrected it got
+    scraps. The share was swept on the 3-layer 2-D GPT steps of
+    ``tests/compiler/test_choose.py``'s sweep, where the solve is heuristic
+    (2x2x2, seed 603; bytes moved, GSPMD 7.88 MB): all 7.95 MB, 1/2 6.83 MB,
+    1/4 5.61 MB, 1/8 5.55 MB (the same objective as 1/4, in more rounds).
+    Many rounds of search from the last settled plan beat one deep search
+    on optimistic tables; below 1/4 nothing more was gained."""
     rounds = 0
     left = int(effort)
     if start is not None:
         form.settle(start)  # the plan in hand's costs exact from the first solve on
     while True:
-        solved, work = solve_form(form, max(left, 1), start, usage_limit)
+        solved, work = solve_form(form, max(left, 1), start, usage_limit, search_effort=max(int(left * HEURISTIC_SHARE), 1))
         left -= work
         rounds += 1
         solved.rounds = rounds
@@ -79,7 +92,9 @@ def form_problem(form, usage_limit=None) -> Problem:
     return Problem(form.costs, [(u, v, t) for (u, v), t in form.edges.items()], **memory)
 
 
-def solve_form(form, effort: int, start=None, usage_limit=None) -> tuple[Solved, int]:
+def solve_form(
+    form, effort: int, start=None, usage_limit=None, search_effort: int | None = None
+) -> tuple[Solved, int]:
     """One solve of ``form`` as it stands (see :func:`solve_settled`), and
     the work it did."""
     costs = form.costs
@@ -89,7 +104,7 @@ def solve_form(form, effort: int, start=None, usage_limit=None) -> tuple[Solved,
     if start is not None:
         # a strategy the plan in hand does not name: the node's cheapest of its own
         start = [s if s >= 0 else int(np.argmin(c)) for s, c in zip(start, costs)]
-    sol = solve(problem, effort=effort, start=start)
+    sol = solve(problem, effort=effort, start=start, search_effort=search_effort)
     work = int(sol.stats.get("work", effort))
     if not sol.feasible:
         why = "no layout fits the memory budget" if np.isfinite(sol.cost) else "no allowed strategy"

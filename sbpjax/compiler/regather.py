@@ -112,7 +112,10 @@ def plan_regathers(prop: Propagation, excluded: set, target: int | None = None) 
     held = [
         Held(b, uses[key], [i], value_bytes(b.var, b.dst, prop.placement.shape))
         for key, (i, b) in made.items()
-        if not any(u in excluded for u in uses[key])
+        # Held's model: gathered where it is first used, so each segment starts at a use.
+        # A gathering whose first counted use is elsewhere (a consumer inside a region
+        # the uses above do not see) is left as it is.
+        if uses[key] and uses[key][0] == i and not any(u in excluded for u in uses[key])
     ]
     if not held:
         return {}, None

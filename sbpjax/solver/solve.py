@@ -85,6 +85,7 @@ def solve(
     effort: float | None = None,
     time_limit: float | None = None,
     start=None,
+    search_effort: float | None = None,
 ) -> Solution:
     """The cheapest strategies found for ``problem``.
 
@@ -97,6 +98,10 @@ def solve(
         the result then depends on the machine's speed. Exclusive with ``effort``.
     :param start: a solution to start from (one strategy per node); the answer is never
         worse than it.
+    :param search_effort: library mode: the most work (of ``effort``, counted from the
+        start) a heuristic solve may do when no exact elimination fits ``effort``; an exact
+        elimination may still spend all of ``effort``. For callers that solve a problem
+        again with better costs and want work left for the later solves.
     """
     if effort is not None and time_limit is not None:
         raise SBPError("solve: give effort (deterministic) or time_limit (wall clock), not both.")
@@ -109,12 +114,17 @@ def solve(
         budget = Budget(np.inf, time.monotonic() + float(time_limit))
     else:
         budget = Budget(DEFAULT_EFFORT if effort is None else float(effort))
-    return _Solve(problem, budget, s_start).run()
+    if search_effort is not None and not search_effort > 0:
+        raise SBPError(f"solve: search_effort must be a positive number of table entries, got {search_effort!r}.")
+    return _Solve(problem, budget, s_start, search_effort).run()
 
 
 class _Solve:
-    def __init__(self, problem: Problem, budget: Budget, start: np.ndarray | None):
+    def __init__(
+        self, problem: Problem, budget: Budget, start: np.ndarray | None, search_effort: float | None = None
+    ):
         self.p, self.budget, self.start = problem, budget, start
+        self.search_effort = search_effort
         self.stats: dict = {"nodes": problem.num_nodes, "edges": len(problem.edges)}
         self.lower_bound = -np.inf
 
@@ -128,6 +138,9 @@ class _Solve:
             self.stats["infeasible"] = model.infeasible
             self.lower_bound = np.inf
             return self._finish(None, model)
+        # a bound however little effort is left (the elimination's may not be afforded);
+        # one pass over the tables, not charged so that plans stay as they were
+        self.lower_bound = _separate_minima(model)
         inc = Incumbent(model, self.budget)
         if self.start is not None:
             s0 = model.from_original(self.start)
@@ -139,6 +152,8 @@ class _Solve:
         if exact is not None and not mem_binds:
             self.lower_bound = max(self.lower_bound, inc.cost)
         else:
+            if self.search_effort is not None:
+                self.budget.effort = min(self.budget.effort, float(self.search_effort))
             self._search(model, inc, exact)
         return self._finish(inc, model)
 
@@ -209,6 +224,15 @@ def _argmin(model: Model) -> np.ndarray:
     """Each node's cheapest strategy on its own."""
     _, arg = _eliminate.seg_argmin(model.unary, model.k)
     return arg
+
+
+def _separate_minima(model: Model) -> float:
+    """A lower bound of any solution's cost: each node's cheapest strategy and each
+    pair's cheapest entry, taken separately."""
+    bound = float(np.minimum.reduceat(model.unary, model.noff[:-1]).sum()) if model.n else 0.0
+    if model.npairs:
+        bound += float(np.minimum.reduceat(model.pflat, model.poff[:-1]).sum())
+    return bound
 
 
 def _better(problem: Problem, a: np.ndarray, b: np.ndarray) -> bool:
