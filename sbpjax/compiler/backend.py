@@ -67,7 +67,9 @@ def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
     if start is not None:
         form.settle(start)  # the plan in hand's costs exact from the first solve on
     while True:
-        solved, work = solve_form(form, max(left, 1), start, usage_limit, search_effort=max(int(left * HEURISTIC_SHARE), 1))
+        solved, work = solve_form(
+            form, max(left, 1), start, usage_limit, search_effort=max(int(left * HEURISTIC_SHARE), 1)
+        )
         left -= work
         rounds += 1
         solved.rounds = rounds

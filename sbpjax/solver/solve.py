@@ -115,7 +115,9 @@ def solve(
     else:
         budget = Budget(DEFAULT_EFFORT if effort is None else float(effort))
     if search_effort is not None and not search_effort > 0:
-        raise SBPError(f"solve: search_effort must be a positive number of table entries, got {search_effort!r}.")
+        raise SBPError(
+            f"solve: search_effort must be a positive number of table entries, got {search_effort!r}."
+        )
     return _Solve(problem, budget, s_start, search_effort).run()
 
 
