@@ -26,13 +26,15 @@ class Solved:
     ``cost``: its cost in the form's units (1/64 bytes), ``const``
     included; ``bound``: a proven lower bound of the optimum (None: none
     known); ``status``: how the solve ended; ``rounds``: solves until every
-    cost table entry the solution uses was exact."""
+    cost table entry the solution uses was exact; ``work``: the effort
+    the rounds spent together."""
 
     strategies: list | None
     cost: float | None
     bound: float | None
     status: str
     rounds: int = 1
+    work: int = 0
 
 
 def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
@@ -72,7 +74,7 @@ def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
         )
         left -= work
         rounds += 1
-        solved.rounds = rounds
+        solved.rounds, solved.work = rounds, int(effort) - left
         if solved.strategies is None or not form.settle(solved.strategies):
             return solved
         start = solved.strategies

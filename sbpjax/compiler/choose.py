@@ -338,7 +338,10 @@ def _choose(
         chosen.warnings = greedy.warnings
         chosen.choice = choice
         kept = chosen
-    return fewer_collectives(program, kept, form, in_sbp, cost_model, options, caches, ties, memory_budget)
+    left = options.effort - solved.work
+    return fewer_collectives(
+        program, kept, form, in_sbp, cost_model, options, caches, ties, memory_budget, left
+    )
 
 
 def _classes(program, arg_names, options: CompileOptions) -> list | None:
@@ -373,7 +376,7 @@ def _over_budget(budget, least: int, status: str) -> SBPError:
 
 
 def fewer_collectives(
-    program, kept: Propagation, form, in_sbp, cost_model, options, caches, ties, memory_budget
+    program, kept: Propagation, form, in_sbp, cost_model, options, caches, ties, memory_budget, effort: int
 ) -> Propagation:
     """``kept``, or the plan solved with each collective at the cost model's
     ring latency (boxings planned by the same price) where that plan runs
@@ -389,17 +392,28 @@ def fewer_collectives(
     up to 35% more on the tensor-parallel step). The peak condition keeps
     FSDP plans, whose ring-priced alternative holds gathered weights and
     whole gradients (an 8-device FSDP MLP: 6 collectives instead of 12 for
-    3.3x the estimated peak)."""
+    3.3x the estimated peak).
+
+    ``effort``: what the bytes-first solve left of ``options.effort``, so that
+    the option bounds the plan's whole solve. Decision: the second solve gets
+    no effort of its own. Where the first proved its plan (most programs) it
+    spent a small part and the second gets nearly all; where it could not,
+    it spent everything, and the second solve is skipped (``explain()`` says
+    so): two heuristic solves of a 2-D GPT took minutes, and the bytes-first
+    plan, kept, moves the fewest bytes found."""
     if not options.fewer_collectives or kept.choice is None:
         return kept
     choice = kept.choice
+    if effort < options.effort // 64:
+        choice.latency_note = "not solved again with ring latency: the bytes-first solve spent the effort"
+        return kept
     t0 = time.perf_counter()
     # the first solve's problem, its boxings planned and priced by the ring's latency
     ring = propagator(program, form.placement, in_sbp, cost_model, options, caches, ring=True)
     cm = cost_model if cost_model is not None else CostModel()
     form = form.repriced(ring, Tables(ring, cm, options, ring=True))
     t1 = time.perf_counter()
-    solved = solve_settled(form, options.effort, start=form.start(kept), usage_limit=memory_budget)
+    solved = solve_settled(form, effort, start=form.start(kept), usage_limit=memory_budget)
     choice.build_s += t1 - t0
     choice.solve_s += time.perf_counter() - t1
     choice.rounds += solved.rounds

@@ -30,9 +30,12 @@ class CompileOptions:
     Layout choice:
 
     * ``effort``: the solver's deterministic work limit (table entries
-      computed plus search steps). Plans are exact wherever the program's
-      graph can be eliminated within it (``explain()`` prints the proven
-      gap); a larger effort never gives a costlier plan.
+      computed plus search steps) for the whole layout choice: the settling
+      rounds and the ring-latency solve of ``fewer_collectives`` share it
+      (``sbpjax.compiler.backend.solve_settled``). Plans are exact wherever the
+      program's graph can be eliminated within it (``explain()`` prints the
+      proven gap). Elsewhere a larger effort usually finds a cheaper plan, but
+      not always: the tables settle along another path.
     * ``latency``: price each collective's launch latency (``alpha / beta``
       of its group from the cost model, in bytes) besides its bytes; False:
       bytes alone, ties broken by 1/64 B per collective.
