@@ -81,6 +81,30 @@ def test_arguments_are_checked():
         solve(p, effort=0)
     with pytest.raises(SBPError, match="time_limit must be positive"):
         solve(p, time_limit=-1)
+    with pytest.raises(SBPError, match="search_effort must be a positive"):
+        solve(p, search_effort=0)
+
+
+def test_a_bound_however_little_the_effort_and_a_capped_search():
+    """With too little effort for any elimination the solve still proves a
+    bound (each node's and pair's cheapest entry apart), at most the optimum;
+    a search capped by search_effort does less work, never beats the full
+    search's bound, and an exact elimination ignores the cap."""
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        p = random_problem(rng, 7, 10)
+        best = brute_force(p)
+        sol = solve(p, effort=1)
+        assert np.isfinite(sol.lower_bound) or not np.isfinite(best[0])
+        if np.isfinite(best[0]):
+            assert sol.lower_bound <= best[0] + 1e-9 * abs(best[0])
+    shared = train_step(24, strategies=12, shared=4, seed=2)  # hubs: no exact elimination
+    full = solve(shared, effort=5e7)
+    capped = solve(shared, effort=5e7, search_effort=1e7)
+    assert not full.stats["exact"] and capped.stats["work"] < full.stats["work"]
+    assert capped.lower_bound <= full.cost and full.lower_bound <= capped.cost
+    exact = train_step(12, strategies=12, seed=3)
+    assert solve(exact, search_effort=1).optimal
 
 
 def _rank(sol) -> tuple:
