@@ -20,6 +20,15 @@ from sbpjax.solver import Problem, solve
 HEURISTIC_SHARE = 1 / 4
 
 
+def spent(left: int, effort: int) -> bool:
+    """Whether ``effort`` is spent: less than ``1/64`` of it is ``left``. Where
+    the settling rounds stop (:func:`solve_settled`) and a later solve of the
+    same choice is not started (``choose.fewer_collectives``). The fraction is
+    a cut-off, not a derived figure: with a quarter of what is left per
+    heuristic round, it ends the rounds after about fifteen."""
+    return left < effort // 64
+
+
 @dataclasses.dataclass
 class Solved:
     """``strategies``: one per node (None when no solution exists);
@@ -78,7 +87,7 @@ def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
         if solved.strategies is None or not form.settle(solved.strategies):
             return solved
         start = solved.strategies
-        if left < effort // 64:
+        if spent(left, effort):
             solved.cost = float(form_problem(form, usage_limit).evaluate(start)[0]) + form.const
             solved.status += "; its cost tables settled after the effort was spent"
             return solved
@@ -118,4 +127,4 @@ def solve_form(
     return Solved([int(s) for s in sol.strategies], sol.cost + form.const, bound, status), work
 
 
-__all__ = ["Solved", "solve_settled", "solve_form", "form_problem"]
+__all__ = ["Solved", "solve_settled", "solve_form", "form_problem", "spent"]

@@ -20,7 +20,7 @@ import time
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler import plan_cache
-from sbpjax.compiler.backend import solve_settled
+from sbpjax.compiler.backend import solve_settled, spent
 from sbpjax.compiler.buckets import emitted_collectives
 from sbpjax.compiler.classes import layer_classes, loop_classes
 from sbpjax.compiler.decode import propagation_of, value_keys
@@ -404,7 +404,7 @@ def fewer_collectives(
     if not options.fewer_collectives or kept.choice is None:
         return kept
     choice = kept.choice
-    if effort < options.effort // 64:
+    if spent(effort, options.effort):
         choice.latency_note = "not solved again with ring latency: the bytes-first solve spent the effort"
         return kept
     t0 = time.perf_counter()

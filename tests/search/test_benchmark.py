@@ -27,6 +27,6 @@ def test_search_benchmark_quick(tmp_path):
     assert data["fig3_ratio_vs_megatron"] <= 0.6
     # the 1,024-device search's seconds are a benchmark figure, not asserted here: on the
     # 2-core CI machine shared with other test workers it ran 10.6 s against a 10 s target
-    assert data["gpt3_1024_search_seconds"] > 0
+    assert data["gpt3_1024_search_seconds"] > 0 and len(data["gpt3_strategy"]) == 6  # it found a plan
     assert all(r["predicted_bytes"] == r["measured_bytes"] for r in data["rank"])
     assert len(data["rank"]) >= 8 and data["rank_spearman"] >= 0.8
