@@ -61,6 +61,26 @@ class Proto:
     floor: float = math.inf
 
 
+def _form(sched, groups: int, microbatches: int, layers: int):
+    """``(where, stash, kept, split)`` of a schedule on ``groups`` device groups and
+    ``microbatches``, or None when it cannot run them (its check refuses, or it
+    has more stages than there are layers)."""
+    n = sched.stages(groups)
+    if n > layers:
+        return None
+    try:
+        sched.check(groups, microbatches)
+    except SBPError:
+        return None
+    kept_counts = getattr(sched, "kept_counts", None)
+    return (
+        [sched.device_of(s, groups) for s in range(n)],
+        list(sched.stash_counts(groups, microbatches)),
+        kept_counts(groups, microbatches) if kept_counts is not None else None,
+        bool(getattr(sched, "split_backward", False)),
+    )
+
+
 class Space:
     """Every configuration of the search (see :func:`sbpjax.search.search_pipeline`)."""
 
@@ -84,31 +104,19 @@ class Space:
         self._grids: dict = {}
         self.protos: list[Proto] = []
         shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
+        forms: dict = {}  # (schedule, groups, microbatches) -> what the schedule makes of them
         for (count, shape, spans), m, sched, remat in itertools.product(
             shapes, microbatches, schedules, remats
         ):
-            n = sched.stages(count)
-            if n > len(profiles) or self.scaled(m) is None:
+            if self.scaled(m) is None:
                 continue
-            try:
-                sched.check(count, m)
-            except SBPError:
-                continue
-            kept_counts = getattr(sched, "kept_counts", None)
-            self.protos.append(
-                Proto(
-                    count,
-                    shape,
-                    spans,
-                    m,
-                    sched,
-                    remat,
-                    [sched.device_of(s, count) for s in range(n)],
-                    list(sched.stash_counts(count, m)),
-                    kept_counts(count, m) if kept_counts is not None else None,
-                    bool(getattr(sched, "split_backward", False)),
-                )
-            )
+            key = (id(sched), count, m)
+            if key not in forms:
+                # checking an action list plays it through: once per schedule, group count and
+                # microbatch count, not again for every stage shape and remat
+                forms[key] = _form(sched, count, m, len(profiles))
+            if forms[key] is not None:
+                self.protos.append(Proto(count, shape, spans, m, sched, remat, *forms[key]))
 
     def scaled(self, m: int) -> list[LayerProfile] | None:
         """The profiles at one microbatch of ``batch / m`` examples (None when a
