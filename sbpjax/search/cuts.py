@@ -55,17 +55,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 
-from sbpjax.pipeline import simulate
+from sbpjax.pipeline import ActorGraph, build_graph, simulate_graph
 from sbpjax.pipeline.balance import range_costs, suffix_table
 from sbpjax.search.pipeline_cost import ConfigCosts
 
 
 @dataclasses.dataclass
 class Setting:
-    """A configuration without its cut: ``where[s]`` is stage ``s``'s device group."""
+    """A configuration without its cut: ``where[s]`` is stage ``s``'s device group.
+    ``graph``: the actor graph of its schedule (one for every cut: only the
+    durations differ), or None to build it for each simulation."""
 
     schedule: object
     groups: int
@@ -76,6 +79,7 @@ class Setting:
     kept: list | None
     where: list
     split: bool
+    graph: Callable[[], ActorGraph] | None = None
 
     @property
     def stages(self) -> int:
@@ -182,7 +186,8 @@ def evaluate(st: Setting, bounds) -> Evaluated | None:
     memory = group_memory(st, bounds)
     if st.budget is not None and max(memory) > st.budget:
         return None
-    timeline = simulate(st.schedule, st.groups, st.microbatches, durations(st, bounds))
+    graph = st.graph() if st.graph is not None else build_graph(st.schedule, st.groups, st.microbatches)
+    timeline = simulate_graph(graph, durations(st, bounds))
     return Evaluated(tuple(bounds), float(timeline.makespan), memory)
 
 

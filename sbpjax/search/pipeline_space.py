@@ -12,10 +12,12 @@ cannot beat the best step found is dropped without searching its layouts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
 from sbpjax._errors import SBPError
+from sbpjax.pipeline import ActorGraph, build_graph
 from sbpjax.search.cost import MemoryModel
 from sbpjax.search.cuts import Setting
 from sbpjax.search.pipeline_cost import ComputeModel, Layouts, config_costs, floor_layouts, layout_candidates
@@ -102,6 +104,7 @@ class Space:
         self._layouts: dict = {}
         self._floors: dict = {}
         self._grids: dict = {}
+        self._graph_cache: dict = {}
         self.protos: list[Proto] = []
         shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
         forms: dict = {}  # (schedule, groups, microbatches) -> what the schedule makes of them
@@ -169,4 +172,13 @@ class Space:
             proto.kept,
             proto.where,
             proto.split,
+            functools.partial(self.graph, proto),
         )
+
+    def graph(self, proto: Proto) -> ActorGraph:
+        """The actor graph of the proto's schedule, groups and microbatches (cached:
+        building it checks the schedule's action lists, which every cut shares)."""
+        key = (id(proto.schedule), proto.groups, proto.microbatches)
+        if key not in self._graph_cache:
+            self._graph_cache[key] = build_graph(proto.schedule, proto.groups, proto.microbatches)
+        return self._graph_cache[key]
