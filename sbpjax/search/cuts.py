@@ -313,13 +313,16 @@ class _GroupBounds:
         self.count = _by_group(np.ones(n), where, G).astype(np.int64)
         lands = np.asarray([tb.lands(s) for s in range(n)])
         self.fixed = _by_group(m * (2 * c.action_s + lands * tb.t_min), where, G)
-        self.lo = _by_group(_least_layer(w[None, :], n), where, G)
-        self.lo_units = _by_group(_least_layer(units[None, :], n), where, G)
+        self.lo = _by_group(_least_layer(w, n), where, G)
+        self.lo_units = _by_group(_least_layer(units, n), where, G)
         if st.budget is not None:
             stash = np.asarray(st.stash, dtype=np.float64)
             kept = np.asarray(st.kept if st.kept is not None else [0] * n, dtype=np.float64)
-            per_layer = c.param_bytes + stash[:, None] * c.stash_bytes + kept[:, None] * c.kept_bytes
-            self.need_held = _by_group(_least_layer(per_layer, n), where, G)
+            # the least of a sum is at least the sum of the leasts (exact for alike layers)
+            least = _least_layer(c.param_bytes, n) + stash[:, None] * _least_layer(c.stash_bytes, n)
+            if st.kept is not None:
+                least = least + kept[:, None] * _least_layer(c.kept_bytes, n)
+            self.need_held = _by_group(least, where, G)
             # a group's layers hold at least what its stages' least stash and kept counts make them
             least = np.stack([_least_after(v, where, G) for v in (stash, kept)], axis=-1)  # [s, g, 2]
             counts, self.profile = np.unique(least.reshape(-1, 2), axis=0, return_inverse=True)
@@ -425,18 +428,16 @@ def _least_after(values: np.ndarray, where: np.ndarray, groups: int) -> np.ndarr
 
 
 def _least_layer(v: np.ndarray, n: int) -> np.ndarray:
-    """``[s, a]``: the least ``v[s, j]`` of a layer stage ``s`` (of ``n``) must hold
-    when layers ``a ..`` are left to it and the stages after it (``v``: one row,
-    or one per stage): it starts at a layer ``j`` with ``a <= j <= L - n + s``
-    (one layer for each later stage), and the last stage holds the last layer."""
-    L = v.shape[1]
-    v = np.broadcast_to(v, (n, L))
-    j = np.arange(L)
-    # [s, a, j]: v[s, j] for j from a on; running minima give min v[s, a:t] at [s, a, t - 1]
-    ahead = np.where(j[None, None, :] >= np.arange(L + 1)[None, :, None], v[:, None, :], np.inf)
-    low = np.minimum.accumulate(ahead, axis=2)
-    out = low[np.arange(n), :, np.arange(L - n, L)]  # t - 1 = L - n + s
-    out[n - 1] = v[n - 1, L - 1]
+    """``[s, a]``: the least ``v[j]`` of a layer stage ``s`` (of ``n``) must hold when
+    layers ``a ..`` are left to it and the stages after it: it starts at a layer
+    ``j`` with ``a <= j <= L - n + s`` (one layer for each later stage), and the
+    last stage holds the last layer."""
+    L = len(v)
+    # [a, t]: min v[a:t], from running minima along each row of the layers from a on
+    ahead = np.where(np.arange(L)[None, :] >= np.arange(L + 1)[:, None], v[None, :], np.inf)
+    low = np.minimum.accumulate(ahead, axis=1)
+    out = low[:, L - n : L].T.copy()  # t - 1 = L - n + s
+    out[n - 1] = v[L - 1]
     return out
 
 
