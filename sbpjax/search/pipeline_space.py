@@ -105,6 +105,7 @@ class Space:
         self._floors: dict = {}
         self._grids: dict = {}
         self._graph_cache: dict = {}
+        self._costs: dict = {}
         self.protos: list[Proto] = []
         shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
         forms: dict = {}  # (schedule, groups, microbatches) -> what the schedule makes of them
@@ -157,11 +158,14 @@ class Space:
             if key not in self._floors:
                 self._floors[key] = floor_layouts(scaled, self.stage_grid(proto), self.memory)
             layouts = self._floors[key]
+        key = (proto.shape, proto.microbatches, proto.remat, id(layouts))
+        if key not in self._costs:  # the same for every schedule
 
-        def transfer(nbytes):
-            return self.grid.cost_model.transfer_time(nbytes, proto.spans) if proto.spans else 0.0
+            def transfer(nbytes):
+                return self.grid.cost_model.transfer_time(nbytes, proto.spans) if proto.spans else 0.0
 
-        costs = config_costs(scaled, layouts, devices, self.compute, proto.remat, transfer)
+            self._costs[key] = config_costs(scaled, layouts, devices, self.compute, proto.remat, transfer)
+        costs = self._costs[key]
         return Setting(
             proto.schedule,
             proto.groups,
