@@ -191,6 +191,14 @@ def evaluate(st: Setting, bounds) -> Evaluated | None:
     return Evaluated(tuple(bounds), float(timeline.makespan), memory)
 
 
+def derived(costs: ConfigCosts, key, make: Callable[[], np.ndarray]) -> np.ndarray:
+    """``make()``, kept in ``costs.derived`` under ``key``: what depends on a
+    configuration's prices alone is computed once for every schedule priced with them."""
+    if key not in costs.derived:
+        costs.derived[key] = make()
+    return costs.derived[key]
+
+
 class _Tables:
     """Per stage ``s`` of one configuration, over layers ``a .. b-1`` (``(L+1, L+1)``
     arrays): ``bound(s)``, the decomposable stage bound (``inf`` where the stage
@@ -203,36 +211,49 @@ class _Tables:
         self.st = st
         c, m, L = st.costs, st.microbatches, st.costs.layers
         ov = c.action_s
-        self.F, self.B = range_costs(c.f) + ov, range_costs(c.b) + ov
+        self.F = derived(c, "F", lambda: range_costs(c.f) + ov)
+        self.B = derived(c, "B", lambda: range_costs(c.b) + ov)
         self.pre_f = np.concatenate([[0.0], np.cumsum(c.f)])[:, None]
         self.pre_b = np.concatenate([[0.0], np.cumsum(c.b)])[:, None]
         self.t_min = float(c.transfer[1:].min()) if L > 1 else 0.0
         self.by_end = np.append(c.transfer, 0.0)  # by_end[j]: the boundary before layer j (none at the end)
         self.edges = self.pre_f + (0.0 if st.split else self.pre_b)  # the head's and tail's layers
-        self.busy = m * (self.F + self.B)
+        self.busy = derived(c, ("busy", m), lambda: m * (self.F + self.B))
         if not st.split:
-            after = (
-                self.pre_f[L, 0] - self.pre_f + self.pre_b[L, 0] - self.pre_b
-            ).T  # later stages' layers, by end b
-            self.stashed = self.edges + self.F + after + m * self.B
+
+            def stashed():
+                after = (self.pre_f[L, 0] - self.pre_f + self.pre_b[L, 0] - self.pre_b).T  # by end b
+                return self.edges + self.F + after + m * self.B
+
+            self.stashed = derived(c, ("stashed", m), stashed)  # the later stages' layers, by end b
         if st.budget is not None:
-            self.params = range_costs(c.param_bytes)
-            self.stash = range_costs(c.stash_bytes)
-            self.kept = range_costs(c.kept_bytes) if st.kept is not None else None
+            self.params = derived(c, "params", lambda: range_costs(c.param_bytes))
+            self.stash = derived(c, "stash", lambda: range_costs(c.stash_bytes))
+            self.kept = derived(c, "kept", lambda: range_costs(c.kept_bytes)) if st.kept is not None else None
+        self._work: dict = {}
+        self._held: dict = {}
 
     def lands(self, s: int) -> int:
         """Transfers landing on stage ``s`` per microbatch: its input, and the gradient of its output."""
         return (s > 0) + (s < self.st.stages - 1)
 
     def work(self, s: int) -> np.ndarray:
-        # a stage's transfers are priced at its input boundary (at a), stage 0's at its output (at b)
-        landing = self.by_end[:, None] if s > 0 else self.by_end[None, :]
-        return self.busy + (self.st.microbatches * self.lands(s)) * landing
+        key = (s > 0, self.lands(s))  # what work depends on
+        if key not in self._work:
+            # a stage's transfers are priced at its input boundary (at a), stage 0's at its output (at b)
+            landing = self.by_end[:, None] if s > 0 else self.by_end[None, :]
+            self._work[key] = self.busy + (self.st.microbatches * self.lands(s)) * landing
+        return self._work[key]
 
     def held(self, s: int) -> np.ndarray:
         st = self.st
-        held = self.params + st.stash[s] * self.stash
-        return held + st.kept[s] * self.kept if self.kept is not None and st.kept is not None else held
+        key = (st.stash[s], st.kept[s] if st.kept is not None else None)  # what held depends on
+        if key not in self._held:
+            held = self.params + st.stash[s] * self.stash
+            if self.kept is not None and st.kept is not None:
+                held = held + st.kept[s] * self.kept
+            self._held[key] = held
+        return self._held[key]
 
     def bound(self, s: int) -> np.ndarray:
         st, ov, t_min = self.st, self.st.costs.action_s, self.t_min
@@ -296,14 +317,16 @@ class _GroupBounds:
         self.tb, self.st = tb, st
         w = m * (c.f + c.b)  # each layer's work per step
         self.work_left = np.append(np.cumsum(w[::-1])[::-1], 0.0)  # [a]: layers a ..
-        self.heavy = -_sorted_sums(-w)  # [a, k]: the k heaviest of layers a .. (read for k <= L - a)
+        # [a, k]: the k heaviest of layers a .. (read for k <= L - a)
+        self.heavy = derived(c, ("heavy", m), lambda: -_sorted_sums(-w))
         # whole layers: a layer holds floor(work / piece) pieces of the typical layer's work (a
         # model of repeated blocks: one piece each), and a group gets whole layers, so whole pieces
         positive = w[w > 0]
         self.piece = float(np.median(positive)) if len(positive) else 0.0
         units = np.floor(w / self.piece) if self.piece > 0 else np.zeros(L)
         self.units_left = np.append(np.cumsum(units[::-1])[::-1], 0.0)
-        self.heavy_units = -_sorted_sums(-units)  # [a, k]: the pieces of the k richest of layers a ..
+        # [a, k]: the pieces of the k richest of layers a ..
+        self.heavy_units = derived(c, ("heavy units", m), lambda: -_sorted_sums(-units))
         # the last stage holds the last layer: its work past whole pieces is its group's too
         self.last_rest = np.zeros(G)
         self.last_rest[st.where[n - 1]] = w[L - 1] - units[L - 1] * self.piece
@@ -313,15 +336,20 @@ class _GroupBounds:
         self.count = _by_group(np.ones(n), where, G).astype(np.int64)
         lands = np.asarray([tb.lands(s) for s in range(n)])
         self.fixed = _by_group(m * (2 * c.action_s + lands * tb.t_min), where, G)
-        self.lo = _by_group(_least_layer(w, n), where, G)
-        self.lo_units = _by_group(_least_layer(units, n), where, G)
+        self.lo = _by_group(derived(c, ("least work", m, n), lambda: _least_layer(w, n)), where, G)
+        least = derived(c, ("least units", m, n), lambda: _least_layer(units, n))
+        self.lo_units = _by_group(least, where, G)
         if st.budget is not None:
             stash = np.asarray(st.stash, dtype=np.float64)
             kept = np.asarray(st.kept if st.kept is not None else [0] * n, dtype=np.float64)
             # the least of a sum is at least the sum of the leasts (exact for alike layers)
-            least = _least_layer(c.param_bytes, n) + stash[:, None] * _least_layer(c.stash_bytes, n)
+            layer = {
+                name: derived(c, ("least", name, n), lambda v=v: _least_layer(v, n))
+                for name, v in (("params", c.param_bytes), ("stash", c.stash_bytes), ("kept", c.kept_bytes))
+            }
+            least = layer["params"] + stash[:, None] * layer["stash"]
             if st.kept is not None:
-                least = least + kept[:, None] * _least_layer(c.kept_bytes, n)
+                least = least + kept[:, None] * layer["kept"]
             self.need_held = _by_group(least, where, G)
             # a group's layers hold at least what its stages' least stash and kept counts make them
             least = np.stack([_least_after(v, where, G) for v in (stash, kept)], axis=-1)  # [s, g, 2]
@@ -331,20 +359,6 @@ class _GroupBounds:
             per_layer = c.param_bytes + np.where(usable, counts[:, 0], 0)[:, None] * c.stash_bytes
             per_layer = per_layer + np.where(usable, counts[:, 1], 0)[:, None] * c.kept_bytes
             self.cheap = _sorted_sums(per_layer)  # [i, a, k]: the k cheapest
-        self.works: dict = {}  # work(s) depends on s only through its landings
-        self.helds: dict = {}  # held(s) only through its stash and kept counts
-
-    def work(self, s: int) -> np.ndarray:
-        key = (s > 0, self.tb.lands(s))
-        if key not in self.works:
-            self.works[key] = self.tb.work(s)
-        return self.works[key]
-
-    def held(self, s: int) -> np.ndarray:
-        key = (self.st.stash[s], self.st.kept[s] if self.st.kept is not None else None)
-        if key not in self.helds:
-            self.helds[key] = self.tb.held(s)
-        return self.helds[key]
 
     def layers(self, held: np.ndarray, s: int, ends: np.ndarray) -> np.ndarray:
         """``[i, j]``: the most layers from ``ends[i]`` on the ``j``-th group with
@@ -383,7 +397,7 @@ class _GroupBounds:
         st, tb, g = self.st, self.tb, self.st.where[s]
         t = tb.by_end[a] if s > 0 else tb.by_end[ends]
         start = p.start[g] if np.isfinite(p.start[g]) else p.head + p.tail
-        load = p.load[g] + self.work(s)[a, ends]
+        load = p.load[g] + tb.work(s)[a, ends]
         head = p.head + tb.F[a, ends] + (t if s > 0 else 0.0)
         tail = p.tail + (tb.B[a, ends] + t if not st.split else np.zeros(len(ends)))
         placed = np.repeat((p.start + p.load)[None, :], len(ends), axis=0)  # -inf: no stage yet
@@ -391,7 +405,7 @@ class _GroupBounds:
         keys = placed.max(axis=1)
         held = np.repeat(p.held[None, :], len(ends), axis=0)  # [i, group]: bytes per device
         if st.budget is not None:
-            held[:, g] += self.held(s)[a, ends]
+            held[:, g] += tb.held(s)[a, ends]
             # the stages left hold at least one layer each
             fullest = (held + self.need_held[s + 1][:, ends].T).max(axis=1)
             keys = np.where(fullest + st.costs.recompute_bytes > st.budget, np.inf, keys)
