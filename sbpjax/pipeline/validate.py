@@ -77,6 +77,9 @@ def _check_shape(lists, devices, microbatches, stage_devices, name) -> bool:
     split = bool(kinds & set(SPLIT[1:]))
     for d, seq in lists.items():
         for pos, (kind, s, k) in enumerate(seq):
+            if kind in KINDS and not (split and kind == "backward") and 0 <= s < n:
+                if stage_devices[s] == d and 0 <= k < microbatches:
+                    continue  # the usual case: no message to write
             where = _where(name, d, pos, (kind, s, k))
             if kind not in KINDS:
                 raise SBPError(
