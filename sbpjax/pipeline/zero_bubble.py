@@ -185,7 +185,9 @@ def greedy_lists(
             held[d] += {F: 1, B: 0, W: -1}[kind]
             lists[d].append((kind, s, k))
             left -= 1
-        later = [t for t in (*busy_until, *done.values()) if t > now]
+        # a completion still ahead is its device's latest (a device starts nothing before it is
+        # free), so the devices' busy times are all the times ahead
+        later = [t for t in busy_until if t > now]
         if left and not later:  # every device idle with work left: the limit is too small
             raise SBPError(
                 f"zero-bubble list scheduler: no order within {in_flight} microbatch-chunks in flight "
