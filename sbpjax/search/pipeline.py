@@ -125,8 +125,10 @@ def search_pipeline(
     "branch_and_bound" or "exhaustive". ``tolerance``: branch and bound skips
     what its bounds put within this fraction of the best step found, so the
     plan's step is at most ``1 + tolerance`` times the best of the space (0:
-    exact). ``max_simulations``: per configuration, after which its cut is the
-    best found (``plan.proven`` says whether no configuration hit it)."""
+    exact). ``max_simulations``: per configuration, the cuts played on its
+    schedule (simulated, or for a schedule with action lists first bounded
+    along them), after which its cut is the best found (``plan.proven`` says
+    whether no configuration hit it)."""
     t0 = time.perf_counter()
     if method not in PIPELINE_METHODS:
         raise SBPError(f"search_pipeline: unknown method {method!r}; use one of {PIPELINE_METHODS}.")

@@ -17,7 +17,17 @@ import sbpjax.search as ss
 from sbpjax.pipeline.registry import as_schedule
 from sbpjax.search.algorithms import Problem
 from sbpjax.search.cost import ClosedForm, MemoryModel, build_tables
-from sbpjax.search.cuts import _GroupBounds, _Partial, _Tables, evaluate, every_cut, least_bound, lower_bound
+from sbpjax.search.cuts import (
+    _GroupBounds,
+    _Partial,
+    _Tables,
+    evaluate,
+    every_cut,
+    least_bound,
+    list_bound,
+    list_order,
+    lower_bound,
+)
 from sbpjax.search.layers import MatmulOp
 from sbpjax.search.pipeline_cost import chain_tables
 from sbpjax.search.pipeline_space import Space
@@ -49,9 +59,9 @@ def random_case(seed):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_bounds_never_exceed_the_simulated_step(seed):
-    """Every cut of every configuration: its bound, and the least bound of its
-    configuration, are at most its simulated step (what makes the branch and
-    bound exact)."""
+    """Every cut of every configuration: its bound, the least bound of its
+    configuration and, for a schedule with action lists, the bound along its
+    lists are at most its simulated step (what makes the branch and bound exact)."""
     profiles, grid, kw = random_case(seed)
     memory = MemoryModel(limit=None)
     schedules = [sjp.Interleaved1F1B(2)] + [as_schedule(n) for n in ss.schedule_names()]
@@ -62,11 +72,14 @@ def test_bounds_never_exceed_the_simulated_step(seed):
         for layouts in space.layouts(proto):
             st = space.setting(proto, layouts)
             least = least_bound(st)
+            order = list_order(st)
             assert floor <= least * (1 + 1e-12)
             for bounds in every_cut(st.costs.layers, st.stages):
                 step = evaluate(st, bounds).step_s
                 assert lower_bound(st, bounds) <= step * (1 + 1e-12), (proto, bounds)
                 assert least <= step * (1 + 1e-12)
+                if order is not None:
+                    assert list_bound(st, order, bounds) <= step * (1 + 1e-12), (proto, bounds)
                 checked += 1
     assert checked > 50
 
