@@ -35,8 +35,9 @@ bounded by the cheapest boundary), so ``max_s LB_s`` is minimized over all cuts 
 dynamic program of :mod:`sbpjax.pipeline.balance`. Its table also bounds
 every completion of a partial cut, so a depth-first walk over cuts, cheapest
 bound first, that stops where the bound reaches the best simulated step,
-simulates only cuts that could still win: the result is the exact optimum
-over all cuts, usually after one or a few simulations.
+finds only cuts that could still win (:func:`cut_candidates`); simulated
+cheapest bound first while they can, they give the exact optimum over all
+cuts, usually after one or a few simulations.
 
 Where a device group runs several stages (interleaved, V-shaped schedules),
 the stage tables see one stage of a group, and a group's bound is a sum over
@@ -51,10 +52,10 @@ best cut found stands and the result says it is not proven.
 
 A schedule with action lists fixes each device's order, which the bounds
 above do not know (an order planned for other durations can leave a device
-idle for long): a cut that gets past them is first played along its lists
-with clocks (:func:`list_bound`), which costs a small part of a simulation
-and comes close to it (the simulator adds the transfers' turns on the devices),
-and is simulated only if it can still win.
+idle for long): a cut that gets past them is played along its lists with
+clocks (:func:`list_bound`), which costs a small part of a simulation and
+comes close to it (the simulator adds the transfers' turns on the devices),
+and is simulated only if that bound can still win.
 """
 
 from __future__ import annotations
@@ -585,50 +586,44 @@ def least_bound(st: Setting) -> float:
     return least
 
 
-def branch_and_bound(
-    st: Setting, incumbent: float = math.inf, max_simulations: int = 64, tolerance: float = 0.0
-):
-    """The best cut of ``st`` simulating under ``incumbent``, as ``(Evaluated or
-    None, proven, simulations)``: a cut is skipped when its bound is within
-    ``tolerance`` of the best step found (``bound * (1 + tolerance) >= best``), so
-    the result is at most ``1 + tolerance`` times the optimum. A cut that gets
-    past the bounds is played on the schedule: for a schedule with action lists
-    first along them (:func:`list_bound`), then simulated unless that rules it
-    out. ``proven`` is False when ``max_simulations`` cuts were played before
-    every cut that could still win was, or the bounds they pay for
-    (:func:`_bound_budget`) ran out."""
+def cut_candidates(st: Setting, incumbent: float = math.inf, max_plays: int = 64, tolerance: float = 0.0):
+    """The cuts of ``st`` that could beat ``incumbent``, as ``([(bound, cut)],
+    proven)``, the caller to simulate them cheapest bound first while they can
+    still win. A cut is skipped when its bound is within ``tolerance`` of the
+    incumbent (``bound * (1 + tolerance) >= incumbent``), so the best simulated
+    is at most ``1 + tolerance`` times the optimum. A cut that gets past the
+    bounds is played on the schedule, for a schedule with action lists along
+    them (:func:`list_bound`), which tightens its bound. ``proven`` is False when
+    ``max_plays`` cuts were played before every cut that could win was, or the
+    bounds they pay for (:func:`_bound_budget`) ran out."""
     tb = _Tables(st)
     L, n = st.costs.layers, st.stages
     tables = [tb.bound(s) for s in range(n)]
     G, _ = suffix_table(lambda s: tables[s], L, n)
     groups = None if st.one_stage_per_group else _GroupBounds(tb)
-    best: list = [None, incumbent]
-    state = {"simulations": 0, "played": 0, "proven": True, "priced": 0}
+    found: list = []
+    state = {"played": 0, "proven": True, "priced": 0}
     order = list_order(st)
-    budget = max_simulations * _bound_budget(st)
+    budget = max_plays * _bound_budget(st)
 
     def leaf(bounds):
-        # a cut over budget is not simulated, so it does not count as a simulation
         if st.budget is not None and max(group_memory(st, bounds)) > st.budget:
+            return  # never simulated
+        bound = lower_bound(st, bounds)
+        if bound * (1 + tolerance) >= incumbent:
             return
-        if lower_bound(st, bounds) * (1 + tolerance) >= best[1]:
-            return
-        if state["played"] >= max_simulations:
+        if state["played"] >= max_plays:
             state["proven"] = False
             return
-        # a cut played on the schedule's action lists counts as a simulation, whether the
-        # lists' order already rules it out (at a fraction of the cost) or it is simulated
         state["played"] += 1
-        if order and list_bound(st, order, bounds) * (1 + tolerance) >= best[1]:
-            return
-        state["simulations"] += 1
-        result = evaluate(st, bounds)
-        if result is not None and result.step_s < best[1]:
-            best[0], best[1] = result, result.step_s
+        if order:
+            bound = max(bound, list_bound(st, order, bounds))
+        if bound * (1 + tolerance) < incumbent:
+            found.append((bound, bounds))
 
     def walk(s: int, a: int, so_far: float, bounds: list, part: _Partial | None):
         if not state["proven"]:
-            return  # out of simulations or bounds: the best found stands
+            return  # out of plays or bounds: the cuts found stand
         if s == n - 1:
             leaf([*bounds, (a, L)])
             return
@@ -637,7 +632,7 @@ def branch_and_bound(
         child = None
         if groups is not None:
             # the group bound only for the ends the stage tables leave
-            live = keys * (1 + tolerance) < best[1]
+            live = keys * (1 + tolerance) < incumbent
             ends, keys = ends[live], keys[live]
             state["priced"] += len(ends)
             if state["priced"] > budget:
@@ -648,7 +643,7 @@ def branch_and_bound(
             group_keys, child = groups.extend(part, s, a, ends)
             keys = np.maximum(keys, group_keys)
         for i in np.argsort(keys, kind="stable"):
-            if keys[i] * (1 + tolerance) >= best[1] or not np.isfinite(keys[i]):
+            if keys[i] * (1 + tolerance) >= incumbent or not np.isfinite(keys[i]):
                 break
             b = int(ends[i])
             below = None if child is None else child(i)
@@ -657,13 +652,13 @@ def branch_and_bound(
     least = max(float(G[0][0]), tb.mean_load())
     if np.isfinite(least) and least * (1 + tolerance) < incumbent:
         walk(0, 0, 0.0, [], None if groups is None else _Partial.empty(st.groups))
-    return best[0], state["proven"], state["simulations"]
+    return found, state["proven"]
 
 
 def _bound_budget(st: Setting) -> int:
-    """Partial cuts the group bound may price per simulation allowed: as many as
-    the stage tables have (stage, first layer) entries a cut can use, so the
-    walk costs about what building those tables does, per cut it may simulate.
+    """Partial cuts the group bound may price per cut played: as many as the
+    stage tables have (stage, first layer) entries a cut can use (one walk
+    down that prices every end of every stage), per cut it may play.
     Where a group runs one stage the stage tables alone bound the walk, which
     then reaches a cut to simulate within a few steps of each."""
     return st.stages * (st.costs.layers - st.stages + 1)
