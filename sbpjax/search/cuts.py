@@ -67,6 +67,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from sbpjax._errors import SBPError
 from sbpjax.pipeline import ActorGraph, build_graph, simulate_graph
 from sbpjax.pipeline.balance import range_costs, suffix_table
 from sbpjax.search.pipeline_cost import ConfigCosts
@@ -205,7 +206,8 @@ def list_order(st: Setting) -> list | None:
     n, index, order = st.stages, {}, []
     cursor, last = dict.fromkeys(lists, 0), dict.fromkeys(lists, -1)
     left = sum(len(seq) for seq in lists.values())
-    while left:  # valid lists (the schedule's check) always move
+    while left:
+        before = left
         for d, seq in lists.items():
             while cursor[d] < len(seq):
                 kind, s, k = seq[cursor[d]]
@@ -224,6 +226,12 @@ def list_order(st: Setting) -> list | None:
                 last[d] = len(order) - 1
                 cursor[d] += 1
                 left -= 1
+        if left == before:
+            raise SBPError(
+                f"search_pipeline: the action lists of {st.schedule!r} on {st.groups} device groups and "
+                f"{st.microbatches} microbatches cannot run to the end; check them with "
+                "schedule.check(devices, microbatches), which names the action that waits."
+            )
     return order
 
 

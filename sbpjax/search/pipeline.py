@@ -17,9 +17,10 @@ group cuts the model into ``g v`` stages), every microbatch count given
 (default: the divisors of the batch up to 64), remat off and on, and the
 layout candidates of :mod:`sbpjax.search.pipeline_cost` for the stage grid and
 microbatch size. For each configuration :mod:`sbpjax.search.cuts` finds the
-best cut exactly (branch and bound on the simulated step), and configurations
-are taken cheapest lower bound first, so the search stops as soon as no
-configuration left can beat the best step found. ``method="exhaustive"``
+cuts that could win (branch and bound on the simulated step), and
+configurations and cuts are taken from one queue, cheapest lower bound first
+(a cut taken is simulated), so the search stops as soon as nothing left can
+beat the best step found. ``method="exhaustive"``
 simulates every cut of every configuration instead: the same space and the
 same prices, for checking the search on small cases.
 """
@@ -199,28 +200,28 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
     # out is searched for the cuts that could win, which enter at their bounds; a cut
     # taken out is simulated. Whatever is left is bounded above the best step.
     queue: list = []
-    order = itertools.count()  # ties go to what entered first
+    entered = itertools.count()  # ties go to what entered first
 
     def push(bound, proto, what):
         if math.isfinite(bound):
-            heapq.heappush(queue, (bound, next(order), proto, what))
+            heapq.heappush(queue, (bound, next(entered), proto, what))
 
     for proto in space.protos:
         proto.floor = least_bound(space.setting(proto))
         push(proto.floor, proto, None)
     while queue and queue[0][0] * (1 + tolerance) < best_step:
         _, _, proto, what = heapq.heappop(queue)
-        if what is None:
+        if what is None:  # a configuration: its layout candidates
             for layouts in space.layouts(proto):
                 st = space.setting(proto, layouts)
                 push(least_bound(st), proto, (st, layouts))
-        elif len(what) == 2:
+        elif len(what) == 2:  # a priced configuration: its cuts that could win
             st, layouts = what
             found, done = cut_candidates(st, best_step, max_simulations, tolerance)
             proven = proven and done
             for bound, bounds in found:
                 push(bound, proto, (st, layouts, bounds))
-        else:
+        else:  # a cut
             st, layouts, bounds = what
             sims += 1
             r = evaluate(st, bounds)
