@@ -77,6 +77,9 @@ def _check_shape(lists, devices, microbatches, stage_devices, name) -> bool:
     split = bool(kinds & set(SPLIT[1:]))
     for d, seq in lists.items():
         for pos, (kind, s, k) in enumerate(seq):
+            if kind in KINDS and not (split and kind == "backward") and 0 <= s < n:
+                if stage_devices[s] == d and 0 <= k < microbatches:
+                    continue  # the usual case: no message to write
             where = _where(name, d, pos, (kind, s, k))
             if kind not in KINDS:
                 raise SBPError(
@@ -143,6 +146,16 @@ def _needs(action, n: int) -> list:
     return after
 
 
+def _met(action, n: int, done: set) -> bool:
+    """Whether everything ``action`` waits for (:func:`_needs`) is in ``done``."""
+    kind, s, k = action
+    if kind == "forward":
+        return s == 0 or ("forward", s - 1, k) in done
+    if kind == "backward_weight":
+        return ("backward_input", s, k) in done
+    return ("forward", s, k) in done and (s == n - 1 or (kind, s + 1, k) in done)
+
+
 def _check_dependencies(lists, n, split, name) -> None:
     """Play the lists without clocks: each device runs its next action once what
     it waits for is done. If every device is blocked, name who waits for what."""
@@ -152,7 +165,7 @@ def _check_dependencies(lists, n, split, name) -> None:
     while left:
         moved = False
         for d, seq in lists.items():
-            while cursor[d] < len(seq) and all(a in done for a in _needs(seq[cursor[d]], n)):
+            while cursor[d] < len(seq) and _met(seq[cursor[d]], n, done):
                 done.add(seq[cursor[d]])
                 cursor[d] += 1
                 left -= 1

@@ -150,42 +150,44 @@ def greedy_lists(
     forward and its W. Deterministic: times advance to the next completion and
     ties go to the lowest microbatch, then the highest stage."""
     n = len(stage_devices)
-    nxt = {(kind, s): 0 for kind in (F, B, W) for s in range(n)}
-    done: dict = {}
+    never = float("inf")
+    # per kind (F, B, W): the next microbatch of each stage, and when each of its actions ends
+    nxt = [[0] * n for _ in range(3)]
+    ends = [[[never] * m for _ in range(n)] for _ in range(3)]
+    took = [durations[F], durations[B], durations[W]]
     busy_until = [0.0] * p
     held = [0] * p
     lists: dict[int, list] = {d: [] for d in range(p)}
     left, now = 3 * n * m, 0.0
     mine = [[s for s in range(n) if stage_devices[s] == d] for d in range(p)]
+    f_end, b_end, w_end = ends
     while left:
         for d in range(p):
             if busy_until[d] > now:
                 continue
             ready = []
             for s in mine[d]:
-                k = nxt[(F, s)]
-                if k < m and held[d] < in_flight[d] and (s == 0 or done.get((F, s - 1, k), now + 1) <= now):
-                    ready.append((1, k, -s, F))
-                k = nxt[(B, s)]
-                if (
-                    k < m
-                    and done.get((F, s, k), now + 1) <= now
-                    and (s == n - 1 or done.get((B, s + 1, k), now + 1) <= now)
-                ):
-                    ready.append((0, k, -s, B))
-                k = nxt[(W, s)]
-                if k < m and done.get((B, s, k), now + 1) <= now:
-                    ready.append((2, k, -s, W))
+                k = nxt[0][s]
+                if k < m and held[d] < in_flight[d] and (s == 0 or f_end[s - 1][k] <= now):
+                    ready.append((1, k, -s, 0))
+                k = nxt[1][s]
+                if k < m and f_end[s][k] <= now and (s == n - 1 or b_end[s + 1][k] <= now):
+                    ready.append((0, k, -s, 1))
+                k = nxt[2][s]
+                if k < m and b_end[s][k] <= now:
+                    ready.append((2, k, -s, 2))
             if not ready:
                 continue
             _, k, neg_s, kind = min(ready)
             s = -neg_s
-            done[(kind, s, k)] = busy_until[d] = now + durations[kind]
-            nxt[(kind, s)] += 1
-            held[d] += {F: 1, B: 0, W: -1}[kind]
-            lists[d].append((kind, s, k))
+            ends[kind][s][k] = busy_until[d] = now + took[kind]
+            nxt[kind][s] += 1
+            held[d] += (1, 0, -1)[kind]  # F holds a microbatch-chunk until its W
+            lists[d].append(((F, B, W)[kind], s, k))
             left -= 1
-        later = [t for t in (*busy_until, *done.values()) if t > now]
+        # a completion still ahead is its device's latest (a device starts nothing before it is
+        # free), so the devices' busy times are all the times ahead
+        later = [t for t in busy_until if t > now]
         if left and not later:  # every device idle with work left: the limit is too small
             raise SBPError(
                 f"zero-bubble list scheduler: no order within {in_flight} microbatch-chunks in flight "

@@ -17,9 +17,10 @@ group cuts the model into ``g v`` stages), every microbatch count given
 (default: the divisors of the batch up to 64), remat off and on, and the
 layout candidates of :mod:`sbpjax.search.pipeline_cost` for the stage grid and
 microbatch size. For each configuration :mod:`sbpjax.search.cuts` finds the
-best cut exactly (branch and bound on the simulated step), and configurations
-are taken cheapest lower bound first, so the search stops as soon as no
-configuration left can beat the best step found. ``method="exhaustive"``
+cuts that could win (branch and bound on the simulated step), and
+configurations and cuts are taken from one queue, cheapest lower bound first
+(a cut taken is simulated), so the search stops as soon as nothing left can
+beat the best step found. ``method="exhaustive"``
 simulates every cut of every configuration instead: the same space and the
 same prices, for checking the search on small cases.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import time
 
@@ -37,7 +39,7 @@ from sbpjax.pipeline.balance import range_costs, suffix_table, walk
 from sbpjax.pipeline.registry import as_schedule
 from sbpjax.pipeline.schedule import Schedule
 from sbpjax.search.cost import MemoryModel
-from sbpjax.search.cuts import Setting, branch_and_bound, evaluate, every_cut, group_memory, least_bound
+from sbpjax.search.cuts import Setting, cut_candidates, evaluate, every_cut, group_memory, least_bound
 from sbpjax.search.pipeline_cost import ComputeModel
 from sbpjax.search.pipeline_space import Space
 from sbpjax.search.plan import PipelinePlan
@@ -125,8 +127,10 @@ def search_pipeline(
     "branch_and_bound" or "exhaustive". ``tolerance``: branch and bound skips
     what its bounds put within this fraction of the best step found, so the
     plan's step is at most ``1 + tolerance`` times the best of the space (0:
-    exact). ``max_simulations``: per configuration, after which its cut is the
-    best found (``plan.proven`` says whether no configuration hit it)."""
+    exact). ``max_simulations``: per configuration, the cuts played on its
+    schedule (simulated, or for a schedule with action lists first bounded
+    along them), after which its cut is the best found (``plan.proven`` says
+    whether no configuration hit it)."""
     t0 = time.perf_counter()
     if method not in PIPELINE_METHODS:
         raise SBPError(f"search_pipeline: unknown method {method!r}; use one of {PIPELINE_METHODS}.")
@@ -193,27 +197,36 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
         return best, True, sims
     # best first over one queue: a configuration without layouts enters at its floor;
     # taken out, its layout candidates enter at their own bounds; a priced one taken
-    # out is searched for its cut. Whatever is left is bounded above the best step.
+    # out is searched for the cuts that could win, which enter at their bounds; a cut
+    # taken out is simulated. Whatever is left is bounded above the best step.
     queue: list = []
-    for i, proto in enumerate(space.protos):
+    entered = itertools.count()  # ties go to what entered first
+
+    def push(bound, proto, what):
+        if math.isfinite(bound):
+            heapq.heappush(queue, (bound, next(entered), proto, what))
+
+    for proto in space.protos:
         proto.floor = least_bound(space.setting(proto))
-        if math.isfinite(proto.floor):
-            heapq.heappush(queue, (proto.floor, i, -1, proto, None))
+        push(proto.floor, proto, None)
     while queue and queue[0][0] * (1 + tolerance) < best_step:
-        _, i, k, proto, st = heapq.heappop(queue)
-        if st is None:
-            for k, layouts in enumerate(space.layouts(proto)):
+        _, _, proto, what = heapq.heappop(queue)
+        if what is None:  # a configuration: its layout candidates
+            for layouts in space.layouts(proto):
                 st = space.setting(proto, layouts)
-                bound = least_bound(st)
-                if math.isfinite(bound):
-                    heapq.heappush(queue, (bound, i, k, proto, (st, layouts)))
-            continue
-        st, layouts = st
-        r, done, n = branch_and_bound(st, best_step, max_simulations, tolerance)
-        sims += n
-        proven = proven and done
-        if r is not None and r.step_s < best_step:
-            best, best_step = (proto, layouts, r), r.step_s
+                push(least_bound(st), proto, (st, layouts))
+        elif len(what) == 2:  # a priced configuration: its cuts that could win
+            st, layouts = what
+            found, done = cut_candidates(st, best_step, max_simulations, tolerance)
+            proven = proven and done
+            for bound, bounds in found:
+                push(bound, proto, (st, layouts, bounds))
+        else:  # a cut
+            st, layouts, bounds = what
+            sims += 1
+            r = evaluate(st, bounds)
+            if r is not None and r.step_s < best_step:
+                best, best_step = (proto, layouts, r), r.step_s
     return best, proven, sims
 
 

@@ -176,6 +176,9 @@ class ConfigCosts:
     recompute_bytes: float  # transient: one layer's activations during a remat backward
     transfer: np.ndarray
     action_s: float
+    # tables derived from these prices alone, kept for every schedule priced with them
+    # (:func:`sbpjax.search.cuts.derived` fills it)
+    derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def layers(self) -> int:

@@ -12,10 +12,12 @@ cannot beat the best step found is dropped without searching its layouts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
 from sbpjax._errors import SBPError
+from sbpjax.pipeline import ActorGraph, build_graph
 from sbpjax.search.cost import MemoryModel
 from sbpjax.search.cuts import Setting
 from sbpjax.search.pipeline_cost import ComputeModel, Layouts, config_costs, floor_layouts, layout_candidates
@@ -61,6 +63,26 @@ class Proto:
     floor: float = math.inf
 
 
+def _form(sched, groups: int, microbatches: int, layers: int):
+    """``(where, stash, kept, split)`` of a schedule on ``groups`` device groups and
+    ``microbatches``, or None when it cannot run them (its check refuses, or it
+    has more stages than there are layers)."""
+    n = sched.stages(groups)
+    if n > layers:
+        return None
+    try:
+        sched.check(groups, microbatches)
+    except SBPError:
+        return None
+    kept_counts = getattr(sched, "kept_counts", None)
+    return (
+        [sched.device_of(s, groups) for s in range(n)],
+        list(sched.stash_counts(groups, microbatches)),
+        kept_counts(groups, microbatches) if kept_counts is not None else None,
+        bool(getattr(sched, "split_backward", False)),
+    )
+
+
 class Space:
     """Every configuration of the search (see :func:`sbpjax.search.search_pipeline`)."""
 
@@ -82,33 +104,23 @@ class Space:
         self._layouts: dict = {}
         self._floors: dict = {}
         self._grids: dict = {}
+        self._graph_cache: dict = {}
+        self._costs: dict = {}
         self.protos: list[Proto] = []
         shapes = [r for r in stage_shapes(grid) if groups is None or r[0] in set(groups)]
+        forms: dict = {}  # (schedule, groups, microbatches) -> what the schedule makes of them
         for (count, shape, spans), m, sched, remat in itertools.product(
             shapes, microbatches, schedules, remats
         ):
-            n = sched.stages(count)
-            if n > len(profiles) or self.scaled(m) is None:
+            if self.scaled(m) is None:
                 continue
-            try:
-                sched.check(count, m)
-            except SBPError:
-                continue
-            kept_counts = getattr(sched, "kept_counts", None)
-            self.protos.append(
-                Proto(
-                    count,
-                    shape,
-                    spans,
-                    m,
-                    sched,
-                    remat,
-                    [sched.device_of(s, count) for s in range(n)],
-                    list(sched.stash_counts(count, m)),
-                    kept_counts(count, m) if kept_counts is not None else None,
-                    bool(getattr(sched, "split_backward", False)),
-                )
-            )
+            key = (id(sched), count, m)
+            if key not in forms:
+                # checking an action list plays it through: once per schedule, group count and
+                # microbatch count, not again for every stage shape and remat
+                forms[key] = _form(sched, count, m, len(profiles))
+            if forms[key] is not None:
+                self.protos.append(Proto(count, shape, spans, m, sched, remat, *forms[key]))
 
     def scaled(self, m: int) -> list[LayerProfile] | None:
         """The profiles at one microbatch of ``batch / m`` examples (None when a
@@ -146,11 +158,14 @@ class Space:
             if key not in self._floors:
                 self._floors[key] = floor_layouts(scaled, self.stage_grid(proto), self.memory)
             layouts = self._floors[key]
+        key = (proto.shape, proto.microbatches, proto.remat, id(layouts))
+        if key not in self._costs:  # the same for every schedule
 
-        def transfer(nbytes):
-            return self.grid.cost_model.transfer_time(nbytes, proto.spans) if proto.spans else 0.0
+            def transfer(nbytes):
+                return self.grid.cost_model.transfer_time(nbytes, proto.spans) if proto.spans else 0.0
 
-        costs = config_costs(scaled, layouts, devices, self.compute, proto.remat, transfer)
+            self._costs[key] = config_costs(scaled, layouts, devices, self.compute, proto.remat, transfer)
+        costs = self._costs[key]
         return Setting(
             proto.schedule,
             proto.groups,
@@ -161,4 +176,13 @@ class Space:
             proto.kept,
             proto.where,
             proto.split,
+            functools.partial(self.graph, proto),
         )
+
+    def graph(self, proto: Proto) -> ActorGraph:
+        """The actor graph of the proto's schedule, groups and microbatches (cached:
+        building it checks the schedule's action lists, which every cut shares)."""
+        key = (id(proto.schedule), proto.groups, proto.microbatches)
+        if key not in self._graph_cache:
+            self._graph_cache[key] = build_graph(proto.schedule, proto.groups, proto.microbatches)
+        return self._graph_cache[key]

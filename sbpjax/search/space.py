@@ -18,6 +18,7 @@ per fine axis. An axis of 12 = 2*2*3 offers the runs of (2, 2, 3) only, so (3,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -38,6 +39,34 @@ _Y = {DATA: S(0), COLUMN: S(1), ROW: P}
 _DX = {DATA: S(0), COLUMN: P, ROW: S(1)}  # before the boxing to the previous layer's output
 _DY = {DATA: S(0), COLUMN: S(1), ROW: B}  # what both gradient products need
 _DW = {DATA: P, COLUMN: S(1), ROW: S(0)}  # before the weight-gradient all-reduce
+_SBPS = {"x": _X, "w": _W, "y": _Y, "dx": _DX, "dy": _DY, "dw": _DW}
+
+# A choice's roles and layouts are pure functions of its runs, and pricing asks for them
+# for every pair of choices: computed once per runs (a grid has a few hundred at most).
+
+
+@functools.cache
+def _roles(runs: tuple) -> tuple[str, ...]:
+    return tuple(r for d, c, w in runs for r in (DATA,) * d + (COLUMN,) * c + (ROW,) * w)
+
+
+@functools.cache
+def _degrees(runs: tuple, fine_sizes: tuple) -> tuple[int, int, int]:
+    roles = _roles(runs)
+    p0, p1, p2 = (
+        math.prod(s for s, r in zip(fine_sizes, roles) if r == role) for role in (DATA, COLUMN, ROW)
+    )
+    return p0, p1, p2
+
+
+@functools.cache
+def _nd_sbp(runs: tuple, tensor: str) -> tuple:
+    return tuple(_SBPS[tensor][r] for r in _roles(runs))
+
+
+@functools.cache
+def _out_sbp(runs: tuple, dim: int) -> tuple:
+    return tuple(S(dim) if r == ROW else _Y[r] for r in _roles(runs))
 
 
 def prime_factors(n: int) -> tuple[int, ...]:
@@ -146,15 +175,11 @@ class Choice:
 
     def roles(self) -> tuple[str, ...]:
         """The role of every fine axis, outer first."""
-        return tuple(r for d, c, w in self.runs for r in (DATA,) * d + (COLUMN,) * c + (ROW,) * w)
+        return _roles(self.runs)
 
     def degrees(self, grid: Grid) -> tuple[int, int, int]:
         """(p0, p1, p2): the data, column and row parallel degrees over the whole grid."""
-        roles = self.roles()
-        p0, p1, p2 = (
-            math.prod(s for s, r in zip(grid.fine_sizes, roles) if r == role) for role in (DATA, COLUMN, ROW)
-        )
-        return p0, p1, p2
+        return _degrees(self.runs, grid.fine_sizes)
 
     def per_axis(self, grid: Grid) -> dict:
         """``{axis name: (p0, p1, p2)}``: the factorization of every placement axis."""
@@ -168,28 +193,28 @@ class Choice:
 
     # nd-SBPs over the fine axes
     def x_sbp(self) -> tuple:
-        return tuple(_X[r] for r in self.roles())
+        return _nd_sbp(self.runs, "x")
 
     def w_sbp(self) -> tuple:
-        return tuple(_W[r] for r in self.roles())
+        return _nd_sbp(self.runs, "w")
 
     def y_sbp(self) -> tuple:
         """The product's natural layout (partial over the row axes)."""
-        return tuple(_Y[r] for r in self.roles())
+        return _nd_sbp(self.runs, "y")
 
     def out_sbp(self, dim: int) -> tuple:
         """The layer output (AutoDDL 4.2: split, never partial): the row partials
         reduce-scattered onto tensor dim ``dim``."""
-        return tuple(S(dim) if r == ROW else _Y[r] for r in self.roles())
+        return _out_sbp(self.runs, dim)
 
     def dx_sbp(self) -> tuple:
-        return tuple(_DX[r] for r in self.roles())
+        return _nd_sbp(self.runs, "dx")
 
     def dy_sbp(self) -> tuple:
-        return tuple(_DY[r] for r in self.roles())
+        return _nd_sbp(self.runs, "dy")
 
     def dw_sbp(self) -> tuple:
-        return tuple(_DW[r] for r in self.roles())
+        return _nd_sbp(self.runs, "dw")
 
     def label(self, grid: Grid) -> str:
         """``D4 C16 R1`` on one axis; ``node:D2C4R1 gpu:D1C1R8`` on several."""

@@ -17,7 +17,17 @@ import sbpjax.search as ss
 from sbpjax.pipeline.registry import as_schedule
 from sbpjax.search.algorithms import Problem
 from sbpjax.search.cost import ClosedForm, MemoryModel, build_tables
-from sbpjax.search.cuts import evaluate, every_cut, least_bound, lower_bound
+from sbpjax.search.cuts import (
+    _GroupBounds,
+    _Partial,
+    _Tables,
+    evaluate,
+    every_cut,
+    least_bound,
+    list_bound,
+    list_order,
+    lower_bound,
+)
 from sbpjax.search.layers import MatmulOp
 from sbpjax.search.pipeline_cost import chain_tables
 from sbpjax.search.pipeline_space import Space
@@ -49,9 +59,9 @@ def random_case(seed):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_bounds_never_exceed_the_simulated_step(seed):
-    """Every cut of every configuration: its bound, and the least bound of its
-    configuration, are at most its simulated step (what makes the branch and
-    bound exact)."""
+    """Every cut of every configuration: its bound, the least bound of its
+    configuration and, for a schedule with action lists, the bound along its
+    lists are at most its simulated step (what makes the branch and bound exact)."""
     profiles, grid, kw = random_case(seed)
     memory = MemoryModel(limit=None)
     schedules = [sjp.Interleaved1F1B(2)] + [as_schedule(n) for n in ss.schedule_names()]
@@ -62,13 +72,57 @@ def test_bounds_never_exceed_the_simulated_step(seed):
         for layouts in space.layouts(proto):
             st = space.setting(proto, layouts)
             least = least_bound(st)
+            order = list_order(st)
             assert floor <= least * (1 + 1e-12)
             for bounds in every_cut(st.costs.layers, st.stages):
                 step = evaluate(st, bounds).step_s
                 assert lower_bound(st, bounds) <= step * (1 + 1e-12), (proto, bounds)
                 assert least <= step * (1 + 1e-12)
+                if order is not None:
+                    assert list_bound(st, order, bounds) <= step * (1 + 1e-12), (proto, bounds)
                 checked += 1
     assert checked > 50
+
+
+def checked_partial_bounds(profiles, grid, compute, budget, microbatches=(1, 2, 4, 8)) -> int:
+    """Assert every prefix bound of every cut is at most its simulated step; the cuts checked."""
+    schedules = [sjp.Interleaved1F1B(2)] + [as_schedule(n) for n in ("zb-v", "dualpipev")]
+    space = Space(
+        profiles, grid, 8, MemoryModel(limit=budget), compute, microbatches, schedules, (False, True)
+    )
+    checked = 0
+    for proto in space.protos:
+        for layouts in space.layouts(proto):
+            st = space.setting(proto, layouts)
+            groups = _GroupBounds(_Tables(st))
+            for bounds in every_cut(st.costs.layers, st.stages):
+                result = evaluate(st, bounds)
+                if result is None:
+                    continue  # over budget: never simulated
+                part = _Partial.empty(st.groups)
+                for s, (a, b) in enumerate(bounds[:-1]):
+                    keys, child = groups.extend(part, s, a, np.array([b]))
+                    assert keys[0] <= result.step_s * (1 + 1e-12), (proto, bounds, s)
+                    part = child(0)
+                checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partial_cut_bounds_never_exceed_the_simulated_step(seed):
+    """Where a device group runs several stages, the walk bounds each partial cut
+    (the groups' loads and bytes so far, the layers left spread over the stages
+    left, in whole layers): every cut's bound at each of its prefixes is at most
+    its simulated step, so no cut that could win is skipped."""
+    profiles, grid, kw = random_case(seed)
+    assert checked_partial_bounds(profiles, grid, kw["compute"], kw["memory"]) > 20
+
+
+@pytest.mark.parametrize("budget", [4e5, 5.5e5])
+def test_partial_cut_bounds_hold_for_alike_layers(budget):
+    """The same for a GPT of alike blocks, where the whole-layer bound counts."""
+    profiles = ss.gpt_profiles(6, d_model=32, heads=2, seq=8, vocab=64, examples=8)
+    assert checked_partial_bounds(profiles, ss.Grid(4, "x"), ss.ComputeModel(1e9, 1e-5), budget, (2, 8)) > 20
 
 
 @pytest.mark.parametrize("seed", range(10))
