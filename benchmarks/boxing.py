@@ -50,7 +50,10 @@ def all_cases():
 
 
 def worker(args):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # the caller's XLA flags kept (the last device count given wins)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
     import jax
     import jax.numpy as jnp
     import numpy as np

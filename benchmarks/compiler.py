@@ -561,7 +561,9 @@ def compile_only_rows(args) -> list:
             ]
             cmd += ["--quick"] if args.quick else []
             cmd += ["--only", args.only] if args.only else []
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+            # the caller's XLA flags kept (the last device count given wins)
+            flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+            env = dict(os.environ, XLA_FLAGS=flags.strip())
             subprocess.run(cmd, env=env, check=True)
             with open(out) as f:
                 rows += json.load(f)["programs"]

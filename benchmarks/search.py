@@ -135,7 +135,9 @@ SCALING = textwrap.dedent("""
 
 
 def scaling_section(n):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64", PYTHONPATH=ROOT)
+    # the caller's XLA flags kept (the last device count given wins)
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=ROOT)
     res = subprocess.run(
         [sys.executable, "-c", SCALING, str(n)],
         env=env,

@@ -169,7 +169,8 @@ def test_control_flow_benchmark_quick(tmp_path):
     as conditionals, values exact); here also: a step with every layer
     dropped runs faster as a switch than written out (0.4-0.6x measured)."""
     path = tmp_path / "control_flow.json"
-    _run(["benchmarks/control_flow.py", "--quick", "--output", str(path)], 900)
+    # XLA's own code generation: the test asserts a run-time ratio
+    _run(["benchmarks/control_flow.py", "--quick", "--output", str(path)], 900, fast_compile=False)
     data = json.loads(path.read_text())
     rows = {r["mask"]: r for r in data["rows"]}
     assert set(rows) == {"all_kept", "half_kept", "none_kept"}

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import FAST_COMPILE_FLAGS, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "multihost")
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.slow
 def _env(devices=None):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # the launcher sets each process's device count and keeps the other flags
+    env["XLA_FLAGS"] = xla_flags(devices) if devices else FAST_COMPILE_FLAGS
     return env
 
 

@@ -177,7 +177,7 @@ class ConfigCosts:
     transfer: np.ndarray
     action_s: float
     # tables derived from these prices alone, kept for every schedule priced with them
-    # (:func:`sbpjax.search.cuts.derived` fills it)
+    # (:func:`sbpjax.search.cut_bounds.derived` fills it)
     derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property

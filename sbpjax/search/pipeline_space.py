@@ -17,7 +17,7 @@ import itertools
 import math
 
 from sbpjax._errors import SBPError
-from sbpjax.pipeline import ActorGraph, build_graph
+from sbpjax.pipeline import ActorGraph, Schedule, build_graph
 from sbpjax.search.cost import MemoryModel
 from sbpjax.search.cuts import Setting
 from sbpjax.search.pipeline_cost import ComputeModel, Layouts, config_costs, floor_layouts, layout_candidates
@@ -54,7 +54,7 @@ class Proto:
     shape: tuple
     spans: tuple
     microbatches: int
-    schedule: object
+    schedule: Schedule
     remat: bool
     where: list
     stash: list
@@ -154,10 +154,11 @@ class Space:
         assert scaled is not None
         devices = math.prod(proto.shape)
         if layouts is None:
-            key = (proto.shape, proto.microbatches)
-            if key not in self._floors:
-                self._floors[key] = floor_layouts(scaled, self.stage_grid(proto), self.memory)
-            layouts = self._floors[key]
+            floor_key = (proto.shape, proto.microbatches)
+            if floor_key not in self._floors:
+                self._floors[floor_key] = floor_layouts(scaled, self.stage_grid(proto), self.memory)
+            layouts = self._floors[floor_key]
+        # by id: layouts are this space's own lists (``layouts()``, the floors), alive as long as it
         key = (proto.shape, proto.microbatches, proto.remat, id(layouts))
         if key not in self._costs:  # the same for every schedule
 

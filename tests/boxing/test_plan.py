@@ -121,6 +121,27 @@ def test_bytes_lower_bound_never_exceeds_the_plan(shape, grid):
         assert exact >= 0.7 * partial_sources
 
 
+@pytest.mark.parametrize("grid", [(2, 4), (2, 2, 2), (8,)])
+def test_bytes_lower_bound_of_a_class_scales_as_computed_directly(grid):
+    """``bytes_lower_bound`` computes a bound once per class of shapes (the dims
+    that divide by the device count at the device count) and scales it: on
+    random shapes, even and uneven, of 1-3 dims, and random layout pairs, the
+    scaled bound is the one computed on the shape itself."""
+    from sbpjax.boxing.plan import _bytes_lower_bound
+
+    pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
+    r = np.random.default_rng(len(grid))
+    for _ in range(300):
+        ndim = int(r.integers(1, 4))
+        shape = tuple(int(r.choice([8, 16, 24, 40, 64, 3, 5, 12, 1])) for _ in range(ndim))
+        layouts = [s for s in ALL_1D if not isinstance(s, sj.sbp.Split) or s.dim < ndim]
+        src = tuple(layouts[i] for i in r.integers(0, len(layouts), len(grid)))
+        dst = tuple(layouts[i] for i in r.integers(0, len(layouts), len(grid)))
+        itemsize = int(r.choice([2, 4]))
+        direct = _bytes_lower_bound(shape, itemsize, pl.shape, src, dst)
+        assert bytes_lower_bound(shape, itemsize, pl, src, dst) == direct, (shape, src, dst)
+
+
 def test_bytes_lower_bound_by_hand():
     pl = sj.placement((2, 4), ("x", "y"))
     T = 64 * 32 * 4

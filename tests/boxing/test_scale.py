@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import xla_flags
 
 SCRIPT = textwrap.dedent("""
     import itertools, json, os, time
@@ -33,7 +34,7 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_64_devices_plans_fast_and_compiled_bytes_match():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(64))
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900, check=True
     ).stdout

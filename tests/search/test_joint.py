@@ -17,10 +17,8 @@ import sbpjax.search as ss
 from sbpjax.pipeline.registry import as_schedule
 from sbpjax.search.algorithms import Problem
 from sbpjax.search.cost import ClosedForm, MemoryModel, build_tables
+from sbpjax.search.cut_bounds import GroupBounds, PartialCut, Tables
 from sbpjax.search.cuts import (
-    _GroupBounds,
-    _Partial,
-    _Tables,
     evaluate,
     every_cut,
     least_bound,
@@ -94,12 +92,12 @@ def checked_partial_bounds(profiles, grid, compute, budget, microbatches=(1, 2, 
     for proto in space.protos:
         for layouts in space.layouts(proto):
             st = space.setting(proto, layouts)
-            groups = _GroupBounds(_Tables(st))
+            groups = GroupBounds(Tables(st))
             for bounds in every_cut(st.costs.layers, st.stages):
                 result = evaluate(st, bounds)
                 if result is None:
                     continue  # over budget: never simulated
-                part = _Partial.empty(st.groups)
+                part = PartialCut.empty(st.groups)
                 for s, (a, b) in enumerate(bounds[:-1]):
                     keys, child = groups.extend(part, s, a, np.array([b]))
                     assert keys[0] <= result.step_s * (1 + 1e-12), (proto, bounds, s)
