@@ -440,15 +440,18 @@ def run_program(
         a, _ = jax.tree_util.tree_unflatten(tree, leaves)
         return fn(*a)
 
-    # cold compiles; the first of a process also warms JAX's and sbpjax's code paths
-    times = compile_times(
-        fn, pl, leaves_sbp, out_sbp, g_args, flat_fn, in_shardings, flat_args, 1 + compile_samples
-    )
-    row.update({k: times[k] for k in ("front_end_s", "xla_compile_s", "gspmd_compile_s")})
-    row.update({k: times[k] for k in ("first_call_ratio", "cached_call_ratio", "first_call_ratio_first")})
-    row["overhead_share"] = times["sbpjax_overhead_s"] / times["xla_compile_s"]
-    row["sbpjax_overhead_ms"] = times["sbpjax_overhead_s"] * 1e3
-    row["xla_compile_ms"] = times["xla_compile_s"] * 1e3
+    timed = ("front_end_s", "xla_compile_s", "gspmd_compile_s", "first_call_ratio", "cached_call_ratio")
+    timed += ("first_call_ratio_first", "overhead_share", "sbpjax_overhead_ms", "xla_compile_ms")
+    row.update(dict.fromkeys(timed))
+    if compile_samples >= 0:
+        # cold compiles; the first of a process also warms JAX's and sbpjax's code paths
+        times = compile_times(
+            fn, pl, leaves_sbp, out_sbp, g_args, flat_fn, in_shardings, flat_args, 1 + compile_samples
+        )
+        row.update({k: times[k] for k in timed[:6]})
+        row["overhead_share"] = times["sbpjax_overhead_s"] / times["xla_compile_s"]
+        row["sbpjax_overhead_ms"] = times["sbpjax_overhead_s"] * 1e3
+        row["xla_compile_ms"] = times["xla_compile_s"] * 1e3
     compiled = f.lower(*g_args).compile()
     row["sbpjax_bytes"] = collective_bytes(compiled)
     row["sbpjax_collectives"] = collective_count(compiled)
@@ -561,6 +564,7 @@ def compile_only_rows(args) -> list:
             ]
             cmd += ["--quick"] if args.quick else []
             cmd += ["--only", args.only] if args.only else []
+            cmd += [] if args.compile_samples is None else ["--compile-samples", str(args.compile_samples)]
             # the caller's XLA flags kept (the last device count given wins)
             flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
             env = dict(os.environ, XLA_FLAGS=flags.strip())
@@ -668,7 +672,8 @@ def main():
         "--compile-samples",
         type=int,
         default=None,
-        help="cold compiles per program after the first (median taken)",
+        help="cold compiles per program after the first (median taken); -1: none at all, the "
+        "timing fields left None (the tests' run: values, bytes, collectives and the plan)",
     )
     ap.add_argument("--output", default=os.path.join(HERE, "results", "compiler.json"))
     ap.add_argument("--compile-only-child", type=int, default=0, help=argparse.SUPPRESS)
@@ -682,7 +687,7 @@ def main():
     if args.compile_only_child:
         n = args.compile_only_child
         configs = [c for c in gpt_sweep_compile_only_configs(q) if c[2][0] * c[2][1] == n]
-        rows = [gpt_sweep_row(cfg, 0, 1, rng, execute=False) for cfg in configs]
+        rows = [gpt_sweep_row(cfg, 0, min(samples, 1), rng, execute=False) for cfg in configs]
         with open(args.output, "w") as f:
             json.dump({"programs": [r for r in rows if r is not None]}, f)
         return
@@ -821,7 +826,8 @@ def main():
 
     # (e) the GPT sweep: Megatron over the last axis, data over the first
     for cfg in sweep:
-        add(gpt_sweep_row(cfg, repeats, 1, rng))  # one cold compile after the first: the ILP reruns
+        # at most one cold compile after the first: a plan per compile is the slow part
+        add(gpt_sweep_row(cfg, repeats, min(samples, 1), rng))
     bar.close()
     # (f) the sweep on 4x4 and 8x8, compiled only, in a process with more devices
     rows += compile_only_rows(args)
@@ -836,9 +842,11 @@ def main():
         th = "-" if r["time_ratio_vs_handwritten"] is None else f"{r['time_ratio_vs_handwritten']:.2f}"
         tg = "-" if r["time_ratio_vs_gspmd"] is None else f"{r['time_ratio_vs_gspmd']:.2f}"
         gap = "-" if r["solver_gap"] is None else f"{100 * r['solver_gap']:.1f}%"
+        first = "-" if r["first_call_ratio"] is None else f"{r['first_call_ratio']:.2f}"
+        cached = "-" if r["cached_call_ratio"] is None else f"{r['cached_call_ratio']:.2f}"
         print(
             f"{r['name']:<34}{r['sbpjax_bytes']:>12}{r['gspmd_bytes']:>12}{hb:>12}"
-            f"{tg:>9}{th:>8}{r['first_call_ratio']:>9.2f}{r['cached_call_ratio']:>8.2f}{r['solver']:>8}"
+            f"{tg:>9}{th:>8}{first:>9}{cached:>8}{r['solver']:>8}"
             f"{r['solve_s']:>9.2f}{gap:>7}{r['sbpjax_collectives']:>8}/{r['gspmd_collectives']:<6}"
         )
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
