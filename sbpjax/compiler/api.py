@@ -29,14 +29,14 @@ import numpy as np
 from jax.interpreters import mlir
 
 from sbpjax._errors import SBPError
-from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagate.NESTED)
+from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagation.NESTED)
 from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.planning import plan
-from sbpjax.compiler.propagate import CONSTRAIN
+from sbpjax.compiler.propagation import CONSTRAIN
 from sbpjax.compiler.regather import add_regathers
 from sbpjax.compiler.trace import trace
 from sbpjax.dtypes import check_partial_dtype

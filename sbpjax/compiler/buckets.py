@@ -66,7 +66,7 @@ from jax import lax
 
 from sbpjax.boxing.lower import IndexTables, _apply, axis_arg, preduce_extreme
 from sbpjax.compiler.liveness import live_bytes
-from sbpjax.compiler.propagate import Boxing, Propagation
+from sbpjax.compiler.propagation import Boxing, Propagation
 from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
 

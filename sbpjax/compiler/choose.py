@@ -29,7 +29,9 @@ from sbpjax.compiler.formulate import formulate, least_usage, propagator
 from sbpjax.compiler.liveness import block_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.pricing import boxing_cost, count_collectives, emitted_price, price
-from sbpjax.compiler.propagate import Propagation, Propagator, idle_axes, propagate
+from sbpjax.compiler.propagate import propagate
+from sbpjax.compiler.propagation import Propagation, idle_axes
+from sbpjax.compiler.propagator import Propagator
 from sbpjax.compiler.tables import Tables
 from sbpjax.compiler.trace import Var
 from sbpjax.sbp import Broadcast

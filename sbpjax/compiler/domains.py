@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 
-from sbpjax.compiler.propagate import CONSTRAIN, NESTED, Propagator, op_comm
+from sbpjax.compiler.propagation import CONSTRAIN, NESTED, op_comm
+from sbpjax.compiler.propagator import Propagator
 from sbpjax.compiler.trace import Var
 from sbpjax.rules import RULES
 from sbpjax.rules.elementwise import ELEMENTWISE
@@ -188,7 +189,7 @@ class Domains:
         # filled in program order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
         self.greedy = greedy.decisions
-        # Axes the caller left idle (``propagate.idle_axes``). Data parallelism
+        # Axes the caller left idle (``propagation.idle_axes``). Data parallelism
         # annotated on 4x2 splits the batch over x and nothing over y; GSPMD
         # then runs the step replicated over y and all-reduces the gradients
         # over x once. Holding contractions to "use every device" there made

@@ -7,7 +7,7 @@ import os
 
 from sbpjax.boxing.plan import human_bytes
 from sbpjax.compiler.loops import plan_runs
-from sbpjax.compiler.propagate import Propagation
+from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.switches import plan_switches
 from sbpjax.sbp import format_sbp
 

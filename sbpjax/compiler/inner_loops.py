@@ -67,7 +67,7 @@ from jax import lax
 from sbpjax.compiler import lower
 from sbpjax.compiler.choose import choose
 from sbpjax.compiler.loops import shift_down, shift_up
-from sbpjax.compiler.propagate import NESTED, Nested, Propagation, _even
+from sbpjax.compiler.propagation import NESTED, Nested, Propagation, even_on
 from sbpjax.compiler.trace import Node, scan_operands, trace
 from sbpjax.rules import Comm
 from sbpjax.sbp import Broadcast, Partial, Split
@@ -102,7 +102,7 @@ def _kept(nd, shape, grid) -> tuple:
     """The layout a carry or constant keeps: partial axes reduced; gathered
     whole where its splits are uneven."""
     out = tuple(Broadcast() if isinstance(s, Partial) else s for s in nd)
-    return out if _even(out, shape, grid) else (Broadcast(),) * len(grid)
+    return out if even_on(out, shape, grid) else (Broadcast(),) * len(grid)
 
 
 def _stack_kept(nd, shape, grid) -> tuple:

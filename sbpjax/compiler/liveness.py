@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sbpjax.compiler.propagate import Boxing, Propagation
+from sbpjax.compiler.propagation import Boxing, Propagation
 from sbpjax.compiler.trace import Var
 from sbpjax.rules import local_shape
 

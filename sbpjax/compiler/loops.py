@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from sbpjax.compiler.propagate import Propagation
+from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.trace import Const, Loop
 from sbpjax.sbp import Broadcast, Split
 

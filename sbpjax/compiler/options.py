@@ -41,7 +41,7 @@ class CompileOptions:
       bytes alone, ties broken by 1/64 B per collective.
     * ``launch_priced``: in a program with an idle placement axis, plan a
       boxing whose fewest-bytes plan borrows that axis by bytes plus
-      latency (``sbpjax.compiler.propagate.Propagator.plan``).
+      latency (``sbpjax.compiler.propagator.Propagator.plan``).
     * ``zero_fill_weight``: the price of each byte a zero-fill (S -> P) adds
       to a device's blocks, as a fraction of a byte moved.
     * ``fewer_collectives``: after the bytes-first solve, solve again with

@@ -75,7 +75,7 @@ import numpy as np
 
 from sbpjax.compiler.liveness import Held, live_bytes, value_bytes
 from sbpjax.compiler.loops import plan_runs
-from sbpjax.compiler.propagate import Propagation
+from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.switches import plan_switches
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sbpjax.compiler.propagate import Propagation
+from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.trace import Cond, Var, common_path
 from sbpjax.sbp import Partial
 

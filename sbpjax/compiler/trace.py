@@ -127,7 +127,7 @@ class Node:
     region: int = 0  # the jax.checkpoint region it recomputes (0: none); see REMAT
     # the branches it lies in, outermost first: ((Cond.id, branch number), ...)
     branch: tuple = ()
-    # what its candidate signatures depend on, computed once (propagate.op_key)
+    # what its candidate signatures depend on, computed once (propagation.op_key)
     op_key: Any = dataclasses.field(default=None, repr=False)
 
     @property

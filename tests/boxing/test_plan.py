@@ -188,7 +188,7 @@ def test_launch_priced_plans_trade_bytes_for_collectives_only_where_it_pays(n):
     by bytes alone a slice over y, a reduce-scatter over x and an all-gather
     over all 8 devices (10 |T|), or one all-reduce over x (12 |T|). Priced
     with 100 kB per launch (``launch_priced``, as sj.jit plans where y is
-    idle: sbpjax.compiler.propagate.LAUNCH_PRICED) the all-reduce
+    idle: sbpjax.compiler.propagator.Propagator.plan) the all-reduce
     wins below 50 kB; above, the extra 2 |T| outweigh the launch saved."""
     pl = sj.placement((4, 2), ("x", "y"))
     shape, T = (n, 4), n * 4 * 4

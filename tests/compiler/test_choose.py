@@ -480,7 +480,7 @@ def test_two_d_gpt_on_2x2x2_with_an_idle_axis_moves_no_more_than_gspmd():
 
 
 def test_idle_axes_are_those_no_argument_is_split_or_partial_over():
-    from sbpjax.compiler.propagate import idle_axes
+    from sbpjax.compiler.propagation import idle_axes
 
     assert idle_axes([(S0, B), (B, B)], (4, 2)) == {1}  # data parallel on 4x2
     assert idle_axes([(S0, B), (B, S1)], (4, 2)) == set()  # Megatron

@@ -12,7 +12,7 @@ from models import adamw, block_loss, block_params, mlp_loss, mlp_params, state_
 
 import sbpjax as sj
 from sbpjax.boxing import plan as planner
-from sbpjax.compiler import propagate as prop
+from sbpjax.compiler import propagator as prop
 
 S0, S1, B = sj.S(0), sj.S(1), sj.B
 
