@@ -133,6 +133,25 @@ def test_more_effort_is_never_worse_and_the_same_effort_gives_the_same_answer(ma
         previous = sol
 
 
+def test_plans_kept_across_solves_change_nothing():
+    """A move's plan is kept across solves of the same graph (``_search._GRAPH_PLANS``)
+    and charged as if built: a solve with the plans kept from an earlier solve of the
+    same graph with other costs, and one with none kept, give the same answer after
+    the same work, and the search did make moves (the cache was used)."""
+    from sbpjax.solver import _search
+
+    p = random_problem(np.random.default_rng(11), 120, 400, kmax=8, forbid=0.0, follow=0.0)
+    other = Problem([2 * c for c in p.costs], [(u, v, 2 * t) for u, v, t in p.edges])
+    _search._GRAPH_PLANS.clear()
+    _search._GRAPH_LEAVES.clear()
+    fresh = solve(p, effort=3e6)
+    assert not fresh.optimal and _search._GRAPH_PLANS, "the solve was not heuristic: no plan to keep"
+    solve(other, effort=3e6)  # the same graph (costs doubled: the same reductions) keeps its plans
+    kept = solve(p, effort=3e6)
+    assert (kept.strategies == fresh.strategies).all() and kept.cost == fresh.cost
+    assert kept.lower_bound == fresh.lower_bound and kept.stats["work"] == fresh.stats["work"]
+
+
 _CHILD = """
 import sys, numpy as np
 from sbpjax.solver.synthetic import train_step
