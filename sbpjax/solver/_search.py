@@ -71,8 +71,10 @@ class Incumbent:
         return self.key[2]
 
 
-# (graph key, seed) -> plan, and graph key -> leaf rounds, of the latest solves; a plan
-# of a 700-node graph is a few hundred kB, so a few hundred are kept
+# (graph key, seed) -> plan, and graph key -> leaf rounds, of the latest solves. A solve's
+# phases move through many seeds (each phase cycles through POOL of its own): 256 plans
+# keep the seeds of a dozen rounds of one graph (a plan of a 700-node random graph
+# pickles to about 216 kB, so at most some tens of MB).
 _GRAPH_PLANS: collections.OrderedDict = collections.OrderedDict()
 _GRAPH_LEAVES: collections.OrderedDict = collections.OrderedDict()
 _PLANS_KEPT = 256
