@@ -76,30 +76,30 @@ def _check_shape(lists, devices, microbatches, stage_devices, name) -> bool:
     kinds = {kind for seq in lists.values() for kind, _, _ in seq}
     split = bool(kinds & set(SPLIT[1:]))
     for d, seq in lists.items():
-        for pos, (kind, s, k) in enumerate(seq):
-            if kind in KINDS and not (split and kind == "backward") and 0 <= s < n:
-                if stage_devices[s] == d and 0 <= k < microbatches:
-                    continue  # the usual case: no message to write
-            where = _where(name, d, pos, (kind, s, k))
+        for pos, action in enumerate(seq):
+            kind, s, k = action
             if kind not in KINDS:
                 raise SBPError(
-                    f"{where}: kind {kind!r}; use 'forward' with 'backward' (each backward whole) or with "
-                    "'backward_input' and 'backward_weight' (split); transfers, data and updates act on their own."
+                    f"{_where(name, d, pos, action)}: kind {kind!r}; use 'forward' with 'backward' "
+                    "(each backward whole) or with 'backward_input' and 'backward_weight' (split); "
+                    "transfers, data and updates act on their own."
                 )
             if split and kind == "backward":
                 raise SBPError(
-                    f"{where}: this list splits other backwards into 'backward_input' and "
+                    f"{_where(name, d, pos, action)}: this list splits other backwards into 'backward_input' and "
                     "'backward_weight'; split every one (B then W) or none."
                 )
             if not 0 <= s < n:
-                raise SBPError(f"{where}: stage {s} is outside 0..{n - 1}.")
+                raise SBPError(f"{_where(name, d, pos, action)}: stage {s} is outside 0..{n - 1}.")
             if stage_devices[s] != d:
                 raise SBPError(
-                    f"{where}: stage {s} runs on device {stage_devices[s]}, not {d}; move the entry "
-                    f"to device {stage_devices[s]}'s list."
+                    f"{_where(name, d, pos, action)}: stage {s} runs on device {stage_devices[s]}, not {d}; "
+                    f"move the entry to device {stage_devices[s]}'s list."
                 )
             if not 0 <= k < microbatches:
-                raise SBPError(f"{where}: microbatch {k} is outside 0..{microbatches - 1}.")
+                raise SBPError(
+                    f"{_where(name, d, pos, action)}: microbatch {k} is outside 0..{microbatches - 1}."
+                )
     return split
 
 
@@ -146,16 +146,6 @@ def _needs(action, n: int) -> list:
     return after
 
 
-def _met(action, n: int, done: set) -> bool:
-    """Whether everything ``action`` waits for (:func:`_needs`) is in ``done``."""
-    kind, s, k = action
-    if kind == "forward":
-        return s == 0 or ("forward", s - 1, k) in done
-    if kind == "backward_weight":
-        return ("backward_input", s, k) in done
-    return ("forward", s, k) in done and (s == n - 1 or (kind, s + 1, k) in done)
-
-
 def _check_dependencies(lists, n, split, name) -> None:
     """Play the lists without clocks: each device runs its next action once what
     it waits for is done. If every device is blocked, name who waits for what."""
@@ -165,7 +155,7 @@ def _check_dependencies(lists, n, split, name) -> None:
     while left:
         moved = False
         for d, seq in lists.items():
-            while cursor[d] < len(seq) and _met(seq[cursor[d]], n, done):
+            while cursor[d] < len(seq) and all(a in done for a in _needs(seq[cursor[d]], n)):
                 done.add(seq[cursor[d]])
                 cursor[d] += 1
                 left -= 1
