@@ -33,7 +33,7 @@ import numpy as np
 
 from sbpjax.boxing.cost import DEFAULT_COST_MODEL, CostModel
 from sbpjax.boxing.p2p import P2PSchedule, p2p_schedule, p2p_tiles
-from sbpjax.boxing.search import _priced_search, _search_by_class, clear_search_caches
+from sbpjax.boxing.search import _priced_search, _search_by_class, clear_search_caches, shape_unit
 from sbpjax.boxing.steps import (
     COLLECTIVE_OF,
     BoxingPlan,
@@ -91,15 +91,12 @@ def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_s
     bounds are its size times a factor of the layouts alone (as for the
     searches of ``search._search_by_class``): the bound is computed once for
     the shape with each such dim at the device count, and scaled."""
-    shape = tuple(int(d) for d in shape)
-    n = placement.size
-    even = [d for d in shape if d and d % n == 0]
-    unit = tuple(n if d and d % n == 0 else d for d in shape)
+    unit, scale = shape_unit(tuple(int(d) for d in shape), placement.size)
     key = (unit, placement.shape, tuple(src_sbp), tuple(dst_sbp))
     hit = _BOUNDS.get(key)
     if hit is None:
         hit = _BOUNDS[key] = _bytes_lower_bound(unit, 1, placement.shape, key[2], key[3])
-    return hit * itemsize * math.prod(d // n for d in even)
+    return hit * itemsize * scale
 
 
 def _bytes_lower_bound(shape: tuple, itemsize: int, grid: tuple, src_sbp: tuple, dst_sbp: tuple) -> int:

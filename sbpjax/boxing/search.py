@@ -269,6 +269,14 @@ def _less(a, b) -> bool:
     return a[2] < b[2]
 
 
+def shape_unit(shape: tuple, devices: int) -> tuple[tuple, int]:
+    """``shape``'s class representative (``_search_by_class``): each dim that
+    divides by the device count set to that count (it splits evenly under
+    every layout), and how many times that shape's size ``shape``'s is."""
+    unit = tuple(devices if d and d % devices == 0 else d for d in shape)
+    return unit, math.prod(d // devices for d in shape if d and d % devices == 0)
+
+
 def _shape_class(ctx: _Ctx, placement: Placement, cm: CostModel):
     """The class of ``ctx``'s shape (``_search_by_class``): the dims that do
     not divide by the device count, with the placement, fill ops and cost
@@ -276,8 +284,7 @@ def _shape_class(ctx: _Ctx, placement: Placement, cm: CostModel):
     shape = ctx.geom.shape
     if not shape or 0 in shape:
         return None
-    fixed_dims = tuple(None if d % placement.size == 0 else d for d in shape)
-    return (placement, fixed_dims, ctx.fill_ops, repr(cm))
+    return (placement, shape_unit(shape, placement.size)[0], ctx.fill_ops, repr(cm))
 
 
 def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
