@@ -101,9 +101,11 @@ def test_no_reference_outside_the_repository():
 
 
 def test_site_builds_strictly(tmp_path):
-    pytest.importorskip("mkdocs")
-    pytest.importorskip("mkdocstrings")
-    pytest.importorskip("mkdocs_jupyter")
+    # CI installs the docs extra and builds the site only here: there a missing
+    # extra fails the test instead of skipping it
+    if os.environ.get("CI") != "true":
+        for module in ("mkdocs", "mkdocstrings", "mkdocs_jupyter"):
+            pytest.importorskip(module)
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,

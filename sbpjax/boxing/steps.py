@@ -228,6 +228,7 @@ class _Ctx:
         self._p2p_cache: dict = {}
         self._box_cache: dict = {}
         self._move_cache: dict = {}
+        self._edge_cache: dict = {}  # sbpjax.boxing.search._free_edges
 
     def g(self, group) -> int:
         return self.geom.splits(group)
