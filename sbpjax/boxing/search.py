@@ -161,7 +161,9 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout, collectives: int | None = None)
                 continue
             nxt = (nxt_layout, n)
             old = best.get(nxt)
-            if old is not None and (nb > old[0] or (nb == old[0] and not _less((nb, ntime + stime, nsteps), old))):
+            if old is not None and (
+                nb > old[0] or (nb == old[0] and not _less((nb, ntime + stime, nsteps), old))
+            ):
                 continue
             nc = (nb, ntime + stime, nsteps)
             best[nxt] = nc
@@ -220,7 +222,9 @@ def _tree(ctx: _Ctx, src: Layout) -> _Tree:
         for nxt, sbytes, stime, step in _free_edges(ctx, L):
             old = best.get(nxt)
             nb = nbytes + sbytes
-            if old is not None and (nb > old[0] or (nb == old[0] and not _less((nb, ntime + stime, nsteps), old))):
+            if old is not None and (
+                nb > old[0] or (nb == old[0] and not _less((nb, ntime + stime, nsteps), old))
+            ):
                 continue
             nc = (nb, ntime + stime, nsteps)
             best[nxt] = nc
