@@ -25,21 +25,48 @@ from sbpjax._errors import SBPError
 PARTIAL_OPS = ("sum", "max", "min")
 
 
-@dataclasses.dataclass(frozen=True)
+# SBPs are interned: ``S(0)`` is one object wherever it is made, so comparing
+# two is an identity check and hashing one reads a stored number. The layout
+# choice keys its tables by nd-SBPs and looked them up over a million times in
+# a 2-D GPT's plan, each lookup running the dataclasses' Python __eq__ and
+# __hash__ on every axis (a third of its cost-table time). The hash stays the
+# contents' hash, as before, so nothing's iteration order depends on addresses.
+_INTERNED: dict = {}
+
+
+def _interned(cls, key: tuple, fields: dict):
+    hit = _INTERNED.get((cls, key))
+    if hit is None:
+        hit = object.__new__(cls)
+        for name, value in fields.items():
+            object.__setattr__(hit, name, value)
+        object.__setattr__(hit, "_hash", hash(key))
+        _INTERNED[cls, key] = hit
+    return hit
+
+
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Split:
     """``S(dim)``: the balanced split of tensor dim ``dim`` over a placement axis."""
 
     dim: int
 
-    def __post_init__(self):
-        if not isinstance(self.dim, bool) and hasattr(self.dim, "__index__"):
-            object.__setattr__(self, "dim", operator.index(self.dim))  # numpy ints too
-        if not isinstance(self.dim, int) or isinstance(self.dim, bool) or self.dim < 0:
+    def __new__(cls, dim: int) -> Split:
+        if not isinstance(dim, bool) and hasattr(dim, "__index__"):
+            dim = operator.index(dim)  # numpy ints too
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
             raise SBPError(
-                f"S({self.dim!r}): a split dim must be a non-negative int "
+                f"S({dim!r}): a split dim must be a non-negative int "
                 "(the tensor dim to split; negative dims are not accepted because an "
                 "SBP is written before the tensor's rank is known)."
             )
+        return _interned(cls, (dim,), {"dim": dim})
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __reduce__(self):
+        return (Split, (self.dim,))  # unpickled as the interned object
 
     def __repr__(self):
         return f"S({self.dim})"
@@ -47,9 +74,18 @@ class Split:
     __str__ = __repr__
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Broadcast:
     """``B``: every device along the axis holds the whole tensor."""
+
+    def __new__(cls) -> Broadcast:
+        return _interned(cls, (), {})
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __reduce__(self):
+        return (Broadcast, ())
 
     def __repr__(self):
         return "B"
@@ -57,15 +93,22 @@ class Broadcast:
     __str__ = __repr__
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Partial:
     """``P(op)``: the logical tensor is the elementwise ``op`` over the local tensors."""
 
     op: str = "sum"
 
-    def __post_init__(self):
-        if self.op not in PARTIAL_OPS:
-            raise SBPError(f"P({self.op!r}): unknown partial op; use one of {', '.join(PARTIAL_OPS)}.")
+    def __new__(cls, op: str = "sum") -> Partial:
+        if op not in PARTIAL_OPS:
+            raise SBPError(f"P({op!r}): unknown partial op; use one of {', '.join(PARTIAL_OPS)}.")
+        return _interned(cls, (op,), {"op": op})
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined]
+
+    def __reduce__(self):
+        return (Partial, (self.op,))
 
     def __repr__(self):
         return "P" if self.op == "sum" else f"P({self.op})"
