@@ -46,6 +46,7 @@ class Layout:
 
     dims: tuple
     partial: tuple
+    _hash: int
 
     def __new__(cls, dims: tuple, partial: tuple = ()) -> Layout:
         key = (dims, partial)
