@@ -50,10 +50,9 @@ def all_cases():
 
 
 def worker(args):
-    # the caller's XLA flags kept (the last device count given wins)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+    from _devices import simulate_devices
+
+    simulate_devices(8)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -44,7 +44,9 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from _devices import simulate_devices, xla_flags_with_devices  # noqa: E402
+
+simulate_devices(8)
 # plans are made here, not read from the user's plan cache (compile_times uses its own)
 os.environ.setdefault("SBPJAX_PLAN_CACHE", "0")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -565,9 +567,7 @@ def compile_only_rows(args) -> list:
             cmd += ["--quick"] if args.quick else []
             cmd += ["--only", args.only] if args.only else []
             cmd += [] if args.compile_samples is None else ["--compile-samples", str(args.compile_samples)]
-            # the caller's XLA flags kept (the last device count given wins)
-            flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
-            env = dict(os.environ, XLA_FLAGS=flags.strip())
+            env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(devices))
             subprocess.run(cmd, env=env, check=True)
             with open(out) as f:
                 rows += json.load(f)["programs"]

@@ -59,7 +59,9 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from _devices import simulate_devices  # noqa: E402
+
+simulate_devices(8)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402

@@ -38,7 +38,9 @@ import sys
 import textwrap
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from _devices import simulate_devices, xla_flags_with_devices  # noqa: E402
+
+simulate_devices(8)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -135,9 +137,7 @@ SCALING = textwrap.dedent("""
 
 
 def scaling_section(n):
-    # the caller's XLA flags kept (the last device count given wins)
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=64"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), PYTHONPATH=ROOT)
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(64), PYTHONPATH=ROOT)
     res = subprocess.run(
         [sys.executable, "-c", SCALING, str(n)],
         env=env,
