@@ -36,6 +36,7 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _devices.py, also when imported
 from _devices import simulate_devices  # noqa: E402
 
 simulate_devices(8)

@@ -55,6 +55,10 @@ Per model (row fields):
   compiled program from ``compiled.memory_analysis()``:
   ``argument_size + output_size + temp_size - alias_size`` (the detail is in
   ``*_memory``); neither program donates;
+* ``sbpjax_flops`` / ``gspmd_flops``: per-device FLOPs of each compiled
+  program by XLA's ``cost_analysis()`` (a loop's body counted once, as XLA
+  counts it: a scanned model's figures are per iteration of its loops, plus
+  whatever runs outside them), and ``flops_ratio_vs_gspmd``;
 * ``sbpjax_while_loops`` / ``gspmd_while_loops``: loops in each compiled
   program (a scanned model's forward and backward loops are kept);
 * ``sbpjax_compile_s`` (trace + layout choice + lowering + XLA) and
@@ -64,7 +68,7 @@ Per model (row fields):
   ``sbp_warning_messages``.
 
 A model that fails is recorded with ``error`` (the exception's text) and the run
-goes on. Targets (issue 13): 0 warnings, bytes <= GSPMD, memory <= GSPMD + 5%.
+goes on. Targets: 0 warnings, bytes <= GSPMD, memory <= GSPMD + 5%, FLOPs <= GSPMD + 2%.
 Writes ``benchmarks/results/models.json``.
 """
 
@@ -78,6 +82,7 @@ import time
 import traceback
 import warnings
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _devices.py, also when imported
 from _devices import simulate_devices  # noqa: E402
 
 simulate_devices(8)
@@ -439,6 +444,16 @@ def memory(compiled) -> dict:
     return out
 
 
+def flops(compiled) -> float | None:
+    """Per-device FLOPs of ``compiled`` by XLA's cost analysis (None where the
+    backend gives none). Older JAX returns one dict per program in a list."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else None
+    value = (ca or {}).get("flops")
+    return float(value) if value is not None else None
+
+
 def max_error(got, ref) -> float:
     """max over leaves of max|got - ref| / max|ref| (1 where the reference is 0 everywhere)."""
     g_leaves, r_leaves = jax.tree.leaves(got), jax.tree.leaves(ref)
@@ -474,6 +489,7 @@ def run_model(spec) -> dict:
     row["sbpjax_explained_bytes"] = f.explain(*g_args).bytes
     mem = memory(compiled)
     row["sbpjax_peak_bytes"], row["sbpjax_memory"] = mem.get("peak"), mem
+    row["sbpjax_flops"] = flops(compiled)
     row["sbpjax_while_loops"] = compiled.as_text().count(" while(")
     out = f(*g_args)
     row["max_error"] = max_error(jax.tree.map(lambda t: t.numpy(), out, is_leaf=_is_gt), ref)
@@ -500,11 +516,14 @@ def run_model(spec) -> dict:
     row["gspmd_bytes"] = collective_bytes(g_compiled)
     mem = memory(g_compiled)
     row["gspmd_peak_bytes"], row["gspmd_memory"] = mem.get("peak"), mem
+    row["gspmd_flops"] = flops(g_compiled)
     row["gspmd_while_loops"] = g_compiled.as_text().count(" while(")
     g_out = jax.tree_util.tree_unflatten(out_tree, [np.asarray(v) for v in g_compiled(*flat_args)])
     row["gspmd_max_error"] = max_error(g_out, ref)
     if row["sbpjax_peak_bytes"] and row["gspmd_peak_bytes"]:
         row["peak_ratio_vs_gspmd"] = row["sbpjax_peak_bytes"] / row["gspmd_peak_bytes"]
+    if row["sbpjax_flops"] and row["gspmd_flops"]:
+        row["flops_ratio_vs_gspmd"] = row["sbpjax_flops"] / row["gspmd_flops"]
     return row
 
 
@@ -530,10 +549,14 @@ def fmt_bytes(v):
     return "-" if v is None else f"{v / 1e6:.3f}M"
 
 
+def fmt_ratio(v):
+    return "-" if v is None else f"{v:.3f}"
+
+
 def table(rows) -> str:
     head = (
         f"{'model':<18}{'max_err':>9}{'sbpjax B':>11}{'GSPMD B':>11}{'sbp peak':>11}"
-        f"{'GSPMD peak':>11}{'warn':>5}{'compile s (sj/g)':>18}"
+        f"{'GSPMD peak':>11}{'FLOPs/g':>8}{'warn':>5}{'compile s (sj/g)':>18}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -543,7 +566,8 @@ def table(rows) -> str:
         lines.append(
             f"{r['name']:<18}{r['max_error']:>9.1e}{fmt_bytes(r['sbpjax_bytes']):>11}"
             f"{fmt_bytes(r['gspmd_bytes']):>11}{fmt_bytes(r['sbpjax_peak_bytes']):>11}"
-            f"{fmt_bytes(r['gspmd_peak_bytes']):>11}{r['sbp_warnings']:>5}"
+            f"{fmt_bytes(r['gspmd_peak_bytes']):>11}{fmt_ratio(r.get('flops_ratio_vs_gspmd')):>8}"
+            f"{r['sbp_warnings']:>5}"
             f"{r['sbpjax_compile_s']:>10.1f}/{r['gspmd_compile_s']:<7.1f}"
         )
     return "\n".join(lines)
@@ -576,6 +600,11 @@ def main():
         "bytes_at_or_below_gspmd": [r["name"] for r in ok if r["sbpjax_bytes"] <= r["gspmd_bytes"]],
         "peak_within_5pct_of_gspmd": [
             r["name"] for r in ok if r["sbpjax_peak_bytes"] <= 1.05 * r["gspmd_peak_bytes"]
+        ],
+        "flops_within_2pct_of_gspmd": [
+            r["name"]
+            for r in ok
+            if r.get("flops_ratio_vs_gspmd") is not None and r["flops_ratio_vs_gspmd"] <= 1.02
         ],
     }
     result = {

@@ -45,6 +45,7 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _devices.py, also when imported
 from _devices import simulate_devices  # noqa: E402
 
 simulate_devices(8)

@@ -38,6 +38,7 @@ import sys
 import textwrap
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _devices.py, also when imported
 from _devices import simulate_devices, xla_flags_with_devices  # noqa: E402
 
 simulate_devices(8)

@@ -138,6 +138,8 @@ def test_models_benchmark_quick(tmp_path):
         "gspmd_peak_bytes",
         "sbpjax_compile_s",
         "gspmd_compile_s",
+        "sbpjax_flops",
+        "gspmd_flops",
         "sbp_warnings",
     }
     for r in rows.values():
@@ -146,6 +148,8 @@ def test_models_benchmark_quick(tmp_path):
         assert r["max_error"] < 1e-4 and r["gspmd_max_error"] < 1e-4, r
         assert r["sbp_warnings"] == 0, r
         assert r["sbpjax_peak_bytes"] > 0 and r["gspmd_peak_bytes"] > 0
+        # XLA's cost analysis counts the work of both programs (per device)
+        assert r["sbpjax_flops"] > 0 and r["gspmd_flops"] > 0, r
     # the scanned decoder keeps its loops, as GSPMD does (2: forward and backward). At
     # this size the forward scan has 2 layers, and on some jax versions the plan reads
     # the last layer's output after the loop in another layout than the loop passes it
