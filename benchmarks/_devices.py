@@ -2,9 +2,9 @@
 
 One definition for every benchmark and the child processes they start: the
 caller's other XLA flags are kept (a test's fast compile settings, a dump
-directory), and a device count of theirs is replaced, since a benchmark's
-placements need its own count (before, a caller with any XLA_FLAGS of their
-own got one device and an error).
+directory). Before, a caller with any XLA_FLAGS of their own got one device
+and an error. A benchmark keeps a device count the caller gave (a parent
+process sets its children's); a child it starts gets its own count.
 """
 
 from __future__ import annotations
@@ -22,5 +22,7 @@ def xla_flags_with_devices(n: int, flags: str | None = None) -> str:
 
 
 def simulate_devices(n: int) -> None:
-    """Set ``$XLA_FLAGS`` for ``n`` simulated CPU devices (call before importing JAX)."""
-    os.environ["XLA_FLAGS"] = xla_flags_with_devices(n)
+    """Set ``$XLA_FLAGS`` for ``n`` simulated CPU devices unless it names a
+    count already (call before importing JAX)."""
+    if not _COUNT.search(os.environ.get("XLA_FLAGS", "")):
+        os.environ["XLA_FLAGS"] = xla_flags_with_devices(n)

@@ -50,9 +50,9 @@ def all_cases():
 
 
 def worker(args):
-    from _devices import simulate_devices
+    from _devices import xla_flags_with_devices
 
-    simulate_devices(8)
+    os.environ["XLA_FLAGS"] = xla_flags_with_devices(8)  # its cases are on 8 devices
     import jax
     import jax.numpy as jnp
     import numpy as np
