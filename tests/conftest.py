@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices, set before JAX starts."""
 
 import os
+import tempfile
 
 # XLA's CPU code generation at LLVM -O0, without its expensive passes: the tests
 # read values and the compiled HLO's collectives (chosen by the HLO passes, before
@@ -24,16 +25,12 @@ def xla_flags(devices: int = 8, fast_compile: bool = True) -> str:
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags()).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"  # the same in every worker
 # sj.jit's plan cache (sbpjax.compiler.plan_cache): one directory per test run,
 # shared by its xdist workers (their run id), never the user's cache: a plan
 # made by this run's code is the only kind a test reads back. Every program
 # planned twice in a run goes through the cache's check and restore.
-if "SBPJAX_PLAN_CACHE" not in os.environ:
-    import tempfile
-
-    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    os.environ["SBPJAX_PLAN_CACHE"] = os.path.join(tempfile.gettempdir(), f"sbpjax-test-plans-{_run}")
-
+os.environ.setdefault("SBPJAX_PLAN_CACHE", os.path.join(tempfile.gettempdir(), f"sbpjax-test-plans-{_RUN}"))
 # JAX's persistent compilation cache, likewise one directory per test run: a
 # program compiled again (the same step by a test and by the example or docs page
 # it checks, a child process's warm-up) is read back instead of compiled. Keyed by
@@ -41,10 +38,7 @@ if "SBPJAX_PLAN_CACHE" not in os.environ:
 # every size and compile time is kept (JAX keeps only compiles over 1 s unless
 # told). Measured: tests/compiler's fast tests 201 -> 189 s.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile
-
-    _run = os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"sbpjax-test-xla-{_run}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"sbpjax-test-xla-{_RUN}")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
