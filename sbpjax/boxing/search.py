@@ -115,7 +115,7 @@ def _local_moves(ctx: _Ctx, L: Layout):
                 "zero_fill", L, Layout(L.dims, tuple(sorted(L.partial + ((a, op),)))), (a,), reduce=op
             )
     # Point-to-point exchange to the nd-SBP order (the one straight to the
-    # target is added by _moves).
+    # target is added by _edges).
     if not L.canonical:
         s = ctx.permute(L, L.canonicalized())
         if s is not None:
