@@ -68,6 +68,8 @@ from sbpjax.layout import Geometry  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONLY: list = []  # --only: program name parts to run
+# --min-seconds: the least time each median_times call spends in timing rounds
+MIN_TIMING_SECONDS = 2.0
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
 
 
@@ -80,11 +82,14 @@ def collective_count(compiled) -> int:
     return sum(c.count for c in sj.collectives(compiled))
 
 
-def median_times(runs, repeats, min_seconds=2.0):
+def median_times(runs, repeats, min_seconds=None):
     """Median seconds per call of each ``(fn, args)`` in ``runs``, timed in
     interleaved rounds (one call of each per round) so that a change in the
     machine's load falls on all of them alike; at least ``repeats`` rounds and
-    at least ``min_seconds`` of them (short programs get more rounds)."""
+    at least ``min_seconds`` of them (short programs get more rounds; default
+    ``MIN_TIMING_SECONDS``, which ``--min-seconds`` sets)."""
+    if min_seconds is None:
+        min_seconds = MIN_TIMING_SECONDS
     t0 = time.perf_counter()
     for fn, args in runs:
         jax.block_until_ready(fn(*args))
@@ -663,6 +668,7 @@ def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
 
 
 def main():
+    global ONLY, MIN_TIMING_SECONDS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
@@ -676,11 +682,18 @@ def main():
         help="cold compiles per program after the first (median taken); -1: none at all, the "
         "timing fields left None (the tests' run: values, bytes, collectives and the plan)",
     )
+    ap.add_argument(
+        "--min-seconds",
+        type=float,
+        default=MIN_TIMING_SECONDS,
+        help="the least time the timing rounds of one program take (default %(default)s s); 0: "
+        "--repeats rounds only (the tests' run, which reads no times)",
+    )
     ap.add_argument("--output", default=os.path.join(HERE, "results", "compiler.json"))
     ap.add_argument("--compile-only-child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    global ONLY
     ONLY = [o for o in (args.only or "").split(",") if o]
+    MIN_TIMING_SECONDS = args.min_seconds
     repeats = args.repeats or (3 if args.quick else 10)
     samples = args.compile_samples if args.compile_samples is not None else (2 if args.quick else 5)
     q = args.quick

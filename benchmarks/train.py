@@ -74,7 +74,7 @@ def functional_step(graphdef, template, optimizer):
     return step
 
 
-def gpt_vs_gspmd(cfg, repeats, rng):
+def gpt_vs_gspmd(cfg, repeats, rng, min_seconds):
     vocab, seq, d, heads, layers, batch = cfg
     pl = sj.placement((2, 4), ("x", "y"))
     optimizer = optax.adamw(1e-3, weight_decay=0.01)  # what is measured
@@ -99,7 +99,9 @@ def gpt_vs_gspmd(cfg, repeats, rng):
     r = checked["adamw"]
     np.testing.assert_allclose(r["sbpjax_result"][1], r["gspmd_result"][1], rtol=2e-5)
     t_sj, t_g = median_times(
-        [(r["sbpjax_program"], r["sbpjax_args"]), (r["gspmd_program"], r["gspmd_args"])], repeats
+        [(r["sbpjax_program"], r["sbpjax_args"]), (r["gspmd_program"], r["gspmd_args"])],
+        repeats,
+        min_seconds,
     )
     progress.update(1)
     return {
@@ -201,6 +203,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument(
+        "--min-seconds",
+        type=float,
+        default=2.0,
+        help="the least time the timing rounds take (default %(default)s s); 0: --repeats rounds "
+        "only (the tests' run, which reads no times)",
+    )
     ap.add_argument("--output", default=os.path.join(HERE, "results", "train.json"))
     args = ap.parse_args()
     repeats = args.repeats or (3 if args.quick else 10)
@@ -210,7 +219,7 @@ def main():
     global progress
     progress = tqdm(total=STAGES, desc="train benchmark", unit="stage", disable=None)
     result = {"config": dict(zip(["vocab", "seq", "d_model", "heads", "layers", "batch"], cfg))}
-    result.update(gpt_vs_gspmd(cfg, repeats, rng))
+    result.update(gpt_vs_gspmd(cfg, repeats, rng, args.min_seconds))
     result.update(zero_vs_dp(cfg, rng))
     progress.close()
     print(result.pop("plan_summary"))

@@ -146,6 +146,7 @@ class Geometry:
         self.n_devices = int(np.prod(self.grid))
         self.coords = list(itertools.product(*[range(g) for g in self.grid]))
         self._boxes: dict = {}  # layout -> every device's local box, in coords order
+        self._overlaps: dict = {}  # (src, dst) -> overlap(src, dst)
 
     def dim_range(self, axes: Sequence[int], d: int, coord) -> tuple[int, int]:
         start, size = 0, self.shape[d]
@@ -207,7 +208,15 @@ class Geometry:
 
     def overlap(self, src: Layout, dst: Layout) -> tuple[int, int]:
         """(elements all devices hold under ``dst``, of those the ones the same
-        device already holds under ``src``), summed over devices."""
+        device already holds under ``src``), summed over devices (kept: the
+        planner's bounds ask for one pair of layouts under many nd-SBP pairs,
+        its partial sources read as B)."""
+        hit = self._overlaps.get((src, dst))
+        if hit is None:
+            hit = self._overlaps[src, dst] = self._overlap(src, dst)
+        return hit
+
+    def _overlap(self, src: Layout, dst: Layout) -> tuple[int, int]:
         held = kept = 0
         for a, b in zip(self.boxes(src), self.boxes(dst)):
             held += math.prod(s for _, s in b)

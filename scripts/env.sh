@@ -30,12 +30,21 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
 
-# ensure_extra NAME: add the optional-dependency group NAME of pyproject.toml to
-# this environment (re-installed only when pyproject.toml changes).
+# ensure_extra NAME...: add the optional-dependency groups NAME... of pyproject.toml
+# to this environment, those missing in one pip call (re-installed only when
+# pyproject.toml changes).
 ensure_extra() {
-  local stamp="$VENV/.sbpjax-$1-installed"
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    "$VENV/bin/python" -m pip install --quiet -e ".[$1]"
-    echo "$want" > "$stamp"
+  local name missing=()
+  for name in "$@"; do
+    local stamp="$VENV/.sbpjax-$name-installed"
+    if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+      missing+=("$name")
+    fi
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    "$VENV/bin/python" -m pip install --quiet -e ".[$(IFS=,; echo "${missing[*]}")]"
+    for name in "${missing[@]}"; do
+      echo "$want" > "$VENV/.sbpjax-$name-installed"
+    done
   fi
 }

@@ -51,6 +51,14 @@ from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
 
 def normalized_layout(sbp: Sequence, ndim: int, grid: Sequence[int]) -> Layout:
     """The layout of an nd-SBP; S or P over an axis of size 1 is the same as B."""
+    key = (tuple(sbp), ndim, tuple(grid))
+    hit = _NORMALIZED.get(key)
+    if hit is None:
+        hit = _NORMALIZED[key] = _normalized_layout(key[0], ndim, key[2])
+    return hit
+
+
+def _normalized_layout(sbp: tuple, ndim: int, grid: tuple) -> Layout:
     L = Layout.from_nd_sbp(sbp, ndim)
     keep = lambda a: grid[a] > 1  # noqa: E731
     return Layout(
@@ -123,12 +131,13 @@ def _bytes_lower_bound(shape: tuple, itemsize: int, grid: tuple, src_sbp: tuple,
 
 _CACHE: dict = {}
 _BOUNDS: dict = {}
+_NORMALIZED: dict = {}  # (nd-SBP, ndim, grid) -> normalized_layout: asked for by every bound
 
 
 def clear_caches() -> None:
     """Forget every plan, bound and move computed so far (they are kept for
     the life of the process; benchmarks clear them to time a cold planner)."""
-    for cache in (_CACHE, _BOUNDS):
+    for cache in (_CACHE, _BOUNDS, _NORMALIZED):
         cache.clear()
     clear_search_caches()
     geometry.cache_clear()

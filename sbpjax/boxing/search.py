@@ -270,14 +270,18 @@ def _search_from(ctx: _Ctx, tree: _Tree, src: Layout, dst: Layout) -> list:
         [e[1][0] for e in events] + ([direct.bytes] if direct is not None else []),
         default=math.inf,
     )
+    best, permutes, missing = tree.best, ctx._p2p_cache, object()
     for L, index in tree.order.items():
-        if tree.best[L][0] > bound:
+        c = best[L]
+        if c[0] > bound:
             break
-        if L.partial != dst.partial or L == dst:
+        if L.partial != dst.partial or L is dst:
             continue
-        s = ctx.permute(L, dst)
+        # ctx.permute's cache read here: ~40 layouts for each of thousands of pairs
+        s = permutes.get((L, dst), missing)
+        if s is missing:
+            s = ctx.permute(L, dst)
         if s is not None:
-            c = tree.best[L]
             events.append(((index, 1), (c[0] + s.bytes, c[1] + s.tie_time, c[2] + 1), (L, s)))
     events.sort(key=lambda e: e[0])
     won = None
