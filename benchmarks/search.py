@@ -79,15 +79,15 @@ def mlp_section(device_counts, restarts, steps):
         }
         found: dict = {}
 
-        def kept(method, search):
+        def kept(method, search, into):
             # each search's result kept from its timed runs (the same each run: the seeds
             # are fixed), not from one more run: the exhaustive one takes seconds
             def run():
-                found[method] = search()
+                into[method] = search()
 
             return run
 
-        runs = [(kept(method, search), ()) for method, search in searches.items()]
+        runs = [(kept(method, search, found), ()) for method, search in searches.items()]
         times = dict(zip(searches, median_times(runs, repeats=1)))
         opt, t_ex = found["exhaustive"], times["exhaustive"]
         for method, st in found.items():

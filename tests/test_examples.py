@@ -103,7 +103,9 @@ def test_power_iteration_runs_its_while_loop_split():
 def test_train_benchmark_quick(tmp_path):
     path = tmp_path / "train.json"
     # one timing round: the test reads no times
-    _run(["benchmarks/train.py", "--quick", "--repeats", "1", "--min-seconds", "0", "--output", str(path)], 900)
+    _run(
+        ["benchmarks/train.py", "--quick", "--repeats", "1", "--min-seconds", "0", "--output", str(path)], 900
+    )
     r = json.loads(path.read_text())
     assert {
         "sbpjax_bytes",
