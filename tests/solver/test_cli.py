@@ -35,7 +35,9 @@ def _strategies(stdout: str) -> list:
 
 def test_contest_mode_on_instance_g_prints_one_feasible_line():
     path = INSTANCES / "asplos-2025-iopddl-G.json.gz"
-    proc = _cli(str(path), "--time-limit", "20")
+    # a short limit: the line is printed at the limit, and the solver's first feasible answer
+    # on G comes in under 2 s (the contest's limit and the costs are benchmarks/solver.py's)
+    proc = _cli(str(path), "--time-limit", "5")
     assert proc.returncode == 0, proc.stderr
     s = _strategies(proc.stdout)
     cost, feasible, _ = load_problem(path).evaluate(s)
