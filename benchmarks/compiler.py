@@ -26,7 +26,10 @@ of it) and XLA's compile of its program (``xla_compile_s``) against GSPMD's
 whole ``jax.jit`` lower and compile (``gspmd_compile_s``), as
 ``first_call_ratio``; the same with the plan read from the plan cache
 (``cached_call_ratio``); and the layout choice's size (``ops``, ``groups``,
-``variables``) and ``proven_gap``. Python's garbage collector is paused
+``variables``) and ``proven_gap``; per-device memory by XLA's
+``memory_analysis()`` (``sbpjax_peak_bytes``, ``gspmd_peak_bytes``:
+arguments + outputs + temporaries - aliased) beside the plan's own estimate
+(``estimated_peak_bytes``, ``explain().estimated_peak_bytes``). Python's garbage collector is paused
 while timing, as ``timeit`` does. Every program's result is checked against
 the single-device program.
 Writes ``benchmarks/results/compiler.json``.
@@ -80,6 +83,21 @@ def collective_bytes(compiled) -> int:
 def collective_count(compiled) -> int:
     """Collectives one run of the program executes (a combined tuple collective counts once)."""
     return sum(c.count for c in sj.collectives(compiled))
+
+
+def memory(compiled) -> dict:
+    """Per-device memory of ``compiled`` by XLA's ``memory_analysis()``, its
+    parts and ``peak`` = arguments + outputs + temporaries - aliased (empty
+    where the backend gives none)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    out = {
+        k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "temp", "alias", "generated_code")
+    }
+    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
 
 
 def median_times(runs, repeats, min_seconds=None):
@@ -465,6 +483,8 @@ def run_program(
     row["sbpjax_collectives"] = collective_count(compiled)
     explanation = f.explain(*g_args)
     row["sbpjax_explained_bytes"] = explanation.bytes
+    row["sbpjax_peak_bytes"] = memory(compiled).get("peak")
+    row["estimated_peak_bytes"] = explanation.estimated_peak_bytes
     choice = explanation.choice
     row["solver"] = choice.method if choice is not None else None
     row["solve_s"] = choice.solve_s + choice.build_s if choice is not None else None
@@ -482,6 +502,7 @@ def run_program(
     g_compiled = gspmd.lower(*flat_args).compile()
     row["gspmd_bytes"] = collective_bytes(g_compiled)
     row["gspmd_collectives"] = collective_count(g_compiled)
+    row["gspmd_peak_bytes"] = memory(g_compiled).get("peak")
     row["handwritten_bytes"] = None
     if handwritten is not None:
         hw, hw_args = handwritten

@@ -54,7 +54,9 @@ Per model (row fields):
 * ``sbpjax_peak_bytes`` / ``gspmd_peak_bytes``: per-device memory of the
   compiled program from ``compiled.memory_analysis()``:
   ``argument_size + output_size + temp_size - alias_size`` (the detail is in
-  ``*_memory``); neither program donates;
+  ``*_memory``); neither program donates; ``estimated_peak_bytes``: the
+  plan's own estimate of that peak (``explain().estimated_peak_bytes``), and
+  ``estimated_over_measured_peak`` its ratio to ``sbpjax_peak_bytes``;
 * ``sbpjax_flops`` / ``gspmd_flops``: per-device FLOPs of each compiled
   program by XLA's ``cost_analysis()`` (a loop's body counted once, as XLA
   counts it: a scanned model's figures are per iteration of its loops, plus
@@ -94,7 +96,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from compiler import collective_bytes, spec_of  # noqa: E402
+from compiler import collective_bytes, memory, spec_of  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -432,18 +434,6 @@ def build(name, cfg, rng):
 # ---------------------------------------------------------------------------
 
 
-def memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    out = {
-        k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
-        for k in ("argument", "output", "temp", "alias", "generated_code")
-    }
-    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
-
-
 def flops(compiled) -> float | None:
     """Per-device FLOPs of ``compiled`` by XLA's cost analysis (None where the
     backend gives none). Older JAX returns one dict per program in a list."""
@@ -486,9 +476,13 @@ def run_model(spec) -> dict:
     row["sbp_warnings"] = len(sbp_w)
     row["sbp_warning_messages"] = [str(w.message)[:300] for w in sbp_w[:3]]
     row["sbpjax_bytes"] = collective_bytes(compiled)
-    row["sbpjax_explained_bytes"] = f.explain(*g_args).bytes
+    explanation = f.explain(*g_args)
+    row["sbpjax_explained_bytes"] = explanation.bytes
     mem = memory(compiled)
     row["sbpjax_peak_bytes"], row["sbpjax_memory"] = mem.get("peak"), mem
+    row["estimated_peak_bytes"] = explanation.estimated_peak_bytes
+    if row["sbpjax_peak_bytes"]:
+        row["estimated_over_measured_peak"] = row["estimated_peak_bytes"] / row["sbpjax_peak_bytes"]
     row["sbpjax_flops"] = flops(compiled)
     row["sbpjax_while_loops"] = compiled.as_text().count(" while(")
     out = f(*g_args)

@@ -145,6 +145,7 @@ def test_models_benchmark_quick(tmp_path):
         "gspmd_compile_s",
         "sbpjax_flops",
         "gspmd_flops",
+        "estimated_peak_bytes",
         "sbp_warnings",
     }
     for r in rows.values():
@@ -155,6 +156,9 @@ def test_models_benchmark_quick(tmp_path):
         assert r["sbpjax_peak_bytes"] > 0 and r["gspmd_peak_bytes"] > 0
         # XLA's cost analysis counts the work of both programs (per device)
         assert r["sbpjax_flops"] > 0 and r["gspmd_flops"] > 0, r
+        # the plan's own estimate holds at least the arguments and results XLA holds
+        m = r["sbpjax_memory"]
+        assert r["estimated_peak_bytes"] >= m["argument"] + m["output"] - m["alias"], r
     # the scanned decoder keeps its loops, as GSPMD does (2: forward and backward). At
     # this size the forward scan has 2 layers, and on some jax versions the plan reads
     # the last layer's output after the loop in another layout than the loop passes it

@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from sbpjax.boxing.plan import human_bytes
+from sbpjax.compiler.liveness import estimated_peak_bytes
 from sbpjax.compiler.loops import plan_runs
 from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.switches import plan_switches
@@ -71,6 +72,14 @@ class Explanation:
                 f"(front end = {front / max(t['xla_compile_s'], 1e-9):.2f} x XLA's)"
             )
         return line
+
+    @property
+    def estimated_peak_bytes(self) -> int:
+        """The most one device is estimated to hold at once while the program
+        runs: its arguments and the values live at the estimate's peak
+        (``sbpjax.compiler.liveness.estimated_peak_bytes``). Compare it with
+        ``jitted.lower(...).compile().memory_analysis()``."""
+        return estimated_peak_bytes(self.propagation)
 
     @property
     def warnings(self) -> list:
@@ -166,7 +175,8 @@ class Explanation:
             counts[c.what] = (n + 1, nbytes + c.bytes)
         lines = [
             f"sj.jit on {prop.placement!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
-            f"{human_bytes(self.bytes)} per step (bytes received, all devices)"
+            f"{human_bytes(self.bytes)} per step (bytes received, all devices), estimated peak "
+            f"{human_bytes(self.estimated_peak_bytes)} per device"
         ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())
@@ -188,7 +198,7 @@ class Explanation:
         pl = prop.placement
         lines = [
             f"sj.jit on {pl!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
-            f"{self.bytes} B planned"
+            f"{self.bytes} B planned, estimated peak {self.estimated_peak_bytes} B per device"
         ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())

@@ -1,0 +1,82 @@
+"""The plan's estimated peak per device (``explain().estimated_peak_bytes``,
+``sbpjax.compiler.liveness``) against XLA's ``memory_analysis()`` of the
+compiled program: arguments + outputs + temporaries - aliased."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_regather import WEIGHTS, X, fsdp
+
+import sbpjax as sj
+from sbpjax import B, S
+
+PL24 = sj.placement((2, 4), ("x", "y"))
+
+
+def xla_peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def xla_held(compiled) -> int:
+    """What the program holds however XLA schedules it: its arguments and results."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def _megatron_mlp():
+    def loss(w1, w2, x):
+        return jnp.mean((jax.nn.gelu(x @ w1) @ w2) ** 2)
+
+    rng = np.random.default_rng(0)
+    w1 = rng.normal(size=(64, 256)).astype(np.float32)
+    w2 = rng.normal(size=(256, 64)).astype(np.float32)
+    x = rng.normal(size=(32, 64)).astype(np.float32)
+    f = sj.jit(
+        jax.value_and_grad(loss, argnums=(0, 1)),
+        placement=PL24,
+        in_sbp=((B, S(1)), (B, S(0)), (S(0), B)),
+        out_sbp=((B, B), ((B, S(1)), (B, S(0)))),
+    )
+    return f, (w1, w2, x)
+
+
+def _data_parallel_mlp():
+    f = sj.jit(
+        jax.value_and_grad(lambda ws, x: jnp.mean(sum(jnp.tanh(x @ w1) @ w2 for w1, w2 in ws) ** 2)),
+        placement=sj.placement(8, "x"),
+        in_sbp=((B,), (S(0),)),
+        out_sbp=((B,), (B,)),
+    )
+    return f, (WEIGHTS, X)
+
+
+CASES = {
+    "fsdp_held": lambda: (fsdp(False), (WEIGHTS, X)),
+    "fsdp_regathered": lambda: (fsdp(True), (WEIGHTS, X)),
+    "megatron_mlp_2x4": _megatron_mlp,
+    "data_parallel": _data_parallel_mlp,
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_estimate_holds_at_least_what_every_schedule_holds(name):
+    """Arguments and results are held whatever XLA fuses or reorders: the
+    estimate counts them, and the values live at its peak on top."""
+    f, args = CASES[name]()
+    e = f.explain(*args)
+    compiled = f.lower(*args).compile()
+    assert e.estimated_peak_bytes >= xla_held(compiled) > 0
+    assert e.estimated_peak_bytes > 0 and f"estimated peak {e.estimated_peak_bytes} B per device" in str(e)
+    assert "estimated peak" in e.summary().splitlines()[0]
+
+
+def test_regathers_lower_the_estimate_as_they_lower_xlas_peak():
+    """The estimate counts a regathered weight from each gathering to its last
+    use before the next: regathering lowers it, as it lowers XLA's peak."""
+    held, again = fsdp(False), fsdp(True)
+    e_held, e_again = held.explain(WEIGHTS, X), again.explain(WEIGHTS, X)
+    assert any(b.regather for b in e_again.boxings)
+    assert e_again.estimated_peak_bytes < e_held.estimated_peak_bytes
+    assert xla_peak(again.lower(WEIGHTS, X).compile()) < xla_peak(held.lower(WEIGHTS, X).compile())
