@@ -1,6 +1,6 @@
 """Compiler benchmark: sj.jit against GSPMD and hand-written shard_map programs.
 
-    python benchmarks/compiler.py            # default sizes (a few minutes on 8 CPU devices)
+    python benchmarks/compiler.py            # default sizes (over 30 minutes on a 2-core machine)
     python benchmarks/compiler.py --quick    # small sizes, same fields, under two minutes
 
 Programs on 8 devices: (a) a Megatron MLP block forward+backward on a 2x4
