@@ -166,6 +166,13 @@ def assert_close(actual, desired, *, rtol, scale=None, err_msg=""):
     )
 
 
+def xla_peak(compiled) -> int:
+    """Per-device memory of a compiled program by XLA's ``memory_analysis()``:
+    arguments + outputs + temporaries - aliased."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
 def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
     """Bytes GSPMD's program for ``fn`` moves (``jax.jit`` with the same layouts
     as ``NamedSharding``s): ``in_sbps`` / ``out_sbps`` are pytrees of nd-SBPs

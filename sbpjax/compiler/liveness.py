@@ -115,6 +115,18 @@ def argument_bytes(prop: Propagation) -> int:
     return sum(seen.values())
 
 
+def decision_uses(prop: Propagation, keys) -> dict:
+    """For each ``(id(value), nd-SBP)`` of ``keys``, the ascending indices of
+    the decisions that read that value in that layout."""
+    uses: dict = {key: [] for key in keys}
+    for i, d in enumerate(prop.decisions):
+        for a, nd in zip(d.node.ins, d.in_sbp):
+            key = (id(a), nd)
+            if key in uses and (not uses[key] or uses[key][-1] != i):
+                uses[key].append(i)
+    return uses
+
+
 def regathered(prop: Propagation) -> list:
     """The :class:`Held` gathered arguments of a chosen program whose
     decisions already carry their regathers (``sbpjax.compiler.regather``):
@@ -126,16 +138,12 @@ def regathered(prop: Propagation) -> list:
     if not again:
         return []
     first: dict = {}
-    uses: dict = {key: [] for key in again}
     for i, d in enumerate(prop.decisions):
         for b in d.boxings:
             key = (id(b.var), b.dst)
             if key in again and not b.regather:
                 first.setdefault(key, (i, b))
-        for a, nd in zip(d.node.ins, d.in_sbp):
-            key = (id(a), nd)
-            if key in uses and (not uses[key] or uses[key][-1] != i):
-                uses[key].append(i)
+    uses = decision_uses(prop, again)
     return [
         Held(b, uses[key], sorted({i, *again[key]}), value_bytes(b.var, b.dst, grid))
         for key, (i, b) in first.items()
@@ -150,5 +158,5 @@ def estimated_peak_bytes(prop: Propagation) -> int:
     before the next. An estimate of XLA's ``memory_analysis()`` (arguments +
     outputs + temporaries - aliased), not a bound on it: XLA fuses many of
     the values counted here away, and it may keep a value longer or reorder ops."""
-    live = live_bytes(prop, regathered(prop))
-    return argument_bytes(prop) + int(live.max()) if len(live) else argument_bytes(prop)
+    # live_bytes has an entry even for a program of no ops (its results)
+    return argument_bytes(prop) + int(live_bytes(prop, regathered(prop)).max())

@@ -73,7 +73,7 @@ import dataclasses
 
 import numpy as np
 
-from sbpjax.compiler.liveness import Held, live_bytes, value_bytes
+from sbpjax.compiler.liveness import Held, decision_uses, live_bytes, value_bytes
 from sbpjax.compiler.loops import plan_runs
 from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.switches import plan_switches
@@ -103,12 +103,7 @@ def plan_regathers(prop: Propagation, excluded: set, target: int | None = None) 
                 made.setdefault((id(b.var), b.dst), (i, b))
     if not made:
         return {}, None
-    uses: dict = {key: [] for key in made}
-    for i, d in enumerate(prop.decisions):
-        for a, nd in zip(d.node.ins, d.in_sbp):
-            key = (id(a), nd)
-            if key in uses and (not uses[key] or uses[key][-1] != i):
-                uses[key].append(i)
+    uses = decision_uses(prop, made)
     held = [
         Held(b, uses[key], [i], value_bytes(b.var, b.dst, prop.placement.shape))
         for key, (i, b) in made.items()

@@ -6,17 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_peak
 from test_regather import WEIGHTS, X, fsdp
 
 import sbpjax as sj
 from sbpjax import B, S
 
 PL24 = sj.placement((2, 4), ("x", "y"))
-
-
-def xla_peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
 def xla_held(compiled) -> int:
@@ -68,7 +64,7 @@ def test_the_estimate_holds_at_least_what_every_schedule_holds(name):
     e = f.explain(*args)
     compiled = f.lower(*args).compile()
     assert e.estimated_peak_bytes >= xla_held(compiled) > 0
-    assert e.estimated_peak_bytes > 0 and f"estimated peak {e.estimated_peak_bytes} B per device" in str(e)
+    assert f"estimated peak {e.estimated_peak_bytes} B per device" in str(e)
     assert "estimated peak" in e.summary().splitlines()[0]
 
 
