@@ -324,6 +324,56 @@ def test_data_parallel_on_4x2_runs_the_one_all_reduce_the_cost_model_times_faste
             assert "1 collectives in place of 3" in note, note
 
 
+@pytest.mark.slow
+def test_fewer_collectives_are_not_bought_with_a_checkpointed_steps_memory():
+    """benchmarks/models.py's unrolled decoder (4 layers, each under
+    jax.checkpoint; Megatron annotations on 2x4). The bytes-first plan splits
+    the batch over all 8 devices and gathers the weights. Solved again with
+    each collective's ring latency, the plan is Megatron over y: under half
+    the collectives and a smaller program-order peak estimate, but each
+    layer's residual stream replicated over y. XLA does not recompute each
+    layer just before its backward step, and the trade raised XLA's peak
+    (1.07x GSPMD's at the time). With the recomputation hoisted the estimate
+    sees it, and the bytes-first plan is kept."""
+    import importlib.util
+
+    from conftest import xla_peak
+
+    from sbpjax.compiler.liveness import live_bytes
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_models", os.path.join(ROOT, "benchmarks", "models.py")
+        )
+        bench = importlib.util.module_from_spec(spec)
+        sys.modules["bench_models"] = bench  # its dataclasses look their module up
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.path[0]
+
+    def plan(options):
+        m = bench.build("decoder_unrolled", bench.configs(False), np.random.default_rng(0))
+        f = sj.jit(
+            m["step"], placement=m["placement"], in_sbp=m["in_sbp"], out_sbp=m["out_sbp"], options=options
+        )
+        flat, tree = f._globals(m["args"], {})
+        args, _ = jax.tree_util.tree_unflatten(tree, flat)
+        return f.explain(*args), f.lower(*args).compile()
+
+    kept, kept_compiled = plan(sj.CompileOptions())
+    assert "that plan kept" not in (kept.choice.latency_note or ""), kept.choice.latency_note
+    # every ring-priced plan within the bytes bound: the plan the peak condition refused
+    ring, ring_compiled = plan(sj.CompileOptions(fewer_collectives=1e9))
+    assert "that plan kept" in ring.choice.latency_note, ring.choice.latency_note
+    assert 2 * collective_count(ring_compiled) <= collective_count(kept_compiled)
+    assert measured(kept_compiled) < measured(ring_compiled)
+    a, k = ring.propagation, kept.propagation
+    assert live_bytes(a).max() <= live_bytes(k).max()
+    assert live_bytes(a, hoisted=True).max() > live_bytes(k, hoisted=True).max()
+    assert xla_peak(kept_compiled) < xla_peak(ring_compiled)
+
+
 def test_a_deep_data_parallel_step_on_4x2_runs_the_one_all_reduce_too():
     """The same on a 3-layer GPT (drawn by the random sweep's seed 202,
     1,066 ops): each gradient's slice, reduce-scatter and all-gather become
