@@ -1,6 +1,6 @@
 """Compiler benchmark: sj.jit against GSPMD and hand-written shard_map programs.
 
-    python benchmarks/compiler.py            # default sizes (over 30 minutes on a 2-core machine)
+    python benchmarks/compiler.py            # default sizes (over an hour on a 2-core machine)
     python benchmarks/compiler.py --quick    # small sizes, same fields, under two minutes
 
 Programs on 8 devices: (a) a Megatron MLP block forward+backward on a 2x4
@@ -607,7 +607,8 @@ def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
     GSPMD and a hand-written Megatron shard_map."""
     d, layers, shape, *scan = cfg
     scan = bool(scan and scan[0] == "scan")
-    vocab, seq, batch, heads = 64, 16, 16, 8  # 8 heads: the tensor axis (up to 8) divides them
+    # 8 heads, or as many as the tensor axis has devices (16x16): the tensor axis divides them
+    vocab, seq, batch, heads = 64, 16, 16, max(8, shape[1])
     name = f"gpt_sweep_d{d}_L{layers}_{shape[0]}x{shape[1]}" + ("_scan" if scan else "")
     if ONLY and not any(o in name for o in ONLY):
         return None
@@ -864,10 +865,12 @@ def main():
         # at most one cold compile after the first: a plan per compile is the slow part
         add(gpt_sweep_row(cfg, repeats, min(samples, 1), rng))
     bar.close()
-    # (f) the sweep on 4x4 and 8x8, compiled only, in a process with more devices
-    rows += compile_only_rows(args)
-
     rows = [r for r in rows if r is not None]
+    # written before the compile-only rows too: a child that fails (raising here) leaves the
+    # 8-device rows of a long run on disk, marked partial
+    write(args.output, rows, dict(quick=q, repeats=repeats, compile_samples=samples, partial=True))
+    # (f) the sweep on 4x4, 8x8 and 16x16, compiled only, in a process with more devices
+    rows += [r for r in compile_only_rows(args) if r is not None]
     print(
         f"{'program':<34}{'sbpjax B':>12}{'gspmd B':>12}{'hand B':>12}{'t/gspmd':>9}{'t/hand':>8}"
         f"{'1st call':>9}{'cached':>8}{'solver':>8}{'solve s':>9}{'gap':>7}{'coll sj/gspmd':>15}"
@@ -884,23 +887,18 @@ def main():
             f"{tg:>9}{th:>8}{first:>9}{cached:>8}{r['solver']:>8}"
             f"{r['solve_s']:>9.2f}{gap:>7}{r['sbpjax_collectives']:>8}/{r['gspmd_collectives']:<6}"
         )
-    os.makedirs(os.path.dirname(args.output), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(
-            {
-                "config": {
-                    "quick": q,
-                    "repeats": repeats,
-                    "compile_samples": samples,
-                    "devices": 8,
-                    "timing": "medians; calls interleaved across programs; gc paused while timed",
-                },
-                "programs": rows,
-            },
-            f,
-            indent=1,
-        )
+    write(args.output, rows, dict(quick=q, repeats=repeats, compile_samples=samples))
     print(f"wrote {args.output}")
+
+
+def write(path, rows, config):
+    """The results file: ``config`` (``partial``: the compile-only rows missing) and the rows."""
+    config = dict(
+        config, devices=8, timing="medians; calls interleaved across programs; gc paused while timed"
+    )
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"config": config, "programs": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
