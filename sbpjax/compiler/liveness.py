@@ -74,7 +74,7 @@ def live_bytes(prop: Propagation, held: Sequence = (), hoisted: bool = False) ->
     start: dict = {}
     end: dict = {}
     size: dict = {}
-    ready: dict = {}  # id(value) -> the decision after which it exists (hoisted only)
+    ready: dict = {}  # id(value) -> the decision after which it exists (read when hoisted)
     gathered = {(id(h.boxing.var), h.boxing.dst) for h in held}
 
     def use(key, var, nd, s, i):
