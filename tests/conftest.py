@@ -166,6 +166,27 @@ def assert_close(actual, desired, *, rtol, scale=None, err_msg=""):
     )
 
 
+def load_module(path, name: str, imports_from=None):
+    """The Python file ``path`` as a module named ``name`` (benchmarks/ and
+    examples/ are not packages), registered in ``sys.modules`` because
+    dataclasses look their module up there. ``imports_from``: a folder put
+    first on ``sys.path`` while it runs, for its imports of its neighbours."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    if imports_from is not None:
+        sys.path.insert(0, str(imports_from))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if imports_from is not None:
+            sys.path.remove(str(imports_from))
+    return module
+
+
 def xla_peak(compiled) -> int:
     """Per-device memory of a compiled program by XLA's ``memory_analysis()``:
     arguments + outputs + temporaries - aliased."""

@@ -335,23 +335,13 @@ def test_fewer_collectives_are_not_bought_with_a_checkpointed_steps_memory():
     layer just before its backward step, and the trade raised XLA's peak
     (1.07x GSPMD's at the time). With the recomputation hoisted the estimate
     sees it, and the bytes-first plan is kept."""
-    import importlib.util
-
-    from conftest import xla_peak
+    from conftest import load_module, xla_peak
 
     from sbpjax.compiler.buckets import emitted_collectives
     from sbpjax.compiler.liveness import live_bytes
 
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_models", os.path.join(ROOT, "benchmarks", "models.py")
-        )
-        bench = importlib.util.module_from_spec(spec)
-        sys.modules["bench_models"] = bench  # its dataclasses look their module up
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.path[0]
+    benchmarks = os.path.join(ROOT, "benchmarks")  # its models.py, not this folder's
+    bench = load_module(os.path.join(benchmarks, "models.py"), "bench_models", imports_from=benchmarks)
 
     def plan(options):
         m = bench.build("decoder_unrolled", bench.configs(False), np.random.default_rng(0))

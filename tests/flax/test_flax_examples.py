@@ -1,7 +1,6 @@
 """The Flax examples: each model trained on 8 devices equals the single-device
 program, and each example runs (small settings) and prints what it claims."""
 
-import importlib.util
 import os
 import re
 
@@ -9,7 +8,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close, nnx_single_device, run_script
+from conftest import assert_close, load_module, nnx_single_device, run_script
 from flax import nnx
 
 import sbpjax as sj
@@ -20,12 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def load_example(name):
     """An example file as a module (examples/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        f"examples_{name}", os.path.join(ROOT, "examples", f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(os.path.join(ROOT, "examples", f"{name}.py"), f"examples_{name}")
 
 
 def assert_same_training(build, optimizer, loss_fn, batches, placement, batch_sbp, **trainer_options):

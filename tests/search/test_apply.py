@@ -1,13 +1,12 @@
 """Strategies applied to real programs on 8 devices: the bytes the search predicts
 are the bytes the compiled program moves, and the values are right."""
 
-import importlib.util
 import pathlib
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, load_module
 
 import sbpjax as sj
 import sbpjax.search as ss
@@ -16,11 +15,9 @@ import sbpjax.search as ss
 def _benchmark_module():
     """benchmarks/search.py, whose ``mlp_program`` (an SGD step of an MLP laid
     out by a strategy) these tests check against its predictions."""
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "search.py"
-    spec = importlib.util.spec_from_file_location("search_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(
+        pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "search.py", "search_benchmark"
+    )
 
 
 mlp_program = _benchmark_module().mlp_program
