@@ -172,15 +172,19 @@ class Formulation:
                 out[n] = next((k for k, s in enumerate(self.strategies[n]) if s == want), -1)
         for i, n in self.arg_node.items():
             out[n] = next((k for k, nd in enumerate(self.strategies[n]) if nd == prop.in_sbp[i]), -1)
-        for n, kind in enumerate(self.kinds):
-            if kind == "hub":
-                total = self.costs[n].copy()
-                for (u, v), t in self.edges.items():
-                    if v == n and out[u] >= 0:
-                        total += t[out[u]]
-                    elif u == n and out[v] >= 0:
-                        total += t[:, out[v]]
-                out[n] = int(np.argmin(total))
+        # each hub's edges, in the edges' order (the sums' order, so ties break alike)
+        touching: dict = {n: [] for n, kind in enumerate(self.kinds) if kind == "hub"}
+        for (u, v), t in self.edges.items():
+            if v in touching:
+                touching[v].append((u, t, True))
+            if u in touching:
+                touching[u].append((v, t, False))
+        for n, edges in touching.items():  # in node order: a hub sees the hubs before it placed
+            total = self.costs[n].copy()
+            for other, t, rows in edges:
+                if out[other] >= 0:
+                    total += t[out[other]] if rows else t[:, out[other]]
+            out[n] = int(np.argmin(total))
         return out
 
     def plan(self, strategies) -> Propagation:

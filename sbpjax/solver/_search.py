@@ -11,21 +11,15 @@ Every choice is made by a generator seeded from the move's number, and every ste
 is counted, so the trajectory is the same at any effort; a larger effort only lets it run
 longer.
 
-Plans are also kept across solves (``_GRAPH_PLANS``), keyed by the graph's shape: the
-settling rounds of ``sj.jit`` solve one graph a dozen times with new costs, and building
-the plans was half of each round's time on a small decoder (970 plans, 27 of 57 s). A plan
-taken from there is charged to the budget as if built, so a solve's result never depends
-on what the process solved before.
+Plans are also kept across solves of the same graph (:mod:`sbpjax.solver._kept_plans`),
+charged to the budget as if built.
 """
 
 from __future__ import annotations
 
-import collections
-import hashlib
-
 import numpy as np
 
-from sbpjax.solver import _eliminate, _plan
+from sbpjax.solver import _eliminate, _kept_plans, _plan
 from sbpjax.solver._budget import Budget
 from sbpjax.solver._local import State, Steps
 from sbpjax.solver._model import Model
@@ -71,38 +65,6 @@ class Incumbent:
         return self.key[2]
 
 
-# (graph key, seed) -> plan, and graph key -> leaf rounds, of the latest solves. A solve's
-# phases move through many seeds (each phase cycles through POOL of its own): 256 plans
-# keep the seeds of a dozen rounds of one graph (a plan of a 700-node random graph
-# pickles to about 216 kB, so at most some tens of MB).
-_GRAPH_PLANS: collections.OrderedDict = collections.OrderedDict()
-_GRAPH_LEAVES: collections.OrderedDict = collections.OrderedDict()
-_PLANS_KEPT = 256
-_LEAVES_KEPT = 16
-
-
-def _graph_key(model: Model, cap: float) -> bytes:
-    """What a move's plan depends on: the domain sizes, the pairs and the cap."""
-    h = hashlib.sha256()
-    for a in (model.k, model.pu, model.pv):
-        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
-        h.update(b"|")
-    h.update(repr(float(cap)).encode())
-    return h.digest()
-
-
-def _kept(cache: collections.OrderedDict, key, make, most: int):
-    """``cache[key]``, made by ``make()`` when missing; the oldest dropped past ``most``."""
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = make()
-        if len(cache) > most:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return hit
-
-
 class Search:
     # Each move protects this share of the nodes (a ball) from conditioning. Swept over
     # 0.02-0.3 on the IOPDDL instances and the synthetic train steps: 0.05 was best or
@@ -119,10 +81,8 @@ class Search:
         self.nb = [other[ptr[i] : ptr[i + 1]].tolist() for i in range(model.n)]
         self.cumdeg = np.cumsum(np.diff(ptr), dtype=np.float64) if model.n else np.zeros(1)
         self.plans: dict = {}
-        self.graph = _graph_key(model, cap)
-        self.leaves = _kept(
-            _GRAPH_LEAVES, self.graph, lambda: _eliminate.leaf_rounds(model, 16), _LEAVES_KEPT
-        )
+        self.graph = _kept_plans.graph_key(model, cap)
+        self.leaves = _kept_plans.leaves(model)
         self.steps = Steps(model) if model.memory is not None else None
         self.moves = 0
 
@@ -155,7 +115,9 @@ class Search:
         seed %= self.CYCLE
         plan = self.plans.get(seed)
         if plan is None:
-            plan = _kept(_GRAPH_PLANS, (self.graph, seed), lambda: self._build(seed), _PLANS_KEPT)
+            plan = _kept_plans.kept(
+                _kept_plans.GRAPH_PLANS, (self.graph, seed), lambda: self._build(seed), _kept_plans.PLANS_KEPT
+            )
             self.budget.spend(len(self.m.pflat) + self.m.n)  # as if built (module docstring)
             if len(self.plans) >= 2 * self.POOL:  # keep the newest: phases reuse a window of seeds
                 del self.plans[next(iter(self.plans))]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sbpjax._errors import SBPError
-from sbpjax.solver import _eliminate, _plan
+from sbpjax.solver import _eliminate, _kept_plans
 from sbpjax.solver._budget import Budget
 from sbpjax.solver._eliminate import Plan
 from sbpjax.solver._memory import MemorySearch
@@ -162,11 +162,11 @@ class _Solve:
     def _eliminate(self, model: Model, inc: Incumbent) -> _eliminate.Plan | None:
         """The exact plan when the graph is narrow enough (its run offered to ``inc``),
         else None after a mini-bucket bound and first solution."""
-        plan = _plan.plan(model, TABLE_CAP, "exact")
+        plan = _kept_plans.elimination_plan(model, TABLE_CAP, "exact")
         self.budget.spend(len(model.pflat) + model.n)
         if plan is None:
             self.stats["exact"] = False
-            plan = _plan.plan(model, MOVE_CAP, "minibucket")
+            plan = _kept_plans.elimination_plan(model, MOVE_CAP, "minibucket")
             assert plan is not None
         else:
             self.stats["exact"] = True

@@ -134,22 +134,45 @@ def test_more_effort_is_never_worse_and_the_same_effort_gives_the_same_answer(ma
 
 
 def test_plans_kept_across_solves_change_nothing():
-    """A move's plan is kept across solves of the same graph (``_search._GRAPH_PLANS``)
-    and charged as if built: a solve with the plans kept from an earlier solve of the
-    same graph with other costs, and one with none kept, give the same answer after
-    the same work, and the search did make moves (the cache was used)."""
-    from sbpjax.solver import _search
+    """Plans are kept across solves of the same graph (``_kept_plans``) and charged as
+    if built: a solve with the plans kept from an earlier solve of the same graph with
+    other costs, and one with none kept, give the same answer after the same work, and
+    the search did make moves (the cache was used)."""
+    from sbpjax.solver import _kept_plans
 
     p = random_problem(np.random.default_rng(11), 120, 400, kmax=8, forbid=0.0, follow=0.0)
     other = Problem([2 * c for c in p.costs], [(u, v, 2 * t) for u, v, t in p.edges])
-    _search._GRAPH_PLANS.clear()
-    _search._GRAPH_LEAVES.clear()
+    _kept_plans.clear()
     fresh = solve(p, effort=3e6)
-    assert not fresh.optimal and _search._GRAPH_PLANS, "the solve was not heuristic: no plan to keep"
+    assert not fresh.optimal and _kept_plans.GRAPH_PLANS, "the solve was not heuristic: no plan to keep"
     solve(other, effort=3e6)  # the same graph (costs doubled: the same reductions) keeps its plans
     kept = solve(p, effort=3e6)
     assert (kept.strategies == fresh.strategies).all() and kept.cost == fresh.cost
     assert kept.lower_bound == fresh.lower_bound and kept.stats["work"] == fresh.stats["work"]
+
+
+def test_exact_plan_kept_across_solves_changes_nothing():
+    """The exact elimination's plan is kept by the graph's shape: solves of the same
+    graph with other costs build no plan of their own, and give the exact optimum
+    (brute force) after the same work as a solve with nothing kept."""
+    from sbpjax.solver import _kept_plans, _plan
+
+    p = random_problem(np.random.default_rng(5), 7, 9, kmax=3, forbid=0.0, follow=0.0)
+    doubled = Problem([2 * c for c in p.costs], [(u, v, 2 * t) for u, v, t in p.edges])
+    _kept_plans.clear()
+    fresh = solve(p, effort=1e6)
+    built = []
+    orig = _plan.plan
+    _plan.plan = lambda *a, **k: built.append(1) or orig(*a, **k)
+    try:
+        twice = solve(doubled, effort=1e6)
+        kept = solve(p, effort=1e6)
+    finally:
+        _plan.plan = orig
+    assert not built, "a plan of a graph already solved was built again"
+    assert fresh.optimal and kept.optimal and twice.optimal
+    assert kept.cost == fresh.cost == brute_force(p)[0] and twice.cost == 2 * fresh.cost
+    assert (kept.strategies == fresh.strategies).all() and kept.stats["work"] == fresh.stats["work"]
 
 
 _CHILD = """
