@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from sbpjax.solver import _eliminate, _plan
+from sbpjax.solver import _eliminate, _fill_order, _plan
 from sbpjax.solver._model import Model
 
 # (graph key, seed) -> a move's plan: a solve's phases move through many seeds (each phase
@@ -74,13 +74,23 @@ def leaves(model: Model) -> tuple:
 
 def elimination_plan(model: Model, cap: float, mode: str) -> _eliminate.Plan | None:
     """``_plan.plan(model, cap, mode)`` for ``mode`` "exact" or "minibucket", kept by the
-    graph's shape."""
+    graph's shape; ``mode="fill"``: the exact plan in ``_fill_order``'s order (None when
+    it is too wide for ``cap`` too), its cost in pair checks in ``stats["order_work"]``."""
     return kept(
-        ELIMINATION_PLANS,
-        (graph_key(model, cap), mode),
-        lambda: _plan.plan(model, cap, mode, leaves=leaves(model)),
-        ELIMINATIONS_KEPT,
+        ELIMINATION_PLANS, (graph_key(model, cap), mode), lambda: _made(model, cap, mode), ELIMINATIONS_KEPT
     )
+
+
+def _made(model: Model, cap: float, mode: str) -> _eliminate.Plan | None:
+    if mode != "fill":
+        return _plan.plan(model, cap, mode, leaves=leaves(model))
+    order, work = _fill_order.fill_order(model, leaves(model), cap, np.inf)
+    if order is None:
+        return None
+    plan = _plan.plan(model, cap, "exact", leaves=leaves(model), order=order)
+    if plan is not None:
+        plan.stats["order_work"] = work
+    return plan
 
 
 def clear() -> None:

@@ -63,7 +63,13 @@ class _Planner:
         self.exact = True
         self.conditioned = 0
 
-    def build(self, model: Model) -> Plan | None:
+    def build(self, model: Model, order: list | None = None) -> Plan | None:
+        for x in order or ():  # a given order (exact mode): each node with neighbours left
+            if self.done[x] or not self.nb[x]:
+                continue
+            if self.score[x] > self.logcap:
+                return None
+            self._eliminate(x)
         while self.heap:
             sc, x, ver = heapq.heappop(self.heap)
             if self.done[x] or ver != self.version[x]:
@@ -180,15 +186,20 @@ def plan(
     protect: np.ndarray | None = None,
     min_batch: int = 16,
     leaves: tuple | None = None,
+    order: list | None = None,
 ) -> Plan | None:
     """The elimination plan of ``model``'s graph (see the module docstring). ``leaves``: the
     model's ``leaf_rounds(model, min_batch)``, when the caller has them already (they do
-    not depend on the mode, cap or priorities, and plans may share them)."""
+    not depend on the mode, cap or priorities, and plans may share them). ``order``
+    (``mode="exact"`` only): eliminate the nodes left after the leaf rounds in this order
+    (``_fill_order.fill_order``) rather than by min-size."""
     if mode not in ("exact", "minibucket", "condition"):
         raise ValueError(f"mode {mode!r}")
+    if order is not None and mode != "exact":
+        raise ValueError("a given order is for exact plans")
     if leaves is None:
         leaves = leaf_rounds(model, min_batch)
-    return _Planner(model, cap, mode, priority, protect, leaves).build(model)
+    return _Planner(model, cap, mode, priority, protect, leaves).build(model, order)
 
 
 def _shape(target: tuple, scope: tuple, k: list) -> tuple:

@@ -4,9 +4,10 @@ The steps (each counts its work against the budget):
 
 1. exact reductions (``_reduce``): pruning, merging dependent nodes, additive pairs;
 2. elimination (``_eliminate``, ``_plan``): when the reduced graph is narrow enough that no
-   table exceeds ``TABLE_CAP`` entries, one elimination gives the optimum without the
-   usage limit, which is the answer when it fits the limit (``lower_bound == cost``);
-   otherwise mini-bucket elimination gives a lower bound and a first solution;
+   table exceeds ``TABLE_CAP`` entries in the min-size order, or else in the least-fill
+   order (``_fill_order``), one elimination gives the optimum without the usage limit,
+   which is the answer when it fits the limit (``lower_bound == cost``); otherwise
+   mini-bucket elimination gives a lower bound and a first solution;
 3. large-neighbourhood moves and, with a binding usage limit, Lagrangian multipliers
    with repair and single-node moves (``_search``).
 """
@@ -28,9 +29,14 @@ from sbpjax.solver._reduce import reduce
 from sbpjax.solver._search import Incumbent, Search
 from sbpjax.solver.problem import Problem
 
-# The largest table an exact elimination may build: 2**22 float64 entries, 32 MiB (the
-# step that builds it holds about three such arrays). Wider graphs go to the heuristic.
-TABLE_CAP = float(2**22)
+# The largest table an exact elimination may build: 2**24 float64 entries, 128 MiB (the
+# step that builds it holds up to three such arrays, a few hundred MB at the very worst).
+# Wider graphs go to the heuristic. Decision: 2**24, not 2**22 (32 MiB) as before: the model
+# zoo's scanned 4-layer decoder needs 9.7e6 entries in its least-fill order; at 2**22 its
+# solve ran to the end of its effort (28 s, a 10.99% gap), at 2**24 it is exact in about a
+# second, the solver's memory at 100 MB (tracemalloc). A graph far wider than that gains
+# nothing from a larger cap within a laptop's memory.
+TABLE_CAP = float(2**24)
 # Tables of a move (conditioning) and of the mini-bucket bound: swept over 1e4-1e6 on the
 # IOPDDL instances and the synthetic train steps; 1e5 reached the best cost per unit of
 # work on each (1e4 conditions too many nodes, 1e6 makes each move ten times dearer).
@@ -164,6 +170,9 @@ class _Solve:
         else None after a mini-bucket bound and first solution."""
         plan = _kept_plans.elimination_plan(model, TABLE_CAP, "exact")
         self.budget.spend(len(model.pflat) + model.n)
+        if plan is None:  # min-size's order too wide: the least-fill order may not be
+            plan = _kept_plans.elimination_plan(model, TABLE_CAP, "fill")
+            self.budget.spend(len(model.pflat) + model.n)
         if plan is None:
             self.stats["exact"] = False
             plan = _kept_plans.elimination_plan(model, MOVE_CAP, "minibucket")
