@@ -145,6 +145,8 @@ def test_models_benchmark_quick(tmp_path):
         "gspmd_compile_s",
         "sbpjax_flops",
         "gspmd_flops",
+        "sbpjax_loop_flops",
+        "gspmd_loop_flops",
         "estimated_peak_bytes",
         "sbp_warnings",
     }
@@ -156,6 +158,7 @@ def test_models_benchmark_quick(tmp_path):
         assert r["sbpjax_peak_bytes"] > 0 and r["gspmd_peak_bytes"] > 0
         # XLA's cost analysis counts the work of both programs (per device)
         assert r["sbpjax_flops"] > 0 and r["gspmd_flops"] > 0, r
+        assert r["sbpjax_loop_flops"] > 0 and r["gspmd_loop_flops"] > 0, r
         # the plan's own estimate holds at least the arguments and results XLA holds
         m = r["sbpjax_memory"]
         assert r["estimated_peak_bytes"] >= m["argument"] + m["output"] - m["alias"], r
