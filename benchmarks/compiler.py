@@ -68,6 +68,7 @@ import sbpjax as sj  # noqa: E402
 from sbpjax.boxing.plan import clear_caches, normalized_layout  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: E402
 from sbpjax.layout import Geometry  # noqa: E402
+from sbpjax.solver._kept_plans import clear as clear_kept_plans  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONLY: list = []  # --only: program name parts to run
@@ -136,7 +137,8 @@ def gc_paused():
 
 def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, flat_args, samples) -> dict:
     """Medians over ``samples`` cold compiles, each from nothing: JAX's caches
-    and sbpjax's planner caches cleared, a new ``sj.jit`` (plan cache in a
+    and sbpjax's planner caches (boxing plans and schedules, the solver's
+    elimination plans) cleared, a new ``sj.jit`` (plan cache in a
     new empty directory) and a new function for ``jax.jit``.
 
     ``front_end_s``: ``f.lower(...)`` (trace, layout choice, building the
@@ -153,6 +155,7 @@ def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, f
         with tempfile.TemporaryDirectory() as cache:
             row = {}
             clear_caches()
+            clear_kept_plans()
             jax.clear_caches()
             f = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp, plan_cache=cache)
             with gc_paused():
@@ -163,6 +166,7 @@ def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, f
                 t2 = time.perf_counter()
             row.update(front_end_s=t1 - t0, xla_compile_s=t2 - t1, sbpjax_overhead_s=f.last_overhead_s)
             clear_caches()
+            clear_kept_plans()
             jax.clear_caches()
             g = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp, plan_cache=cache)
             with gc_paused():

@@ -46,6 +46,11 @@ def p2p_tiles(geom: Geometry, src: Layout, dst: Layout):
 _SCHEDULES: dict = {}
 
 
+def clear_schedules() -> None:
+    """Forget the schedules computed so far (``plan.clear_caches``)."""
+    _SCHEDULES.clear()
+
+
 def p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | None:
     key = (geom.shape, geom.grid, src, dst)
     if key not in _SCHEDULES:
@@ -101,11 +106,10 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
     for v in range(D):
         for j, t in enumerate(dst_ids[v]):
             gather[v, j] = src_pos[v][t] if t in src_pos[v] else recv_slot[(v, t)]
-    used = set()
-    for pairs, _ in rounds:
-        for u, v in pairs:
-            cu, cv = geom.coords[u], geom.coords[v]
-            used |= {a for a in range(len(geom.grid)) if cu[a] != cv[a]}
+    # the placement axes some pair's devices differ on
+    coords = np.asarray(geom.coords, np.int64).reshape(D, len(geom.grid))
+    ends = np.asarray([p for pairs, _ in rounds for p in pairs], np.int64).reshape(-1, 2)
+    used = np.flatnonzero((coords[ends[:, 0]] != coords[ends[:, 1]]).any(axis=0)).tolist()
     return P2PSchedule(
         tuple(tiles),
         tuple(tile_shape),
@@ -127,15 +131,24 @@ def _rounds(pair_tiles: dict, D: int) -> list:
     by ``k`` (largest first) and ring offset ``(v - u) mod D``, so pairs at one
     offset (a permutation) tend to share a round and exchanges take few rounds."""
     order = sorted(pair_tiles, key=lambda p: (-len(pair_tiles[p]), (p[1] - p[0]) % D, p))
-    rounds: list = []  # [k, pairs, senders, receivers]
+    rounds: list = []  # [k, pairs]
+    of_k: dict = {}  # k -> the indices of the rounds of k tiles, in the order they were opened
+    # (k, device) -> bit j set where the device sends (receives) in the j-th round of k tiles:
+    # a pair's first fit is the lowest bit set in neither, found in C (a 256-device exchange
+    # had hundreds of rounds, and scanning them pair by pair took seconds)
+    sends: dict = {}
+    receives: dict = {}
     for u, v in order:
         k = len(pair_tiles[(u, v)])
-        for r in rounds:
-            if r[0] == k and u not in r[2] and v not in r[3]:
-                r[1].append((u, v))
-                r[2].add(u)
-                r[3].add(v)
-                break
+        opened = of_k.setdefault(k, [])
+        free = ~(sends.get((k, u), 0) | receives.get((k, v), 0)) & ((1 << len(opened)) - 1)
+        if free:
+            j = (free & -free).bit_length() - 1
         else:
-            rounds.append([k, [(u, v)], {u}, {v}])
-    return [(tuple(sorted(pairs)), k) for k, pairs, _, _ in rounds]
+            j = len(opened)
+            opened.append(len(rounds))
+            rounds.append([k, []])
+        rounds[opened[j]][1].append((u, v))
+        sends[(k, u)] = sends.get((k, u), 0) | (1 << j)
+        receives[(k, v)] = receives.get((k, v), 0) | (1 << j)
+    return [(tuple(sorted(pairs)), k) for k, pairs in rounds]

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sbpjax.boxing.cost import DEFAULT_COST_MODEL, CostModel
-from sbpjax.boxing.p2p import P2PSchedule, p2p_schedule, p2p_tiles
+from sbpjax.boxing.p2p import P2PSchedule, clear_schedules, p2p_schedule, p2p_tiles
 from sbpjax.boxing.search import _priced_search, _search_by_class, clear_search_caches, shape_unit
 from sbpjax.boxing.steps import (
     COLLECTIVE_OF,
@@ -140,6 +140,7 @@ def clear_caches() -> None:
     for cache in (_CACHE, _BOUNDS, _NORMALIZED):
         cache.clear()
     clear_search_caches()
+    clear_schedules()
     geometry.cache_clear()
 
 
