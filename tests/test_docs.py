@@ -172,7 +172,8 @@ def test_comparison_quotes_the_benchmark_results():
         quoted.append(
             f"| {_fmt_int(r['sbpjax_bytes'])} | {_fmt_int(r['gspmd_bytes'])} | "
             f"{_fmt_int(r['handwritten_bytes'])} | {ratio(r['time_ratio_vs_gspmd'])} | "
-            f"{ratio(r['time_ratio_vs_handwritten'])} |"
+            f"{ratio(r['time_ratio_vs_handwritten'])} | {ratio(r['first_call_ratio'])} | "
+            f"{ratio(r['cached_call_ratio'])} |"
         )
     missing = [q for q in quoted if q not in page]
     assert not missing, "docs/comparison.md does not quote benchmarks/results as they are now:\n" + "\n".join(
