@@ -17,7 +17,7 @@ scored again (lazily, in a heap).
 Computing it costs a pass over each rescored node's pairs of neighbours: seconds on the
 IOPDDL contest's instances S and M (thousands of nodes, far too wide for any exact plan).
 So a cheap bound comes first (:func:`least_widest`): when no order can keep within the
-cap, none is computed. The caller may also bound the pair checks (``limit``).
+cap, none is computed.
 """
 
 from __future__ import annotations
@@ -32,26 +32,22 @@ from sbpjax.solver._model import Model
 _FIXED = 1 << 20  # fixed-point scale of log2 domain sizes (as _plan's)
 
 
-def fill_order(model: Model, leaves: tuple, cap: float, limit: float) -> tuple[list | None, int]:
-    """(order, work): the nodes left after the leaf rounds ``leaves``
-    (``_eliminate.leaf_rounds``) in least-fill order, and the pair checks it took. None
-    for the order once the next node's factor would exceed ``cap`` entries (the exact
-    plan would stop there) or the checks pass ``limit``."""
+def fill_order(model: Model, leaves: tuple, cap: float) -> list | None:
+    """The nodes left after the leaf rounds ``leaves`` (``_eliminate.leaf_rounds``) in
+    least-fill order, or None once the next node's factor would exceed ``cap`` entries
+    (the exact plan would stop there)."""
     _, alive, pair_alive = leaves
     n = model.n
     logk = _logk(model)
     logcap = math.log2(cap) * _FIXED if cap < np.inf else np.inf
     if least_widest(model, leaves) > logcap:
-        return None, 0
+        return None
     nb = _neighbours(model, pair_alive)
     done = (~alive).tolist()
     version = [0] * n
-    work = 0
 
     def key(x: int) -> tuple:
-        nonlocal work
         ns = sorted(nb[x])
-        work += len(ns) * (len(ns) - 1) // 2
         fill = 0
         for i, a in enumerate(ns):
             near = nb[a]
@@ -68,7 +64,7 @@ def fill_order(model: Model, leaves: tuple, cap: float, limit: float) -> tuple[l
         if done[x] or ver != version[x]:
             continue
         if size > logcap:
-            return None, work
+            return None
         order.append(x)
         ns = nb[x]
         for a in ns:
@@ -84,9 +80,7 @@ def fill_order(model: Model, leaves: tuple, cap: float, limit: float) -> tuple[l
             if not done[y] and nb[y]:
                 version[y] += 1
                 heapq.heappush(heap, (*key(y), version[y]))
-        if work > limit:
-            return None, work
-    return order, work
+    return order
 
 
 def least_widest(model: Model, leaves: tuple) -> int:

@@ -75,7 +75,7 @@ def leaves(model: Model) -> tuple:
 def elimination_plan(model: Model, cap: float, mode: str) -> _eliminate.Plan | None:
     """``_plan.plan(model, cap, mode)`` for ``mode`` "exact" or "minibucket", kept by the
     graph's shape; ``mode="fill"``: the exact plan in ``_fill_order``'s order (None when
-    it is too wide for ``cap`` too), its cost in pair checks in ``stats["order_work"]``."""
+    it is too wide for ``cap`` too)."""
     return kept(
         ELIMINATION_PLANS, (graph_key(model, cap), mode), lambda: _made(model, cap, mode), ELIMINATIONS_KEPT
     )
@@ -84,13 +84,8 @@ def elimination_plan(model: Model, cap: float, mode: str) -> _eliminate.Plan | N
 def _made(model: Model, cap: float, mode: str) -> _eliminate.Plan | None:
     if mode != "fill":
         return _plan.plan(model, cap, mode, leaves=leaves(model))
-    order, work = _fill_order.fill_order(model, leaves(model), cap, np.inf)
-    if order is None:
-        return None
-    plan = _plan.plan(model, cap, "exact", leaves=leaves(model), order=order)
-    if plan is not None:
-        plan.stats["order_work"] = work
-    return plan
+    order = _fill_order.fill_order(model, leaves(model), cap)
+    return None if order is None else _plan.plan(model, cap, "exact", leaves=leaves(model), order=order)
 
 
 def clear() -> None:

@@ -27,7 +27,7 @@ def test_the_fill_orders_elimination_is_exact(seed):
     """Eliminated in the least-fill order, a small random graph's optimum is brute force's."""
     p, m = _model(seed, 8, 14)
     leaves = _eliminate.leaf_rounds(m, 16)
-    order, _ = _fill_order.fill_order(m, leaves, np.inf, np.inf)
+    order = _fill_order.fill_order(m, leaves, np.inf)
     plan = _plan.plan(m, np.inf, "exact", leaves=leaves, order=order)
     assert order is not None and plan is not None and plan.exact
     _, s = _eliminate.run(plan, m, m.unary)
@@ -39,7 +39,7 @@ def test_the_width_bound_is_below_both_orders_widest_table(seed):
     _, m = _model(seed, 40, 120)
     leaves = _eliminate.leaf_rounds(m, 16)
     bound = 2 ** (_fill_order.least_widest(m, leaves) / _fill_order._FIXED)
-    order, _ = _fill_order.fill_order(m, leaves, np.inf, np.inf)
+    order = _fill_order.fill_order(m, leaves, np.inf)
     by_size = _plan.plan(m, np.inf, "exact", leaves=leaves)
     by_fill = _plan.plan(m, np.inf, "exact", leaves=leaves, order=order)
     assert bound <= by_size.max_table * (1 + 1e-9) and bound <= by_fill.max_table * (1 + 1e-9)
@@ -51,7 +51,7 @@ def test_a_solve_falls_back_to_the_fill_order_and_proves_its_plan(monkeypatch):
     for seed in range(200):
         p, m = _model(seed, 10, 22)
         leaves = _eliminate.leaf_rounds(m, 16)
-        order, _ = _fill_order.fill_order(m, leaves, np.inf, np.inf)
+        order = _fill_order.fill_order(m, leaves, np.inf)
         by_size = _plan.plan(m, np.inf, "exact", leaves=leaves)
         by_fill = _plan.plan(m, np.inf, "exact", leaves=leaves, order=order)
         if by_fill.max_table < by_size.max_table:
