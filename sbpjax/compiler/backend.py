@@ -94,15 +94,19 @@ def solve_settled(form, effort: int, start=None, usage_limit=None) -> Solved:
 
 
 def form_problem(form, usage_limit=None) -> Problem:
-    """``form`` as it stands in the solver's form."""
-    memory = {}
-    if usage_limit is not None:
-        memory = dict(
-            usages=form.usages,
-            intervals=np.array([[0, 1]] * len(form.costs)),
-            usage_limit=float(usage_limit - form.const_usage),
-        )
-    return Problem(form.costs, [(u, v, t) for (u, v), t in form.edges.items()], **memory)
+    """``form`` as it stands in the solver's form. Without a memory budget its
+    tables (float64 arrays of the right shapes, made by the formulation) go in
+    unchecked (``Problem._prechecked``)."""
+    edges = [(u, v, t) for (u, v), t in form.edges.items()]
+    if usage_limit is None:
+        return Problem._prechecked(form.costs, edges)
+    return Problem(
+        form.costs,
+        edges,
+        usages=form.usages,
+        intervals=np.array([[0, 1]] * len(form.costs)),
+        usage_limit=float(usage_limit - form.const_usage),
+    )
 
 
 def solve_form(

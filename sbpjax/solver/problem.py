@@ -170,6 +170,21 @@ class Problem:
         if self.usage_limit is not None:
             object.__setattr__(self, "usage_limit", float(self.usage_limit))
 
+    @classmethod
+    def _prechecked(cls, costs: Sequence, edges: Sequence) -> Problem:
+        """A problem without a usage limit from arrays its caller made and checked: one
+        non-empty 1-D float64 array per node (no NaN; a forbidden strategy costs inf) and
+        ``(u, v, matrix)`` edges, ``matrix`` a ``k_u x k_v`` float64 array, ``u != v``.
+        The constructor's checks are skipped: ``sj.jit``'s settling rounds build a problem
+        a round from tables they keep, and checking them again was an eighth of the demo's
+        layout choice (``sbpjax.compiler.backend.form_problem``)."""
+        p = object.__new__(cls)
+        object.__setattr__(p, "costs", tuple(costs))
+        object.__setattr__(p, "edges", tuple(Edge(int(u), int(v), m) for u, v, m in edges))
+        for name in ("usages", "intervals", "usage_limit", "name"):
+            object.__setattr__(p, name, None)
+        return p
+
     # ---- sizes and flat views -------------------------------------------------------------
 
     @property

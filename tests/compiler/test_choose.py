@@ -249,6 +249,34 @@ def test_explain_reports_the_choice(pl24):
         sj.jit(step, placement=pl24, in_sbp=in_sbp, out_sbp=out_sbp, solver="fast").explain(*args)
 
 
+def test_the_solvers_problems_are_those_the_checked_constructor_makes(pl24, monkeypatch):
+    """form_problem hands the settling rounds' tables to the solver unchecked
+    (``Problem._prechecked``): on a GPT step every problem equals the one the
+    checking constructor makes from the same tables, array for array."""
+    from sbpjax.compiler import backend
+    from sbpjax.solver import Problem
+
+    made = []
+    unchecked = backend.form_problem
+
+    def compared(form, usage_limit=None):
+        p = unchecked(form, usage_limit)
+        q = Problem(form.costs, [(u, v, t) for (u, v), t in form.edges.items()])
+        assert len(p.costs) == len(q.costs) and len(p.edges) == len(q.edges)
+        for a, b in zip(p.costs, q.costs):
+            assert a.dtype == b.dtype == np.float64 and a.shape == b.shape and np.array_equal(a, b)
+        for e, f in zip(p.edges, q.edges):
+            assert (e.u, e.v) == (f.u, f.v) and e.costs.shape == f.costs.shape
+            assert e.costs.dtype == np.float64 and np.array_equal(e.costs, f.costs)
+        made.append(p)
+        return p
+
+    monkeypatch.setattr(backend, "form_problem", compared)
+    step, args, in_sbp, out_sbp = gpt_case(pl24, "megatron", 32, 1, optax.adamw(1e-2))
+    sj.jit(step, placement=pl24, in_sbp=in_sbp, out_sbp=out_sbp, plan_cache=False).explain(*args)
+    assert len(made) > 1, "no settling rounds ran"
+
+
 def test_partial_with_several_consumers_is_reduced_once(pl8):
     """A partial gradient used by two ops that cannot take it (g**2 and g/2):
     one all-reduce serves both."""
