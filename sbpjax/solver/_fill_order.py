@@ -23,13 +23,10 @@ cap, none is computed.
 from __future__ import annotations
 
 import heapq
-import math
 
 import numpy as np
 
-from sbpjax.solver._model import Model
-
-_FIXED = 1 << 20  # fixed-point scale of log2 domain sizes (as _plan's)
+from sbpjax.solver._model import Model, log_cap, log_sizes
 
 
 def fill_order(model: Model, leaves: tuple, cap: float) -> list | None:
@@ -38,8 +35,8 @@ def fill_order(model: Model, leaves: tuple, cap: float) -> list | None:
     (the exact plan would stop there)."""
     _, alive, pair_alive = leaves
     n = model.n
-    logk = _logk(model)
-    logcap = math.log2(cap) * _FIXED if cap < np.inf else np.inf
+    logk = log_sizes(model.k)
+    logcap = log_cap(cap)
     if least_widest(model, leaves) > logcap:
         return None
     nb = _neighbours(model, pair_alive)
@@ -91,7 +88,7 @@ def least_widest(model: Model, leaves: tuple) -> int:
     largest of those minima over the subgraphs left by taking away, one at a time, the
     node of least size (no fill: a peel, as for a graph's degeneracy)."""
     _, alive, pair_alive = leaves
-    logk = _logk(model)
+    logk = log_sizes(model.k)
     nb = _neighbours(model, pair_alive)
     size = [logk[x] + sum(logk[y] for y in nb[x]) for x in range(model.n)]
     heap = [(size[x], x) for x in range(model.n) if alive[x]]
@@ -109,10 +106,6 @@ def least_widest(model: Model, leaves: tuple) -> int:
                 size[y] -= logk[x]
                 heapq.heappush(heap, (size[y], y))
     return best
-
-
-def _logk(model: Model) -> list:
-    return [round(math.log2(v) * _FIXED) if v > 0 else 0 for v in model.k.tolist()]
 
 
 def _neighbours(model: Model, pair_alive: np.ndarray) -> list:

@@ -23,7 +23,7 @@ import threading
 
 import numpy as np
 
-from sbpjax.solver import _eliminate, _fill_order, _plan
+from sbpjax.solver import _eliminate, _plan
 from sbpjax.solver._model import Model
 
 # (graph key, seed) -> a move's plan: a solve's phases move through many seeds (each phase
@@ -73,19 +73,14 @@ def leaves(model: Model) -> tuple:
 
 
 def elimination_plan(model: Model, cap: float, mode: str) -> _eliminate.Plan | None:
-    """``_plan.plan(model, cap, mode)`` for ``mode`` "exact" or "minibucket", kept by the
-    graph's shape; ``mode="fill"``: the exact plan in ``_fill_order``'s order (None when
-    it is too wide for ``cap`` too)."""
+    """``_plan.plan(model, cap, mode)`` for ``mode`` "exact", "fill" or "minibucket" (None:
+    too wide for ``cap``), kept by the graph's shape."""
     return kept(
-        ELIMINATION_PLANS, (graph_key(model, cap), mode), lambda: _made(model, cap, mode), ELIMINATIONS_KEPT
+        ELIMINATION_PLANS,
+        (graph_key(model, cap), mode),
+        lambda: _plan.plan(model, cap, mode, leaves=leaves(model)),
+        ELIMINATIONS_KEPT,
     )
-
-
-def _made(model: Model, cap: float, mode: str) -> _eliminate.Plan | None:
-    if mode != "fill":
-        return _plan.plan(model, cap, mode, leaves=leaves(model))
-    order = _fill_order.fill_order(model, leaves(model), cap)
-    return None if order is None else _plan.plan(model, cap, "exact", leaves=leaves(model), order=order)
 
 
 def clear() -> None:

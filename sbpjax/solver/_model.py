@@ -15,11 +15,26 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from sbpjax.solver.problem import Problem
+
+# Fixed-point scale of log2 domain sizes: elimination orders (``_plan``, ``_fill_order``)
+# score nodes by exact integer sums of these, so an order never depends on float rounding.
+LOG_SCALE = 1 << 20
+
+
+def log_sizes(k) -> list:
+    """log2 of each domain size in ``k``, in fixed point (``LOG_SCALE``); 0 for an empty one."""
+    return [round(math.log2(v) * LOG_SCALE) if v > 0 else 0 for v in np.asarray(k).tolist()]
+
+
+def log_cap(cap: float) -> float:
+    """``cap`` entries on the scale of :func:`log_sizes` (inf for no cap)."""
+    return math.log2(cap) * LOG_SCALE if cap < np.inf else np.inf
 
 
 def offsets(sizes: np.ndarray) -> np.ndarray:

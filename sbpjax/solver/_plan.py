@@ -24,9 +24,8 @@ import math
 import numpy as np
 
 from sbpjax.solver._eliminate import Bucket, Condition, Plan, Step, leaf_rounds
-from sbpjax.solver._model import Model
-
-_FIXED = 1 << 20  # fixed-point scale of log2 scores
+from sbpjax.solver._fill_order import fill_order
+from sbpjax.solver._model import Model, log_cap, log_sizes
 
 
 class _Planner:
@@ -34,7 +33,7 @@ class _Planner:
         self.batches, alive, pair_alive = leaves
         self.k = [int(v) for v in model.k]
         self.cap, self.mode = cap, mode
-        self.logcap = math.log2(cap) * _FIXED if cap < np.inf else np.inf
+        self.logcap = log_cap(cap)
         n = model.n
         self.priority = [0] * n if priority is None else priority.tolist()
         self.protect = [False] * n if protect is None else protect.tolist()
@@ -47,7 +46,7 @@ class _Planner:
             self.var_slots[v].add(i)
             self.nb[u].add(v)
             self.nb[v].add(u)
-        self.logk = [round(math.log2(v) * _FIXED) if v > 0 else 0 for v in self.k]
+        self.logk = log_sizes(self.k)
         self.score = [self.logk[x] + sum(self.logk[y] for y in self.nb[x]) for x in range(n)]
         self.version = [0] * n
         self.done = (~alive).tolist()
@@ -186,19 +185,22 @@ def plan(
     protect: np.ndarray | None = None,
     min_batch: int = 16,
     leaves: tuple | None = None,
-    order: list | None = None,
 ) -> Plan | None:
     """The elimination plan of ``model``'s graph (see the module docstring). ``leaves``: the
     model's ``leaf_rounds(model, min_batch)``, when the caller has them already (they do
-    not depend on the mode, cap or priorities, and plans may share them). ``order``
-    (``mode="exact"`` only): eliminate the nodes left after the leaf rounds in this order
-    (``_fill_order.fill_order``) rather than by min-size."""
-    if mode not in ("exact", "minibucket", "condition"):
+    not depend on the mode, cap or priorities, and plans may share them).
+    ``mode="fill"``: an exact plan in ``_fill_order``'s least-fill order rather than by
+    min-size (None when that is too wide for ``cap`` too)."""
+    if mode not in ("exact", "minibucket", "condition", "fill"):
         raise ValueError(f"mode {mode!r}")
-    if order is not None and mode != "exact":
-        raise ValueError("a given order is for exact plans")
     if leaves is None:
         leaves = leaf_rounds(model, min_batch)
+    order = None
+    if mode == "fill":
+        order = fill_order(model, leaves, cap)
+        if order is None:
+            return None
+        mode = "exact"
     return _Planner(model, cap, mode, priority, protect, leaves).build(model, order)
 
 

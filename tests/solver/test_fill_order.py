@@ -11,7 +11,7 @@ import pytest
 from solver_cases import brute_force, random_problem
 
 from sbpjax.solver import _eliminate, _fill_order, _kept_plans, _plan, solve
-from sbpjax.solver._model import raw_model
+from sbpjax.solver._model import LOG_SCALE, raw_model
 from sbpjax.solver._reduce import reduce
 
 solve_module = importlib.import_module("sbpjax.solver.solve")  # the package's name is the function
@@ -27,9 +27,8 @@ def test_the_fill_orders_elimination_is_exact(seed):
     """Eliminated in the least-fill order, a small random graph's optimum is brute force's."""
     p, m = _model(seed, 8, 14)
     leaves = _eliminate.leaf_rounds(m, 16)
-    order = _fill_order.fill_order(m, leaves, np.inf)
-    plan = _plan.plan(m, np.inf, "exact", leaves=leaves, order=order)
-    assert order is not None and plan is not None and plan.exact
+    plan = _plan.plan(m, np.inf, "fill", leaves=leaves)
+    assert plan is not None and plan.exact
     _, s = _eliminate.run(plan, m, m.unary)
     assert math.isclose(p.evaluate(m.to_original(s))[0], brute_force(p)[0])
 
@@ -38,10 +37,9 @@ def test_the_fill_orders_elimination_is_exact(seed):
 def test_the_width_bound_is_below_both_orders_widest_table(seed):
     _, m = _model(seed, 40, 120)
     leaves = _eliminate.leaf_rounds(m, 16)
-    bound = 2 ** (_fill_order.least_widest(m, leaves) / _fill_order._FIXED)
-    order = _fill_order.fill_order(m, leaves, np.inf)
+    bound = 2 ** (_fill_order.least_widest(m, leaves) / LOG_SCALE)
     by_size = _plan.plan(m, np.inf, "exact", leaves=leaves)
-    by_fill = _plan.plan(m, np.inf, "exact", leaves=leaves, order=order)
+    by_fill = _plan.plan(m, np.inf, "fill", leaves=leaves)
     assert bound <= by_size.max_table * (1 + 1e-9) and bound <= by_fill.max_table * (1 + 1e-9)
 
 
@@ -51,9 +49,8 @@ def test_a_solve_falls_back_to_the_fill_order_and_proves_its_plan(monkeypatch):
     for seed in range(200):
         p, m = _model(seed, 10, 22)
         leaves = _eliminate.leaf_rounds(m, 16)
-        order = _fill_order.fill_order(m, leaves, np.inf)
         by_size = _plan.plan(m, np.inf, "exact", leaves=leaves)
-        by_fill = _plan.plan(m, np.inf, "exact", leaves=leaves, order=order)
+        by_fill = _plan.plan(m, np.inf, "fill", leaves=leaves)
         if by_fill.max_table < by_size.max_table:
             break
     else:
