@@ -15,7 +15,11 @@ the collective counts of both compiled programs); (f) the same sweep on 4x4,
 8x8 and 16x16, compiled only, in child processes that simulate 16, 64 and
 256 devices (rows with ``"compile_only": true``: bytes, collectives and
 compile times, no step times). The sweep includes a 32-layer GPT whose layers
-run by ``lax.scan`` (``_scan``). For each:
+run by ``lax.scan`` (``_scan``). (g) ``budget``: a GPT step with ``AUTO``
+layouts under memory budgets, beside the hand-written data parallel,
+ZeRO-1/2 and ZeRO-3/FSDP layouts (``benchmarks/_budgets.py``;
+``--budget-only`` measures it alone into an existing results file). For each
+program:
 bytes moved by sbpjax (measured in the compiled program), by GSPMD (``jax.jit``
 given the same input and parameter shardings) and by a hand-written
 ``shard_map``; time ratios (medians of interleaved repeats, same process); and
@@ -59,6 +63,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _budgets import budget_section  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS
@@ -717,6 +722,11 @@ def main():
     )
     ap.add_argument("--output", default=os.path.join(HERE, "results", "compiler.json"))
     ap.add_argument("--compile-only-child", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--budget-only",
+        action="store_true",
+        help="measure the budget section alone and write it into --output, keeping its programs",
+    )
     args = ap.parse_args()
     ONLY = [o for o in (args.only or "").split(",") if o]
     MIN_TIMING_SECONDS = args.min_seconds
@@ -730,6 +740,12 @@ def main():
         rows = [gpt_sweep_row(cfg, 0, min(samples, 1), rng, execute=False) for cfg in configs]
         with open(args.output, "w") as f:
             json.dump({"programs": [r for r in rows if r is not None]}, f)
+        return
+    if args.budget_only:
+        with open(args.output) as f:
+            old = json.load(f)
+        write(args.output, old["programs"], old["config"], budget_section(q, rng))
+        print(f"wrote the budget section of {args.output}")
         return
     pl8 = sj.placement(8, "x")
     pl24 = sj.placement((2, 4), ("x", "y"))
@@ -891,18 +907,30 @@ def main():
             f"{tg:>9}{th:>8}{first:>9}{cached:>8}{r['solver']:>8}"
             f"{r['solve_s']:>9.2f}{gap:>7}{r['sbpjax_collectives']:>8}/{r['gspmd_collectives']:<6}"
         )
-    write(args.output, rows, dict(quick=q, repeats=repeats, compile_samples=samples))
+    # (g) memory budgets against the hand-written layouts that fit them (benchmarks/_budgets.py)
+    budget = None if ONLY and "budget" not in ONLY else budget_section(q, rng)
+    if budget is not None:
+        for b in budget["budgets"]:
+            print(
+                f"budget {b['budget_bytes']} B: sbpjax {b['sbpjax_bytes']} B ({b['method']}), cheapest "
+                f"hand-written layout that fits {b['cheapest_fitting_bytes']} B"
+            )
+    write(args.output, rows, dict(quick=q, repeats=repeats, compile_samples=samples), budget)
     print(f"wrote {args.output}")
 
 
-def write(path, rows, config):
-    """The results file: ``config`` (``partial``: the compile-only rows missing) and the rows."""
+def write(path, rows, config, budget=None):
+    """The results file: ``config`` (``partial``: the compile-only rows missing), the rows,
+    and the ``budget`` section where measured."""
     config = dict(
         config, devices=8, timing="medians; calls interleaved across programs; gc paused while timed"
     )
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    out = {"config": config, "programs": rows}
+    if budget is not None:
+        out["budget"] = budget
     with open(path, "w") as f:
-        json.dump({"config": config, "programs": rows}, f, indent=1)
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

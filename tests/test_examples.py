@@ -53,7 +53,15 @@ def test_compiler_benchmark_quick(tmp_path):
         ],
         900,
     )  # checks every value itself
-    rows = {r["name"]: r for r in json.loads(path.read_text())["programs"]}
+    data = json.loads(path.read_text())
+    rows = {r["name"]: r for r in data["programs"]}
+    # memory budgets: each plan fits and moves no more than the cheapest hand-written layout
+    # that fits (data parallel, ZeRO-1/2, ZeRO-3/FSDP, by sj.jit or GSPMD)
+    budgets = data["budget"]["budgets"]
+    assert len(budgets) == 3
+    for b in budgets:
+        assert b["sbpjax_held_bytes"] <= b["budget_bytes"], b
+        assert any(h["fits"] for h in b["by_hand"]) and b["sbpjax_bytes"] <= b["cheapest_fitting_bytes"], b
     fields = {
         "name",
         "sbpjax_bytes",

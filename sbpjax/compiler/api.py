@@ -448,9 +448,9 @@ class CompiledFunction:
         its parameter's layout: the gradient meets both in one layout, and the
         solver has a third of the choices. Without a memory budget only: with
         one, the state is chosen on its own, so that it can be split where the
-        parameters stay whole (ZeRO's optimizer-state sharding)."""
-        if self.memory_budget is not None:
-            return {}
+        parameters stay whole (ZeRO's optimizer-state sharding), and the pairs
+        only say which arguments are optimizer state (``choose`` holds the plan
+        to ZeRO's hand-written layouts: ``sbpjax.compiler.hand_layouts``)."""
         paths = _leaf_paths(tree)
         auto = [k for k, t in enumerate(gts) if t.sbp is AUTO and paths[k][0].idx == 0 and len(paths[k]) > 2]
         out: dict = {}

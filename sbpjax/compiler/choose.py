@@ -19,21 +19,20 @@ import time
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
-from sbpjax.compiler import plan_cache
+from sbpjax.compiler import hand_layouts, plan_cache
 from sbpjax.compiler.backend import solve_settled, spent
 from sbpjax.compiler.buckets import emitted_collectives
 from sbpjax.compiler.classes import layer_classes, loop_classes
 from sbpjax.compiler.decode import propagation_of, value_keys
 from sbpjax.compiler.domains import AUTO, allowed, auto_layouts
 from sbpjax.compiler.formulate import formulate, least_usage, propagator
-from sbpjax.compiler.liveness import block_bytes, live_bytes
+from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.pricing import boxing_cost, count_collectives, emitted_price, price
 from sbpjax.compiler.propagate import propagate
 from sbpjax.compiler.propagation import Propagation, idle_axes
 from sbpjax.compiler.propagator import Propagator
 from sbpjax.compiler.tables import Tables
-from sbpjax.compiler.trace import Var
 from sbpjax.sbp import Broadcast
 
 SOLVERS = ("ilp", "greedy")
@@ -86,6 +85,9 @@ class Choice:
     rounds: int = 0
     planned: int = 0
     entries: int = 0
+    # under a memory budget: [name, bytes moved, bytes held per device] of each
+    # hand-written layout the plan was held to (sbpjax.compiler.hand_layouts)
+    candidates: list = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
         if self.method == "greedy" and self.ilp_bytes is None and not self.reason:
@@ -101,6 +103,8 @@ class Choice:
                 f"solve {self.solve_s:.2f} s in {self.rounds} rounds (+{self.build_s:.2f} s building, "
                 f"{self.planned} of {self.entries} boxing costs planned); greedy would move {self.greedy_bytes} B"
             )
+        elif self.method == "hand":
+            text = f"layouts: {self.reason} ({size}; proven gap {gap})"
         else:
             text = f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
         if self.latency_note:
@@ -110,6 +114,12 @@ class Choice:
         if self.memory_bytes is not None and (self.auto or self.memory_budget is not None):
             budget = "" if self.memory_budget is None else f" of a {self.memory_budget} B budget"
             text += f"; arguments + results hold {self.memory_bytes} B per device{budget}"
+        if self.candidates:
+            text += "; by hand: " + ", ".join(
+                f"{name} would move {moved} B holding {held} B"
+                + ("" if self.memory_budget is None or held <= self.memory_budget else " (over the budget)")
+                for name, moved, held in self.candidates
+            )
         if self.source != "solved":
             text += f"; from {'the plan cache' if self.source == 'plan cache' else 'process 0'}"
         return text
@@ -249,26 +259,54 @@ def _choose(
         )
     grid = placement.shape
     rep = (Broadcast(),) * len(grid)
-    greedy_in = [rep if nd is AUTO else nd for nd in in_sbp]
-    greedy_out = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
-    for k, i in ties.items():
-        greedy_out[k] = greedy_in[i]
+    # under a budget the mirror pairs only say which arguments are optimizer
+    # state (for the hand-written candidates): the state is chosen on its own,
+    # so that it can be split where the parameters stay whole
+    mirrors = dict(same_layout or {})
+    if memory_budget is not None:
+        same_layout = {}
     caches: tuple[dict, ...] = ({}, {}, {}, {}, {}, {})
-    greedy = propagate(
-        program,
-        placement,
-        greedy_in,
-        greedy_out if (out_sbp is not None or ties) else None,
-        cost_model,
-        caches=caches,
-        # the caller's arguments' (greedy_in makes AUTO ones B, which would idle axes)
-        idle=idle_axes(in_sbp, grid),
-        launch_priced=options.launch_priced,
-    )
+
+    def greedy_of(ins):
+        outs = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
+        for k, i in ties.items():
+            outs[k] = ins[i]
+        return propagate(
+            program,
+            placement,
+            ins,
+            outs if (out_sbp is not None or ties) else None,
+            cost_model,
+            caches=caches,
+            # the caller's arguments' (AUTO ones laid out here would idle axes)
+            idle=idle_axes(in_sbp, grid),
+            launch_priced=options.launch_priced,
+        )
+
+    def price_of(prop):
+        return price(prop, cost_model, options)
+
+    greedy = greedy_of([rep if nd is AUTO else nd for nd in in_sbp])
     g_bytes = total_bytes(greedy)
     if solver == "greedy":
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes, ops=len(program.nodes))
         return greedy
+    if memory_budget is not None and mirrors:
+        # a budget the plan chosen without it meets changes nothing: that plan
+        # (optimizer state in its parameter's layout, a third of the choices)
+        # is solved first, and the budget's larger problem only where it does
+        # not fit. Decision: on a 2-layer GPT step (d_model 128, 2x4, AdamW)
+        # the larger problem took 60 to 110 s for the same plan the smaller
+        # one found in 2 to 5 s.
+        free = _choose(
+            program, placement, in_sbp, out_sbp, cost_model, solver, ties, None, mirrors, arg_names, options
+        )
+        held = held_bytes(program, free, ties, grid)
+        if held <= memory_budget:
+            free.choice.memory_budget, free.choice.memory_bytes = memory_budget, held
+            return hand_layouts.no_worse_than_by_hand(
+                program, free, True, in_sbp, mirrors, ties, memory_budget, greedy_of, price_of
+            )
     g_price = price(greedy, cost_model, options)
     g_memory = held_bytes(program, greedy, ties, grid)
     g_fits = memory_budget is None or g_memory <= memory_budget
@@ -308,12 +346,17 @@ def _choose(
         entries=form.tables.entries,
     )
     if solved.strategies is None:
-        if not g_fits:
-            raise _over_budget(memory_budget, least_usage(form), solved.status)
         choice.method, choice.reason = "greedy", f"the solver found no plan ({solved.status})"
         choice.memory_bytes = g_memory
         greedy.choice = choice
-        return greedy
+        if memory_budget is None:
+            return greedy
+        kept = hand_layouts.no_worse_than_by_hand(
+            program, greedy, g_fits, in_sbp, mirrors, ties, memory_budget, greedy_of, price_of
+        )
+        if kept is None:
+            raise _over_budget(memory_budget, least_usage(form), solved.status)
+        return kept
     chosen = form.plan(solved.strategies)
     choice.objective = solved.cost / 64
     if solved.bound is not None:
@@ -341,8 +384,13 @@ def _choose(
         chosen.choice = choice
         kept = chosen
     left = options.effort - solved.work
-    return fewer_collectives(
+    kept = fewer_collectives(
         program, kept, form, in_sbp, cost_model, options, caches, ties, memory_budget, left
+    )
+    if memory_budget is None:
+        return kept
+    return hand_layouts.no_worse_than_by_hand(
+        program, kept, True, in_sbp, mirrors, ties, memory_budget, greedy_of, price_of
     )
 
 
@@ -358,15 +406,6 @@ def _classes(program, arg_names, options: CompileOptions) -> list | None:
         lc if lc is not None else (None if layers is None else ("layer", layers[i]))
         for i, lc in enumerate(in_loops)
     ]
-
-
-def held_bytes(program, prop: Propagation, ties, grid) -> int:
-    """Per-device bytes of a plan's arguments and results (a tied result once)."""
-    held = sum(block_bytes(v.shape, v.dtype, nd, grid) for v, nd in zip(program.inputs, prop.in_sbp))
-    for k, (atom, nd) in enumerate(zip(program.outputs, prop.out_sbp)):
-        if isinstance(atom, Var) and k not in ties:
-            held += block_bytes(atom.shape, atom.dtype, nd, grid)
-    return held
 
 
 def _over_budget(budget, least: int, status: str) -> SBPError:

@@ -174,3 +174,12 @@ def estimated_peak_bytes(prop: Propagation) -> int:
     the values counted here away, and it may keep a value longer or reorder ops."""
     # live_bytes has an entry even for a program of no ops (its results)
     return argument_bytes(prop) + int(live_bytes(prop, regathered(prop)).max())
+
+
+def held_bytes(program, prop: Propagation, ties, grid) -> int:
+    """Per-device bytes of a plan's arguments and results (a tied result once)."""
+    held = sum(block_bytes(v.shape, v.dtype, nd, grid) for v, nd in zip(program.inputs, prop.in_sbp))
+    for k, (atom, nd) in enumerate(zip(program.outputs, prop.out_sbp)):
+        if isinstance(atom, Var) and k not in ties:
+            held += block_bytes(atom.shape, atom.dtype, nd, grid)
+    return held

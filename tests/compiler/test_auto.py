@@ -110,7 +110,7 @@ def test_auto_gpt_block_moves_no_more_than_megatrons_annotations(pl24):
 def test_a_memory_budget_below_data_parallels_need_splits_the_state(pl24):
     """Data parallel (every parameter and Adam moment whole on each device)
     needs 3 x 128 KiB per device; with a 64 KB budget the solver splits the
-    state over both axes (ZeRO-style) for the same bytes moved (regathers
+    state over both axes (ZeRO-style) for no more bytes moved (regathers
     aside), and XLA's memory analysis of the compiled step agrees that it fits."""
     step, params, state, x, y = _mlp_step()
     args = (params, state, x, y)
@@ -128,11 +128,12 @@ def test_a_memory_budget_below_data_parallels_need_splits_the_state(pl24):
     e = tight.explain(*args)
     assert e.propagation.choice.memory_bytes <= budget
     assert _state_bytes(tight, *args) <= budget < _state_bytes(free, *args)
-    # the split layouts move what data parallel moves; the default regather="auto" may
-    # also gather the split weights again for the backward pass (on jax 0.12 it does,
-    # +65,536 B), only while the plan stays within the greedy pass's bytes
+    # the split layouts move no more than data parallel does (here ZeRO-3's, held to by
+    # hand_layouts, move 262,144 B against 311,296 B); the default regather="auto" may
+    # also gather the split weights again for the backward pass, only while the plan
+    # stays within the greedy pass's bytes
     again = sum(b.bytes for b in e.boxings if b.regather)
-    assert e.bytes - again == free.explain(*args).bytes
+    assert e.bytes - again <= free.explain(*args).bytes
     assert e.bytes <= e.choice.greedy_bytes
     # every kernel and moment is split over both axes: 1/8 of it per device
     for nd in e.propagation.in_sbp[:7]:

@@ -1,0 +1,189 @@
+"""Memory budgets held to the hand-written layouts a user would try instead.
+
+A GPT train step (AdamW) on 2x4 with its parameters and state ``AUTO`` under
+budgets between ZeRO-3's need and data parallel's: each plan fits (XLA's
+``memory_analysis()`` of the compiled step) and moves no more than the
+cheapest of data parallel, ZeRO-1/2 and ZeRO-3/FSDP that fits the same
+budget, each compiled both by sj.jit and by GSPMD given those layouts."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import assert_close
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
+from models import adamw, compiled_bytes, gpt_loss, gpt_params, state_sbp, train_step
+
+import sbpjax as sj
+from sbpjax.compiler import hand_layouts
+from sbpjax.compiler.api import is_nd_sbp
+from sbpjax.compiler.choose import Choice
+from sbpjax.compiler.domains import AUTO
+from sbpjax.compiler.liveness import block_bytes
+from sbpjax.compiler.propagate import propagate
+from sbpjax.compiler.trace import trace
+
+S0, B = sj.S(0), sj.B
+HEADS = 4
+
+
+def _gpt_step():
+    params = gpt_params(64, 2, 64)
+    opt = adamw()
+    r = np.random.default_rng(0)
+    tokens = r.integers(0, 64, size=(16, 8)).astype(np.int32)
+    labels = r.integers(0, 64, size=(16, 8)).astype(np.int32)
+    step = train_step(lambda p, x, y: gpt_loss(p, x, y, HEADS), opt)
+    return step, (params, opt.init(params), tokens, labels)
+
+
+def _program(step, args):
+    leaves, tree = jax.tree.flatten((args, {}))
+    return trace(step, [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in leaves], tree)
+
+
+def _mirrors(args) -> dict:
+    """{Adam moment leaf: its parameter's leaf}: the flattened arguments are
+    the parameters (n), Adam's count, the first moments (n), the second (n)."""
+    n = len(jax.tree.leaves(args[0]))
+    return {n + 1 + k: k for k in range(n)} | {2 * n + 1 + k: k for k in range(n)}
+
+
+def _split8(leaf):
+    """A leaf split over all 8 devices along its first dim that 8 divides (B if none)."""
+    for k, n in enumerate(np.shape(leaf)):
+        if n % 8 == 0:
+            return (sj.S(k), sj.S(k))
+    return (B, B)
+
+
+def _spec(nd, pl):
+    """The PartitionSpec of a 2-axis layout made of B and splits (no partials)."""
+    dims: dict = {}
+    for axis, s in zip(pl.axis_names, nd):
+        if isinstance(s, sj.Split):
+            dims.setdefault(s.dim, []).append(axis)
+    rank = max(dims, default=-1) + 1
+    return PS(*(tuple(dims[d]) if d in dims else None for d in range(rank)))
+
+
+def _held(compiled) -> int:
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def _by_hand(step, args, pl):
+    """{name: (bytes moved, bytes held per device)} of each hand-written layout,
+    the bytes the fewer of sj.jit's and GSPMD's programs given those layouts."""
+    params, state = args[0], args[1]
+    rep = jax.tree.map(lambda _: (B, B), params)
+    split = jax.tree.map(_split8, params)
+    layouts = {
+        "dp": (rep, state_sbp(state, rep, (B, B))),
+        "zero-1/2": (rep, state_sbp(state, split, (B, B))),
+        "zero-3/fsdp": (split, state_sbp(state, split, (B, B))),
+    }
+    out = {}
+    for name, (ps, ss) in layouts.items():
+        f = sj.jit(
+            step,
+            placement=pl,
+            in_sbp=(ps, ss, (S0, B), (S0, B)),
+            out_sbp=(ps, ss, None),
+            donate_argnums=(0, 1),
+        )
+        compiled = f.lower(*args).compile()
+        shard = lambda t: jax.tree.map(lambda nd: NamedSharding(pl.mesh, _spec(nd, pl)), t, is_leaf=is_nd_sbp)  # noqa: E731
+        data = NamedSharding(pl.mesh, PS("x"))
+        gspmd = jax.jit(
+            step,
+            in_shardings=(shard(ps), shard(ss), data, data),
+            out_shardings=(shard(ps), shard(ss), NamedSharding(pl.mesh, PS())),
+            donate_argnums=(0, 1),
+        )
+        theirs = sum(c.bytes for c in sj.collectives(gspmd.lower(*args).compile()))
+        out[name] = (min(compiled_bytes(f, *args), theirs), _held(compiled))
+    return out
+
+
+@pytest.mark.slow
+def test_budgets_between_zero3_and_data_parallel_fit_and_beat_every_hand_layout_that_fits(pl24):
+    step, args = _gpt_step()
+    hand = _by_hand(step, args, pl24)
+    dp_need, z3_need = hand["dp"][1], hand["zero-3/fsdp"][1]
+    assert z3_need < hand["zero-1/2"][1] < dp_need
+    for frac in (0.8, 0.5, 0.2):
+        budget = int(z3_need + frac * (dp_need - z3_need))
+        f = sj.jit(
+            step,
+            placement=pl24,
+            in_sbp=(AUTO, AUTO, (S0, B), (S0, B)),
+            donate_argnums=(0, 1),
+            memory_budget=budget,
+        )
+        compiled = f.lower(*args).compile()
+        assert _held(compiled) <= budget
+        fitting = [moved for moved, held in hand.values() if held <= budget]
+        assert fitting, budget
+        assert compiled_bytes(f, *args) <= min(fitting), (budget, compiled_bytes(f, *args), hand)
+        # explain() lists the hand-written layouts the plan was held to
+        text = f.explain(*args).choice.describe()
+        assert "zero-1/2 would move" in text and "zero-3/fsdp would move" in text
+    _, _, loss = f(*args)
+    assert_close(loss.numpy(), np.asarray(jax.jit(step)(*args)[2]), rtol=2e-5)
+
+
+def test_hand_layouts_split_state_for_zero1_and_everything_for_zero3(pl24):
+    step, args = _gpt_step()
+    program = _program(step, args)
+    n_params, mirrors = len(jax.tree.leaves(args[0])), _mirrors(args)
+    in_sbp = [AUTO] * (len(program.inputs) - 2) + [(S0, B), (S0, B)]
+    cands = dict(hand_layouts.candidates(program, in_sbp, pl24.shape, mirrors))
+    assert set(cands) == {"zero-1/2", "zero-3/fsdp"}
+    assert cands["zero-1/2"][-2:] == cands["zero-3/fsdp"][-2:] == [(S0, B), (S0, B)]  # as annotated
+
+    def per_device(ins):
+        return [block_bytes(v.shape, v.dtype, nd, pl24.shape) for v, nd in zip(program.inputs, ins)]
+
+    whole = [int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in program.inputs]
+    z1, z3 = per_device(cands["zero-1/2"]), per_device(cands["zero-3/fsdp"])
+    for i in range(len(program.inputs) - 2):
+        if i == n_params:  # Adam's step count, a scalar, is whole under both
+            assert z1[i] == z3[i] == whole[i]
+            continue
+        assert z3[i] * 8 == whole[i]  # every GPT weight has a dim 8 divides
+        assert z1[i] == (z3[i] if i in mirrors else whole[i])  # only the state split
+    # no mirror pairs (nothing is known to be optimizer state): ZeRO-3/FSDP only
+    assert [n for n, _ in hand_layouts.candidates(program, in_sbp, pl24.shape, {})] == ["zero-3/fsdp"]
+
+
+def test_a_plan_over_the_budget_gives_way_to_a_hand_layout_that_fits(pl24):
+    """Where the kept plan does not fit (the solver found none, and greedy's
+    data parallel holds too much), the cheapest hand-written layout that
+    fits is kept, and explain() says so."""
+    step, args = _gpt_step()
+    program, mirrors = _program(step, args), _mirrors(args)
+    in_sbp = [AUTO] * (len(program.inputs) - 2) + [(S0, B), (S0, B)]
+
+    def greedy_of(ins):
+        return propagate(program, pl24, ins, None)
+
+    dp = greedy_of([(B, B) if nd is AUTO else nd for nd in in_sbp])
+    dp.choice = Choice("greedy", reason="the solver found no plan")
+    budget = (
+        sum(block_bytes(v.shape, v.dtype, nd, pl24.shape) for v, nd in zip(program.inputs, dp.in_sbp)) // 2
+    )
+    kept = hand_layouts.no_worse_than_by_hand(
+        program, dp, False, in_sbp, mirrors, {}, budget, greedy_of, lambda p: p.bytes
+    )
+    assert kept is not None and kept is not dp
+    assert kept.choice.method == "hand" and kept.choice.memory_bytes <= budget
+    assert "no solved plan fits" in kept.choice.describe()
+    # nothing fits a budget of one byte
+    dp.choice = Choice("greedy")
+    assert (
+        hand_layouts.no_worse_than_by_hand(
+            program, dp, False, in_sbp, mirrors, {}, 1, greedy_of, lambda p: p.bytes
+        )
+        is None
+    )
