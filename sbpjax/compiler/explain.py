@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 from sbpjax.boxing.plan import human_bytes
+from sbpjax.compiler.flops import estimated_flops
 from sbpjax.compiler.liveness import estimated_peak_bytes
 from sbpjax.compiler.loops import plan_runs
 from sbpjax.compiler.propagation import Propagation
@@ -80,6 +81,15 @@ class Explanation:
         (``sbpjax.compiler.liveness.estimated_peak_bytes``). Compare it with
         ``jitted.lower(...).compile().memory_analysis()``."""
         return estimated_peak_bytes(self.propagation)
+
+    @property
+    def estimated_flops(self) -> int:
+        """The floating-point work one device does under the plan, estimated
+        from its layouts (``sbpjax.compiler.flops``): the compute beside the
+        bytes, remat's recomputation and ops left whole on an axis included.
+        Compare it with ``compiled.cost_analysis()["flops"]`` (which counts a
+        rolled loop's body once)."""
+        return estimated_flops(self.propagation)
 
     @property
     def warnings(self) -> list:
@@ -176,7 +186,7 @@ class Explanation:
         lines = [
             f"sj.jit on {prop.placement!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
             f"{human_bytes(self.bytes)} per step (bytes received, all devices), estimated peak "
-            f"{human_bytes(self.estimated_peak_bytes)} per device"
+            f"{human_bytes(self.estimated_peak_bytes)} and {self.estimated_flops:.3g} FLOPs per device"
         ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())
@@ -198,7 +208,8 @@ class Explanation:
         pl = prop.placement
         lines = [
             f"sj.jit on {pl!r}: {len(prop.decisions)} ops, {len(self.boxings)} boxings, "
-            f"{self.bytes} B planned, estimated peak {self.estimated_peak_bytes} B per device"
+            f"{self.bytes} B planned, estimated peak {self.estimated_peak_bytes} B and "
+            f"{self.estimated_flops} FLOPs per device"
         ]
         if prop.choice is not None:
             lines.append("  " + prop.choice.describe())

@@ -64,7 +64,7 @@ def test_the_estimate_holds_at_least_what_every_schedule_holds(name):
     e = f.explain(*args)
     compiled = f.lower(*args).compile()
     assert e.estimated_peak_bytes >= xla_held(compiled) > 0
-    assert f"estimated peak {e.estimated_peak_bytes} B per device" in str(e)
+    assert f"estimated peak {e.estimated_peak_bytes} B and {e.estimated_flops} FLOPs per device" in str(e)
     assert "estimated peak" in e.summary().splitlines()[0]
 
 
