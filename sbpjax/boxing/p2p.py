@@ -65,51 +65,60 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
     tile_shape = [geom.shape[d] // t for d, t in enumerate(tiles)]
     src_local = tuple(tiles[d] // geom.splits(src.dims[d]) for d in range(geom.ndim))
     dst_local = tuple(tiles[d] // geom.splits(dst.dims[d]) for d in range(geom.ndim))
+    D, n_tiles = geom.n_devices, math.prod(tiles)
+    src_ids = _tile_ids(geom, src, tiles, tile_shape, src_local)  # [D, tiles a device holds]
+    dst_ids = _tile_ids(geom, dst, tiles, tile_shape, dst_local)  # [D, tiles a device needs]
+    n_src = src_ids.shape[1]
+    # each device's own position of every tile it holds, by (device, tile) in one sorted key
+    dev = np.arange(D, dtype=np.int64)[:, None]
+    held = (dev * n_tiles + src_ids).ravel()
+    order = np.argsort(held, kind="stable")
+    held_sorted = held[order]
+    wanted = (dev * n_tiles + dst_ids).ravel()
+    at = np.minimum(np.searchsorted(held_sorted, wanted), len(held_sorted) - 1)
+    own = (held_sorted[at] == wanted).reshape(dst_ids.shape)
+    own_pos = (order[at] % n_src).reshape(dst_ids.shape)
+    # senders: devices of the receiver's partial group (the same coordinates on the partial
+    # axes, so that the sum stays over the same devices) holding the tile, lowest first
     pax = [a for a, _ in src.partial]
-
-    def tile_ids(layout, coord, local):
-        starts = [geom.dim_range(layout.dims[d], d, coord)[0] // tile_shape[d] for d in range(geom.ndim)]
-        grid = np.indices(local).reshape(geom.ndim, -1) + np.asarray(starts)[:, None]
-        return np.ravel_multi_index(tuple(grid), tiles).tolist()
-
-    src_ids = [tile_ids(src, c, src_local) for c in geom.coords]
-    dst_ids = [tile_ids(dst, c, dst_local) for c in geom.coords]
-    src_pos = [{t: i for i, t in enumerate(ids)} for ids in src_ids]
-    holders: dict = {}
-    for v, c in enumerate(geom.coords):
-        key = tuple(c[a] for a in pax)
-        for t in src_ids[v]:
-            holders.setdefault((key, t), []).append(v)
-    D = geom.n_devices
-    load = [0] * D
-    pair_tiles: dict = {}
-    for v, c in enumerate(geom.coords):
-        key = tuple(c[a] for a in pax)
-        for t in dst_ids[v]:
-            if t in src_pos[v]:
-                continue
-            u = min(holders[(key, t)], key=lambda u: (load[u], (v - u) % D))
-            load[u] += 1
-            pair_tiles.setdefault((u, v), []).append(t)
-    rounds, sends, recv_slot = [], [], {}
-    offset = math.prod(src_local)  # received tiles follow the own tiles in the pool
-    for pairs, k in _rounds(pair_tiles, D):
-        send = np.zeros((D, k), np.int32)
-        for u, v in pairs:
-            for j, t in enumerate(pair_tiles[(u, v)]):
-                send[u, j] = src_pos[u][t]
-                recv_slot[(v, t)] = offset + j
-        rounds.append((pairs, k))
-        sends.append(send)
-        offset += k
-    gather = np.zeros((D, math.prod(dst_local)), np.int32)
-    for v in range(D):
-        for j, t in enumerate(dst_ids[v]):
-            gather[v, j] = src_pos[v][t] if t in src_pos[v] else recv_slot[(v, t)]
-    # the placement axes some pair's devices differ on
     coords = np.asarray(geom.coords, np.int64).reshape(D, len(geom.grid))
-    ends = np.asarray([p for pairs, _ in rounds for p in pairs], np.int64).reshape(-1, 2)
-    used = np.flatnonzero((coords[ends[:, 0]] != coords[ends[:, 1]]).any(axis=0)).tolist()
+    group = (
+        np.unique(coords[:, pax], axis=0, return_inverse=True)[1].ravel() if pax else np.zeros(D, np.int64)
+    )
+    holder_key = (group[:, None] * n_tiles + src_ids).ravel()
+    by_key = np.argsort(holder_key, kind="stable")
+    keys_sorted = holder_key[by_key]
+    holder_dev = by_key // n_src
+    need_v, need_j = np.nonzero(~own)  # receiver-major, its tiles in order
+    need_t = dst_ids[need_v, need_j]
+    need_key = group[need_v] * n_tiles + need_t
+    lo = np.searchsorted(keys_sorted, need_key, side="left").tolist()
+    hi = np.searchsorted(keys_sorted, need_key, side="right").tolist()
+    senders = _senders(need_v.tolist(), lo, hi, holder_dev.tolist(), D)
+    # the pairs, in the order their first tile was assigned, and each tile's place in its pair
+    pair = np.asarray(senders, np.int64) * D + need_v
+    pair_ids, inverse, counts = np.unique(pair, return_inverse=True, return_counts=True)
+    inverse = inverse.ravel()
+    rank = np.empty(len(pair), np.int64)
+    grouped = np.argsort(inverse, kind="stable")
+    starts = np.cumsum(counts) - counts
+    rank[grouped] = np.arange(len(pair)) - np.repeat(starts, counts)
+    pair_round, rounds = _place(pair_ids // D, pair_ids % D, counts, D)
+    # slots: the own tiles first in the pool, then each round's k received tiles
+    round_k = np.asarray([k for _, k in rounds], np.int64)
+    round_slot = n_src + np.cumsum(round_k) - round_k
+    pair_u = pair // D
+    slot = round_slot[pair_round[inverse]] + rank
+    # the sender's own position of each tile it sends, at its slot's column of the rounds
+    sent_pos = order[np.searchsorted(held_sorted, pair_u * n_tiles + need_t)] % n_src
+    columns = np.zeros((D, int(round_k.sum())), np.int32)
+    columns[pair_u, slot - n_src] = sent_pos
+    sends = np.split(columns, np.cumsum(round_k)[:-1], axis=1)
+    gather = np.where(own, own_pos, 0).astype(np.int32)
+    gather[need_v, need_j] = slot
+    # the placement axes some pair's devices differ on
+    differ = coords[pair_ids // D] != coords[pair_ids % D]
+    used = np.flatnonzero(differ.any(axis=0)).tolist()
     return P2PSchedule(
         tuple(tiles),
         tuple(tile_shape),
@@ -123,32 +132,93 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
     )
 
 
+def _tile_ids(geom: Geometry, layout: Layout, tiles, tile_shape, local) -> np.ndarray:
+    """[devices, tiles of a block]: the (row-major) ids of the tiles each
+    device's block of ``layout`` covers, in the block's row-major order."""
+    starts = np.asarray(
+        [
+            [geom.dim_range(layout.dims[d], d, c)[0] // tile_shape[d] for d in range(geom.ndim)]
+            for c in geom.coords
+        ],
+        np.int64,
+    ).reshape(geom.n_devices, geom.ndim)
+    grid = np.indices(local).reshape(geom.ndim, -1)
+    ids = np.zeros((geom.n_devices, grid.shape[1]), np.int64)
+    for d in range(geom.ndim):
+        ids = ids * tiles[d] + (starts[:, d : d + 1] + grid[d][None, :])
+    return ids
+
+
+def _senders(receivers: list, lo: list, hi: list, holders: list, D: int) -> list:
+    """Per tile a device lacks (receiver-major), the holder that sends it:
+    the least loaded so far, then the nearest before the receiver on the
+    ring. Sequential (each choice loads a sender), so in plain Python over
+    ints; the candidates are ``holders[lo:hi]``, lowest device first."""
+    load = [0] * D
+    out = []
+    for v, a, b in zip(receivers, lo, hi):
+        if b - a == 1:
+            u = holders[a]
+        else:
+            u = min(holders[a:b], key=lambda u: (load[u], (v - u) % D))
+        load[u] += 1
+        out.append(u)
+    return out
+
+
 def _rounds(pair_tiles: dict, D: int) -> list:
-    """Group sender->receiver pairs into ``ppermute`` rounds that waste nothing.
+    """Group sender->receiver pairs (``pair_tiles``: {(sender, receiver): the
+    number of tiles it sends}) into ``ppermute`` rounds that waste nothing:
+    ``[(pairs, k), ...]`` (see :func:`_place`)."""
+    u = np.asarray([p[0] for p in pair_tiles], np.int64)
+    v = np.asarray([p[1] for p in pair_tiles], np.int64)
+    return _place(u, v, np.asarray(list(pair_tiles.values()), np.int64), D)[1]
+
+
+def _place(u: np.ndarray, v: np.ndarray, k: np.ndarray, D: int) -> tuple[np.ndarray, list]:
+    """Each pair's round and the rounds ``[(pairs, k), ...]``, in the order
+    they were opened, each round's (sender, receiver) pairs sorted.
 
     Every pair in a round sends the same number of tiles ``k`` and each device
     sends to and receives from at most one peer. Pairs are placed first fit,
     by ``k`` (largest first) and ring offset ``(v - u) mod D``, so pairs at one
-    offset (a permutation) tend to share a round and exchanges take few rounds."""
-    order = sorted(pair_tiles, key=lambda p: (-len(pair_tiles[p]), (p[1] - p[0]) % D, p))
-    rounds: list = []  # [k, pairs]
-    of_k: dict = {}  # k -> the indices of the rounds of k tiles, in the order they were opened
-    # (k, device) -> bit j set where the device sends (receives) in the j-th round of k tiles:
-    # a pair's first fit is the lowest bit set in neither, found in C (a 256-device exchange
-    # had hundreds of rounds, and scanning them pair by pair took seconds)
-    sends: dict = {}
-    receives: dict = {}
-    for u, v in order:
-        k = len(pair_tiles[(u, v)])
-        opened = of_k.setdefault(k, [])
-        free = ~(sends.get((k, u), 0) | receives.get((k, v), 0)) & ((1 << len(opened)) - 1)
-        if free:
-            j = (free & -free).bit_length() - 1
-        else:
-            j = len(opened)
-            opened.append(len(rounds))
-            rounds.append([k, []])
-        rounds[opened[j]][1].append((u, v))
-        sends[(k, u)] = sends.get((k, u), 0) | (1 << j)
-        receives[(k, v)] = receives.get((k, v), 0) | (1 << j)
-    return [(tuple(sorted(pairs)), k) for k, pairs in rounds]
+    offset (a permutation) tend to share a round and exchanges take few rounds.
+
+    Pairs of one ``k`` and offset never share a sender or a receiver, so each
+    one's first fit does not depend on the others of its group: a group is
+    placed at once, as arrays (a 256-device exchange has thousands of pairs,
+    and placing them one by one took most of a 16x16 plan)."""
+    off = (v - u) % D
+    order = np.lexsort((v, u, off, -k))
+    su, sv, sk = u[order], v[order], k[order]
+    bounds = np.flatnonzero(np.diff(sk * D + off[order])) + 1
+    starts, ends = np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [len(sk)]]).tolist()
+    slot = np.empty(len(sk), np.int64)  # the round of each pair, in sorted order
+    n_groups: dict = {}
+    for lo in starts:
+        n_groups[int(sk[lo])] = n_groups.get(int(sk[lo]), 0) + 1
+    # per k: which devices send (receive) in each of its rounds; a group opens one at most
+    busy = {kk: (np.zeros((n, D), bool), np.zeros((n, D), bool), []) for kk, n in n_groups.items()}
+    round_k: list = []
+    for lo, hi in zip(starts, ends):
+        kk = int(sk[lo])
+        gu, gv = su[lo:hi], sv[lo:hi]
+        sends, receives, ids = busy[kk]
+        free = ~(sends[: len(ids), gu] | receives[: len(ids), gv])  # [rounds of k so far, pairs]
+        fits = free.any(axis=0)
+        j = np.where(fits, free.argmax(axis=0), len(ids)) if ids else np.zeros(len(gu), np.int64)
+        if not fits.all():
+            ids.append(len(round_k))
+            round_k.append(kk)
+        sends[j, gu] = True
+        receives[j, gv] = True
+        slot[lo:hi] = np.asarray(ids, np.int64)[j]
+    pair_round = np.empty(len(sk), np.int64)
+    pair_round[order] = slot
+    by_round = np.lexsort((v, u, pair_round))
+    cuts = np.searchsorted(pair_round[by_round], np.arange(1, len(round_k)))
+    rounds = [
+        (tuple(zip(ru.tolist(), rv.tolist())), kk)
+        for ru, rv, kk in zip(np.split(u[by_round], cuts), np.split(v[by_round], cuts), round_k)
+    ]
+    return pair_round, rounds

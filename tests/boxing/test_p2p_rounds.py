@@ -32,7 +32,7 @@ def test_rounds_are_the_first_fit(seed):
         u, v = (int(x) for x in rng.integers(0, D, 2))
         if u != v:
             pair_tiles[(u, v)] = list(range(int(rng.integers(1, 4))))
-    got = _rounds(pair_tiles, D)
+    got = _rounds({p: len(t) for p, t in pair_tiles.items()}, D)
     assert got == _first_fit(pair_tiles, D)
     for pairs, k in got:  # each device sends and receives at most once a round
         assert len({u for u, _ in pairs}) == len(pairs) == len({v for _, v in pairs})
