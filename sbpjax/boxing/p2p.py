@@ -198,7 +198,7 @@ def _place(u: np.ndarray, v: np.ndarray, k: np.ndarray, D: int) -> tuple[np.ndar
     for lo in starts:
         n_groups[int(sk[lo])] = n_groups.get(int(sk[lo]), 0) + 1
     # per k: which devices send (receive) in each of its rounds; a group opens one at most
-    busy = {kk: (np.zeros((n, D), bool), np.zeros((n, D), bool), []) for kk, n in n_groups.items()}
+    busy: dict = {kk: (np.zeros((n, D), bool), np.zeros((n, D), bool), []) for kk, n in n_groups.items()}
     round_k: list = []
     for lo, hi in zip(starts, ends):
         kk = int(sk[lo])
