@@ -113,7 +113,7 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
     sent_pos = order[np.searchsorted(held_sorted, pair_u * n_tiles + need_t)] % n_src
     columns = np.zeros((D, int(round_k.sum())), np.int32)
     columns[pair_u, slot - n_src] = sent_pos
-    sends = np.split(columns, np.cumsum(round_k)[:-1], axis=1)
+    sends = np.split(columns, np.cumsum(round_k)[:-1], axis=1) if len(rounds) else []
     gather = np.where(own, own_pos, 0).astype(np.int32)
     gather[need_v, need_j] = slot
     # the placement axes some pair's devices differ on
@@ -188,6 +188,8 @@ def _place(u: np.ndarray, v: np.ndarray, k: np.ndarray, D: int) -> tuple[np.ndar
     one's first fit does not depend on the others of its group: a group is
     placed at once, as arrays (a 256-device exchange has thousands of pairs,
     and placing them one by one took most of a 16x16 plan)."""
+    if not len(u):  # nothing to send (every device holds what it needs)
+        return np.zeros(0, np.int64), []
     off = (v - u) % D
     order = np.lexsort((v, u, off, -k))
     su, sv, sk = u[order], v[order], k[order]
