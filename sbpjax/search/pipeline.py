@@ -99,6 +99,18 @@ def _as_grid(devices) -> tuple[Grid, object]:
     )
 
 
+# Cuts played per configuration before its best found stands (``search_pipeline``'s
+# ``max_simulations``). Swept over 2, 4, 8, 16 and no limit: on the 40 random spaces
+# of tests/search/test_joint.py's generator, 2 found the optimum of 38 (the worst
+# 5.7% slower by the cost model) and 4 or more of all 40, in the same total time
+# (8.9-9.8 s); the nanoGPT of benchmarks/pipeline_search.py needs 8 (2 and 4 stop at
+# a cut 7% slower than exhaustive search's); and the 64-layer GPT on 64 devices,
+# which no limit proves, takes 7.1 s at 2, 8.0 s at 8 and 10.7 s at 64 on a
+# 2-core machine. 8: the least that found every optimum, within the 10 s the
+# 64-device search is held to.
+MAX_SIMULATIONS = 8
+
+
 def search_pipeline(
     model,
     devices,
@@ -112,7 +124,7 @@ def search_pipeline(
     groups=None,
     method: str = "branch_and_bound",
     tolerance: float = 0.0,
-    max_simulations: int = 2,
+    max_simulations: int = MAX_SIMULATIONS,
 ) -> PipelinePlan:
     """The fastest pipeline configuration of ``model`` (a :class:`LayerChain` or a
     list of :class:`LayerProfile`) on ``devices`` (an :class:`Grid`, an
