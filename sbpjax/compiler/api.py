@@ -446,11 +446,12 @@ class CompiledFunction:
         within its argument that ends with the other's path (optax's ``mu`` /
         ``nu`` of a parameter, as ``state_sbp`` matches them). Such state takes
         its parameter's layout: the gradient meets both in one layout, and the
-        solver has a third of the choices. Without a memory budget only: with
-        one, the state is chosen on its own, so that it can be split where the
-        parameters stay whole (ZeRO's optimizer-state sharding), and the pairs
-        only say which arguments are optimizer state (``choose`` holds the plan
-        to ZeRO's hand-written layouts: ``sbpjax.compiler.hand_layouts``)."""
+        solver has a third of the choices. Under a memory budget the state is
+        chosen on its own where the plan chosen without it does not fit, so
+        that it can be split where the parameters stay whole (ZeRO's
+        optimizer-state sharding), and the pairs say which arguments are
+        optimizer state (``choose`` holds the plan to ZeRO's hand-written
+        layouts: ``sbpjax.compiler.hand_layouts``)."""
         paths = _leaf_paths(tree)
         auto = [k for k, t in enumerate(gts) if t.sbp is AUTO and paths[k][0].idx == 0 and len(paths[k]) > 2]
         out: dict = {}
@@ -663,7 +664,9 @@ def jit(
     bytes per device that arguments and results may hold together (a donated
     argument and its result once; activations inside the step are not
     counted): the solver picks the cheapest layouts that fit, e.g. ZeRO's split
-    optimizer state, or raises an SBPError giving the least any layout needs.
+    optimizer state, never costlier than ZeRO-1/2 or ZeRO-3/FSDP written by
+    hand where one fits (``explain()`` lists them), or raises an SBPError
+    giving the least any layout needs.
     Both need ``solver="ilp"``.
 
     ``regather`` trades bytes for memory where the chosen layouts all-gather a

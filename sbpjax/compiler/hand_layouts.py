@@ -3,8 +3,9 @@
 Under ``sj.jit(memory_budget=...)`` the whole-program solve picks the
 ``AUTO`` arguments' layouts with the budget as a constraint. A user who did
 not have sbpjax would write one of the sharded data-parallel layouts by hand
-instead; the plan must never move more bytes than the cheapest of those that
-fits (``choose`` keeps it where it does, and ``explain()`` lists them all):
+instead; the plan must never cost more than the cheapest of those that fits,
+by the solver's own price (bytes plus each collective's latency): ``choose``
+keeps that layout where it does, and ``explain()`` lists them all:
 
 * ``zero-1/2``: parameters whole on every device, optimizer state split as
   far as it goes. ZeRO-1 and ZeRO-2 differ only inside the step (ZeRO-2
