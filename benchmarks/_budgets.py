@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -29,24 +28,7 @@ B = sj.B
 FRACTIONS = (0.8, 0.5, 0.2)  # of the way from ZeRO-3's need up to data parallel's
 
 
-def _loss(p, tokens, labels, heads):
-    x = p["emb"][tokens]
-    b, t, d = x.shape
-    mask = jnp.tril(jnp.ones((t, t), bool))
-    norm = lambda v, g: g * (v - v.mean(-1, keepdims=True)) * jax.lax.rsqrt(v.var(-1, keepdims=True) + 1e-5)  # noqa: E731
-    for blk in p["blocks"]:
-        h = norm(x, blk["g1"])
-        q, k, v = ((h @ blk[w]).reshape(b, t, heads, d // heads) for w in ("wq", "wk", "wv"))
-        att = jax.nn.softmax(
-            jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads), -1e9), -1
-        )
-        x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d) @ blk["wo"]
-        x = x + jax.nn.gelu(norm(x, blk["g2"]) @ blk["w1"]) @ blk["w2"]
-    lp = jax.nn.log_softmax(x @ p["head"], axis=-1)
-    return -jnp.mean(jnp.take_along_axis(lp, labels[..., None], axis=-1))
-
-
-def _gpt_step(d, layers, rng):
+def _gpt_step(loss_fn, d, layers, rng):
     vocab, heads = 64, 8
     nrm = lambda *s: (rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32)  # noqa: E731
     blocks = [
@@ -65,7 +47,7 @@ def _gpt_step(d, layers, rng):
     labels = rng.integers(0, vocab, size=(16, 16)).astype(np.int32)
 
     def step(p, s, tok, lab):
-        loss, g = jax.value_and_grad(_loss)(p, tok, lab, heads)
+        loss, g = jax.value_and_grad(loss_fn)(p, tok, lab, heads)
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
@@ -134,11 +116,12 @@ def _by_hand(step, args, pl) -> list[dict]:
     return out
 
 
-def budget_section(quick: bool, rng) -> dict:
-    """The ``budget`` section of ``compiler.json`` (see the module's docstring)."""
+def budget_section(quick: bool, rng, loss_fn) -> dict:
+    """The ``budget`` section of ``compiler.json`` (see the module's docstring);
+    ``loss_fn(params, tokens, labels, heads)``: the sweep's GPT loss."""
     d, layers = (32, 1) if quick else (128, 2)
     pl = sj.placement((2, 4), ("x", "y"))
-    step, args = _gpt_step(d, layers, rng)
+    step, args = _gpt_step(loss_fn, d, layers, rng)
     hand = _by_hand(step, args, pl)
     need = {h["layout"]: h["held_bytes"] for h in hand}
     rows = []

@@ -744,7 +744,7 @@ def main():
     if args.budget_only:
         with open(args.output) as f:
             old = json.load(f)
-        write(args.output, old["programs"], old["config"], budget_section(q, rng))
+        write(args.output, old["programs"], old["config"], budget_section(q, rng, gpt_loss))
         print(f"wrote the budget section of {args.output}")
         return
     pl8 = sj.placement(8, "x")
@@ -908,7 +908,7 @@ def main():
             f"{r['solve_s']:>9.2f}{gap:>7}{r['sbpjax_collectives']:>8}/{r['gspmd_collectives']:<6}"
         )
     # (g) memory budgets against the hand-written layouts that fit them (benchmarks/_budgets.py)
-    budget = None if ONLY and "budget" not in ONLY else budget_section(q, rng)
+    budget = None if ONLY and "budget" not in ONLY else budget_section(q, rng, gpt_loss)
     if budget is not None:
         for b in budget["budgets"]:
             print(

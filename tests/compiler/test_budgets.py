@@ -4,19 +4,19 @@ A GPT train step (AdamW) on 2x4 with its parameters and state ``AUTO`` under
 budgets between ZeRO-3's need and data parallel's: each plan fits (XLA's
 ``memory_analysis()`` of the compiled step) and moves no more than the
 cheapest of data parallel, ZeRO-1/2 and ZeRO-3/FSDP that fits the same
-budget, each compiled both by sj.jit and by GSPMD given those layouts."""
+budget, each compiled both by sj.jit and by GSPMD given those layouts
+(``benchmarks/_budgets.py``, the compiler benchmark's budget section)."""
+
+import os
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_close
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as PS
-from models import adamw, compiled_bytes, gpt_loss, gpt_params, state_sbp, train_step
+from conftest import assert_close, load_module
+from models import adamw, compiled_bytes, gpt_loss, gpt_params, train_step
 
 import sbpjax as sj
 from sbpjax.compiler import hand_layouts
-from sbpjax.compiler.api import is_nd_sbp
 from sbpjax.compiler.choose import Choice
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.liveness import block_bytes
@@ -25,6 +25,9 @@ from sbpjax.compiler.trace import trace
 
 S0, B = sj.S(0), sj.B
 HEADS = 4
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the hand-written layouts, compiled by sj.jit and GSPMD: the compiler benchmark's own
+budgets = load_module(os.path.join(HERE, "..", "..", "benchmarks", "_budgets.py"), "bench_budgets")
 
 
 def _gpt_step():
@@ -49,67 +52,14 @@ def _mirrors(args) -> dict:
     return {n + 1 + k: k for k in range(n)} | {2 * n + 1 + k: k for k in range(n)}
 
 
-def _split8(leaf):
-    """A leaf split over all 8 devices along its first dim that 8 divides (B if none)."""
-    for k, n in enumerate(np.shape(leaf)):
-        if n % 8 == 0:
-            return (sj.S(k), sj.S(k))
-    return (B, B)
-
-
-def _spec(nd, pl):
-    """The PartitionSpec of a 2-axis layout made of B and splits (no partials)."""
-    dims: dict = {}
-    for axis, s in zip(pl.axis_names, nd):
-        if isinstance(s, sj.Split):
-            dims.setdefault(s.dim, []).append(axis)
-    rank = max(dims, default=-1) + 1
-    return PS(*(tuple(dims[d]) if d in dims else None for d in range(rank)))
-
-
-def _held(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-
-
-def _by_hand(step, args, pl):
-    """{name: (bytes moved, bytes held per device)} of each hand-written layout,
-    the bytes the fewer of sj.jit's and GSPMD's programs given those layouts."""
-    params, state = args[0], args[1]
-    rep = jax.tree.map(lambda _: (B, B), params)
-    split = jax.tree.map(_split8, params)
-    layouts = {
-        "dp": (rep, state_sbp(state, rep, (B, B))),
-        "zero-1/2": (rep, state_sbp(state, split, (B, B))),
-        "zero-3/fsdp": (split, state_sbp(state, split, (B, B))),
-    }
-    out = {}
-    for name, (ps, ss) in layouts.items():
-        f = sj.jit(
-            step,
-            placement=pl,
-            in_sbp=(ps, ss, (S0, B), (S0, B)),
-            out_sbp=(ps, ss, None),
-            donate_argnums=(0, 1),
-        )
-        compiled = f.lower(*args).compile()
-        shard = lambda t: jax.tree.map(lambda nd: NamedSharding(pl.mesh, _spec(nd, pl)), t, is_leaf=is_nd_sbp)  # noqa: E731
-        data = NamedSharding(pl.mesh, PS("x"))
-        gspmd = jax.jit(
-            step,
-            in_shardings=(shard(ps), shard(ss), data, data),
-            out_shardings=(shard(ps), shard(ss), NamedSharding(pl.mesh, PS())),
-            donate_argnums=(0, 1),
-        )
-        theirs = sum(c.bytes for c in sj.collectives(gspmd.lower(*args).compile()))
-        out[name] = (min(compiled_bytes(f, *args), theirs), _held(compiled))
-    return out
-
-
 @pytest.mark.slow
 def test_budgets_between_zero3_and_data_parallel_fit_and_beat_every_hand_layout_that_fits(pl24):
     step, args = _gpt_step()
-    hand = _by_hand(step, args, pl24)
+    # {layout: (the fewer bytes of sj.jit's and GSPMD's programs, bytes held per device)}
+    hand = {
+        h["layout"]: (min(h["sbpjax_bytes"], h["gspmd_bytes"]), h["held_bytes"])
+        for h in budgets._by_hand(step, args, pl24)
+    }
     dp_need, z3_need = hand["dp"][1], hand["zero-3/fsdp"][1]
     assert z3_need < hand["zero-1/2"][1] < dp_need
     for frac in (0.8, 0.5, 0.2):
@@ -122,7 +72,7 @@ def test_budgets_between_zero3_and_data_parallel_fit_and_beat_every_hand_layout_
             memory_budget=budget,
         )
         compiled = f.lower(*args).compile()
-        assert _held(compiled) <= budget
+        assert budgets._held(compiled) <= budget
         fitting = [moved for moved, held in hand.values() if held <= budget]
         assert fitting, budget
         assert compiled_bytes(f, *args) <= min(fitting), (budget, compiled_bytes(f, *args), hand)
