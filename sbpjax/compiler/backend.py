@@ -23,7 +23,7 @@ HEURISTIC_SHARE = 1 / 4
 def spent(left: int, effort: int) -> bool:
     """Whether ``effort`` is spent: less than ``1/64`` of it is ``left``. Where
     the settling rounds stop (:func:`solve_settled`) and a later solve of the
-    same choice is not started (``choose.fewer_collectives``). The fraction is
+    same choice is not started (``second_looks.fewer_collectives``). The fraction is
     a cut-off, not a derived figure: with a quarter of what is left per
     heuristic round, it ends the rounds after about fifteen."""
     return left < effort // 64

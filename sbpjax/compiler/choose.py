@@ -19,20 +19,18 @@ import time
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
-from sbpjax.compiler import hand_layouts, plan_cache
-from sbpjax.compiler.backend import solve_settled, spent
-from sbpjax.compiler.buckets import emitted_collectives
+from sbpjax.compiler import hand_layouts, plan_cache, second_looks
+from sbpjax.compiler.backend import solve_settled
 from sbpjax.compiler.classes import layer_classes, loop_classes
 from sbpjax.compiler.decode import propagation_of, value_keys
 from sbpjax.compiler.domains import AUTO, allowed, auto_layouts
-from sbpjax.compiler.formulate import formulate, least_usage, propagator
+from sbpjax.compiler.formulate import formulate, least_usage
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
-from sbpjax.compiler.pricing import boxing_cost, count_collectives, emitted_price, price
+from sbpjax.compiler.pricing import boxing_cost, price
 from sbpjax.compiler.propagate import propagate
 from sbpjax.compiler.propagation import Propagation, idle_axes
 from sbpjax.compiler.propagator import Propagator
-from sbpjax.compiler.tables import Tables
 from sbpjax.sbp import Broadcast
 
 SOLVERS = ("ilp", "greedy")
@@ -384,9 +382,11 @@ def _choose(
         chosen.choice = choice
         kept = chosen
     left = options.effort - solved.work
-    kept = fewer_collectives(
+    kept = second_looks.fewer_collectives(
         program, kept, form, in_sbp, cost_model, options, caches, ties, memory_budget, left
     )
+    if g_fits:
+        kept = second_looks.held_to_greedys_peak(kept, greedy, g_memory)
     if memory_budget is None:
         return kept
     return hand_layouts.no_worse_than_by_hand(
@@ -414,97 +414,6 @@ def _over_budget(budget, least: int, status: str) -> SBPError:
         f"{least} B per device (arguments and results, a donated argument and its result once; the "
         f"solver: {status}). Raise the budget to at least {least} B, or use a placement with more devices."
     )
-
-
-def larger_peak(alt: Propagation, kept: Propagation, hoisted: bool) -> bool:
-    """Whether ``alt``'s estimated peak (``liveness.live_bytes``) is larger
-    than ``kept``'s, with recomputation where the program has it or hoisted."""
-    return bool(live_bytes(alt, hoisted=hoisted).max() > live_bytes(kept, hoisted=hoisted).max())
-
-
-def fewer_collectives(
-    program, kept: Propagation, form, in_sbp, cost_model, options, caches, ties, memory_budget, effort: int
-) -> Propagation:
-    """``kept``, or the plan solved with each collective at the cost model's
-    ring latency (boxings planned by the same price) where that plan runs
-    fewer collectives, is faster by the cost model, and either moves at most
-    ``options.fewer_collectives`` more bytes or runs at most half the
-    collectives with no larger estimated peak (``liveness.live_bytes``),
-    with each ``jax.checkpoint`` region's recomputation where the program
-    has it and hoisted as early as its inputs allow.
-
-    Bytes come first, but not at any price in collectives: on the compiler
-    benchmark's data-parallel transformer step the bytes-first plan moves 7%
-    fewer bytes in 4 collectives where GSPMD runs one all-reduce, and the cost
-    model times it slower. Decision: these conditions rather than the ring's
-    latency throughout (tried: collectives were bought with bytes everywhere,
-    up to 35% more on the tensor-parallel step). The peak condition keeps
-    FSDP plans, whose ring-priced alternative holds gathered weights and
-    whole gradients (an 8-device FSDP MLP: 6 collectives instead of 12 for
-    3.3x the estimated peak). Both places of the recomputation, because
-    XLA's CPU scheduler keeps far more of an unrolled, checkpointed step than
-    the program's order does (the model zoo's unrolled decoder: XLA's peak is
-    up to 2.7x the program-order estimate, and GSPMD's program's temporaries are
-    3.2x the scanned decoder's). There the ring-priced plan, Megatron over the
-    model axis, runs 19 collectives instead of 43, its program-order estimate
-    13% lower, but holds each layer's residual stream replicated over that
-    axis: hoisted, it is estimated 42% larger, and XLA's peak is 35% larger
-    (1.07x GSPMD's).
-
-    ``effort``: what the bytes-first solve left of ``options.effort``, so that
-    the option bounds the plan's whole solve. Decision: the second solve gets
-    no effort of its own. Where the first proved its plan (most programs) it
-    spent a small part and the second gets nearly all; where it could not,
-    it spent everything, and the second solve is skipped (``explain()`` says
-    so): two heuristic solves of a 2-D GPT took minutes, and the bytes-first
-    plan, kept, moves the fewest bytes found."""
-    if not options.fewer_collectives or kept.choice is None:
-        return kept
-    choice = kept.choice
-    if spent(effort, options.effort):
-        choice.latency_note = "not solved again with ring latency: the bytes-first solve spent the effort"
-        return kept
-    t0 = time.perf_counter()
-    # the first solve's problem, its boxings planned and priced by the ring's latency
-    ring = propagator(program, form.placement, in_sbp, cost_model, options, caches, ring=True)
-    cm = cost_model if cost_model is not None else CostModel()
-    form = form.repriced(ring, Tables(ring, cm, options, ring=True))
-    t1 = time.perf_counter()
-    solved = solve_settled(form, effort, start=form.start(kept), usage_limit=memory_budget)
-    choice.build_s += t1 - t0
-    choice.solve_s += time.perf_counter() - t1
-    choice.rounds += solved.rounds
-    choice.planned += form.tables.planned
-    choice.entries += form.tables.entries
-    if solved.strategies is None:
-        return kept
-    alt = form.plan(solved.strategies)
-    kept_bytes, alt_bytes = total_bytes(kept), total_bytes(alt)
-    kept_launched, alt_launched = emitted_collectives(kept), emitted_collectives(alt)
-    kept_count, alt_count = count_collectives(kept, kept_launched), count_collectives(alt, alt_launched)
-    within = alt_bytes <= (1 + options.fewer_collectives) * kept_bytes
-    if not within and (2 * alt_count > kept_count or any(larger_peak(alt, kept, h) for h in (False, True))):
-        return kept
-    kept_time = emitted_price(kept, cost_model, ring=True, launched=kept_launched, options=options)
-    alt_time = emitted_price(alt, cost_model, ring=True, launched=alt_launched, options=options)
-    if alt_time >= kept_time or alt_count >= kept_count:
-        return kept
-    why = (
-        f"within {100 * options.fewer_collectives:.0f}%" if within else "half the collectives, no larger peak"
-    )
-    choice.latency_note = (
-        f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
-        f"in place of {kept_bytes} B ({100 * (alt_bytes / max(kept_bytes, 1) - 1):+.1f}%, {why}), "
-        f"{alt_count} collectives in place of {kept_count}, "
-        f"{(kept_time - alt_time) / 1e6:.2f} MB-equivalent faster by the cost model"
-    )
-    if choice.method == "greedy":
-        choice.method = "ilp"
-    choice.ilp_bytes = alt_bytes
-    choice.memory_bytes = held_bytes(program, alt, ties, form.placement.shape)
-    alt.warnings = kept.warnings
-    alt.choice = choice
-    return alt
 
 
 __all__ = ["choose", "restore", "entry_of", "Choice", "SOLVERS", "total_bytes", "held_bytes"]

@@ -18,7 +18,7 @@ decoder's, for GSPMD's program too (the estimate counts what remat should
 leave alive). Counted with the recomputation hoisted (``hoisted=True``, as
 early as its inputs allow) it is 4.8x: XLA keeps something in between, and
 a plan that is not larger either way is not larger in XLA's schedule
-(:func:`sbpjax.compiler.choose.fewer_collectives`).
+(:func:`sbpjax.compiler.second_looks.fewer_collectives`).
 """
 
 from __future__ import annotations
