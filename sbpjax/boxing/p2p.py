@@ -65,60 +65,34 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
     tile_shape = [geom.shape[d] // t for d, t in enumerate(tiles)]
     src_local = tuple(tiles[d] // geom.splits(src.dims[d]) for d in range(geom.ndim))
     dst_local = tuple(tiles[d] // geom.splits(dst.dims[d]) for d in range(geom.ndim))
-    D, n_tiles = geom.n_devices, math.prod(tiles)
+    D = geom.n_devices
     src_ids = _tile_ids(geom, src, tiles, tile_shape, src_local)  # [D, tiles a device holds]
     dst_ids = _tile_ids(geom, dst, tiles, tile_shape, dst_local)  # [D, tiles a device needs]
-    n_src = src_ids.shape[1]
-    # each device's own position of every tile it holds, by (device, tile) in one sorted key
-    dev = np.arange(D, dtype=np.int64)[:, None]
-    held = (dev * n_tiles + src_ids).ravel()
-    order = np.argsort(held, kind="stable")
-    held_sorted = held[order]
-    wanted = (dev * n_tiles + dst_ids).ravel()
-    at = np.minimum(np.searchsorted(held_sorted, wanted), len(held_sorted) - 1)
-    own = (held_sorted[at] == wanted).reshape(dst_ids.shape)
-    own_pos = (order[at] % n_src).reshape(dst_ids.shape)
-    # senders: devices of the receiver's partial group (the same coordinates on the partial
-    # axes, so that the sum stays over the same devices) holding the tile, lowest first
-    pax = [a for a, _ in src.partial]
+    held = _Held(src_ids, math.prod(tiles))
+    own, own_pos = held.find(np.arange(D)[:, None], dst_ids)
     coords = np.asarray(geom.coords, np.int64).reshape(D, len(geom.grid))
-    group = (
-        np.unique(coords[:, pax], axis=0, return_inverse=True)[1].ravel() if pax else np.zeros(D, np.int64)
-    )
-    holder_key = (group[:, None] * n_tiles + src_ids).ravel()
-    by_key = np.argsort(holder_key, kind="stable")
-    keys_sorted = holder_key[by_key]
-    holder_dev = by_key // n_src
     need_v, need_j = np.nonzero(~own)  # receiver-major, its tiles in order
     need_t = dst_ids[need_v, need_j]
-    need_key = group[need_v] * n_tiles + need_t
-    lo = np.searchsorted(keys_sorted, need_key, side="left").tolist()
-    hi = np.searchsorted(keys_sorted, need_key, side="right").tolist()
-    senders = _senders(need_v.tolist(), lo, hi, holder_dev.tolist(), D)
-    # the pairs, in the order their first tile was assigned, and each tile's place in its pair
-    pair = np.asarray(senders, np.int64) * D + need_v
+    need_u = _senders(held, coords, [a for a, _ in src.partial], need_v, need_t)
+    # the (sender, receiver) pairs, each tile's place among its pair's, and the rounds
+    pair = need_u * D + need_v
     pair_ids, inverse, counts = np.unique(pair, return_inverse=True, return_counts=True)
     inverse = inverse.ravel()
     rank = np.empty(len(pair), np.int64)
-    grouped = np.argsort(inverse, kind="stable")
-    starts = np.cumsum(counts) - counts
-    rank[grouped] = np.arange(len(pair)) - np.repeat(starts, counts)
+    rank[np.argsort(inverse, kind="stable")] = np.arange(len(pair)) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )
     pair_round, rounds = _place(pair_ids // D, pair_ids % D, counts, D)
-    # slots: the own tiles first in the pool, then each round's k received tiles
+    # a device's pool: its own tiles, then each round's k received tiles
     round_k = np.asarray([k for _, k in rounds], np.int64)
-    round_slot = n_src + np.cumsum(round_k) - round_k
-    pair_u = pair // D
-    slot = round_slot[pair_round[inverse]] + rank
-    # the sender's own position of each tile it sends, at its slot's column of the rounds
-    sent_pos = order[np.searchsorted(held_sorted, pair_u * n_tiles + need_t)] % n_src
-    columns = np.zeros((D, int(round_k.sum())), np.int32)
-    columns[pair_u, slot - n_src] = sent_pos
+    slot = held.per_device + (np.cumsum(round_k) - round_k)[pair_round[inverse]] + rank
+    columns = np.zeros((D, int(round_k.sum())), np.int32)  # what each sends, round after round
+    columns[need_u, slot - held.per_device] = held.find(need_u, need_t)[1]
     sends = np.split(columns, np.cumsum(round_k)[:-1], axis=1) if len(rounds) else []
     gather = np.where(own, own_pos, 0).astype(np.int32)
     gather[need_v, need_j] = slot
     # the placement axes some pair's devices differ on
-    differ = coords[pair_ids // D] != coords[pair_ids % D]
-    used = np.flatnonzero(differ.any(axis=0)).tolist()
+    used = np.flatnonzero((coords[pair_ids // D] != coords[pair_ids % D]).any(axis=0)).tolist()
     return P2PSchedule(
         tuple(tiles),
         tuple(tile_shape),
@@ -130,6 +104,54 @@ def _p2p_schedule(geom: Geometry, src: Layout, dst: Layout) -> P2PSchedule | Non
         dst_local,
         tuple(sorted(used)),
     )
+
+
+class _Held:
+    """The tiles each device holds (``ids``: [devices, tiles per device]), looked up
+    by (device, tile) in one sorted key."""
+
+    def __init__(self, ids: np.ndarray, n_tiles: int):
+        self.ids, self.n_tiles, self.per_device = ids, n_tiles, ids.shape[1]
+        key = (np.arange(len(ids), dtype=np.int64)[:, None] * n_tiles + ids).ravel()
+        self.order = np.argsort(key, kind="stable")
+        self.sorted = key[self.order]
+
+    def find(self, devices, tiles) -> tuple[np.ndarray, np.ndarray]:
+        """Whether each device holds each tile (broadcast together), and where in
+        its block (meaningful where it does)."""
+        want = np.asarray(devices, np.int64) * self.n_tiles + tiles
+        at = np.minimum(np.searchsorted(self.sorted, want), len(self.sorted) - 1)
+        return self.sorted[at] == want, self.order[at] % self.per_device
+
+
+def _senders(
+    held: _Held, coords: np.ndarray, pax: list, need_v: np.ndarray, need_t: np.ndarray
+) -> np.ndarray:
+    """Per tile a device lacks (receiver-major), the holder that sends it: one
+    of the receiver's partial group (the same coordinates on the partial axes,
+    so that the sum stays over the same devices), the least loaded so far, then
+    the nearest before the receiver on the ring. Sequential (each choice loads
+    a sender), so in plain Python over ints, the candidates found with arrays."""
+    D = len(coords)
+    group = (
+        np.unique(coords[:, pax], axis=0, return_inverse=True)[1].ravel() if pax else np.zeros(D, np.int64)
+    )
+    holder_key = (group[:, None] * held.n_tiles + held.ids).ravel()
+    by_key = np.argsort(holder_key, kind="stable")  # lowest device first within a key
+    keys_sorted, holders = holder_key[by_key], (by_key // held.per_device).tolist()
+    need_key = group[need_v] * held.n_tiles + need_t
+    lo = np.searchsorted(keys_sorted, need_key, side="left").tolist()
+    hi = np.searchsorted(keys_sorted, need_key, side="right").tolist()
+    load = [0] * D
+    out = []
+    for v, a, b in zip(need_v.tolist(), lo, hi):
+        if b - a == 1:
+            u = holders[a]
+        else:
+            u = min(holders[a:b], key=lambda u: (load[u], (v - u) % D))
+        load[u] += 1
+        out.append(u)
+    return np.asarray(out, np.int64)
 
 
 def _tile_ids(geom: Geometry, layout: Layout, tiles, tile_shape, local) -> np.ndarray:
@@ -147,23 +169,6 @@ def _tile_ids(geom: Geometry, layout: Layout, tiles, tile_shape, local) -> np.nd
     for d in range(geom.ndim):
         ids = ids * tiles[d] + (starts[:, d : d + 1] + grid[d][None, :])
     return ids
-
-
-def _senders(receivers: list, lo: list, hi: list, holders: list, D: int) -> list:
-    """Per tile a device lacks (receiver-major), the holder that sends it:
-    the least loaded so far, then the nearest before the receiver on the
-    ring. Sequential (each choice loads a sender), so in plain Python over
-    ints; the candidates are ``holders[lo:hi]``, lowest device first."""
-    load = [0] * D
-    out = []
-    for v, a, b in zip(receivers, lo, hi):
-        if b - a == 1:
-            u = holders[a]
-        else:
-            u = min(holders[a:b], key=lambda u: (load[u], (v - u) % D))
-        load[u] += 1
-        out.append(u)
-    return out
 
 
 def _rounds(pair_tiles: dict, D: int) -> list:
