@@ -664,7 +664,7 @@ def jit(
     bytes per device that arguments and results may hold together (a donated
     argument and its result once; activations inside the step are not
     counted): the solver picks the cheapest layouts that fit, e.g. ZeRO's split
-    optimizer state, never costlier than ZeRO-1/2 or ZeRO-3/FSDP written by
+    optimizer state, never more bytes than ZeRO-1/2 or ZeRO-3/FSDP written by
     hand where one fits (``explain()`` lists them), or raises an SBPError
     giving the least any layout needs.
     Both need ``solver="ilp"``.

@@ -281,8 +281,10 @@ def _choose(
             launch_priced=options.launch_priced,
         )
 
-    def price_of(prop):
-        return price(prop, cost_model, options)
+    def by_hand(ins):  # the plan of hand-written layouts, as sj.jit given them makes it
+        return _choose(
+            program, placement, ins, out_sbp, cost_model, solver, ties, None, {}, arg_names, options
+        )
 
     greedy = greedy_of([rep if nd is AUTO else nd for nd in in_sbp])
     g_bytes = total_bytes(greedy)
@@ -303,7 +305,7 @@ def _choose(
         if held <= memory_budget:
             free.choice.memory_budget, free.choice.memory_bytes = memory_budget, held
             return hand_layouts.no_worse_than_by_hand(
-                program, free, True, in_sbp, mirrors, ties, memory_budget, greedy_of, price_of
+                program, free, True, in_sbp, mirrors, ties, memory_budget, by_hand
             )
     g_price = price(greedy, cost_model, options)
     g_memory = held_bytes(program, greedy, ties, grid)
@@ -350,7 +352,7 @@ def _choose(
         if memory_budget is None:
             return greedy
         kept = hand_layouts.no_worse_than_by_hand(
-            program, greedy, g_fits, in_sbp, mirrors, ties, memory_budget, greedy_of, price_of
+            program, greedy, g_fits, in_sbp, mirrors, ties, memory_budget, by_hand
         )
         if kept is None:
             raise _over_budget(memory_budget, least_usage(form), solved.status)
@@ -390,7 +392,7 @@ def _choose(
     if memory_budget is None:
         return kept
     return hand_layouts.no_worse_than_by_hand(
-        program, kept, True, in_sbp, mirrors, ties, memory_budget, greedy_of, price_of
+        program, kept, True, in_sbp, mirrors, ties, memory_budget, by_hand
     )
 
 

@@ -123,17 +123,10 @@ def test_a_plan_over_the_budget_gives_way_to_a_hand_layout_that_fits(pl24):
     budget = (
         sum(block_bytes(v.shape, v.dtype, nd, pl24.shape) for v, nd in zip(program.inputs, dp.in_sbp)) // 2
     )
-    kept = hand_layouts.no_worse_than_by_hand(
-        program, dp, False, in_sbp, mirrors, {}, budget, greedy_of, lambda p: p.bytes
-    )
+    kept = hand_layouts.no_worse_than_by_hand(program, dp, False, in_sbp, mirrors, {}, budget, greedy_of)
     assert kept is not None and kept is not dp
     assert kept.choice.method == "hand" and kept.choice.memory_bytes <= budget
     assert "no solved plan fits" in kept.choice.describe()
     # nothing fits a budget of one byte
     dp.choice = Choice("greedy")
-    assert (
-        hand_layouts.no_worse_than_by_hand(
-            program, dp, False, in_sbp, mirrors, {}, 1, greedy_of, lambda p: p.bytes
-        )
-        is None
-    )
+    assert hand_layouts.no_worse_than_by_hand(program, dp, False, in_sbp, mirrors, {}, 1, greedy_of) is None

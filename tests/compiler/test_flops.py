@@ -53,11 +53,16 @@ def test_a_scans_matmuls_and_their_recomputation_are_counted_as_xla_runs_them(sh
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
-def test_a_gpt_steps_estimate_is_within_10_percent_of_xlas_count(shape):
+def test_a_gpt_steps_estimate_counts_its_matmuls_exactly_and_most_of_xlas_count(shape):
     """Straight-line GPT train steps (AdamW): data parallel and Megatron's
-    layouts. The estimate leaves out what XLA counts for shape ops and the
-    optimizer's few transcendental ops; Megatron's split matmuls cost each
-    device a fraction of data parallel's whole ones, in both counts."""
+    layouts. The matmuls are counted exactly as the compiled program runs
+    them. The whole estimate is 0.85 to 1.0 of XLA's ``cost_analysis()``:
+    XLA also counts what the estimate leaves out, the additions inside the
+    collectives and some shape ops (jax 0.10.2: 0.91-0.99 of its count on
+    these steps; jax 0.12 counts 10% more than the estimate on 1x8
+    Megatron, where the activations are all-reduced). Megatron's split
+    matmuls cost each device a fraction of data parallel's whole ones, in
+    both counts."""
     pl = sj.placement(shape, ("x", "y"))
     params = gpt_params(64, 2, 64)
     opt = adamw()
@@ -70,8 +75,11 @@ def test_a_gpt_steps_estimate_is_within_10_percent_of_xlas_count(shape):
         ss = state_sbp(state, ps, (B, B))
         f = sj.jit(step, placement=pl, in_sbp=(ps, ss, (S0, B), (S0, B)), out_sbp=(ps, ss, None))
         e = f.explain(params, state, tokens, tokens)
-        xla = _xla_flops(f.lower(params, state, tokens, tokens).compile())
-        assert abs(e.estimated_flops / xla - 1) <= 0.1, (kind, e.estimated_flops, xla)
+        compiled = f.lower(params, state, tokens, tokens).compile()
+        dots = sum(op_flops(d, pl.shape) for d in e.propagation.decisions if d.node.name == "dot_general")
+        assert dots == hlo_flops.loop_flops(compiled.as_text()), kind
+        xla = _xla_flops(compiled)
+        assert 0.85 * xla <= e.estimated_flops <= xla, (kind, e.estimated_flops, xla)
         assert f"{e.estimated_flops} FLOPs per device" in str(e)
         got[kind] = (e.estimated_flops, xla)
     assert got["megatron"][0] < got["dp"][0] and got["megatron"][1] < got["dp"][1]
