@@ -24,15 +24,22 @@ parameter): without any, there is no ZeRO-1 candidate.
 
 from __future__ import annotations
 
+import math
+
 from sbpjax.compiler.domains import AUTO, auto_layouts
 from sbpjax.compiler.liveness import block_bytes, held_bytes
-from sbpjax.sbp import Broadcast
+from sbpjax.sbp import Broadcast, Split
 
 
 def most_split(var, grid) -> tuple:
-    """The ``AUTO`` layout of ``var`` with the smallest block per device (the
-    first such in ``auto_layouts``' order, which splits the lowest dims
-    first, as ZeRO flattens and splits a tensor from its start)."""
+    """ZeRO's split of ``var``: its lowest dim that the device count divides,
+    split over every axis (as ZeRO flattens a tensor and splits it from its
+    start); where no dim divides, the ``AUTO`` layout with the smallest block
+    per device (the first such in ``auto_layouts``' order)."""
+    n = math.prod(grid)
+    for d, size in enumerate(var.shape):
+        if size % n == 0 and size >= n:
+            return (Split(d),) * len(grid)
     options = auto_layouts(var.shape, grid)
     return min(options, key=lambda nd: block_bytes(var.shape, var.dtype, nd, grid))
 
