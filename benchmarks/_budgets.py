@@ -116,10 +116,12 @@ def _by_hand(step, args, pl) -> list[dict]:
     return out
 
 
-def budget_section(quick: bool, rng, loss_fn) -> dict:
+def budget_section(quick: bool, rng, loss_fn, size: tuple[int, int] | None = None) -> dict:
     """The ``budget`` section of ``compiler.json`` (see the module's docstring);
-    ``loss_fn(params, tokens, labels, heads)``: the sweep's GPT loss."""
-    d, layers = (32, 1) if quick else (128, 2)
+    ``loss_fn(params, tokens, labels, heads)``: the sweep's GPT loss; ``size``:
+    (d_model, layers), by default (32, 1) with ``quick`` and (128, 2) without
+    (``tests/compiler/test_budgets.py`` runs this section at (64, 2))."""
+    d, layers = size or ((32, 1) if quick else (128, 2))
     pl = sj.placement((2, 4), ("x", "y"))
     step, args = _gpt_step(loss_fn, d, layers, rng)
     hand = _by_hand(step, args, pl)
@@ -139,13 +141,16 @@ def budget_section(quick: bool, rng, loss_fn) -> dict:
         compile_s = time.perf_counter() - t0
         fitting = [min(h["sbpjax_bytes"], h["gspmd_bytes"]) for h in hand if h["held_bytes"] <= budget]
         moved = _moved(compiled)
+        choice = f.explain(*args).choice
         rows.append(
             dict(
                 budget_bytes=budget,
                 fraction=frac,
                 sbpjax_bytes=moved,
                 sbpjax_held_bytes=_held(compiled),
-                method=f.explain(*args).choice.method,
+                method=choice.method,
+                # [layout, bytes, bytes held] of each hand-written layout the plan was held to
+                candidates=[list(c) for c in choice.candidates],
                 compile_s=compile_s,
                 by_hand=[dict(h, fits=h["held_bytes"] <= budget) for h in hand],
                 cheapest_fitting_bytes=min(fitting),

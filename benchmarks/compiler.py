@@ -727,6 +727,11 @@ def main():
         action="store_true",
         help="measure the budget section alone and write it into --output, keeping its programs",
     )
+    ap.add_argument(
+        "--skip-budget",
+        action="store_true",
+        help="leave the budget section out (the tests' run: tests/compiler/test_budgets.py runs it)",
+    )
     args = ap.parse_args()
     ONLY = [o for o in (args.only or "").split(",") if o]
     MIN_TIMING_SECONDS = args.min_seconds
@@ -908,7 +913,8 @@ def main():
             f"{r['solve_s']:>9.2f}{gap:>7}{r['sbpjax_collectives']:>8}/{r['gspmd_collectives']:<6}"
         )
     # (g) memory budgets against the hand-written layouts that fit them (benchmarks/_budgets.py)
-    budget = None if ONLY and "budget" not in ONLY else budget_section(q, rng, gpt_loss)
+    skip = args.skip_budget or (ONLY and "budget" not in ONLY)
+    budget = None if skip else budget_section(q, rng, gpt_loss)
     if budget is not None:
         for b in budget["budgets"]:
             print(

@@ -48,6 +48,7 @@ def test_compiler_benchmark_quick(tmp_path):
             "-1",
             "--min-seconds",
             "0",
+            "--skip-budget",
             "--output",
             str(path),
         ],
@@ -55,17 +56,8 @@ def test_compiler_benchmark_quick(tmp_path):
     )  # checks every value itself
     data = json.loads(path.read_text())
     rows = {r["name"]: r for r in data["programs"]}
-    # memory budgets: each plan fits and moves no more than sj.jit given the cheapest
-    # hand-written layout that fits (data parallel, ZeRO-1/2, ZeRO-3/FSDP). Not GSPMD's: at
-    # this size (d_model 32) each collective's latency outweighs most bytes, and under jax
-    # 0.12 GSPMD given ZeRO-1's layouts moves 943,904 B where sj.jit plans 1,215,232 B in
-    # fewer collectives (the default size's section is below GSPMD's on every budget)
-    budgets = data["budget"]["budgets"]
-    assert len(budgets) == 3
-    for b in budgets:
-        assert b["sbpjax_held_bytes"] <= b["budget_bytes"], b
-        fitting = [h["sbpjax_bytes"] for h in b["by_hand"] if h["fits"]]
-        assert fitting and b["sbpjax_bytes"] <= min(fitting), b
+    # the budget section is left out here: tests/compiler/test_budgets.py runs it
+    assert "budget" not in data
     fields = {
         "name",
         "sbpjax_bytes",

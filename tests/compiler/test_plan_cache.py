@@ -17,6 +17,9 @@ import sbpjax as sj
 from sbpjax import B, S
 from sbpjax.compiler import plan_cache
 
+# on both CI legs (pyproject.toml's markers): the cache key holds the JAX version
+pytestmark = pytest.mark.jax_versions
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # a Megatron MLP step on 2x4: small, but with real choices to make
