@@ -19,7 +19,7 @@ import time
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
-from sbpjax.compiler import hand_layouts, plan_cache, second_looks
+from sbpjax.compiler import hand_layouts, plan_cache, second_looks, sub_plans
 from sbpjax.compiler.backend import solve_settled
 from sbpjax.compiler.classes import layer_classes, loop_classes
 from sbpjax.compiler.decode import propagation_of, value_keys
@@ -281,10 +281,27 @@ def _choose(
             launch_priced=options.launch_priced,
         )
 
-    def by_hand(ins):  # the plan of hand-written layouts, as sj.jit given them makes it
-        return _choose(
-            program, placement, ins, out_sbp, cost_model, solver, ties, None, {}, arg_names, options
+    def unbudgeted(ins, same):
+        """The plan without a budget (kept across budgets: ``sub_plans``)."""
+        settings = dict(
+            solver=solver,
+            cost_model=repr(cost_model if cost_model is not None else CostModel()),
+            options=options.fingerprint(),
+            ties=sorted(ties.items()),
+            same_layout=sorted(same.items()),
+            arg_names=list(arg_names or ()),
         )
+        return sub_plans.recall(
+            plan_cache.fingerprint(program, placement, ins, out_sbp, settings),
+            lambda: _choose(
+                program, placement, ins, out_sbp, cost_model, solver, ties, None, same, arg_names, options
+            ),
+            lambda entry: restore(program, placement, ins, out_sbp, ties, entry, cost_model, options),
+            entry_of,
+        )
+
+    def by_hand(ins):  # the plan of hand-written layouts, as sj.jit given them makes it
+        return unbudgeted(ins, {})
 
     greedy = greedy_of([rep if nd is AUTO else nd for nd in in_sbp])
     g_bytes = total_bytes(greedy)
@@ -298,9 +315,7 @@ def _choose(
         # not fit. Decision: on the compiler benchmark's budget GPT (d_model
         # 128, 2 layers, 2x4, AdamW) the budget's own problem took 115 s to
         # plan, the smaller one 63 s, for the same plan.
-        free = _choose(
-            program, placement, in_sbp, out_sbp, cost_model, solver, ties, None, mirrors, arg_names, options
-        )
+        free = unbudgeted(in_sbp, mirrors)
         held = held_bytes(program, free, ties, grid)
         if held <= memory_budget:
             free.choice.memory_budget, free.choice.memory_bytes = memory_budget, held

@@ -121,3 +121,50 @@ def test_a_plan_over_the_budget_gives_way_to_a_hand_layout_that_fits(pl24):
     # nothing fits a budget of one byte
     dp.choice = Choice("greedy")
     assert hand_layouts.no_worse_than_by_hand(program, dp, False, in_sbp, mirrors, {}, 1, greedy_of) is None
+
+
+def test_plans_solved_for_one_budget_serve_the_next_and_change_no_plan(pl24, monkeypatch):
+    """The plans a budget's choice solves on the way (the plan without the
+    budget, each hand-written layout's) do not depend on the budget: the next
+    budget's choice reads them back (``sub_plans``) and makes the plan it would
+    make from nothing."""
+    from test_auto import _mlp_step
+
+    from sbpjax.compiler import sub_plans
+
+    class Counted(dict):
+        stored = 0
+
+        def __setitem__(self, key, value):
+            Counted.stored += 1
+            super().__setitem__(key, value)
+
+    step, params, state, x, y = _mlp_step()
+    args = (params, state, x, y)
+
+    def explained(budget):
+        f = sj.jit(
+            step,
+            placement=pl24,
+            in_sbp=(AUTO, AUTO, (S0, B), (S0, B)),
+            donate_argnums=(0, 1),
+            memory_budget=budget,
+            plan_cache=False,
+        )
+        return f.explain(*args)
+
+    def plan_of(e):
+        return e.propagation.in_sbp, [(d.in_sbp, d.out_sbp) for d in e.propagation.decisions], e.bytes
+
+    monkeypatch.setattr(sub_plans, "_ENTRIES", type("Kept", (Counted, sub_plans.OrderedDict), {})())
+    explained(200_000)
+    solved = Counted.stored
+    assert solved >= 2, solved  # the plan without the budget, and the hand-written layouts'
+    second = explained(64_000)
+    assert Counted.stored == solved  # nothing solved again
+    assert second.choice.source == "solved"
+    sub_plans.clear()
+    again = explained(64_000)
+    assert Counted.stored == 2 * solved  # from nothing: each solved once more
+    assert plan_of(second) == plan_of(again)
+    assert second.choice.candidates == again.choice.candidates
