@@ -283,16 +283,21 @@ def _choose(
 
     def unbudgeted(ins, same):
         """The plan without a budget (kept across budgets: ``sub_plans``)."""
-        settings = dict(
+        key = plan_cache.plan_key(
+            program,
+            placement,
+            ins,
+            out_sbp,
             solver=solver,
-            cost_model=repr(cost_model if cost_model is not None else CostModel()),
-            options=options.fingerprint(),
-            ties=sorted(ties.items()),
-            same_layout=sorted(same.items()),
-            arg_names=list(arg_names or ()),
+            cost_model=cost_model,
+            options=options,
+            ties=ties,
+            same_layout=same,
+            memory_budget=None,
+            arg_names=arg_names,
         )
         return sub_plans.recall(
-            plan_cache.fingerprint(program, placement, ins, out_sbp, settings),
+            key,
             lambda: _choose(
                 program, placement, ins, out_sbp, cost_model, solver, ties, None, same, arg_names, options
             ),

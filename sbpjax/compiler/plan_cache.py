@@ -35,6 +35,7 @@ import numpy as np
 
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax._version import __version__
+from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.trace import Var
 from sbpjax.sbp import format_sbp, parse_sbp
 
@@ -131,6 +132,35 @@ def fingerprint(program, placement, in_sbp, out_sbp, settings: dict) -> str:
         )
     )
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def plan_key(
+    program,
+    placement,
+    in_sbp,
+    out_sbp,
+    *,
+    solver,
+    cost_model,
+    options,
+    ties,
+    same_layout,
+    memory_budget,
+    arg_names,
+) -> str:
+    """The key (``fingerprint``) of the plan ``choose`` makes with these
+    arguments: everything that decides it."""
+    settings = dict(
+        solver=solver,
+        cost_model=repr(cost_model if cost_model is not None else CostModel()),
+        options=options.fingerprint(),
+        ties=sorted(ties.items()),
+        same_layout=sorted(same_layout.items()),
+        memory_budget=memory_budget,
+        # names find alike layers only where they share decisions
+        arg_names=list(arg_names or ()) if options.tie_layers else None,
+    )
+    return fingerprint(program, placement, in_sbp, out_sbp, settings)
 
 
 @dataclasses.dataclass

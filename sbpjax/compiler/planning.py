@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from sbpjax._errors import SBPError
-from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler import plan_cache
 from sbpjax.compiler.choose import choose, entry_of, restore
 from sbpjax.compiler.options import DEFAULT_OPTIONS
@@ -63,17 +62,19 @@ def plan(
     shared = jax.process_count() > 1 and len(placement.processes) == jax.process_count()
     if directory is None and not shared:
         return chosen()
-    settings = dict(
+    key = plan_cache.plan_key(
+        program,
+        placement,
+        in_sbp,
+        out_sbp,
         solver=solver,
-        cost_model=repr(cost_model if cost_model is not None else CostModel()),
-        options=options.fingerprint(),
-        ties=sorted(ties.items()),
-        same_layout=sorted(same_layout.items()),
+        cost_model=cost_model,
+        options=options,
+        ties=ties,
+        same_layout=same_layout,
         memory_budget=memory_budget,
-        # names find alike layers only where they share decisions
-        arg_names=list(arg_names or ()) if options.tie_layers else None,
+        arg_names=arg_names,
     )
-    key = plan_cache.fingerprint(program, placement, in_sbp, out_sbp, settings)
     n_ops = len(program.nodes)
 
     def restored(entry):
