@@ -23,9 +23,35 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp=$VENV/.sbpjax-installed
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+
+# install_editable EXTRAS: sbpjax from this tree with the optional-dependency
+# groups EXTRAS ("test,plots"), by uv where it can be had, else by pip.
+# Decision: uv (a pip-compatible installer, itself one wheel from the package
+# index) resolves and installs the environment in 8-11 s where pip takes 99 s
+# on a 2-core machine (jax, flax, optax, the test, plot, lint and docs extras;
+# its cache warm or cold alike), and both CI legs and every fresh clone pay it.
+# Nothing of sbpjax depends on uv: when it cannot be installed or fails (an
+# index only pip's own configuration reaches, say), pip does the same install.
+# SBPJAX_PIP=1 uses pip throughout. Like PIP_NO_COMPILE, uv writes no bytecode
+# at install time; each module is compiled once when first imported.
+install_editable() {
+  local extras=$1
+  if [ -z "${SBPJAX_PIP:-}" ]; then
+    local uv
+    uv=$(command -v uv || true)
+    if [ -z "$uv" ] && "$VENV/bin/python" -m pip install --quiet uv >/dev/null 2>&1; then
+      uv=$VENV/bin/uv
+    fi
+    if [ -n "$uv" ] && "$uv" pip install --quiet --no-progress --python "$VENV/bin/python" -e ".[$extras]"; then
+      return
+    fi
+    echo "scripts/env.sh: uv could not install; installing with pip" >&2
+  fi
+  "$VENV/bin/python" -m pip install --quiet -e ".[$extras]"
+}
+
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  "$VENV/bin/python" -m pip install --quiet --upgrade pip
-  "$VENV/bin/python" -m pip install --quiet -e ".[test,plots]"
+  install_editable "test,plots"
   echo "$want" > "$stamp"
 fi
 export XLA_FLAGS="${XLA_FLAGS:---xla_force_host_platform_device_count=8}"
@@ -42,7 +68,8 @@ ensure_extra() {
     fi
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    "$VENV/bin/python" -m pip install --quiet -e ".[$(IFS=,; echo "${missing[*]}")]"
+    # with the base extras again, so that the resolver keeps what they installed
+    install_editable "test,plots,$(IFS=,; echo "${missing[*]}")"
     for name in "${missing[@]}"; do
       echo "$want" > "$VENV/.sbpjax-$name-installed"
     done
