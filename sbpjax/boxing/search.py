@@ -273,7 +273,12 @@ def _search_from(ctx: _Ctx, tree: _Tree, src: Layout, dst: Layout) -> list:
     best, permutes, missing = tree.best, ctx._p2p_cache, object()
     for L, index in tree.order.items():
         c = best[L]
-        if c[0] > bound:
+        # an exchange moves bytes (``_Ctx.permute``: one that moves none is no step), so
+        # from a layout reached with ``bound`` bytes or more, the fewest of a path found
+        # so far, it loses on bytes (``_less``); the tree's order is by bytes first, and
+        # many layouts tie on them (slices are free). Halves the exchanges costed for a
+        # 2-D GPT on 2x2x2.
+        if c[0] >= bound:
             break
         if L.partial != dst.partial or L is dst:
             continue
@@ -282,7 +287,9 @@ def _search_from(ctx: _Ctx, tree: _Tree, src: Layout, dst: Layout) -> list:
         if s is missing:
             s = ctx.permute(L, dst)
         if s is not None:
-            events.append(((index, 1), (c[0] + s.bytes, c[1] + s.tie_time, c[2] + 1), (L, s)))
+            total = c[0] + s.bytes
+            events.append(((index, 1), (total, c[1] + s.tie_time, c[2] + 1), (L, s)))
+            bound = min(bound, total)
     events.sort(key=lambda e: e[0])
     won = None
     for _, cost, came in events:

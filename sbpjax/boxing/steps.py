@@ -302,8 +302,9 @@ class _Ctx:
                 w = geom.shape[d] // geom.splits(src.dims[d])
                 need *= -(-(d0[:, d] + dn[:, d]) // w) - d0[:, d] // w
             rounds = int((need - (own > 0)).max())
-            if rounds:
-                nbytes = int(missing.sum()) * self.itemsize
+            nbytes = int(missing.sum()) * self.itemsize
+            # an exchange that moves no byte is no step (search._search_from relies on it)
+            if rounds and nbytes:
                 moved = tuple(
                     a
                     for a in range(len(geom.grid))
