@@ -94,6 +94,44 @@ def nd_sbps(values, ndim):
     return list(itertools.product(values, repeat=ndim))
 
 
+# The longest tests, measured on a 2-core machine (seconds of one CI run), start first.
+# pytest-xdist's work stealing (`-n 2 --dist worksteal`) gives each worker half of the
+# collection in order and, when one runs dry, moves the end of the other's queue to it;
+# a long test collected late (tests/test_examples.py, tests/test_multihost.py) could
+# start when nothing else is left, and one worker then waits for the other for up to its
+# whole length. Started first, they overlap everything else and a leg ends on short
+# tests (the longest first is the classic rule for scheduling jobs on parallel
+# machines). A name that no longer matches only loses its place in the order.
+LONGEST_FIRST = (
+    "tests/compiler/test_budgets.py::test_budgets_between",  # 154
+    "tests/test_examples.py::test_boxing_benchmark_quick",  # 106
+    "tests/test_edges.py::test_random_boxing_suite",  # 92 (leg 1)
+    "tests/test_examples.py::test_compiler_benchmark_quick",  # 89
+    "tests/compiler/test_choose.py::test_sweep_bytes_at_most_gspmd[gpt-2x2x2-2d-64-3",  # 76
+    "tests/search/test_benchmark.py::test_search_benchmark_quick",  # 72
+    "tests/compiler/test_choose.py::test_two_d_gpt_on_2x2x2_with_an_idle_axis",  # 71
+    "tests/test_multihost.py::test_global_tensors_boxing_and_sj_jit_across_two_processes",  # 66
+    "tests/test_examples.py::test_models_benchmark_quick",  # 61
+    "tests/compiler/test_choose.py::test_two_d_gpt_on_4x2_moves_no_more_than_gspmd",  # 53
+    "tests/compiler/test_choose.py::test_sweep_bytes_at_most_gspmd[gpt-4x2-2d-64-3",  # 53
+    "tests/compiler/test_choose.py::test_sweep_bytes_at_most_gspmd[gpt-2x2x2-2d-128-1",  # 48
+    "tests/test_examples.py::test_train_benchmark_quick",  # 47
+    "tests/test_notebooks.py::test_notebook_runs[02_flax_hybrid_parallel",  # 44
+    "tests/test_examples.py::test_boxing_tour_runs",  # 44
+    "tests/pipeline/test_example_and_benchmark.py::test_pipeline_benchmark_quick",  # 40
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        for i, prefix in enumerate(LONGEST_FIRST):
+            if item.nodeid.startswith(prefix):
+                return i
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep the collection's order
+
+
 @pytest.fixture(scope="session")
 def pl8():
     return sj.placement(8, "x")
