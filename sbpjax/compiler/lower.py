@@ -366,11 +366,17 @@ def local_program(prop: Propagation, physical: bool = True):
                 sources.append((whole, lo - off, [(lo + m, y) for m, y in extra]))
         xs = [jnp.arange(lo, lo + length)]
         init = []
+        placeholders = set()
         for c, layouts in run.carries:
             v = t.ins[nc + c]
             for nd in layouts:
-                # a layout the body makes before reading it needs no value in: zeros hold its place
-                init.append(env.get((id(v), nd), jnp.zeros(local_shape(v.shape, nd, grid), v.dtype)))
+                held = env.get((id(v), nd))
+                if held is None:
+                    # a layout the body makes before reading it needs no value in: zeros hold
+                    # its place (and are no value of the carry coming in: see the escapes)
+                    held = jnp.zeros(local_shape(v.shape, nd, grid), v.dtype)
+                    placeholders.add((id(v), nd))
+                init.append(held)
         # values the loop hands on, one slice per iteration: where a stack of all the
         # loop's slices reads them (Run.stacks), written into that stack in place
         # (a buffer carried through the loop: the other iterations fill their
@@ -433,6 +439,12 @@ def local_program(prop: Propagation, physical: bool = True):
                 continue
             base = 0 if (e, nd) in buffered else lo
             for it, v in zip(its, run.escapes[e][2]):
+                if (id(v), nd) in placeholders:
+                    # the carry coming into the first iteration, read after the loop in a
+                    # layout it did not come in: its slice holds the placeholder, and the
+                    # code after the loop boxes the carry itself (a scan's input kept as
+                    # the backward pass's first residual, split where the body splits it)
+                    continue
                 env[(id(v), nd)] = stack[it.index - base]
                 env[(STACKED, id(v), nd)] = (stack, it.index - base)
             made_at[(run.escapes[e][0], nd)] = stack

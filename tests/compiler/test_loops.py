@@ -267,3 +267,39 @@ def test_a_carry_boxed_two_ways_in_each_iteration():
     assert sum(c.bytes for c in sj.collectives(compiled)) == e.bytes
     want = np.asarray(jax.jit(f)(w, x))
     assert_close(g(w, x).numpy(), want, rtol=1e-5, scale=np.abs(want).max())
+
+
+def _tanh_layers(with_sums):
+    def layers(ws, bs, x):
+        def body(h, wb):
+            w, b = wb
+            return jnp.tanh(h @ w + b), (h * 2).sum()
+
+        h, sums = jax.lax.scan(body, x, (ws, bs))
+        return h.sum() + (sums.sum() if with_sums else 0.0)
+
+    return lambda ws, bs, x: jax.grad(layers, argnums=(0, 1))(ws, bs, x)
+
+
+BS = RNG.normal(size=(6, 32)).astype(np.float32)
+
+
+@pytest.mark.parametrize("with_sums", [False, True], ids=["h", "h-and-sums"])
+def test_the_input_of_a_rolled_scan_is_its_first_residual_in_the_layout_the_body_splits_it(with_sums):
+    """The weights of a scanned tanh layer split over y: the body makes its carry
+    split over y and gathers it for the next layer, and the backward pass reads
+    each layer's input split so. The first layer's input is the scan's input,
+    which came in whole over y: until the lowering boxed it itself after the loop
+    (lower.roll's placeholders), the rolled loop handed on the zeros holding the
+    place of its split carry, and the first layer's weight gradient was zero."""
+    step = _tanh_layers(with_sums)
+    pl = sj.placement((2, 4), ("x", "y"))
+    f = sj.jit(step, placement=pl, in_sbp=((B, S(2)), (B, S(1)), (S(0), B)))
+    want = jax.jit(step)(W, BS, X)
+    for got, w in zip(f(W, BS, X), want):
+        assert_close(got.numpy(), np.asarray(w), rtol=1e-4)
+    e = f.explain(W, BS, X)
+    assert "loops: 2 of 2 scans kept as loops" in str(e)
+    compiled = f.lower(W, BS, X).compile()
+    assert compiled.as_text().count(" while(") == 2
+    assert sum(c.bytes for c in sj.collectives(compiled)) == e.bytes
