@@ -71,7 +71,7 @@ from tqdm import tqdm  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
 from sbpjax.boxing.plan import clear_caches, normalized_layout  # noqa: E402
-from sbpjax.compiler import sub_plans  # noqa: E402
+from sbpjax.compiler import small_jaxprs, sub_plans  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: E402
 from sbpjax.layout import Geometry  # noqa: E402
 from sbpjax.solver._kept_plans import clear as clear_kept_plans  # noqa: E402
@@ -163,6 +163,7 @@ def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, f
             clear_caches()
             clear_kept_plans()
             sub_plans.clear()
+            small_jaxprs.clear()
             jax.clear_caches()
             f = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp, plan_cache=cache)
             with gc_paused():
@@ -175,6 +176,7 @@ def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, f
             clear_caches()
             clear_kept_plans()
             sub_plans.clear()
+            small_jaxprs.clear()
             jax.clear_caches()
             g = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp, plan_cache=cache)
             with gc_paused():

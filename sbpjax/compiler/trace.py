@@ -25,6 +25,8 @@ try:  # the public home moved across JAX versions
 except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
+from sbpjax.compiler.small_jaxprs import jaxpr_of
+
 INLINE = {
     "pjit",
     "jit",
@@ -400,10 +402,11 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
     return [read(v) for v in jaxpr.outvars]
 
 
-def _emit(fn, atoms, nodes, cse):
-    """Append the equations of ``fn`` (a small JAX function) applied to ``atoms``."""
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in atoms]
-    closed = jax.make_jaxpr(fn)(*avals)
+def _emit(fn, atoms, nodes, cse, what=None):
+    """Append the equations of ``fn`` (a small JAX function) applied to ``atoms``;
+    ``what`` names what ``fn`` computes, to make its jaxpr once per shape
+    (``small_jaxprs``)."""
+    closed = jaxpr_of(what, fn, atoms)
     return _inline(closed.jaxpr, list(closed.consts), list(atoms), nodes, cse)
 
 
@@ -439,7 +442,13 @@ def _flatten_control(eqn, ins, nodes, cse, flat):
         for i in reversed(range(length)) if p["reverse"] else range(length):
             sliced_from = len(nodes)
             x_i = [
-                _emit(lambda x, i=i: jax.lax.index_in_dim(x, i, 0, keepdims=False), [x], nodes, slice_cse)[0]
+                _emit(
+                    lambda x, i=i: jax.lax.index_in_dim(x, i, 0, keepdims=False),
+                    [x],
+                    nodes,
+                    slice_cse,
+                    what=("index_in_dim", i),
+                )[0]
                 for x in xs
             ]
             start = len(nodes)
@@ -453,7 +462,9 @@ def _flatten_control(eqn, ins, nodes, cse, flat):
             loop.iterations.append(Iteration(i, ins_i, list(outs_i), made, slicing))
             carry, ys[i] = split_out(outs_i)
         stacked = [
-            _emit(lambda *v: jax.numpy.stack(v), [ys[i][k] for i in range(length)], nodes, cse)[0]
+            _emit(lambda *v: jax.numpy.stack(v), [ys[i][k] for i in range(length)], nodes, cse, what="stack")[
+                0
+            ]
             for k in range(len(ys[0]))
         ]
         if len(carry) + len(stacked) != len(eqn.outvars):

@@ -269,6 +269,20 @@ def test_a_carry_boxed_two_ways_in_each_iteration():
     assert_close(g(w, x).numpy(), want, rtol=1e-5, scale=np.abs(want).max())
 
 
+def _program_text(program) -> list:
+    """Each equation of a traced program as text: primitive, params and where its
+    operands come from (a program input, an earlier equation's output, a constant)."""
+    where: dict = {id(v): f"in{i}" for i, v in enumerate(program.inputs)}
+    lines = []
+    for k, node in enumerate(program.nodes):
+        ins = [where.get(id(a), "const") for a in node.ins]
+        params = sorted((name, repr(v)) for name, v in node.eqn.params.items())
+        lines.append((node.name, params, ins, [tuple(o.shape) for o in node.outs]))
+        for j, o in enumerate(node.outs):
+            where[id(o)] = f"n{k}.{j}"
+    return lines
+
+
 def _tanh_layers(with_sums):
     def layers(ws, bs, x):
         def body(h, wb):
@@ -282,6 +296,28 @@ def _tanh_layers(with_sums):
 
 
 BS = RNG.normal(size=(6, 32)).astype(np.float32)
+
+
+def test_a_written_out_scan_traces_alike_with_its_slices_jaxprs_made_once_per_shape():
+    """trace writes a scan out by slicing each stacked operand per iteration
+    (sbpjax.compiler.small_jaxprs): the slices' jaxprs are made once per shape
+    and index and shared, and the program is the one made from fresh jaxprs."""
+    from sbpjax.compiler import small_jaxprs
+    from sbpjax.compiler.trace import trace
+
+    step = _tanh_layers(True)
+    leaves, tree = jax.tree_util.tree_flatten(((W, BS, X), {}))
+    avals = [jax.ShapeDtypeStruct(np.shape(v), v.dtype) for v in leaves]
+    small_jaxprs.clear()
+    fresh = trace(step, avals, tree)
+    kept = len(small_jaxprs._JAXPRS)
+    # forward and backward scans each slice ws and bs and stack results, 6 iterations:
+    # the slices of one shape and index, and the stacks of one shape, are one jaxpr each
+    slices = sum(1 for n in fresh.nodes if n.name in ("slice", "squeeze"))
+    assert 0 < kept < slices
+    again = trace(step, avals, tree)
+    assert len(small_jaxprs._JAXPRS) == kept  # nothing made again
+    assert _program_text(again) == _program_text(fresh)
 
 
 @pytest.mark.parametrize("with_sums", [False, True], ids=["h", "h-and-sums"])
