@@ -385,6 +385,7 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
 
     # carries: made in the body, read from the state in layouts the body makes
     carries = []
+    entering: dict = {}  # carry input -> the layouts the first iteration's carry has
     for c in range(ncarry):
         out = role(t.outs[c])
         k = nc + c
@@ -408,6 +409,7 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
                 ready.add(b.dst)
         if not needs.get(k, set()) <= ready:
             return None
+        entering[k] = ready
         carries.append((c, sorted(layouts, key=repr)))
     if rotated:
         # the last iteration boxes its carry for a next one: the iteration after
@@ -506,7 +508,7 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
     for q in positions:
         role_q, _ = _roles(prop, loop, loop.iterations[q], bodies[q])
         hoisted += [b for i in bodies[q] for b in decs[i].boxings if role_q(b.var)[0] == OUTER]
-    stacks, dropped = _direct_stacks(prop, loop, its, role, escapes, ctx)
+    stacks, dropped = _direct_stacks(prop, loop, its, role, escapes, ctx, entering)
     pushed = _pushed_boxings(ctx, stacks, escapes)
     # what leaves the loop: values read after it (other than by the stacks it fills)
     carry_out = {("made", *pos[id(t.outs[c])]) for c, _ in carries}
@@ -592,7 +594,7 @@ def _boxed_after(ctx, wanted, last) -> bool:
     return all(any(i > last and nd == want for i, nd in ctx.made_at.get(id(v), ())) for v, want in wanted)
 
 
-def _direct_stacks(prop, loop, its, role, escapes, ctx):
+def _direct_stacks(prop, loop, its, role, escapes, ctx, entering):
     """The stacks of ``ys`` (``jnp.stack`` of the slices: jax's stack op, or one
     expand-dims per slice and a concatenate) whose slices the rolled iterations
     make in the layout the stack reads, so the lowering writes the loop's
@@ -601,7 +603,10 @@ def _direct_stacks(prop, loop, its, role, escapes, ctx):
     every residual. Returns ``(stacks, dropped)``: (stacked Var, template
     position, output, slice layout, [(index, slice Var) of the other
     iterations], index of the stacking decision) per such stack, and the
-    decision indices of the ops it replaces."""
+    decision indices of the ops it replaces. A stack of the carry as it comes
+    into each iteration is filled by the loop only in a layout the first
+    iteration's carry has (``entering``): in another, the loop's state holds a
+    placeholder there (``lower.roll``), and the stack boxes that carry itself."""
     decs, producer = prop.decisions, ctx.producer
     escaped = {key: layouts for key, layouts, _ in escapes}
     rolled = {it.index for it in its}
@@ -614,6 +619,8 @@ def _direct_stacks(prop, loop, its, role, escapes, ctx):
         where = producer.get(id(var))
         if r not in escaped or where is None or sorted(by_index) != list(range(n)):
             continue
+        c_in = _carry_input(loop, r)
+        came_in = None if c_in is None else entering.get(c_in, set())
         cat = decs[where[0]]
         if cat.boxings or len(cat.node.ins) != n:
             continue
@@ -623,7 +630,12 @@ def _direct_stacks(prop, loop, its, role, escapes, ctx):
         if all(a is y for a, y in zip(cat.node.ins, ys)):
             # one op stacks the slices (jax's stack primitive)
             nd = tuple(cat.in_sbp[0])
-            if all(tuple(s) == nd for s in cat.in_sbp) and shift_up(nd) == whole and nd in escaped[r]:
+            if (
+                all(tuple(s) == nd for s in cat.in_sbp)
+                and shift_up(nd) == whole
+                and nd in escaped[r]
+                and (came_in is None or nd in came_in)
+            ):
                 stacks.append((var, r, nd, missing, where[0]))
                 dropped.add(where[0])
             continue
@@ -650,7 +662,7 @@ def _direct_stacks(prop, loop, its, role, escapes, ctx):
                 ok = False
                 break
             ops.append(at[0])
-        if ok:
+        if ok and (came_in is None or nd in came_in):
             stacks.append((var, r, nd, missing, where[0]))
             dropped.update(ops)
     return stacks, dropped
