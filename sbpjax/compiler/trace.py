@@ -461,12 +461,11 @@ def _flatten_control(eqn, ins, nodes, cse, flat):
             made = {id(o) for n in nodes[start:] for o in n.outs}
             loop.iterations.append(Iteration(i, ins_i, list(outs_i), made, slicing))
             carry, ys[i] = split_out(outs_i)
-        stacked = [
-            _emit(lambda *v: jax.numpy.stack(v), [ys[i][k] for i in range(length)], nodes, cse, what="stack")[
-                0
-            ]
-            for k in range(len(ys[0]))
-        ]
+
+        def stack(vs):
+            return _emit(lambda *v: jax.numpy.stack(v), vs, nodes, cse, what="stack")[0]
+
+        stacked = [stack([ys[i][k] for i in range(length)]) for k in range(len(ys[0]))]
         if len(carry) + len(stacked) != len(eqn.outvars):
             return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
         loop.stacked, loop.source = list(stacked), source_of(eqn)
