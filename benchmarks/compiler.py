@@ -141,6 +141,17 @@ def gc_paused():
         gc.enable()
 
 
+def _forget_plans() -> None:
+    """Every cache a process's planning fills (boxing searches, solver plans,
+    the plans a budget solves on the way, traced scans' slices) and JAX's: the
+    next sj.jit plans as a fresh process would."""
+    clear_caches()
+    clear_kept_plans()
+    sub_plans.clear()
+    small_jaxprs.clear()
+    jax.clear_caches()
+
+
 def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, flat_args, samples) -> dict:
     """Medians over ``samples`` cold compiles, each from nothing: JAX's caches
     and sbpjax's planner caches (boxing plans and schedules, the solver's
@@ -160,11 +171,7 @@ def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, f
     for _ in range(samples):
         with tempfile.TemporaryDirectory() as cache:
             row = {}
-            clear_caches()
-            clear_kept_plans()
-            sub_plans.clear()
-            small_jaxprs.clear()
-            jax.clear_caches()
+            _forget_plans()
             f = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp, plan_cache=cache)
             with gc_paused():
                 t0 = time.perf_counter()
@@ -173,11 +180,7 @@ def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, f
                 lowered.compile()
                 t2 = time.perf_counter()
             row.update(front_end_s=t1 - t0, xla_compile_s=t2 - t1, sbpjax_overhead_s=f.last_overhead_s)
-            clear_caches()
-            clear_kept_plans()
-            sub_plans.clear()
-            small_jaxprs.clear()
-            jax.clear_caches()
+            _forget_plans()
             g = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp, plan_cache=cache)
             with gc_paused():
                 t0 = time.perf_counter()
