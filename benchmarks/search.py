@@ -33,6 +33,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -49,7 +50,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from compiler import median_times  # noqa: E402 - interleaved timing rounds
+from compiler import gc_paused, median_times  # noqa: E402 - timing helpers
 
 import sbpjax as sj
 import sbpjax.search as ss
@@ -60,9 +61,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def mlp_section(device_counts, restarts, steps):
     """Each search's cost against the exhaustive optimum, and its time: the
-    median of interleaved runs (median_times). One run per search measured a
-    millisecond search on a busy machine at 3x its idle ratio (coordinate
-    descent at 128 devices: 0.0103 of exhaustive's time, 0.0035 idle)."""
+    median CPU seconds of its own runs (cpu_seconds). Wall-clock rounds shared
+    with the exhaustive search gave the millisecond searches 4-6 samples, and on
+    a busy machine (CI's second test worker) coordinate descent at 128 devices
+    measured 0.0066-0.0101 of exhaustive's time against 0.0031-0.0035 idle; with
+    hundreds of samples each, by CPU time, it measured 0.0018-0.0035 beside two
+    busy processes and 0.0034 idle. The searches are single-threaded (CPU time
+    equals wall time on an idle machine), so CPU time is their own work."""
     rows = []
     ops = ss.mlp("mlp", 8192, [32768, 16384, 4096, 2048, 512])
     for p in device_counts:
@@ -77,18 +82,11 @@ def mlp_section(device_counts, restarts, steps):
                 ss.search, ops, grid, method="metropolis_hastings", tables=tables, seed=0, steps=steps
             ),
         }
-        found: dict = {}
-
-        def kept(method, search, into):
-            # each search's result kept from its timed runs (the same each run: the seeds
-            # are fixed), not from one more run: the exhaustive one takes seconds
-            def run():
-                into[method] = search()
-
-            return run
-
-        runs = [(kept(method, search, found), ()) for method, search in searches.items()]
-        times = dict(zip(searches, median_times(runs, repeats=1)))
+        found, times = {}, {}
+        for method, search in searches.items():
+            # each result kept from its timed runs (the same each run: the seeds are
+            # fixed), not from one more run: the exhaustive one takes seconds
+            found[method], times[method] = cpu_seconds(search)
         opt, t_ex = found["exhaustive"], times["exhaustive"]
         for method, st in found.items():
             rows.append(
@@ -102,6 +100,19 @@ def mlp_section(device_counts, restarts, steps):
                 }
             )
     return rows
+
+
+def cpu_seconds(fn, min_rounds=5, min_seconds=0.5, max_rounds=200):
+    """``fn()``'s result and the median CPU seconds of one call, over at least
+    ``min_rounds`` calls and ``min_seconds`` of them (at most ``max_rounds``):
+    a millisecond search gets hundreds of samples, a seconds-long one five."""
+    samples = []
+    with gc_paused():
+        while len(samples) < min_rounds or (sum(samples) < min_seconds and len(samples) < max_rounds):
+            t0 = time.process_time()
+            result = fn()
+            samples.append(time.process_time() - t0)
+    return result, statistics.median(samples)
 
 
 SCALING = textwrap.dedent("""
