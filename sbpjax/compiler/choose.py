@@ -29,7 +29,7 @@ from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.pricing import boxing_cost, price
 from sbpjax.compiler.propagate import propagate
-from sbpjax.compiler.propagation import Propagation, idle_axes
+from sbpjax.compiler.propagation import Propagation, idle_axes, op_key
 from sbpjax.compiler.propagator import Propagator
 from sbpjax.sbp import Broadcast
 
@@ -149,8 +149,15 @@ def restore(program, placement, in_sbp, out_sbp, ties, entry, cost_model=None, o
     for k, want in enumerate(final):
         if want is not None and entry.out_sbp[k] != want:
             return None
-    if not all(allowed(pr, node, ins, outs) for node, (ins, outs) in zip(program.nodes, entry.signatures)):
-        return None
+    # alike ops (a written-out scan's layers) with alike signatures are checked once
+    checked: dict = {}
+    for node, (ins, outs) in zip(program.nodes, entry.signatures):
+        key = (op_key(node), tuple(ins), tuple(outs))
+        ok = checked.get(key)
+        if ok is None:
+            ok = checked[key] = allowed(pr, node, ins, outs)
+        if not ok:
+            return None
     keys = set(value_keys(program).values())
     for key, nd in entry.first.items():
         if key not in keys or len(nd) != len(grid):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from sbpjax.dtypes import dtype_name
+
 
 def arg_class(name: str) -> str:
     """An argument's path with list and tuple positions dropped: the same
@@ -97,7 +99,7 @@ def own_class(node) -> int:
             node.name,
             node.source,
             node.region > 0,
-            tuple((tuple(a.shape), str(a.dtype)) for a in node.ins),
+            tuple((tuple(a.shape), dtype_name(a.dtype)) for a in node.ins),
             tuple(tuple(o.shape) for o in node.outs),
             params,
         )

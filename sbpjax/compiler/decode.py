@@ -44,11 +44,15 @@ def propagation_of(
         options = [(s, pr.plan(atom, s, nd)) for s in [src, *made] if s != nd]
         return min(options, key=lambda sp: cost(sp[1]))
 
-    def box(atom, nd, where, index, out):
+    def box(atom, nd, reader, index, out):
+        """``reader``: the op (or, a str, the output) that reads ``atom`` as
+        ``nd``; named in the boxing only where one is made (most reads need
+        none, and a node's source line costs a lookup)."""
         src = rep if isinstance(atom, Const) else layout[id(atom)]
         made = boxed.setdefault(id(atom), [])
         if src == nd or nd in made:
             return
+        where = reader if isinstance(reader, str) else f"{reader.name} at {reader.source}"
         hub = before.get(id(atom))
         if hub is not None and hub != src and hub not in made and hub != nd:
             made.append(hub)
@@ -61,7 +65,7 @@ def propagation_of(
     for index, (node, (ins, outs)) in enumerate(zip(program.nodes, signatures)):
         boxings: list = []
         for atom, nd in zip(node.ins, ins):
-            box(atom, nd, f"{node.name} at {node.source}", index, boxings)
+            box(atom, nd, node, index, boxings)
         for v, nd in zip(node.outs, outs):
             layout[id(v)] = nd
         comm = op_comm(node, ins, outs, placement, pr.comms) or []

@@ -37,6 +37,7 @@ from sbpjax._errors import SBPError, SBPWarning
 from sbpjax._version import __version__
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.trace import Var
+from sbpjax.dtypes import dtype_name
 from sbpjax.sbp import format_sbp, parse_sbp
 
 SCHEMA = 1
@@ -74,7 +75,7 @@ def _program_text(program) -> list:
     where: dict = {id(v): ("arg", i) for i, v in enumerate(program.inputs)}
     # conds are numbered by a counter that runs on from one trace to the next
     cond_number: dict = {}
-    out: list = [[("in", tuple(v.shape), str(v.dtype)) for v in program.inputs]]
+    out: list = [[("in", tuple(v.shape), dtype_name(v.dtype)) for v in program.inputs]]
     for k, node in enumerate(program.nodes):
         ins = []
         for a in node.ins:
@@ -85,9 +86,9 @@ def _program_text(program) -> list:
                 ins.append(
                     ("const", value.shape, str(value.dtype), hashlib.sha256(value.tobytes()).hexdigest())
                 )
-        params = _ADDRESS.sub("", repr(sorted(node.eqn.params.items(), key=lambda kv: kv[0])))
+        params = _ADDRESS.sub("", node.params_text)
         branch = tuple((cond_number.setdefault(c, len(cond_number)), k) for c, k in node.branch)
-        outs = [(tuple(o.shape), str(o.dtype)) for o in node.outs]
+        outs = [(tuple(o.shape), dtype_name(o.dtype)) for o in node.outs]
         out.append((node.name, params, ins, outs, branch, node.region > 0))
         for j, o in enumerate(node.outs):
             where[id(o)] = ("op", k, j)
@@ -204,10 +205,15 @@ def parse_entry(record, key: str, n_ops: int) -> Entry:
     if record.get("key") != key or record.get("ops") != n_ops:
         raise SBPError("written for another program")
 
+    parsed: dict = {}  # an entry names a few layouts many times over
+
     def nd(text):
         if not isinstance(text, str):
             raise SBPError(f"{text!r} is not an nd-SBP")
-        return tuple(parse_sbp(text))
+        layout = parsed.get(text)
+        if layout is None:
+            layout = parsed[text] = tuple(parse_sbp(text))
+        return layout
 
     sigs = record.get("signatures")
     if not isinstance(sigs, list) or len(sigs) != n_ops:

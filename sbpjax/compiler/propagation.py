@@ -21,7 +21,7 @@ import numpy as np
 from sbpjax.boxing.plan import BoxingPlan
 from sbpjax.compiler.options import DEFAULT_OPTIONS
 from sbpjax.compiler.trace import Const, Node, Program, Var
-from sbpjax.dtypes import partial_supported
+from sbpjax.dtypes import dtype_name, partial_supported
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES
 from sbpjax.sbp import Broadcast, Partial, Split
@@ -219,9 +219,9 @@ def op_key(node: Node) -> tuple:
         )
         key = (
             node.name,
-            repr(sorted(node.eqn.params.items(), key=lambda kv: kv[0])),
-            tuple((tuple(a.shape), str(a.dtype)) for a in node.ins),
-            tuple((tuple(o.shape), str(o.dtype)) for o in node.outs),
+            node.params_text,
+            tuple((tuple(a.shape), dtype_name(a.dtype)) for a in node.ins),
+            tuple((tuple(o.shape), dtype_name(o.dtype)) for o in node.outs),
             consts,
         )
         node.op_key = key

@@ -92,6 +92,8 @@ def plan_switches(prop: Propagation, runs: list) -> tuple[dict, dict]:
             continue
         candidates[cond.id] = (cond, members, sel)
 
+    if not candidates:  # no cond can run as a switch: every boxing runs where its op is
+        return {}, {}
     real = set(candidates)
     while True:
         places, hoist, broken = _places(prop, real, candidates, fixed)

@@ -27,6 +27,7 @@ import numpy as np
 
 from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes
 from sbpjax.compiler.pricing import boxing_cost
+from sbpjax.dtypes import dtype_name
 
 
 class Table:
@@ -57,7 +58,7 @@ class Tables:
     def table(self, atom, src_lays, dst_lays) -> Table:
         key = (
             tuple(atom.shape),
-            str(atom.dtype),
+            dtype_name(atom.dtype),
             id(atom) in self.pr.zeros,
             tuple(src_lays),
             tuple(dst_lays),
