@@ -24,6 +24,7 @@ a plan that is not larger either way is not larger in XLA's schedule
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,7 +39,9 @@ def block_bytes(shape, dtype, nd, grid) -> int:
     uneven). A PRNG key's dtype (``key<fry>``) is no NumPy dtype but has an
     itemsize of its own."""
     size = dtype.itemsize if isinstance(getattr(dtype, "itemsize", None), int) else np.dtype(dtype).itemsize
-    return int(np.prod(local_shape(shape, nd, grid), dtype=np.int64)) * size
+    # Python's exact integers (no overflow to guard against, unlike np.prod's), and
+    # a tenth of np.prod's time: liveness sizes every value of a program each pass
+    return math.prod(int(n) for n in local_shape(shape, nd, grid)) * int(size)
 
 
 def value_bytes(var, nd, grid) -> int:

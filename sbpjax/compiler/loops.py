@@ -128,9 +128,18 @@ def shift_down(nd) -> tuple:
 
 
 def plan_runs(prop: Propagation) -> list[Run]:
-    """The runs of the program's written-out scans (see the module docstring)."""
+    """The runs of the program's written-out scans (see the module docstring);
+    found once per plan and its options (``Propagation.runs``)."""
     if not prop.options.roll_loops:  # every scan stays written out
         return []
+    if prop.runs is not None and prop.runs[0] is prop.options:
+        return prop.runs[1]
+    runs = _plan_runs(prop)
+    prop.runs = (prop.options, runs)
+    return runs
+
+
+def _plan_runs(prop: Propagation) -> list[Run]:
     prog = prop.program
     decs = prop.decisions
     index_of = {id(d.node): i for i, d in enumerate(decs)}

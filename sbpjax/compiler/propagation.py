@@ -83,6 +83,9 @@ class Propagation:
     first_versions: dict = dataclasses.field(default_factory=dict)
     # its boxings planned and compared by the ring's latency (the second solve)
     ring: bool = False
+    # (options, the rolled loops sbpjax.compiler.loops.plan_runs found): kept for the
+    # lowering and explain(), forgotten where boxings are added (add_regathers)
+    runs: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def boxings(self) -> list:

@@ -192,5 +192,6 @@ def add_regathers(prop: Propagation, mode: bool | str = True) -> None:
             prop.regather_declined = (count, *estimate, extra, with_them, limit)
             return
     prop.regathered = estimate
+    prop.runs = None  # reads outside the loops change what their stacks must hold
     for i, bs in planned.items():
         prop.decisions[i].boxings.extend(bs)

@@ -424,14 +424,14 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
-        key = _cse_key(eqn, ins)
+        texts = flat.texts.get(id(eqn))
+        if texts is None:  # kept alive by flat.texts, so the id stays its own
+            texts = flat.texts[id(eqn)] = EqnText(eqn)
+        key = _cse_key(eqn, ins, texts)
         if key is not None and key in cse:
             outs = cse[key]
         else:
             outs = [Var(tuple(v.aval.shape), _dtype(v.aval.dtype)) for v in eqn.outvars]
-            texts = flat.texts.get(id(eqn))
-            if texts is None:  # kept alive by flat.texts, so the id stays its own
-                texts = flat.texts[id(eqn)] = EqnText(eqn)
             nodes.append(Node(eqn, ins, outs, texts.source, texts=texts))
             if key is not None:
                 cse[key] = outs
@@ -548,13 +548,14 @@ def scan_operands(params, ins) -> tuple[list, list, list]:
     return ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
 
 
-def _cse_key(eqn, ins):
+def _cse_key(eqn, ins, texts):
     """Equal equations on equal inputs compute equal values; XLA merges them,
-    so the plan must too (else it would count a boxing XLA never runs)."""
+    so the plan must too (else it would count a boxing XLA never runs).
+    ``texts``: the equation's EqnText (its params' text)."""
     if getattr(eqn, "effects", None):
         return None
     try:
-        params = tuple(sorted((k, repr(v)) for k, v in eqn.params.items()))
+        params = texts.params
     except Exception:  # noqa: BLE001 - unprintable params: do not merge
         return None
     args = []
