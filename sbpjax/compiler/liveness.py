@@ -44,9 +44,20 @@ def block_bytes(shape, dtype, nd, grid) -> int:
     return math.prod(int(n) for n in local_shape(shape, nd, grid)) * int(size)
 
 
+_VALUE_BYTES: dict = {}
+
+
 def value_bytes(var, nd, grid) -> int:
-    """Bytes of one device's block of ``var`` in layout ``nd``."""
-    return block_bytes(var.shape, var.dtype, nd, grid)
+    """Bytes of one device's block of ``var`` in layout ``nd``; remembered per
+    shape, dtype, layout and grid (the liveness passes of one plan size the
+    same few blocks tens of thousands of times)."""
+    key = (var.shape, var.dtype, tuple(nd), tuple(grid))
+    hit = _VALUE_BYTES.get(key)
+    if hit is None:
+        if len(_VALUE_BYTES) >= 1 << 16:  # bounded: a long session plans many programs
+            _VALUE_BYTES.clear()
+        hit = _VALUE_BYTES[key] = block_bytes(var.shape, var.dtype, nd, grid)
+    return hit
 
 
 @dataclasses.dataclass
