@@ -339,3 +339,41 @@ def test_the_input_of_a_rolled_scan_is_its_first_residual_in_the_layout_the_body
     compiled = f.lower(W, BS, X).compile()
     assert compiled.as_text().count(" while(") == 2
     assert sum(c.bytes for c in sj.collectives(compiled)) == e.bytes
+
+
+def test_what_the_iterations_share_is_made_once_and_the_rolled_loops_once_per_plan():
+    """Plan-time memos (a plan cache hit of a 32-layer scan took twice as long
+    without them): the nodes of one body equation share one EqnText (its
+    params' text, the op keys' and the plan cache's), and plan_runs finds the
+    rolled loops once per plan and options, the same loops it finds afresh,
+    and again after add_regathers adds boxings."""
+    from sbpjax.compiler.loops import _plan_runs, plan_runs
+    from sbpjax.compiler.regather import add_regathers
+
+    step = _tanh_layers(True)
+    pl = sj.placement((2, 4), ("x", "y"))
+    f = sj.jit(step, placement=pl, in_sbp=((B, S(2)), (B, S(1)), (S(0), B)))
+    prop = f.explain(W, BS, X).propagation
+    by_eqn: dict = {}
+    for n in prop.program.nodes:
+        by_eqn.setdefault(id(n.eqn), set()).add(id(n.texts))
+        assert n.params_text == repr(sorted(n.eqn.params.items(), key=lambda kv: kv[0]))
+    assert all(len(texts) == 1 for texts in by_eqn.values())
+    assert max(sum(1 for n in prop.program.nodes if id(n.eqn) == e) for e in by_eqn) >= 6  # 6 layers
+
+    def shape(runs):
+        return [(r.first, r.last, r.positions, r.bodies) for r in runs]
+
+    runs = plan_runs(prop)
+    assert len(runs) == 2 and plan_runs(prop) is runs
+    assert shape(_plan_runs(prop)) == shape(runs)
+    prop.options = sj.CompileOptions(roll_loops=False)  # other options: found again
+    assert plan_runs(prop) == []
+    # regathers add boxings (test_regather's FSDP layers, written out: no loop holds them)
+    from test_regather import WEIGHTS, fsdp
+    from test_regather import X as RX
+
+    prop = fsdp(False).explain(WEIGHTS, RX).propagation
+    assert plan_runs(prop) == [] and prop.runs is not None
+    add_regathers(prop, True)
+    assert prop.regathered is not None and prop.runs is None  # found again when asked
