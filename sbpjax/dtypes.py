@@ -30,6 +30,8 @@ the layout is made, never a raw XLA error later.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -82,17 +84,12 @@ def dtype_class(dtype) -> str:
     return "other"
 
 
-_NAMES: dict = {}
-
-
+@functools.cache  # a handful of dtypes per process
 def dtype_name(dtype) -> str:
     """``str(dtype)``, remembered: numpy makes the name afresh on every call
     (about 25 us), and the planner names the dtype of every value of a
     program in its keys (a 32-layer step: some 40,000 times per plan)."""
-    name = _NAMES.get(dtype)
-    if name is None:
-        name = _NAMES[dtype] = str(dtype)
-    return name
+    return str(dtype)
 
 
 def partial_supported(dtype, op: str) -> bool:
