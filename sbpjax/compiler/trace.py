@@ -25,7 +25,7 @@ try:  # the public home moved across JAX versions
 except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
-from sbpjax.compiler.small_jaxprs import jaxpr_of
+from sbpjax.compiler.small_jaxprs import index_jaxpr, jaxpr_of
 
 INLINE = {
     "pjit",
@@ -444,7 +444,10 @@ def _emit(fn, atoms, nodes, cse, what=None, flat=None):
     """Append the equations of ``fn`` (a small JAX function) applied to ``atoms``;
     ``what`` names what ``fn`` computes, to make its jaxpr once per shape
     (``small_jaxprs``)."""
-    closed = jaxpr_of(what, fn, atoms)
+    return _inline_closed(jaxpr_of(what, fn, atoms), atoms, nodes, cse, flat)
+
+
+def _inline_closed(closed, atoms, nodes, cse, flat=None):
     return _inline(closed.jaxpr, list(closed.consts), list(atoms), nodes, cse, flat)
 
 
@@ -479,17 +482,7 @@ def _flatten_control(eqn, ins, nodes, cse, flat):
         loop = Loop(p["reverse"], len(consts), len(carry), list(xs), [])
         for i in reversed(range(length)) if p["reverse"] else range(length):
             sliced_from = len(nodes)
-            x_i = [
-                _emit(
-                    lambda x, i=i: jax.lax.index_in_dim(x, i, 0, keepdims=False),
-                    [x],
-                    nodes,
-                    slice_cse,
-                    what=("index_in_dim", i),
-                    flat=flat,
-                )[0]
-                for x in xs
-            ]
+            x_i = [_inline_closed(index_jaxpr(x, i), [x], nodes, slice_cse, flat)[0] for x in xs]
             start = len(nodes)
             slicing = nodes[sliced_from:start]
             ins_i = consts + carry + x_i

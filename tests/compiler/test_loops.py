@@ -320,6 +320,28 @@ def test_a_written_out_scan_traces_alike_with_its_slices_jaxprs_made_once_per_sh
     assert _program_text(again) == _program_text(fresh)
 
 
+@pytest.mark.parametrize("shape,dtype", [((6, 32), "float32"), ((5, 3, 2), "int32"), ((4,), "bfloat16")])
+def test_each_iterations_slice_is_the_jaxpr_jax_makes_and_jax_is_asked_once_per_shape(
+    monkeypatch, shape, dtype
+):
+    """small_jaxprs.index_jaxpr moves index 0's slice to each index instead of
+    tracing every index: the same equations as jax.make_jaxpr's, one trace."""
+    from sbpjax.compiler import small_jaxprs
+
+    small_jaxprs.clear()
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    expected = [
+        str(jax.make_jaxpr(lambda v, i=i: jax.lax.index_in_dim(v, i, 0, keepdims=False))(x))
+        for i in range(shape[0])
+    ]
+    traced = []
+    make_jaxpr = jax.make_jaxpr
+    monkeypatch.setattr(jax, "make_jaxpr", lambda fn: traced.append(fn) or make_jaxpr(fn))
+    got = [str(small_jaxprs.index_jaxpr(x, i)) for i in reversed(range(shape[0]))][::-1]
+    assert got == expected
+    assert len(traced) == 1
+
+
 @pytest.mark.parametrize("with_sums", [False, True], ids=["h", "h-and-sums"])
 def test_the_input_of_a_rolled_scan_is_its_first_residual_in_the_layout_the_body_splits_it(with_sums):
     """The weights of a scanned tanh layer split over y: the body makes its carry
