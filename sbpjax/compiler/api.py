@@ -22,248 +22,35 @@ from __future__ import annotations
 import functools
 import os
 import time
-import warnings
 
 import jax
 import numpy as np
-from jax.interpreters import mlir
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagation.NESTED)
 from sbpjax.compiler import lower as lowering
+from sbpjax.compiler.arguments import (
+    broadcast_spec,
+    checked_donate_argnums,
+    checked_regather,
+    checked_time_limit,
+    is_nd_sbp,
+    leaf_name,
+    leaf_paths,
+    state_sbp,
+)
+from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.planning import plan
-from sbpjax.compiler.propagation import CONSTRAIN
 from sbpjax.compiler.regather import add_regathers
 from sbpjax.compiler.trace import trace
 from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
-from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp, parse_sbp
+from sbpjax.sbp import Broadcast, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, to_global
-
-try:
-    from jax.extend.core import Primitive
-except ImportError:  # pragma: no cover
-    from jax.core import Primitive  # type: ignore[attr-defined,no-redef]
-
-# ---------------------------------------------------------------------------
-# sj.constrain: an identity primitive the propagator treats as a boxing point
-# ---------------------------------------------------------------------------
-
-constrain_p = Primitive(CONSTRAIN)
-constrain_p.def_impl(lambda x, *, sbp: x)
-constrain_p.def_abstract_eval(lambda x, *, sbp: x)
-mlir.register_lowering(constrain_p, lambda ctx, x, *, sbp: [x])
-
-
-def _constrain_jvp(primals, tangents, *, sbp):
-    (x,), (t,) = primals, tangents
-    # the layout applies to the forward value; tangents follow freely
-    return constrain_p.bind(x, sbp=sbp), t
-
-
-def _constrain_batch(args, dims, *, sbp):
-    return constrain_p.bind(args[0], sbp=sbp), dims[0]
-
-
-jax.interpreters.ad.primitive_jvps[constrain_p] = _constrain_jvp
-jax.interpreters.batching.primitive_batchers[constrain_p] = _constrain_batch
-
-
-def _as_nd(sbp) -> tuple:
-    if isinstance(sbp, str):
-        return tuple(parse_sbp(sbp))
-    if isinstance(sbp, (Split, Broadcast, Partial)):
-        return (sbp,)
-    return tuple(sbp)
-
-
-def constrain(x, sbp, grad_sbp=None):
-    """Inside a function compiled by ``sj.jit``: force ``x`` to the nd-SBP ``sbp``
-    here (a boxing point). Outside ``sj.jit`` it returns ``x`` unchanged.
-
-    The layout applies to the value only; under ``jax.grad`` its cotangent
-    takes whatever layout is cheapest. ``grad_sbp`` forces the cotangent too,
-    where the backward pass passes this point (e.g. keep the gradient of
-    class-split logits S(1) rather than letting it go through S(0)). It is a
-    separate layout because a value's natural cotangent often differs: the
-    cotangent of a B value used on split data is a partial sum."""
-    sbp = _as_nd(sbp)
-    if grad_sbp is None:
-        return constrain_p.bind(x, sbp=sbp)
-    return _constrain_both(x, sbp, _as_nd(grad_sbp))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _constrain_both(x, sbp, grad_sbp):
-    return constrain_p.bind(x, sbp=sbp)
-
-
-def _constrain_both_fwd(x, sbp, grad_sbp):
-    return constrain_p.bind(x, sbp=sbp), None
-
-
-def _constrain_both_bwd(sbp, grad_sbp, _, ct):
-    return (constrain_p.bind(ct, sbp=grad_sbp),)
-
-
-_constrain_both.defvjp(_constrain_both_fwd, _constrain_both_bwd)
-
-
-# ---------------------------------------------------------------------------
-# sj.jit
-# ---------------------------------------------------------------------------
-
-
-def is_nd_sbp(v) -> bool:
-    """True for a non-empty tuple of SBP values (an nd-SBP, a leaf of in_sbp trees)."""
-    return isinstance(v, tuple) and len(v) > 0 and all(isinstance(s, (Split, Broadcast, Partial)) for s in v)
-
-
-def _is_sbp_leaf(v) -> bool:
-    return v is None or v is AUTO or isinstance(v, (str, Split, Broadcast, Partial)) or is_nd_sbp(v)
-
-
-def state_sbp(state, param_sbp, replicated: tuple):
-    """An in_sbp/out_sbp tree for an optimizer state: every array leaf whose path
-    ends with a parameter's path (optax's ``mu``/``nu`` mirror the parameters)
-    takes that parameter's nd-SBP; scalars (step counts) and the rest take
-    ``replicated``."""
-    flat = [
-        (jax.tree_util.keystr(k), v)
-        for k, v in jax.tree_util.tree_flatten_with_path(param_sbp, is_leaf=is_nd_sbp)[0]
-    ]
-
-    def pick(path, leaf):
-        if np.ndim(leaf) > 0:
-            ks = jax.tree_util.keystr(path)
-            for pk, nd in flat:
-                if ks.endswith(pk):
-                    return nd
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(pick, state)
-
-
-def _leaf_paths(tree) -> list:
-    """Key paths of the leaves of an ((args), {kwargs}) tree structure."""
-    dummy = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
-    return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
-
-
-def _leaf_name(path) -> str:
-    """``args[0]['fc1']['kernel']`` or ``kwargs['x']``: where a leaf sits in the call."""
-    return ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
-
-
-def _one_sbp(v):
-    """``v`` as a single SBP value (an SBP, or text naming exactly one), else None."""
-    if isinstance(v, (Split, Broadcast, Partial)):
-        return v
-    if isinstance(v, str):
-        parsed = parse_sbp(v)
-        return parsed[0] if len(parsed) == 1 else None
-    return None
-
-
-def _canonical_spec(spec, ndim: int, what: str):
-    """An in_sbp / out_sbp tree with every nd-SBP written as a tuple of SBP values.
-
-    The rule (the same for SBP values and their text): a string is always one
-    whole nd-SBP ("S(0), B"); a tuple or list of single SBPs is one nd-SBP,
-    except on a 1-D placement with other than one entry, where it is one bare
-    SBP per entry of the argument tree (bare SBPs stand for nd-SBPs only on a
-    1-D placement, so the two readings never compete); any other container is
-    a tree whose entries follow the same rule."""
-    if spec is None or spec is AUTO:
-        return spec
-    if isinstance(spec, str):
-        return parse_sbp(spec)
-    if isinstance(spec, (Split, Broadcast, Partial)):
-        return (spec,)
-    if isinstance(spec, (tuple, list)):
-        single = [_one_sbp(v) for v in spec]
-        n_single = sum(s is not None for s in single)
-        if spec and n_single == len(spec):
-            if ndim == 1 and len(spec) != 1:
-                return _rebuild(spec, [(s,) for s in single])
-            return tuple(single)  # one nd-SBP (its length is checked against the placement later)
-        if n_single and ndim > 1:
-            raise SBPError(
-                f"sj.jit: {what} entry {spec!r} mixes single SBPs with nested entries on a placement with "
-                f"{ndim} axes, so it is neither one nd-SBP nor a tree of them. Give every leaf as a full "
-                f"nd-SBP ({ndim} SBPs: a tuple, or text like 'S(0), B')."
-            )
-        return _rebuild(spec, [_canonical_spec(v, ndim, what) for v in spec])
-    if isinstance(spec, dict):
-        return type(spec)((k, _canonical_spec(v, ndim, what)) for k, v in spec.items())
-    return spec  # other pytree nodes: matched against the values as they are
-
-
-def _rebuild(container, items):
-    if isinstance(container, tuple) and hasattr(container, "_fields"):  # a namedtuple
-        return type(container)(*items)
-    return type(container)(items)
-
-
-def _broadcast_spec(spec, tree, what, ndim):
-    """Expand an in_sbp / out_sbp prefix pytree to one entry per leaf of ``tree``."""
-    if spec is None:
-        return [None] * tree.num_leaves
-    spec = _canonical_spec(spec, ndim, what)
-    try:
-        return jax.tree_util.tree_flatten(
-            jax.tree_util.tree_map(
-                lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
-                spec,
-                jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves),
-                is_leaf=_is_sbp_leaf,
-            ),
-            is_leaf=_is_sbp_leaf,
-        )[0]
-    except (ValueError, TypeError) as e:
-        raise SBPError(
-            f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
-            "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
-            "in_sbp=((S(0), B), None)."
-        ) from None
-
-
-def checked_time_limit(value, where: str) -> None:
-    """Check a ``solve_time_limit`` (an SBPError naming ``where`` for a bool,
-    a string, zero or a negative number) and warn that it no longer decides
-    anything: the layout choice is bounded by ``CompileOptions.effort``, a
-    count of work, so that a plan never depends on the clock."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
-        raise SBPError(f"{where}: solve_time_limit must be a positive number of seconds, got {value!r}.")
-    warnings.warn(
-        f"{where}: solve_time_limit is ignored: plans no longer depend on the clock. The solver's work "
-        "is bounded by sj.CompileOptions(effort=...); pass options= instead.",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-def checked_regather(value, where: str):
-    """``value`` as a ``regather`` setting (True, False or "auto"), or an
-    SBPError naming ``where``."""
-    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
-        return value
-    raise SBPError(f"{where}: regather must be True, False or 'auto', got {value!r}.")
-
-
-def _donate_argnums(v) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    nums = (v,) if isinstance(v, int) else tuple(v)
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
-        raise SBPError(f"sj.jit: donate_argnums must be non-negative ints (positional arguments), got {v!r}.")
-    return tuple(sorted(set(nums)))
 
 
 def _is_deleted(x) -> bool:
@@ -306,7 +93,7 @@ class CompiledFunction:
                 f"(${PLAN_CACHE_ENV}, else the user's cache directory), got {plan_cache!r}."
             )
         self.plan_cache = plan_cache
-        self.donate_argnums = _donate_argnums(donate_argnums)
+        self.donate_argnums = checked_donate_argnums(donate_argnums)
         self.auto = bool(auto)
         if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):
             raise SBPError(
@@ -324,7 +111,7 @@ class CompiledFunction:
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_gt)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_gt)
         # keyword arguments: as given, or B
-        specs = _broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
+        specs = broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
         n_positional = len(specs)
         specs += [None] * (len(leaves) - len(specs))
         # only a placement over every process can be checked with an all-gather
@@ -345,7 +132,7 @@ class CompiledFunction:
             if isinstance(leaf, GlobalTensor):
                 if _is_deleted(leaf.physical):
                     raise SBPError(
-                        f"sj.jit: argument {_leaf_name(_leaf_paths(tree)[k])} {shape} was donated to an "
+                        f"sj.jit: argument {leaf_name(leaf_paths(tree)[k])} {shape} was donated to an "
                         "earlier call (donate_argnums: its buffer now holds that call's result) and "
                         "cannot be used again; pass that call's result instead."
                     )
@@ -381,7 +168,7 @@ class CompiledFunction:
         t_traced = time.perf_counter()
         out_specs = None
         if self.out_sbp is not None:
-            raw = _broadcast_spec(self.out_sbp, program.out_tree, "out_sbp", self.placement.ndim)
+            raw = broadcast_spec(self.out_sbp, program.out_tree, "out_sbp", self.placement.ndim)
             if any(s is AUTO for s in raw):
                 raise SBPError(
                     "sj.jit: out_sbp leaves cannot be sj.AUTO: a result without out_sbp (None) takes the "
@@ -408,7 +195,7 @@ class CompiledFunction:
             ties=self._ties(gts, tree, program, out_specs),
             memory_budget=self.memory_budget,
             same_layout=self._mirrors(gts, tree),
-            arg_names=[_leaf_name(p) for p in _leaf_paths(tree)],
+            arg_names=[leaf_name(p) for p in leaf_paths(tree)],
             cache=self.plan_cache,
         )
         if self.regather:
@@ -452,7 +239,7 @@ class CompiledFunction:
         optimizer-state sharding), and the pairs say which arguments are
         optimizer state (``choose`` holds the plan to ZeRO's hand-written
         layouts: ``sbpjax.compiler.hand_layouts``)."""
-        paths = _leaf_paths(tree)
+        paths = leaf_paths(tree)
         auto = [k for k, t in enumerate(gts) if t.sbp is AUTO and paths[k][0].idx == 0 and len(paths[k]) > 2]
         out: dict = {}
         for k in auto:
@@ -583,7 +370,7 @@ def _check_same_call_in_every_process(tree, leaves) -> None:
     every = np.asarray(multihost_utils.process_allgather(mine))
     differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
     if differ:
-        what = ", ".join(f"{_leaf_name(path)} {d}" for path, d in zip(_leaf_paths(tree), desc))
+        what = ", ".join(f"{leaf_name(path)} {d}" for path, d in zip(leaf_paths(tree), desc))
         raise SBPError(
             f"sj.jit: process(es) {differ} called this function with other argument shapes, dtypes or "
             f"layouts than process 0 (this is process {jax.process_index()}: {what}). Every process must "

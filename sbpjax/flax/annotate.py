@@ -34,7 +34,7 @@ import jax
 from flax import nnx
 
 from sbpjax._errors import SBPError
-from sbpjax.compiler.api import constrain
+from sbpjax.compiler.constrain import constrain
 from sbpjax.flax.partitioning import sbp_from_metadata
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp, parse_sbp

@@ -34,7 +34,8 @@ from jax.sharding import NamedSharding
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
-from sbpjax.compiler.api import checked_regather, checked_time_limit, constrain, is_nd_sbp, jit, state_sbp
+from sbpjax.compiler.api import constrain, jit
+from sbpjax.compiler.arguments import checked_regather, checked_time_limit, is_nd_sbp, state_sbp
 from sbpjax.compiler.options import checked_options
 from sbpjax.dtypes import canonical_dtype
 from sbpjax.flax.annotate import get_sbp

@@ -35,7 +35,7 @@ import optax
 
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
-from sbpjax.compiler.api import is_nd_sbp
+from sbpjax.compiler.arguments import is_nd_sbp
 from sbpjax.flax.train import zero_layout
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
 from sbpjax.pipeline.budget import check_budget

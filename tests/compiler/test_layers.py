@@ -16,7 +16,7 @@ from conftest import gspmd_bytes
 from models import adamw, check_train, gpt_loss, gpt_params, gpt_sbp, state_sbp, train_step
 
 import sbpjax as sj
-from sbpjax.compiler.api import _leaf_name, _leaf_paths
+from sbpjax.compiler.arguments import leaf_name, leaf_paths
 from sbpjax.compiler.classes import arg_class, layer_classes
 from sbpjax.compiler.pricing import price
 from sbpjax.compiler.trace import trace
@@ -42,7 +42,7 @@ def test_the_ops_of_alike_layers_fall_into_shared_classes():
     leaves, tree = jax.tree_util.tree_flatten((args, {}))
     avals = [jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for v in leaves]
     program = trace(jax.grad(loss), avals, tree)
-    names = [_leaf_name(p) for p in _leaf_paths(tree)]
+    names = [leaf_name(p) for p in leaf_paths(tree)]
     classes = layer_classes(program, names)
     members = collections.defaultdict(list)
     for node, c in zip(program.nodes, classes):

@@ -1,0 +1,179 @@
+"""How ``sj.jit`` reads its arguments' settings: ``in_sbp`` / ``out_sbp``
+pytrees expanded to one nd-SBP per leaf (one rule for SBP values and their
+text, see :func:`_canonical_spec`), optimizer-state layouts that mirror the
+parameters' (:func:`state_sbp`), where a leaf sits in the call, and the
+checks of ``donate_argnums``, ``regather`` and the retired
+``solve_time_limit``. Shared by ``sj.jit`` and the Flax trainer
+(:mod:`sbpjax.flax.train`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import numpy as np
+
+from sbpjax._errors import SBPError
+from sbpjax.compiler.domains import AUTO
+from sbpjax.sbp import Broadcast, Partial, Split, parse_sbp
+
+
+def is_nd_sbp(v) -> bool:
+    """True for a non-empty tuple of SBP values (an nd-SBP, a leaf of in_sbp trees)."""
+    return isinstance(v, tuple) and len(v) > 0 and all(isinstance(s, (Split, Broadcast, Partial)) for s in v)
+
+
+def _is_sbp_leaf(v) -> bool:
+    return v is None or v is AUTO or isinstance(v, (str, Split, Broadcast, Partial)) or is_nd_sbp(v)
+
+
+def state_sbp(state, param_sbp, replicated: tuple):
+    """An in_sbp/out_sbp tree for an optimizer state: every array leaf whose path
+    ends with a parameter's path (optax's ``mu``/``nu`` mirror the parameters)
+    takes that parameter's nd-SBP; scalars (step counts) and the rest take
+    ``replicated``."""
+    flat = [
+        (jax.tree_util.keystr(k), v)
+        for k, v in jax.tree_util.tree_flatten_with_path(param_sbp, is_leaf=is_nd_sbp)[0]
+    ]
+
+    def pick(path, leaf):
+        if np.ndim(leaf) > 0:
+            ks = jax.tree_util.keystr(path)
+            for pk, nd in flat:
+                if ks.endswith(pk):
+                    return nd
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, state)
+
+
+def leaf_paths(tree) -> list:
+    """Key paths of the leaves of an ((args), {kwargs}) tree structure."""
+    dummy = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
+    return [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+
+
+def leaf_name(path) -> str:
+    """``args[0]['fc1']['kernel']`` or ``kwargs['x']``: where a leaf sits in the call."""
+    return ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+
+
+def _one_sbp(v):
+    """``v`` as a single SBP value (an SBP, or text naming exactly one), else None."""
+    if isinstance(v, (Split, Broadcast, Partial)):
+        return v
+    if isinstance(v, str):
+        parsed = parse_sbp(v)
+        return parsed[0] if len(parsed) == 1 else None
+    return None
+
+
+def _canonical_spec(spec, ndim: int, what: str):
+    """An in_sbp / out_sbp tree with every nd-SBP written as a tuple of SBP values.
+
+    The rule (the same for SBP values and their text): a string is always one
+    whole nd-SBP ("S(0), B"); a tuple or list of single SBPs is one nd-SBP,
+    except on a 1-D placement with other than one entry, where it is one bare
+    SBP per entry of the argument tree (bare SBPs stand for nd-SBPs only on a
+    1-D placement, so the two readings never compete); any other container is
+    a tree whose entries follow the same rule."""
+    if spec is None or spec is AUTO:
+        return spec
+    if isinstance(spec, str):
+        return parse_sbp(spec)
+    if isinstance(spec, (Split, Broadcast, Partial)):
+        return (spec,)
+    if isinstance(spec, (tuple, list)):
+        single = [_one_sbp(v) for v in spec]
+        n_single = sum(s is not None for s in single)
+        if spec and n_single == len(spec):
+            if ndim == 1 and len(spec) != 1:
+                return _rebuild(spec, [(s,) for s in single])
+            return tuple(single)  # one nd-SBP (its length is checked against the placement later)
+        if n_single and ndim > 1:
+            raise SBPError(
+                f"sj.jit: {what} entry {spec!r} mixes single SBPs with nested entries on a placement with "
+                f"{ndim} axes, so it is neither one nd-SBP nor a tree of them. Give every leaf as a full "
+                f"nd-SBP ({ndim} SBPs: a tuple, or text like 'S(0), B')."
+            )
+        return _rebuild(spec, [_canonical_spec(v, ndim, what) for v in spec])
+    if isinstance(spec, dict):
+        return type(spec)((k, _canonical_spec(v, ndim, what)) for k, v in spec.items())
+    return spec  # other pytree nodes: matched against the values as they are
+
+
+def _rebuild(container, items):
+    if isinstance(container, tuple) and hasattr(container, "_fields"):  # a namedtuple
+        return type(container)(*items)
+    return type(container)(items)
+
+
+def broadcast_spec(spec, tree, what, ndim):
+    """Expand an in_sbp / out_sbp prefix pytree to one entry per leaf of ``tree``."""
+    if spec is None:
+        return [None] * tree.num_leaves
+    spec = _canonical_spec(spec, ndim, what)
+    try:
+        return jax.tree_util.tree_flatten(
+            jax.tree_util.tree_map(
+                lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
+                spec,
+                jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves),
+                is_leaf=_is_sbp_leaf,
+            ),
+            is_leaf=_is_sbp_leaf,
+        )[0]
+    except (ValueError, TypeError) as e:
+        raise SBPError(
+            f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
+            "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
+            "in_sbp=((S(0), B), None)."
+        ) from None
+
+
+def checked_time_limit(value, where: str) -> None:
+    """Check a ``solve_time_limit`` (an SBPError naming ``where`` for a bool,
+    a string, zero or a negative number) and warn that it no longer decides
+    anything: the layout choice is bounded by ``CompileOptions.effort``, a
+    count of work, so that a plan never depends on the clock."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+        raise SBPError(f"{where}: solve_time_limit must be a positive number of seconds, got {value!r}.")
+    warnings.warn(
+        f"{where}: solve_time_limit is ignored: plans no longer depend on the clock. The solver's work "
+        "is bounded by sj.CompileOptions(effort=...); pass options= instead.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def checked_regather(value, where: str):
+    """``value`` as a ``regather`` setting (True, False or "auto"), or an
+    SBPError naming ``where``."""
+    if isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
+        return value
+    raise SBPError(f"{where}: regather must be True, False or 'auto', got {value!r}.")
+
+
+def checked_donate_argnums(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    nums = (v,) if isinstance(v, int) else tuple(v)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in nums):
+        raise SBPError(f"sj.jit: donate_argnums must be non-negative ints (positional arguments), got {v!r}.")
+    return tuple(sorted(set(nums)))
+
+
+__all__ = [
+    "is_nd_sbp",
+    "state_sbp",
+    "leaf_paths",
+    "leaf_name",
+    "broadcast_spec",
+    "checked_time_limit",
+    "checked_regather",
+    "checked_donate_argnums",
+]
