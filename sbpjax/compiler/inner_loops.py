@@ -66,7 +66,7 @@ from jax import lax
 
 from sbpjax.compiler import lower
 from sbpjax.compiler.choose import choose
-from sbpjax.compiler.loops import shift_down, shift_up
+from sbpjax.compiler.loop_exits import shift_down, shift_up
 from sbpjax.compiler.propagation import NESTED, Nested, Propagation, even_on
 from sbpjax.compiler.trace import Node, scan_operands, trace
 from sbpjax.rules import Comm

@@ -36,7 +36,7 @@ compiled program's (XLA's trip count multiplies the body's collectives, see
   (*hoisted*), as the written-out program runs them once, at first use.
 
 Values made in the run and used after it (``ys``, the last carry, residuals
-for the backward pass) leave the loop one slice per iteration, written
+for the backward pass; :mod:`sbpjax.compiler.loop_exits`) leave the loop one slice per iteration, written
 straight into the stack the program builds of them, or as the final state. A
 stack of slices boxed as a whole after the loop (per-layer gradients summed
 over the data axis) is boxed slice by slice inside it, as GSPMD does, with
@@ -51,9 +51,17 @@ from __future__ import annotations
 import dataclasses
 import types
 
+from sbpjax.compiler.loop_exits import (
+    boxed_after,
+    carry_input,
+    direct_stacks,
+    escapes_read_after,
+    pushed_boxings,
+    shift_up,
+)
 from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.trace import Const, Loop
-from sbpjax.sbp import Broadcast, Split
+from sbpjax.sbp import Broadcast
 
 OUTER = "outer"
 
@@ -115,16 +123,6 @@ class Run:
     def indices(self) -> list:
         """The loop indices of the rolled iterations, ascending."""
         return sorted(self.loop.iterations[q].index for q in self.positions)
-
-
-def shift_up(nd) -> tuple:
-    """The layout of a stack of values laid out ``nd``: a new, unsplit dim 0."""
-    return tuple(Split(s.dim + 1) if isinstance(s, Split) else s for s in nd)
-
-
-def shift_down(nd) -> tuple:
-    """The layout of one value of a stack laid out ``nd`` (dim 0 unsplit)."""
-    return tuple(Split(s.dim - 1) if isinstance(s, Split) else s for s in nd)
 
 
 def plan_runs(prop: Propagation) -> list[Run]:
@@ -271,7 +269,7 @@ def _signature(prop, loop, it, body):
         boxings = []
         for b in d.boxings:
             r = role(b.var)
-            if _carry_input(loop, r) is not None:
+            if carry_input(loop, r) is not None:
                 carried.append((p, r[1], b.src, b.dst))
             elif r[0] != OUTER:
                 boxings.append((r, b.src, b.dst))
@@ -334,21 +332,13 @@ def _grow(prop, loop, bodies, q0, ctx) -> Run | None:
     return None
 
 
-def _carry_input(loop, r) -> int | None:
-    """The iteration's input index of the carry whose role (``_roles``) is
-    ``r``: the carry as it came into the iteration; None for any other value."""
-    if r[0] == "in" and loop.n_consts <= r[1] < loop.n_consts + loop.n_carry:
-        return r[1]
-    return None
-
-
 def _carry_boxings(prop, loop, it, body) -> list:
     """(carry, Boxing) of the iteration's boxings of the carries it reads."""
     role, _ = _roles(prop, loop, it, body)
     found = []
     for i in body:
         for b in prop.decisions[i].boxings:
-            k = _carry_input(loop, role(b.var))
+            k = carry_input(loop, role(b.var))
             if k is not None:
                 found.append((k - loop.n_consts, b))
     return found
@@ -358,26 +348,75 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
     """The run of these iterations, or None where the body cannot read its
     carries and slices from a loop's state."""
     decs = prop.decisions
-    producer, available = ctx.producer, ctx.available
     its = [loop.iterations[q] for q in positions]
     t, tbody = its[0], bodies[positions[0]]
-    nc, ncarry = loop.n_consts, loop.n_carry
+    nc = loop.n_consts
     role, pos = _roles(prop, loop, t, tbody)
     first, last = tbody[0], bodies[positions[-1]][-1]
-    covered = set(range(first, last + 1))
     in_run = {i for q in positions for i in bodies[q]}
+    between = sorted(set(range(first, last + 1)) - in_run)
+    made, needs = _template_layouts(decs, tbody, role, entry)
+    found = _carries(loop, t, role, made, needs, rotated, entry, ctx.available, first)
+    if found is None:
+        return None
+    carries, entering = found
+    done = _done(prop, loop, bodies, positions, ctx, rotated, after, last) if rotated else []
+    xs = _slices(prop, loop, its, role, needs, ctx, first, between)
+    if done is None or xs is None or not _slicing_reads_before(decs, loop, ctx.producer, first, between):
+        return None
+    # values made in the run and read after it: what the bodies compute, and the
+    # layouts their boxings give the carries and slices they read (the written-out
+    # program boxes those once, and code after the loop reads them too)
+    for c, layouts in carries:  # a carry comes in in each layout of the state
+        made.setdefault(("in", nc + c), set()).update(layouts)
+    escapes = []
+    for key, layouts in made.items():
+        if key[0] == "made":
+            vs = [decs[bodies[q][key[1]]].node.outs[key[2]] for q in positions]
+        else:
+            vs = [it.ins[key[1]] for it in its]
+        escapes.append((key, sorted(layouts, key=repr), vs))
+    hoisted = list(entry)
+    for q in positions:
+        role_q, _ = _roles(prop, loop, loop.iterations[q], bodies[q])
+        hoisted += [b for i in bodies[q] for b in decs[i].boxings if role_q(b.var)[0] == OUTER]
+    stacks, dropped = direct_stacks(prop, loop, its, role, escapes, ctx, entering)
+    pushed = pushed_boxings(ctx, stacks, escapes)
+    carry_out = {("made", *pos[id(t.outs[c])]) for c, _ in carries}
+    escapes, last_only = escapes_read_after(ctx, escapes, stacks, pushed, dropped, carry_out, len(its), last)
+    return Run(
+        loop,
+        positions,
+        [bodies[q] for q in positions],
+        first,
+        last,
+        hoisted,
+        xs,
+        carries,
+        rotated,
+        escapes,
+        last_only,
+        stacks,
+        dropped,
+        between,
+        pushed,
+        done,
+    )
 
-    # what the template makes, in each layout, and which carry layouts it reads before making them
+
+def _template_layouts(decs, tbody, role, entry) -> tuple[dict, dict]:
+    """What the template makes, in each layout (role -> layouts), and which
+    layouts of its inputs it reads before making them (input index -> layouts)."""
     made: dict = {}
     needs: dict = {}
+
+    def read(a, nd):
+        r = role(a)
+        if r[0] == "in" and nd not in made.get(r, set()):
+            needs.setdefault(r[1], set()).add(nd)
+
     for p, i in enumerate(tbody):
         d = decs[i]
-
-        def read(a, nd):
-            r = role(a)
-            if r[0] == "in" and nd not in made.get(r, set()):
-                needs.setdefault(r[1], set()).add(nd)
-
         for b in d.boxings:
             if any(b is e for e in entry):
                 continue  # runs before the loop
@@ -391,11 +430,18 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
             read(a, nd)
         for o, nd in enumerate(d.out_sbp):
             made.setdefault(("made", p, o), set()).add(nd)
+    return made, needs
 
-    # carries: made in the body, read from the state in layouts the body makes
-    carries = []
-    entering: dict = {}  # carry input -> the layouts the first iteration's carry has
-    for c in range(ncarry):
+
+def _carries(loop, t, role, made, needs, rotated, entry, available, first):
+    """``(carries, entering)``: (carry, layouts) of the carries the body makes
+    and reads from the loop's state, and per carry input the layouts the first
+    iteration's carry comes in; or None where the body reads a carry in a
+    layout neither it nor the code before the loop makes. Adds the rotated
+    boxings' layouts to ``made``."""
+    nc = loop.n_consts
+    carries, entering = [], {}
+    for c in range(loop.n_carry):
         out = role(t.outs[c])
         k = nc + c
         if (out[0] == OUTER and t.outs[c] is t.ins[k]) or out[0] == "dead":
@@ -420,43 +466,52 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
             return None
         entering[k] = ready
         carries.append((c, sorted(layouts, key=repr)))
-    if rotated:
-        # the last iteration boxes its carry for a next one: the iteration after
-        # the run must box it so too (it then finds it boxed), or the code after
-        # the loop; else the last iteration is peeled
-        # (layouts have no order: two carries boxed alike tie on the index)
-        moved = sorted(((nc + c, b.src, b.dst) for c, b in rotated), key=repr)
-        if after is not None:
-            if sorted((a[1:] for a in after), key=repr) != moved:
-                return None
-            q = positions[-1] + 1
-            done = [b for _, b in _carry_boxings(prop, loop, loop.iterations[q], bodies[q])]
-        elif not _boxed_after(ctx, [(its[-1].outs[c], b.dst) for c, b in rotated], last):
-            return None
-        else:
-            wanted = {(id(its[-1].outs[c]), b.dst) for c, b in rotated}
-            done = [
-                b
-                for c, _ in rotated
-                for i, b in ctx.boxings_of.get(id(its[-1].outs[c]), ())
-                if (i == -1 or i > last) and (id(b.var), b.dst) in wanted
-            ]
-    else:
-        done = []
-    for k in needs:
-        if k >= nc + ncarry:
-            continue
-        if k - nc not in {c for c, _ in carries}:
-            return None
+    kept = {c for c, _ in carries}
+    if any(k < nc + loop.n_carry and k - nc not in kept for k in needs):
+        return None
+    return carries, entering
 
-    # slices: x[i] in its slicing's layout is the slice of the stacked operand's
-    # local piece; in a layout code before the loop boxed it to, it is that value
-    # (see the module docstring). The code between the bodies (the later
-    # iterations' slicing, and its boxings) runs before the loop too.
-    between = covered - in_run
+
+def _done(prop, loop, bodies, positions, ctx, rotated, after, last) -> list | None:
+    """The boxings after the run that the loop's last rotated boxing made
+    (``Run.done``), or None where the last iteration must be peeled: it boxes
+    its carry for a next one, so the iteration after the run must box it so
+    too (it then finds it boxed), or the code after the loop."""
+    its_last = loop.iterations[positions[-1]]
+    nc = loop.n_consts
+    # (layouts have no order: two carries boxed alike tie on the index)
+    moved = sorted(((nc + c, b.src, b.dst) for c, b in rotated), key=repr)
+    if after is not None:
+        if sorted((a[1:] for a in after), key=repr) != moved:
+            return None
+        q = positions[-1] + 1
+        return [b for _, b in _carry_boxings(prop, loop, loop.iterations[q], bodies[q])]
+    if not boxed_after(ctx, [(its_last.outs[c], b.dst) for c, b in rotated], last):
+        return None
+    wanted = {(id(its_last.outs[c]), b.dst) for c, b in rotated}
+    return [
+        b
+        for c, _ in rotated
+        for i, b in ctx.boxings_of.get(id(its_last.outs[c]), ())
+        if (i == -1 or i > last) and (id(b.var), b.dst) in wanted
+    ]
+
+
+def _slices(prop, loop, its, role, needs, ctx, first, between) -> list | None:
+    """``Run.xs``, or None where a slice is in a layout the loop cannot index.
+
+    x[i] in its slicing's layout is the slice of the stacked operand's local
+    piece; in a layout code before the loop boxed it to, it is that value (see
+    the module docstring). The code between the bodies (the later iterations'
+    slicing, and its boxings) runs before the loop too."""
+    decs, producer, available = prop.decisions, ctx.producer, ctx.available
+    nc, ncarry = loop.n_consts, loop.n_carry
+    t = its[0]
+
+    between_ = set(between)
 
     def before_loop(v) -> set:
-        return available(v, first) | {nd for i, nd in ctx.made_at.get(id(v), ()) if i in between}
+        return available(v, first) | {nd for i, nd in ctx.made_at.get(id(v), ()) if i in between_}
 
     xs = []
     for j, x in enumerate(loop.xs):
@@ -482,26 +537,16 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
                 xs.append((k, nd, None))
             else:
                 return None
+    return xs
 
-    # values made in the run and read after it: what the bodies compute, and the
-    # layouts their boxings give the carries and slices they read (the written-out
-    # program boxes those once, and code after the loop reads them too)
-    for c, layouts in carries:  # a carry comes in in each layout of the state
-        made.setdefault(("in", nc + c), set()).update(layouts)
-    escapes = []
-    for key, layouts in made.items():
-        if key[0] == "made":
-            _, p, o = key
-            vs = [decs[bodies[q][p]].node.outs[o] for q in positions]
-        else:
-            vs = [it.ins[key[1]] for it in its]
-        escapes.append((key, sorted(layouts, key=repr), vs))
-    # the code between the bodies slices the stacked operands for later
-    # iterations (and may serve code after the loop: equal slices merge): it runs
-    # before the loop, so it must read nothing the run makes
+
+def _slicing_reads_before(decs, loop, producer, first, between) -> bool:
+    """Whether the code between the bodies (slicing the stacked operands for
+    later iterations; it may serve code after the loop: equal slices merge)
+    reads nothing the run makes: it runs before the loop."""
     slice_made: set = set()
     xs_ids = {id(x) for x in loop.xs}
-    for i in sorted(covered - in_run):
+    for i in between:
         if not all(
             isinstance(a, Const)
             or id(a) in xs_ids
@@ -510,168 +555,6 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
             or producer[id(a)][0] < first
             for a in decs[i].node.ins
         ):
-            return None
+            return False
         slice_made.update(id(v) for v in decs[i].node.outs)
-
-    hoisted = list(entry)
-    for q in positions:
-        role_q, _ = _roles(prop, loop, loop.iterations[q], bodies[q])
-        hoisted += [b for i in bodies[q] for b in decs[i].boxings if role_q(b.var)[0] == OUTER]
-    stacks, dropped = _direct_stacks(prop, loop, its, role, escapes, ctx, entering)
-    pushed = _pushed_boxings(ctx, stacks, escapes)
-    # what leaves the loop: values read after it (other than by the stacks it fills)
-    carry_out = {("made", *pos[id(t.outs[c])]) for c, _ in carries}
-    feeds = {key for _, key, _, _, _ in stacks}
-    kept, last_only = [], set()
-    fed = {(key, nd) for _, key, nd, _, _ in stacks}
-    for key, layouts, vs in escapes:
-        after = [
-            {nd for i, nd in ctx.reads.get(id(v), ()) if i == -1 or (i > last and i not in dropped)}
-            for v in vs
-        ]
-        # a stack whose boxing runs inside the loop takes the boxed slices instead
-        fed_here = {nd for _, k2, nd, _, _ in stacks if k2 == key}
-        if fed_here and all((key, nd) in pushed for nd in fed_here) and not any(after):
-            layouts = [nd for nd in layouts if (key, nd) in pushed]
-            kept.append((key, layouts, vs))
-            continue
-        used = [m for m, a in enumerate(after) if a]
-        layouts = [nd for nd in layouts if (key, nd) in fed or any(nd in a for a in after)]
-        if not layouts:
-            continue
-        kept.append((key, layouts, vs))
-        if used == [len(its) - 1] and key in carry_out and key not in feeds:
-            last_only.add(key)
-    escapes = kept
-    return Run(
-        loop,
-        positions,
-        [bodies[q] for q in positions],
-        first,
-        last,
-        hoisted,
-        xs,
-        carries,
-        rotated,
-        escapes,
-        last_only,
-        stacks,
-        dropped,
-        sorted(covered - in_run),
-        pushed,
-        done,
-    )
-
-
-def _pushed_boxings(ctx, stacks, escapes) -> dict:
-    """The boxings of whole stacks that run slice by slice inside the loop.
-
-    A stack of the loop's slices boxed as a whole after it (the gradients of
-    stacked layers, summed over the data axis once the backward loop is done)
-    holds every slice in the source layout until then; boxed in the loop, each
-    slice is written to the stack in its final layout (as GSPMD reduces a
-    scanned layer's gradient in the loop body), with the same bytes: the
-    boxing's collectives act on every slice alike, so their bytes add up (the
-    plan's bytes are checked to). Only where the stack has no other use, its
-    boxing leaves the stacked dim whole (slices of iterations outside the run
-    are boxed alike before they are written to it)."""
-    from sbpjax.boxing.plan import plan_boxing
-
-    template = {key: vs[0] for key, _, vs in escapes}
-    out: dict = {}
-    for var, key, nd, _, _ in stacks:
-        boxes = ctx.boxings_of.get(id(var), [])
-        if len(boxes) != 1:
-            continue
-        _, b = boxes[0]
-        whole = shift_up(nd)
-        if tuple(b.src) != whole or any(isinstance(s, Split) and s.dim == 0 for s in b.dst):
-            continue
-        if any(nd2 != tuple(b.src) and nd2 != tuple(b.dst) for _, nd2 in ctx.reads.get(id(var), ())):
-            continue
-        dst = shift_down(b.dst)
-        y = template[key]
-        plan = plan_boxing(y.shape, y.dtype, ctx.placement, nd, dst)
-        if plan.bytes * var.shape[0] != b.bytes:
-            continue
-        out[(key, nd)] = (b, plan, dst)
-    return out
-
-
-def _boxed_after(ctx, wanted, last) -> bool:
-    """Whether code after decision ``last`` boxes each (value, layout) itself."""
-    return all(any(i > last and nd == want for i, nd in ctx.made_at.get(id(v), ())) for v, want in wanted)
-
-
-def _direct_stacks(prop, loop, its, role, escapes, ctx, entering):
-    """The stacks of ``ys`` (``jnp.stack`` of the slices: jax's stack op, or one
-    expand-dims per slice and a concatenate) whose slices the rolled iterations
-    make in the layout the stack reads, so the lowering writes the loop's
-    slices straight into the stack (and those of iterations outside the run
-    into it after them) instead of concatenating the slices again, a copy of
-    every residual. Returns ``(stacks, dropped)``: (stacked Var, template
-    position, output, slice layout, [(index, slice Var) of the other
-    iterations], index of the stacking decision) per such stack, and the
-    decision indices of the ops it replaces. A stack of the carry as it comes
-    into each iteration is filled by the loop only in a layout the first
-    iteration's carry has (``entering``): in another, the loop's state holds a
-    placeholder there (``lower.roll``), and the stack boxes that carry itself."""
-    decs, producer = prop.decisions, ctx.producer
-    escaped = {key: layouts for key, layouts, _ in escapes}
-    rolled = {it.index for it in its}
-    by_index = {it.index: it for it in loop.iterations}
-    stacks, dropped = [], set()
-    n_carry = loop.n_carry
-    n = len(loop.iterations)
-    for k, var in enumerate(loop.stacked):
-        r = role(its[0].outs[n_carry + k])
-        where = producer.get(id(var))
-        if r not in escaped or where is None or sorted(by_index) != list(range(n)):
-            continue
-        c_in = _carry_input(loop, r)
-        came_in = None if c_in is None else entering.get(c_in, set())
-        cat = decs[where[0]]
-        if cat.boxings or len(cat.node.ins) != n:
-            continue
-        whole = tuple(cat.out_sbp[0])
-        ys = [by_index[m].outs[n_carry + k] for m in range(n)]
-        missing = [(m, ys[m]) for m in range(n) if m not in rolled]
-        if all(a is y for a, y in zip(cat.node.ins, ys)):
-            # one op stacks the slices (jax's stack primitive)
-            nd = tuple(cat.in_sbp[0])
-            if (
-                all(tuple(s) == nd for s in cat.in_sbp)
-                and shift_up(nd) == whole
-                and nd in escaped[r]
-                and (came_in is None or nd in came_in)
-            ):
-                stacks.append((var, r, nd, missing, where[0]))
-                dropped.add(where[0])
-            continue
-        if cat.node.name != "concatenate":
-            continue
-        # expand_dims of each slice, then a concatenate (jnp.stack where jax has no stack op)
-        ops, ok, nd = [where[0]], True, None
-        for m, e in enumerate(cat.node.ins):
-            at = producer.get(id(e))
-            readers = {i for i, _ in ctx.reads.get(id(e), ())}
-            if at is None or tuple(cat.in_sbp[m]) != whole or readers != {where[0]}:
-                ok = False
-                break
-            ex = decs[at[0]]
-            nd = tuple(ex.in_sbp[0]) if ex.node.ins else None
-            if (
-                len(ex.node.ins) != 1
-                or ex.node.ins[0] is not ys[m]
-                or ex.boxings
-                or shift_up(nd) != whole
-                or tuple(ex.out_sbp[0]) != whole
-                or nd not in escaped[r]
-            ):
-                ok = False
-                break
-            ops.append(at[0])
-        if ok and (came_in is None or nd in came_in):
-            stacks.append((var, r, nd, missing, where[0]))
-            dropped.update(ops)
-    return stacks, dropped
+    return True

@@ -20,7 +20,8 @@ from sbpjax.boxing.lower import group_index, run_plan
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler import uneven
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
-from sbpjax.compiler.loops import plan_runs, shift_up
+from sbpjax.compiler.loop_exits import shift_up
+from sbpjax.compiler.loops import plan_runs
 from sbpjax.compiler.propagation import CONSTRAIN, NESTED, Propagation
 from sbpjax.compiler.switches import plan_switches
 from sbpjax.compiler.trace import Const, Var
