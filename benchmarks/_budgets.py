@@ -18,6 +18,7 @@ import time
 import jax
 import numpy as np
 import optax
+from _specs import spec_of
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
@@ -61,14 +62,6 @@ def _split8(leaf):
     return (B, B)
 
 
-def _spec(nd, pl):
-    dims: dict = {}
-    for axis, s in zip(pl.axis_names, nd):
-        if isinstance(s, sj.Split):
-            dims.setdefault(s.dim, []).append(axis)
-    return PS(*(tuple(dims[k]) if k in dims else None for k in range(max(dims, default=-1) + 1)))
-
-
 def _held(compiled) -> int:
     m = compiled.memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
@@ -96,7 +89,9 @@ def _by_hand(step, args, pl) -> list[dict]:
         compiled = f.lower(*args).compile()
 
         def shard(tree):
-            return jax.tree.map(lambda nd: NamedSharding(pl.mesh, _spec(nd, pl)), tree, is_leaf=is_nd_sbp)
+            return jax.tree.map(
+                lambda nd: NamedSharding(pl.mesh, spec_of(nd, None, pl)), tree, is_leaf=is_nd_sbp
+            )
 
         batch = NamedSharding(pl.mesh, PS("x"))
         gspmd = jax.jit(

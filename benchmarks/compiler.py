@@ -64,16 +64,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from _budgets import budget_section  # noqa: E402
+from _specs import spec_of  # noqa: E402 (the other benchmarks import it from here)
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PS
 from tqdm import tqdm  # noqa: E402
 
 import sbpjax as sj  # noqa: E402
-from sbpjax.boxing.plan import clear_caches, normalized_layout  # noqa: E402
+from sbpjax.boxing.plan import clear_caches  # noqa: E402
 from sbpjax.compiler import small_jaxprs, sub_plans  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: E402
-from sbpjax.layout import Geometry  # noqa: E402
 from sbpjax.solver._kept_plans import clear as clear_kept_plans  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -201,13 +201,6 @@ def compile_times(fn, pl, leaves_sbp, out_sbp, g_args, gspmd_fn, in_shardings, f
     first = rows[0]
     out["first_call_ratio_first"] = (first["front_end_s"] + first["xla_compile_s"]) / first["gspmd_compile_s"]
     return out
-
-
-def spec_of(nd, ndim, pl):
-    """The PartitionSpec GSPMD uses for an S/B nd-SBP on ``pl``."""
-    return Geometry((1,) * ndim, pl.shape).partition_spec(
-        normalized_layout(nd, ndim, pl.shape), pl.axis_names
-    )
 
 
 # ---------------------------------------------------------------------------

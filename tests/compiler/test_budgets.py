@@ -27,7 +27,8 @@ S0, B = sj.S(0), sj.B
 HEADS = 4
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the hand-written layouts, compiled by sj.jit and GSPMD: the compiler benchmark's own
-budgets = load_module(os.path.join(HERE, "..", "..", "benchmarks", "_budgets.py"), "bench_budgets")
+BENCHMARKS = os.path.join(HERE, "..", "..", "benchmarks")
+budgets = load_module(os.path.join(BENCHMARKS, "_budgets.py"), "bench_budgets", imports_from=BENCHMARKS)
 
 
 def _gpt_step():
