@@ -66,8 +66,8 @@ from jax import lax
 
 from sbpjax.boxing.lower import IndexTables, _apply, axis_arg, preduce_extreme
 from sbpjax.compiler.liveness import live_bytes
+from sbpjax.compiler.program import Const, Var
 from sbpjax.compiler.propagation import Boxing, Propagation
-from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
 
 

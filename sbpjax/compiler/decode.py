@@ -18,9 +18,9 @@ solver's plans and the plan cache's entries are both made into plans here.
 
 from __future__ import annotations
 
+from sbpjax.compiler.program import Const
 from sbpjax.compiler.propagation import Boxing, Decision, Propagation, op_comm
 from sbpjax.compiler.propagator import Propagator
-from sbpjax.compiler.trace import Const
 from sbpjax.sbp import Broadcast
 
 

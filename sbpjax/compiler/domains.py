@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import itertools
 
+from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import CONSTRAIN, NESTED, op_comm
 from sbpjax.compiler.propagator import Propagator
-from sbpjax.compiler.trace import Var
 from sbpjax.rules import RULES
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split

@@ -49,10 +49,10 @@ from sbpjax.compiler.domains import AUTO, Domains, auto_layouts, candidates
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.pricing import BranchOdds
+from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import NESTED, Propagation, idle_axes, op_comm, op_key
 from sbpjax.compiler.propagator import Propagator
 from sbpjax.compiler.tables import Tables
-from sbpjax.compiler.trace import Var
 
 
 @dataclasses.dataclass

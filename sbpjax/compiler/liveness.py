@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import Boxing, Propagation
-from sbpjax.compiler.trace import Var
 from sbpjax.rules import local_shape
 
 

@@ -2,7 +2,7 @@
 
 The tracer writes a ``scan`` out as straight-line code (``trace.UNROLL_LIMIT``)
 so that the layout choice sees every iteration, and records it as a
-:class:`~sbpjax.compiler.trace.Loop`; the solver gives the iterations the
+:class:`~sbpjax.compiler.program.Loop`; the solver gives the iterations the
 same choices (``solve.loop_classes``). Once layouts are chosen, consecutive
 iterations that run the same program (the same ops, layouts and boxings,
 reading their carries and slices in the same places) form a :class:`Run`, and
@@ -59,8 +59,8 @@ from sbpjax.compiler.loop_exits import (
     pushed_boxings,
     shift_up,
 )
+from sbpjax.compiler.program import Const, Loop
 from sbpjax.compiler.propagation import Propagation
-from sbpjax.compiler.trace import Const, Loop
 from sbpjax.sbp import Broadcast
 
 OUTER = "outer"

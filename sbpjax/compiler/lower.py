@@ -22,9 +22,9 @@ from sbpjax.compiler import uneven
 from sbpjax.compiler.buckets import plan_buckets, run_bucket
 from sbpjax.compiler.loop_exits import shift_up
 from sbpjax.compiler.loops import plan_runs
+from sbpjax.compiler.program import Const, Var
 from sbpjax.compiler.propagation import CONSTRAIN, NESTED, Propagation
 from sbpjax.compiler.switches import plan_switches
-from sbpjax.compiler.trace import Const, Var
 from sbpjax.layout import Geometry
 from sbpjax.rules import RULES, local_shape, split_axes
 from sbpjax.sbp import Partial

@@ -36,7 +36,7 @@ import numpy as np
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax._version import __version__
 from sbpjax.boxing.cost import CostModel
-from sbpjax.compiler.trace import Var
+from sbpjax.compiler.program import Var
 from sbpjax.dtypes import dtype_name
 from sbpjax.sbp import format_sbp, parse_sbp
 

@@ -30,8 +30,8 @@ from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes, step_launch_byt
 from sbpjax.compiler.buckets import emitted_collectives, launch_count, plan_buckets
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
+from sbpjax.compiler.program import common_path
 from sbpjax.compiler.propagation import Propagation
-from sbpjax.compiler.trace import common_path
 
 
 def latency_bytes(plan, cost_model) -> float:

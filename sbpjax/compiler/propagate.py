@@ -13,9 +13,9 @@ appears exactly where a producer's layout is not one its consumer can take.
 
 from __future__ import annotations
 
+from sbpjax.compiler.program import Program, Var
 from sbpjax.compiler.propagation import Boxing, Propagation, idle_axes
 from sbpjax.compiler.propagator import Propagator
-from sbpjax.compiler.trace import Program, Var
 from sbpjax.placement import Placement
 from sbpjax.sbp import Partial
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from sbpjax.boxing.plan import BoxingPlan
 from sbpjax.compiler.options import DEFAULT_OPTIONS
-from sbpjax.compiler.trace import Const, Node, Program, Var
+from sbpjax.compiler.program import Const, Node, Program, Var
 from sbpjax.dtypes import dtype_name, partial_supported
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES

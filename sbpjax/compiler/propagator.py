@@ -25,6 +25,7 @@ import warnings
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import bytes_lower_bound, plan_boxing, plan_zeros
 from sbpjax.compiler import uneven
+from sbpjax.compiler.program import Const, Node, Program, Var
 from sbpjax.compiler.propagation import (
     CONSTRAIN,
     CONTROL_FLOW,
@@ -42,7 +43,6 @@ from sbpjax.compiler.propagation import (
     valid_for,
     zero_values,
 )
-from sbpjax.compiler.trace import Const, Node, Program, Var
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES, Sig
 from sbpjax.sbp import Broadcast, Partial, format_sbp

@@ -1,7 +1,7 @@
 """Running written-out conds as ``lax.switch`` when lowering.
 
 The tracer writes a ``cond`` / ``switch`` out as its branches followed by one
-``select_n(index, *cases)`` per result (:class:`~sbpjax.compiler.trace.Cond`),
+``select_n(index, *cases)`` per result (:class:`~sbpjax.compiler.program.Cond`),
 so the layout choice sees every branch. Run that way, every branch would
 compute on every step, collectives included. The lowering instead runs the
 cond as a :class:`Switch`: one ``lax.switch`` on the index, each branch
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from sbpjax.compiler.program import Cond, Var, common_path
 from sbpjax.compiler.propagation import Propagation
-from sbpjax.compiler.trace import Cond, Var, common_path
 from sbpjax.sbp import Partial
 
 
