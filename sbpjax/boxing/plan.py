@@ -196,7 +196,7 @@ def plan_boxing(
     time it slower. ``launch_priced="ring"``: each collective priced at its
     latency as the cost model times it (``ring_latency_bytes``: the ring's
     hops too), the price of ``sj.jit``'s second solve, which looks for a plan
-    of fewer collectives (``sbpjax.compiler.solve.FEWER_COLLECTIVES``); there
+    of fewer collectives (``sj.CompileOptions.fewer_collectives``); there
     the 4x2 gradient above is all-reduced up to 1.6 MB, where the cost model
     times the one all-reduce faster."""
     shape = tuple(int(s) for s in shape)

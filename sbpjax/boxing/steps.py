@@ -71,7 +71,7 @@ class Step:
         model's, with one alpha per collective (its launch) in place of the
         ring's hops; a permute already pays one alpha per round.
 
-        Decision: the layout choice (sbpjax.compiler.solve) prices each
+        Decision: the layout choice (sbpjax.compiler.tables) prices each
         collective's latency once, and the plans it prices are these. With the
         ring's hops a reduction of a (P, P) value to (B, B) was a reduce-scatter,
         an all-reduce and an all-gather (8 alphas against the one all-reduce's
@@ -366,7 +366,7 @@ def launch_bytes(cost_model: CostModel, axes) -> float:
     the group (the bytes its links would carry in that time; 100 kB on the
     default ``CostModel``); 0 where beta is 0 (``calibrate`` clamps a
     negative fit to 0). The layout choice prices latency by it
-    (``sbpjax.compiler.solve.LATENCY``), and ``launch_priced`` plans too."""
+    (``sj.CompileOptions.latency``), and ``launch_priced`` plans too."""
     alpha, beta = cost_model.group(axes)
     return alpha / beta if beta > 0 else 0.0
 
@@ -390,7 +390,7 @@ def ring_latency_bytes(cost_model: CostModel, placement: Placement, op: str, axe
     permute one per round): by the hops alone an all-reduce costs what a
     reduce-scatter and an all-gather cost, and the pair is two collectives.
     ``plan_boxing``'s ``launch_priced="ring"`` and the layout choice's second
-    solve (``sbpjax.compiler.solve.FEWER_COLLECTIVES``) price collectives by
+    solve (``sj.CompileOptions.fewer_collectives``) price collectives by
     it.
 
     Decision: summed over the placement, not over the group (as it was

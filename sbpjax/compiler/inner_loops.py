@@ -20,7 +20,7 @@ body (and a while loop's condition) planned as a program of its own:
   stacked operands too, with the stacked dim whole (each iteration reads
   its slice of the local block);
 - the body is traced and its layouts chosen by the same whole-program choice
-  as the outer program (:func:`sbpjax.compiler.solve.choose`), with the
+  as the outer program (:func:`sbpjax.compiler.choose.choose`), with the
   carries' layouts as both its arguments and its results and a scan's
   per-iteration outputs in the layouts it chooses (their stack takes them,
   the stacked dim whole); a while loop's condition likewise, with a

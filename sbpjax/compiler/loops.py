@@ -3,7 +3,7 @@
 The tracer writes a ``scan`` out as straight-line code (``trace.UNROLL_LIMIT``)
 so that the layout choice sees every iteration, and records it as a
 :class:`~sbpjax.compiler.program.Loop`; the solver gives the iterations the
-same choices (``solve.loop_classes``). Once layouts are chosen, consecutive
+same choices (``classes.loop_classes``). Once layouts are chosen, consecutive
 iterations that run the same program (the same ops, layouts and boxings,
 reading their carries and slices in the same places) form a :class:`Run`, and
 the lowering runs a run as one ``lax.scan`` whose body is its first iteration

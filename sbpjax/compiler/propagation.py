@@ -66,7 +66,7 @@ class Propagation:
     out_boxings: list
     out_sbp: list
     warnings: list
-    choice: Any = None  # how the layouts were chosen (sbpjax.compiler.solve.Choice)
+    choice: Any = None  # how the layouts were chosen (sbpjax.compiler.choose.Choice)
     # estimated per-device peak bytes before and after regathers (sbpjax.compiler.regather)
     regathered: tuple | None = None
     # regathers regather="auto" left out: (count, peak before, peak after, their bytes,
@@ -276,7 +276,7 @@ def zero_values(program: Program) -> set:
 # LAUNCH PRICED. In a program with an idle axis (``idle_axes``), a boxing whose plan of
 # the fewest bytes runs a collective over that axis is planned instead by the
 # layout choice's price (``plan_boxing``'s ``launch_priced``: bytes plus one
-# launch latency per collective, as ``sbpjax.compiler.solve.LATENCY`` prices
+# launch latency per collective, as ``CompileOptions.latency`` prices
 # them). By bytes alone a small gradient, partial over the data axis x of
 # 4x2 and whole over the idle y, was reduced by a slice over y, a
 # reduce-scatter over x and an all-gather over all 8 devices; the integer
@@ -301,7 +301,7 @@ def idle_axes(in_sbp, grid) -> frozenset:
     """The placement axes (of size > 1) over which no argument is split or
     partial in any layout it may take (an AUTO argument may take any): data
     parallelism annotated on 4x2 leaves y idle. See LAUNCH PRICED above and
-    ``sbpjax.compiler.solve._Domains``."""
+    ``sbpjax.compiler.domains.Domains``."""
     if not all(isinstance(nd, tuple) for nd in in_sbp):  # an AUTO argument
         return frozenset()
     return frozenset(

@@ -64,7 +64,7 @@ class Propagator:
         self.idle: frozenset = frozenset()  # idle_axes of the program's arguments
         # each boxing's plan priced by bytes plus its collectives' ring latency
         # (plan_boxing's launch_priced="ring"): the layout choice's second solve
-        # (sbpjax.compiler.solve.FEWER_COLLECTIVES)
+        # (CompileOptions.fewer_collectives)
         self.ring = False
         self._bounds: dict = {}  # (shape, dtype, src, dst) -> lower bound of its bytes
         self._sigs: dict = {}  # id(node) -> its candidate signatures

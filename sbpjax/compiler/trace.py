@@ -57,7 +57,7 @@ REMAT = ("checkpoint", "remat", "remat2")
 # solved on the body alone, because it reuses the whole-program choice
 # unchanged and is exact (the boundary iterations may take other layouts
 # than the ones between); the solver then gives the iterations of a scan the
-# same choices (solve.loop_classes), and the lowering rolls alike iterations
+# same choices (classes.loop_classes), and the lowering rolls alike iterations
 # back into one lax.scan (sbpjax.compiler.loops), so the compiled program
 # keeps the loop with its collectives inside. A cond / switch is written out
 # as its branches followed by one select_n per result (the layout choice sees

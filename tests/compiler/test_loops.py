@@ -154,7 +154,7 @@ def test_iterations_share_their_layouts():
 @pytest.mark.parametrize("case", [c for c in CASES if c[0].endswith("grad")], ids=lambda c: c[0])
 def test_slices_share_their_layouts(case):
     """The ops that index each iteration's slices out of the stacked operands
-    share a class (solve.loop_classes), so every iteration gets its slices in
+    share a class (classes.loop_classes), so every iteration gets its slices in
     the same layouts: a free slice made before the body or inside it is a tie
     the solver would otherwise break per iteration, and the iterations that
     break it otherwise are written out of the loop."""
