@@ -88,16 +88,19 @@ def _by_hand(step, args, pl) -> list[dict]:
         )
         compiled = f.lower(*args).compile()
 
-        def shard(tree):
+        def shard(tree, values):
             return jax.tree.map(
-                lambda nd: NamedSharding(pl.mesh, spec_of(nd, None, pl)), tree, is_leaf=is_nd_sbp
+                lambda nd, v: NamedSharding(pl.mesh, spec_of(nd, np.ndim(v), pl)),
+                tree,
+                values,
+                is_leaf=is_nd_sbp,
             )
 
         batch = NamedSharding(pl.mesh, PS("x"))
         gspmd = jax.jit(
             step,
-            in_shardings=(shard(ps), shard(ss), batch, batch),
-            out_shardings=(shard(ps), shard(ss), NamedSharding(pl.mesh, PS())),
+            in_shardings=(shard(ps, params), shard(ss, state), batch, batch),
+            out_shardings=(shard(ps, params), shard(ss, state), NamedSharding(pl.mesh, PS())),
             donate_argnums=(0, 1),
         )
         out.append(

@@ -36,8 +36,9 @@ compiled program's (XLA's trip count multiplies the body's collectives, see
   (*hoisted*), as the written-out program runs them once, at first use.
 
 Values made in the run and used after it (``ys``, the last carry, residuals
-for the backward pass; :mod:`sbpjax.compiler.loop_exits`) leave the loop one slice per iteration, written
-straight into the stack the program builds of them, or as the final state. A
+for the backward pass; :mod:`sbpjax.compiler.loop_exits`) leave the loop one
+slice per iteration, written straight into the stack the program builds of
+them, or as the final state. A
 stack of slices boxed as a whole after the loop (per-layer gradients summed
 over the data axis) is boxed slice by slice inside it, as GSPMD does, with
 the same bytes. Iterations that differ stay written out around the run
@@ -361,8 +362,10 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
         return None
     carries, entering = found
     done = _done(prop, loop, bodies, positions, ctx, rotated, after, last) if rotated else []
+    if done is None:
+        return None
     xs = _slices(prop, loop, its, role, needs, ctx, first, between)
-    if done is None or xs is None or not _slicing_reads_before(decs, loop, ctx.producer, first, between):
+    if xs is None or not _slicing_reads_before(decs, loop, ctx.producer, first, between):
         return None
     # values made in the run and read after it: what the bodies compute, and the
     # layouts their boxings give the carries and slices they read (the written-out
@@ -508,10 +511,10 @@ def _slices(prop, loop, its, role, needs, ctx, first, between) -> list | None:
     nc, ncarry = loop.n_consts, loop.n_carry
     t = its[0]
 
-    between_ = set(between)
+    between_bodies = set(between)
 
     def before_loop(v) -> set:
-        return available(v, first) | {nd for i, nd in ctx.made_at.get(id(v), ()) if i in between_}
+        return available(v, first) | {nd for i, nd in ctx.made_at.get(id(v), ()) if i in between_bodies}
 
     xs = []
     for j, x in enumerate(loop.xs):
