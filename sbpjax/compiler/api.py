@@ -164,7 +164,14 @@ class CompiledFunction:
         t0 = time.perf_counter()
         avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in gts]
         opts = self.options
-        program = trace(self.fn, avals, tree, unroll_limit=opts.unroll_limit, loop_slices=opts.loop_slices)
+        program = trace(
+            self.fn,
+            avals,
+            tree,
+            unroll_limit=opts.unroll_limit,
+            loop_slices=opts.loop_slices,
+            keep_last_carries=opts.roll_loops,
+        )
         t_traced = time.perf_counter()
         out_specs = None
         if self.out_sbp is not None:

@@ -29,11 +29,20 @@ class Explanation:
 
     @property
     def boxings(self) -> list:
-        return self.propagation.boxings
+        """The plan's boxings, and those of :attr:`dead_tail`."""
+        return self.propagation.boxings + self.dead_tail
+
+    @property
+    def dead_tail(self) -> list:
+        """Boxings a rolled loop runs in its last iteration on a carry nothing
+        reads, as it does in every other iteration (``sbpjax.compiler.loops``,
+        ``Run.dead_tail``): the written-out plan has no such boxing, the
+        compiled program moves its bytes."""
+        return [b for r in plan_runs(self.propagation) for b in r.dead_tail]
 
     @property
     def bytes(self) -> int:
-        return self.propagation.bytes
+        return self.propagation.bytes + sum(b.bytes for b in self.dead_tail)
 
     @property
     def comm(self) -> list:
@@ -112,11 +121,14 @@ class Explanation:
         loops = self.loops
         if not loops:
             return None
-        parts = [
-            f"{os.path.basename(src.split(' (')[0])}{' (reversed)' if loop.reverse else ''}: {rolled} of {n} iterations"
-            + (f", {n - rolled} written out" if n > rolled else "")
-            for (src, n, rolled), loop in zip(loops, self.propagation.program.loops)
-        ]
+        runs = plan_runs(self.propagation)
+        parts = []
+        for (src, n, rolled), loop in zip(loops, self.propagation.program.loops):
+            part = f"{os.path.basename(src.split(' (')[0])}{' (reversed)' if loop.reverse else ''}: {rolled} of {n} iterations"
+            part += f", {n - rolled} written out" if n > rolled else ""
+            tail = sum(b.bytes for r in runs if r.loop is loop for b in r.dead_tail)
+            part += f", the last boxing a carry nothing reads ({tail} B)" if tail else ""
+            parts.append(part)
         kept = sum(1 for _, _, rolled in loops if rolled)
         return f"loops: {kept} of {len(loops)} scans kept as loops ({'; '.join(parts)})"
 

@@ -43,8 +43,10 @@ stack of slices boxed as a whole after the loop (per-layer gradients summed
 over the data axis) is boxed slice by slice inside it, as GSPMD does, with
 the same bytes. Iterations that differ stay written out around the run
 (*peeled*): the last, when the code after the loop reads its carry in another
-layout than the loop boxes it to, or when it computes less (a backward loop
-whose first layer's input gradient is not taken).
+layout than the loop boxes it to. A carry the last iteration makes that
+nothing reads (a backward loop whose first layer's input gradient is not
+taken) is still computed (``trace._last_carries``), and boxed like the others
+(``Run.dead_tail``), so that iteration runs in the loop too.
 """
 
 from __future__ import annotations
@@ -97,6 +99,10 @@ class Run:
       (:func:`_pushed_boxings`).
     - ``done``: boxings after the run (the next iteration's of its carry, or the
       code after the loop's) whose result the loop's last ``rotated`` boxing made.
+    - ``dead_tail``: the last iteration's ``rotated`` boxings of carries nothing
+      reads; the loop runs them like every other iteration's, and they are the
+      only bytes the rolled program moves that the written-out plan does not
+      (``Explanation.bytes`` counts them).
     """
 
     loop: Loop
@@ -115,6 +121,7 @@ class Run:
     slices: list
     pushed: dict = dataclasses.field(default_factory=dict)
     done: list = dataclasses.field(default_factory=list)
+    dead_tail: list = dataclasses.field(default_factory=list)
 
     @property
     def template(self):
@@ -361,9 +368,10 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
     if found is None:
         return None
     carries, entering = found
-    done = _done(prop, loop, bodies, positions, ctx, rotated, after, last) if rotated else []
-    if done is None:
+    ends = _done(prop, loop, bodies, positions, ctx, rotated, after, last) if rotated else ([], [])
+    if ends is None:
         return None
+    done, dead_tail = ends
     xs = _slices(prop, loop, its, role, needs, ctx, first, between)
     if xs is None or not _slicing_reads_before(decs, loop, ctx.producer, first, between):
         return None
@@ -404,6 +412,7 @@ def _check(prop, loop, bodies, positions, ctx, rotated, entry, after) -> Run | N
         between,
         pushed,
         done,
+        dead_tail,
     )
 
 
@@ -475,11 +484,15 @@ def _carries(loop, t, role, made, needs, rotated, entry, available, first):
     return carries, entering
 
 
-def _done(prop, loop, bodies, positions, ctx, rotated, after, last) -> list | None:
-    """The boxings after the run that the loop's last rotated boxing made
-    (``Run.done``), or None where the last iteration must be peeled: it boxes
-    its carry for a next one, so the iteration after the run must box it so
-    too (it then finds it boxed), or the code after the loop."""
+def _done(prop, loop, bodies, positions, ctx, rotated, after, last) -> tuple[list, list] | None:
+    """``(done, dead_tail)``: the boxings after the run that the loop's last
+    rotated boxing made (``Run.done``), and the last rotated boxings of
+    carries nothing reads (``Run.dead_tail``); or None where the last
+    iteration must be peeled: it boxes its carry for a next one, so the
+    iteration after the run must box it so too (it then finds it boxed), or
+    the code after the loop, or nothing may read it (the carry the last
+    iteration of a backward pass makes where the first layer's input
+    gradient is not taken: ``trace._last_carries``)."""
     its_last = loop.iterations[positions[-1]]
     nc = loop.n_consts
     # (layouts have no order: two carries boxed alike tie on the index)
@@ -488,16 +501,19 @@ def _done(prop, loop, bodies, positions, ctx, rotated, after, last) -> list | No
         if sorted((a[1:] for a in after), key=repr) != moved:
             return None
         q = positions[-1] + 1
-        return [b for _, b in _carry_boxings(prop, loop, loop.iterations[q], bodies[q])]
-    if not boxed_after(ctx, [(its_last.outs[c], b.dst) for c, b in rotated], last):
+        return [b for _, b in _carry_boxings(prop, loop, loop.iterations[q], bodies[q])], []
+    read = [(c, b) for c, b in rotated if ctx.reads.get(id(its_last.outs[c]))]
+    dead_tail = [b for c, b in rotated if not ctx.reads.get(id(its_last.outs[c]))]
+    if not boxed_after(ctx, [(its_last.outs[c], b.dst) for c, b in read], last):
         return None
-    wanted = {(id(its_last.outs[c]), b.dst) for c, b in rotated}
-    return [
+    wanted = {(id(its_last.outs[c]), b.dst) for c, b in read}
+    done = [
         b
-        for c, _ in rotated
+        for c, _ in read
         for i, b in ctx.boxings_of.get(id(its_last.outs[c]), ())
         if (i == -1 or i > last) and (id(b.var), b.dst) in wanted
     ]
+    return done, dead_tail
 
 
 def _slices(prop, loop, its, role, needs, ctx, first, between) -> list | None:

@@ -103,11 +103,19 @@ def _inner_jaxpr(eqn):
 
 
 def trace(
-    fn, leaves_avals, in_tree, unroll_limit: int = UNROLL_LIMIT, loop_slices: bool = LOOP_SLICES
+    fn,
+    leaves_avals,
+    in_tree,
+    unroll_limit: int = UNROLL_LIMIT,
+    loop_slices: bool = LOOP_SLICES,
+    keep_last_carries: bool = True,
 ) -> Program:
     """Trace ``fn`` on abstract leaves; inline nested calls; drop dead code.
     ``unroll_limit`` and ``loop_slices``: see ``UNROLL_LIMIT``, ``LOOP_SLICES``
-    (``sj.CompileOptions`` sets both)."""
+    (``sj.CompileOptions`` sets both). ``keep_last_carries``: the carries a
+    written-out scan's last iteration makes are kept though nothing reads
+    them (see :func:`_last_carries`); ``sj.jit`` keeps them where it rolls
+    loops (``CompileOptions.roll_loops``)."""
 
     def flat_fn(*leaves):
         args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
@@ -119,8 +127,9 @@ def trace(
     nodes: list = []
     flat = _Flattening(unroll_limit=unroll_limit, loop_slices=loop_slices)
     outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, flat=flat)
-    nodes = _dce(nodes, outs)
-    nodes = _dce(_fuse_padded_windows(nodes, outs), outs)
+    roots = outs + (_last_carries(flat.loops) if keep_last_carries else [])
+    nodes = _dce(nodes, roots)
+    nodes = _dce(_fuse_padded_windows(nodes, roots), roots)
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
 
 
@@ -362,6 +371,32 @@ def _cse_key(eqn, ins, texts):
         else:
             return None
     return (eqn.primitive.name, params, tuple(args))
+
+
+def _last_carries(loops) -> list:
+    """The carries each written-out scan of two or more iterations makes in
+    its last one, to keep as live as the others' though nothing reads them.
+
+    A scan's backward pass whose first layer's input gradient is not taken
+    (the layers' input is data, not a parameter) computes that gradient in
+    every iteration but the last, where dead code elimination dropped it.
+    The last iteration then differs from the others, so the lowering wrote it
+    out after the loop (``sbpjax.compiler.loops``), its weight gradients
+    reduced outside the loop into buffers of their own: 4 Megatron MLP layers
+    on 2x4 held 1.21x GSPMD's temp memory (1.25x under ``jax.checkpoint``), and
+    the program held the layer's code twice. Decision: compute the unread
+    gradient, as GSPMD's loop does (its body is the same in every iteration),
+    and let the loop run every iteration: 0.99x GSPMD's temp memory. Where the
+    loop boxes the carry for the next iteration (a partial gradient reduced),
+    it boxes the last one too, bytes nothing reads (``Run.dead_tail``,
+    counted in ``explain().bytes``): there the step moves GSPMD's bytes, where
+    it moved 0.6% fewer."""
+    roots = []
+    for loop in loops:
+        if len(loop.iterations) >= 2:
+            last = loop.iterations[-1]
+            roots += [v for v in last.outs[: loop.n_carry] if isinstance(v, Var) and id(v) in last.made]
+    return roots
 
 
 def _dce(nodes, outputs):
