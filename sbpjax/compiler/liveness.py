@@ -33,6 +33,7 @@ import numpy as np
 from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import Boxing, Propagation
 from sbpjax.rules import local_shape
+from sbpjax.sbp import Broadcast
 
 
 def block_bytes(shape, dtype, nd, grid) -> int:
@@ -79,13 +80,22 @@ def live_bytes(prop: Propagation, held: Sequence = (), hoisted: bool = False) ->
     Programs without checkpoint regions get the same counts either way."""
     grid = prop.placement.shape
     n = max(len(prop.decisions), 1)  # a program of no ops still holds its results
+
+    # A value's block in layouts that differ only on axes of size 1 (B, S or P
+    # over an axis of one device) is one block: a boxing between them (out_sbp
+    # (B, S(1)) of a (B, B) result on 8x1) moves nothing and makes none. Counted
+    # apart, a data-parallel GPT step's results were held twice at its end (the
+    # estimated peak 1.49x XLA's, now 1.19x).
+    def block(v, nd) -> tuple:
+        return id(v), tuple(Broadcast() if p == 1 else q for p, q in zip(grid, nd))
+
     # the arguments as passed are held throughout; their boxed versions are not
-    args = {(id(v), nd) for v, nd in zip(prop.program.inputs, prop.in_sbp)}
+    args = {block(v, nd) for v, nd in zip(prop.program.inputs, prop.in_sbp)}
     start: dict = {}
     end: dict = {}
     size: dict = {}
     ready: dict = {}  # id(value) -> the decision after which it exists (read when hoisted)
-    gathered = {(id(h.boxing.var), h.boxing.dst) for h in held}
+    gathered = {block(h.boxing.var, h.boxing.dst) for h in held}
 
     def use(key, var, nd, s, i):
         if key not in size:
@@ -100,21 +110,21 @@ def live_bytes(prop: Propagation, held: Sequence = (), hoisted: bool = False) ->
         if hoisted and d.node.region:
             s = min(i, max((ready.get(id(a), 0) for a in d.node.ins if isinstance(a, Var)), default=0))
         for b in d.boxings:
-            if (id(b.var), b.dst) not in skip:
-                use((id(b.var), b.dst), b.var, b.dst, s, i)
+            if (key := block(b.var, b.dst)) not in skip:
+                use(key, b.var, b.dst, s, i)
         for a, nd in zip(d.node.ins, d.in_sbp):
-            if isinstance(a, Var) and (id(a), nd) not in skip:
-                use((id(a), nd), a, nd, s, i)
+            if isinstance(a, Var) and (key := block(a, nd)) not in skip:
+                use(key, a, nd, s, i)
         for v, nd in zip(d.node.outs, d.out_sbp):
             ready[id(v)] = s
-            use((id(v), nd), v, nd, s, i)
+            use(block(v, nd), v, nd, s, i)
     for b in prop.out_boxings:
         for nd in (b.src, b.dst):
-            if (id(b.var), nd) not in skip:
-                use((id(b.var), nd), b.var, nd, n - 1, n - 1)
+            if (key := block(b.var, nd)) not in skip:
+                use(key, b.var, nd, n - 1, n - 1)
     for v, nd in zip(prop.program.outputs, prop.out_sbp):
-        if isinstance(v, Var) and (id(v), nd) in size:
-            end[(id(v), nd)] = n - 1
+        if isinstance(v, Var) and (key := block(v, nd)) in size:
+            end[key] = n - 1
     delta = np.zeros(n + 1, np.int64)
     for key, s in size.items():
         delta[start[key]] += s
