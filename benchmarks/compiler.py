@@ -47,6 +47,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,6 +79,7 @@ from sbpjax.solver._kept_plans import clear as clear_kept_plans  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONLY: list = []  # --only: program name parts to run
+WHY = ""  # --why: recorded with the rows an --only run measures again
 # --min-seconds: the least time each median_times call spends in timing rounds
 MIN_TIMING_SECONDS = 2.0
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
@@ -587,8 +589,6 @@ def compile_only_rows(args) -> list:
     """The compile-only sweep rows, each placement size from a child process
     of this script with that many simulated devices (a process's device
     count is fixed when JAX starts)."""
-    import subprocess
-
     rows = []
     for devices in sorted({c[2][0] * c[2][1] for c in gpt_sweep_compile_only_configs(args.quick)}):
         with tempfile.TemporaryDirectory() as tmp:
@@ -700,7 +700,7 @@ def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
 
 
 def main():
-    global ONLY, MIN_TIMING_SECONDS
+    global ONLY, MIN_TIMING_SECONDS, WHY
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
@@ -722,6 +722,11 @@ def main():
         "--repeats rounds only (the tests' run, which reads no times)",
     )
     ap.add_argument("--output", default=os.path.join(HERE, "results", "compiler.json"))
+    ap.add_argument(
+        "--why",
+        default="measured again with --only",
+        help="with --only: why these rows were measured again (recorded in the results' config.rerun)",
+    )
     ap.add_argument("--compile-only-child", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument(
         "--budget-only",
@@ -735,6 +740,7 @@ def main():
     )
     args = ap.parse_args()
     ONLY = [o for o in (args.only or "").split(",") if o]
+    WHY = args.why
     MIN_TIMING_SECONDS = args.min_seconds
     repeats = args.repeats or (3 if args.quick else 10)
     samples = args.compile_samples if args.compile_samples is not None else (2 if args.quick else 5)
@@ -928,16 +934,45 @@ def main():
 
 def write(path, rows, config, budget=None):
     """The results file: ``config`` (``partial``: the compile-only rows missing), the rows,
-    and the ``budget`` section where measured."""
+    and the ``budget`` section where measured. A run with ``--only`` replaces its rows in
+    the file as it stands (same ``quick``), keeping the others and the budget section;
+    ``config.rerun`` records which rows were measured again, at which commit and why
+    (``--why``)."""
     config = dict(
         config, devices=8, timing="medians; calls interleaved across programs; gc paused while timed"
     )
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if ONLY and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("config", {}).get("quick") == config.get("quick"):
+            ran = {r["name"]: r for r in rows}
+            before = {r["name"] for r in old["programs"]}
+            rows = [ran.get(r["name"], r) for r in old["programs"]] + [
+                r for r in rows if r["name"] not in before
+            ]
+            record = {"rows": sorted(ran), "commit": _commit(), "why": WHY}
+            rerun = list(old["config"].get("rerun", []))
+            if not rerun or rerun[-1] != record:  # the partial write and the last one: once
+                rerun.append(record)
+            config = dict(old["config"], rerun=rerun)
+            budget = old.get("budget") if budget is None else budget
     out = {"config": config, "programs": rows}
     if budget is not None:
         out["budget"] = budget
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
+
+
+def _commit() -> str | None:
+    """The checkout's commit (short), or None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip() or None
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ class Explanation:
         runs = plan_runs(self.propagation)
         parts = []
         for (src, n, rolled), loop in zip(loops, self.propagation.program.loops):
-            part = f"{os.path.basename(src.split(' (')[0])}{' (reversed)' if loop.reverse else ''}: {rolled} of {n} iterations"
+            where = os.path.basename(src.split(" (")[0]) + (" (reversed)" if loop.reverse else "")
+            part = f"{where}: {rolled} of {n} iterations"
             part += f", {n - rolled} written out" if n > rolled else ""
             tail = sum(b.bytes for r in runs if r.loop is loop for b in r.dead_tail)
             part += f", the last boxing a carry nothing reads ({tail} B)" if tail else ""
