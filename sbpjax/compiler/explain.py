@@ -37,7 +37,8 @@ class Explanation:
         """Boxings a rolled loop runs in its last iteration on a carry nothing
         reads, as it does in every other iteration (``sbpjax.compiler.loops``,
         ``Run.dead_tail``): the written-out plan has no such boxing, the
-        compiled program moves its bytes."""
+        compiled program moves its bytes. Each is the loop body's own
+        ``Boxing`` (it is also in the plan's), run once more."""
         return [b for r in plan_runs(self.propagation) for b in r.dead_tail]
 
     @property

@@ -390,7 +390,10 @@ def _last_carries(loops) -> list:
     loop boxes the carry for the next iteration (a partial gradient reduced),
     it boxes the last one too, bytes nothing reads (``Run.dead_tail``,
     counted in ``explain().bytes``): there the step moves GSPMD's bytes, where
-    it moved 0.6% fewer."""
+    it moved 0.6% fewer. Any other carry no one reads after the loop is kept
+    alike (a ``fori_loop``'s counter, a scan's final state where only its
+    ``ys`` are used): a result of the last iteration's ops, which the
+    written-out program would have dropped."""
     roots = []
     for loop in loops:
         if len(loop.iterations) >= 2:
