@@ -38,10 +38,9 @@ compiled program's (XLA's trip count multiplies the body's collectives, see
 Values made in the run and used after it (``ys``, the last carry, residuals
 for the backward pass; :mod:`sbpjax.compiler.loop_exits`) leave the loop one
 slice per iteration, written straight into the stack the program builds of
-them, or as the final state. A
-stack of slices boxed as a whole after the loop (per-layer gradients summed
-over the data axis) is boxed slice by slice inside it, as GSPMD does, with
-the same bytes. Iterations that differ stay written out around the run
+them, or as the final state. A stack of slices boxed as a whole after the loop
+(per-layer gradients summed over the data axis) is boxed slice by slice inside
+it, as GSPMD does, with the same bytes. Iterations that differ stay written out around the run
 (*peeled*): the last, when the code after the loop reads its carry in another
 layout than the loop boxes it to. A carry the last iteration makes that
 nothing reads (a backward loop whose first layer's input gradient is not

@@ -53,12 +53,21 @@ def stacked_weights(layers, seed=0, n=N, d=D, h=H):
 W1_SBP, W2_SBP, X_SBP = (B, S(2)), (B, S(1)), (S(0), B)
 
 
-def compile_grad(loss, pl, args, options=None):
-    g = jax.value_and_grad(loss, argnums=(0, 1))
-    out_sbp = (None, (W1_SBP, W2_SBP))
+def compile_grad(loss, pl, args, options=None, argnums=(0, 1)):
+    g = jax.value_and_grad(loss, argnums=argnums)
+    out_sbp = (None, (W1_SBP, W2_SBP, X_SBP)[: len(argnums)])
     f = sj.jit(g, placement=pl, in_sbp=(W1_SBP, W2_SBP, X_SBP), out_sbp=out_sbp, options=options)
     compiled = f.lower(*args).compile()
     return g, f, compiled
+
+
+def assert_grad_matches_jax(g, f, args):
+    """``f`` (sj.jit of ``g``, a value_and_grad) gives jax.jit's value and gradients."""
+    value, grads = f(*args)
+    want_value, want_grads = jax.jit(g)(*args)
+    assert_close(value.numpy(), np.asarray(want_value), rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        assert_close(got.numpy(), np.asarray(want), rtol=1e-4, scale=np.abs(want).max())
 
 
 def hlo_count(compiled, op: str) -> int:
@@ -135,14 +144,7 @@ def test_scanned_step_keeps_its_loops_moves_no_more_than_gspmd_and_fits_its_memo
     args = stacked_weights(4, n=size[0], d=size[1], h=size[2])
     argnums = (0, 1, 2) if input_grad else (0, 1)
     loss = lambda *a: scanned_loss(*a, remat=remat)  # noqa: E731
-
-    f = sj.jit(
-        jax.value_and_grad(loss, argnums=argnums),
-        placement=pl,
-        in_sbp=(W1_SBP, W2_SBP, X_SBP),
-        out_sbp=(None, (W1_SBP, W2_SBP, X_SBP)[: len(argnums)]),
-    )
-    compiled = f.lower(*args).compile()
+    g, f, compiled = compile_grad(loss, pl, args, argnums=argnums)
     gspmd = gspmd_grad(loss, pl, args, argnums)
     assert hlo_count(compiled, "while") == 2
     in_loops = [c for c in sj.collectives(compiled) if c.count == 4]
@@ -154,11 +156,7 @@ def test_scanned_step_keeps_its_loops_moves_no_more_than_gspmd_and_fits_its_memo
     assert [rolled for _, _, rolled in f.explain(*args).loops] == [4, 4]
     ours, theirs = compiled.memory_analysis().temp_size_in_bytes, gspmd.memory_analysis().temp_size_in_bytes
     assert ours <= 1.1 * theirs, (ours, theirs)
-    value, grads = f(*args)
-    want_value, want_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*args)
-    assert_close(value.numpy(), np.asarray(want_value), rtol=1e-5)
-    for got, want in zip(grads, want_grads):
-        assert_close(got.numpy(), np.asarray(want), rtol=1e-4, scale=np.abs(want).max())
+    assert_grad_matches_jax(g, f, args)
 
 
 def indexed_loss(w1, w2, x, remat=False):
@@ -188,13 +186,7 @@ def test_a_fori_loop_indexing_its_weights_holds_no_more_than_gspmd(shape, remat,
     args = stacked_weights(4, n=16, d=256, h=1024)
     argnums = (0, 1, 2) if input_grad else (0, 1)
     loss = lambda *a: indexed_loss(*a, remat=remat)  # noqa: E731
-    f = sj.jit(
-        jax.value_and_grad(loss, argnums=argnums),
-        placement=pl,
-        in_sbp=(W1_SBP, W2_SBP, X_SBP),
-        out_sbp=(None, (W1_SBP, W2_SBP, X_SBP)[: len(argnums)]),
-    )
-    compiled = f.lower(*args).compile()
+    g, f, compiled = compile_grad(loss, pl, args, argnums=argnums)
     gspmd = gspmd_grad(loss, pl, args, argnums)
     e = f.explain(*args)
     assert measured(compiled) == e.bytes <= measured(gspmd)
@@ -202,11 +194,7 @@ def test_a_fori_loop_indexing_its_weights_holds_no_more_than_gspmd(shape, remat,
     assert temp(compiled) <= 1.1 * temp(gspmd), (temp(compiled), temp(gspmd))
     if input_grad and not remat:
         assert e.choice.method == "greedy" and "estimated to hold" in e.choice.reason
-    value, grads = f(*args)
-    want_value, want_grads = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*args)
-    assert_close(value.numpy(), np.asarray(want_value), rtol=1e-5)
-    for got, want in zip(grads, want_grads):
-        assert_close(got.numpy(), np.asarray(want), rtol=1e-4, scale=np.abs(want).max())
+    assert_grad_matches_jax(g, f, args)
 
 
 def test_fori_loop_keeps_the_split(pl8):
