@@ -2,15 +2,19 @@
 
 Each value's block in its layout (``local_shape``, padded where uneven) is
 counted from the op that makes it (or the boxing that moves it) to its last
-use, in program order; results live to the end; the arguments as passed are
-left out (they are held throughout; :func:`estimated_peak_bytes` adds them).
-It is not XLA's allocation, which fuses many of these values away, reorders
+use, in program order; results live to the end, boxed to their ``out_sbp``
+in a step of their own after the last op; the arguments as passed are left
+out (they are held throughout; :func:`estimated_peak_bytes` adds them).
+It is not XLA's allocation, which fuses many of these values away (counted
+so with ``fused=True``, :func:`_fused`), reorders
 ops and keeps some values longer, but it places a train step's peak where
 the forward pass's saved activations are all alive, which is what its users
 need: :mod:`sbpjax.compiler.regather` (which gathered weights to free across
 the peak) and :mod:`sbpjax.compiler.buckets` (how large a bucket of parameter
-gathers may grow). With the arguments added it is ``explain()``'s estimated
-peak. Against XLA's ``memory_analysis()`` peak on the model zoo
+gathers may grow). With the arguments added and the fused values left out
+it is ``explain()``'s estimated peak: 0.85-1.02 of XLA's ``memory_analysis()``
+on the rows of ``benchmarks/compiler.py``. Before fusion was counted, against XLA's
+``memory_analysis()`` peak on the model zoo
 (``benchmarks/models.py``, jax 0.10.2) it is 0.85-1.13 on six of seven
 models; on the unrolled decoder, whose layers are each under
 ``jax.checkpoint``, it is 0.56: XLA's temporaries there are 3.2x the scanned
@@ -33,6 +37,7 @@ import numpy as np
 from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import Boxing, Propagation
 from sbpjax.rules import local_shape
+from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast
 
 
@@ -68,18 +73,123 @@ class Held:
     size: int
 
 
-def live_bytes(prop: Propagation, held: Sequence = (), hoisted: bool = False) -> np.ndarray:
-    """Estimated bytes each device holds after each decision (the program's
-    arguments left out: they are held throughout). ``held``: gathered
+# Ops whose same-layout operand made by an elementwise op XLA computes inside
+# their own loop (a loop or input fusion) when that op has no other reader.
+FUSING_READERS = ELEMENTWISE | {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+
+
+def _fused(prop: Propagation, block) -> tuple[set, dict]:
+    """The values XLA's fusion never writes, as :func:`live_bytes` counts them
+    with ``fused=True``: the result of an elementwise op whose only reader is
+    an elementwise op or a reduction (``FUSING_READERS``), in the same layout
+    (no boxing between), that is not a result of the program, and whose
+    computing at that reader holds none of its operands longer that is as
+    large as itself. Returns their blocks and, per decision whose result is
+    fused, the decision that computes it (the end of a chain of such ops):
+    its operands are read there.
+
+    Why these: XLA fuses an elementwise producer into its one consumer where
+    that consumer is a loop (elementwise) or reduction fusion, so the value
+    is never written; with two readers it is computed twice or written once.
+    Dots, gathers, concatenations and collectives read written operands. The
+    size condition keeps a backward pass's residuals: an activation saved for
+    the backward pass (``x_hat`` of a layer norm, read once, hundreds of ops
+    later) cannot be fused away for free, since its operands would be held
+    instead; counting them fused put the 2x4 GPT rows of
+    ``benchmarks/compiler.py`` at 0.78-0.87x XLA's peak. A scalar operand
+    (Adam's ``1 - b1**t``) is held at no cost. What it corrects: optax's
+    updates compute each stage for every leaf before the next
+    (``m / (1 - b1**t)`` for all leaves, then ``v``'s, then their ratio...),
+    which XLA fuses into one loop per leaf (counted as written, the 8x1 GPT
+    row's estimate was 1.19x XLA's peak, the data-parallel transformer's
+    1.16x; now 1.02x and 1.00x), and a softmax's ``exp(z - max)`` summed at
+    once (1.50x, now 1.00x)."""
+    decisions, grid = prop.decisions, prop.placement.shape
+    outputs = {block(v, nd) for v, nd in zip(prop.program.outputs, prop.out_sbp) if isinstance(v, Var)}
+    held = outputs | {block(v, nd) for v, nd in zip(prop.program.inputs, prop.in_sbp)}
+    written = outputs | {block(b.var, b.src) for d in decisions for b in d.boxings}
+    written |= {block(b.var, b.src) for b in prop.out_boxings}
+    readers: dict = {}
+    for i, d in enumerate(decisions):
+        for a, nd in zip(d.node.ins, d.in_sbp):
+            if isinstance(a, Var):
+                readers.setdefault(block(a, nd), set()).add(i)
+
+    def held_longer(a, nd, at: int, size: int) -> bool:
+        key = block(a, nd)
+        return key not in held and max(readers[key]) < at and value_bytes(a, nd, grid) >= size
+
+    fused: set = set()
+    computed_at: dict = {}
+    for i in range(len(decisions) - 1, -1, -1):  # a chain's reader first
+        d = decisions[i]
+        if d.node.name not in ELEMENTWISE or len(d.node.outs) != 1:
+            continue
+        key = block(d.node.outs[0], d.out_sbp[0])
+        (r, *more) = readers.get(key, (None,))
+        if key in written or r is None or more or decisions[r].node.name not in FUSING_READERS:
+            continue
+        at = computed_at.get(r, r)
+        size = value_bytes(d.node.outs[0], d.out_sbp[0], grid)
+        if any(held_longer(a, nd, at, size) for a, nd in zip(d.node.ins, d.in_sbp) if isinstance(a, Var)):
+            continue
+        fused.add(key)
+        computed_at[i] = at
+    return fused, computed_at
+
+
+def _branch_results(prop: Propagation) -> dict:
+    """``{id(value): decision}`` for each value made inside a ``lax.cond``
+    branch and read only outside it (the branch's result, read by the
+    ``select_n`` that joins the branches): the first decision reading it.
+    XLA runs one branch, in a computation of its own whose result exists
+    from the end of the conditional on; the flat program runs every branch's
+    ops one after another, so a result counted from where it is made would be
+    held through the other branches' ops, as XLA never holds it (a Megatron
+    block under ``cond`` beside ``x * 2``: the estimated peak was a third
+    higher with the reduction made inside the block's branch, and XLA's the
+    same either way)."""
+    made: dict = {}
+    firsts: dict = {}
+    for i, d in enumerate(prop.decisions):
+        for a in d.node.ins:
+            if isinstance(a, Var) and id(a) in made:
+                branch = made[id(a)]
+                if d.node.branch[: len(branch)] == branch:
+                    made.pop(id(a))  # read inside its own branch: held from where it is made
+                    firsts.pop(id(a), None)
+                else:
+                    firsts.setdefault(id(a), i)
+        if d.node.branch:
+            made.update((id(v), d.node.branch) for v in d.node.outs)
+    return firsts
+
+
+def live_bytes(
+    prop: Propagation, held: Sequence = (), hoisted: bool = False, fused: bool = False
+) -> np.ndarray:
+    """Estimated bytes each device holds after each decision, and last while
+    the results are boxed to their ``out_sbp`` (the program's arguments left
+    out: they are held throughout): ``len(prop.decisions) + 1`` entries. ``held``: gathered
     arguments whose gathered copies live from each start to the last use
     before the next (see :class:`Held`).
 
     ``hoisted``: each recomputing op (one inside a ``jax.checkpoint`` region)
     runs as early as its inputs allow instead of where the program has it,
     what a scheduler that does not honour the recomputation's place would do.
-    Programs without checkpoint regions get the same counts either way."""
+    Programs without checkpoint regions get the same counts either way.
+
+    ``fused``: the values XLA's fusion never writes are left out, and their
+    operands held to where they are read (:func:`_fused`); what
+    :func:`estimated_peak_bytes` reports. The plan's own comparisons (second
+    looks, buckets, regathers) count every value written: the fusion removes
+    the same values from plans that differ in layouts only."""
     grid = prop.placement.shape
-    n = max(len(prop.decisions), 1)  # a program of no ops still holds its results
+    # The results' boxings to out_sbp run after the last op, when only what the
+    # program returns is still held: a step of their own. Counted at the last op,
+    # a result reduced at the end (u @ v @ w, its partial sum all-reduced) was
+    # held three times over beside that op's operands (uvw: estimated 1.31x XLA's peak).
+    n = len(prop.decisions) + 1
 
     # A value's block in layouts that differ only on axes of size 1 (B, S or P
     # over an axis of one device) is one block: a boxing between them (out_sbp
@@ -104,20 +214,24 @@ def live_bytes(prop: Propagation, held: Sequence = (), hoisted: bool = False) ->
         start[key] = min(start[key], s)
         end[key] = max(end.get(key, i), i)
 
-    skip = args | gathered
+    unwritten, computed_at = _fused(prop, block) if fused else (set(), {})
+    joined = _branch_results(prop)
+    skip = args | gathered | unwritten
     for i, d in enumerate(prop.decisions):
         s = i
         if hoisted and d.node.region:
             s = min(i, max((ready.get(id(a), 0) for a in d.node.ins if isinstance(a, Var)), default=0))
+        read = computed_at.get(i, i)
         for b in d.boxings:
             if (key := block(b.var, b.dst)) not in skip:
-                use(key, b.var, b.dst, s, i)
+                use(key, b.var, b.dst, s, read)
         for a, nd in zip(d.node.ins, d.in_sbp):
             if isinstance(a, Var) and (key := block(a, nd)) not in skip:
-                use(key, a, nd, s, i)
+                use(key, a, nd, s, read)
         for v, nd in zip(d.node.outs, d.out_sbp):
             ready[id(v)] = s
-            use(block(v, nd), v, nd, s, i)
+            if (key := block(v, nd)) not in unwritten:
+                use(key, v, nd, max(s, joined.get(id(v), s)), i)
     for b in prop.out_boxings:
         for nd in (b.src, b.dst):
             if (key := block(b.var, nd)) not in skip:
@@ -190,10 +304,11 @@ def estimated_peak_bytes(prop: Propagation) -> int:
     throughout) and the most :func:`live_bytes` counts live after any
     decision, regathered arguments held from each gathering to its last use
     before the next. An estimate of XLA's ``memory_analysis()`` (arguments +
-    outputs + temporaries - aliased), not a bound on it: XLA fuses many of
-    the values counted here away, and it may keep a value longer or reorder ops."""
+    outputs + temporaries - aliased), not a bound on it: the values XLA's
+    fusion never writes are left out as :func:`_fused` finds them, but XLA
+    may keep a value longer or reorder ops."""
     # live_bytes has an entry even for a program of no ops (its results)
-    return argument_bytes(prop) + int(live_bytes(prop, regathered(prop)).max())
+    return argument_bytes(prop) + int(live_bytes(prop, regathered(prop), fused=True).max())
 
 
 def held_bytes(program, prop: Propagation, ties, grid) -> int:

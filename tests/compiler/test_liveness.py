@@ -149,3 +149,121 @@ def test_layouts_that_differ_only_over_an_axis_of_one_device_are_one_block():
     assert split.bytes == whole.bytes
     assert split.estimated_peak_bytes == whole.estimated_peak_bytes
     assert split.estimated_peak_bytes >= xla_held(f_split.lower(ws, x).compile())
+
+
+def _within_a_tenth(estimate: int, xla: int) -> bool:
+    """The issue's criterion for the estimate: within 10% of XLA's peak."""
+    return abs(estimate - xla) <= 0.1 * xla
+
+
+def test_results_are_boxed_after_the_last_op_not_beside_it():
+    """``u @ v @ w`` with ``u`` split by columns and ``v`` by rows: both
+    products are partial sums and the result is all-reduced at the end. Its
+    boxing runs after the last op, when that op's operand ``u @ v`` is dead:
+    the most held at once is two whole (m, m) blocks (counted beside the last
+    op it was three, 1.31x XLA's peak on the compiler benchmark's row)."""
+    from sbpjax.compiler.liveness import live_bytes
+
+    m = 256
+    rng = np.random.default_rng(5)
+    u, v, w = (rng.normal(size=(m, m)).astype(np.float32) for _ in range(3))
+    f = sj.jit(
+        lambda u, v, w: u @ v @ w,
+        placement=sj.placement(8, "x"),
+        in_sbp=((S(1),), (S(0),), (B,)),
+        out_sbp=(B,),
+    )
+    e = f.explain(u, v, w)
+    whole = m * m * 4
+    assert [b.dst for b in e.propagation.out_boxings] == [(B,)]
+    assert len(live_bytes(e.propagation)) == len(e.propagation.decisions) + 1
+    assert e.estimated_peak_bytes == 2 * whole // 8 + whole + 2 * whole
+    assert _within_a_tenth(e.estimated_peak_bytes, xla_peak(f.lower(u, v, w).compile()))
+
+
+def _softmax_cross_entropy():
+    def ce(z, y):
+        zz = z - jax.lax.stop_gradient(z.max(-1, keepdims=True))
+        return (jnp.log(jnp.exp(zz).sum(-1)) - jnp.take_along_axis(zz, y[:, None], axis=1)[:, 0]).mean()
+
+    rng = np.random.default_rng(4)
+    z = rng.normal(size=(64, 4096)).astype(np.float32)
+    y = rng.integers(0, 4096, size=(64,)).astype(np.int32)
+    f = sj.jit(ce, placement=sj.placement(8, "x"), in_sbp=((S(1),), (B,)), out_sbp=(B,))
+    return f, (z, y)
+
+
+def _adam_step_8x1():
+    import optax
+
+    opt = optax.adam(1e-2)
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    def step(ws, state, x):
+        value, grads = jax.value_and_grad(loss)(ws, x)
+        updates, state = opt.update(grads, state, ws)
+        return optax.apply_updates(ws, updates), state, value
+
+    rng = np.random.default_rng(3)
+    ws = [rng.normal(size=(256, 256)).astype(np.float32) / 16 for _ in range(3)]
+    state = opt.init(ws)
+    x = rng.normal(size=(64, 256)).astype(np.float32)
+    rep = (B, B)
+    state_sbp = jax.tree.map(lambda _: rep, state)
+    f = sj.jit(
+        step,
+        placement=sj.placement((8, 1), ("x", "y")),
+        in_sbp=([rep] * 3, state_sbp, (S(0), B)),
+        out_sbp=([rep] * 3, state_sbp, rep),
+    )
+    return f, (ws, state, x)
+
+
+@pytest.mark.parametrize("make", [_softmax_cross_entropy, _adam_step_8x1], ids=["softmax_ce", "adam_8x1"])
+def test_values_xla_computes_inside_their_one_reader_are_not_counted(make):
+    """``exp(z - max)`` is summed as it is computed, and Adam's per-leaf
+    chain (``m / (1 - b1**t)``, ``sqrt(v / (1 - b2**t))``, their ratio...) runs
+    as one loop per leaf, though optax computes each stage for every leaf
+    before the next: XLA writes none of these values. Counted as written the
+    estimate is over 1.1x XLA's peak; with them fused away (their operands
+    held to where they are read) it is within 10%."""
+    from sbpjax.compiler.liveness import argument_bytes, live_bytes
+
+    f, args = make()
+    e = f.explain(*args)
+    xla = xla_peak(f.lower(*args).compile())
+    as_written = argument_bytes(e.propagation) + int(live_bytes(e.propagation).max())
+    assert as_written > 1.1 * xla, (as_written, xla)
+    assert e.estimated_peak_bytes < as_written
+    assert _within_a_tenth(e.estimated_peak_bytes, xla), (e.estimated_peak_bytes, xla)
+
+
+def test_a_branch_result_is_held_from_where_the_branches_join():
+    """XLA runs one branch of a ``lax.cond``, and its result exists from the
+    end of the conditional. The flat program runs both branches' ops in turn:
+    ``x * 2``, made first, is counted from the ``select_n`` that joins the
+    branches, not through the other branch's matmuls."""
+    from sbpjax.compiler.liveness import _branch_results, live_bytes
+
+    rng = np.random.default_rng(6)
+    w = rng.normal(size=(256, 256)).astype(np.float32) / 16
+    x = rng.normal(size=(64, 256)).astype(np.float32)
+
+    def fn(x, w, flag):
+        return jax.lax.cond(flag, lambda x, w: jnp.tanh(jnp.tanh(x @ w) @ w), lambda x, w: x * 2.0, x, w)
+
+    f = sj.jit(fn, placement=sj.placement(8, "x"), in_sbp=((S(0),), (B,), (B,)), out_sbp=(S(0),))
+    prop = f.explain(x, w, np.bool_(True)).propagation
+    names = [d.node.name for d in prop.decisions]
+    doubled = next(d.node.outs[0] for d in prop.decisions if d.node.name == "mul" and d.node.branch)
+    assert _branch_results(prop)[id(doubled)] == names.index("select_n")
+    block = 64 * 256 * 4 // 8
+    live = live_bytes(prop)
+    # at the first matmul: its result and the flag's index (4 B), never x * 2 beside them
+    assert live[names.index("dot_general")] == block + 4
+    # the most: both branches' results where they join, and the selected one
+    assert live.max() == 3 * block + 4, live
