@@ -36,7 +36,10 @@ arguments + outputs + temporaries - aliased) beside the plan's own estimate
 (``estimated_peak_bytes``, ``explain().estimated_peak_bytes``). Python's garbage collector is paused
 while timing, as ``timeit`` does. Every program's result is checked against
 the single-device program.
-Writes ``benchmarks/results/compiler.json``.
+Writes ``benchmarks/results/compiler.json``. After a change to the estimate
+alone, ``--estimates-only`` compiles each program (no baselines, no timing)
+and writes its two peaks into the file's rows, recording why in
+``config.rerun``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ from sbpjax.solver._kept_plans import clear as clear_kept_plans  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ONLY: list = []  # --only: program name parts to run
 WHY = ""  # --why: recorded with the rows an --only run measures again
+# --estimates-only: each program's plan compiled, its peak by XLA and by explain() (PEAK_FIELDS)
+ESTIMATES_ONLY = False
+PEAK_FIELDS = ("sbpjax_peak_bytes", "estimated_peak_bytes")
 # --min-seconds: the least time each median_times call spends in timing rounds
 MIN_TIMING_SECONDS = 2.0
 S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
@@ -465,6 +471,13 @@ def run_program(
         return None
     row = {"name": name}
     f = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp)
+    if ESTIMATES_ONLY:
+        g = f._globals(args, {})[0]
+        shaped = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure((args, {}), is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), g
+        )[0]
+        peak = memory(f.lower(*shaped).compile()).get("peak")
+        return dict(row, sbpjax_peak_bytes=peak, estimated_peak_bytes=f.explain(*shaped).estimated_peak_bytes)
     is_gt = lambda v: isinstance(v, sj.GlobalTensor)  # noqa: E731
     # global inputs once (layout conversion is not part of the step)
     gargs = f._globals(args, {})[0]
@@ -602,6 +615,7 @@ def compile_only_rows(args) -> list:
                 out,
             ]
             cmd += ["--quick"] if args.quick else []
+            cmd += ["--estimates-only"] if args.estimates_only else []
             cmd += ["--only", args.only] if args.only else []
             cmd += [] if args.compile_samples is None else ["--compile-samples", str(args.compile_samples)]
             env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(devices))
@@ -700,7 +714,7 @@ def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
 
 
 def main():
-    global ONLY, MIN_TIMING_SECONDS, WHY
+    global ONLY, MIN_TIMING_SECONDS, WHY, ESTIMATES_ONLY
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--repeats", type=int, default=None)
@@ -738,7 +752,14 @@ def main():
         action="store_true",
         help="leave the budget section out (the tests' run: tests/compiler/test_budgets.py runs it)",
     )
+    ap.add_argument(
+        "--estimates-only",
+        action="store_true",
+        help="only compile each program and refresh its peak by XLA and by explain() in --output "
+        "(after a change to the estimate; the other fields as they stand)",
+    )
     args = ap.parse_args()
+    ESTIMATES_ONLY = args.estimates_only
     ONLY = [o for o in (args.only or "").split(",") if o]
     WHY = args.why
     MIN_TIMING_SECONDS = args.min_seconds
@@ -898,6 +919,10 @@ def main():
         add(gpt_sweep_row(cfg, repeats, min(samples, 1), rng))
     bar.close()
     rows = [r for r in rows if r is not None]
+    if ESTIMATES_ONLY:
+        rows += [r for r in compile_only_rows(args) if r is not None]
+        refresh_estimates(args.output, rows, q)
+        return
     # written before the compile-only rows too: a child that fails (raising here) leaves the
     # 8-device rows of a long run on disk, marked partial
     write(args.output, rows, dict(quick=q, repeats=repeats, compile_samples=samples, partial=True))
@@ -930,6 +955,26 @@ def main():
             )
     write(args.output, rows, dict(quick=q, repeats=repeats, compile_samples=samples), budget)
     print(f"wrote {args.output}")
+
+
+def refresh_estimates(path, rows, quick):
+    """``--estimates-only``: the ``PEAK_FIELDS`` of ``rows`` written into the rows of
+    the results file that bear their names (made by a run with the same ``quick``),
+    recorded in ``config.rerun`` with the commit and ``--why``."""
+    with open(path) as f:
+        old = json.load(f)
+    if old["config"].get("quick") != quick:
+        raise SystemExit(f"{path} was written {'with' if not quick else 'without'} --quick; run it so")
+    ran = {r["name"]: r for r in rows}
+    for r in old["programs"]:
+        if r["name"] in ran:
+            r.update({k: ran[r["name"]][k] for k in PEAK_FIELDS})
+            est, xla = r["estimated_peak_bytes"], r["sbpjax_peak_bytes"]
+            print(f"{r['name']:<34} estimated {est:>11} XLA {xla:>11} {est / xla:.3f}")
+    rerun = old["config"].setdefault("rerun", [])
+    rerun.append({"rows": sorted(ran), "fields": list(PEAK_FIELDS), "commit": _commit(), "why": WHY})
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1)
 
 
 def write(path, rows, config, budget=None):

@@ -80,6 +80,16 @@ def test_compiler_benchmark_quick(tmp_path):
         assert r["sbpjax_bytes"] == r["sbpjax_explained_bytes"], r["name"]  # the plan is what runs
         # the whole-program choice: at or below both baselines on every program
         assert r["sbpjax_bytes"] <= r["gspmd_bytes"] and r["sbpjax_bytes"] <= r["handwritten_bytes"], r
+    # --estimates-only writes the peaks of the rows it runs into the file, and nothing else
+    stale = dict(
+        data, programs=[dict(r, estimated_peak_bytes=-1) if r["name"] == "uvw" else r for r in rows.values()]
+    )
+    path.write_text(json.dumps(stale))
+    run = ["benchmarks/compiler.py", "--quick", "--estimates-only", "--only", "uvw", "--why", "a test"]
+    _run([*run, "--output", str(path)], 600)
+    again = json.loads(path.read_text())
+    assert {r["name"]: r for r in again["programs"]} == rows
+    assert again["config"]["rerun"][-1]["rows"] == ["uvw"] and again["config"]["rerun"][-1]["why"] == "a test"
 
 
 @pytest.mark.slow
