@@ -13,11 +13,10 @@ need: :mod:`sbpjax.compiler.regather` (which gathered weights to free across
 the peak) and :mod:`sbpjax.compiler.buckets` (how large a bucket of parameter
 gathers may grow). With the arguments added and the fused values left out
 it is ``explain()``'s estimated peak: 0.85-1.02 of XLA's ``memory_analysis()``
-on the rows of ``benchmarks/compiler.py``. Before fusion was counted, against XLA's
-``memory_analysis()`` peak on the model zoo
-(``benchmarks/models.py``, jax 0.10.2) it is 0.85-1.13 on six of seven
+on the rows of ``benchmarks/compiler.py``, and on the model zoo
+(``benchmarks/models.py``, jax 0.10.2) 0.85-1.06 on six of seven
 models; on the unrolled decoder, whose layers are each under
-``jax.checkpoint``, it is 0.56: XLA's temporaries there are 3.2x the scanned
+``jax.checkpoint``, it is 0.55: XLA's temporaries there are 3.2x the scanned
 decoder's, for GSPMD's program too (the estimate counts what remat should
 leave alive). Counted with the recomputation hoisted (``hoisted=True``, as
 early as its inputs allow) it is 4.8x: XLA keeps something in between, and
