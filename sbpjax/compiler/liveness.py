@@ -90,7 +90,9 @@ def _fused(prop: Propagation, block) -> tuple[set, dict]:
     Why these: XLA fuses an elementwise producer into its one consumer where
     that consumer is a loop (elementwise) or reduction fusion, so the value
     is never written; with two readers it is computed twice or written once.
-    Dots, gathers, concatenations and collectives read written operands. The
+    Dots, gathers, concatenations and collectives read written operands, and
+    nothing is fused across a ``cond``'s branch computation or a scan
+    iteration's carries and slices (the loop's state once it is rolled). The
     size condition keeps a backward pass's residuals: an activation saved for
     the backward pass (``x_hat`` of a layer norm, read once, hundreds of ops
     later) cannot be fused away for free, since its operands would be held
@@ -108,6 +110,8 @@ def _fused(prop: Propagation, block) -> tuple[set, dict]:
     held = outputs | {block(v, nd) for v, nd in zip(prop.program.inputs, prop.in_sbp)}
     written = outputs | {block(b.var, b.src) for d in decisions for b in d.boxings}
     written |= {block(b.var, b.src) for b in prop.out_boxings}
+    # a scan iteration's carries and slices are the loop's state when the lowering rolls it
+    carried = {id(v) for loop in prop.program.loops for it in loop.iterations for v in it.outs}
     readers: dict = {}
     for i, d in enumerate(decisions):
         for a, nd in zip(d.node.ins, d.in_sbp):
@@ -126,7 +130,9 @@ def _fused(prop: Propagation, block) -> tuple[set, dict]:
             continue
         key = block(d.node.outs[0], d.out_sbp[0])
         (r, *more) = readers.get(key, (None,))
-        if key in written or r is None or more or decisions[r].node.name not in FUSING_READERS:
+        if key in written or id(d.node.outs[0]) in carried or r is None or more:
+            continue
+        if decisions[r].node.name not in FUSING_READERS or decisions[r].node.branch != d.node.branch:
             continue
         at = computed_at.get(r, r)
         size = value_bytes(d.node.outs[0], d.out_sbp[0], grid)
