@@ -175,9 +175,9 @@ def live_bytes(
 ) -> np.ndarray:
     """Estimated bytes each device holds after each decision, and last while
     the results are boxed to their ``out_sbp`` (the program's arguments left
-    out: they are held throughout): ``len(prop.decisions) + 1`` entries. ``held``: gathered
-    arguments whose gathered copies live from each start to the last use
-    before the next (see :class:`Held`).
+    out: they are held throughout): ``len(prop.decisions) + 1`` entries.
+    ``held``: gathered arguments whose gathered copies live from each start
+    to the last use before the next (see :class:`Held`).
 
     ``hoisted``: each recomputing op (one inside a ``jax.checkpoint`` region)
     runs as early as its inputs allow instead of where the program has it,
@@ -217,7 +217,8 @@ def live_bytes(
             size[key] = value_bytes(var, nd, grid)
             start[key] = s
         start[key] = min(start[key], s)
-        end[key] = max(end.get(key, i), i)
+        # at least where it starts: a branch's result read only by a boxing at the join
+        end[key] = max(end.get(key, i), i, start[key])
 
     unwritten, computed_at = _fused(prop, block) if fused else (set(), {})
     joined = _branch_results(prop)

@@ -267,3 +267,39 @@ def test_a_branch_result_is_held_from_where_the_branches_join():
     assert live[names.index("dot_general")] == block + 4
     # the most: both branches' results where they join, and the selected one
     assert live.max() == 3 * block + 4, live
+
+
+def test_a_branch_result_boxed_where_the_branches_join_is_held_there():
+    """The greedy plan of a Megatron block under ``cond`` beside ``x * 2``
+    zero-fills ``x * 2`` into a partial sum where the branches join: read only
+    by that boxing, it is held at the join, never counted negative before it."""
+    from sbpjax.compiler.liveness import live_bytes
+
+    rng = np.random.default_rng(7)
+    w1 = rng.normal(size=(64, 256)).astype(np.float32) / 8
+    w2 = rng.normal(size=(256, 64)).astype(np.float32) / 16
+    x = rng.normal(size=(32, 64)).astype(np.float32)
+
+    def fn(x, w1, w2, flag):
+        return jax.lax.cond(
+            flag, lambda x, w1, w2: x + jnp.tanh(x @ w1) @ w2, lambda x, *_: x * 2.0, x, w1, w2
+        )
+
+    f = sj.jit(
+        fn,
+        placement=PL24,
+        in_sbp=((S(0), B), (B, S(1)), (B, S(0)), (B, B)),
+        out_sbp=(S(0), B),
+        solver="greedy",
+    )
+    prop = f.explain(x, w1, w2, np.bool_(True)).propagation
+    select = next(i for i, d in enumerate(prop.decisions) if d.node.name == "select_n")
+    doubled = next(d.node.outs[0] for d in prop.decisions if d.node.name == "mul" and d.node.branch)
+    assert any(b.var is doubled for b in prop.decisions[select].boxings)  # zero-filled at the join
+    live = live_bytes(prop)
+    block = x.nbytes // 2  # x's (32, 64) float32 block, split 2 ways; x @ w1's too (4 ways of 256)
+    flag = 4  # the branch index
+    # at the first matmul, its result alone: x * 2 is not yet held (nor taken off before it is)
+    assert live[[d.node.name for d in prop.decisions].index("dot_general")] == block + flag, live
+    # at the join: x * 2 and its partial form, the block's result and the selected value
+    assert live[select] == 4 * block + flag, live
