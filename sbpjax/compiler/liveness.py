@@ -313,8 +313,13 @@ def estimated_peak_bytes(prop: Propagation) -> int:
     outputs + temporaries - aliased), not a bound on it: the values XLA's
     fusion never writes are left out as :func:`_fused` finds them, but XLA
     may keep a value longer or reorder ops."""
-    # live_bytes has an entry even for a program of no ops (its results)
-    return argument_bytes(prop) + int(live_bytes(prop, regathered(prop), fused=True).max())
+    # live_bytes has an entry even for a program of no ops (its results). XLA returns
+    # several results as a tuple, whose table of buffer addresses (8 B a result) its
+    # memory_analysis() counts with the outputs: held at the end, beside the results.
+    live = live_bytes(prop, regathered(prop), fused=True)
+    n_results = len(prop.program.outputs)
+    live[-1] += 8 * n_results if n_results > 1 else 0
+    return argument_bytes(prop) + int(live.max())
 
 
 def held_bytes(program, prop: Propagation, ties, grid) -> int:
