@@ -471,18 +471,14 @@ def run_program(
         return None
     row = {"name": name}
     f = sj.jit(fn, placement=pl, in_sbp=leaves_sbp, out_sbp=out_sbp)
-    if ESTIMATES_ONLY:
-        g = f._globals(args, {})[0]
-        shaped = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure((args, {}), is_leaf=lambda v: isinstance(v, sj.GlobalTensor)), g
-        )[0]
-        peak = memory(f.lower(*shaped).compile()).get("peak")
-        return dict(row, sbpjax_peak_bytes=peak, estimated_peak_bytes=f.explain(*shaped).estimated_peak_bytes)
     is_gt = lambda v: isinstance(v, sj.GlobalTensor)  # noqa: E731
     # global inputs once (layout conversion is not part of the step)
     gargs = f._globals(args, {})[0]
     tree = jax.tree_util.tree_structure((args, {}), is_leaf=is_gt)
     g_args, _ = jax.tree_util.tree_unflatten(tree, gargs)
+    if ESTIMATES_ONLY:
+        peak = memory(f.lower(*g_args).compile()).get("peak")
+        return dict(row, sbpjax_peak_bytes=peak, estimated_peak_bytes=f.explain(*g_args).estimated_peak_bytes)
     # GSPMD: jax.jit with the same input shardings
     in_shardings = [NamedSharding(pl.mesh, spec_of(t.sbp, t.ndim, pl)) for t in gargs]
     flat_args = [t.to_jax() for t in gargs]
