@@ -1,0 +1,78 @@
+"""Cost tables' lower bounds: never above the plan an entry settles to.
+
+The layout choice solves on bounds and plans exactly only the entries its
+solution uses (``sbpjax.compiler.tables``); a bound above its entry's cost
+would make a plan look optimal that is not. The oracle here is the boxing
+planner itself, as the tables call it, priced as the tables price it.
+"""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import sbpjax as sj
+from sbpjax.boxing.plan import bytes_lower_bound
+from sbpjax.compiler.options import DEFAULT_OPTIONS
+from sbpjax.compiler.pricing import boxing_cost
+from sbpjax.compiler.tables import _launches, crossed_axes, least_latency
+
+ALL_1D = [sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max]
+# a slow axis between nodes and a fast one inside them: groups differ in latency
+TWO_TIER = sj.CostModel(alpha={"x": 2e-5, "y": 2e-6}, beta={"x": 8e-11, "y": 4e-12})
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("cost_model", [sj.CostModel(), TWO_TIER], ids=["default", "two_tier"])
+@pytest.mark.parametrize("grid", [(2, 4), (4, 2), (2, 2, 2)])
+@pytest.mark.parametrize("shape", [(64, 32), (6, 5)])
+def test_an_entrys_bound_is_never_above_its_plan(shape, grid, cost_model, ring):
+    names = ("x", "y", "z")[: len(grid)]
+    if cost_model is TWO_TIER and len(grid) == 3:
+        cost_model = sj.CostModel(alpha={**TWO_TIER.alpha, "z": 2e-6}, beta={**TWO_TIER.beta, "z": 4e-12})
+    pl = sj.placement(grid, names)
+    launch = _launches(cost_model, pl, ring)
+    pairs = list(itertools.product(itertools.product(ALL_1D, repeat=len(grid)), repeat=2))
+    if len(grid) == 3:  # 15,625 pairs: a fixed sample keeps the test fast
+        pairs = [pairs[i] for i in np.random.default_rng(1).choice(len(pairs), 400, replace=False)]
+    tighter = 0
+    least = min(lat for ops in launch.values() for lat in ops.values())
+    for src, dst in pairs:
+        moved = bytes_lower_bound(shape, 4, pl, src, dst)
+        if not moved:
+            continue
+        plan = sj.plan_boxing(
+            shape, np.float32, pl, src, dst, cost_model=cost_model, launch_priced="ring" if ring else False
+        )
+        lat = least_latency(launch, src, dst, pl.shape)
+        bound = 64 * moved + round(64 * lat)
+        cost = boxing_cost(plan, cost_model, DEFAULT_OPTIONS, ring=ring)
+        assert bound <= cost, (src, dst, bound, cost, str(plan))
+        tighter += lat > least
+    if ring and len(set(grid)) > 1:  # a reduction over the larger axis pays more than a permute round
+        assert tighter > 0
+
+
+def test_crossed_axes_by_hand():
+    S0, S1, B, P = sj.S(0), sj.S(1), sj.B, sj.P
+    grid = (2, 4)
+    assert crossed_axes((S0, B), (B, S0), grid) == {0}  # gather over x; y is sliced
+    assert crossed_axes((B, P), (B, B), grid) == {1}
+    assert crossed_axes((S0, S1), (S1, S0), grid) == {0, 1}
+    assert crossed_axes((B, S0), (P, P), grid) == set()  # zero-fills only
+    assert crossed_axes((S0, P), (S0, P), (2, 4)) == set()
+    assert crossed_axes((P, S0), (B, S0), (1, 8)) == set()  # an axis of one device
+
+
+def test_a_reduction_over_the_larger_axis_is_bounded_by_its_own_collective():
+    """A partial over the 4-device axis of 2x4 is summed by a reducing
+    collective over a group with that axis: on the default cost model's ring
+    times that is 2.5 MB of latency, where one permute round over any group
+    is 0.9 MB (the bound of every entry before)."""
+    pl = sj.placement((2, 4), ("x", "y"))
+    launch = _launches(sj.CostModel(), pl, ring=True)
+    reduce_y = min(launch[frozenset({1})]["reduce_scatter"], launch[frozenset({1})]["all_reduce"])
+    assert least_latency(launch, (sj.B, sj.P), (sj.B, sj.S(0)), pl.shape) == reduce_y
+    assert reduce_y > launch[frozenset({0})]["permute"]
+    plan = sj.plan_boxing((64, 32), np.float32, pl, (sj.B, sj.P), (sj.B, sj.S(0)), launch_priced="ring")
+    assert [(s.op, s.axes) for s in plan.steps if s.bytes] == [("reduce_scatter", ("y",))]
