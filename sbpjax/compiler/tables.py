@@ -137,7 +137,7 @@ def least_latency(launch: dict, src, dst, grid) -> float:
       permute round, 0.9 MB: on the 32-layer scanned GPT of
       ``benchmarks/compiler.py`` the ring-latency solve
       (``second_looks.fewer_collectives``) settled in 8 rounds instead of
-      11, to the same plan.
+      11, to the same plan."""
     if not launch:
         return 0.0
     crossed = crossed_axes(src, dst, grid)
