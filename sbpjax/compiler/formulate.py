@@ -175,11 +175,12 @@ class Formulation:
 
     def _edge_table(self, e: tuple, ks) -> np.ndarray:
         out = None
-        for k in ks:
+        for k in ks:  # an edge has at least one link
             table, u, _, weight = self.links[k]
             t = weight * table.values
             t = t if u == e[0] else t.T
             out = t if out is None else out + t
+        assert out is not None
         return out
 
     def _const(self, ks) -> float:
@@ -213,12 +214,10 @@ class Formulation:
                 used += own
                 # the entry's row and column too: what moving either end
                 # alone costs, so the next solve does not walk a bound at a time
-                changed = own
-                for c2 in range(table.values.shape[1]):
-                    changed += self.tables.settle(table, a, c2)
-                for a2 in range(table.values.shape[0]):
-                    changed += self.tables.settle(table, a2, c)
-                if changed:
+                changed = [own]
+                changed += [self.tables.settle(table, a, c2) for c2 in range(table.values.shape[1])]
+                changed += [self.tables.settle(table, a2, c) for a2 in range(table.values.shape[0])]
+                if any(changed):
                     touched.add(id(table))
         if touched:
             self._refold(touched)
