@@ -19,6 +19,7 @@ tensors (partials stay partial unless ``out_sbp`` asks otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -39,6 +40,7 @@ from sbpjax.compiler.arguments import (
     leaf_paths,
     state_sbp,
 )
+from sbpjax.compiler.collector import collector_paused
 from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
@@ -102,6 +104,9 @@ class CompiledFunction:
         self.memory_budget = memory_budget
         self.regather = checked_regather(regather, "sj.jit")
         self._cache: dict = {}
+        # built programs not called or lowered yet: JAX traces the shard_map body
+        # (Python) on the first, with the collector paused as for the plan
+        self._unrun: set = set()
         self.last_overhead_s = 0.0
         functools.update_wrapper(self, fn)
 
@@ -161,6 +166,13 @@ class CompiledFunction:
         hit = self._cache.get(key)
         if hit is not None:
             return hit
+        with collector_paused():
+            entry = self._plan_and_build(gts, tree)
+        self._cache[key] = entry
+        self._unrun.add(entry[1])
+        return entry
+
+    def _plan_and_build(self, gts, tree):
         t0 = time.perf_counter()
         avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in gts]
         opts = self.options
@@ -212,9 +224,7 @@ class CompiledFunction:
         t_built = time.perf_counter()
         prop.timings.update(trace_s=t_traced - t0, choose_s=t_chosen - t_traced, build_s=t_built - t_chosen)
         self.last_overhead_s = t_built - t0
-        entry = (prop, fn)
-        self._cache[key] = entry
-        return entry
+        return prop, fn
 
     def _ties(self, gts, tree, program, out_specs) -> dict:
         """{result index: argument index} for each donated AUTO argument: the
@@ -297,7 +307,8 @@ class CompiledFunction:
         gts, tree = self._globals(args, kwargs)
         prop, fn = self._compile(gts, tree)
         gts = self._place(gts, prop)
-        outs = fn(*[t.physical for t in gts])
+        with self._first_use(fn):
+            outs = fn(*[t.physical for t in gts])
         prog = prop.program
         results = [
             GlobalTensor(y, o.shape, o.dtype, self.placement, nd)
@@ -316,9 +327,10 @@ class CompiledFunction:
         gts = self._place(gts, prop)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
-            lowered = fn.lower(*[t.physical for t in gts])
-            t1 = time.perf_counter()
-            lowered.compile()
+            with self._first_use(fn):
+                lowered = fn.lower(*[t.physical for t in gts])
+                t1 = time.perf_counter()
+                lowered.compile()
             prop.timings.update(lower_s=t1 - t0, xla_compile_s=time.perf_counter() - t1)
         return Explanation(prop)
 
@@ -327,7 +339,15 @@ class CompiledFunction:
         gts, tree = self._globals(args, kwargs)
         prop, fn = self._compile(gts, tree)
         gts = self._place(gts, prop)
-        return fn.lower(*[t.physical for t in gts])
+        with self._first_use(fn):
+            return fn.lower(*[t.physical for t in gts])
+
+    def _first_use(self, fn):
+        """The collector paused for ``fn``'s first call or lowering (see ``_unrun``)."""
+        if fn not in self._unrun:
+            return contextlib.nullcontext()
+        self._unrun.discard(fn)
+        return collector_paused()
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
