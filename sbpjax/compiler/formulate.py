@@ -46,6 +46,7 @@ from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.classes import same_candidates
 from sbpjax.compiler.decode import propagation_of, value_keys
 from sbpjax.compiler.domains import AUTO, Domains, auto_layouts, candidates
+from sbpjax.compiler.folding import Folded
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.pricing import BranchOdds
@@ -89,113 +90,31 @@ class Formulation:
     placement: Any
     pr: Propagator
 
-    _folded: tuple | None = None
-    # which links fold into each node's costs, each edge's table and the constant,
-    # in the links' order, and which of those each table's links reach (see _refold)
-    _index: tuple | None = None
+    _folded: Folded | None = None  # the links folded (sbpjax.compiler.folding)
 
     @property
     def costs(self) -> list:
-        return self._fold()[0]
+        return self._fold().costs
 
     @property
     def edges(self) -> dict:
-        return self._fold()[1]
+        return self._fold().edges
 
     @property
     def const(self) -> float:
-        return self._fold()[2]
+        return self._fold().const
 
-    def _fold(self) -> tuple:
+    def _fold(self) -> Folded:
         if self._folded is None:
-            nodes, edges, consts, _ = self._links_index()
-            self._folded = (
-                [self._node_cost(n, nodes.get(n, ())) for n in range(len(self.own))],
-                {e: self._edge_table(e, ks) for e, ks in edges.items()},
-                self._const(consts),
-            )
+            self._folded = Folded(self.own, self.own_const, self.links)
         return self._folded
-
-    def _refold(self, tables: set) -> None:
-        """Fold again only what the links of ``tables`` (``id``s) reach, each
-        sum in the links' order as :meth:`_fold` makes it (the same floats);
-        a settling round changes a few tables of thousands. Arrays are
-        replaced, never changed in place: the last round's problem keeps its own."""
-        if self._folded is None:
-            return
-        nodes, edges, consts, reach = self._links_index()
-        costs, tabs, const = list(self._folded[0]), dict(self._folded[1]), self._folded[2]
-        hit_nodes, hit_edges, hit_const = set(), set(), False
-        for t in tables:
-            ns, es, c = reach.get(t, ((), (), False))
-            hit_nodes.update(ns)
-            hit_edges.update(es)
-            hit_const |= c
-        for n in hit_nodes:
-            costs[n] = self._node_cost(n, nodes[n])
-        for e in hit_edges:
-            tabs[e] = self._edge_table(e, edges[e])
-        self._folded = (costs, tabs, self._const(consts) if hit_const else const)
-
-    def _links_index(self) -> tuple:
-        if self._index is None:
-            nodes: dict = {}
-            edges: dict = {}
-            consts: list = []
-            reach: dict = {}
-            for k, (table, u, v, _) in enumerate(self.links):
-                ns, es, c = reach.setdefault(id(table), (set(), set(), [False]))
-                if u is None and v is None:
-                    consts.append(k)
-                    c[0] = True
-                elif u is None or v is None or u == v:
-                    n = v if u is None else u
-                    nodes.setdefault(n, []).append(k)
-                    ns.add(n)
-                else:
-                    e = (u, v) if u < v else (v, u)
-                    edges.setdefault(e, []).append(k)
-                    es.add(e)
-            reach = {t: (ns, es, c[0]) for t, (ns, es, c) in reach.items()}
-            self._index = (nodes, edges, consts, reach)
-        return self._index
-
-    def _node_cost(self, n: int, ks) -> np.ndarray:
-        cost = self.own[n].copy()
-        for k in ks:
-            table, u, v, weight = self.links[k]
-            t = weight * table.values
-            if u is None:
-                cost += t[0]
-            elif v is None:
-                cost += t[:, 0]
-            else:  # both ends decide alike (one group): only the diagonal happens
-                cost += np.diag(t)
-        return cost
-
-    def _edge_table(self, e: tuple, ks) -> np.ndarray:
-        out = None
-        for k in ks:  # an edge has at least one link
-            table, u, _, weight = self.links[k]
-            t = weight * table.values
-            t = t if u == e[0] else t.T
-            out = t if out is None else out + t
-        assert out is not None
-        return out
-
-    def _const(self, ks) -> float:
-        const = self.own_const
-        for k in ks:
-            table, _, _, weight = self.links[k]
-            const += (weight * table.values)[0, 0]
-        return const
 
     def repriced(self, pr: Propagator, tables: Tables) -> Formulation:
         """The same problem with its boxings planned by ``pr`` and priced by
         ``tables`` (the second solve's ring latency): the same nodes,
         strategies and links, new cost tables."""
         links = [(tables.table(t.atom, t.src, t.dst), u, v, w) for t, u, v, w in self.links]
-        return dataclasses.replace(self, links=links, tables=tables, pr=pr, _folded=None, _index=None)
+        return dataclasses.replace(self, links=links, tables=tables, pr=pr, _folded=None)
 
     def settle(self, strategies) -> int:
         """Plan exactly every table entry the solution ``strategies`` uses
@@ -219,8 +138,8 @@ class Formulation:
                 changed += [self.tables.settle(table, a2, c) for a2 in range(table.values.shape[0])]
                 if any(changed):
                     touched.add(id(table))
-        if touched:
-            self._refold(touched)
+        if touched and self._folded is not None:
+            self._folded = self._folded.refold(touched)
         return used
 
     @property
