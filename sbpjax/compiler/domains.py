@@ -299,11 +299,7 @@ class Domains:
                         uses[i] = uses[i] | self._gathered(a)
             # each operand's layouts as a set with greedy's (a screen of candidates
             # over 8,700 ops of a 32-layer step: set lookups, not pairwise tests)
-            # (a greedy layout that is no tuple equals no candidate's: left out)
-            allow = [
-                None if u is None else (u | {g} if isinstance(g, tuple) else u)
-                for u, g in zip(uses, dec.in_sbp)
-            ]
+            allow = [None if u is None else u | {tuple(g)} for u, g in zip(uses, dec.in_sbp)]
             kept = [
                 c for c in cs if c == keep_g or all(al is None or nd in al for al, nd in zip(allow, c[0]))
             ]

@@ -16,6 +16,8 @@ whole fold makes it, so the floats are the same and so is the plan.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 
@@ -53,8 +55,7 @@ class Folded:
         """The fold after the tables ``tables`` (``id``s) changed: a new
         object sharing the arrays nothing changed (arrays are replaced, never
         changed in place: the last round's problem keeps its own)."""
-        out = object.__new__(Folded)
-        out.__dict__.update(self.__dict__)
+        out = copy.copy(self)  # the index shared, the folded containers copied
         out.costs, out.edges = list(self.costs), dict(self.edges)
         nodes, edges, const = set(), set(), False
         for t in tables:

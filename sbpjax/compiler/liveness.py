@@ -207,11 +207,10 @@ def live_bytes(
     rep = Broadcast()
 
     def block(v, nd) -> tuple:
-        key = normal.get(nd) if type(nd) is tuple else None
+        nd = tuple(nd)  # (a tuple is itself)
+        key = normal.get(nd)
         if key is None:
-            key = tuple(rep if p == 1 else q for p, q in zip(grid, nd))
-            if type(nd) is tuple:
-                normal[nd] = key
+            key = normal[nd] = tuple(rep if p == 1 else q for p, q in zip(grid, nd))
         return id(v), key
 
     # the arguments as passed are held throughout; their boxed versions are not
