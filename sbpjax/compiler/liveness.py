@@ -13,7 +13,9 @@ need: :mod:`sbpjax.compiler.regather` (which gathered weights to free across
 the peak) and :mod:`sbpjax.compiler.buckets` (how large a bucket of parameter
 gathers may grow). With the arguments added and the fused values left out
 it is ``explain()``'s estimated peak: 0.85-1.02 of XLA's ``memory_analysis()``
-on the rows of ``benchmarks/compiler.py``, and on the model zoo
+on the rows of ``benchmarks/compiler.py`` (where lowest, 1.02x XLA's own
+live-range peak: that figure sums allocations, each result's and the packed
+temporaries', which hold more than is alive at once), and on the model zoo
 (``benchmarks/models.py``, jax 0.10.2) 0.85-1.06 on six of seven
 models; on the unrolled decoder, whose layers are each under
 ``jax.checkpoint``, it is 0.55: XLA's temporaries there are 3.2x the scanned
