@@ -220,3 +220,37 @@ def test_instance_g_in_library_mode_is_repeatable_and_feasible():
     b = solve(p, effort=1e8)
     assert a.feasible and (a.strategies == b.strategies).all()
     assert a.lower_bound <= 217039 <= a.cost  # the contest's best is optimal (HiGHS proves it)
+
+
+def test_usage_limit_on_a_graph_too_wide_for_an_exact_plan(monkeypatch):
+    # caps of 4 entries: no exact plan, so in contest mode the multiplier steps solve the
+    # whole priced model with the mini-bucket plan; its value must still give a valid
+    # bound, and the answer must never beat the brute-force optimum
+    import importlib
+
+    solve_module = importlib.import_module("sbpjax.solver.solve")
+    monkeypatch.setattr(solve_module, "TABLE_CAP", 4.0)
+    monkeypatch.setattr(solve_module, "MOVE_CAP", 4.0)
+    rng = np.random.default_rng(11)
+    priced = 0
+    for _ in range(20):
+        n = int(rng.integers(3, 8))
+        p = random_problem(rng, n, int(rng.integers(n, 2 * n + 2)), kmax=4, memory=True)
+        best, _ = brute_force(p)
+        sol = solve(p, time_limit=0.1)
+        assert sol.lower_bound <= best or close(sol.lower_bound, best)
+        assert (sol.cost, sol.feasible, sol.stats["peak_usage"]) == p.evaluate(sol.strategies)
+        if sol.feasible:
+            assert close(sol.cost, best) or sol.cost >= best
+        priced += sol.stats.get("priced_steps", 0) > 0 and not sol.stats["exact"]
+    assert priced > 0  # some solves took the mini-bucket multiplier steps
+
+
+def test_wide_train_step_under_a_usage_limit_is_feasible():
+    # shared weights make the graph too wide for an exact plan: contest mode's mini-bucket
+    # multiplier steps
+    p = train_step(30, strategies=30, shared=4, memory=1.15, seed=30)
+    sol = solve(p, time_limit=4.0)
+    assert not sol.stats["exact"]
+    assert sol.feasible and sol.stats["peak_usage"] <= p.usage_limit
+    assert sol.lower_bound <= sol.cost
