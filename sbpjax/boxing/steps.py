@@ -226,7 +226,6 @@ class _Ctx:
         self.cm = cm
         self.fill_ops = fill_ops
         self._p2p_cache: dict = {}
-        self._box_cache: dict = {}
         self._move_cache: dict = {}
         self._edge_cache: dict = {}  # sbpjax.boxing.search._free_edges
 
@@ -271,14 +270,6 @@ class _Ctx:
             **kw,
         )
 
-    def boxes(self, layout: Layout):
-        """(starts, sizes) arrays [n_devices, ndim] of every device's local box."""
-        if layout not in self._box_cache:
-            b = np.asarray(self.geom.boxes(layout), np.int64)
-            b = b.reshape(self.geom.n_devices, self.geom.ndim, 2)
-            self._box_cache[layout] = (b[..., 0], b[..., 1])
-        return self._box_cache[layout]
-
     def permute(self, src, dst) -> Step | None:
         """A point-to-point exchange as a search edge: exact bytes (every device
         receives exactly what it lacks), rounds estimated by a lower bound;
@@ -289,8 +280,8 @@ class _Ctx:
         geom = self.geom
         step = None
         if p2p_tiles(geom, src, dst) is not None:
-            s0, sn = self.boxes(src)
-            d0, dn = self.boxes(dst)
+            s0, sn = geom.box_arrays(src)
+            d0, dn = geom.box_arrays(dst)
             own = np.prod(np.clip(np.minimum(s0 + sn, d0 + dn) - np.maximum(s0, d0), 0, None), axis=1)
             missing = np.prod(dn, axis=1) - own
             # rounds: at least the number of other source pieces a device needs;
