@@ -145,7 +145,7 @@ class Geometry:
         self.ndim = len(self.shape)
         self.n_devices = int(np.prod(self.grid))
         self.coords = list(itertools.product(*[range(g) for g in self.grid]))
-        self._boxes: dict = {}  # layout -> every device's local box, in coords order
+        self._coord_array: np.ndarray | None = None  # coords as [n_devices, n_axes] (box_arrays)
         self._box_arrays: dict = {}  # layout -> box_arrays(layout)
         self._overlaps: dict = {}  # (src, dst) -> overlap(src, dst)
 
@@ -160,23 +160,27 @@ class Geometry:
         """Per dim (start, size) of the device's local piece."""
         return tuple(self.dim_range(layout.dims[d], d, coord) for d in range(self.ndim))
 
-    def boxes(self, layout: Layout) -> list:
-        """``local_box`` of every device, in ``coords`` order (kept: the
-        planner and its bounds ask for the same layouts many times)."""
-        hit = self._boxes.get(layout)
-        if hit is None:
-            hit = self._boxes[layout] = [self.local_box(layout, c) for c in self.coords]
-        return hit
-
     def box_arrays(self, layout: Layout) -> tuple[np.ndarray, np.ndarray]:
-        """``boxes`` as two int64 arrays ``[n_devices, ndim]``, the starts and the
-        sizes (kept): the planner's bounds and point-to-point steps compare
-        every device's boxes under two layouts at once (256 devices on a 16x16
-        placement, where a loop over them was a third of a plan's front end)."""
+        """Every device's ``local_box`` as two int64 arrays ``[n_devices, ndim]``
+        in ``coords`` order, the starts and the sizes (kept: the planner's bounds
+        and point-to-point steps compare every device's boxes under two layouts
+        at once, 256 devices on a 16x16 placement, where a loop over them was a
+        third of a plan's front end). ``balanced_piece`` over all devices at once."""
         hit = self._box_arrays.get(layout)
         if hit is None:
-            b = np.asarray(self.boxes(layout), np.int64).reshape(self.n_devices, self.ndim, 2)
-            hit = self._box_arrays[layout] = (b[..., 0], b[..., 1])
+            if self._coord_array is None:
+                self._coord_array = np.asarray(self.coords, np.int64).reshape(self.n_devices, len(self.grid))
+            starts = np.zeros((self.n_devices, self.ndim), np.int64)
+            sizes = np.empty((self.n_devices, self.ndim), np.int64)
+            for d in range(self.ndim):
+                size = np.full(self.n_devices, self.shape[d], np.int64)
+                for a in layout.dims[d]:
+                    i = self._coord_array[:, a]
+                    base, rem = np.divmod(size, self.grid[a])
+                    starts[:, d] += i * base + np.minimum(i, rem)
+                    size = base + (i < rem)
+                sizes[:, d] = size
+            hit = self._box_arrays[layout] = (starts, sizes)
         return hit
 
     def padded_dim(self, axes: Sequence[int], d: int) -> int:

@@ -43,8 +43,12 @@ def test_overlap_equals_a_count_device_by_device(shape, grid):
             assert geom.overlap(src, dst) == counted(geom, src, dst), (src, dst)
 
 
-def test_box_arrays_are_the_boxes():
-    geom = Geometry((7, 10), (2, 4))
-    for lay in layouts(2, 2):
+@pytest.mark.parametrize(
+    "shape, grid", [((7, 10), (2, 4)), ((3, 5), (4, 2)), ((13,), (2, 3, 2)), ((), (2, 2))]
+)
+def test_box_arrays_are_every_devices_local_box(shape, grid):
+    geom = Geometry(shape, grid)
+    for lay in layouts(len(shape), len(grid)):
         starts, sizes = geom.box_arrays(lay)
-        assert [tuple(zip(s, n)) for s, n in zip(starts.tolist(), sizes.tolist())] == geom.boxes(lay)
+        boxes = [tuple(zip(s, n)) for s, n in zip(starts.tolist(), sizes.tolist())]
+        assert boxes == [geom.local_box(lay, c) for c in geom.coords], lay

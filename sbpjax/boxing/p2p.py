@@ -157,13 +157,7 @@ def _senders(
 def _tile_ids(geom: Geometry, layout: Layout, tiles, tile_shape, local) -> np.ndarray:
     """[devices, tiles of a block]: the (row-major) ids of the tiles each
     device's block of ``layout`` covers, in the block's row-major order."""
-    starts = np.asarray(
-        [
-            [geom.dim_range(layout.dims[d], d, c)[0] // tile_shape[d] for d in range(geom.ndim)]
-            for c in geom.coords
-        ],
-        np.int64,
-    ).reshape(geom.n_devices, geom.ndim)
+    starts = geom.box_arrays(layout)[0] // np.asarray(tile_shape, np.int64).reshape(1, geom.ndim)
     grid = np.indices(local).reshape(geom.ndim, -1)
     ids = np.zeros((geom.n_devices, grid.shape[1]), np.int64)
     for d in range(geom.ndim):

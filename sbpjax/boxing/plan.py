@@ -250,8 +250,8 @@ def transfer_bytes(shape, itemsize: int, placement, sbp) -> tuple[int, int]:
     """(total, largest per device) bytes the target devices receive for ``sbp``."""
     geom = Geometry(shape, placement.shape)
     layout = normalized_layout(sbp, len(shape), placement.shape)
-    sizes = [math.prod(n for _, n in geom.local_box(layout, c)) * itemsize for c in geom.coords]
-    return int(sum(sizes)), int(max(sizes))
+    sizes = np.prod(geom.box_arrays(layout)[1], axis=1) * itemsize
+    return int(sizes.sum()), int(sizes.max())
 
 
 def plan_transfer(shape, dtype, src_pl, src_sbp, dst_pl, dst_sbp, cm) -> BoxingPlan:
