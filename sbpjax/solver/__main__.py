@@ -56,4 +56,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without the interpreter's teardown, which frees every object one by one:
+    # 8.5 s after a 180 s solve of the IOPDDL instance M (2 GB of tables and plans),
+    # which took the process past the contest's limit. Everything is written by now.
+    os._exit(status)
