@@ -12,7 +12,8 @@ and local search), in our own form:
    between the largest one whose priced optimum broke the limit and the smallest one
    whose did not (doubling until one does not). Each step solves the whole priced model
    with one elimination plan when there is one: the exact plan, or on a graph too wide
-   for it the mini-bucket plan (``solve``'s bound). Either way each step also proves a
+   for it, in contest mode only, the mini-bucket plan (``solve``'s bound; library mode
+   keeps the moves there, see ``solve._Solve._search``). Either way each step also proves a
    lower bound: the plan's value (the priced minimum, or a bound of it) minus
    ``sum(lam) * limit``. Without a plan, a step is two moves (``_search``), which only
    change a ball of the graph: on the IOPDDL instances M and S, whose limits need most
