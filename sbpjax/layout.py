@@ -233,11 +233,17 @@ class Geometry:
         return hit
 
     def _overlap(self, src: Layout, dst: Layout) -> tuple[int, int]:
+        held, kept = self.held_per_device(src, dst)
+        return int(held.sum()), int(kept.sum())
+
+    def held_per_device(self, src: Layout, dst: Layout) -> tuple[np.ndarray, np.ndarray]:
+        """Per device (``coords`` order), the elements it holds under ``dst`` and, of
+        those, the ones it already holds under ``src`` (int64 arrays)."""
         s0, sn = self.box_arrays(src)
         d0, dn = self.box_arrays(dst)
         common = np.clip(np.minimum(s0 + sn, d0 + dn) - np.maximum(s0, d0), 0, None)
         # (a product over no dims, a scalar's, is 1: each device holds its one element)
-        return int(np.prod(dn, axis=1).sum()), int(np.prod(common, axis=1).sum())
+        return np.prod(dn, axis=1), np.prod(common, axis=1)
 
     def floor_bytes(self, src: Layout, dst: Layout, itemsize: int) -> int:
         """Bytes every device must receive that it does not already hold (summed)."""

@@ -280,10 +280,9 @@ class _Ctx:
         geom = self.geom
         step = None
         if p2p_tiles(geom, src, dst) is not None:
-            s0, sn = geom.box_arrays(src)
             d0, dn = geom.box_arrays(dst)
-            own = np.prod(np.clip(np.minimum(s0 + sn, d0 + dn) - np.maximum(s0, d0), 0, None), axis=1)
-            missing = np.prod(dn, axis=1) - own
+            held, own = geom.held_per_device(src, dst)
+            missing = held - own
             # rounds: at least the number of other source pieces a device needs;
             # tiles are even, so the source pieces of dim d are equal intervals
             # of width w: count those the target box overlaps, multiply over the
