@@ -125,5 +125,5 @@ def test_alike_hubs_share_a_node_and_the_optimum(monkeypatch, fn, shape, in_sbp)
             list(form.own), form.own_const, form.links, set(hubs), np.random.default_rng(1)
         )
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-6 * np.abs(a).max())
-    # the scan's six iterations: most of their hubs are one node each
+    # the hubs of the scan's six iterations share nodes, five or six values to a node
     assert any(len(atoms) >= 5 for form in forms for atoms, _ in form.hubs.values())
