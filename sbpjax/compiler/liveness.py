@@ -12,13 +12,14 @@ the forward pass's saved activations are all alive, which is what its users
 need: :mod:`sbpjax.compiler.regather` (which gathered weights to free across
 the peak) and :mod:`sbpjax.compiler.buckets` (how large a bucket of parameter
 gathers may grow). With the arguments added and the fused values left out
-it is ``explain()``'s estimated peak: 0.85-1.02 of XLA's ``memory_analysis()``
+and each boxed value waiting in its smaller layout (``scheduled=True``) it
+is ``explain()``'s estimated peak: 0.87-1.02 of XLA's ``memory_analysis()``
 on the rows of ``benchmarks/compiler.py`` (where lowest, 1.02x XLA's own
 live-range peak: that figure sums allocations, each result's and the packed
 temporaries', which hold more than is alive at once), and on the model zoo
-(``benchmarks/models.py``, jax 0.10.2) 0.85-1.06 on six of seven
+(``benchmarks/models.py``, jax 0.10.2) 0.88-1.07 on six of seven
 models; on the unrolled decoder, whose layers are each under
-``jax.checkpoint``, it is 0.55: XLA's temporaries there are 3.2x the scanned
+``jax.checkpoint``, it is 0.56: XLA's temporaries there are 3.2x the scanned
 decoder's, for GSPMD's program too (the estimate counts what remat should
 leave alive). Counted with the recomputation hoisted (``hoisted=True``, as
 early as its inputs allow) it is 4.8x: XLA keeps something in between, and
@@ -173,7 +174,11 @@ def _branch_results(prop: Propagation) -> dict:
 
 
 def live_bytes(
-    prop: Propagation, held: Sequence = (), hoisted: bool = False, fused: bool = False
+    prop: Propagation,
+    held: Sequence = (),
+    hoisted: bool = False,
+    fused: bool = False,
+    scheduled: bool = False,
 ) -> np.ndarray:
     """Estimated bytes each device holds after each decision, and last while
     the results are boxed to their ``out_sbp`` (the program's arguments left
@@ -190,7 +195,21 @@ def live_bytes(
     operands held to where they are read (:func:`_fused`); what
     :func:`estimated_peak_bytes` reports. The plan's own comparisons (second
     looks, buckets, regathers) count every value written: the fusion removes
-    the same values from plans that differ in layouts only."""
+    the same values from plans that differ in layouts only.
+
+    ``scheduled``: a value boxed for a later reader waits in the smaller of
+    its two layouts, as a scheduler that minimizes memory (XLA's) runs the
+    boxing: right after the value is made when the boxing shrinks it (a
+    reduce-scatter, a slice), just before the reader when it grows it or
+    keeps its size (an all-gather, an all-reduce). Otherwise a boxing runs
+    where its reader is, and the value waits in neither layout: nothing is
+    counted for it between its maker and that reader unless something else
+    reads it there. What :func:`estimated_peak_bytes` reports. (Without it
+    the estimate was 0.85x XLA's peak on the 1-layer 2x4 GPT of
+    ``benchmarks/compiler.py``, whose gradients wait for the optimizer
+    unreduced; holding each waiting value in its source layout instead put
+    the tensor-parallel transformer steps at 1.11-1.12x, whose activations'
+    reduce-scatters XLA runs at once.)"""
     grid = prop.placement.shape
     # The results' boxings to out_sbp run after the last op, when only what the
     # program returns is still held: a step of their own. Counted at the last op,
@@ -235,6 +254,19 @@ def live_bytes(
         if last > end[key]:
             end[key] = last
 
+    def box(b: Boxing, s: int, read: int, reads_source: bool = False) -> None:
+        """A boxing read from ``s`` to ``read``, its value waiting as
+        ``scheduled`` says; ``reads_source``: its source is held to ``s``
+        however it waits (a result's boxing, after the last op)."""
+        src, dst = block(b.var, b.src), block(b.var, b.dst)
+        waits = scheduled and src not in skip and src in start
+        if waits and value_bytes(b.var, b.dst, grid) < size[src]:
+            s = start[src]  # boxed at once: the source is freed by its other readers
+        elif (waits or reads_source) and src not in skip:
+            use(src, b.var, b.src, s, read)
+        if dst not in skip:
+            use(dst, b.var, b.dst, s, read)
+
     unwritten, computed_at = _fused(prop, block) if fused else (set(), {})
     joined = _branch_results(prop)
     skip = args | gathered | unwritten
@@ -244,8 +276,7 @@ def live_bytes(
             s = min(i, max((ready.get(id(a), 0) for a in d.node.ins if isinstance(a, Var)), default=0))
         read = computed_at.get(i, i)
         for b in d.boxings:
-            if (key := block(b.var, b.dst)) not in skip:
-                use(key, b.var, b.dst, s, read)
+            box(b, s, read)
         for a, nd in zip(d.node.ins, d.in_sbp):
             if isinstance(a, Var) and (key := block(a, nd)) not in skip:
                 use(key, a, nd, s, read)
@@ -254,9 +285,7 @@ def live_bytes(
             if (key := block(v, nd)) not in unwritten:
                 use(key, v, nd, max(s, joined.get(id(v), s)), i)
     for b in prop.out_boxings:
-        for nd in (b.src, b.dst):
-            if (key := block(b.var, nd)) not in skip:
-                use(key, b.var, nd, n - 1, n - 1)
+        box(b, n - 1, n - 1, reads_source=True)
     for v, nd in zip(prop.program.outputs, prop.out_sbp):
         if isinstance(v, Var) and (key := block(v, nd)) in size:
             end[key] = n - 1
@@ -323,7 +352,8 @@ def regathered(prop: Propagation) -> list:
 def estimated_peak_bytes(prop: Propagation) -> int:
     """The most one device is estimated to hold at once: its arguments (held
     throughout) and the most :func:`live_bytes` counts live after any
-    decision, regathered arguments held from each gathering to its last use
+    decision (``fused`` and ``scheduled``: as XLA fuses and orders the
+    program), regathered arguments held from each gathering to its last use
     before the next. An estimate of XLA's ``memory_analysis()`` (arguments +
     outputs + temporaries - aliased), not a bound on it: the values XLA's
     fusion never writes are left out as :func:`_fused` finds them, but XLA
@@ -331,7 +361,7 @@ def estimated_peak_bytes(prop: Propagation) -> int:
     # live_bytes has an entry even for a program of no ops (its results). XLA returns
     # several results as a tuple, whose table of buffer addresses (8 B a result) its
     # memory_analysis() counts with the outputs: held at the end, beside the results.
-    live = live_bytes(prop, regathered(prop), fused=True)
+    live = live_bytes(prop, regathered(prop), fused=True, scheduled=True)
     n_results = len(prop.program.outputs)
     live[-1] += 8 * n_results if n_results > 1 else 0
     return argument_bytes(prop) + int(live.max())
