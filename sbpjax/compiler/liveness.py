@@ -17,7 +17,7 @@ is ``explain()``'s estimated peak: 0.87-1.02 of XLA's ``memory_analysis()``
 on the rows of ``benchmarks/compiler.py`` (where lowest, 1.02x XLA's own
 live-range peak: that figure sums allocations, each result's and the packed
 temporaries', which hold more than is alive at once), and on the model zoo
-(``benchmarks/models.py``, jax 0.10.2) 0.88-1.07 on six of seven
+(``benchmarks/models.py``, jax 0.10.2) 0.89-1.07 on six of seven
 models; on the unrolled decoder, whose layers are each under
 ``jax.checkpoint``, it is 0.56: XLA's temporaries there are 3.2x the scanned
 decoder's, for GSPMD's program too (the estimate counts what remat should
