@@ -255,9 +255,10 @@ def live_bytes(
             end[key] = last
 
     def box(b: Boxing, s: int, read: int, reads_source: bool = False) -> None:
-        """A boxing read from ``s`` to ``read``, its value waiting as
-        ``scheduled`` says; ``reads_source``: its source is held to ``s``
-        however it waits (a result's boxing, after the last op)."""
+        """A boxing whose result is read from ``s`` to ``read``. With
+        ``scheduled`` the value waits in its smaller layout; otherwise its
+        source is held to ``s`` only where ``reads_source`` (a result's
+        boxing, in the step after the last op)."""
         src, dst = block(b.var, b.src), block(b.var, b.dst)
         waits = scheduled and src not in skip and src in start
         if waits and value_bytes(b.var, b.dst, grid) < size[src]:

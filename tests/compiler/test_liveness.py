@@ -312,7 +312,9 @@ def test_a_value_waiting_for_its_boxing_is_held_in_the_smaller_layout():
     nowhere while they waited, and the estimate was 0.85x XLA's peak; each
     held in the smaller of its two layouts (``scheduled=True``, as XLA's
     scheduler runs a boxing that shrinks at once and one that grows late) it
-    is within 10%. Every count it adds is a value held: never fewer bytes."""
+    is within 10%. Up to the results' step it only adds values held: a
+    result's boxing that shrinks it frees its source at once instead of after
+    the last op."""
     import os
 
     from conftest import load_module
@@ -338,6 +340,6 @@ def test_a_value_waiting_for_its_boxing_is_held_in_the_smaller_layout():
     held = regathered(prop)
     unscheduled = live_bytes(prop, held, fused=True)
     scheduled = live_bytes(prop, held, fused=True, scheduled=True)
-    assert (scheduled >= unscheduled).all()
+    assert (scheduled[:-1] >= unscheduled[:-1]).all()
     assert argument_bytes(prop) + int(unscheduled.max()) < 0.9 * xla
     assert _within_a_tenth(e.estimated_peak_bytes, xla), (e.estimated_peak_bytes, xla)
