@@ -86,10 +86,10 @@ class Explanation:
 
     @property
     def estimated_peak_bytes(self) -> int:
-        """The most one device is estimated to hold at once while the program
-        runs: its arguments and the values live at the estimate's peak
-        (``sbpjax.compiler.liveness.estimated_peak_bytes``). Compare it with
-        ``jitted.lower(...).compile().memory_analysis()``."""
+        """The bytes one device is estimated to hold while the program runs:
+        its arguments and its values, placed as XLA's buffer assignment
+        places them (``sbpjax.compiler.liveness.estimated_peak_bytes``).
+        Compare it with ``jitted.lower(...).compile().memory_analysis()``."""
         return estimated_peak_bytes(self.propagation)
 
     @property

@@ -5,26 +5,25 @@ counted from the op that makes it (or the boxing that moves it) to its last
 use, in program order; results live to the end, boxed to their ``out_sbp``
 in a step of their own after the last op; the arguments as passed are left
 out (they are held throughout; :func:`estimated_peak_bytes` adds them).
-It is not XLA's allocation, which fuses many of these values away (counted
-so with ``fused=True``, :func:`_fused`), reorders
-ops and keeps some values longer, but it places a train step's peak where
-the forward pass's saved activations are all alive, which is what its users
-need: :mod:`sbpjax.compiler.regather` (which gathered weights to free across
-the peak) and :mod:`sbpjax.compiler.buckets` (how large a bucket of parameter
-gathers may grow). With the arguments added and the fused values left out
-and each boxed value waiting in its smaller layout (``scheduled=True``) it
-is ``explain()``'s estimated peak: 0.87-1.02 of XLA's ``memory_analysis()``
-on the rows of ``benchmarks/compiler.py`` (where lowest, 1.02x XLA's own
-live-range peak: that figure sums allocations, each result's and the packed
-temporaries', which hold more than is alive at once), and on the model zoo
-(``benchmarks/models.py``, jax 0.10.2) 0.89-1.07 on six of seven
-models; on the unrolled decoder, whose layers are each under
-``jax.checkpoint``, it is 0.56: XLA's temporaries there are 3.2x the scanned
-decoder's, for GSPMD's program too (the estimate counts what remat should
-leave alive). Counted with the recomputation hoisted (``hoisted=True``, as
-early as its inputs allow) it is 4.8x: XLA keeps something in between, and
-a plan that is not larger either way is not larger in XLA's schedule
-(:func:`sbpjax.compiler.second_looks.fewer_collectives`).
+It is not XLA's schedule, which fuses many of these values away (counted
+so with ``fused=True``, :func:`_fused`), reorders ops and keeps some values
+longer, but it places a train step's peak where the forward pass's saved
+activations are all alive, which is what its users need:
+:mod:`sbpjax.compiler.regather` (which gathered weights to free across the
+peak) and :mod:`sbpjax.compiler.buckets` (how large a bucket of parameter
+gathers may grow). ``explain()``'s estimated peak
+(:func:`estimated_peak_bytes`) counts these spans as XLA fuses and orders
+the program (``fused``, ``scheduled``) and places them as XLA's buffer
+assignment does (:mod:`sbpjax.compiler.allocation`), since that is what
+``memory_analysis()`` reports: 0.92-1.09 of it on the rows of
+``benchmarks/compiler.py``, and 0.89-1.11 on six of the seven models of
+``benchmarks/models.py`` (jax 0.10.2). On the unrolled decoder, whose layers
+are each under ``jax.checkpoint``, it is 0.60: XLA's temporaries there are
+3.2x the scanned decoder's, for GSPMD's program too (the estimate counts
+what remat should leave alive). Counted with the recomputation hoisted
+(``hoisted=True``, as early as its inputs allow) it is 4.8x: XLA keeps
+something in between, and a plan that is not larger either way is not
+larger in XLA's schedule (:func:`sbpjax.compiler.second_looks.fewer_collectives`).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sbpjax.compiler.allocation import Value, allocated_bytes
 from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import Boxing, Propagation
 from sbpjax.rules import local_shape
@@ -173,6 +173,23 @@ def _branch_results(prop: Propagation) -> dict:
     return firsts
 
 
+@dataclasses.dataclass
+class Spans:
+    """When each value is alive (:func:`spans`): ``size``, ``start`` and ``end``
+    by value block (``(id(value), layout)``), alive after decisions ``start``
+    to ``end``; ``steps`` (the decisions, then the results' boxings);
+    ``results``: the blocks the program returns (not its arguments), in
+    its order, each once;
+    ``gathered``: ``(size, start, end)`` of each regathered copy held."""
+
+    size: dict
+    start: dict
+    end: dict
+    steps: int
+    results: list
+    gathered: list
+
+
 def live_bytes(
     prop: Propagation,
     held: Sequence = (),
@@ -180,9 +197,29 @@ def live_bytes(
     fused: bool = False,
     scheduled: bool = False,
 ) -> np.ndarray:
-    """Estimated bytes each device holds after each decision, and last while
-    the results are boxed to their ``out_sbp`` (the program's arguments left
-    out: they are held throughout): ``len(prop.decisions) + 1`` entries.
+    """The bytes :func:`spans` counts alive after each step."""
+    sp = spans(prop, held, hoisted, fused, scheduled)
+    delta = np.zeros(sp.steps + 1, np.int64)
+    for key, s in sp.size.items():
+        delta[sp.start[key]] += s
+        delta[sp.end[key] + 1] -= s
+    for s, first, last in sp.gathered:
+        delta[first] += s
+        delta[last + 1] -= s
+    return np.cumsum(delta)[: sp.steps]
+
+
+def spans(
+    prop: Propagation,
+    held: Sequence = (),
+    hoisted: bool = False,
+    fused: bool = False,
+    scheduled: bool = False,
+) -> Spans:
+    """When each value a device holds is alive (:class:`Spans`): after each
+    decision, and last while the results are boxed to their ``out_sbp`` (the
+    program's arguments left out: they are held throughout):
+    ``len(prop.decisions) + 1`` steps.
     ``held``: gathered arguments whose gathered copies live from each start
     to the last use before the next (see :class:`Held`).
 
@@ -192,8 +229,10 @@ def live_bytes(
     Programs without checkpoint regions get the same counts either way.
 
     ``fused``: the values XLA's fusion never writes are left out, and their
-    operands held to where they are read (:func:`_fused`); what
-    :func:`estimated_peak_bytes` reports. The plan's own comparisons (second
+    operands held to where they are read (:func:`_fused`); and an elementwise
+    op writes its result over an operand it reads last that is as large (in
+    place, as XLA does), which is dead from there. What
+    :func:`estimated_peak_bytes` counts. The plan's own comparisons (second
     looks, buckets, regathers) count every value written: the fusion removes
     the same values from plans that differ in layouts only.
 
@@ -204,12 +243,12 @@ def live_bytes(
     keeps its size (an all-gather, an all-reduce). Otherwise a boxing runs
     where its reader is, and the value waits in neither layout: nothing is
     counted for it between its maker and that reader unless something else
-    reads it there. What :func:`estimated_peak_bytes` reports. (Without it
-    the estimate was 0.85x XLA's peak on the 1-layer 2x4 GPT of
-    ``benchmarks/compiler.py``, whose gradients wait for the optimizer
-    unreduced; holding each waiting value in its source layout instead put
-    the tensor-parallel transformer steps at 1.11-1.12x, whose activations'
-    reduce-scatters XLA runs at once.)"""
+    reads it there. What :func:`estimated_peak_bytes` counts. (Without it a
+    train step's gradients, which wait for the optimizer unreduced, were
+    counted nowhere in between; holding each waiting value in its source
+    layout instead overcounted the tensor-parallel transformer steps of
+    ``benchmarks/compiler.py``, whose activations' reduce-scatters XLA runs
+    at once: 1.11-1.12x XLA's peak.)"""
     grid = prop.placement.shape
     # The results' boxings to out_sbp run after the last op, when only what the
     # program returns is still held: a step of their own. Counted at the last op,
@@ -269,6 +308,7 @@ def live_bytes(
             use(dst, b.var, b.dst, s, read)
 
     unwritten, computed_at = _fused(prop, block) if fused else (set(), {})
+    writes: list = []  # (decision, result, operands) of the elementwise ops, where fused
     joined = _branch_results(prop)
     skip = args | gathered | unwritten
     for i, d in enumerate(prop.decisions):
@@ -285,22 +325,37 @@ def live_bytes(
             ready[id(v)] = s
             if (key := block(v, nd)) not in unwritten:
                 use(key, v, nd, max(s, joined.get(id(v), s)), i)
+        if fused and d.node.name in ELEMENTWISE and len(d.node.outs) == 1:
+            ins = [block(a, nd) for a, nd in zip(d.node.ins, d.in_sbp) if isinstance(a, Var)]
+            writes.append((i, block(d.node.outs[0], d.out_sbp[0]), ins))
     for b in prop.out_boxings:
         box(b, n - 1, n - 1, reads_source=True)
     for v, nd in zip(prop.program.outputs, prop.out_sbp):
         if isinstance(v, Var) and (key := block(v, nd)) in size:
             end[key] = n - 1
-    delta = np.zeros(n + 1, np.int64)
-    for key, s in size.items():
-        delta[start[key]] += s
-        delta[end[key] + 1] -= s
+    # in place: an elementwise op writes its result over an operand it reads
+    # last that is as large, which is then dead where the result is made
+    for i, out, ins in writes:
+        for key in ins:
+            if (
+                key in size
+                and out in size
+                and key != out
+                and end[key] == i
+                and size[key] == size[out]
+                and start[key] < i
+            ):
+                end[key] = i - 1
+                break
+    copies = []
     for h in held:  # each gathering holds the weight from it to the last use before the next
         cuts = [*h.starts[1:], None]
         for s, nxt in zip(h.starts, cuts):
             last = max(u for u in h.uses if u >= s and (nxt is None or u < nxt))
-            delta[s] += h.size
-            delta[last + 1] -= h.size
-    return np.cumsum(delta)[:n]
+            copies.append((h.size, s, last))
+    # in the program's order, each once: the estimate's allocations are tried in it
+    results = {block(v, nd): None for v, nd in zip(prop.program.outputs, prop.out_sbp) if isinstance(v, Var)}
+    return Spans(size, start, end, n, [k for k in results if k in size], copies)
 
 
 def argument_bytes(prop: Propagation) -> int:
@@ -351,21 +406,25 @@ def regathered(prop: Propagation) -> list:
 
 
 def estimated_peak_bytes(prop: Propagation) -> int:
-    """The most one device is estimated to hold at once: its arguments (held
-    throughout) and the most :func:`live_bytes` counts live after any
-    decision (``fused`` and ``scheduled``: as XLA fuses and orders the
-    program), regathered arguments held from each gathering to its last use
-    before the next. An estimate of XLA's ``memory_analysis()`` (arguments +
-    outputs + temporaries - aliased), not a bound on it: the values XLA's
-    fusion never writes are left out as :func:`_fused` finds them, but XLA
-    may keep a value longer or reorder ops."""
-    # live_bytes has an entry even for a program of no ops (its results). XLA returns
-    # several results as a tuple, whose table of buffer addresses (8 B a result) its
-    # memory_analysis() counts with the outputs: held at the end, beside the results.
-    live = live_bytes(prop, regathered(prop), fused=True, scheduled=True)
+    """The most one device is estimated to hold: its arguments (held
+    throughout), and its values (:func:`spans`, ``fused`` and ``scheduled``:
+    as XLA fuses and orders the program; regathered arguments held from each
+    gathering to its last use before the next) in the allocations XLA's
+    buffer assignment makes of them (:mod:`sbpjax.compiler.allocation`):
+    each result's own, which other values use before it is made, and one
+    packed with the rest. An estimate of XLA's ``memory_analysis()``
+    (arguments + outputs + temporaries - aliased), not a bound on it: XLA
+    may fuse other values away, keep values longer or reorder ops."""
+    sp = spans(prop, regathered(prop), fused=True, scheduled=True)
+    returned = set(sp.results)
+    temps = [Value(sp.size[k], sp.start[k], sp.end[k]) for k in sp.size if k not in returned]
+    temps += [Value(*g) for g in sp.gathered]
+    results = [Value(sp.size[k], sp.start[k], sp.end[k]) for k in sp.results]
+    # XLA returns several results as a tuple, whose table of buffer addresses (8 B a
+    # result) its memory_analysis() counts with the outputs
     n_results = len(prop.program.outputs)
-    live[-1] += 8 * n_results if n_results > 1 else 0
-    return argument_bytes(prop) + int(live.max())
+    table = 8 * n_results if n_results > 1 else 0
+    return argument_bytes(prop) + allocated_bytes(temps, results, sp.steps) + table
 
 
 def held_bytes(program, prop: Propagation, ties, grid) -> int:
