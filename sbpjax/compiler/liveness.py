@@ -190,6 +190,25 @@ class Spans:
     gathered: list
 
 
+def _write_in_place(writes: list, size: dict, start: dict, end: dict) -> None:
+    """An elementwise op writes its result over an operand it reads last
+    that is as large (XLA's in-place buffer reuse): that operand is dead
+    from the op on, ``end`` cut back to before it. ``writes``: ``(decision,
+    result, operands)`` of each elementwise op, by block."""
+    for i, out, ins in writes:
+        for key in ins:
+            if (
+                key in size
+                and out in size
+                and key != out
+                and end[key] == i
+                and size[key] == size[out]
+                and start[key] < i
+            ):
+                end[key] = i - 1
+                break
+
+
 def live_bytes(
     prop: Propagation,
     held: Sequence = (),
@@ -333,20 +352,7 @@ def spans(
     for v, nd in zip(prop.program.outputs, prop.out_sbp):
         if isinstance(v, Var) and (key := block(v, nd)) in size:
             end[key] = n - 1
-    # in place: an elementwise op writes its result over an operand it reads
-    # last that is as large, which is then dead where the result is made
-    for i, out, ins in writes:
-        for key in ins:
-            if (
-                key in size
-                and out in size
-                and key != out
-                and end[key] == i
-                and size[key] == size[out]
-                and start[key] < i
-            ):
-                end[key] = i - 1
-                break
+    _write_in_place(writes, size, start, end)
     copies = []
     for h in held:  # each gathering holds the weight from it to the last use before the next
         cuts = [*h.starts[1:], None]
