@@ -337,9 +337,9 @@ class Domains:
                 for i, a in enumerate(node.ins):
                     if uses[i] is not None and id(a) in self.args:
                         uses[i] = uses[i] | self._gathered(a)
-            # each operand's layouts as a set with greedy's, so greedy's own
-            # candidate passes (a screen of candidates over 8,700 ops of a
-            # 32-layer step: set lookups on bitsets, not pairwise tests)
+            # each operand's allowed layouts, greedy's among them, so greedy's own
+            # candidate passes the screen (8,700 ops on a 32-layer step: bitsets
+            # per candidate list, OperandIndex, not a test per candidate)
             allow = [None if u is None else u | {tuple(g)} for u, g in zip(uses, dec.in_sbp)]
             kept = self.screen.reading(cs, allow)
             if node.name in ELEMENTWISE:

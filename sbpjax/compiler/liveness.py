@@ -180,7 +180,7 @@ class Spans:
     to ``end``; ``steps`` (the decisions, then the results' boxings);
     ``results``: the blocks the program returns (not its arguments), in
     its order, each once;
-    ``gathered``: ``(size, start, end)`` of each regathered copy held."""
+    ``gathered``: each regathered copy held, as a :class:`Value`."""
 
     size: dict
     start: dict
@@ -222,9 +222,9 @@ def live_bytes(
     for key, s in sp.size.items():
         delta[sp.start[key]] += s
         delta[sp.end[key] + 1] -= s
-    for s, first, last in sp.gathered:
-        delta[first] += s
-        delta[last + 1] -= s
+    for g in sp.gathered:
+        delta[g.first] += g.size
+        delta[g.last + 1] -= g.size
     return np.cumsum(delta)[: sp.steps]
 
 
@@ -358,7 +358,7 @@ def spans(
         cuts = [*h.starts[1:], None]
         for s, nxt in zip(h.starts, cuts):
             last = max(u for u in h.uses if u >= s and (nxt is None or u < nxt))
-            copies.append((h.size, s, last))
+            copies.append(Value(h.size, s, last))
     # in the program's order, each once: the estimate's allocations are tried in it
     results = {block(v, nd): None for v, nd in zip(prop.program.outputs, prop.out_sbp) if isinstance(v, Var)}
     return Spans(size, start, end, n, [k for k in results if k in size], copies)
@@ -424,7 +424,7 @@ def estimated_peak_bytes(prop: Propagation) -> int:
     sp = spans(prop, regathered(prop), fused=True, scheduled=True)
     returned = set(sp.results)
     temps = [Value(sp.size[k], sp.start[k], sp.end[k]) for k in sp.size if k not in returned]
-    temps += [Value(*g) for g in sp.gathered]
+    temps += sp.gathered
     results = [Value(sp.size[k], sp.start[k], sp.end[k]) for k in sp.results]
     # XLA returns several results as a tuple, whose table of buffer addresses (8 B a
     # result) its memory_analysis() counts with the outputs
