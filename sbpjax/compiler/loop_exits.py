@@ -25,7 +25,7 @@ def shift_down(nd) -> tuple:
 
 
 def carry_input(loop, r) -> int | None:
-    """The iteration's input index of the carry whose role (``loops._roles``) is
+    """The iteration's input index of the carry whose role (``loop_state.roles``) is
     ``r``: the carry as it came into the iteration; None for any other value."""
     if r[0] == "in" and loop.n_consts <= r[1] < loop.n_consts + loop.n_carry:
         return r[1]

@@ -11,7 +11,8 @@ trainer = sjf.Trainer.create(lambda: sjf.annotate(Model(nnx.Rngs(0)), rules), op
 
 from sbpjax.flax import linen
 from sbpjax.flax.annotate import annotate, get_sbp, place, sbp_module, unplace, with_sbp
-from sbpjax.flax.train import Trainer, TrainStep, bytes_per_device, init_global, zero_layout
+from sbpjax.flax.train import TrainStep, init_global, zero_layout
+from sbpjax.flax.trainer import Trainer, bytes_per_device
 
 __all__ = [
     "with_sbp",

@@ -5,7 +5,8 @@
     params, opt_state, loss = step(params, opt_state, batch)
 
 :class:`TrainStep` works on a pytree of parameters (Linen's ``params``, an NNX
-pure dict, plain JAX); :class:`Trainer` wraps it for an NNX model.
+pure dict, plain JAX); :class:`sbpjax.flax.trainer.Trainer` wraps it for an NNX
+model.
 
 Layouts, as in OneFlow's Fig. 14:
 - without ZeRO a parameter, its gradient and its optimizer state share the
@@ -28,17 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding
 
-from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.api import constrain, jit
 from sbpjax.compiler.arguments import checked_regather, checked_time_limit, is_nd_sbp, state_sbp
 from sbpjax.compiler.options import checked_options
 from sbpjax.dtypes import canonical_dtype
-from sbpjax.flax.annotate import get_sbp
 from sbpjax.layout import Geometry
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Split, normalize_nd_sbp
@@ -198,7 +196,10 @@ class TrainStep:
         self._fn = None
 
     # -- layouts ---------------------------------------------------------------
-    def _layouts(self, params):
+    def layouts(self, params):
+        """``(treedef, compute layouts, stored layouts)`` of ``params``' leaves:
+        ``param_sbp`` normalized (B where it gives none), and under ZeRO the
+        stored layouts split over the data axis (:func:`zero_layout`)."""
         pl = self.placement
         rep = (Broadcast(),) * pl.ndim
         leaves, tree = jax.tree_util.tree_flatten(params, is_leaf=_is_gt)
@@ -237,7 +238,7 @@ class TrainStep:
         from the placed parameters by one compiled program whose outputs are
         born in their layouts (:func:`init_global`): it never passes through
         the host or one device."""
-        tree, compute, stored = self._layouts(params)
+        tree, compute, stored = self.layouts(params)
         self._tree, self._compute, self.stored_sbp = tree, compute, jax.tree_util.tree_unflatten(tree, stored)
         pl = self.placement
         leaves = jax.tree_util.tree_leaves(params, is_leaf=_is_gt)
@@ -324,270 +325,4 @@ class TrainStep:
         return self._fn.lower(params, opt_state, batch)
 
 
-def _is_key(v) -> bool:
-    return hasattr(v, "dtype") and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
-
-
-def _unwrap_keys(tree):
-    return jax.tree.map(lambda v: jax.random.key_data(v) if _is_key(v) else v, tree)
-
-
-def _wrap_keys(tree, impls):
-    return jax.tree.map(
-        lambda v, impl: v if impl is None else jax.random.wrap_key_data(v, impl=impl),
-        tree,
-        impls,
-        is_leaf=lambda v: v is None,
-    )
-
-
-def bytes_per_device(tree) -> int:
-    """The largest number of bytes any one device holds for the global tensors
-    in ``tree`` (measured from the local arrays, padding included)."""
-    per: dict = {}
-    for t in jax.tree.leaves(tree, is_leaf=_is_gt):
-        if not _is_gt(t):
-            continue
-        for shard in t.physical.addressable_shards:
-            per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
-    return max(per.values()) if per else 0
-
-
-def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options) -> dict:
-    """The TrainStep keywords both Trainer constructors take and pass on as they are."""
-    return dict(
-        zero=zero,
-        compute_dtype=compute_dtype,
-        cost_model=cost_model,
-        donate=donate,
-        solve_time_limit=solve_time_limit,
-        regather=regather,
-        options=options,
-    )
-
-
-class Trainer:
-    """Train an NNX model with ``sj.jit``: its parameters' annotations are the
-    compute layouts, the optimizer state follows them (or is split by ZeRO).
-
-        trainer = Trainer(model, optax.adamw(1e-3), loss_fn, pl, batch_sbp=(S(0), B))
-        loss = trainer.step(batch)          # loss_fn(model, batch) -> scalar
-        print(trainer.explain(batch).summary())
-        model = trainer.model()             # the trained model, unplaced (numpy values)
-
-    The model's other state (every non-Param variable: BatchNorm statistics,
-    dropout RNG keys and counters) goes through the step too: it is B, the
-    forward pass may update it (statistics over a split batch are reduced
-    across devices), and the step returns it, as ``nnx.jit`` of the same
-    step would. RNG keys travel as their key data and are rewrapped inside.
-
-    ``Trainer(model, ...)`` places a model that exists already (its values go
-    through the host once); :meth:`Trainer.create` builds the model's state
-    born sharded, by compiled init programs, for models larger than one
-    device or host.
-
-    ``donate=True`` (default): each step donates the parameters and optimizer
-    state to the compiled step, whose outputs reuse their buffers (one copy of
-    the state on the devices, not two). A step that fails before it runs (a
-    batch of the wrong shape or layout, a trace or layout error) leaves the
-    trainer as it was and can be retried; so does a loss that cannot be read
-    (checked on a probe scalar before the state is consumed). Once the step
-    has run, the trainer holds its results: if reading the loss fails then
-    (unexpectedly), the step stands and is not to be retried. ``donate=False``
-    keeps the previous state until the loss is read (all or nothing at every
-    point) at the cost of the second copy.
-
-    ``options`` (``sj.CompileOptions``) and ``regather`` (whether gathered
-    weights are gathered again for the backward pass): see :class:`TrainStep`.
-    """
-
-    def __init__(
-        self,
-        model,
-        optimizer,
-        loss_fn,
-        placement: Placement,
-        *,
-        batch_sbp,
-        zero=False,
-        compute_dtype=None,
-        cost_model=None,
-        donate: bool = True,
-        solve_time_limit=None,
-        regather="auto",
-        options=None,
-    ):
-        self._setup(
-            model,
-            optimizer,
-            loss_fn,
-            placement,
-            batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options),
-        )
-        # typed PRNG keys cannot be global tensors: carry their key data (uint32)
-        self._key_impls = jax.tree.map(
-            lambda v: jax.random.key_impl(v) if _is_key(v) else None, self._rest_pure
-        )
-        self._build_step()
-        self.params, self.opt_state = self.train_step.init(self._pure)
-        rep = (Broadcast(),) * placement.ndim
-        self.state = jax.tree.map(
-            lambda v: to_global(np.asarray(v), placement, rep), _unwrap_keys(self._rest_pure)
-        )
-        del self._pure, self._rest_pure
-
-    @classmethod
-    def create(
-        cls,
-        model_factory,
-        optimizer,
-        loss_fn,
-        placement: Placement,
-        *,
-        batch_sbp,
-        zero=False,
-        compute_dtype=None,
-        cost_model=None,
-        donate: bool = True,
-        solve_time_limit=None,
-        regather="auto",
-        options=None,
-    ) -> Trainer:
-        """A Trainer whose state is born sharded: ``model_factory()`` (no
-        arguments, e.g. ``lambda: sjf.annotate(GPT(cfg, nnx.Rngs(0)), RULES)``)
-        runs only abstractly (``nnx.eval_shape``, to read the parameters'
-        shapes and annotations) and inside one ``jax.jit`` whose outputs are
-        laid out as the parameters' stored layouts (ZeRO's included), so each
-        device computes only its own blocks of each parameter, as ``nnx.jit``
-        with ``out_shardings`` does. The optimizer state is then made from the
-        placed parameters by ``jax.jit(optimizer.init)`` with its layouts.
-        No split parameter is ever whole on one device or on the host. The
-        values equal ``Trainer(model_factory(), ...)``'s (the same RNG keys).
-        """
-        self = cls.__new__(cls)
-        abstract = nnx.eval_shape(model_factory)
-        self._setup(
-            abstract,
-            optimizer,
-            loss_fn,
-            placement,
-            batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options),
-        )
-        impls: dict = {}
-
-        def born():
-            model = model_factory()
-            _, p, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-            rest_pure = nnx.to_pure_dict(rest)
-            impls["tree"] = jax.tree.map(lambda v: jax.random.key_impl(v) if _is_key(v) else None, rest_pure)
-            return nnx.to_pure_dict(p), _unwrap_keys(rest_pure)
-
-        jax.eval_shape(born)  # the RNG keys' implementations, which the step rewraps
-        self._key_impls = impls["tree"]
-        self._build_step()
-        tree, _, stored = self.train_step._layouts(self._pure)
-        rep = (Broadcast(),) * placement.ndim
-        params_g, self.state = init_global(born, placement, (jax.tree_util.tree_unflatten(tree, stored), rep))
-        self.params, self.opt_state = self.train_step.init(params_g)
-        del self._pure, self._rest_pure
-        return self
-
-    def _setup(self, model, optimizer, loss_fn, placement, batch_sbp, step_options: dict):
-        """What both constructors share: the graph, the templates and the layouts
-        (``model`` may be abstract). ``step_options``: the TrainStep keywords
-        the constructors take as they are (zero, compute_dtype, ...)."""
-        self.placement = placement
-        self.graphdef: nnx.GraphDef
-        # flax types split with two or more filters as a variadic tuple; two give exactly three
-        self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
-        self._template, self._rest_template = params_state, rest
-        self._pure = nnx.to_pure_dict(params_state)
-        self._rest_pure = nnx.to_pure_dict(rest)
-        self._param_sbp = get_sbp(model, placement)
-        self._optimizer, self._loss_fn, self._batch_sbp = optimizer, loss_fn, batch_sbp
-        self._step_options = step_options
-        self._probe = to_global(np.zeros((), np.float32), placement, (Broadcast(),) * placement.ndim)
-
-    def _build_step(self):
-        loss_fn = self._loss_fn
-        placement = self.placement
-        template, rest_template, graphdef = self._template, self._rest_template, self.graphdef
-        impls = self._key_impls
-
-        def model_loss(params, batch_and_state):
-            batch, rest_data = batch_and_state
-            state = jax.tree.map(lambda v: v, template)
-            nnx.replace_by_pure_dict(state, params)
-            other = jax.tree.map(lambda v: v, rest_template)
-            nnx.replace_by_pure_dict(other, _wrap_keys(rest_data, impls))
-            model = nnx.merge(graphdef, state, other)
-            loss = loss_fn(model, batch)
-            updated = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
-            return loss, _unwrap_keys(updated)
-
-        rep = (Broadcast(),) * placement.ndim
-        self.train_step = TrainStep(
-            model_loss,
-            self._optimizer,
-            placement,
-            self._param_sbp,
-            (self._batch_sbp, rep),
-            has_aux=True,
-            aux_sbp=rep,
-            **self._step_options,
-        )
-
-    def step(self, batch) -> float:
-        """One training step; returns the loss.
-
-        A step that raises before it runs (a bad batch, a loss that cannot be
-        read) leaves the trainer as it was and can be retried. With
-        ``donate=False`` that holds at every point: the loss is read before the
-        trainer's state changes. With ``donate=True`` (default) the step
-        consumes the previous parameters and optimizer state, so the trainer
-        adopts the results as soon as the step has run and reads the loss
-        after; whether the loss can be read is checked first, on a probe
-        scalar of the same placement, so that failure still comes before."""
-        if not self.train_step.donate:
-            params, opt_state, loss, state = self.train_step(self.params, self.opt_state, (batch, self.state))
-            value = float(loss.numpy())
-            self.params, self.opt_state, self.state = params, opt_state, state
-            return value
-        self._probe.numpy()  # a B scalar on this placement reads as the loss will
-        params, opt_state, loss, state = self.train_step(self.params, self.opt_state, (batch, self.state))
-        self.params, self.opt_state, self.state = params, opt_state, state
-        return float(loss.numpy())
-
-    def explain(self, batch):
-        return self.train_step.explain(self.params, self.opt_state, (batch, self.state))
-
-    def lower(self, batch):
-        """The ``jax.stages.Lowered`` of one step (``.compile()`` it, read ``sj.collectives``)."""
-        return self.train_step.lower(self.params, self.opt_state, (batch, self.state))
-
-    def model(self):
-        """The trained model with logical values (plain arrays), its state included."""
-        logical = lambda tree: jax.tree.map(lambda t: jnp.asarray(t.numpy()), tree, is_leaf=_is_gt)  # noqa: E731
-        state = jax.tree.map(lambda v: v, self._template)
-        nnx.replace_by_pure_dict(state, logical(self.params))
-        other = jax.tree.map(lambda v: v, self._rest_template)
-        nnx.replace_by_pure_dict(other, _wrap_keys(logical(self.state), self._key_impls))
-        return nnx.merge(self.graphdef, state, other)
-
-    def save(self, path) -> None:
-        """Save parameters, optimizer state and model state with orbax (``sbpjax.checkpoint``)."""
-        checkpoint.save(path, {"params": self.params, "opt_state": self.opt_state, "state": self.state})
-
-    def restore(self, path) -> None:
-        """Load a state saved by any Trainer of the same model and optimizer,
-        whatever its placement and layouts, into this Trainer's layouts."""
-        saved = checkpoint.restore(
-            path, {"params": self.params, "opt_state": self.opt_state, "state": self.state}
-        )
-        self.params, self.opt_state, self.state = saved["params"], saved["opt_state"], saved["state"]
-
-    def state_bytes_per_device(self) -> dict:
-        """Bytes the most loaded device holds: parameters and optimizer state."""
-        return {"params": bytes_per_device(self.params), "opt_state": bytes_per_device(self.opt_state)}
+__all__ = ["TrainStep", "init_global", "zero_layout"]
