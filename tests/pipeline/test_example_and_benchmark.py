@@ -1,9 +1,11 @@
 """The pipeline example and benchmark run (small settings) and their outputs hold."""
 
 import json
+import pathlib
 import re
 
 import pytest
+from conftest import ROOT
 from conftest import run_script as _run
 
 
@@ -75,3 +77,27 @@ def test_pipeline_benchmark_quick(tmp_path):
             assert r["flops_ratio_vs_1f1b"] <= 1.02  # B and W partition the backward: no recompute
     assert by["zb-h1"]["simulated_makespan_ratio_vs_1f1b"] == pytest.approx(27 / 33)
     assert by["zb-v"]["simulated_makespan_ratio_vs_1f1b"] == pytest.approx(25.5 / 33)
+
+
+def test_pipeline_results_hold_the_search():
+    """The committed full run (``benchmarks/pipeline.py`` without --quick) holds
+    the joint search's rows next to the schedules, with the fields and
+    targets issue 52 asks for: a run written before the search existed lacked
+    them."""
+    data = json.loads((pathlib.Path(ROOT) / "benchmarks" / "results" / "pipeline.json").read_text())
+    assert data["config"]["quick"] is False
+    rows = data["search"]
+    fields = {
+        "name",
+        "predicted_step_s",
+        "measured_step_s",
+        "brute_force_step_s",
+        "search_s",
+        "layers",
+        "devices",
+    }
+    assert rows and all(fields <= set(r) for r in rows)
+    measured = [r for r in rows if r["brute_force_step_s"] is not None]
+    assert measured and any(r["layers"] >= 64 and r["devices"] >= 64 for r in rows)
+    for key in ("search_measured_le_1.05x_brute_force", "search_64_layers_64_devices_le_10s"):
+        assert key in data["targets"]
