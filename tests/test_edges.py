@@ -552,3 +552,18 @@ def test_ambiguous_in_sbp_is_an_error(pl24):
         sj.jit(lambda a, b: a, placement=pl24, in_sbp=(sj.S(0), "B, S(1)"))(x, x)
     with pytest.raises(sj.SBPError, match="has 3 entries but the placement has 2 axes"):
         sj.jit(lambda a, b, c: a, placement=pl24, in_sbp=("S(0)", "B", "B"))(x, x, x)
+
+
+def test_two_axis_layout_on_a_one_axis_placement_says_why(pl8):
+    """An array's layout written for a 2-D placement, given on a 1-D one, is
+    read as one SBP per value (the rule above): the structure error says so
+    and how to write it."""
+    x, w = np.ones((8, 16), np.float32), np.ones((16, 4), np.float32)
+    f = sj.jit(lambda a, b: a @ b, placement=pl8, in_sbp=((sj.B, sj.S(1)), (sj.S(0),)))
+    with pytest.raises(sj.SBPError, match=r"one axis, so \(B, S\(1\)\) is read as one SBP for each of 2 values"):
+        f(x, w)
+    # the message names nothing of the kind where no such tuple is given
+    g = sj.jit(lambda a, b: a @ b, placement=pl8, in_sbp=({"k": sj.B}, sj.S(0)))
+    with pytest.raises(sj.SBPError, match="does not match the structure") as info:
+        g(x, w)
+    assert "one axis" not in str(info.value)

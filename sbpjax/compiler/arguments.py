@@ -114,7 +114,7 @@ def broadcast_spec(spec, tree, what, ndim):
     """Expand an in_sbp / out_sbp prefix pytree to one entry per leaf of ``tree``."""
     if spec is None:
         return [None] * tree.num_leaves
-    spec = _canonical_spec(spec, ndim, what)
+    given, spec = spec, _canonical_spec(spec, ndim, what)
     try:
         return jax.tree_util.tree_flatten(
             jax.tree_util.tree_map(
@@ -129,8 +129,37 @@ def broadcast_spec(spec, tree, what, ndim):
         raise SBPError(
             f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
             "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
-            "in_sbp=((S(0), B), None)."
+            f"in_sbp=((S(0), B), None).{_one_axis_hint(given, ndim)}"
         ) from None
+
+
+def _one_axis_hint(spec, ndim: int) -> str:
+    """Where a mismatch may come from reading a tuple of SBPs as a tree: on a
+    1-D placement ``(B, S(1))`` is one SBP per value, not one array's nd-SBP
+    (the rule of ``_canonical_spec``), which an array written for a 2-D
+    placement trips on."""
+    if ndim != 1:
+        return ""
+    found: list = []
+
+    def walk(v):
+        if isinstance(v, (tuple, list)) and len(v) > 1 and all(_one_sbp(x) is not None for x in v):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+
+    walk(spec)
+    if not found:
+        return ""
+    return (
+        f" The placement has one axis, so {tuple(found[0])!r} is read as one SBP for each of "
+        f"{len(found[0])} values, not as one array's layout: an array on a 1-D placement takes one "
+        "SBP, e.g. S(1) or (S(1),)."
+    )
 
 
 def checked_time_limit(value, where: str) -> None:

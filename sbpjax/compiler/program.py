@@ -190,6 +190,9 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
+UNKNOWN_SOURCE = "<unknown>"  # an equation whose traceback holds no frame at all
+
+
 def source_of(eqn) -> str:
     """The user's line that made ``eqn``: the innermost frame outside JAX, the
     standard library, sbpjax itself, Flax and optax (``sj.constrain``, the Flax
@@ -206,11 +209,11 @@ def source_of(eqn) -> str:
                 break
         frame = frame or first
         if frame is None:
-            return "<unknown>"
+            return UNKNOWN_SOURCE
         column = f":{frame.start_column}" if frame.start_column else ""
         return f"{frame.file_name}:{frame.start_line}{column} ({frame.function_name})"
     except Exception:  # noqa: BLE001 - source info is a nicety
-        return "<unknown>"
+        return UNKNOWN_SOURCE
 
 
 __all__ = [
@@ -224,4 +227,5 @@ __all__ = [
     "Program",
     "common_path",
     "source_of",
+    "UNKNOWN_SOURCE",
 ]

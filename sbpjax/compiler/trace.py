@@ -21,7 +21,18 @@ try:  # the public home moved across JAX versions
 except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
-from sbpjax.compiler.program import Cond, Const, EqnText, Iteration, Loop, Node, Program, Var, source_of
+from sbpjax.compiler.program import (
+    UNKNOWN_SOURCE,
+    Cond,
+    Const,
+    EqnText,
+    Iteration,
+    Loop,
+    Node,
+    Program,
+    Var,
+    source_of,
+)
 from sbpjax.compiler.small_jaxprs import index_jaxpr, jaxpr_of
 
 INLINE = {
@@ -224,14 +235,15 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
             inner_jaxpr = getattr(inner, "jaxpr", inner)
             inner_consts = list(getattr(inner, "consts", ()))
             if len(inner_jaxpr.invars) == len(ins):
+                start = len(nodes)
                 if eqn.primitive.name in REMAT and eqn.params.get("prevent_cse", False):
-                    start = len(nodes)
                     outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {}, flat)
                     region = next(_regions)
                     for n in nodes[start:]:
                         n.region = n.region or region  # the innermost region wins
                 else:
                     outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse, flat)
+                _name_unnamed(nodes[start:], eqn, flat)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
@@ -249,6 +261,21 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _name_unnamed(inlined, call, flat) -> None:
+    """Give the inlined nodes whose equations carry no frame the call's line.
+    JAX's own jitted helpers (``jnp.take_along_axis``'s index arithmetic and
+    gather) are traced with no traceback of their own; ``explain()`` listed
+    them as ``<unknown>``. The call's line is computed only where needed."""
+    unnamed = [n for n in inlined if n.source == UNKNOWN_SOURCE]
+    if not unnamed:
+        return
+    texts = flat.texts.get(id(call))
+    if texts is None:  # kept alive by flat.texts, so the id stays its own
+        texts = flat.texts[id(call)] = EqnText(call)
+    for n in unnamed:
+        n.source = texts.source
 
 
 def _emit(fn, atoms, nodes, cse, what=None, flat=None):

@@ -56,3 +56,18 @@ def test_warning_inside_nnx_while_loop_names_the_users_line(pl8):
     with open(HERE) as src:
         line = next(i for i, text in enumerate(src, 1) if "the op's line" in text)
     assert loops and all(f"{HERE}:{line}" in m for m in loops), loops
+
+
+def test_ops_of_jax_helpers_without_frames_point_at_the_call(pl8):
+    """``jnp.take_along_axis`` runs jitted helpers whose equations JAX traces
+    with no frame at all; their ops take the line that called the helper."""
+    import jax.numpy as jnp
+
+    def pick(x, idx):
+        return jnp.take_along_axis(x, idx[:, None], axis=1)  # the line the gather must point at
+
+    f = sj.jit(pick, placement=pl8, in_sbp=(sj.S(0), sj.S(0)))
+    x, idx = np.ones((16, 8), np.float32), np.zeros((16,), np.int32)
+    ops = f.explain(x, idx).ops
+    assert any(name == "gather" for name, _, _, _ in ops)
+    assert all(src.startswith(HERE) and src.endswith("pick)") for _, src, _, _ in ops), ops
