@@ -560,7 +560,9 @@ def test_two_axis_layout_on_a_one_axis_placement_says_why(pl8):
     and how to write it."""
     x, w = np.ones((8, 16), np.float32), np.ones((16, 4), np.float32)
     f = sj.jit(lambda a, b: a @ b, placement=pl8, in_sbp=((sj.B, sj.S(1)), (sj.S(0),)))
-    with pytest.raises(sj.SBPError, match=r"one axis, so \(B, S\(1\)\) is read as one SBP for each of 2 values"):
+    with pytest.raises(
+        sj.SBPError, match=r"one axis, so \(B, S\(1\)\) is read as one SBP for each of 2 values"
+    ):
         f(x, w)
     # the message names nothing of the kind where no such tuple is given
     g = sj.jit(lambda a, b: a @ b, placement=pl8, in_sbp=({"k": sj.B}, sj.S(0)))
