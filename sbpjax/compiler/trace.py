@@ -247,9 +247,7 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
-        texts = flat.texts.get(id(eqn))
-        if texts is None:  # kept alive by flat.texts, so the id stays its own
-            texts = flat.texts[id(eqn)] = EqnText(eqn)
+        texts = _texts(eqn, flat)
         key = _cse_key(eqn, ins, texts)
         if key is not None and key in cse:
             outs = cse[key]
@@ -269,13 +267,18 @@ def _name_unnamed(inlined, call, flat) -> None:
     gather) are traced with no traceback of their own; ``explain()`` listed
     them as ``<unknown>``. The call's line is computed only where needed."""
     unnamed = [n for n in inlined if n.source == UNKNOWN_SOURCE]
-    if not unnamed:
-        return
-    texts = flat.texts.get(id(call))
+    if unnamed:
+        source = _texts(call, flat).source
+        for n in unnamed:
+            n.source = source
+
+
+def _texts(eqn, flat) -> EqnText:
+    """The equation's EqnText, made once per equation (``_Flattening.texts``)."""
+    texts = flat.texts.get(id(eqn))
     if texts is None:  # kept alive by flat.texts, so the id stays its own
-        texts = flat.texts[id(call)] = EqnText(call)
-    for n in unnamed:
-        n.source = texts.source
+        texts = flat.texts[id(eqn)] = EqnText(eqn)
+    return texts
 
 
 def _emit(fn, atoms, nodes, cse, what=None, flat=None):
