@@ -143,6 +143,11 @@ def pl24():
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the fields of a row of the joint pipeline search's results (issue 52), which
+# benchmarks/pipeline_search.py writes and benchmarks/pipeline.py copies
+SEARCH_ROW_FIELDS = frozenset(
+    {"name", "predicted_step_s", "measured_step_s", "brute_force_step_s", "search_s", "layers", "devices"}
+)
 
 
 def run_script(args, timeout, fast_compile=True):

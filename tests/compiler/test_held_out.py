@@ -84,23 +84,13 @@ def mlp_grads(p, x, y):
 
 def _cases():
     a = _normal(64, 64)
+    # x split by batch; query heads split over y, the shared key/value heads whole (Megatron's GQA)
+    gqa_args = (_normal(4, 32, 64), _normal(64, 128, scale=0.1), _normal(64, 32, scale=0.1))
+    gqa_args += (_normal(64, 32, scale=0.1), _normal(128, 64, scale=0.1))
+    gqa_sbp = ((S(0), B), (B, S(1)), (B, B), (B, B), (B, S(0)))
     return [
-        (
-            "gqa",
-            gqa,
-            (_normal(4, 32, 64), _normal(64, 128, scale=0.1), _normal(64, 32, scale=0.1))
-            + (_normal(64, 32, scale=0.1), _normal(128, 64, scale=0.1)),
-            ((S(0), B), (B, S(1)), (B, B), (B, B), (B, S(0))),
-            (2, 4),
-        ),
-        (
-            "gqa_grads",
-            gqa_grads,
-            (_normal(4, 32, 64), _normal(64, 128, scale=0.1), _normal(64, 32, scale=0.1))
-            + (_normal(64, 32, scale=0.1), _normal(128, 64, scale=0.1)),
-            ((S(0), B), (B, S(1)), (B, B), (B, B), (B, S(0))),
-            (2, 4),
-        ),
+        ("gqa", gqa, gqa_args, gqa_sbp, (2, 4)),
+        ("gqa_grads", gqa_grads, gqa_args, gqa_sbp, (2, 4)),
         (
             "segment_logits",
             segment_logits,

@@ -5,7 +5,7 @@ import pathlib
 import re
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, SEARCH_ROW_FIELDS
 from conftest import run_script as _run
 
 
@@ -87,15 +87,7 @@ def test_pipeline_results_hold_the_search():
     data = json.loads((pathlib.Path(ROOT) / "benchmarks" / "results" / "pipeline.json").read_text())
     assert data["config"]["quick"] is False
     rows = data["search"]
-    fields = {
-        "name",
-        "predicted_step_s",
-        "measured_step_s",
-        "brute_force_step_s",
-        "search_s",
-        "layers",
-        "devices",
-    }
+    fields = SEARCH_ROW_FIELDS
     assert rows and all(fields <= set(r) for r in rows)
     measured = [r for r in rows if r["brute_force_step_s"] is not None]
     assert measured and any(r["layers"] >= 64 and r["devices"] >= 64 for r in rows)

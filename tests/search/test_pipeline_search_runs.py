@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from conftest import run_script
+from conftest import SEARCH_ROW_FIELDS, run_script
 
 
 @pytest.mark.slow
@@ -12,15 +12,7 @@ def test_pipeline_search_benchmark_smoke(tmp_path):
     path = tmp_path / "pipeline_search.json"
     run_script(["benchmarks/pipeline_search.py", "--smoke", "--output", str(path)], 900)
     rows = {r["name"]: r for r in json.loads(path.read_text())["search"]}
-    fields = {
-        "name",
-        "predicted_step_s",
-        "measured_step_s",
-        "brute_force_step_s",
-        "search_s",
-        "layers",
-        "devices",
-    }
+    fields = SEARCH_ROW_FIELDS
     assert set(rows) == {"mlp_uneven", "gpt_64x64"} and all(fields <= set(r) for r in rows.values())
     small = rows["mlp_uneven"]
     # the searched plan's prediction is the exhaustive optimum's (the benchmark asserts it
