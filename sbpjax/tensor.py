@@ -314,6 +314,12 @@ def placeholder(shape, dtype, placement: Placement, sbp) -> GlobalTensor:
     return GlobalTensor(_assemble({}, geom, layout, placement, dtype), shape, dtype, placement, tuple(sbp))
 
 
+def is_global(v) -> bool:
+    """Whether ``v`` is a :class:`GlobalTensor` (the ``is_leaf`` of pytree
+    walks that stop at global tensors)."""
+    return isinstance(v, GlobalTensor)
+
+
 def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> GlobalTensor:
     """Lay out the logical array ``x`` over ``placement`` as ``sbp``.
 
@@ -488,4 +494,4 @@ def _check_broadcast_copies(grid, geom, layout, placement, sbp):
             groups[key] = c
 
 
-__all__ = ["GlobalTensor", "to_global", "from_local_tensors"]
+__all__ = ["GlobalTensor", "is_global", "to_global", "from_local_tensors"]

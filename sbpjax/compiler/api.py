@@ -52,7 +52,7 @@ from sbpjax.compiler.trace import trace
 from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
-from sbpjax.tensor import GlobalTensor, to_global
+from sbpjax.tensor import GlobalTensor, is_global, to_global
 
 
 def _is_deleted(x) -> bool:
@@ -112,9 +112,8 @@ class CompiledFunction:
 
     # -- argument handling -----------------------------------------------------
     def _globals(self, args, kwargs):
-        is_gt = lambda v: isinstance(v, GlobalTensor)  # noqa: E731
-        _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_gt)
-        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_gt)
+        _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_global)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_global)
         # keyword arguments: as given, or B
         specs = broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
         n_positional = len(specs)

@@ -40,11 +40,7 @@ from sbpjax.dtypes import canonical_dtype
 from sbpjax.layout import Geometry
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Split, normalize_nd_sbp
-from sbpjax.tensor import GlobalTensor, to_global
-
-
-def _is_gt(v) -> bool:
-    return isinstance(v, GlobalTensor)
+from sbpjax.tensor import GlobalTensor, is_global, to_global
 
 
 def zero_layout(nd: tuple, shape, placement: Placement, axis: int) -> tuple:
@@ -202,7 +198,7 @@ class TrainStep:
         stored layouts split over the data axis (:func:`zero_layout`)."""
         pl = self.placement
         rep = (Broadcast(),) * pl.ndim
-        leaves, tree = jax.tree_util.tree_flatten(params, is_leaf=_is_gt)
+        leaves, tree = jax.tree_util.tree_flatten(params, is_leaf=is_global)
         try:
             given = tree.flatten_up_to(self.param_sbp) if self.param_sbp is not None else [None] * len(leaves)
         except (ValueError, TypeError) as e:
@@ -212,13 +208,13 @@ class TrainStep:
             ) from None
         paths = [
             jax.tree_util.keystr(k)
-            for k, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_gt)[0]
+            for k, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_global)[0]
         ]
         compute = [
             rep
             if nd is None
             else normalize_nd_sbp(
-                nd, pl.ndim, len(np.shape(v)) if not _is_gt(v) else v.ndim, f"param_sbp of parameter {p}"
+                nd, pl.ndim, len(np.shape(v)) if not is_global(v) else v.ndim, f"param_sbp of parameter {p}"
             )
             for v, nd, p in zip(leaves, given, paths)
         ]
@@ -241,9 +237,9 @@ class TrainStep:
         tree, compute, stored = self.layouts(params)
         self._tree, self._compute, self.stored_sbp = tree, compute, jax.tree_util.tree_unflatten(tree, stored)
         pl = self.placement
-        leaves = jax.tree_util.tree_leaves(params, is_leaf=_is_gt)
+        leaves = jax.tree_util.tree_leaves(params, is_leaf=is_global)
         placed = [
-            v.to_global(sbp=nd, placement=pl) if _is_gt(v) else to_global(np.asarray(v), pl, nd)
+            v.to_global(sbp=nd, placement=pl) if is_global(v) else to_global(np.asarray(v), pl, nd)
             for v, nd in zip(leaves, stored)
         ]
         params_g = jax.tree_util.tree_unflatten(tree, placed)

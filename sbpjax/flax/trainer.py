@@ -18,11 +18,7 @@ from sbpjax.flax.annotate import get_sbp
 from sbpjax.flax.train import TrainStep, init_global
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast
-from sbpjax.tensor import GlobalTensor, to_global
-
-
-def _is_global(v) -> bool:
-    return isinstance(v, GlobalTensor)
+from sbpjax.tensor import is_global, to_global
 
 
 def _is_key(v) -> bool:
@@ -46,8 +42,8 @@ def bytes_per_device(tree) -> int:
     """The largest number of bytes any one device holds for the global tensors
     in ``tree`` (measured from the local arrays, padding included)."""
     per: dict = {}
-    for t in jax.tree.leaves(tree, is_leaf=_is_global):
-        if not _is_global(t):
+    for t in jax.tree.leaves(tree, is_leaf=is_global):
+        if not is_global(t):
             continue
         for shard in t.physical.addressable_shards:
             per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
@@ -270,7 +266,7 @@ class Trainer:
 
     def model(self):
         """The trained model with logical values (plain arrays), its state included."""
-        logical = lambda tree: jax.tree.map(lambda t: jnp.asarray(t.numpy()), tree, is_leaf=_is_global)  # noqa: E731
+        logical = lambda tree: jax.tree.map(lambda t: jnp.asarray(t.numpy()), tree, is_leaf=is_global)  # noqa: E731
         state = jax.tree.map(lambda v: v, self._template)
         nnx.replace_by_pure_dict(state, logical(self.params))
         other = jax.tree.map(lambda v: v, self._rest_template)

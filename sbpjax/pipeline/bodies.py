@@ -24,9 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sbpjax.pipeline.programs import is_global
 from sbpjax.placement import Placement
-from sbpjax.tensor import GlobalTensor, placeholder, to_global
+from sbpjax.tensor import GlobalTensor, is_global, placeholder, to_global
 
 
 def ready(tree):

@@ -23,6 +23,7 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
+from sbpjax.tensor import is_global
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,21 +187,15 @@ class LayerChain:
                 f"LayerChain.model_params: {len(per_layer)} parameter trees for {len(self.layers)} layers; "
                 "flatten the stages' lists first (sum(pipe.params, []) or cut.layer_params(...))."
             )
-        host = [jax.tree_util.tree_map(_host, p, is_leaf=_is_global) for p in per_layer]
+        host = [jax.tree_util.tree_map(_host, p, is_leaf=is_global) for p in per_layer]
         return self._to_model(host) if self._to_model is not None else host
 
     def __repr__(self):
         return f"LayerChain({len(self.layers)} layers: {', '.join(l.name for l in self.layers)})"
 
 
-def _is_global(v) -> bool:
-    from sbpjax.tensor import GlobalTensor
-
-    return isinstance(v, GlobalTensor)
-
-
 def _host(v):
-    return np.asarray(v.numpy()) if _is_global(v) else np.asarray(v)
+    return np.asarray(v.numpy()) if is_global(v) else np.asarray(v)
 
 
 def is_layout(v) -> bool:

@@ -27,11 +27,7 @@ import optax
 from sbpjax.compiler.api import constrain, jit, state_sbp
 from sbpjax.pipeline.split import SplitVJP, split_vjp
 from sbpjax.sbp import Broadcast
-from sbpjax.tensor import GlobalTensor, to_global
-
-
-def is_global(v) -> bool:
-    return isinstance(v, GlobalTensor)
+from sbpjax.tensor import is_global, to_global
 
 
 def _avals(tree) -> tuple:
