@@ -564,8 +564,14 @@ def test_two_axis_layout_on_a_one_axis_placement_says_why(pl8):
         sj.SBPError, match=r"one axis, so \(B, S\(1\)\) is read as one SBP for each of 2 values"
     ):
         f(x, w)
-    # the message names nothing of the kind where no such tuple is given
-    g = sj.jit(lambda a, b: a @ b, placement=pl8, in_sbp=({"k": sj.B}, sj.S(0)))
-    with pytest.raises(sj.SBPError, match="does not match the structure") as info:
-        g(x, w)
-    assert "one axis" not in str(info.value)
+    # no hint where no such tuple stands on one array: none given, one SBP per
+    # argument with one argument too many, a tuple that matches a tuple of arrays
+    wrong = [
+        (lambda a, b: a @ b, ({"k": sj.B}, sj.S(0)), (x, w)),
+        (lambda a, b, c: a, (sj.S(0), sj.B), (x, x, x)),
+        (lambda p, d: p[0], ((sj.S(0), sj.B), {"k": sj.B}), ((x, x), {"j": x})),
+    ]
+    for fn, spec, args in wrong:
+        with pytest.raises(sj.SBPError, match="does not match the structure") as info:
+            sj.jit(fn, placement=pl8, in_sbp=spec)(*args)
+        assert "one axis" not in str(info.value), spec

@@ -3,7 +3,7 @@ pytrees expanded to one nd-SBP per leaf (one rule for SBP values and their
 text, see :func:`_canonical_spec`), optimizer-state layouts that mirror the
 parameters' (:func:`state_sbp`), where a leaf sits in the call, and the
 checks of ``donate_argnums``, ``regather`` and the retired
-``solve_time_limit``. Shared by ``sj.jit`` and the Flax trainer
+``solve_time_limit``. Shared by ``sj.jit`` and the Flax ``TrainStep``
 (:mod:`sbpjax.flax.train`).
 """
 
@@ -115,12 +115,13 @@ def broadcast_spec(spec, tree, what, ndim):
     if spec is None:
         return [None] * tree.num_leaves
     given, spec = spec, _canonical_spec(spec, ndim, what)
+    values = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
     try:
         return jax.tree_util.tree_flatten(
             jax.tree_util.tree_map(
                 lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
                 spec,
-                jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves),
+                values,
                 is_leaf=_is_sbp_leaf,
             ),
             is_leaf=_is_sbp_leaf,
@@ -129,37 +130,46 @@ def broadcast_spec(spec, tree, what, ndim):
         raise SBPError(
             f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
             "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
-            f"in_sbp=((S(0), B), None).{_one_axis_hint(given, ndim)}"
+            f"in_sbp=((S(0), B), None).{_one_axis_hint(given, values, ndim)}"
         ) from None
 
 
-def _one_axis_hint(spec, ndim: int) -> str:
-    """Where a mismatch may come from reading a tuple of SBPs as a tree: on a
-    1-D placement ``(B, S(1))`` is one SBP per value, not one array's nd-SBP
-    (the rule of ``_canonical_spec``), which an array written for a 2-D
-    placement trips on."""
+def _one_axis_hint(spec, values, ndim: int) -> str:
+    """Where the mismatch comes from reading a tuple of SBPs as a tree: on a
+    1-D placement ``(B, S(1))`` is one SBP per value (the rule of
+    ``_canonical_spec``), so where it stands for one array (a layout written
+    for a 2-D placement) the structures differ. ``values``: the values' tree
+    with a placeholder per array. Only such a tuple standing on an array is
+    named: one standing on a tuple of values may be right."""
     if ndim != 1:
         return ""
-    found: list = []
-
-    def walk(v):
-        if isinstance(v, (tuple, list)) and len(v) > 1 and all(_one_sbp(x) is not None for x in v):
-            found.append(v)
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                walk(x)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-
-    walk(spec)
-    if not found:
+    found = _sbp_tuple_on_an_array(spec, values)
+    if found is None:
         return ""
     return (
-        f" The placement has one axis, so {tuple(found[0])!r} is read as one SBP for each of "
-        f"{len(found[0])} values, not as one array's layout: an array on a 1-D placement takes one "
-        "SBP, e.g. S(1) or (S(1),)."
+        f" The placement has one axis, so {tuple(found)!r} is read as one SBP for each of "
+        f"{len(found)} values, but it stands where there is one array: an array on a 1-D placement "
+        "takes one SBP (S(k), B or P), or a tuple of one."
     )
+
+
+def _sbp_tuple_on_an_array(spec, values):
+    """The first tuple or list of two or more single SBPs in ``spec`` whose
+    place in ``values`` is one array (not a container), or None."""
+    is_container = isinstance(values, (tuple, list, dict))
+    if isinstance(spec, (tuple, list)) and len(spec) > 1 and all(_one_sbp(x) is not None for x in spec):
+        return None if is_container else spec
+    if isinstance(spec, (tuple, list)) and isinstance(values, (tuple, list)) and len(spec) == len(values):
+        pairs = list(zip(spec, values))
+    elif isinstance(spec, dict) and isinstance(values, dict):
+        pairs = [(v, values[k]) for k, v in spec.items() if k in values]
+    else:
+        return None
+    for sub_spec, sub_values in pairs:
+        found = _sbp_tuple_on_an_array(sub_spec, sub_values)
+        if found is not None:
+            return found
+    return None
 
 
 def checked_time_limit(value, where: str) -> None:
