@@ -154,6 +154,7 @@ class _Flattening:
     loops: list = dataclasses.field(default_factory=list)
     conds: list = dataclasses.field(default_factory=list)
     texts: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> its EqnText
+    expansions: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> (eqn, _hi_expansion's)
 
 
 def _fuse_padded_windows(nodes, outputs):
@@ -230,12 +231,12 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
             for v, o in zip(eqn.outvars, written):
                 env[v] = o
             continue
-        inner = _inner_jaxpr(eqn) if eqn.primitive.name in INLINE else None
+        inner = _inner_jaxpr(eqn) if eqn.primitive.name in INLINE else _hi_expansion(eqn, flat)
         if inner is not None:
             inner_jaxpr = getattr(inner, "jaxpr", inner)
             inner_consts = list(getattr(inner, "consts", ()))
             if len(inner_jaxpr.invars) == len(ins):
-                start = len(nodes)
+                start, marks = len(nodes), (len(flat.loops), len(flat.conds))
                 if eqn.primitive.name in REMAT and eqn.params.get("prevent_cse", False):
                     outs = _inline(inner_jaxpr, inner_consts, ins, nodes, {}, flat)
                     region = next(_regions)
@@ -243,7 +244,10 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
                         n.region = n.region or region  # the innermost region wins
                 else:
                     outs = _inline(inner_jaxpr, inner_consts, ins, nodes, cse, flat)
-                _name_unnamed(nodes[start:], eqn, flat)
+                # an expansion was traced here, not in the user's code: all of it is the call's
+                expanded = eqn.primitive.name not in INLINE
+                control = flat.loops[marks[0] :] + flat.conds[marks[1] :]
+                _name_unnamed(nodes[start:], control, eqn, flat, every=expanded)
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
@@ -261,12 +265,43 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
     return [read(v) for v in jaxpr.outvars]
 
 
-def _name_unnamed(inlined, call, flat) -> None:
-    """Give the inlined nodes whose equations carry no frame the call's line.
-    JAX's own jitted helpers (``jnp.take_along_axis``'s index arithmetic and
-    gather) are traced with no traceback of their own; ``explain()`` listed
-    them as ``<unknown>``. The call's line is computed only where needed."""
-    unnamed = [n for n in inlined if n.source == UNKNOWN_SOURCE]
+def _hi_expansion(eqn, flat):
+    """The jaxpr, in JAX's own primitives, of a higher-level primitive
+    (``call_hi_primitive`` of jax >= 0.12, which spells ``jnp.searchsorted``
+    so): its ``expand`` traced on the equation's avals, once per equation; or
+    None for any other equation, or one that cannot be expanded (it then runs
+    whole on every device, and a warning says so)."""
+    if eqn.primitive.name != "call_hi_primitive":
+        return None
+    kept = flat.expansions.get(id(eqn))
+    if kept is not None:
+        return kept[1]
+    prim = eqn.params.get("_prim")
+    expand, in_tree, out_tree = (getattr(prim, k, None) for k in ("expand", "in_tree", "out_tree"))
+    closed = None
+    if expand is not None and in_tree is not None and out_tree is not None:
+
+        def flat_expand(*leaves):
+            return out_tree.flatten_up_to(expand(*in_tree.unflatten(leaves)))
+
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        try:
+            closed = jax.make_jaxpr(flat_expand)(*avals)
+        except Exception:  # noqa: BLE001 - an expansion this JAX spells otherwise: kept whole
+            closed = None
+    flat.expansions[id(eqn)] = (eqn, closed)  # the eqn kept alive, so the id stays its own
+    return closed
+
+
+def _name_unnamed(inlined, control, call, flat, every: bool = False) -> None:
+    """Give the inlined nodes, and the loops and conds written out with them
+    (``control``), whose equations carry no frame the call's line (``every``:
+    all of them, for an expansion sbpjax traced itself, whose frames are its
+    own). JAX's own jitted helpers (``jnp.take_along_axis``'s index arithmetic
+    and gather) are traced with no traceback of their own; ``explain()``
+    listed them as ``<unknown>``. The call's line is computed only where
+    needed."""
+    unnamed = [n for n in [*inlined, *control] if every or n.source == UNKNOWN_SOURCE]
     if unnamed:
         source = _texts(call, flat).source
         for n in unnamed:

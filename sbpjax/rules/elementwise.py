@@ -64,6 +64,9 @@ NONLINEAR = (
     "le",
     "gt",
     "ge",
+    "eq_to",  # total-order comparisons (-0.0 < 0.0, NaNs ordered): jnp.searchsorted, sort's keys
+    "le_to",
+    "lt_to",
     "rem",
     "atan2",
     "nextafter",

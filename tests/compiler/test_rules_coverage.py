@@ -63,6 +63,8 @@ CASES = {
     "stack": (lambda x: jnp.stack([x, 2 * x], axis=1), MAT, S1),
     "stack_leading": (lambda x: jnp.stack([x, 2 * x]), MAT, S0),
     "log2": (lambda x: jnp.log2(jnp.abs(x) + 1), MAT, S0),
+    # a loop of total-order comparisons (le_to / lt_to) against a whole table
+    "searchsorted": (lambda x: jnp.searchsorted(jnp.linspace(-2.0, 2.0, 9), x), MAT, S0),
 }
 
 

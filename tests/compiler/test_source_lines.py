@@ -71,3 +71,22 @@ def test_ops_of_jax_helpers_without_frames_point_at_the_call(pl8):
     ops = f.explain(x, idx).ops
     assert any(name == "gather" for name, _, _, _ in ops)
     assert all(src.startswith(HERE) and src.endswith("pick)") for _, src, _, _ in ops), ops
+
+
+def test_loops_of_jax_helpers_without_frames_point_at_the_call(pl8):
+    """``jnp.searchsorted`` runs a loop inside a jitted helper: the written-out
+    loop, like its ops, takes the line that called the helper."""
+    import jax.numpy as jnp
+
+    def find(a, v):
+        return jnp.searchsorted(a, v)
+
+    f = sj.jit(find, placement=pl8, in_sbp=(sj.B, sj.S(0)))
+    a = np.sort(np.random.default_rng(0).normal(size=32)).astype(np.float32)
+    v = np.random.default_rng(1).normal(size=16).astype(np.float32)
+    ex = f.explain(a, v)
+    assert ex.loops and all(src.startswith(HERE) and src.endswith("find)") for src, _, _ in ex.loops), (
+        ex.loops
+    )
+    assert all(src.startswith(HERE) for _, src, _, _ in ex.ops)
+    np.testing.assert_array_equal(f(a, v).numpy(), np.asarray(jnp.searchsorted(a, v)))
