@@ -485,7 +485,7 @@ def main():
         **schedule_targets(rows),
     }
     results = {
-        "config": {"quick": args.quick, "steps": steps, "devices": 8},
+        "config": {"quick": args.quick, "steps": steps, "devices": 8, "cpus": os.cpu_count()},
         "simulated": sim,
         "real": real,
         "schedules": rows,

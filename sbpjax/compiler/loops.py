@@ -5,9 +5,10 @@ so that the layout choice sees every iteration, and records it as a
 :class:`~sbpjax.compiler.program.Loop`; the solver gives the iterations the
 same choices (``classes.loop_classes``). Once layouts are chosen, consecutive
 iterations that run the same program (the same ops, layouts and boxings,
-reading their carries and slices in the same places) form a :class:`Run`, and
-the lowering runs a run as one ``lax.scan`` whose body is its first iteration
-(its *template*), with the template's collectives inside. The compiled
+reading their carries and slices in the same places) form a
+:class:`~sbpjax.compiler.loop_state.Run`, and the lowering runs a run as one
+``lax.scan`` whose body is its first iteration (its *template*), with the
+template's collectives inside. The compiled
 program then keeps the loop: one body to compile, and the memory of a loop.
 Written out, XLA schedules the layers as one program with more values live
 at once: 2.0x GSPMD's temp memory on a scanned 4-layer MLP step at d 256, 1.6x
