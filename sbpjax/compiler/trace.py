@@ -379,6 +379,8 @@ def _flatten_control(eqn, ins, nodes, cse, flat):
         loop.stacked, loop.source = list(stacked), source_of(eqn)
         flat.loops.append(loop)
         return carry + stacked
+    if name == "custom_linear_solve":
+        return _linear_solve(p, ins, nodes, cse, flat)
     if name == "cond":
         branches = p["branches"]
         if sum(_size(b) for b in branches) > flat.unroll_limit:
@@ -406,6 +408,21 @@ def _flatten_control(eqn, ins, nodes, cse, flat):
         flat.conds.append(cond)
         return outs
     return None
+
+
+def _linear_solve(params, ins, nodes, cse, flat):
+    """``lax.custom_linear_solve`` (``jnp.linalg.solve`` and ``inv``) as its
+    value: its ``solve`` jaxpr on the solve's constants and the right-hand
+    side. Its other jaxprs define only its derivatives, which the trace has
+    taken already. Kept whole, it ran whole on every device: a batch of
+    systems split by system was gathered."""
+    n = params["const_lengths"]
+    solve = params["jaxprs"].solve
+    start = n.matvec + n.vecmat
+    operands = ins[start : start + n.solve] + ins[sum(n) :]
+    if len(solve.jaxpr.invars) != len(operands):
+        return None  # a form this JAX spells otherwise: kept whole
+    return _inline(solve.jaxpr, list(solve.consts), operands, nodes, cse, flat)
 
 
 def scan_operands(params, ins) -> tuple[list, list, list]:

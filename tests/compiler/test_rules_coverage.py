@@ -44,6 +44,14 @@ def _grad(f):
 
 
 MAT = (16, 24)
+STACK = (8, 6, 6)  # a batch of matrices, split by matrix
+
+
+def _spd(x):
+    """Each matrix of the batch made symmetric positive definite (well conditioned)."""
+    return x @ jnp.swapaxes(x, -1, -2) + x.shape[-1] * jnp.eye(x.shape[-1])
+
+
 IMG = (8, 6, 6, 8)  # NHWC
 CASES = {
     "top_k": (lambda x: lax.top_k(x, 3), MAT, S0),
@@ -65,6 +73,21 @@ CASES = {
     "log2": (lambda x: jnp.log2(jnp.abs(x) + 1), MAT, S0),
     # a loop of total-order comparisons (le_to / lt_to) against a whole table
     "searchsorted": (lambda x: jnp.searchsorted(jnp.linspace(-2.0, 2.0, 9), x), MAT, S0),
+    # transforms of trailing dims, batched over a split leading dim (sbpjax.rules.linalg)
+    "rfft_rows": (lambda x: jnp.abs(jnp.fft.rfft(x, axis=1)), MAT, S0),
+    "fft2_batch": (lambda x: jnp.fft.fft2(x).real, STACK, S0),
+    "cholesky_batch": (lambda x: jnp.linalg.cholesky(_spd(x)), STACK, S0),
+    "eigh_batch": (lambda x: jnp.linalg.eigvalsh(_spd(x)), STACK, S0),
+    "svd_batch": (lambda x: jnp.linalg.svd(x, compute_uv=False), STACK, S0),
+    "qr_batch": (lambda x: jnp.abs(jnp.linalg.qr(_spd(x))[1]), STACK, S0),
+    "lu_batch": (lambda x: jax.scipy.linalg.lu_factor(_spd(x))[0], STACK, S0),
+    "inv_batch": (lambda x: jnp.linalg.inv(_spd(x)), STACK, S0),  # custom_linear_solve, inlined
+    "solve_batch": (lambda x: jnp.linalg.solve(_spd(x), x[..., :2]), STACK, S0),
+    "solve_triangular_batch": (
+        lambda x: jax.scipy.linalg.solve_triangular(_spd(x), x[..., :2], lower=True),
+        STACK,
+        S0,
+    ),
 }
 
 
