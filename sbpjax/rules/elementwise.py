@@ -73,6 +73,8 @@ NONLINEAR = (
     "square",
     "clamp",
     "population_count",
+    "clz",  # count leading zeros
+    "mulhi",  # the high half of an integer product
     "shift_left",
     "shift_right_logical",
     "shift_right_arithmetic",

@@ -14,8 +14,8 @@ from __future__ import annotations
 from sbpjax.rules import B, Sig, rank, register
 from sbpjax.sbp import Split
 
-# (primitive, trailing dims each operand's transform reads): all outputs share
-# the operands' leading (batch) dims
+# decompositions and solves whose operands are all matrices: batched over the
+# dims before the last two
 MATRIX = (
     "cholesky",
     "lu",
@@ -27,8 +27,18 @@ MATRIX = (
     "hessenberg",
     "tridiagonal",
     "geqrf",
-    "householder_product",
     "triangular_solve",
+    "symmetric_product",
+)
+# those with a vector per matrix among their operands (Householder scalars,
+# pivots, diagonals, an update): batched over the dims before that vector's last
+WITH_VECTORS = (
+    "householder_product",
+    "ormqr",
+    "geqp3",
+    "lu_pivots_to_permutation",
+    "tridiagonal_solve",
+    "cholesky_update",
 )
 
 
@@ -53,3 +63,10 @@ def matrix(eqn, in_avals):
     """A decomposition or triangular solve of each matrix (the last two dims)
     for splits of the batch dims before them."""
     return _batched(eqn, in_avals, 2)
+
+
+@register(*WITH_VECTORS)
+def with_vectors(eqn, in_avals):
+    """The same, for splits of the batch dims before the last dim of the
+    operand of least rank (a vector per matrix)."""
+    return _batched(eqn, in_avals, 1)
