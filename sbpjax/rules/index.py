@@ -7,7 +7,8 @@ logits split by class), each device looks up only the rows it owns and writes
 zeros elsewhere, so ``y = sum_i y_i``: P(sum) (OneFlow's Wide & Deep, and the
 label term of a model-parallel cross-entropy). ``scatter-add`` is the transpose:
 updates split on a batch dim add into a partial result; an operand split on
-the indexed dim drops updates for rows it does not own.
+the indexed dim drops updates for rows it does not own. ``scatter-max`` and
+``-min`` (``segment_max``) combine split updates into partial maxima (minima).
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ def _scatter_dims(eqn):
     )
 
 
-@register("scatter-add", "scatter_add")
+@register("scatter-add", "scatter_add", "scatter-sub", "scatter_sub")
 def scatter_add(eqn, in_avals):
-    """Updates split on a batch dim -> P(sum); window splits; indexed-dim split."""
+    """Updates split on a batch dim -> P(sum); window splits; indexed-dim split.
+    ``x.at[idx].subtract(u)`` is as linear: the same signatures."""
     uw, inserted, to_operand, op_batch, idx_batch = _scatter_dims(eqn)
     xs, ishape, us = shape_of(in_avals[0]), shape_of(in_avals[1]), shape_of(in_avals[2])
     update_scatter = [j for j in range(len(us)) if j not in uw]
@@ -140,7 +142,7 @@ def local_scatter_add(eqn, ins, ctx):
     return [eqn.primitive.bind(x, idx, upd, **params)]
 
 
-set_local("scatter-add", "scatter_add")(local_scatter_add)
+set_local("scatter-add", "scatter_add", "scatter-sub", "scatter_sub")(local_scatter_add)
 
 
 @register("scatter")
@@ -161,3 +163,33 @@ def scatter(eqn, in_avals):
         if us[uw[k]] == xs[d] and d not in to_operand:
             sigs.append(Sig((Split(d), B, Split(uw[k])), (Split(d),)))
     return sigs + [Sig((B, B, B), (B,))]
+
+
+@register("scatter-max", "scatter_max", "scatter-min", "scatter_min", "scatter-mul", "scatter_mul")
+def scatter_combine(eqn, in_avals):
+    """``x.at[idx].max(u)`` (``segment_max``), ``.min`` and ``.multiply``: the
+    set's signatures, and an operand split on the indexed dim (rows owned
+    elsewhere dropped, as for scatter-add). Max and min are idempotent, so
+    updates split on a scatter dim combine into a whole operand on each
+    device and the results are partial maxima (minima): ``P(max)``, as are
+    partial operands and updates. A product is not idempotent: no partials."""
+    name = eqn.primitive.name.replace("_", "-")
+    sigs = scatter(eqn, in_avals)[:-1]  # the set's, without its (B, B, B)
+    _, inserted, to_operand, _, idx_batch = _scatter_dims(eqn)
+    ishape, us = shape_of(in_avals[1]), shape_of(in_avals[2])
+    uw = _scatter_dims(eqn)[0]
+    update_scatter = [j for j in range(len(us)) if j not in uw]
+    sigs += [Sig((Split(d), B, B), (Split(d),)) for d in to_operand if d in inserted]
+    if name in ("scatter-max", "scatter-min"):
+        op = name.split("-")[1]
+        for pos, k in enumerate(range(len(ishape) - 1)):
+            if k not in idx_batch:
+                sigs.append(Sig((B, Split(k), Split(update_scatter[pos])), (P(op),)))
+                sigs.append(Sig((P(op), Split(k), Split(update_scatter[pos])), (P(op),)))
+        sigs.append(Sig((P(op), B, P(op)), (P(op),)))
+    return sigs + [Sig((B, B, B), (B,))]
+
+
+set_local("scatter-max", "scatter_max", "scatter-min", "scatter_min", "scatter-mul", "scatter_mul")(
+    local_scatter_add
+)

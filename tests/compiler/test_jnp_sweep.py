@@ -6,8 +6,9 @@ Each JAX release spells these functions with its own primitives (jax 0.12
 writes ``jnp.searchsorted`` and ``jnp.nonzero(size=...)`` as a
 ``call_hi_primitive``; jax 0.10.2's searchsorted compares with ``le_to``), so
 a release that introduces a primitive sbpjax has no rule for fails here,
-naming it. The sweep found six that ran whole on both legs (an FFT, the
-matrix decompositions, ``custom_linear_solve``) on 2026-12-03. Where a
+naming it. On 2026-12-03 it found ten primitives that ran whole on both legs
+(``fft``, ``cholesky``, ``lu``, ``qr``, ``svd``, ``eigh``,
+``custom_linear_solve``, ``scatter-max`` / ``-min`` / ``-mul``). Where a
 function transforms the split dim itself (a matrix inverse of the whole
 matrix), its operand is boxed to B by the rule's own signature: that is a
 plan, not a warning."""
@@ -71,6 +72,12 @@ FUNCTIONS = {
     "dynamic_slice": lambda a: lax.dynamic_slice_in_dim(a, 3, 5, 1),
     "dynamic_update_slice": lambda a: lax.dynamic_update_slice_in_dim(a, jnp.zeros((16, 2)), 4, 1),
     "at_add": lambda a: a.at[:, jnp.array([1, 1, 3])].add(1.0),
+    "at_max": lambda a: a.at[:, jnp.array([1, 1, 3])].max(0.5),
+    "at_multiply": lambda a: a.at[:, 2].multiply(3.0),
+    "at_subtract": lambda a: a.at[jnp.array([0, 0, 5])].subtract(1.0),
+    "segment_max": lambda a: jax.ops.segment_max(a, jnp.arange(16) // 4, num_segments=4),
+    "segment_min": lambda a: jax.ops.segment_min(a, jnp.arange(16) // 4, num_segments=4),
+    "segment_prod": lambda a: jax.ops.segment_prod(a, jnp.arange(16) // 4, num_segments=4),
     "reduce_precision": lambda a: lax.reduce_precision(a, 5, 10),
     "nan_to_num": lambda a: jnp.nan_to_num(a / (a > 0)),
     "isclose": lambda a: jnp.isclose(a, 0.5),
