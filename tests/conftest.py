@@ -240,7 +240,8 @@ def xla_peak(compiled) -> int:
 def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
     """Bytes GSPMD's program for ``fn`` moves (``jax.jit`` with the same layouts
     as ``NamedSharding``s): ``in_sbps`` / ``out_sbps`` are pytrees of nd-SBPs
-    matching ``args`` and the outputs leaf for leaf."""
+    matching ``args`` and the outputs leaf for leaf (``out_sbps=None``: the
+    outputs' layouts are GSPMD's to choose, as sj.jit's are without out_sbp)."""
     from jax.sharding import NamedSharding
 
     from sbpjax.boxing.plan import normalized_layout
@@ -252,7 +253,10 @@ def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
         return NamedSharding(pl.mesh, Geometry(shape, pl.shape).partition_spec(layout, pl.axis_names))
 
     in_sh = jax.tree.map(lambda nd, a: sharding(nd, np.shape(a)), in_sbps, args, is_leaf=is_nd_sbp)
-    outs = jax.eval_shape(fn, *args)
-    out_sh = jax.tree.map(lambda nd, o: sharding(nd, o.shape), out_sbps, outs, is_leaf=is_nd_sbp)
-    compiled = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
+    if out_sbps is None:
+        compiled = jax.jit(fn, in_shardings=in_sh).lower(*args).compile()
+    else:
+        outs = jax.eval_shape(fn, *args)
+        out_sh = jax.tree.map(lambda nd, o: sharding(nd, o.shape), out_sbps, outs, is_leaf=is_nd_sbp)
+        compiled = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
     return sum(c.bytes for c in sj.collectives(compiled))

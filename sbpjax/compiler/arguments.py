@@ -70,6 +70,12 @@ def _one_sbp(v):
     return None
 
 
+def _one_per_value(spec) -> bool:
+    """Whether ``spec`` is read, on a 1-D placement, as one SBP per value: a
+    tuple or list of two or more single SBPs (see :func:`_canonical_spec`)."""
+    return isinstance(spec, (tuple, list)) and len(spec) > 1 and all(_one_sbp(v) is not None for v in spec)
+
+
 def _canonical_spec(spec, ndim: int, what: str):
     """An in_sbp / out_sbp tree with every nd-SBP written as a tuple of SBP values.
 
@@ -89,7 +95,7 @@ def _canonical_spec(spec, ndim: int, what: str):
         single = [_one_sbp(v) for v in spec]
         n_single = sum(s is not None for s in single)
         if spec and n_single == len(spec):
-            if ndim == 1 and len(spec) != 1:
+            if ndim == 1 and _one_per_value(spec):
                 return _rebuild(spec, [(s,) for s in single])
             return tuple(single)  # one nd-SBP (its length is checked against the placement later)
         if n_single and ndim > 1:
@@ -156,9 +162,8 @@ def _one_axis_hint(spec, values, ndim: int) -> str:
 def _sbp_tuple_on_an_array(spec, values):
     """The first tuple or list of two or more single SBPs in ``spec`` whose
     place in ``values`` is one array (not a container), or None."""
-    is_container = isinstance(values, (tuple, list, dict))
-    if isinstance(spec, (tuple, list)) and len(spec) > 1 and all(_one_sbp(x) is not None for x in spec):
-        return None if is_container else spec
+    if _one_per_value(spec):
+        return None if isinstance(values, (tuple, list, dict)) else spec
     if isinstance(spec, (tuple, list)) and isinstance(values, (tuple, list)) and len(spec) == len(values):
         pairs = list(zip(spec, values))
     elif isinstance(spec, dict) and isinstance(values, dict):

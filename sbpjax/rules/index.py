@@ -129,7 +129,10 @@ def scatter_add(eqn, in_avals):
     return sigs + [Sig((P(), B, P()), (P(),)), Sig((B, B, B), (B,))]
 
 
-def local_scatter_add(eqn, ins, ctx):
+def local_scatter(eqn, ins, ctx):
+    """A scatter of any combining kind on local pieces: indices into an operand
+    split on the indexed dim are shifted to its block, and rows owned
+    elsewhere are dropped."""
     x, idx, upd = ins
     xs = shape_of(eqn.invars[0].aval)
     _, _, to_operand, _, _ = _scatter_dims(eqn)
@@ -142,7 +145,7 @@ def local_scatter_add(eqn, ins, ctx):
     return [eqn.primitive.bind(x, idx, upd, **params)]
 
 
-set_local("scatter-add", "scatter_add", "scatter-sub", "scatter_sub")(local_scatter_add)
+set_local("scatter-add", "scatter_add", "scatter-sub", "scatter_sub")(local_scatter)
 
 
 @register("scatter")
@@ -165,7 +168,11 @@ def scatter(eqn, in_avals):
     return sigs + [Sig((B, B, B), (B,))]
 
 
-@register("scatter-max", "scatter_max", "scatter-min", "scatter_min", "scatter-mul", "scatter_mul")
+# x.at[idx].max / .min / .multiply (segment_max, _min, _prod)
+COMBINING = ("scatter-max", "scatter_max", "scatter-min", "scatter_min", "scatter-mul", "scatter_mul")
+
+
+@register(*COMBINING)
 def scatter_combine(eqn, in_avals):
     """``x.at[idx].max(u)`` (``segment_max``), ``.min`` and ``.multiply``: the
     set's signatures, and an operand split on the indexed dim (rows owned
@@ -173,16 +180,14 @@ def scatter_combine(eqn, in_avals):
     updates split on a scatter dim combine into a whole operand on each
     device and the results are partial maxima (minima): ``P(max)``, as are
     partial operands and updates. A product is not idempotent: no partials."""
-    name = eqn.primitive.name.replace("_", "-")
+    uw, inserted, to_operand, _, idx_batch = _scatter_dims(eqn)
     sigs = scatter(eqn, in_avals)[:-1]  # the set's, without its (B, B, B)
-    _, inserted, to_operand, _, idx_batch = _scatter_dims(eqn)
-    ishape, us = shape_of(in_avals[1]), shape_of(in_avals[2])
-    uw = _scatter_dims(eqn)[0]
-    update_scatter = [j for j in range(len(us)) if j not in uw]
     sigs += [Sig((Split(d), B, B), (Split(d),)) for d in to_operand if d in inserted]
-    if name in ("scatter-max", "scatter-min"):
-        op = name.split("-")[1]
-        for pos, k in enumerate(range(len(ishape) - 1)):
+    op = {"max": "max", "min": "min"}.get(eqn.primitive.name[len("scatter") + 1 :])
+    if op is not None:
+        us = shape_of(in_avals[2])
+        update_scatter = [j for j in range(len(us)) if j not in uw]
+        for pos, k in enumerate(range(rank(in_avals[1]) - 1)):
             if k not in idx_batch:
                 sigs.append(Sig((B, Split(k), Split(update_scatter[pos])), (P(op),)))
                 sigs.append(Sig((P(op), Split(k), Split(update_scatter[pos])), (P(op),)))
@@ -190,6 +195,4 @@ def scatter_combine(eqn, in_avals):
     return sigs + [Sig((B, B, B), (B,))]
 
 
-set_local("scatter-max", "scatter_max", "scatter-min", "scatter_min", "scatter-mul", "scatter_mul")(
-    local_scatter_add
-)
+set_local(*COMBINING)(local_scatter)

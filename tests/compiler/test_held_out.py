@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, gspmd_bytes
 from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as PS
 
 import sbpjax as sj
+from sbpjax.tensor import is_global
 
 S, B = sj.S, sj.B
 rng = np.random.default_rng(1)
@@ -142,23 +141,12 @@ def _cases():
 CASES = _cases()
 
 
-def _spec(nd, names) -> PS:
-    """GSPMD's PartitionSpec of an S/B nd-SBP."""
-    dims: dict = {}
-    for axis, s in zip(names, nd):
-        if isinstance(s, sj.Split):
-            dims.setdefault(s.dim, []).append(axis)
-    rank = max(dims, default=-1) + 1
-    return PS(*(tuple(dims[d]) if d in dims else None for d in range(rank)))
-
-
 @pytest.mark.parametrize("name,fn,args,in_sbp,grid", CASES, ids=[c[0] for c in CASES])
 def test_held_out_program(name, fn, args, in_sbp, grid):
     pl = sj.placement(grid, ("x", "y")[: len(grid)])
     f = sj.jit(fn, placement=pl, in_sbp=in_sbp)
     got = f(*args)
     want = jax.jit(fn)(*args)
-    is_global = lambda v: isinstance(v, sj.GlobalTensor)  # noqa: E731
     got_leaves = jax.tree.leaves(got, is_leaf=is_global)
     want_leaves = jax.tree.leaves(want)
     assert len(got_leaves) == len(want_leaves)
@@ -169,10 +157,5 @@ def test_held_out_program(name, fn, args, in_sbp, grid):
     assert ours == f.explain(*args).bytes
     if name == "uneven_tensor_parallel":
         return  # GSPMD's in_shardings must divide the dims
-    shardings = jax.tree.map(
-        lambda nd: NamedSharding(pl.mesh, _spec(nd, pl.axis_names)),
-        in_sbp,
-        is_leaf=lambda v: isinstance(v, tuple) and all(isinstance(s, (sj.Split, sj.Broadcast)) for s in v),
-    )
-    theirs = sum(c.bytes for c in sj.collectives(jax.jit(fn, in_shardings=shardings).lower(*args).compile()))
+    theirs = gspmd_bytes(fn, pl, in_sbp, None, args)
     assert ours <= theirs, (name, ours, theirs)

@@ -24,6 +24,7 @@ from jax import lax
 
 import sbpjax as sj
 from sbpjax._errors import SBPWarning
+from sbpjax.tensor import is_global
 
 # on both CI legs (pyproject.toml's markers): each JAX release spells these with its own primitives
 pytestmark = pytest.mark.jax_versions
@@ -109,7 +110,6 @@ def test_function_runs_split_and_matches_one_device(pl8, name):
         warnings.simplefilter("error", SBPWarning)
         got = f(x)
     want = jax.jit(fn)(x)
-    is_global = lambda v: isinstance(v, sj.GlobalTensor)  # noqa: E731
     for g, w in zip(jax.tree.leaves(got, is_leaf=is_global), jax.tree.leaves(want)):
         g, w = g.numpy(), np.asarray(w)
         assert g.shape == w.shape and g.dtype == w.dtype, name
