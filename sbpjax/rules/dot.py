@@ -52,8 +52,12 @@ def conv(eqn, in_avals):
     sigs = []
     if eqn.params.get("batch_group_count", 1) == 1:
         sigs.append(Sig((Split(lhs[0]), B), (Split(out[0]),)))
-    if eqn.params.get("feature_group_count", 1) == 1 and eqn.params.get("batch_group_count", 1) == 1:
-        sigs.append(Sig((B, Split(rhs[0])), (Split(out[1]),)))
+    if eqn.params.get("feature_group_count", 1) == 1:
+        if eqn.params.get("batch_group_count", 1) == 1:
+            sigs.append(Sig((B, Split(rhs[0])), (Split(out[1]),)))
+        # batch groups pair x's batch with the kernel's output channels; the
+        # input channels are summed whole either way (a grouped convolution's
+        # kernel gradient: its batch is the contracted feature dim here)
         sigs.append(Sig((Split(lhs[1]), Split(rhs[1])), (P(),)))
     sigs += [Sig((P(), B), (P(),)), Sig((B, P()), (P(),)), Sig((B, B), (B,))]
     for t in range(len(lhs) - 2):

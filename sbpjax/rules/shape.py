@@ -80,11 +80,21 @@ def reshape_map(in_shape, out_shape) -> dict:
 
 @register("reshape")
 def reshape(eqn, in_avals):
-    """``y_i = reshape(x_i, local sizes)``: a split survives as in ``reshape_map``."""
-    if eqn.params.get("dimensions") not in (None, ()):
-        return [Sig((B,), (B,))] + _partials(1)
-    mapping = reshape_map(shape_of(in_avals[0]), tuple(eqn.params["new_sizes"]))
-    return [Sig((Split(d),), (Split(k),)) for d, k in mapping.items()] + _partials(1) + [Sig((B,), (B,))]
+    """``y_i = reshape(transpose(x_i, dimensions), local sizes)``: a split
+    survives as in ``reshape_map`` of the transposed shape. ``dimensions`` is
+    the transpose JAX's own rules still emit (a grouped convolution's input
+    gradient reorders its kernel's groups with one)."""
+    order = _reshape_order(eqn, in_avals[0])
+    shape = shape_of(in_avals[0])
+    mapping = reshape_map(tuple(shape[d] for d in order), tuple(eqn.params["new_sizes"]))
+    return (
+        [Sig((Split(order[t]),), (Split(k),)) for t, k in mapping.items()] + _partials(1) + [Sig((B,), (B,))]
+    )
+
+
+def _reshape_order(eqn, aval) -> tuple:
+    """The order ``reshape`` reads its operand's dims in: ``dimensions``, or as they are."""
+    return tuple(eqn.params.get("dimensions") or range(rank(aval)))
 
 
 @register("squeeze")
@@ -206,7 +216,7 @@ def local_iota(eqn, ins, ctx):
 
 
 def local_reshape(eqn, ins, ctx):
-    return [ins[0].reshape(ctx.local_out_shapes[0])]
+    return [ins[0].transpose(_reshape_order(eqn, eqn.invars[0].aval)).reshape(ctx.local_out_shapes[0])]
 
 
 def local_broadcast(eqn, ins, ctx):

@@ -53,6 +53,15 @@ def _spd(x):
 
 
 IMG = (8, 6, 6, 8)  # NHWC
+KERNEL = np.random.default_rng(1).normal(size=(3, 3, 4, 8)).astype(np.float32)  # HWIO, two feature groups
+
+
+def _grouped_conv(x, w=KERNEL):
+    return lax.conv_general_dilated(
+        x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2
+    )
+
+
 CASES = {
     "top_k": (lambda x: lax.top_k(x, 3), MAT, S0),
     "approx_max_k": (lambda x: lax.approx_max_k(x, 3)[0], MAT, S0),
@@ -83,6 +92,15 @@ CASES = {
     "lu_batch": (lambda x: jax.scipy.linalg.lu_factor(_spd(x))[0], STACK, S0),
     "inv_batch": (lambda x: jnp.linalg.inv(_spd(x)), STACK, S0),  # custom_linear_solve, inlined
     "solve_batch": (lambda x: jnp.linalg.solve(_spd(x), x[..., :2]), STACK, S0),
+    # its input gradient reorders the kernel's groups with reshape's `dimensions`
+    # (a transpose); its kernel gradient is a convolution with batch groups
+    "grouped_conv_input_grad": (_grad(_grouped_conv), IMG, S0),
+    "grouped_conv_kernel_grad": (
+        lambda x: jax.grad(lambda w: (_grouped_conv(x, w) ** 2).sum())(KERNEL),
+        IMG,
+        S0,
+    ),
+    "reshape_transposing": (lambda x: lax.reshape(x, (6, 4, 16), dimensions=(1, 0)), MAT, S0),
     "solve_triangular_batch": (
         lambda x: jax.scipy.linalg.solve_triangular(_spd(x), x[..., :2], lower=True),
         STACK,
