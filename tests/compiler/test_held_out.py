@@ -4,7 +4,9 @@ here covers: ``jnp.repeat`` of grouped-query heads, ``segment_sum`` over a
 vocab-split table's rows, ``take_along_axis`` with a batch dim (a batched
 gather) over experts, token mixing through a transposed dim, a ``fori_loop``
 over row-split data, and tensor parallelism over a width the axis does not
-divide. Each one's values equal the one-device program's, and where GSPMD
+divide. A second check the same day (Flax models and optax transforms) added
+attention with the sequence split, a grouped convolution's gradients (a
+wrong input gradient, fixed) and gradient accumulation. Each one's values equal the one-device program's, and where GSPMD
 takes the same input shardings (its must divide the dims) the compiled
 collectives move no more bytes than GSPMD's.
 
@@ -16,6 +18,7 @@ collectives of 44 kB in all, and that is the plan (README, "Limits today")."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import assert_close, gspmd_bytes
 from jax import lax
@@ -81,12 +84,50 @@ def mlp_grads(p, x, y):
     return jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(x @ p["a"]) @ p["b"] - y) ** 2))(p)
 
 
+def sequence_split_attention(x, wq, wk, wv):
+    """Attention with the sequence split (context parallelism): K and V are gathered."""
+    q, k, v = x @ wq, x @ wk, x @ wv
+    a = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / 8.0, axis=-1)
+    return jnp.einsum("bqk,bkd->bqd", a, v)
+
+
+def grouped_conv_grads(w, x):
+    """A convolution, then one with two feature groups (Flax's ``nn.Conv(feature_group_count=2)``):
+    JAX's input gradient of the second reorders its kernel's groups with a transposing reshape."""
+
+    def loss(w):
+        dn = ("NHWC", "HWIO", "NHWC")
+        h = jax.nn.relu(lax.conv_general_dilated(x, w["a"], (1, 1), "SAME", dimension_numbers=dn))
+        h = lax.conv_general_dilated(h, w["b"], (1, 1), "SAME", dimension_numbers=dn, feature_group_count=2)
+        return jnp.mean(h**2)
+
+    return jax.grad(loss)(w)
+
+
+def accumulated_adam(p, state, x):
+    """Gradient accumulation over two steps (``optax.MultiSteps``: a ``lax.cond``), state laid out as the weights."""
+    g = jax.grad(lambda p: jnp.mean((x @ p["a"] @ p["b"]) ** 2))(p)
+    updates, state = ACCUMULATE.update(g, state, p)
+    return optax.apply_updates(p, updates), state
+
+
+ACCUMULATE = optax.MultiSteps(optax.adam(1e-3), 2)
+
+
+def _like_weights(state, weights, sbps):
+    """Each state leaf laid out as the weight of its shape (their shapes differ), others B."""
+    by_shape = {np.shape(weights[k]): v for k, v in sbps.items()}
+    return jax.tree.map(lambda leaf: by_shape.get(np.shape(leaf), (B, B)), state)
+
+
 def _cases():
     a = _normal(64, 64)
     # x split by batch; query heads split over y, the shared key/value heads whole (Megatron's GQA)
     gqa_args = (_normal(4, 32, 64), _normal(64, 128, scale=0.1), _normal(64, 32, scale=0.1))
     gqa_args += (_normal(64, 32, scale=0.1), _normal(128, 64, scale=0.1))
     gqa_sbp = ((S(0), B), (B, S(1)), (B, B), (B, B), (B, S(0)))
+    weights = {"a": _normal(64, 128, scale=0.2), "b": _normal(128, 64, scale=0.2)}
+    weight_sbps = {"a": (B, S(1)), "b": (B, S(0))}
     return [
         ("gqa", gqa, gqa_args, gqa_sbp, (2, 4)),
         ("gqa_grads", gqa_grads, gqa_args, gqa_sbp, (2, 4)),
@@ -121,6 +162,30 @@ def _cases():
                 _normal(16, 32, 64),
             ),
             ({"tok1": (B, B), "tok2": (B, B), "ch1": (B, S(1)), "ch2": (B, S(0))}, (S(0), B)),
+            (2, 4),
+        ),
+        (
+            "sequence_split_attention",
+            sequence_split_attention,
+            (_normal(2, 64, 32), *(_normal(32, 32, scale=0.2) for _ in range(3))),
+            ((S(1),), (B,), (B,), (B,)),
+            (8,),
+        ),
+        (
+            "grouped_conv_grads",
+            grouped_conv_grads,
+            (
+                {"a": _normal(3, 3, 3, 16, scale=0.3), "b": _normal(3, 3, 8, 32, scale=0.1)},
+                _normal(16, 8, 8, 3),
+            ),
+            ({"a": (B,), "b": (B,)}, (S(0),)),
+            (8,),
+        ),
+        (
+            "accumulated_adam",
+            accumulated_adam,
+            (weights, ACCUMULATE.init(weights), _normal(16, 64)),
+            (weight_sbps, _like_weights(ACCUMULATE.init(weights), weights, weight_sbps), (S(0), B)),
             (2, 4),
         ),
         ("power_iteration", power_iteration, (a @ a.T, _normal(64)), ((S(0),), (B,)), (8,)),
