@@ -42,16 +42,25 @@ def reduction(eqn, in_avals):
 
 @register("argmax", "argmin", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
 def kept_dim_reduction(eqn, in_avals):
-    """``y_i = reduce(x_i)`` for splits of kept dims only: an argmax, a product
-    or a logical and / or / xor over a split dim has no partial kind here, so
-    that dim is reduced whole."""
+    """``y_i = reduce(x_i)`` for splits of kept dims; over a split dim only a
+    boolean ``and`` / ``or`` has a partial kind: they are ``min`` / ``max`` on
+    booleans (``jnp.all(jnp.isfinite(grads))`` of a loss scaler reduces each
+    piece and all-reduces one flag, not the gathered gradients). An argmax, a
+    product, an integer (bitwise) and / or, or a xor over a split dim is
+    reduced whole."""
     axes = tuple(eqn.params["axes"])
     sigs = [
         Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
         for d in range(rank(in_avals[0]))
         if d not in axes
     ]
+    op = _LOGICAL.get(eqn.primitive.name) if in_avals[0].dtype == bool else None
+    if op:
+        sigs += [Sig((Split(d),), (P(op),)) for d in axes] + [Sig((P(op),), (P(op),))]
     return sigs + [Sig((B,), (B,))]
+
+
+_LOGICAL = {"reduce_and": "min", "reduce_or": "max"}
 
 
 @register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")

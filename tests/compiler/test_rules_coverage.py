@@ -71,6 +71,8 @@ CASES = {
     "scatter_set_cols": (lambda x: x.at[3].set(-1.0), MAT, S1),
     "reduce_prod": (lambda x: jnp.prod(x, axis=1), MAT, S0),
     "reduce_and_or": (lambda x: (jnp.all(x > -2, axis=1), jnp.any(x > 2, axis=1)), MAT, S0),
+    # over the split dim: partial and (P(min)) / or (P(max)) on booleans, as a loss scaler's finite check
+    "reduce_and_or_split_dim": (lambda x: (jnp.all(jnp.isfinite(x)), jnp.any(x > 2, axis=0)), MAT, S0),
     "max_pool_batch": (_pool_max, IMG, S0),
     "max_pool_channel": (_pool_max, IMG, S3),
     "max_pool_grad": (_grad(_pool_max), IMG, S0),
