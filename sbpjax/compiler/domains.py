@@ -228,6 +228,10 @@ class Domains:
         # filled in program order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
         self.greedy = greedy.decisions
+        # each value's layout as the greedy pass made it (arguments: their given layout)
+        self.made: dict = {id(v): lays[0] for v, lays in zip(program.inputs, in_layouts) if len(lays) == 1}
+        for d in self.greedy:
+            self.made.update((id(o), nd) for o, nd in zip(d.node.outs, d.out_sbp))
         # Axes the caller left idle (``propagation.idle_axes``). Data parallelism
         # annotated on 4x2 splits the batch over x and nothing over y; GSPMD
         # then runs the step replicated over y and all-reduces the gradients
@@ -250,10 +254,7 @@ class Domains:
         base = base | {tuple(Broadcast() if p == 1 else q for p, q in zip(self.grid, nd)) for nd in base}
         out = set(base)
         for nd in base:
-            for a, q in enumerate(nd):
-                if isinstance(q, Partial):
-                    out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
-                    out.update(nd[:a] + (Split(d),) + nd[a + 1 :] for d in range(len(atom.shape)))
+            out |= reductions(nd, len(atom.shape))
         return out
 
     def _gathered(self, arg) -> set:
@@ -333,25 +334,12 @@ class Domains:
                     for j, b in enumerate(node.ins):
                         if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape:
                             uses[i] = uses[i] | self._uses(b)
-            elif node.name in ELEMENTWISE:
-                # An operand whole on an axis may be read split there as another
-                # operand of its shape is (a free local slice): a replicated
-                # optimizer state meeting a tensor-split gradient. Without it
-                # such an op could take only layouts every operand already
-                # has, and optax.MultiSteps' accumulation kept its gradients
-                # partial over both axes: 4.69 MB against GSPMD's 2.20 (now
-                # 1.15; for arguments only, 1.93). The GPT rows of
-                # benchmarks/compiler.py price 2-5% more boxing costs for it
-                # and plan the same bytes.
-                for i, a in enumerate(node.ins):
-                    for j, b in enumerate(node.ins):
-                        if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape:
-                            uses[i] = uses[i] | {
-                                nd for nd in uses[j] if any(sliced_to(m, nd) for m in uses[i])
-                            }
             if node.name in HEAVY:
-                activations = [None if id(a) in self.args else u for a, u in zip(node.ins, uses)]
-                gathered = [free_gathered(node, i, activations) for i in range(len(uses))]
+                made = [
+                    None if not isinstance(a, Var) or id(a) in self.args else self.made.get(id(a))
+                    for a in node.ins
+                ]
+                gathered = [free_gathered(node, i, made) for i in range(len(uses))]
                 for i, a in enumerate(node.ins):
                     if uses[i] is not None and id(a) in self.args:
                         uses[i] = uses[i] | self._gathered(a)
@@ -411,40 +399,40 @@ class Domains:
         return cs
 
 
-def sliced_to(src, dst) -> bool:
-    """Whether ``dst`` is ``src`` with some whole (B) axes split: a local slice, no bytes."""
-    return src != dst and all(
-        p == q or (isinstance(p, Broadcast) and isinstance(q, Split)) for p, q in zip(src, dst)
-    )
+def reductions(nd, ndim) -> set:
+    """The layouts ``nd`` reduces to: each partial axis made whole or split on a dim."""
+    out = set()
+    for a, q in enumerate(nd):
+        if isinstance(q, Partial):
+            out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
+            out.update(nd[:a] + (Split(d),) + nd[a + 1 :] for d in range(ndim))
+    return out
 
 
-def free_gathered(node, i, uses) -> set:
-    """Operand ``i`` of a product between two activations (neither an
-    argument: ``uses`` holds None for arguments) with a free dim's split
-    gathered over an axis the other operand's free dim is split over too.
-    Two operands split alike on their free dims cannot both keep the split:
-    attention with the sequence split (context parallelism) gathers K and V,
-    as Megatron's context parallelism and GSPMD do; without this the only
-    plan in the space moved both to a split of the head dim and
-    reduce-scattered the scores (1.25x GSPMD's bytes). Offered for every
-    product, the larger space left a 2-layer GPT's effort-limited solve on
-    2x2x2 at 2.77 MB (greedy's 2.22 MB kept; GSPMD 1.78 MB)."""
-    if node.name != "dot_general" or any(u is None for u in uses):
+def free_gathered(node, i, made) -> set:
+    """Operand ``i`` of a product between two activations (``made``: each
+    operand's layout as the greedy pass made it, None for an argument) with
+    its free dim's split gathered over an axis the other operand's free dim
+    is split over too. Two operands split alike on their free dims cannot
+    both keep the split: attention with the sequence split (context
+    parallelism) gathers K and V, as Megatron's context parallelism and
+    GSPMD do; without this the only plan in the space moved both to a split
+    of the head dim and reduce-scattered the scores (1.25x GSPMD's bytes).
+    From greedy's layouts only: offered at every product, from the domains,
+    the larger space left a 2-layer GPT's effort-limited solve on 2x2x2 at
+    2.77 MB (GSPMD 1.78 MB), and alike layers of the demo's GPT stopped
+    sharing one decision (a 37 s solve)."""
+    if node.name != "dot_general" or any(nd is None for nd in made):
         return set()
     (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]
     skips = (set(lc) | set(lb), set(rc) | set(rb))
 
-    def free_axes(layouts, skip) -> set:
-        return {a for nd in layouts for a, q in enumerate(nd) if isinstance(q, Split) and q.dim not in skip}
+    def free_axes(nd, skip) -> set:
+        return {a for a, q in enumerate(nd) if isinstance(q, Split) and q.dim not in skip}
 
-    shared = free_axes(uses[i], skips[i]) & free_axes(uses[1 - i], skips[1 - i])
-    out = set()
-    for nd in uses[i]:
-        for a in shared:
-            q = nd[a]
-            if isinstance(q, Split) and q.dim not in skips[i]:
-                out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
-    return out
+    shared = free_axes(made[i], skips[i]) & free_axes(made[1 - i], skips[1 - i])
+    nd = made[i]
+    return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in shared}
 
 
 def allowed(pr: Propagator, node, ins, outs) -> bool:

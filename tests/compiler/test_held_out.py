@@ -6,8 +6,8 @@ gather) over experts, token mixing through a transposed dim, a ``fori_loop``
 over row-split data, and tensor parallelism over a width the axis does not
 divide. A second check the same day (Flax models and optax transforms) added
 attention with the sequence split, a grouped convolution's gradients (a
-wrong input gradient, fixed), gradient accumulation, a loss scaler's finite
-check and an optimizer state left replicated beside tensor-split weights. Each one's values equal the one-device program's, and where GSPMD
+wrong input gradient, fixed), gradient accumulation and a loss scaler's
+finite check. Each one's values equal the one-device program's, and where GSPMD
 takes the same input shardings (its must divide the dims) the compiled
 collectives move no more bytes than GSPMD's.
 
@@ -124,16 +124,6 @@ def loss_scaled_step(p, x):
     return jax.tree.map(lambda a, b: jnp.where(finite, a - 0.1 * b, a), p, g)
 
 
-def lion_step(p, state, x):
-    """Lion with its state replicated while the weights are tensor-split."""
-    g = jax.grad(lambda p: jnp.mean((x @ p["a"] @ p["b"]) ** 2))(p)
-    updates, state = LION.update(g, state, p)
-    return optax.apply_updates(p, updates), state
-
-
-LION = optax.lion(1e-4)
-
-
 def _like_weights(state, weights, sbps):
     """Each state leaf laid out as the weight of its shape (their shapes differ), others B."""
     by_shape = {np.shape(weights[k]): v for k, v in sbps.items()}
@@ -209,13 +199,6 @@ def _cases():
             (2, 4),
         ),
         ("loss_scaled_step", loss_scaled_step, (weights, _normal(16, 64)), (weight_sbps, (S(0), B)), (2, 4)),
-        (
-            "lion_replicated_state",
-            lion_step,
-            (weights, LION.init(weights), _normal(16, 64)),
-            (weight_sbps, jax.tree.map(lambda _: (B, B), LION.init(weights)), (S(0), B)),
-            (2, 4),
-        ),
         ("power_iteration", power_iteration, (a @ a.T, _normal(64)), ((S(0),), (B,)), (8,)),
         (
             "uneven_tensor_parallel",
