@@ -4,11 +4,11 @@ here covers: ``jnp.repeat`` of grouped-query heads, ``segment_sum`` over a
 vocab-split table's rows, ``take_along_axis`` with a batch dim (a batched
 gather) over experts, token mixing through a transposed dim, a ``fori_loop``
 over row-split data, and tensor parallelism over a width the axis does not
-divide. A second check the same day (Flax models and optax transforms) added
-attention with the sequence split, a grouped convolution's gradients (a
-wrong input gradient, fixed), gradient accumulation and a loss scaler's
-finite check. Each one's values equal the one-device program's, and where GSPMD
-takes the same input shardings (its must divide the dims) the compiled
+divide. A second check the same day (Flax models and optax transforms)
+added attention with the sequence split, a grouped convolution's gradients
+(a wrong input gradient, fixed), gradient accumulation (its state laid out
+as the weights, and left replicated) and a loss scaler's finite check. Each
+one's values equal the one-device program's, and where GSPMD takes the same input shardings (its must divide the dims) the compiled
 collectives move no more bytes than GSPMD's.
 
 Sizes are small but large enough that bytes, not collective latency, decide
@@ -199,6 +199,13 @@ def _cases():
             (2, 4),
         ),
         ("loss_scaled_step", loss_scaled_step, (weights, _normal(16, 64)), (weight_sbps, (S(0), B)), (2, 4)),
+        (
+            "accumulated_adam_replicated_state",
+            accumulated_adam,
+            (weights, ACCUMULATE.init(weights), _normal(16, 64)),
+            (weight_sbps, jax.tree.map(lambda _: (B, B), ACCUMULATE.init(weights)), (S(0), B)),
+            (2, 4),
+        ),
         ("power_iteration", power_iteration, (a @ a.T, _normal(64)), ((S(0),), (B,)), (8,)),
         (
             "uneven_tensor_parallel",
