@@ -8,8 +8,9 @@ divide. A second check the same day (Flax models and optax transforms)
 added attention with the sequence split, a grouped convolution's gradients
 (a wrong input gradient, fixed), gradient accumulation (its state laid out
 as the weights, and left replicated) and a loss scaler's finite check. Each
-one's values equal the one-device program's, and where GSPMD takes the same input shardings (its must divide the dims) the compiled
-collectives move no more bytes than GSPMD's.
+one's values equal the one-device program's, and where GSPMD takes the same
+input shardings (its must divide the dims) the compiled collectives move no
+more bytes than GSPMD's.
 
 Sizes are small but large enough that bytes, not collective latency, decide
 the plan: the objective prices each collective at 100 kB on the default cost
