@@ -321,6 +321,12 @@ class Domains:
         keep_g = (list(dec.in_sbp), list(dec.out_sbp))
         if len(cs) > 1:
             uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
+            alike = [  # operands (i, j) of one shape, both values
+                (i, j)
+                for i, a in enumerate(node.ins)
+                for j, b in enumerate(node.ins)
+                if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape
+            ]
             if node.name in HEAVY or node.name == "add_any":
                 # A contraction or a sum of gradients may also take an operand in
                 # a layout another operand of the same shape has (an activation
@@ -330,10 +336,8 @@ class Domains:
                 # layouts alone would leave a gather, or zero-filling both into a
                 # partial that is reduced later at full size. (All elementwise
                 # ops would triple the integer program for little more.)
-                for i, a in enumerate(node.ins):
-                    for j, b in enumerate(node.ins):
-                        if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape:
-                            uses[i] = uses[i] | self._uses(b)
+                for i, j in alike:
+                    uses[i] = uses[i] | self._uses(node.ins[j])
             elif node.name in ELEMENTWISE:
                 # An argument whole on an axis may be read split there as
                 # another operand of its shape may be (a free local slice): a
@@ -344,14 +348,9 @@ class Domains:
                 # layer by layer. Offered for every operand (1.15 MB there),
                 # alike layers of the demo's GPT stopped sharing one decision
                 # (1,131 decisions instead of 724, a 3.7 s solve instead of 1.7).
-                for i, a in enumerate(node.ins):
-                    if id(a) not in self.args or uses[i] is None:
-                        continue
-                    for j, b in enumerate(node.ins):
-                        if i != j and uses[j] is not None and a.shape == b.shape:
-                            uses[i] = uses[i] | {
-                                nd for nd in uses[j] if any(sliced_to(m, nd) for m in uses[i])
-                            }
+                for i, j in alike:
+                    if id(node.ins[i]) in self.args:
+                        uses[i] = uses[i] | {nd for nd in uses[j] if any(sliced_to(m, nd) for m in uses[i])}
             if node.name in HEAVY:
                 made = [
                     None if not isinstance(a, Var) or id(a) in self.args else self.made.get(id(a))

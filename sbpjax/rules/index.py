@@ -109,17 +109,15 @@ def scatter_add(eqn, in_avals):
     """Updates split on a batch dim -> P(sum); window splits; indexed-dim split.
     ``x.at[idx].subtract(u)`` is as linear: the same signatures."""
     uw, inserted, to_operand, op_batch, idx_batch = _scatter_dims(eqn)
-    xs, ishape, us = shape_of(in_avals[0]), shape_of(in_avals[1]), shape_of(in_avals[2])
-    update_scatter = [j for j in range(len(us)) if j not in uw]
-    idx_dims = list(range(len(ishape) - 1))
+    xs, us = shape_of(in_avals[0]), shape_of(in_avals[2])
     window = [d for d in range(len(xs)) if d not in inserted and d not in op_batch]
     sigs = []
-    for pos, k in enumerate(idx_dims):
+    for k, u in _index_update_dims(in_avals, uw):
         if k in idx_batch:
             od = op_batch[idx_batch.index(k)]
-            sigs.append(Sig((Split(od), Split(k), Split(update_scatter[pos])), (Split(od),)))
+            sigs.append(Sig((Split(od), Split(k), Split(u)), (Split(od),)))
         else:
-            sigs.append(Sig((P(), Split(k), Split(update_scatter[pos])), (P(),)))
+            sigs.append(Sig((P(), Split(k), Split(u)), (P(),)))
     for k, d in enumerate(window):
         if us[uw[k]] == xs[d] and d not in to_operand:
             sigs.append(Sig((Split(d), B, Split(uw[k])), (Split(d),)))
@@ -127,6 +125,13 @@ def scatter_add(eqn, in_avals):
         if d in inserted:
             sigs.append(Sig((Split(d), B, B), (Split(d),)))
     return sigs + [Sig((P(), B, P()), (P(),)), Sig((B, B, B), (B,))]
+
+
+def _index_update_dims(in_avals, update_window_dims) -> list:
+    """Each dim of a scatter's indices (less the index vector) with the dim
+    of the updates it runs along: split alike, each device scatters its rows."""
+    updates = range(rank(in_avals[2]))
+    return list(zip(range(rank(in_avals[1]) - 1), [j for j in updates if j not in update_window_dims]))
 
 
 def local_scatter(eqn, ins, ctx):
@@ -183,14 +188,12 @@ def scatter_combine(eqn, in_avals):
     uw, inserted, to_operand, _, idx_batch = _scatter_dims(eqn)
     sigs = scatter(eqn, in_avals)[:-1]  # the set's, without its (B, B, B)
     sigs += [Sig((Split(d), B, B), (Split(d),)) for d in to_operand if d in inserted]
-    op = {"max": "max", "min": "min"}.get(eqn.primitive.name[len("scatter") + 1 :])
-    if op is not None:
-        us = shape_of(in_avals[2])
-        update_scatter = [j for j in range(len(us)) if j not in uw]
-        for pos, k in enumerate(range(rank(in_avals[1]) - 1)):
+    op = eqn.primitive.name[len("scatter") + 1 :]
+    if op in ("max", "min"):
+        for k, u in _index_update_dims(in_avals, uw):
             if k not in idx_batch:
-                sigs.append(Sig((B, Split(k), Split(update_scatter[pos])), (P(op),)))
-                sigs.append(Sig((P(op), Split(k), Split(update_scatter[pos])), (P(op),)))
+                sigs.append(Sig((B, Split(k), Split(u)), (P(op),)))
+                sigs.append(Sig((P(op), Split(k), Split(u)), (P(op),)))
         sigs.append(Sig((P(op), B, P(op)), (P(op),)))
     return sigs + [Sig((B, B, B), (B,))]
 
