@@ -7,7 +7,8 @@ over row-split data, and tensor parallelism over a width the axis does not
 divide. A second check the same day (Flax models and optax transforms)
 added attention with the sequence split, a grouped convolution's gradients
 (a wrong input gradient, fixed), gradient accumulation (its state laid out
-as the weights, and left replicated) and a loss scaler's finite check. Each
+as the weights, and left replicated) and a loss scaler's finite check; a
+third, a top-2 MoE with a capacity (its expert gradients). Each
 one's values equal the one-device program's, and where GSPMD takes the same
 input shardings (its must divide the dims) the compiled collectives move no
 more bytes than GSPMD's.
@@ -125,6 +126,24 @@ def loss_scaled_step(p, x):
     return jax.tree.map(lambda a, b: jnp.where(finite, a - 0.1 * b, a), p, g)
 
 
+def top2_moe(x, wg, w1, w2):
+    """A top-2 mixture of experts with a capacity (GShard's dispatch and combine einsums)."""
+    t, e = x.shape[0], wg.shape[1]
+    capacity = 2 * t // e
+    gates, idx = lax.top_k(jax.nn.softmax(x @ wg, -1), 2)
+    mask = jax.nn.one_hot(idx, e)  # token, choice, expert
+    pos = jnp.cumsum(mask.reshape(-1, e), 0).reshape(t, 2, e) * mask - 1
+    keep = (pos < capacity) & (mask > 0)
+    dispatch = jnp.einsum("tke,tkc->tec", keep.astype(x.dtype), jax.nn.one_hot(pos.max(-1), capacity))
+    combine = dispatch * (gates[:, :, None] * mask).sum(1)[:, :, None]
+    h = jax.nn.gelu(jnp.einsum("ecd,edf->ecf", jnp.einsum("tec,td->ecd", dispatch, x), w1))
+    return jnp.einsum("tec,ecd->td", combine, jnp.einsum("ecf,efd->ecd", h, w2))
+
+
+def top2_moe_expert_grads(x, wg, w1, w2):
+    return jax.grad(lambda w1, w2: jnp.sum(top2_moe(x, wg, w1, w2) ** 2), argnums=(0, 1))(w1, w2)
+
+
 def _like_weights(state, weights, sbps):
     """Each state leaf laid out as the weight of its shape (their shapes differ), others B."""
     by_shape = {np.shape(weights[k]): v for k, v in sbps.items()}
@@ -205,6 +224,13 @@ def _cases():
             accumulated_adam,
             (weights, ACCUMULATE.init(weights), _normal(16, 64)),
             (weight_sbps, jax.tree.map(lambda _: (B, B), ACCUMULATE.init(weights)), (S(0), B)),
+            (2, 4),
+        ),
+        (
+            "top2_moe_expert_grads",  # tokens split over x, experts over y
+            top2_moe_expert_grads,
+            (_normal(64, 32), _normal(32, 8), _normal(8, 32, 64, scale=0.2), _normal(8, 64, 32, scale=0.2)),
+            ((S(0), B), (B, B), (B, S(0)), (B, S(0))),
             (2, 4),
         ),
         ("power_iteration", power_iteration, (a @ a.T, _normal(64)), ((S(0),), (B,)), (8,)),
