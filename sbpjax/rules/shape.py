@@ -183,14 +183,18 @@ def dynamic_slice(eqn, in_avals):
 @register("dynamic_update_slice")
 def dynamic_update_slice(eqn, in_avals):
     """``y_i = dynamic_update_slice(x_i, u_i, starts)`` for splits of dims the
-    update covers whole."""
+    update covers whole; and an operand split along a dim the update does not
+    cover, the update whole: each device writes the part of the update that
+    falls in its piece (a KV cache split along the sequence, a token written
+    at a traced position: nothing moves)."""
     n, u = shape_of(in_avals[0]), shape_of(in_avals[1])
     k = len(in_avals) - 2
     full = [d for d in range(len(n)) if n[d] == u[d]]
-    return [Sig((Split(d), Split(d)) + (B,) * k, (Split(d),)) for d in full] + [
-        Sig((P(), P()) + (B,) * k, (P(),)),
-        Sig((B,) * (k + 2), (B,)),
-    ]
+    return (
+        [Sig((Split(d), Split(d)) + (B,) * k, (Split(d),)) for d in full]
+        + [Sig((Split(d),) + (B,) * (k + 1), (Split(d),)) for d in range(len(n)) if d not in full]
+        + [Sig((P(), P()) + (B,) * k, (P(),)), Sig((B,) * (k + 2), (B,))]
+    )
 
 
 @register("iota")
@@ -245,11 +249,38 @@ def local_dynamic_slice(eqn, ins, ctx):
     return [lax.dynamic_slice(x, ins[1:], sizes)]
 
 
+def local_dynamic_update_slice(eqn, ins, ctx):
+    """Along each dim the operand is split on and the update is not, the
+    update's rows at (piece offset + local index - start) are written where
+    that index falls in the update; the start is clamped first, as XLA clamps
+    it to fit the whole operand. Padded positions of an uneven piece may
+    receive rows too: nothing reads them."""
+    x, u, starts = ins[0], ins[1], list(ins[2:])
+    n, un = shape_of(eqn.invars[0].aval), shape_of(eqn.invars[1].aval)
+    op_nd, up_nd = ctx.in_nd[0], ctx.in_nd[1]
+    inside = None
+    for d in range(len(n)):
+        if not ctx.is_split(op_nd, d) or ctx.is_split(up_nd, d):
+            continue
+        start = jnp.clip(starts[d].astype(jnp.int32), 0, n[d] - un[d])
+        rows = (
+            jnp.asarray(ctx.offset(op_nd, n, d), jnp.int32) + jnp.arange(x.shape[d], dtype=jnp.int32) - start
+        )
+        here = ((rows >= 0) & (rows < un[d])).reshape([x.shape[d] if e == d else 1 for e in range(len(n))])
+        inside = here if inside is None else inside & here
+        u = jnp.take(u, jnp.clip(rows, 0, un[d] - 1), axis=d)
+        starts[d] = jnp.zeros_like(starts[d])
+    if inside is not None:
+        u = jnp.where(inside, u, lax.dynamic_slice(x, starts, u.shape))
+    return [lax.dynamic_update_slice(x, u, starts)]
+
+
 set_local("iota")(local_iota)
 set_local("reshape")(local_reshape)
 set_local("broadcast_in_dim")(local_broadcast)
 set_local("slice")(local_slice)
 set_local("dynamic_slice")(local_dynamic_slice)
+set_local("dynamic_update_slice")(local_dynamic_update_slice)
 
 
 @register("split")

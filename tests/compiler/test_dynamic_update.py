@@ -1,0 +1,61 @@
+"""``lax.dynamic_update_slice`` into an operand split along a dim the update
+does not cover (a KV cache split along the sequence, a token written at a
+traced position): each device writes the part of the update that falls in
+its piece, nothing moves, and the values equal the one-device program's for
+starts inside a piece, across piece boundaries, past the end (XLA clamps
+them) and on pieces the devices do not divide evenly."""
+
+import jax
+import numpy as np
+import pytest
+from jax import lax
+
+import sbpjax as sj
+
+S0, S1, B = sj.S(0), sj.S(1), sj.B
+
+
+def _moved(f, *args) -> int:
+    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
+
+
+def _write(cache, new, pos):
+    return lax.dynamic_update_slice(cache, new, (pos, 0))
+
+
+@pytest.mark.parametrize("rows", [64, 30])  # 8 pieces of 8; pieces of 4 and 3
+@pytest.mark.parametrize("length", [1, 5, 8, 20])
+def test_a_write_into_a_split_dim_moves_nothing(pl8, rows, length):
+    r = np.random.default_rng(rows + length)
+    cache = r.normal(size=(rows, 4)).astype(np.float32)
+    new = r.normal(size=(length, 4)).astype(np.float32)
+    f = sj.jit(_write, placement=pl8, in_sbp=((S0,), (B,), (B,)), out_sbp=(S0,))
+    for pos in (0, 3, 7, 8, 13, rows - length, rows - 1, rows + 40, -3):
+        p = np.int32(pos)
+        want = np.asarray(jax.jit(_write)(cache, new, p))
+        np.testing.assert_array_equal(f(cache, new, p).numpy(), want, err_msg=f"start {pos}")
+    assert _moved(f, cache, new, np.int32(0)) == 0
+
+
+def test_a_write_into_two_split_dims_on_2x4(pl24):
+    """Rows over x and columns over y, the update whole on both; and the
+    update split with the operand along the dim it covers whole."""
+    r = np.random.default_rng(1)
+    cache = r.normal(size=(16, 32, 3)).astype(np.float32)
+
+    def write(cache, new, i, j):
+        return lax.dynamic_update_slice(cache, new, (i, j, 0))
+
+    new = r.normal(size=(5, 6, 3)).astype(np.float32)
+    f = sj.jit(write, placement=pl24, in_sbp=((S0, S1), (B, B), (B, B), (B, B)), out_sbp=(S0, S1))
+    covering = r.normal(size=(16, 6, 3)).astype(np.float32)
+    g = sj.jit(write, placement=pl24, in_sbp=((S0, S1), (S0, B), (B, B), (B, B)), out_sbp=(S0, S1))
+    for i, j in ((0, 0), (6, 5), (11, 29), (7, 14), (20, 40)):
+        args = (np.int32(i), np.int32(j))
+        np.testing.assert_array_equal(
+            f(cache, new, *args).numpy(), np.asarray(jax.jit(write)(cache, new, *args))
+        )
+        want = np.asarray(jax.jit(write)(cache, covering, *args))
+        np.testing.assert_array_equal(g(cache, covering, *args).numpy(), want)
+    assert _moved(f, cache, new, np.int32(0), np.int32(0)) == 0
+    assert _moved(g, cache, covering, np.int32(0), np.int32(0)) == 0
