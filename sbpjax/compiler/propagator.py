@@ -460,9 +460,15 @@ class Propagator:
         and need no communication of the op's own (``sbpjax.compiler.uneven``)."""
         vals = list(node.ins) + list(node.outs)
         nds = list(ins) + list(outs)
-        if all(self._even(nd, v.shape) for nd, v in zip(nds, vals)):
+        shapes = [v.shape for v in vals]
+        if node.name in ("slice", "pad"):
+            # a split dim cut or padded at its end: local where the pieces line up
+            if not uneven.resized_fits(ins[0], outs[0], node.ins[0].shape, node.outs[0].shape, self.grid):
+                return False
+            shapes[-1] = node.ins[0].shape  # the result's pieces are the operand's, cut short or filled
+        if all(self._even(nd, shape) for nd, shape in zip(nds, shapes)):
             return True
-        if not uneven.fits(nds, [v.shape for v in vals], self.grid):
+        if not uneven.fits(nds, shapes, self.grid):
             return False
         return not op_comm(node, ins, outs, self.pl, self.comms)
 

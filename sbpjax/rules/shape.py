@@ -139,9 +139,12 @@ def concatenate(eqn, in_avals):
 
 @register("pad")
 def pad(eqn, in_avals):
-    """``y_i = pad(x_i, v)`` for splits of dims without padding; v broadcast."""
+    """``y_i = pad(x_i, v)`` for splits of dims without padding, and of dims
+    padded at their end only, where each device's piece is its piece of the
+    operand with its holes filled (``uneven.prefix_aligned``: the gradient of
+    ``logits[:, :-1]``); v broadcast."""
     cfg = eqn.params["padding_config"]
-    return [Sig((Split(d), B), (Split(d),)) for d, c in enumerate(cfg) if tuple(c) == (0, 0, 0)] + [
+    return [Sig((Split(d), B), (Split(d),)) for d, (lo, _, inner) in enumerate(cfg) if lo == inner == 0] + [
         Sig((B, B), (B,))
     ]
 
@@ -158,11 +161,12 @@ def rev(eqn, in_avals):
 
 @register("slice")
 def slice_(eqn, in_avals):
-    """``y_i = slice(x_i)`` for splits of dims taken whole."""
-    s, lim, st = eqn.params["start_indices"], eqn.params["limit_indices"], eqn.params["strides"]
-    n = shape_of(in_avals[0])
-    full = [d for d in range(len(n)) if s[d] == 0 and lim[d] == n[d] and (st is None or st[d] == 1)]
-    return [Sig((Split(d),), (Split(d),)) for d in full] + _partials(1) + [Sig((B,), (B,))]
+    """``y_i = slice(x_i)`` for splits of dims taken whole, and of dims cut at
+    their end only, where each device's piece is its piece of the operand cut
+    short (``uneven.prefix_aligned``: ``logits[:, :-1]``, one more hole)."""
+    s, st = eqn.params["start_indices"], eqn.params["strides"]
+    kept = [d for d in range(rank(in_avals[0])) if s[d] == 0 and (st is None or st[d] == 1)]
+    return [Sig((Split(d),), (Split(d),)) for d in kept] + _partials(1) + [Sig((B,), (B,))]
 
 
 @register("dynamic_slice")
@@ -228,15 +232,25 @@ def local_broadcast(eqn, ins, ctx):
 
 
 def local_slice(eqn, ins, ctx):
+    """Split dims are taken whole or cut at their end: the block stays."""
     p = eqn.params
     x = ins[0]
+    limit = [x.shape[d] if ctx.is_split(ctx.in_nd[0], d) else p["limit_indices"][d] for d in range(x.ndim)]
+    return [lax.slice(x, p["start_indices"], limit, p["strides"])]
+
+
+def local_pad(eqn, ins, ctx):
+    """Split dims are padded at their end only: the block stays, its
+    positions past the operand's piece (holes there) take the padding value."""
+    x, value = ins
     n = shape_of(eqn.invars[0].aval)
-    start = list(p["start_indices"])
-    limit = [
-        x.shape[d] if (start[d] == 0 and p["limit_indices"][d] == n[d]) else p["limit_indices"][d]
-        for d in range(len(n))
-    ]
-    return [lax.slice(x, start, limit, p["strides"])]
+    cfg = [tuple(c) for c in eqn.params["padding_config"]]
+    for d in range(x.ndim):
+        if ctx.is_split(ctx.in_nd[0], d) and cfg[d] != (0, 0, 0):
+            size = ctx.piece_size(ctx.in_nd[0], n, d)
+            x = jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, d) < size, x, value.astype(x.dtype))
+            cfg[d] = (0, 0, 0)
+    return [lax.pad(x, value, cfg)]
 
 
 def local_dynamic_slice(eqn, ins, ctx):
@@ -279,6 +293,7 @@ set_local("iota")(local_iota)
 set_local("reshape")(local_reshape)
 set_local("broadcast_in_dim")(local_broadcast)
 set_local("slice")(local_slice)
+set_local("pad")(local_pad)
 set_local("dynamic_slice")(local_dynamic_slice)
 set_local("dynamic_update_slice")(local_dynamic_update_slice)
 
