@@ -44,7 +44,7 @@ from sbpjax.compiler.propagation import (
     zero_values,
 )
 from sbpjax.placement import Placement
-from sbpjax.rules import RULES, Sig
+from sbpjax.rules import RULES, Sig, own_comm
 from sbpjax.sbp import Broadcast, Partial, format_sbp
 
 _TOP_K = 3  # 1-D candidates kept per axis before exact costing of their products
@@ -294,7 +294,7 @@ class Propagator:
             return free
         # rank 1-D candidates per axis, then cost the products exactly
         per_axis = []
-        own_comm = RULES[node.name].comm is not None
+        communicates = own_comm(node.eqn)
         for a, p in enumerate(self.grid):
             if p == 1:
                 per_axis.append(
@@ -325,7 +325,7 @@ class Propagator:
             # the estimate does not see an op's own communication (a halo, a
             # prefix carry: it depends on every axis), so such ops keep all
             # their candidates for exact costing (they are few in a program)
-            keep = [t[5] for t in (scored if own_comm else scored[:_TOP_K])]
+            keep = [t[5] for t in (scored if communicates else scored[:_TOP_K])]
             if wants:
                 top = min(with_pref, key=lambda t: t[:5])[5]
                 if top not in keep:
@@ -408,8 +408,7 @@ class Propagator:
         (elementwise chains on one layout) end here."""
         if any(self.versions.get(id(a)) for a in node.ins if isinstance(a, Var)):
             return None
-        rule = RULES.get(node.name)
-        if rule is not None and rule.comm is not None:
+        if own_comm(node.eqn):
             return None  # its candidates may cost bytes of their own: cost them all
         if any(id(o) in self.pref for o in node.outs) or not all(self.partial_ok(nd) for nd in cur):
             return None
@@ -465,7 +464,9 @@ class Propagator:
             # a split dim cut or padded at its end: local where the pieces line up
             if not uneven.resized_fits(ins[0], outs[0], node.ins[0].shape, node.outs[0].shape, self.grid):
                 return False
-            shapes[-1] = node.ins[0].shape  # the result's pieces are the operand's, cut short or filled
+            # read both at the longer size: the shorter's pieces are the longer's cut short
+            longer = tuple(max(n, m) for n, m in zip(node.ins[0].shape, node.outs[0].shape))
+            shapes[0] = shapes[-1] = longer
         if all(self._even(nd, shape) for nd, shape in zip(nds, shapes)):
             return True
         if not uneven.fits(nds, shapes, self.grid):

@@ -69,6 +69,9 @@ class Rule:
     local: Callable | None = None  # (eqn, local_ins, ctx) -> list of local outputs
     # (eqn, in_avals, ins_nd, outs_nd, grid) -> list[Comm] | None (None: not runnable)
     comm: Callable | None = None
+    # (eqn) -> bool: whether ``comm`` may be more than nothing for this equation
+    # (None: always); the greedy pass costs every signature of such ops exactly
+    comm_if: Callable | None = None
 
 
 RULES: dict = {}
@@ -100,6 +103,13 @@ def _setter(attr: str, what: str):
 
 set_local = _setter("local", "local evaluation")
 set_comm = _setter("comm", "communication function (see ``Comm``)")
+set_comm_if = _setter("comm_if", "test of whether an equation may communicate (see ``Rule``)")
+
+
+def own_comm(eqn) -> bool:
+    """Whether ``eqn``'s rule may run communication of its own (a halo)."""
+    rule = RULES.get(eqn.primitive.name)
+    return rule is not None and rule.comm is not None and (rule.comm_if is None or rule.comm_if(eqn))
 
 
 def P(op: str = "sum") -> Partial:

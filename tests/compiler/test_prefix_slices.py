@@ -1,9 +1,11 @@
 """A split dim cut or padded at its end (``uneven.prefix_aligned``): where
 every device's piece of the shorter dim is its piece of the longer one cut
 short, ``slice`` and ``pad`` stay local, the result split unevenly
-(``logits[:, :-1]`` on 8 pieces of 32: seven of 32 and one of 31); elsewhere
-the value is boxed first. Every length is checked against the one-device
-program, and the plan's bytes against the compiled program's collectives."""
+(``logits[:, :-1]`` on 8 pieces of 32: seven of 32 and one of 31); cut or
+padded by one at its start (``tokens[:, 1:]`` and its gradient), each device
+exchanges one row with a neighbour; elsewhere the value is boxed first.
+Every length is checked against the one-device program, and the plan's
+bytes against the compiled program's collectives."""
 
 import jax
 import jax.numpy as jnp
@@ -81,3 +83,30 @@ def test_a_language_model_loss_on_a_split_sequence(pl8):
     ours = _moved(f, logits, tokens)
     assert ours == f.explain(logits, tokens).bytes
     assert ours <= gspmd_bytes(step, pl8, ((S1,), (S1,)), None, (logits, tokens))
+
+
+@pytest.mark.parametrize("rows", [64, 16, 30])  # pieces of 8 and of 2 shift by one row; 30 is boxed
+def test_a_split_dim_cut_by_one_at_its_start(pl8, rows):
+    x = np.random.default_rng(rows).normal(size=(rows, 3)).astype(np.float32)
+
+    def tail(x):
+        return jax.value_and_grad(lambda x: jnp.sum(jnp.sin(x[1:]) * x[1:]))(x)
+
+    f = sj.jit(tail, placement=pl8, in_sbp=(S0,))
+    for g, w in zip(f(x), jax.jit(tail)(x)):
+        assert_close(g.numpy(), w, rtol=1e-6)
+    moved = _moved(f, x)
+    assert moved == f.explain(x).bytes
+    if rows % 8 == 0:  # the slice and its gradient's two pads: one row to each device but one
+        assert moved <= 3 * 7 * (3 * 4) + 2 * 7 * 4, moved  # (and at most the loss's all-reduce)
+
+
+def test_a_shift_over_two_axes(pl24):
+    x = np.random.default_rng(3).normal(size=(64, 4)).astype(np.float32)
+
+    def shift(x):
+        return lax.pad(x[1:] * 2.0, jnp.float32(-1.0), ((1, 0, 0), (0, 0, 0)))
+
+    f = sj.jit(shift, placement=pl24, in_sbp=((S0, S0),), out_sbp=(S0, S0))
+    np.testing.assert_array_equal(f(x).numpy(), np.asarray(jax.jit(shift)(x)))
+    assert _moved(f, x) == 2 * 7 * 4 * 4  # one row each way between neighbouring pieces
