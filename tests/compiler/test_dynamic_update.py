@@ -59,3 +59,16 @@ def test_a_write_into_two_split_dims_on_2x4(pl24):
         np.testing.assert_array_equal(g(cache, covering, *args).numpy(), want)
     assert _moved(f, cache, new, np.int32(0), np.int32(0)) == 0
     assert _moved(g, cache, covering, np.int32(0), np.int32(0)) == 0
+
+
+@pytest.mark.parametrize("rows", [64, 30])
+def test_a_write_into_a_dim_split_over_both_axes(pl24, rows):
+    """Rows over x and y together (8 pieces, uneven for 30): every start."""
+    r = np.random.default_rng(rows)
+    cache = r.normal(size=(rows, 3)).astype(np.float32)
+    new = r.normal(size=(5, 3)).astype(np.float32)
+    f = sj.jit(_write, placement=pl24, in_sbp=((S0, S0), (B, B), (B, B)), out_sbp=(S0, S0))
+    for pos in range(-2, rows + 3):
+        p = np.int32(pos)
+        np.testing.assert_array_equal(f(cache, new, p).numpy(), np.asarray(jax.jit(_write)(cache, new, p)))
+    assert _moved(f, cache, new, np.int32(0)) == 0
