@@ -460,8 +460,8 @@ class Propagator:
         vals = list(node.ins) + list(node.outs)
         nds = list(ins) + list(outs)
         shapes = [v.shape for v in vals]
-        if node.name in ("slice", "pad"):
-            # a split dim cut or padded at its end: local where the pieces line up
+        if node.name in ("slice", "pad", "concatenate"):
+            # a split dim cut, padded or filled at its end: local where the pieces line up
             if not uneven.resized_fits(ins[0], outs[0], node.ins[0].shape, node.outs[0].shape, self.grid):
                 return False
             # read both at the longer size: the shorter's pieces are the longer's cut short

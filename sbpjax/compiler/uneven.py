@@ -100,11 +100,12 @@ def prefix_aligned(short: int, long: int, axes: tuple, grid: tuple) -> bool:
 
 
 def resized_fits(in_nd, out_nd, in_shape, out_shape, grid) -> bool:
-    """Whether a ``slice`` or ``pad`` that changes the size of a dim it keeps
-    split keeps every device's piece (:func:`prefix_aligned`), as one that
-    cuts or pads the dim at its end does, and one that cuts or pads a row at
-    its start does after its exchange (``sbpjax.rules.shape``); dims of one
-    size pass."""
+    """Whether a ``slice``, ``pad`` or ``concatenate`` that changes the size
+    of a dim it keeps split (its first operand's against its result's) keeps
+    every device's piece (:func:`prefix_aligned`), as one that cuts, pads or
+    fills the dim at its end does, and one that cuts or pads a row at its
+    start does after its exchange (``sbpjax.rules.shape``); dims of one size
+    pass."""
     for d, (n, m) in enumerate(zip(in_shape, out_shape)):
         axes = split_axes(in_nd, d)
         if n == m or not (axes or split_axes(out_nd, d)):

@@ -140,14 +140,35 @@ def expand_dims(eqn, in_avals):
 @register("concatenate")
 def concatenate(eqn, in_avals):
     """``y_i = concat(a_i, b_i)`` along a dim none of them is split on; partials
-    of one op concatenate to that partial."""
+    of one op concatenate to that partial. And along the split dim of the
+    first operand, the others whole, where that operand's pieces are the
+    result's cut short (``uneven.prefix_aligned``): the others fill the
+    holes at the end (``jnp.roll(tokens, -1, axis=1)``: ``x[:, 1:]`` then
+    ``x[:, :1]``)."""
     dim = eqn.params["dimension"]
     n = len(in_avals)
+    tail = [Sig((Split(dim),) + (B,) * (n - 1), (Split(dim),))] if n > 1 else []
     return (
         [Sig((Split(d),) * n, (Split(d),)) for d in range(rank(in_avals[0])) if d != dim]
+        + tail
         + _partials(n)
         + [Sig((B,) * n, (B,))]
     )
+
+
+def local_concatenate(eqn, ins, ctx):
+    """Along a split dim: the first operand's block, with the positions past
+    its rows taken from the other operands (whole), as the result's piece
+    there reads them."""
+    dim = eqn.params["dimension"]
+    if not ctx.is_split(ctx.out_nd[0], dim):
+        return [lax.concatenate(ins, dim)]
+    head, tail = ins[0], lax.concatenate(ins[1:], dim)
+    start = eqn.invars[0].aval.shape[dim]
+    at = jnp.asarray(ctx.offset(ctx.out_nd[0], shape_of(eqn.outvars[0].aval), dim), jnp.int32)
+    rows = at + jnp.arange(head.shape[dim], dtype=jnp.int32) - start
+    here = ((rows >= 0) & (rows < tail.shape[dim])).reshape([-1 if e == dim else 1 for e in range(head.ndim)])
+    return [jnp.where(here, jnp.take(tail, jnp.clip(rows, 0, tail.shape[dim] - 1), axis=dim), head)]
 
 
 @register("pad")
@@ -370,6 +391,7 @@ set_local("iota")(local_iota)
 set_local("reshape")(local_reshape)
 set_local("broadcast_in_dim")(local_broadcast)
 set_local("slice")(local_slice)
+set_local("concatenate")(local_concatenate)
 set_local("pad")(local_pad)
 set_local("dynamic_slice")(local_dynamic_slice)
 set_local("dynamic_update_slice")(local_dynamic_update_slice)

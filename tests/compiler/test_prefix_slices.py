@@ -110,3 +110,23 @@ def test_a_shift_over_two_axes(pl24):
     f = sj.jit(shift, placement=pl24, in_sbp=((S0, S0),), out_sbp=(S0, S0))
     np.testing.assert_array_equal(f(x).numpy(), np.asarray(jax.jit(shift)(x)))
     assert _moved(f, x) == 2 * 7 * 4 * 4  # one row each way between neighbouring pieces
+
+
+@pytest.mark.parametrize("rows", [64, 30])
+def test_a_roll_by_one_and_a_shift_with_a_fill(pl8, rows):
+    """``jnp.roll(x, -1)`` (``x[1:]`` then ``x[:1]``) and ``x[1:]`` with a row
+    of zeros after it: the whole rows fill the last piece's hole. On 8
+    pieces of 8 they move a few rows, not the value (30 rows: boxed first)."""
+    x = np.random.default_rng(rows).normal(size=(rows, 4)).astype(np.float32)
+
+    def shifts(x):
+        return jnp.roll(x, -1, axis=0), jnp.concatenate([x[1:], jnp.zeros((1, 4), x.dtype)]) * 2.0
+
+    f = sj.jit(shifts, placement=pl8, in_sbp=(S0,), out_sbp=(S0, S0))
+    for g, w in zip(f(x), jax.jit(shifts)(x)):
+        np.testing.assert_array_equal(g.numpy(), np.asarray(w))
+    moved = _moved(f, x)
+    assert moved == f.explain(x).bytes
+    if rows == 64:  # at most two one-row exchanges and the first row's all-reduce (2 (p - 1) rows)
+        row = 4 * 4
+        assert moved <= 2 * 7 * row + 2 * 7 * row, moved
