@@ -147,7 +147,8 @@ def concatenate(eqn, in_avals):
     ``x[:, :1]``)."""
     dim = eqn.params["dimension"]
     n = len(in_avals)
-    tail = [Sig((Split(dim),) + (B,) * (n - 1), (Split(dim),))] if n > 1 else []
+    rest = sum(shape_of(a)[dim] for a in in_avals[1:])
+    tail = [Sig((Split(dim),) + (B,) * (n - 1), (Split(dim),))] if rest else []
     return (
         [Sig((Split(d),) * n, (Split(d),)) for d in range(rank(in_avals[0])) if d != dim]
         + tail

@@ -130,3 +130,14 @@ def test_a_roll_by_one_and_a_shift_with_a_fill(pl8, rows):
     if rows == 64:  # at most two one-row exchanges and the first row's all-reduce (2 (p - 1) rows)
         row = 4 * 4
         assert moved <= 2 * 7 * row + 2 * 7 * row, moved
+
+
+def test_an_empty_operand_concatenated_along_a_split_dim(pl8):
+    x = np.arange(128, dtype=np.float32).reshape(64, 2)
+
+    def grow(x):
+        return jnp.concatenate([x, jnp.zeros((0, 2), x.dtype)]) + 1.0
+
+    f = sj.jit(grow, placement=pl8, in_sbp=(S0,), out_sbp=(S0,))
+    np.testing.assert_array_equal(f(x).numpy(), x + 1.0)
+    assert _moved(f, x) == 0
