@@ -147,8 +147,7 @@ def concatenate(eqn, in_avals):
     ``x[:, :1]``)."""
     dim = eqn.params["dimension"]
     n = len(in_avals)
-    rest = sum(shape_of(a)[dim] for a in in_avals[1:])
-    tail = [Sig((Split(dim),) + (B,) * (n - 1), (Split(dim),))] if rest else []
+    tail = [Sig((Split(dim),) + (B,) * (n - 1), (Split(dim),))] if n > 1 else []
     return (
         [Sig((Split(d),) * n, (Split(d),)) for d in range(rank(in_avals[0])) if d != dim]
         + tail
@@ -165,6 +164,8 @@ def local_concatenate(eqn, ins, ctx):
     if not ctx.is_split(ctx.out_nd[0], dim):
         return [lax.concatenate(ins, dim)]
     head, tail = ins[0], lax.concatenate(ins[1:], dim)
+    if not tail.shape[dim]:  # only empty operands after it
+        return [head]
     start = eqn.invars[0].aval.shape[dim]
     at = jnp.asarray(ctx.offset(ctx.out_nd[0], shape_of(eqn.outvars[0].aval), dim), jnp.int32)
     rows = at + jnp.arange(head.shape[dim], dtype=jnp.int32) - start
