@@ -166,11 +166,18 @@ def local_concatenate(eqn, ins, ctx):
     head, tail = ins[0], lax.concatenate(ins[1:], dim)
     if not tail.shape[dim]:  # only empty operands after it
         return [head]
-    start = eqn.invars[0].aval.shape[dim]
-    at = jnp.asarray(ctx.offset(ctx.out_nd[0], shape_of(eqn.outvars[0].aval), dim), jnp.int32)
-    rows = at + jnp.arange(head.shape[dim], dtype=jnp.int32) - start
-    here = ((rows >= 0) & (rows < tail.shape[dim])).reshape([-1 if e == dim else 1 for e in range(head.ndim)])
-    return [jnp.where(here, jnp.take(tail, jnp.clip(rows, 0, tail.shape[dim] - 1), axis=dim), head)]
+    at = ctx.offset(ctx.out_nd[0], shape_of(eqn.outvars[0].aval), dim)
+    rows, here = _rows_at(tail, eqn.invars[0].aval.shape[dim], at, head, dim)
+    return [jnp.where(here, rows, head)]
+
+
+def _rows_at(u, start, at, block, dim):
+    """``u`` (whole along ``dim``) placed at global row ``start`` of a value
+    whose piece here begins at global row ``at`` and is held in ``block``:
+    ``u``'s row for each of the block's rows, and where one falls in ``u``."""
+    rows = jnp.asarray(at, jnp.int32) + jnp.arange(block.shape[dim], dtype=jnp.int32) - start
+    here = ((rows >= 0) & (rows < u.shape[dim])).reshape([-1 if e == dim else 1 for e in range(block.ndim)])
+    return jnp.take(u, jnp.clip(rows, 0, u.shape[dim] - 1), axis=dim), here
 
 
 @register("pad")
@@ -220,15 +227,11 @@ def _shifts(eqn, in_avals, ins, outs, grid):
     piece by a different amount, which one exchange with a neighbour cannot
     do (the value is boxed first)."""
     if eqn.primitive.name == "slice":
-        n = shape_of(in_avals[0])
-        starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
-        cut = {d: (starts[d], n[d] - limits[d]) for d in range(len(n)) if starts[d]}
-        full, side = n, Halo(-1, 1, (0, 0))
+        full, side = shape_of(in_avals[0]), Halo(-1, 1, (0, 0))
     else:
-        cut = {d: (lo, hi) for d, (lo, hi, _) in enumerate(eqn.params["padding_config"]) if lo}
         full, side = shape_of(eqn.outvars[0].aval), Halo(1, -1, (0, 0))
     steps = []
-    for d, ends in cut.items():
+    for d, ends in _cut_at_start(eqn).items():
         axes = split_axes(ins[0], d)
         if not axes:
             continue
@@ -253,11 +256,17 @@ def shifts_by_one(eqn) -> bool:
     """Whether a dim is cut or padded by one at its start and kept to its end:
     the only shift ``_shifts`` runs. Other slices and pads never communicate,
     and the greedy pass ranks their signatures as it does any op's."""
+    return (1, 0) in _cut_at_start(eqn).values()
+
+
+def _cut_at_start(eqn) -> dict:
+    """{dim: (rows cut or padded at its start, rows cut or padded at its end)}
+    for each dim a slice or pad changes at its start."""
     if eqn.primitive.name == "slice":
         n = shape_of(eqn.invars[0].aval)
         starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
-        return any(starts[d] == 1 and limits[d] == n[d] for d in range(len(n)))
-    return any((lo, hi) == (1, 0) for lo, hi, _ in eqn.params["padding_config"])
+        return {d: (starts[d], n[d] - limits[d]) for d in range(len(n)) if starts[d]}
+    return {d: (lo, hi) for d, (lo, hi, _) in enumerate(eqn.params["padding_config"]) if lo}
 
 
 @register("dynamic_slice")
@@ -377,12 +386,8 @@ def local_dynamic_update_slice(eqn, ins, ctx):
         if not ctx.is_split(op_nd, d) or ctx.is_split(up_nd, d):
             continue
         start = jnp.clip(starts[d].astype(jnp.int32), 0, n[d] - un[d])
-        rows = (
-            jnp.asarray(ctx.offset(op_nd, n, d), jnp.int32) + jnp.arange(x.shape[d], dtype=jnp.int32) - start
-        )
-        here = ((rows >= 0) & (rows < un[d])).reshape([x.shape[d] if e == d else 1 for e in range(len(n))])
+        u, here = _rows_at(u, start, ctx.offset(op_nd, n, d), x, d)
         inside = here if inside is None else inside & here
-        u = jnp.take(u, jnp.clip(rows, 0, un[d] - 1), axis=d)
         starts[d] = jnp.zeros_like(starts[d])
     if inside is not None:
         u = jnp.where(inside, u, lax.dynamic_slice(x, starts, u.shape))
