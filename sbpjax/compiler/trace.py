@@ -21,6 +21,7 @@ try:  # the public home moved across JAX versions
 except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
+from sbpjax.compiler import rewrites
 from sbpjax.compiler.program import (
     UNKNOWN_SOURCE,
     Cond,
@@ -140,7 +141,8 @@ def trace(
     outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, flat=flat)
     roots = outs + (_last_carries(flat.loops) if keep_last_carries else [])
     nodes = _dce(nodes, roots)
-    nodes = _dce(_fuse_padded_windows(nodes, roots), roots)
+    nodes = _dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
+    nodes = _dce(rewrites.fuse_shifts(rewrites.rolls_as_shifts(nodes, _emit), _emit), roots)
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
 
 
@@ -155,59 +157,6 @@ class _Flattening:
     conds: list = dataclasses.field(default_factory=list)
     texts: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> its EqnText
     expansions: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> (eqn, _hi_expansion's)
-
-
-def _fuse_padded_windows(nodes, outputs):
-    """``reduce_window_sum(pad(x, 0, (lo, hi, interior)))`` as one
-    ``reduce_window_sum(x)`` with that padding and ``base_dilation = interior
-    + 1`` (the same zeros, in the same places). JAX writes the gradient of an
-    average pool this way; a ``pad`` of a split dim changes its size, so the
-    pair would gather the activation, where the fused window runs with a halo
-    exchange (``sbpjax.rules.window``). Only where the padded value has no
-    other use and no padding is negative."""
-    uses: dict = {}
-    for atom in [a for n in nodes for a in n.ins] + list(outputs):
-        if isinstance(atom, Var):
-            uses[id(atom)] = uses.get(id(atom), 0) + 1
-    made = {id(o): n for n in nodes for o in n.outs}
-    out = []
-    for node in nodes:
-        src = made.get(id(node.ins[0])) if node.name == "reduce_window_sum" else None
-        p = node.eqn.params
-        if (
-            src is None
-            or src.name != "pad"
-            or uses[id(node.ins[0])] != 1
-            or not isinstance(src.ins[1], Const)
-            or np.asarray(src.ins[1].value).item() != 0
-            or any(c < 0 for cfg in src.eqn.params["padding_config"] for c in cfg)
-            or any(tuple(c) != (0, 0) for c in p["padding"])
-            or any(d != 1 for d in p["base_dilation"])
-        ):
-            out.append(node)
-            continue
-        cfg = src.eqn.params["padding_config"]
-        window = (
-            tuple(p["window_dimensions"]),
-            tuple(p["window_strides"]),
-            tuple((int(lo), int(hi)) for lo, hi, _ in cfg),
-            tuple(int(i) + 1 for _, _, i in cfg),
-            tuple(p["window_dilation"]),
-        )
-        fused: list = []
-        _emit(
-            lambda x, w=window: jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, *w),
-            [src.ins[0]],
-            fused,
-            {},
-        )
-        if len(fused) != 1 or fused[0].name != "reduce_window_sum":
-            out.append(node)  # this JAX spells it otherwise: keep the pair
-            continue
-        fused[0].outs, fused[0].source, fused[0].region = node.outs, node.source, node.region
-        fused[0].branch = node.branch
-        out.append(fused[0])
-    return out
 
 
 def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):

@@ -12,7 +12,9 @@ never read as a value, because of three rules:
   communication of its own there. Elementwise ops, the batch and free dims of
   a contraction, the kept dims of a reduction, transposes, slices of other
   dims pass; a reshape that merges the dim, a halo exchange or a prefix scan
-  along it keep to even layouts (the value is boxed first).
+  along it keep to even layouts (the value is boxed first). A slice or pad
+  of the dim itself moves its rows as ``sbpjax.rules.shifts`` says, which
+  reads each piece's size (its holes are never read).
 * **Every device has work.** A signature where some device's piece would be
   empty (5 rows on 8 devices) is not chosen inside a program: it moves few
   bytes only because idle devices receive nothing, and the bytes-first cost
@@ -83,10 +85,10 @@ def fits(nds, shapes, grid) -> bool:
 def prefix_aligned(short: int, long: int, axes: tuple, grid: tuple) -> bool:
     """Whether every device's piece of a dim of size ``short`` split by
     ``axes`` is its piece of the same dim at size ``long`` cut at ``short``,
-    in a block of the same size, and not empty. A slice that keeps a prefix of
-    a split dim (``logits[:, :-1]`` on 8 pieces of 32: seven of 32 and one of
-    31) and a pad at its end (that slice's gradient) are then local: the slice
-    makes one more hole, the pad fills it."""
+    in a block of the same size, and not empty (``logits[:, :-1]`` on 8
+    pieces of 32: seven of 32 and one of 31). Whole rows concatenated after
+    such a cut then fill its hole in place (``sbpjax.rules.shape``); slices
+    and pads test the same with their :class:`~sbpjax.rules.shifts.Shift`."""
     pieces = math.prod(grid[a] for a in axes)
     if -(-short // pieces) != -(-long // pieces):
         return False
@@ -100,12 +102,10 @@ def prefix_aligned(short: int, long: int, axes: tuple, grid: tuple) -> bool:
 
 
 def resized_fits(in_nd, out_nd, in_shape, out_shape, grid) -> bool:
-    """Whether a ``slice``, ``pad`` or ``concatenate`` that changes the size
-    of a dim it keeps split (its first operand's against its result's) keeps
-    every device's piece (:func:`prefix_aligned`), as one that cuts, pads or
-    fills the dim at its end does, and one that cuts or pads a row at its
-    start does after its exchange (``sbpjax.rules.shape``); dims of one size
-    pass."""
+    """Whether a ``concatenate`` that changes the size of a dim it keeps
+    split (its first operand's against its result's) keeps every device's
+    piece (:func:`prefix_aligned`), as one that fills the dim's holes at its
+    end does (``sbpjax.rules.shape``); dims of one size pass."""
     for d, (n, m) in enumerate(zip(in_shape, out_shape)):
         axes = split_axes(in_nd, d)
         if n == m or not (axes or split_axes(out_nd, d)):

@@ -21,16 +21,14 @@ from sbpjax.rules import (
     B,
     P,
     Sig,
-    local_shape,
     rank,
     register,
     set_comm,
     set_comm_if,
     set_local,
     shape_of,
-    split_axes,
 )
-from sbpjax.rules.halo import Halo, halo_comms, run_halos
+from sbpjax.rules.shifts import may_shift, run_shifts, shift_comms, shifts
 from sbpjax.sbp import Split
 
 ALL_P = ("sum", "max", "min")
@@ -182,11 +180,10 @@ def _rows_at(u, start, at, block, dim):
 
 @register("pad")
 def pad(eqn, in_avals):
-    """``y_i = pad(x_i, v)`` for splits of dims without padding; of dims
-    padded at their end only, where each device's piece is its piece of the
-    operand with its holes filled (``uneven.prefix_aligned``: the gradient of
-    ``logits[:, :-1]``); and of dims padded by one at their start (the
-    gradient of ``tokens[:, 1:]``: see ``_shifts``); v broadcast."""
+    """``y_i = pad(x_i, v)`` for splits of dims without interior padding:
+    the pieces move as ``sbpjax.rules.shifts`` says (in place where they line
+    up, as the gradient of ``logits[:, :-1]``; one exchange per side for a
+    shift, as the gradient of ``tokens[:, 1:]``); v broadcast."""
     cfg = eqn.params["padding_config"]
     return [Sig((Split(d), B), (Split(d),)) for d, (_, _, inner) in enumerate(cfg) if inner == 0] + [
         Sig((B, B), (B,))
@@ -205,68 +202,23 @@ def rev(eqn, in_avals):
 
 @register("slice")
 def slice_(eqn, in_avals):
-    """``y_i = slice(x_i)`` for splits of dims taken whole; of dims cut at
-    their end only, where each device's piece is its piece of the operand cut
-    short (``uneven.prefix_aligned``: ``logits[:, :-1]``, one more hole); and
-    of dims cut by one at their start (``tokens[:, 1:]``: see ``_shifts``)."""
+    """``y_i = slice(x_i)`` for splits of dims with stride 1: taken whole,
+    or moved as ``sbpjax.rules.shifts`` says (in place where the pieces line
+    up, as ``logits[:, :-1]``; one exchange per side for a shift, as
+    ``tokens[:, 1:]``)."""
     st = eqn.params["strides"]
     kept = [d for d in range(rank(in_avals[0])) if st is None or st[d] == 1]
     return [Sig((Split(d),), (Split(d),)) for d in kept] + _partials(1) + [Sig((B,), (B,))]
 
 
-def _shifts(eqn, in_avals, ins, outs, grid):
-    """The halo steps (``run_halos``) of a slice that cuts a split dim by one
-    at its start (``tokens[:, 1:]``) or a pad that pads one by one at its
-    start (that slice's gradient), over pieces of one size ``m >= 2``: each
-    device's piece is its own shifted by one, with one row from the piece
-    after it (the slice) or before it (the pad, the first getting the
-    padding value). ``N - 1`` rows on ``p`` pieces are ``m`` rows on the
-    first ``p - 1`` and ``m - 1`` on the last, so the slice's last piece
-    ends in a hole and the pad's operand did. ``None`` where a split dim is
-    cut or padded at its start otherwise: a longer shift moves every later
-    piece by a different amount, which one exchange with a neighbour cannot
-    do (the value is boxed first)."""
-    if eqn.primitive.name == "slice":
-        full, side = shape_of(in_avals[0]), Halo(-1, 1, (0, 0))
-    else:
-        full, side = shape_of(eqn.outvars[0].aval), Halo(1, -1, (0, 0))
-    steps = []
-    for d, ends in _cut_at_start(eqn).items():
-        axes = split_axes(ins[0], d)
-        if not axes:
-            continue
-        pieces = math.prod(grid[a] for a in axes)
-        if ends != (1, 0) or split_axes(outs[0], d) != axes or full[d] % pieces or full[d] // pieces < 2:
-            return None
-        steps.append((d, side, axes, None, None))
-    return steps
-
-
 @set_comm("slice", "pad")
 def shift_comm(eqn, in_avals, ins, outs, grid):
-    """One exchange with a neighbour per split dim shifted by one (``_shifts``)."""
-    steps = _shifts(eqn, in_avals, ins, outs, grid)
-    if steps is None:
-        return None
-    return halo_comms(local_shape(in_avals[0].shape, ins[0], grid), in_avals[0].dtype.itemsize, steps, grid)
+    """The exchanges of a slice or pad that moves rows along a split dim
+    (``sbpjax.rules.shifts``)."""
+    return shift_comms(eqn, in_avals, ins, outs, grid)
 
 
-@set_comm_if("slice", "pad")
-def shifts_by_one(eqn) -> bool:
-    """Whether a dim is cut or padded by one at its start and kept to its end:
-    the only shift ``_shifts`` runs. Other slices and pads never communicate,
-    and the greedy pass ranks their signatures as it does any op's."""
-    return (1, 0) in _cut_at_start(eqn).values()
-
-
-def _cut_at_start(eqn) -> dict:
-    """{dim: (rows cut or padded at its start, rows cut or padded at its end)}
-    for each dim a slice or pad changes at its start."""
-    if eqn.primitive.name == "slice":
-        n = shape_of(eqn.invars[0].aval)
-        starts, limits = eqn.params["start_indices"], eqn.params["limit_indices"]
-        return {d: (starts[d], n[d] - limits[d]) for d in range(len(n)) if starts[d]}
-    return {d: (lo, hi) for d, (lo, hi, _) in enumerate(eqn.params["padding_config"]) if lo}
+set_comm_if("slice", "pad")(may_shift)
 
 
 @register("dynamic_slice")
@@ -332,11 +284,9 @@ def local_broadcast(eqn, ins, ctx):
 
 
 def local_slice(eqn, ins, ctx):
-    """Split dims are taken whole, cut at their end (the block stays) or cut
-    by one at their start (the block shifted, ``_shifts``)."""
+    """Split dims are taken whole or shifted (``sbpjax.rules.shifts``)."""
     p = eqn.params
-    steps = _shifts(eqn, [v.aval for v in eqn.invars], ctx.in_nd, ctx.out_nd, ctx.grid)
-    x = run_halos(ins[0], steps, ctx) if steps else ins[0]
+    x = run_shifts(ins[0], _shift_steps(eqn, ctx), ctx)
     split = [ctx.is_split(ctx.in_nd[0], d) for d in range(x.ndim)]
     start = [0 if split[d] else p["start_indices"][d] for d in range(x.ndim)]
     limit = [x.shape[d] if split[d] else p["limit_indices"][d] for d in range(x.ndim)]
@@ -344,22 +294,22 @@ def local_slice(eqn, ins, ctx):
 
 
 def local_pad(eqn, ins, ctx):
-    """Split dims are padded at their end (the block stays, its positions
-    past the operand's piece take the padding value) or by one at their
-    start (the block shifted, ``_shifts``, the first piece starting with the
+    """Split dims are shifted (``sbpjax.rules.shifts``: padded at their end,
+    the block stays and its positions past the operand's piece take the
     padding value)."""
     x, value = ins
-    n = shape_of(eqn.invars[0].aval)
-    cfg = [tuple(c) for c in eqn.params["padding_config"]]
-    steps = _shifts(eqn, [v.aval for v in eqn.invars], ctx.in_nd, ctx.out_nd, ctx.grid) or []
-    x = run_halos(x, [(d, h, axes, value, "pad") for d, h, axes, _, _ in steps], ctx)
-    for d in range(x.ndim):
-        if ctx.is_split(ctx.in_nd[0], d) and cfg[d] != (0, 0, 0):
-            if not cfg[d][0]:
-                size = ctx.piece_size(ctx.in_nd[0], n, d)
-                x = jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, d) < size, x, value.astype(x.dtype))
-            cfg[d] = (0, 0, 0)
+    x = run_shifts(x, _shift_steps(eqn, ctx), ctx, fill=value)
+    cfg = [
+        (0, 0, 0) if ctx.is_split(ctx.in_nd[0], d) else tuple(c)
+        for d, c in enumerate(eqn.params["padding_config"])
+    ]
     return [lax.pad(x, value, cfg)]
+
+
+def _shift_steps(eqn, ctx):
+    steps = shifts(eqn, ctx.in_nd, ctx.out_nd, ctx.grid)
+    assert steps is not None, "a slice or pad signature the planner could not run"
+    return steps
 
 
 def local_dynamic_slice(eqn, ins, ctx):

@@ -1,0 +1,203 @@
+"""Rewrites of a traced program before the layout choice: op pairs that run
+better as one op, and ``jnp.roll`` spelled with ops whose split dims move
+few rows. Each keeps the program's values; ``emit(fn, atoms, nodes, cse)``
+appends the equations of a small JAX function (``trace._emit``)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import lax
+
+from sbpjax.compiler.program import Const, Var
+from sbpjax.rules.shifts import is_shift
+
+
+def fuse_padded_windows(nodes, outputs, emit):
+    """``reduce_window_sum(pad(x, 0, (lo, hi, interior)))`` as one
+    ``reduce_window_sum(x)`` with that padding and ``base_dilation = interior
+    + 1`` (the same zeros, in the same places). JAX writes the gradient of an
+    average pool this way; a ``pad`` of a split dim changes its size, so the
+    pair would gather the activation, where the fused window runs with a halo
+    exchange (``sbpjax.rules.window``). Only where the padded value has no
+    other use and no padding is negative."""
+    uses: dict = {}
+    for atom in [a for n in nodes for a in n.ins] + list(outputs):
+        if isinstance(atom, Var):
+            uses[id(atom)] = uses.get(id(atom), 0) + 1
+    made = {id(o): n for n in nodes for o in n.outs}
+    out = []
+    for node in nodes:
+        src = made.get(id(node.ins[0])) if node.name == "reduce_window_sum" else None
+        p = node.eqn.params
+        if (
+            src is None
+            or src.name != "pad"
+            or uses[id(node.ins[0])] != 1
+            or not isinstance(src.ins[1], Const)
+            or np.asarray(src.ins[1].value).item() != 0
+            or any(c < 0 for cfg in src.eqn.params["padding_config"] for c in cfg)
+            or any(tuple(c) != (0, 0) for c in p["padding"])
+            or any(d != 1 for d in p["base_dilation"])
+        ):
+            out.append(node)
+            continue
+        cfg = src.eqn.params["padding_config"]
+        window = (
+            tuple(p["window_dimensions"]),
+            tuple(p["window_strides"]),
+            tuple((int(lo), int(hi)) for lo, hi, _ in cfg),
+            tuple(int(i) + 1 for _, _, i in cfg),
+            tuple(p["window_dilation"]),
+        )
+        fused: list = []
+        emit(
+            lambda x, w=window: jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, *w),
+            [src.ins[0]],
+            fused,
+            {},
+        )
+        if len(fused) != 1 or fused[0].name != "reduce_window_sum":
+            out.append(node)  # this JAX spells it otherwise: keep the pair
+            continue
+        fused[0].outs, fused[0].source, fused[0].region = node.outs, node.source, node.region
+        fused[0].branch = node.branch
+        out.append(fused[0])
+    return out
+
+
+def rolls_as_shifts(nodes, emit):
+    """``concatenate([x[s:], x[:s]])`` along one dim (``jnp.roll``'s static
+    spelling) as ``where(row < n - s, pad(x[s:], (0, s)), pad(x[:s], (n - s,
+    0)))``: the same rows. Along a split dim the pad of the long part then
+    composes with its slice into one shift (``fuse_shifts``), which moves
+    ``min(s, n - s)`` rows between neighbours, and the short part is a few
+    rows any device can be given, where the concatenation gathered the
+    value (GSPMD moves the few rows too). Only for rolls by less than a
+    quarter of the dim (``is_shift``)."""
+    made = {id(o): n for n in nodes for o in n.outs}
+    out = []
+    for node in nodes:
+        parts = _roll_parts(node, made) if node.name == "concatenate" else None
+        if parts is None:
+            out.append(node)
+            continue
+        d, n, s = parts
+        head = [(0, 0, 0)] * len(node.outs[0].shape)
+
+        def roll(a, b, d=d, n=n, s=s, head=head):
+            lead, tail = list(head), list(head)
+            lead[d], tail[d] = (0, s, 0), (n - s, 0, 0)
+            zero = np.zeros((), a.dtype)
+            rows = lax.broadcasted_iota(np.int32, a.shape[:d] + (n,) + a.shape[d + 1 :], d)
+            return lax.select(rows < n - s, lax.pad(a, zero, lead), lax.pad(b, zero, tail))
+
+        emitted: list = []
+        emit(roll, list(node.ins), emitted, {})
+        emitted[-1].outs, emitted[-1].source = node.outs, node.source
+        for e in emitted:
+            e.region, e.branch = node.region, node.branch
+        out.extend(emitted)
+    return out
+
+
+def _roll_parts(node, made) -> tuple | None:
+    """(dim, size, s) where ``node`` concatenates ``x[s:]`` and ``x[:s]`` of
+    one ``x`` along that dim (whole along every other)."""
+    if len(node.ins) != 2 or not all(isinstance(a, Var) for a in node.ins):
+        return None
+    first, second = (made.get(id(a)) for a in node.ins)
+    if first is None or second is None or first.name != "slice" or second.name != "slice":
+        return None
+    x = first.ins[0]
+    d = node.eqn.params["dimension"]
+    if second.ins[0] is not x:
+        return None
+    n = x.shape[d]
+    s = first.eqn.params["start_indices"][d]
+    for sl, lo, hi in ((first, s, n), (second, 0, s)):
+        p = sl.eqn.params
+        strides = p["strides"] or (1,) * len(x.shape)
+        want_lo = tuple(lo if e == d else 0 for e in range(len(x.shape)))
+        want_hi = tuple(hi if e == d else x.shape[e] for e in range(len(x.shape)))
+        if (
+            tuple(p["start_indices"]) != want_lo
+            or tuple(p["limit_indices"]) != want_hi
+            or any(st != 1 for st in strides)
+        ):
+            return None
+    # a roll by a quarter of the dim or more moves rows of far pieces: the
+    # concatenation's plan (the value all-to-all'd) is then no worse
+    return (d, n, s) if 0 < s < n and is_shift(min(s, n - s), n, n) else None
+
+
+def fuse_shifts(nodes, emit):
+    """A slice or pad of a slice or pad, without interior padding or strides,
+    as one pad where the pair is a shift (``sbpjax.rules.shifts.is_shift``):
+    ``jnp.pad(x, ((3, 0),))[i:i + n]`` (a causal convolution written as
+    shifted slices of a padded sequence), ``pad(x[:n - s], (s, 0))``
+    (``rolls_as_shifts``), and JAX's transposes of them. Along a split dim the
+    pair moved rows twice across pieces of another size, where the shift
+    moves them once, between neighbours. The first op stays while something
+    else reads it."""
+    made = {id(o): n for n in nodes for o in n.outs}
+    out = []
+    for node in nodes:
+        src = made.get(id(node.ins[0])) if node.name in ("slice", "pad") else None
+        fused = _composed(src, node) if src is not None and src.name in ("slice", "pad") else None
+        if fused is None:
+            out.append(node)
+            continue
+        cfg, value = fused
+        emitted: list = []
+        emit(lambda x, v, cfg=cfg: lax.pad(x, v, cfg), [src.ins[0], value], emitted, {})
+        if len(emitted) != 1 or emitted[0].name != "pad":
+            out.append(node)  # this JAX spells it otherwise: keep the pair
+            continue
+        emitted[0].outs, emitted[0].source, emitted[0].region = node.outs, node.source, node.region
+        emitted[0].branch = node.branch
+        made[id(node.outs[0])] = emitted[0]
+        out.append(emitted[0])
+    return out
+
+
+def _as_padding(node) -> list | None:
+    """A slice or pad as the (lo, hi) rows it adds per dim (negative: cut)."""
+    if node.name == "pad":
+        cfg = node.eqn.params["padding_config"]
+        return None if any(c[2] for c in cfg) else [(int(lo), int(hi)) for lo, hi, _ in cfg]
+    p, n = node.eqn.params, node.ins[0].shape
+    if p["strides"] is not None and any(st != 1 for st in p["strides"]):
+        return None
+    return [(-int(a), int(b) - n[d]) for d, (a, b) in enumerate(zip(p["start_indices"], p["limit_indices"]))]
+
+
+def _composed(first, second) -> tuple | None:
+    """(padding config, padding value) of ``second`` applied to ``first``'s
+    result as one pad of ``first``'s operand, or None where the pair is no
+    shift, or cuts rows and pads them back (which would read the operand
+    where padding was), or pads with two values."""
+    one, two = _as_padding(first), _as_padding(second)
+    if one is None or two is None:
+        return None
+    values = [v.ins[1] for v in (first, second) if v.name == "pad"]
+    if len(values) == 2 and not _same_value(*values):
+        return None
+    if not values or any(a1 < 0 < a2 or b1 < 0 < b2 for (a1, b1), (a2, b2) in zip(one, two)):
+        return None
+    cfg = tuple((a1 + a2, b1 + b2, 0) for (a1, b1), (a2, b2) in zip(one, two))
+    n, m = first.ins[0].shape, second.outs[0].shape
+    moved = [(-lo, n[d], m[d]) for d, (lo, _, _) in enumerate(cfg) if lo or n[d] != m[d]]
+    if not all(is_shift(*c) for c in moved):  # (none moved: an identity pad)
+        return None
+    return cfg, values[0]
+
+
+def _same_value(a, b) -> bool:
+    if a is b:
+        return True
+    return (
+        isinstance(a, Const)
+        and isinstance(b, Const)
+        and np.asarray(a.value).item() == np.asarray(b.value).item()
+    )

@@ -1,0 +1,169 @@
+"""Slices and pads that move rows along a split dim (``sbpjax.rules.shifts``):
+each device reads its result rows from its own piece and a few rows of its
+neighbours, brought by one exchange per side, on even and uneven pieces;
+``slice(pad(x))`` and ``pad(pad(x))`` are one pad (``trace._fuse_padded_slices``).
+Values against the one-device program, the plan's bytes against the compiled
+program's collectives, and against GSPMD's where GSPMD takes the layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import gspmd_bytes
+from jax import lax
+
+import sbpjax as sj
+from sbpjax.compiler.trace import trace
+from sbpjax.rules.shifts import may_shift
+
+S0, S1, B = sj.S(0), sj.S(1), sj.B
+
+
+def _moved(f, *args) -> int:
+    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
+
+
+def _check(fn, x, pl, sbp):
+    f = sj.jit(fn, placement=pl, in_sbp=(sbp,), out_sbp=sbp)
+    np.testing.assert_array_equal(f(x).numpy(), np.asarray(jax.jit(fn)(x)))
+    moved = _moved(f, x)
+    assert moved == f.explain(x).bytes
+    return moved
+
+
+@pytest.mark.parametrize("rows", [64, 30])
+def test_every_small_cut_at_either_end(pl8, rows):
+    """``x[k:rows - e]`` for cuts of up to 4 rows at each end. On 8 pieces of
+    8, at most one exchange per side, of at most ``k`` (or ``e``) rows plus
+    the row the pieces' new sizes move, never the value. On 30 rows the
+    pieces' sizes drift further (4,4,3,3,3,3,3,3 against 4,4,4,4,4,4,3,3 for
+    ``x[:26]``): where a piece needs rows from past its neighbours, the value
+    is boxed first, never more than gathering its padded blocks."""
+    x = np.random.default_rng(rows).normal(size=(rows, 4)).astype(np.float32)
+    row = 4 * 4
+    for k in range(5):
+        for e in range(5):
+
+            def cut(x, k=k, e=e):
+                return x[k : rows - e] * 2.0
+
+            moved = _check(cut, x, pl8, (S0,))
+            # each of the 7 neighbouring pairs exchanges at most k + e + 1 rows
+            assert moved <= 7 * (k + e + 1 if rows % 8 == 0 else 8 * -(-rows // 8)) * row, (k, e, moved)
+
+
+def test_pads_and_cuts_over_two_axes(pl24):
+    x = np.random.default_rng(2).normal(size=(30, 3)).astype(np.float32)
+    for lo, hi in [(2, 0), (0, 3), (3, -2), (-2, 1), (1, 1)]:
+
+        def shift(x, lo=lo, hi=hi):
+            return lax.pad(x * 2.0, jnp.float32(-1.0), ((lo, hi, 0), (0, 0, 0)))
+
+        moved = _check(shift, x, pl24, (S0, S0))
+        assert moved <= 7 * (abs(lo) + abs(hi) + 1) * 3 * 4, (lo, hi, moved)
+
+
+def test_a_causal_convolution_of_shifted_slices(pl8):
+    """A depthwise causal convolution written as padded shifted slices of the
+    sequence (Mamba's short convolution, by hand), split along the sequence:
+    its value and gradient move what GSPMD's do, or less (they were boxed:
+    all-to-all'd whole before)."""
+    r = np.random.default_rng(3)
+    x = r.normal(size=(4, 64, 16)).astype(np.float32)
+    w = r.normal(size=(4, 16)).astype(np.float32)
+
+    def conv(x):
+        xp = jnp.pad(x, ((0, 0), (3, 0), (0, 0)))
+        return sum(w[i] * xp[:, i : i + x.shape[1]] for i in range(4))
+
+    step = jax.value_and_grad(lambda x: jnp.sum(jnp.tanh(conv(x))))
+    f = sj.jit(step, placement=pl8, in_sbp=((S1,),), out_sbp=((B,), (S1,)))
+    got, want = f(x), jax.jit(step)(x)
+    np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-5, atol=1e-5 * float(np.abs(want[0])))
+    np.testing.assert_allclose(got[1].numpy(), want[1], rtol=1e-5, atol=1e-6 * float(np.abs(want[1]).max()))
+    ours = _moved(f, x)
+    assert ours == f.explain(x).bytes
+    assert ours <= gspmd_bytes(step, pl8, ((S1,),), ((B,), (S1,)), (x,)), ours
+
+
+def test_a_pad_then_a_slice_is_one_shift(pl8):
+    x = np.random.default_rng(4).normal(size=(4, 64, 16)).astype(np.float32)
+
+    def fn(x):
+        return jnp.pad(x, ((0, 0), (3, 1), (0, 0)))[:, 2:-2] * 2.0
+
+    program = trace(fn, [jax.ShapeDtypeStruct(x.shape, x.dtype)], jax.tree_util.tree_structure(((x,), {})))
+    assert [n.name for n in program.nodes if n.name in ("pad", "slice")] == ["pad"]
+    moved = _check(fn, x, pl8, (S1,))
+    assert moved == 7 * 4 * 16 * 4  # one row from each piece to the next, as x shifted by one
+
+
+def test_rows_cut_then_padded_back_stay_padding(pl8):
+    """``pad(pad(x, (-2, 0)), (2, 0))`` is not ``x``: the two pads are not fused."""
+    x = np.arange(64 * 2, dtype=np.float32).reshape(64, 2)
+
+    def fn(x):
+        return lax.pad(
+            lax.pad(x, jnp.float32(0), ((-2, 0, 0), (0, 0, 0))), jnp.float32(0), ((2, 0, 0), (0, 0, 0))
+        )
+
+    _check(fn, x, pl8, (S0,))
+
+
+def test_which_ops_may_shift():
+    def eqn(fn, shape=(64, 8)):
+        return jax.make_jaxpr(fn)(jnp.zeros(shape)).jaxpr.eqns[0]
+
+    def cut(starts, limits):
+        return eqn(lambda x: lax.slice(x, starts, limits))
+
+    def pad(cfg):
+        return eqn(lambda x: lax.pad(x, 0.0, cfg))
+
+    assert may_shift(cut((2, 0), (64, 8)))
+    assert may_shift(cut((0, 0), (63, 8)))
+    assert may_shift(pad(((3, 0, 0), (0, 0, 0))))
+    assert may_shift(pad(((-3, 2, 0), (0, 0, 0))))
+    assert not may_shift(cut((32, 0), (64, 8)))  # rows of far pieces: boxed first
+    assert may_shift(cut((0, 2), (64, 8)))  # a quarter of a dim of 8 is a shift...
+    assert not may_shift(cut((0, 0), (64, 4)))  # ...half of it is not
+    assert not may_shift(cut((0, 0), (64, 8)))  # nothing moves
+
+
+@pytest.mark.parametrize("rows", [64, 30])
+def test_rolls_move_a_few_rows(pl8, rows):
+    """``jnp.roll`` along a split dim by less than a quarter of it: one shift
+    and the few wrapped rows (three rows per step of the roll between each
+    pair of neighbours at most, where the concatenation gathered the value).
+    A roll by more than a piece (5 on 30 rows: pieces of 4 and 3) needs rows
+    from past the neighbours: the value is gathered (its padded blocks) and
+    the wrapped rows reduced, 1.3x the concatenation's plan on this tiny
+    value (4,704 B against 3,584), 0.4x on 64 rows of 256 B."""
+    x = np.random.default_rng(rows).normal(size=(rows, 4)).astype(np.float32)
+    row = 4 * 4
+    for k in (1, -1, 3, -5):
+
+        def roll(x, k=k):
+            return jnp.roll(x, k, axis=0) * 2.0
+
+        program = trace(
+            roll, [jax.ShapeDtypeStruct(x.shape, x.dtype)], jax.tree_util.tree_structure(((x,), {}))
+        )
+        assert "concatenate" not in [n.name for n in program.nodes]
+        moved = _check(roll, x, pl8, (S0,))
+        piece = rows // 8
+        bound = (
+            3 * 7 * abs(k) * row if abs(k) <= piece else 7 * 8 * -(-rows // 8) * row + 2 * 7 * abs(k) * row
+        )
+        assert moved <= bound, (k, moved)
+
+
+def test_a_roll_by_half_stays_a_concatenation(pl8):
+    x = np.arange(64 * 2, dtype=np.float32).reshape(64, 2)
+
+    def roll(x):
+        return jnp.roll(x, 32, axis=0)
+
+    program = trace(roll, [jax.ShapeDtypeStruct(x.shape, x.dtype)], jax.tree_util.tree_structure(((x,), {})))
+    assert "concatenate" in [n.name for n in program.nodes]
+    _check(roll, x, pl8, (S0,))
