@@ -31,8 +31,11 @@ def _is_sbp_leaf(v) -> bool:
 def state_sbp(state, param_sbp, replicated: tuple):
     """An in_sbp/out_sbp tree for an optimizer state: every array leaf whose path
     ends with a parameter's path (optax's ``mu``/``nu`` mirror the parameters)
-    takes that parameter's nd-SBP; scalars (step counts) and the rest take
-    ``replicated``."""
+    takes that parameter's nd-SBP where it has the dims that splits
+    (Adafactor's factored ``v_row`` / ``v_col`` have one dim fewer, and its
+    placeholders one element: a split of a dim they lack, or of one element,
+    is replaced by ``replicated``'s entry); scalars (step counts) and the rest
+    take ``replicated``."""
     flat = [
         (jax.tree_util.keystr(k), v)
         for k, v in jax.tree_util.tree_flatten_with_path(param_sbp, is_leaf=is_nd_sbp)[0]
@@ -43,7 +46,14 @@ def state_sbp(state, param_sbp, replicated: tuple):
             ks = jax.tree_util.keystr(path)
             for pk, nd in flat:
                 if ks.endswith(pk):
-                    return nd
+                    if not is_nd_sbp(nd):
+                        return nd
+                    return tuple(
+                        r
+                        if isinstance(q, Split) and (q.dim >= np.ndim(leaf) or np.shape(leaf)[q.dim] == 1)
+                        else q
+                        for q, r in zip(nd, replicated)
+                    )
         return replicated
 
     return jax.tree_util.tree_map_with_path(pick, state)

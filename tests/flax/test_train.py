@@ -337,3 +337,24 @@ def test_checkpoint_resume_gives_the_same_losses(tmp_path, layout):
         assert again == continued
     else:
         assert_close(again, continued, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda: optax.adafactor(1e-2),
+        lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+    ],
+    ids=["adafactor", "clipped_adamw"],
+)
+def test_factored_and_clipped_optimizers_equal_single_device(make_opt):
+    """Adafactor's factored second moments (one dim fewer than their kernel,
+    or a one-element placeholder) take what they have of its layout (they
+    took the kernel's whole nd-SBP before, an SBPError); a global-norm clip
+    sums partial squared norms across every parameter."""
+    shape, names, rules, batch_sbp = LAYOUTS["2d"]
+    pl = sj.placement(shape, names)
+    model = MLP(nnx.Rngs(0))
+    sjf.annotate(model, rules)
+    trainer = sjf.Trainer(model, make_opt(), loss_fn, pl, batch_sbp=batch_sbp)
+    assert_same_training(trainer, make_opt(), data())
