@@ -57,14 +57,6 @@ class LocalCtx:
     def is_split(nd, dim) -> bool:
         return bool(split_axes(nd, dim))
 
-    def piece_size(self, nd, shape, dim):
-        """This device's piece length along ``dim`` (its block may be longer: holes)."""
-        axes = split_axes(nd, dim)
-        p = math.prod(self.grid[a] for a in axes)
-        if shape[dim] % p:
-            return uneven.piece(shape[dim], axes, self.placement.axis_names, self.grid)[1]
-        return shape[dim] // p
-
     def offset(self, nd, shape, dim):
         """Where this device's piece starts along ``dim``."""
         axes = split_axes(nd, dim)

@@ -211,13 +211,8 @@ def slice_(eqn, in_avals):
     return [Sig((Split(d),), (Split(d),)) for d in kept] + _partials(1) + [Sig((B,), (B,))]
 
 
-@set_comm("slice", "pad")
-def shift_comm(eqn, in_avals, ins, outs, grid):
-    """The exchanges of a slice or pad that moves rows along a split dim
-    (``sbpjax.rules.shifts``)."""
-    return shift_comms(eqn, in_avals, ins, outs, grid)
-
-
+# a slice or pad that moves rows along a split dim exchanges them (sbpjax.rules.shifts)
+set_comm("slice", "pad")(shift_comms)
 set_comm_if("slice", "pad")(may_shift)
 
 

@@ -153,6 +153,10 @@ def shifts(eqn, ins, outs, grid) -> list[Shift] | None:
             ):
                 return None
             left, right = max(left, need_l), max(right, need_r)
+        if left > min(z for _, z in pin[:-1]):
+            # every piece sends its last `left` valid rows on: a shorter one has
+            # fewer (a receiver that needs fewer would read past its sender's rows)
+            return None
         step = Shift(d, axes, shift, n, m, pin, pout, left, right)
         if not (shifting or step.in_place):
             return None
@@ -196,7 +200,8 @@ def run_shifts(x, steps, ctx, fill=None):
         if not st.in_place:
             x = _run(x, st, ctx, fill, chain)
         elif fill is not None:  # the block stays: positions past the operand's piece are padding
-            size = jnp.asarray([z for _, z in st.pieces_in], jnp.int32)[_index(st, ctx)]
+            sizes = [z for _, z in st.pieces_in]
+            size = sizes[0] if len(set(sizes)) == 1 else jnp.asarray(sizes, jnp.int32)[_index(st, ctx)]
             x = jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, st.dim) < size, x, fill.astype(x.dtype))
         chain += (_key(st),)
     return x

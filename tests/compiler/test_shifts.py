@@ -167,3 +167,46 @@ def test_a_roll_by_half_stays_a_concatenation(pl8):
     program = trace(roll, [jax.ShapeDtypeStruct(x.shape, x.dtype)], jax.tree_util.tree_structure(((x,), {})))
     assert "concatenate" in [n.name for n in program.nodes]
     _check(roll, x, pl8, (S0,))
+
+
+def test_a_short_piece_never_sends_holes(pl8):
+    """35 rows padded by 5 at the start and cut by 3 at the end: the second
+    piece needs 5 rows of the first, and the fifth 4 rows of the fourth (a
+    piece of 4). Each piece sends its last ``left`` rows, one exchange for
+    all, so a piece shorter than that would send a hole: the value is boxed
+    first instead (it read a hole, before the check)."""
+    x = np.arange(35 * 2, dtype=np.float32).reshape(35, 2)
+
+    def fn(x):
+        return lax.pad(x, jnp.float32(-1.0), ((5, -3, 0), (0, 0, 0))) * 2.0
+
+    _check(fn, x, pl8, (S0,))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_slices_and_pads(seed):
+    """Slices and pads of random sizes and ends along a dim split over one
+    axis or two, evenly or not: values equal the one-device program's and
+    the plan's bytes the compiled program's."""
+    r = np.random.default_rng(seed)
+    layouts = [
+        (sj.placement(8, "x"), (S0,)),
+        (sj.placement((2, 4), ("x", "y")), (S0, S0)),
+        (sj.placement((4, 2), ("x", "y")), (S0, S1)),
+    ]
+    for trial in range(12):
+        pl, sbp = layouts[trial % len(layouts)]
+        n = int(r.integers(16, 70))
+        x = r.normal(size=(n, 6)).astype(np.float32)
+        if trial % 2:
+            a, b = int(r.integers(0, n // 3)), int(r.integers(n - n // 3, n + 1))
+
+            def fn(x, a=a, b=b):
+                return lax.slice(x, (a, 0), (b, 6)) * 2.0
+        else:
+            lo, hi = int(r.integers(-n // 4, n // 4)), int(r.integers(-n // 4, n // 4))
+
+            def fn(x, lo=lo, hi=hi):
+                return lax.pad(x * 2.0, jnp.float32(-3.0), ((lo, hi, 0), (0, 0, 0)))
+
+        _check(fn, x, pl, sbp)
