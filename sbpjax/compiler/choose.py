@@ -23,7 +23,7 @@ from sbpjax.compiler import hand_layouts, plan_cache, second_looks, sub_plans
 from sbpjax.compiler.backend import solve_settled
 from sbpjax.compiler.classes import layer_classes, loop_classes
 from sbpjax.compiler.decode import propagation_of, value_keys
-from sbpjax.compiler.domains import AUTO, allowed, auto_layouts
+from sbpjax.compiler.domains import AUTO, auto_layouts
 from sbpjax.compiler.formulate import formulate, least_usage
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
@@ -31,6 +31,7 @@ from sbpjax.compiler.pricing import boxing_cost, price
 from sbpjax.compiler.propagate import propagate
 from sbpjax.compiler.propagation import Propagation, idle_axes, op_key
 from sbpjax.compiler.propagator import Propagator
+from sbpjax.compiler.signatures import allowed
 from sbpjax.sbp import Broadcast
 
 SOLVERS = ("ilp", "greedy")
@@ -131,7 +132,7 @@ def restore(program, placement, in_sbp, out_sbp, ties, entry, cost_model=None, o
     """The plan of a plan cache entry (``plan_cache.Entry``), or None where
     it is not a plan of this call: its layouts must be the ones asked for
     (an ``AUTO`` argument's one it may take) and each op's signature one its
-    rule allows (``domains.allowed``). The boxings are derived again, as for
+    rule allows (``signatures.allowed``). The boxings are derived again, as for
     a solved plan (:mod:`sbpjax.compiler.decode`)."""
     grid = placement.shape
     pr = Propagator(program, placement, cost_model, launch_priced=options.launch_priced)

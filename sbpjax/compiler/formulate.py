@@ -5,7 +5,7 @@ one of its strategies, each with a cost and a memory usage; every edge has a
 cost for each pair of strategies at its two ends. Here:
 
 * an **op node** per op with more than one candidate signature
-  (:func:`sbpjax.compiler.domains.candidates`, narrowed by
+  (:func:`sbpjax.compiler.signatures.candidates`, narrowed by
   :class:`~sbpjax.compiler.domains.Domains`); its strategy cost is the op's
   own communication (a halo exchange). Ops that must decide alike (the k-th
   op of every iteration of a written-out scan, and, with
@@ -53,7 +53,7 @@ import numpy as np
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.classes import same_candidates
 from sbpjax.compiler.decode import propagation_of, value_keys
-from sbpjax.compiler.domains import AUTO, Domains, auto_layouts, candidates
+from sbpjax.compiler.domains import AUTO, Domains, auto_layouts
 from sbpjax.compiler.folding import Folded
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
@@ -61,6 +61,7 @@ from sbpjax.compiler.pricing import BranchOdds
 from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import NESTED, Propagation, idle_axes, op_comm, op_key
 from sbpjax.compiler.propagator import Propagator
+from sbpjax.compiler.signatures import candidates
 from sbpjax.compiler.tables import Tables
 
 
