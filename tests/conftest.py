@@ -237,6 +237,14 @@ def xla_peak(compiled) -> int:
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
 
 
+def moved_bytes(f, *args) -> int:
+    """Bytes the compiled program of ``f`` (an ``sj.jit``) moves for ``args``:
+    its collectives, as ``explain().bytes`` counts them."""
+    import sbpjax as sj
+
+    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
+
+
 def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
     """Bytes GSPMD's program for ``fn`` moves (``jax.jit`` with the same layouts
     as ``NamedSharding``s): ``in_sbps`` / ``out_sbps`` are pytrees of nd-SBPs

@@ -44,8 +44,8 @@ from sbpjax.compiler.propagation import (
     zero_values,
 )
 from sbpjax.placement import Placement
-from sbpjax.rules import RULES, Sig, own_comm
-from sbpjax.rules.shifts import shifts
+from sbpjax.rules import RULES, Sig, own_comm, split_axes
+from sbpjax.rules.shifts import prefix_aligned, shifts
 from sbpjax.sbp import Broadcast, Partial, format_sbp
 
 _TOP_K = 3  # 1-D candidates kept per axis before exact costing of their products
@@ -474,8 +474,11 @@ class Propagator:
             )
         if node.name == "concatenate":
             # a split dim filled at its end: local where the pieces line up
-            if not uneven.resized_fits(ins[0], outs[0], node.ins[0].shape, node.outs[0].shape, self.grid):
-                return False
+            for d, (n, m) in enumerate(zip(node.ins[0].shape, node.outs[0].shape)):
+                axes = split_axes(ins[0], d)
+                if n != m and (axes or split_axes(outs[0], d)):
+                    if axes != split_axes(outs[0], d) or not prefix_aligned(n, m, axes, self.grid):
+                        return False
             # read both at the longer size: the shorter's pieces are the longer's cut short
             longer = tuple(max(n, m) for n, m in zip(node.ins[0].shape, node.outs[0].shape))
             shapes[0] = shapes[-1] = longer

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 
 from sbpjax.compiler.program import Const, Var
-from sbpjax.rules.shifts import is_shift
+from sbpjax.rules.shifts import is_shift, padded_dims
 
 
 def fuse_padded_windows(nodes, outputs, emit):
@@ -60,10 +60,18 @@ def fuse_padded_windows(nodes, outputs, emit):
         if len(fused) != 1 or fused[0].name != "reduce_window_sum":
             out.append(node)  # this JAX spells it otherwise: keep the pair
             continue
-        fused[0].outs, fused[0].source, fused[0].region = node.outs, node.source, node.region
-        fused[0].branch = node.branch
-        out.append(fused[0])
+        out.extend(_in_place_of(node, fused))
     return out
+
+
+def _in_place_of(node, emitted: list) -> list:
+    """``emitted`` (the equations of a rewrite, its result last) standing for
+    ``node``: the last makes ``node``'s results, and all of them are
+    attributed to its line, checkpoint region and branch."""
+    emitted[-1].outs = node.outs
+    for e in emitted:
+        e.source, e.region, e.branch = node.source, node.region, node.branch
+    return emitted
 
 
 def rolls_as_shifts(nodes, emit):
@@ -94,10 +102,7 @@ def rolls_as_shifts(nodes, emit):
 
         emitted: list = []
         emit(roll, list(node.ins), emitted, {})
-        emitted[-1].outs, emitted[-1].source = node.outs, node.source
-        for e in emitted:
-            e.region, e.branch = node.region, node.branch
-        out.extend(emitted)
+        out.extend(_in_place_of(node, emitted))
     return out
 
 
@@ -154,10 +159,8 @@ def fuse_shifts(nodes, emit):
         if len(emitted) != 1 or emitted[0].name != "pad":
             out.append(node)  # this JAX spells it otherwise: keep the pair
             continue
-        emitted[0].outs, emitted[0].source, emitted[0].region = node.outs, node.source, node.region
-        emitted[0].branch = node.branch
         made[id(node.outs[0])] = emitted[0]
-        out.append(emitted[0])
+        out.extend(_in_place_of(node, emitted))
     return out
 
 
@@ -186,9 +189,8 @@ def _composed(first, second) -> tuple | None:
     if not values or any(a1 < 0 < a2 or b1 < 0 < b2 for (a1, b1), (a2, b2) in zip(one, two)):
         return None
     cfg = tuple((a1 + a2, b1 + b2, 0) for (a1, b1), (a2, b2) in zip(one, two))
-    n, m = first.ins[0].shape, second.outs[0].shape
-    moved = [(-lo, n[d], m[d]) for d, (lo, _, _) in enumerate(cfg) if lo or n[d] != m[d]]
-    if not all(is_shift(*c) for c in moved):  # (none moved: an identity pad)
+    moved = padded_dims(cfg, first.ins[0].shape, second.outs[0].shape)
+    if not all(is_shift(*c) for c in moved.values()):  # (none moved: an identity pad)
         return None
     return cfg, values[0]
 

@@ -37,8 +37,6 @@ the padding would cross devices in every collective.
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 
 import jax.numpy as jnp
@@ -77,42 +75,6 @@ def fits(nds, shapes, grid) -> bool:
                     return False  # some device would hold nothing (see the module docstring)
             members.add((n, axes))
         if uneven and len(members) > 1:
-            return False
-    return True
-
-
-@functools.cache
-def prefix_aligned(short: int, long: int, axes: tuple, grid: tuple) -> bool:
-    """Whether every device's piece of a dim of size ``short`` split by
-    ``axes`` is its piece of the same dim at size ``long`` cut at ``short``,
-    in a block of the same size, and not empty (``logits[:, :-1]`` on 8
-    pieces of 32: seven of 32 and one of 31). Whole rows concatenated after
-    such a cut then fill its hole in place (``sbpjax.rules.shape``); slices
-    and pads test the same with their :class:`~sbpjax.rules.shifts.Shift`."""
-    pieces = math.prod(grid[a] for a in axes)
-    if -(-short // pieces) != -(-long // pieces):
-        return False
-    geo_s, geo_l = Geometry((short,), grid), Geometry((long,), grid)
-    for coord in itertools.product(*(range(p) for p in grid)):
-        s0, ss = geo_s.dim_range(axes, 0, coord)
-        l0, ls = geo_l.dim_range(axes, 0, coord)
-        if ss < 1 or s0 != l0 or ss != min(ls, short - l0):
-            return False
-    return True
-
-
-def resized_fits(in_nd, out_nd, in_shape, out_shape, grid) -> bool:
-    """Whether a ``concatenate`` that changes the size of a dim it keeps
-    split (its first operand's against its result's) keeps every device's
-    piece (:func:`prefix_aligned`), as one that fills the dim's holes at its
-    end does (``sbpjax.rules.shape``); dims of one size pass."""
-    for d, (n, m) in enumerate(zip(in_shape, out_shape)):
-        axes = split_axes(in_nd, d)
-        if n == m or not (axes or split_axes(out_nd, d)):
-            continue
-        if axes != split_axes(out_nd, d) or not prefix_aligned(
-            min(n, m), max(n, m), tuple(axes), tuple(grid)
-        ):
             return False
     return True
 

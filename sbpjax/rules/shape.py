@@ -140,7 +140,7 @@ def concatenate(eqn, in_avals):
     """``y_i = concat(a_i, b_i)`` along a dim none of them is split on; partials
     of one op concatenate to that partial. And along the split dim of the
     first operand, the others whole, where that operand's pieces are the
-    result's cut short (``uneven.prefix_aligned``): the others fill the
+    result's cut short (``shifts.prefix_aligned``): the others fill the
     holes at the end (``jnp.roll(tokens, -1, axis=1)``: ``x[:, 1:]`` then
     ``x[:, :1]``)."""
     dim = eqn.params["dimension"]

@@ -15,7 +15,7 @@ them, at an offset of its own (a static slice where every device reads at
 the same offset of an even block, a gather otherwise).
 
 Where every piece of the result is the operand's piece at the same place
-in a block of the same size (``uneven.prefix_aligned``: ``logits[:, :-1]``
+in a block of the same size (:func:`prefix_aligned`: ``logits[:, :-1]``
 on 8 pieces of 32, and the pad that is its gradient), nothing moves.
 Otherwise only *shifts* communicate: slices and pads that change a dim by
 less than half of its longer size (``tokens[:, 2:]``, a causal convolution
@@ -28,6 +28,7 @@ greedy pass assumes for ops that do not communicate (``may_shift``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -95,7 +96,12 @@ def _resized(eqn) -> dict:
     if eqn.primitive.name == "slice":
         starts = eqn.params["start_indices"]
         return {d: (starts[d], n[d], m[d]) for d in range(len(n)) if starts[d] or n[d] != m[d]}
-    cfg = eqn.params["padding_config"]
+    return padded_dims(eqn.params["padding_config"], n, m)
+
+
+def padded_dims(cfg, n, m) -> dict:
+    """{dim: (shift, operand size, result size)} of the dims a padding config
+    (``(lo, hi, interior)`` per dim) moves or resizes, from shape ``n`` to ``m``."""
     return {d: (-lo, n[d], m[d]) for d, (lo, _, _) in enumerate(cfg) if lo or n[d] != m[d]}
 
 
@@ -136,32 +142,51 @@ def shifts(eqn, ins, outs, grid) -> list[Shift] | None:
             continue
         if split_axes(outs[0], d) != axes:
             return None
-        pin, pout = _pieces(n, axes, grid), _pieces(m, axes, grid)
-        if min(z for _, z in pin) < 1 or min(z for _, z in pout) < 1:
-            return None  # a device would hold nothing (sbpjax.compiler.uneven)
-        left = right = 0
-        for i, ((si, zi), (so, zo)) in enumerate(zip(pin, pout)):
-            g0, g1 = max(so + shift, 0), min(so + shift + zo, n)
-            if g0 >= g1:
-                continue  # padding only
-            need_l, need_r = max(0, si - g0), max(0, g1 - si - zi)
-            if (
-                need_l
-                and (i == 0 or need_l > pin[i - 1][1])
-                or need_r
-                and (i + 1 == len(pin) or need_r > pin[i + 1][1])
-            ):
-                return None
-            left, right = max(left, need_l), max(right, need_r)
-        if left > min(z for _, z in pin[:-1]):
-            # every piece sends its last `left` valid rows on: a shorter one has
-            # fewer (a receiver that needs fewer would read past its sender's rows)
-            return None
-        step = Shift(d, axes, shift, n, m, pin, pout, left, right)
-        if not (shifting or step.in_place):
+        step = _shift(d, tuple(axes), shift, n, m, tuple(grid))
+        if step is None or not (shifting or step.in_place):
             return None
         out.append(step)
     return out
+
+
+def prefix_aligned(short: int, long: int, axes: tuple, grid: tuple) -> bool:
+    """Whether every device's piece of a dim of size ``short`` split by
+    ``axes`` is its piece of the same dim at size ``long`` cut at ``short``,
+    in a block of the same size, and not empty (``logits[:, :-1]`` on 8
+    pieces of 32: seven of 32 and one of 31): the shift between the two
+    sizes is in place. Whole rows concatenated after such a cut fill its
+    hole in place (``sbpjax.rules.shape``)."""
+    step = _shift(0, tuple(axes), 0, long, short, tuple(grid))
+    return step is not None and step.in_place
+
+
+@functools.cache  # the propagator asks again for each candidate signature
+def _shift(d, axes, shift, n, m, grid) -> Shift | None:
+    """The :class:`Shift` of dim ``d`` (``n`` rows split by ``axes`` into ``m``,
+    row ``r`` reading ``r + shift``), or None where some device would hold
+    nothing or needs rows past its neighbours' pieces."""
+    pin, pout = _pieces(n, axes, grid), _pieces(m, axes, grid)
+    if min(z for _, z in pin) < 1 or min(z for _, z in pout) < 1:
+        return None  # a device would hold nothing (sbpjax.compiler.uneven)
+    left = right = 0
+    for i, ((si, zi), (so, zo)) in enumerate(zip(pin, pout)):
+        g0, g1 = max(so + shift, 0), min(so + shift + zo, n)
+        if g0 >= g1:
+            continue  # padding only
+        need_l, need_r = max(0, si - g0), max(0, g1 - si - zi)
+        if (
+            need_l
+            and (i == 0 or need_l > pin[i - 1][1])
+            or need_r
+            and (i + 1 == len(pin) or need_r > pin[i + 1][1])
+        ):
+            return None
+        left, right = max(left, need_l), max(right, need_r)
+    if len(pin) > 1 and left > min(z for _, z in pin[:-1]):
+        # every piece sends its last `left` valid rows on: a shorter one has
+        # fewer (a receiver that needs fewer would read past its sender's rows)
+        return None
+    return Shift(d, axes, shift, n, m, pin, pout, left, right)
 
 
 def shift_comms(eqn, in_avals, ins, outs, grid) -> list[Comm] | None:

@@ -8,15 +8,12 @@ them) and on pieces the devices do not divide evenly."""
 import jax
 import numpy as np
 import pytest
+from conftest import moved_bytes
 from jax import lax
 
 import sbpjax as sj
 
 S0, S1, B = sj.S(0), sj.S(1), sj.B
-
-
-def _moved(f, *args) -> int:
-    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
 
 
 def _write(cache, new, pos):
@@ -34,7 +31,7 @@ def test_a_write_into_a_split_dim_moves_nothing(pl8, rows, length):
         p = np.int32(pos)
         want = np.asarray(jax.jit(_write)(cache, new, p))
         np.testing.assert_array_equal(f(cache, new, p).numpy(), want, err_msg=f"start {pos}")
-    assert _moved(f, cache, new, np.int32(0)) == 0
+    assert moved_bytes(f, cache, new, np.int32(0)) == 0
 
 
 def test_a_write_into_two_split_dims_on_2x4(pl24):
@@ -57,8 +54,8 @@ def test_a_write_into_two_split_dims_on_2x4(pl24):
         )
         want = np.asarray(jax.jit(write)(cache, covering, *args))
         np.testing.assert_array_equal(g(cache, covering, *args).numpy(), want)
-    assert _moved(f, cache, new, np.int32(0), np.int32(0)) == 0
-    assert _moved(g, cache, covering, np.int32(0), np.int32(0)) == 0
+    assert moved_bytes(f, cache, new, np.int32(0), np.int32(0)) == 0
+    assert moved_bytes(g, cache, covering, np.int32(0), np.int32(0)) == 0
 
 
 @pytest.mark.parametrize("rows", [64, 30])
@@ -71,4 +68,4 @@ def test_a_write_into_a_dim_split_over_both_axes(pl24, rows):
     for pos in range(-2, rows + 3):
         p = np.int32(pos)
         np.testing.assert_array_equal(f(cache, new, p).numpy(), np.asarray(jax.jit(_write)(cache, new, p)))
-    assert _moved(f, cache, new, np.int32(0)) == 0
+    assert moved_bytes(f, cache, new, np.int32(0)) == 0

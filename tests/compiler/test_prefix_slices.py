@@ -1,4 +1,4 @@
-"""A split dim cut or padded at its end (``uneven.prefix_aligned``): where
+"""A split dim cut or padded at its end (``shifts.prefix_aligned``): where
 every device's piece of the shorter dim is its piece of the longer one cut
 short, ``slice`` and ``pad`` stay local, the result split unevenly
 (``logits[:, :-1]`` on 8 pieces of 32: seven of 32 and one of 31); cut or
@@ -12,17 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close, gspmd_bytes
+from conftest import assert_close, gspmd_bytes, moved_bytes
 from jax import lax
 
 import sbpjax as sj
-from sbpjax.compiler.uneven import prefix_aligned
+from sbpjax.rules.shifts import prefix_aligned
 
 S0, S1, B = sj.S(0), sj.S(1), sj.B
-
-
-def _moved(f, *args) -> int:
-    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
 
 
 def test_which_prefixes_line_up():
@@ -48,7 +44,7 @@ def test_every_prefix_of_a_split_dim(pl8, rows):
         want = jax.jit(cut)(x)
         for g, w in zip(got, want):
             assert_close(g.numpy(), w, rtol=1e-6, err_msg=f"x[:{length}]")
-        assert _moved(f, x) == f.explain(x).bytes
+        assert moved_bytes(f, x) == f.explain(x).bytes
         if prefix_aligned(length, rows, (0,), (8,)) or length == rows:
             assert f.explain(x).bytes == 0, length
 
@@ -61,7 +57,7 @@ def test_a_pad_at_the_end_fills_the_hole(pl24):
 
     f = sj.jit(grow, placement=pl24, in_sbp=((S0, S0),), out_sbp=(S0, S0))
     np.testing.assert_array_equal(f(x).numpy(), np.asarray(jax.jit(grow)(x)))
-    assert _moved(f, x) == 0
+    assert moved_bytes(f, x) == 0
 
 
 def test_a_language_model_loss_on_a_split_sequence(pl8):
@@ -80,7 +76,7 @@ def test_a_language_model_loss_on_a_split_sequence(pl8):
     (got_loss, got_grad), (want_loss, want_grad) = f(logits, tokens), jax.jit(step)(logits, tokens)
     assert_close(got_loss.numpy(), want_loss, rtol=1e-5)
     assert_close(got_grad.numpy(), want_grad, rtol=1e-5)
-    ours = _moved(f, logits, tokens)
+    ours = moved_bytes(f, logits, tokens)
     assert ours == f.explain(logits, tokens).bytes
     assert ours <= gspmd_bytes(step, pl8, ((S1,), (S1,)), None, (logits, tokens))
 
@@ -95,7 +91,7 @@ def test_a_split_dim_cut_by_one_at_its_start(pl8, rows):
     f = sj.jit(tail, placement=pl8, in_sbp=(S0,))
     for g, w in zip(f(x), jax.jit(tail)(x)):
         assert_close(g.numpy(), w, rtol=1e-6)
-    moved = _moved(f, x)
+    moved = moved_bytes(f, x)
     assert moved == f.explain(x).bytes
     if rows % 8 == 0:  # the slice and its gradient's two pads: one row to each device but one
         assert moved <= 3 * 7 * (3 * 4) + 2 * 7 * 4, moved  # (and at most the loss's all-reduce)
@@ -109,7 +105,7 @@ def test_a_shift_over_two_axes(pl24):
 
     f = sj.jit(shift, placement=pl24, in_sbp=((S0, S0),), out_sbp=(S0, S0))
     np.testing.assert_array_equal(f(x).numpy(), np.asarray(jax.jit(shift)(x)))
-    assert _moved(f, x) == 2 * 7 * 4 * 4  # one row each way between neighbouring pieces
+    assert moved_bytes(f, x) == 2 * 7 * 4 * 4  # one row each way between neighbouring pieces
 
 
 @pytest.mark.parametrize("rows", [64, 30])
@@ -125,7 +121,7 @@ def test_a_roll_by_one_and_a_shift_with_a_fill(pl8, rows):
     f = sj.jit(shifts, placement=pl8, in_sbp=(S0,), out_sbp=(S0, S0))
     for g, w in zip(f(x), jax.jit(shifts)(x)):
         np.testing.assert_array_equal(g.numpy(), np.asarray(w))
-    moved = _moved(f, x)
+    moved = moved_bytes(f, x)
     assert moved == f.explain(x).bytes
     if rows == 64:  # at most two one-row exchanges and the first row's all-reduce (2 (p - 1) rows)
         row = 4 * 4
@@ -140,4 +136,4 @@ def test_an_empty_operand_concatenated_along_a_split_dim(pl8):
 
     f = sj.jit(grow, placement=pl8, in_sbp=(S0,), out_sbp=(S0,))
     np.testing.assert_array_equal(f(x).numpy(), x + 1.0)
-    assert _moved(f, x) == 0
+    assert moved_bytes(f, x) == 0

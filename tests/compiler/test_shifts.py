@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gspmd_bytes
+from conftest import gspmd_bytes, moved_bytes
 from jax import lax
 
 import sbpjax as sj
@@ -19,14 +19,10 @@ from sbpjax.rules.shifts import may_shift
 S0, S1, B = sj.S(0), sj.S(1), sj.B
 
 
-def _moved(f, *args) -> int:
-    return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
-
-
 def _check(fn, x, pl, sbp):
     f = sj.jit(fn, placement=pl, in_sbp=(sbp,), out_sbp=sbp)
     np.testing.assert_array_equal(f(x).numpy(), np.asarray(jax.jit(fn)(x)))
-    moved = _moved(f, x)
+    moved = moved_bytes(f, x)
     assert moved == f.explain(x).bytes
     return moved
 
@@ -81,7 +77,7 @@ def test_a_causal_convolution_of_shifted_slices(pl8):
     got, want = f(x), jax.jit(step)(x)
     np.testing.assert_allclose(got[0].numpy(), want[0], rtol=1e-5, atol=1e-5 * float(np.abs(want[0])))
     np.testing.assert_allclose(got[1].numpy(), want[1], rtol=1e-5, atol=1e-6 * float(np.abs(want[1]).max()))
-    ours = _moved(f, x)
+    ours = moved_bytes(f, x)
     assert ours == f.explain(x).bytes
     assert ours <= gspmd_bytes(step, pl8, ((S1,),), ((B,), (S1,)), (x,)), ours
 
