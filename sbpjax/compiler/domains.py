@@ -62,6 +62,7 @@ def auto_layouts(shape, grid) -> list[tuple]:
 
 
 HEAVY = ("dot_general", "conv_general_dilated")
+VIEWS = ("transpose", "convert_element_type", "reshape", "copy")
 
 
 def two_d(nd, grid) -> bool:
@@ -184,6 +185,12 @@ class Domains:
         one_axis = sum(p > 1 for p in self.grid) == 1
         self.batch_axes = batch_axes(program, in_layouts, self.grid) if one_axis else frozenset()
         self.args = {id(v) for v in program.inputs}
+        # values that are an argument seen another way (a transpose, a cast, a
+        # reshape): the tied embedding's ``emb.T``, a bf16 copy of a kernel
+        self.weights = set(self.args)
+        for n in program.nodes:
+            if n.name in VIEWS and isinstance(n.ins[0], Var) and id(n.ins[0]) in self.weights:
+                self.weights.add(id(n.outs[0]))
         # axis -> ids of the operands of products with a replicated weight there;
         # filled in program order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
@@ -256,7 +263,8 @@ class Domains:
     def _whole_already(self, node, axis) -> bool:
         """Whether ``node`` is a product without batch dimensions that may
         run whole on ``axis``: one with a weight the caller replicated over
-        ``axis`` (an argument whole there in every layout it may take), or
+        ``axis`` (an argument, or a transpose, cast or reshape of one, whole
+        there in every layout it may take: a tied head reads ``emb.T``), or
         that weight's gradient (a product reading an operand such a product
         read); and none of its operands exists only split over ``axis``
         (using it whole there would be a gather). Any contraction may run
@@ -272,7 +280,7 @@ class Domains:
             return False
         seen = self.whole_operands.setdefault(axis, set())
         weight = any(
-            id(a) in self.args and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
+            id(a) in self.weights and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
             for a in node.ins
             if isinstance(a, Var)
         )
