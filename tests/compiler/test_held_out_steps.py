@@ -1,0 +1,186 @@
+"""Train steps written apart from the rules, tests and benchmarks (a held-out
+check of 2026-12-04), kept as regression cases for op mixes nothing else here
+covers: LoRA (frozen tensor-parallel kernels beside trainable low-rank ones,
+the optimizer over the adapters alone), a T5-style encoder-decoder (cross
+attention over the encoder's output, a tied head scaled by ``D**-0.5``, a
+weight-decay mask) and a VAE with 2-D kernels on 4x2 (a reparameterization
+drawn from a key passed in, a clipped Adam). Each step's new parameters,
+state and loss equal the one-device step's, and the compiled collectives
+move no more bytes than GSPMD's program with the same layouts.
+
+Adam's ``eps`` is 1e-3 here: its first step divides each gradient by its own
+size, which turns summation-order differences in gradients near zero (a
+bias of order 1e-8) into whole steps of the learning rate."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close, gspmd_bytes
+
+import sbpjax as sj
+from sbpjax.compiler.api import state_sbp
+
+S0, S1, B = sj.S(0), sj.S(1), sj.B
+COL, ROW, REP = (B, S1), (B, S0), (B, B)
+rng = np.random.default_rng(4)
+
+
+def _normal(*shape, fan=None):
+    return (rng.normal(size=shape) / np.sqrt(fan or shape[0])).astype(np.float32)
+
+
+def _norm(x, g):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(v + 1e-5) * g
+
+
+def _rms(x, g):
+    return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6) * g
+
+
+def _step(loss, opt):
+    def step(p, s, *data):
+        value, g = jax.value_and_grad(loss)(p, *data)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, value
+
+    return step
+
+
+# -- LoRA: the base kernels frozen and tensor-parallel, the adapters trained --
+D, H, R = 128, 512, 8
+
+
+def _lora_loss(lora, base, x, y):
+    for b, a in zip(base["layers"], lora["layers"]):
+        h = _norm(x, b["g"])
+        u = jax.nn.gelu(h @ b["w1"] + 2.0 * (h @ a["a1"]) @ a["b1"])
+        x = x + u @ b["w2"] + 2.0 * (u @ a["a2"]) @ a["b2"]
+    return optax.softmax_cross_entropy_with_integer_labels(x.mean(1) @ base["head"], y).mean()
+
+
+def _lora_case():
+    base = {
+        "layers": [{"w1": _normal(D, H), "w2": _normal(H, D), "g": np.ones(D, np.float32)} for _ in range(2)],
+        "head": _normal(D, 10),
+    }
+    lora = {
+        "layers": [
+            {"a1": _normal(D, R), "b1": 0.01 * _normal(R, H), "a2": _normal(H, R), "b2": 0.01 * _normal(R, D)}
+            for _ in range(2)
+        ]
+    }
+    base_sbp = {"layers": [{"w1": COL, "w2": ROW, "g": REP} for _ in range(2)], "head": REP}
+    lora_sbp = {"layers": [{"a1": REP, "b1": COL, "a2": ROW, "b2": REP} for _ in range(2)]}
+    data = (base, rng.normal(size=(16, 32, D)).astype(np.float32), rng.integers(0, 10, 16).astype(np.int32))
+    opt = optax.adamw(1e-3, eps=1e-3, weight_decay=0.01)
+    return _lora_loss, opt, lora, lora_sbp, data, (base_sbp, (S0, B), (S0, B)), (2, 4)
+
+
+# -- T5: encoder, decoder with cross attention, a tied head scaled by D**-0.5 --
+V, HEADS, TE, TD = 256, 8, 32, 16
+
+
+def _attention(p, xq, xkv, mask=None):
+    b, tq, tk = xq.shape[0], xq.shape[1], xkv.shape[1]
+    q = (xq @ p["q"]).reshape(b, tq, HEADS, -1)
+    k = (xkv @ p["k"]).reshape(b, tk, HEADS, -1)
+    v = (xkv @ p["v"]).reshape(b, tk, HEADS, -1)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    if mask is not None:
+        s = jnp.where(mask, s, -1e9)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v).reshape(b, tq, D) @ p["o"]
+
+
+def _t5_loss(p, src, tgt):
+    e, d = p["enc"], p["dec"]
+    x = p["emb"][src]
+    h = _rms(x, e["n1"])
+    x = x + _attention(e["sa"], h, h)
+    x = x + jax.nn.relu(_rms(x, e["n2"]) @ e["wi"]) @ e["wo"]
+    memory = _rms(x, e["nf"])
+    y = p["emb"][tgt[:, :-1]]
+    h = _rms(y, d["n1"])
+    y = y + _attention(d["sa"], h, h, jnp.tril(jnp.ones((TD, TD), bool)))
+    y = y + _attention(d["ca"], _rms(y, d["n2"]), memory)
+    y = y + jax.nn.relu(_rms(y, d["n3"]) @ d["wi"]) @ d["wo"]
+    logits = (_rms(y, d["nf"]) * D**-0.5) @ p["emb"].T
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tgt[:, 1:]).mean()
+
+
+def _t5_case():
+    def attention():
+        return {w: _normal(D, D) for w in "qkvo"}, {"q": COL, "k": COL, "v": COL, "o": ROW}
+
+    ones = lambda: np.ones(D, np.float32)  # noqa: E731
+    (esa, esa_sbp), (dsa, dsa_sbp), (dca, dca_sbp) = attention(), attention(), attention()
+    enc = {"n1": ones(), "sa": esa, "n2": ones(), "wi": _normal(D, H), "wo": _normal(H, D), "nf": ones()}
+    dec = {
+        "n1": ones(),
+        "sa": dsa,
+        "n2": ones(),
+        "ca": dca,
+        "n3": ones(),
+        "wi": _normal(D, H),
+        "wo": _normal(H, D),
+    }
+    dec["nf"] = ones()
+    params = {"emb": _normal(V, D, fan=1), "enc": enc, "dec": dec}
+    enc_sbp = {"n1": REP, "sa": esa_sbp, "n2": REP, "wi": COL, "wo": ROW, "nf": REP}
+    dec_sbp = {"n1": REP, "sa": dsa_sbp, "n2": REP, "ca": dca_sbp, "n3": REP, "wi": COL, "wo": ROW, "nf": REP}
+    sbp = {"emb": REP, "enc": enc_sbp, "dec": dec_sbp}
+    opt = optax.adamw(1e-3, eps=1e-3, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda a: a.ndim > 1, p))
+    data = (rng.integers(0, V, (8, TE)).astype(np.int32), rng.integers(0, V, (8, TD + 1)).astype(np.int32))
+    return _t5_loss, opt, params, sbp, data, ((S0, B), (S0, B)), (2, 4)
+
+
+# -- VAE: 2-D kernels on 4x2, a reparameterization from a key passed in --
+X, Z = 784, 32
+
+
+def _vae_loss(p, x, key):
+    h = jax.nn.relu(jax.nn.relu(x @ p["e1"] + p["e1b"]) @ p["e2"])
+    mu, logvar = h @ p["mu"], h @ p["lv"]
+    z = mu + jnp.exp(0.5 * logvar) * jax.random.normal(jax.random.wrap_key_data(key), mu.shape)
+    logits = jax.nn.relu(jax.nn.relu(z @ p["d1"]) @ p["d2"]) @ p["d3"] + p["d3b"]
+    reconstruction = optax.sigmoid_binary_cross_entropy(logits, x).sum(-1)
+    kl = -0.5 * (1 + logvar - mu**2 - jnp.exp(logvar)).sum(-1)
+    return (reconstruction + kl).mean()
+
+
+def _vae_case():
+    params = {"e1": _normal(X, H), "e1b": np.zeros(H, np.float32), "e2": _normal(H, H), "mu": _normal(H, Z)}
+    params |= {"lv": 0.1 * _normal(H, Z), "d1": _normal(Z, H), "d2": _normal(H, H), "d3": _normal(H, X)}
+    params["d3b"] = np.zeros(X, np.float32)
+    sbp = {k: (S0, S1) if v.ndim == 2 else REP for k, v in params.items()}
+    key = np.asarray(jax.random.key_data(jax.random.key(7)))
+    data = ((rng.random((64, X)) > 0.5).astype(np.float32), key)
+    opt = optax.chain(optax.clip_by_global_norm(10.0), optax.adam(1e-3, eps=1e-3))
+    return _vae_loss, opt, params, sbp, data, ((S0, B), REP), (4, 2)
+
+
+CASES = {"lora": _lora_case, "t5": _t5_case, "vae_2d": _vae_case}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_held_out_step(name):
+    loss, opt, params, sbp, data, data_sbp, grid = CASES[name]()
+    state = opt.init(params)
+    state_layouts = state_sbp(state, sbp, REP)
+    in_sbp, out_sbp = (sbp, state_layouts, *data_sbp), (sbp, state_layouts, REP)
+    step = _step(loss, opt)
+    pl = sj.placement(grid, ("x", "y"))
+    f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
+    args = (params, state, *data)
+
+    got = jax.tree.map(lambda t: t.numpy(), f(*args), is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+    want = jax.jit(step)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, rtol=2e-4, err_msg=name)
+
+    ours = sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
+    assert ours == f.explain(*args).bytes
+    assert ours <= gspmd_bytes(step, pl, in_sbp, out_sbp, args), name
