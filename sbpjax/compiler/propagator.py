@@ -45,7 +45,7 @@ from sbpjax.compiler.propagation import (
 )
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES, Sig, own_comm, split_axes
-from sbpjax.rules.shifts import prefix_aligned, shifts
+from sbpjax.rules.shifts import prefix_aligned
 from sbpjax.sbp import Broadcast, Partial, format_sbp
 
 _TOP_K = 3  # 1-D candidates kept per axis before exact costing of their products
@@ -461,16 +461,10 @@ class Propagator:
         vals = list(node.ins) + list(node.outs)
         nds = list(ins) + list(outs)
         shapes = [v.shape for v in vals]
-        if node.name in ("slice", "pad"):
-            # a split dim moved or resized runs as its shift says, holes and
-            # exchanges included; the other split dims keep their holes in place
-            steps = shifts(node.eqn, ins, outs, self.grid)
-            if steps is None:
-                return False
-            even = {st.dim: len(st.pieces_in) for st in steps}  # read at an even size
-            shapes[0] = shapes[-1] = tuple(even.get(d, n) for d, n in enumerate(node.ins[0].shape))
-            return all(self._even(nd, sh) for nd, sh in zip(nds, shapes)) or uneven.fits(
-                nds, shapes, self.grid
+        moved = uneven.moved_shapes(node.eqn, ins, outs, shapes, self.grid)
+        if moved is not None:
+            return bool(moved) and (
+                all(self._even(nd, sh) for nd, sh in zip(nds, moved)) or uneven.fits(nds, moved, self.grid)
             )
         if node.name == "concatenate":
             # a split dim filled at its end: local where the pieces line up

@@ -1,7 +1,8 @@
 """Rewrites of a traced program before the layout choice: op pairs that run
-better as one op, and ``jnp.roll`` spelled with ops whose split dims move
-few rows. Each keeps the program's values; ``emit(fn, atoms, nodes, cse)``
-appends the equations of a small JAX function (``trace._emit``)."""
+better as one op, ``jnp.roll`` spelled with ops whose split dims move few
+rows, and ``split`` as slices. Each keeps the program's values;
+``emit(fn, atoms, nodes, cse)`` appends the equations of a small JAX
+function (``trace._emit``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import numpy as np
 from jax import lax
 
 from sbpjax.compiler.program import Const, Var
-from sbpjax.rules.shifts import is_shift, padded_dims
 
 
 def fuse_padded_windows(nodes, outputs, emit):
@@ -77,12 +77,11 @@ def _in_place_of(node, emitted: list) -> list:
 def rolls_as_shifts(nodes, emit):
     """``concatenate([x[s:], x[:s]])`` along one dim (``jnp.roll``'s static
     spelling) as ``where(row < n - s, pad(x[s:], (0, s)), pad(x[:s], (n - s,
-    0)))``: the same rows. Along a split dim the pad of the long part then
-    composes with its slice into one shift (``fuse_shifts``), which moves
-    ``min(s, n - s)`` rows between neighbours, and the short part is a few
-    rows any device can be given, where the concatenation gathered the
-    value (GSPMD moves the few rows too). Only for rolls by less than a
-    quarter of the dim (``is_shift``)."""
+    0)))``: the same rows. Along a split dim each slice and its pad are one
+    pad (``fuse_shifts``), a shift or a cut (``sbpjax.rules.shifts``), so
+    each row that changes pieces moves once, as GSPMD moves it, where the
+    concatenation moved the rows of ``x[s:]`` twice (cut, then placed).
+    (The rewrite sees the whole-array spelling only, before layouts exist.)"""
     made = {id(o): n for n in nodes for o in n.outs}
     out = []
     for node in nodes:
@@ -131,20 +130,46 @@ def _roll_parts(node, made) -> tuple | None:
             or any(st != 1 for st in strides)
         ):
             return None
-    # a roll by a quarter of the dim or more moves rows of far pieces: the
-    # concatenation's plan (the value all-to-all'd) is then no worse
-    return (d, n, s) if 0 < s < n and is_shift(min(s, n - s), n, n) else None
+    return (d, n, s) if 0 < s < n else None
+
+
+def splits_as_slices(nodes, emit):
+    """``split`` (``q, k, v = jnp.split(qkv, 3, axis=-1)``) as one slice per
+    result: along a split dim a slice moves the rows that change pieces
+    (``sbpjax.rules.shifts``), where the ``split`` rule keeps the dim whole,
+    so a column-split fused projection was gathered, or its consumers moved
+    to another layout, before its thirds were taken."""
+    out = []
+    for node in nodes:
+        if node.name != "split":
+            out.append(node)
+            continue
+        d, sizes = node.eqn.params["axis"], [int(z) for z in node.eqn.params["sizes"]]
+        bounds = np.cumsum([0] + sizes)
+
+        def cut(x, d=d, bounds=bounds):
+            return tuple(lax.slice_in_dim(x, int(a), int(b), axis=d) for a, b in zip(bounds[:-1], bounds[1:]))
+
+        emitted: list = []
+        emit(cut, list(node.ins), emitted, {})
+        if len(emitted) != len(node.outs) or any(e.name != "slice" for e in emitted):
+            out.append(node)  # this JAX spells it otherwise: keep the split
+            continue
+        for e, o in zip(emitted, node.outs):
+            e.outs = [o]
+            e.source, e.region, e.branch = node.source, node.region, node.branch
+        out.extend(emitted)
+    return out
 
 
 def fuse_shifts(nodes, emit):
     """A slice or pad of a slice or pad, without interior padding or strides,
-    as one pad where the pair is a shift (``sbpjax.rules.shifts.is_shift``):
-    ``jnp.pad(x, ((3, 0),))[i:i + n]`` (a causal convolution written as
-    shifted slices of a padded sequence), ``pad(x[:n - s], (s, 0))``
-    (``rolls_as_shifts``), and JAX's transposes of them. Along a split dim the
-    pair moved rows twice across pieces of another size, where the shift
-    moves them once, between neighbours. The first op stays while something
-    else reads it."""
+    as one pad: ``jnp.pad(x, ((3, 0),))[i:i + n]`` (a causal convolution
+    written as shifted slices of a padded sequence), ``pad(x[:n - s], (s,
+    0))`` (``rolls_as_shifts``), and JAX's transposes of them. Along a split
+    dim the pair moved rows twice across pieces of another size, where the
+    one pad (a shift or a cut) moves each once. The first op stays while
+    something else reads it."""
     made = {id(o): n for n in nodes for o in n.outs}
     out = []
     for node in nodes:
@@ -177,9 +202,10 @@ def _as_padding(node) -> list | None:
 
 def _composed(first, second) -> tuple | None:
     """(padding config, padding value) of ``second`` applied to ``first``'s
-    result as one pad of ``first``'s operand, or None where the pair is no
-    shift, or cuts rows and pads them back (which would read the operand
-    where padding was), or pads with two values."""
+    result as one pad of ``first``'s operand (an identity pad where the
+    pair moves nothing), or None where the pair cuts rows and pads them back
+    (which would read the operand where padding was), or pads with two
+    values."""
     one, two = _as_padding(first), _as_padding(second)
     if one is None or two is None:
         return None
@@ -188,11 +214,7 @@ def _composed(first, second) -> tuple | None:
         return None
     if not values or any(a1 < 0 < a2 or b1 < 0 < b2 for (a1, b1), (a2, b2) in zip(one, two)):
         return None
-    cfg = tuple((a1 + a2, b1 + b2, 0) for (a1, b1), (a2, b2) in zip(one, two))
-    moved = padded_dims(cfg, first.ins[0].shape, second.outs[0].shape)
-    if not all(is_shift(*c) for c in moved.values()):  # (none moved: an identity pad)
-        return None
-    return cfg, values[0]
+    return tuple((a1 + a2, b1 + b2, 0) for (a1, b1), (a2, b2) in zip(one, two)), values[0]
 
 
 def _same_value(a, b) -> bool:

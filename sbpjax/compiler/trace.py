@@ -142,7 +142,10 @@ def trace(
     roots = outs + (_last_carries(flat.loops) if keep_last_carries else [])
     nodes = _dce(nodes, roots)
     nodes = _dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
-    nodes = _dce(rewrites.fuse_shifts(rewrites.rolls_as_shifts(nodes, _emit), _emit), roots)
+    nodes = _dce(
+        rewrites.fuse_shifts(rewrites.rolls_as_shifts(rewrites.splits_as_slices(nodes, _emit), _emit), _emit),
+        roots,
+    )
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
 
 

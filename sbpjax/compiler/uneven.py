@@ -45,6 +45,7 @@ from jax import lax
 from sbpjax.boxing.lower import IndexTables, fill_value
 from sbpjax.layout import Geometry
 from sbpjax.rules import split_axes
+from sbpjax.rules.shifts import placements, shifts
 from sbpjax.sbp import Partial, Split
 
 
@@ -77,6 +78,28 @@ def fits(nds, shapes, grid) -> bool:
         if uneven and len(members) > 1:
             return False
     return True
+
+
+def moved_shapes(eqn, ins, outs, shapes, grid) -> list | None:
+    """For a slice or pad, or a concatenation along a dim its operands are
+    split on, whose split dims move as ``sbpjax.rules.shifts`` says (holes
+    and exchanges included): the shapes to test the layouts' evenness at,
+    each moved dim at an even size (the steps read each piece's own size;
+    the other split dims keep their holes in place), or ``[]`` where the
+    signature cannot run. None for other ops and signatures."""
+    if eqn.primitive.name in ("slice", "pad"):
+        steps = shifts(eqn, ins, outs, grid)
+    elif eqn.primitive.name == "concatenate" and len(ins) > 1:
+        dim = eqn.params["dimension"]
+        if not all(split_axes(nd, dim) for nd in ins):
+            return None
+        steps = placements(eqn, ins, outs, grid)
+    else:
+        return None
+    if steps is None:
+        return []
+    even = {st.dim: len(st.pieces_in) for st in steps}
+    return [tuple(even.get(d, n) for d, n in enumerate(shape)) for shape in shapes]
 
 
 def reduced_operands(ins, outs, in_shapes, grid) -> list[tuple[int, str]]:

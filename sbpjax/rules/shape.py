@@ -28,7 +28,7 @@ from sbpjax.rules import (
     set_local,
     shape_of,
 )
-from sbpjax.rules.shifts import may_shift, run_shifts, shift_comms, shifts
+from sbpjax.rules.shifts import may_shift, placements, run_shifts, shift_comms, shifts, step_comms
 from sbpjax.sbp import Split
 
 ALL_P = ("sum", "max", "min")
@@ -138,14 +138,21 @@ def expand_dims(eqn, in_avals):
 @register("concatenate")
 def concatenate(eqn, in_avals):
     """``y_i = concat(a_i, b_i)`` along a dim none of them is split on; partials
-    of one op concatenate to that partial. And along the split dim of the
-    first operand, the others whole, where that operand's pieces are the
-    result's cut short (``shifts.prefix_aligned``): the others fill the
-    holes at the end (``jnp.roll(tokens, -1, axis=1)``: ``x[:, 1:]`` then
-    ``x[:, :1]``)."""
+    of one op concatenate to that partial. Along the split dim of the first
+    operand, the others whole, where that operand's pieces are the result's
+    cut short (``shifts.prefix_aligned``): the others fill the holes at the
+    end (``jnp.roll(tokens, -1, axis=1)``: ``x[:, 1:]`` then ``x[:, :1]``).
+    And along a dim all of them are split on: each operand's rows move to
+    the result's pieces they fall in (``shifts.placements``: the gradient of
+    ``q, k, v = jnp.split(qkv, 3, -1)`` with ``qkv``'s columns split, whose
+    thirds do not line up with the pieces)."""
     dim = eqn.params["dimension"]
     n = len(in_avals)
-    tail = [Sig((Split(dim),) + (B,) * (n - 1), (Split(dim),))] if n > 1 else []
+    tail = (
+        [Sig((Split(dim),) + (B,) * (n - 1), (Split(dim),)), Sig((Split(dim),) * n, (Split(dim),))]
+        if n > 1
+        else []
+    )
     return (
         [Sig((Split(d),) * n, (Split(d),)) for d in range(rank(in_avals[0])) if d != dim]
         + tail
@@ -154,19 +161,51 @@ def concatenate(eqn, in_avals):
     )
 
 
+def concatenate_comms(eqn, in_avals, ins, outs, grid):
+    """The rows each operand sends to the result's pieces they fall in
+    (``shifts.placements``), along a dim all of them are split on; nothing
+    otherwise."""
+    steps = placements(eqn, ins, outs, grid)
+    if steps is None:
+        return []
+    return [c for k, st in enumerate(steps) for c in step_comms([st], in_avals[k], ins[k], grid, operand=k)]
+
+
 def local_concatenate(eqn, ins, ctx):
-    """Along a split dim: the first operand's block, with the positions past
-    its rows taken from the other operands (whole), as the result's piece
-    there reads them."""
+    """Along a split dim: each operand's rows moved to the result's pieces
+    (all split there, ``shifts.placements``), or the first operand's block
+    with the positions past its rows taken from the other operands (whole),
+    as the result's piece there reads them."""
     dim = eqn.params["dimension"]
     if not ctx.is_split(ctx.out_nd[0], dim):
         return [lax.concatenate(ins, dim)]
+    if len(ins) > 1 and all(ctx.is_split(nd, dim) for nd in ctx.in_nd):
+        return [_placed(eqn, ins, ctx, dim)]
     head, tail = ins[0], lax.concatenate(ins[1:], dim)
     if not tail.shape[dim]:  # only empty operands after it
         return [head]
     at = ctx.offset(ctx.out_nd[0], shape_of(eqn.outvars[0].aval), dim)
     rows, here = _rows_at(tail, eqn.invars[0].aval.shape[dim], at, head, dim)
     return [jnp.where(here, rows, head)]
+
+
+def _placed(eqn, ins, ctx, dim):
+    """The concatenation of operands split along ``dim``: each one's rows
+    moved to this device's piece of the result (a pad of it by the rows
+    before and after), taken where they fall."""
+    steps = placements(eqn, ctx.in_nd, ctx.out_nd, ctx.grid)
+    assert steps is not None, "a concatenation signature the planner could not run"
+    at = ctx.offset(ctx.out_nd[0], shape_of(eqn.outvars[0].aval), dim)
+    y, start = None, 0
+    for k, (x, st) in enumerate(zip(ins, steps)):
+        moved = run_shifts(x, [st], ctx, fill=jnp.zeros((), x.dtype), operand=k)
+        if y is None:
+            y = moved
+        else:  # the rows from this operand's first on are its
+            rows = jnp.asarray(at, jnp.int32) + jnp.arange(moved.shape[dim], dtype=jnp.int32)
+            y = jnp.where((rows >= start).reshape([-1 if e == dim else 1 for e in range(y.ndim)]), moved, y)
+        start += shape_of(eqn.invars[k].aval)[dim]
+    return y
 
 
 def _rows_at(u, start, at, block, dim):
@@ -213,6 +252,8 @@ def slice_(eqn, in_avals):
 
 # a slice or pad that moves rows along a split dim exchanges them (sbpjax.rules.shifts)
 set_comm("slice", "pad")(shift_comms)
+# a concatenation along a dim its operands are split on moves their rows (shifts.placements)
+set_comm("concatenate")(concatenate_comms)
 set_comm_if("slice", "pad")(may_shift)
 
 

@@ -17,12 +17,17 @@ the same offset of an even block, a gather otherwise).
 Where every piece of the result is the operand's piece at the same place
 in a block of the same size (:func:`prefix_aligned`: ``logits[:, :-1]``
 on 8 pieces of 32, and the pad that is its gradient), nothing moves.
-Otherwise only *shifts* communicate: slices and pads that change a dim by
-less than half of its longer size (``tokens[:, 2:]``, a causal convolution
-written as padded shifted slices, ``pad`` then ``slice``). A larger cut
-(``x[N - 3:]``, a third of ``qkv``) reads rows of far pieces, which one
-exchange with a neighbour cannot bring; its value is boxed first, as the
-greedy pass assumes for ops that do not communicate (``may_shift``).
+A *shift*, a slice or pad that changes a dim by less than half of its
+longer size (``tokens[:, 2:]``, a causal convolution written as padded
+shifted slices, ``pad`` then ``slice``), exchanges rows with the
+neighbours. A larger change (a third of a column-split ``qkv``, the
+halves of a value swapped), or a shift whose rows lie past a neighbour's
+piece, is a *cut* (:class:`Cut`): the rows each device needs come from
+whichever pieces hold them, one ``ppermute`` per distance between the
+sending and the receiving piece, each row once. A concatenation along a
+dim its operands are split on places each operand as a pad by the rows
+around it (:func:`placements`). Where some device would hold nothing
+(``x[N - 3:]`` on 8 pieces), the value is boxed first.
 """
 
 from __future__ import annotations
@@ -106,9 +111,10 @@ def padded_dims(cfg, n, m) -> dict:
 
 
 def may_shift(eqn) -> bool:
-    """Whether a slice or pad is a shift along some dim (``is_shift``): the
-    ops whose split dims may exchange rows, which the greedy pass costs exactly."""
-    return any(is_shift(*change) for change in _resized(eqn).values())
+    """Whether a slice or pad moves or resizes some dim: the ops whose split
+    dims may exchange rows (a shift with its neighbours, a cut with farther
+    pieces), which the greedy pass costs exactly."""
+    return bool(_resized(eqn))
 
 
 def is_shift(shift: int, n: int, m: int) -> bool:
@@ -130,23 +136,52 @@ def _pieces(n: int, axes, grid) -> tuple:
     return tuple(out)
 
 
-def shifts(eqn, ins, outs, grid) -> list[Shift] | None:
-    """The :class:`Shift` of each split dim a slice or pad moves or resizes,
-    or ``None`` where that signature cannot run with one exchange per side
-    (or, for an op that is not a shift, ``may_shift``, with none at all)."""
+def shifts(eqn, ins, outs, grid) -> list[Shift | Cut] | None:
+    """The :class:`Shift` or :class:`Cut` of each split dim a slice or pad
+    moves or resizes, or ``None`` where that signature cannot run (some
+    device would hold no rows)."""
     out = []
-    shifting = may_shift(eqn)
+    shifting = any(is_shift(*change) for change in _resized(eqn).values())
     for d, (shift, n, m) in _resized(eqn).items():
         axes = split_axes(ins[0], d)
         if not axes and not split_axes(outs[0], d):
             continue
         if split_axes(outs[0], d) != axes:
             return None
-        step = _shift(d, tuple(axes), shift, n, m, tuple(grid))
-        if step is None or not (shifting or step.in_place):
+        step = _moved(d, tuple(axes), shift, n, m, tuple(grid), shifting)
+        if step is None:
             return None
         out.append(step)
     return out
+
+
+def placements(eqn, ins, outs, grid) -> list | None:
+    """For ``concatenate`` along a dim every operand and the result are split
+    on by the same axes: per operand, the :class:`Shift` or :class:`Cut` that
+    places it at its rows of the result (as a pad by the rows before and
+    after it), or None where that signature is not this one or cannot run."""
+    d = eqn.params["dimension"]
+    axes = tuple(split_axes(outs[0], d))
+    if not axes or any(tuple(split_axes(nd, d)) != axes for nd in ins):
+        return None
+    total, at, out = shape_of(eqn.outvars[0].aval)[d], 0, []
+    for a in eqn.invars:
+        n = shape_of(a.aval)[d]
+        step = _moved(d, axes, -at, n, total, tuple(grid), is_shift(-at, n, total))
+        if step is None:
+            return None
+        out.append(step)
+        at += n
+    return out
+
+
+def _moved(d, axes, shift, n, m, grid, shifting: bool) -> Shift | Cut | None:
+    """Dim ``d`` moved as a :class:`Shift` where the op is one (``shifting``)
+    or the pieces stay in place, else as a :class:`Cut`; None where neither runs."""
+    step = _shift(d, axes, shift, n, m, grid)
+    if step is not None and (shifting or step.in_place):
+        return step
+    return _cut(d, axes, shift, n, m, grid)
 
 
 def prefix_aligned(short: int, long: int, axes: tuple, grid: tuple) -> bool:
@@ -189,41 +224,149 @@ def _shift(d, axes, shift, n, m, grid) -> Shift | None:
     return Shift(d, axes, shift, n, m, pin, pout, left, right)
 
 
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """A slice or pad of a split dim whose result pieces read rows of pieces
+    beyond their neighbours (a third of a column-split ``qkv``, a cut by half
+    or more): each distance ``k`` (the sending piece's index minus the
+    receiving piece's) is one ``ppermute`` of ``rows`` rows, each sender's
+    from its own first row (``starts``, per piece; -1: it sends nothing at
+    that distance), and each device takes its result rows from its block
+    extended by what it received, in the order of ``sends`` (``reads``: per
+    piece, each result row's place there; -1: padding, or past the piece).
+    Every row a device needs crosses once, as GSPMD's collective permutes
+    move a misaligned slice."""
+
+    dim: int
+    axes: tuple
+    shift: int
+    n_in: int
+    n_out: int
+    pieces_in: tuple
+    pieces_out: tuple
+    sends: tuple  # ((k, rows, starts per piece), ...)
+    reads: tuple  # per piece: the place of each of its block's result rows
+    left: int = 0  # no neighbour exchange (``Shift``'s)
+    right: int = 0
+
+    @property
+    def block_in(self) -> int:
+        return max(z for _, z in self.pieces_in)
+
+    @property
+    def block_out(self) -> int:
+        return max(z for _, z in self.pieces_out)
+
+    @property
+    def runs(self) -> tuple | None:
+        """Each device's first place, where every device reads its valid
+        result rows as one run of its extended block that fits it (a dynamic
+        slice), else None (a gather)."""
+        ext = self.block_in + sum(rows for _, rows, _ in self.sends)
+        firsts = []
+        for places, (_, size) in zip(self.reads, self.pieces_out):
+            valid = places[:size]
+            first = valid[0]
+            if first < 0 or first + self.block_out > ext or list(valid) != list(range(first, first + size)):
+                return None
+            firsts.append(first)
+        return tuple(firsts)
+
+
+@functools.cache
+def _cut(d, axes, shift, n, m, grid) -> Cut | None:
+    """The :class:`Cut` of dim ``d`` (``n`` rows split by ``axes`` into ``m``,
+    row ``r`` reading ``r + shift``), or None where some device would hold
+    nothing."""
+    pin, pout = _pieces(n, axes, grid), _pieces(m, axes, grid)
+    if min(z for _, z in pin) < 1 or min(z for _, z in pout) < 1:
+        return None  # a device would hold nothing (sbpjax.compiler.uneven)
+    block_in = max(z for _, z in pin)
+
+    def piece_of(row):
+        return next(j for j, (s, z) in enumerate(pin) if s <= row < s + z)
+
+    need: dict = {}  # k -> {sender: (its first row needed, count)}
+    for i, (so, zo) in enumerate(pout):
+        g0, g1 = max(so + shift, 0), min(so + shift + zo, n)
+        for j, (si, zi) in enumerate(pin):
+            a, b = max(g0, si), min(g1, si + zi)
+            if a < b and j != i:
+                need.setdefault(j - i, {})[j] = (a - si, b - a)
+    sends, base, at = [], {}, block_in
+    for k in sorted(need):
+        rows = max(c for _, c in need[k].values())
+        starts = tuple(min(need[k][j][0], block_in - rows) if j in need[k] else -1 for j in range(len(pin)))
+        sends.append((k, rows, starts))
+        base[k], at = (at, starts), at + rows
+    reads = []
+    for i, (so, zo) in enumerate(pout):
+        places = []
+        for r in range(max(z for _, z in pout)):
+            row = so + shift + r
+            if r >= zo or not 0 <= row < n:
+                places.append(-1)
+                continue
+            j = piece_of(row)
+            if j == i:
+                places.append(row - pin[i][0])
+            else:
+                first, starts = base[j - i]
+                places.append(first + row - pin[j][0] - starts[j])
+        reads.append(tuple(places))
+    return Cut(d, axes, shift, n, m, pin, pout, tuple(sends), tuple(reads))
+
+
 def shift_comms(eqn, in_avals, ins, outs, grid) -> list[Comm] | None:
-    """One exchange per side that receives rows, per shifted dim, on the
-    block as the dims before it left it (``run_shifts``)."""
+    """One exchange per side that receives rows (per distance, for a
+    :class:`Cut`), per moved dim, on the block as the dims before it left it
+    (``run_shifts``)."""
     steps = shifts(eqn, ins, outs, grid)
-    if steps is None:
-        return None
-    shape, out = list(local_shape(shape_of(in_avals[0]), ins[0], grid)), []
+    return None if steps is None else step_comms(steps, in_avals[0], ins[0], grid)
+
+
+def step_comms(steps, aval, nd, grid, operand: int = 0) -> list[Comm]:
+    """The exchanges of ``steps`` run on operand ``operand`` (``aval``, in
+    layout ``nd``)."""
+    shape, out = list(local_shape(shape_of(aval), nd, grid)), []
     chain: tuple = ()
-    itemsize = in_avals[0].dtype.itemsize
+    itemsize = aval.dtype.itemsize
     for st in steps:
         pieces = len(st.pieces_in)
         slab = math.prod(shape) // shape[st.dim] * itemsize
         lines = math.prod(grid) // pieces
+        if isinstance(st, Cut):
+            for k, rows, starts in st.sends:
+                pairs = sum(1 for s in starts if s >= 0)
+                sent: tuple = ("cut", chain, st.dim, k, rows, starts, st.axes)
+                out.append(Comm("permute", st.axes, lines * pairs * rows * slab, operand, sent))
         for side, rows in (("left", st.left), ("right", st.right)):
             if rows:
                 detail = ("shift", chain, st.dim, side, rows, st.axes)
-                out.append(Comm("halo_exchange", st.axes, lines * (pieces - 1) * rows * slab, 0, detail))
+                out.append(
+                    Comm("halo_exchange", st.axes, lines * (pieces - 1) * rows * slab, operand, detail)
+                )
         shape[st.dim] = st.block_out
         chain += (_key(st),)
     return out
 
 
-def _key(st: Shift) -> tuple:
+def _key(st: Shift | Cut) -> tuple:
     return (st.dim, st.shift, st.n_in, st.n_out, st.axes)
 
 
-def run_shifts(x, steps, ctx, fill=None):
+def run_shifts(x, steps, ctx, fill=None, operand: int = 0):
     """``x`` (a device's block) with each :class:`Shift` of ``steps`` run
     along its dim, one after the other (a later dim's exchange carries the
     corners); ``fill``: the padding value (a pad's), or None (a slice's).
-    Exchanges of the same rows of the same value are made once (``ctx.memo``)."""
+    Exchanges of the same rows of the same value (operand ``operand`` of
+    the op) are made once (``ctx.memo``)."""
     chain: tuple = ()
     for st in steps:
-        if not st.in_place:
-            x = _run(x, st, ctx, fill, chain)
+        if isinstance(st, Cut):
+            x = _run_cut(x, st, ctx, fill, chain, operand)
+        elif not st.in_place:
+            x = _run(x, st, ctx, fill, chain, operand)
         elif fill is not None:  # the block stays: positions past the operand's piece are padding
             sizes = [z for _, z in st.pieces_in]
             size = sizes[0] if len(set(sizes)) == 1 else jnp.asarray(sizes, jnp.int32)[_index(st, ctx)]
@@ -232,11 +375,11 @@ def run_shifts(x, steps, ctx, fill=None):
     return x
 
 
-def _index(st: Shift, ctx):
+def _index(st: Shift | Cut, ctx):
     return group_index(st.axes, ctx.placement.axis_names, ctx.grid)
 
 
-def _run(x, st: Shift, ctx, fill, chain):
+def _run(x, st: Shift, ctx, fill, chain, operand):
     d, pieces = st.dim, len(st.pieces_in)
     axis = axis_arg([ctx.placement.axis_names[a] for a in st.axes])
     idx = _index(st, ctx)
@@ -253,7 +396,7 @@ def _run(x, st: Shift, ctx, fill, chain):
             )
             return lax.ppermute(tail, axis, perm=[(i, i + 1) for i in range(pieces - 1)])
 
-        parts.append(ctx.memo(0, ("shift", chain, d, "left", st.left, st.axes), send_left))
+        parts.append(ctx.memo(operand, ("shift", chain, d, "left", st.left, st.axes), send_left))
     parts.append(x)
     if st.right:
 
@@ -261,7 +404,7 @@ def _run(x, st: Shift, ctx, fill, chain):
             head = lax.slice_in_dim(x, 0, st.right, axis=d)
             return lax.ppermute(head, axis, perm=[(i + 1, i) for i in range(pieces - 1)])
 
-        parts.append(ctx.memo(0, ("shift", chain, d, "right", st.right, st.axes), send_right))
+        parts.append(ctx.memo(operand, ("shift", chain, d, "right", st.right, st.axes), send_right))
     ext = lax.concatenate(parts, d) if len(parts) > 1 else x
     rows = table([so for so, _ in st.pieces_out]) + st.shift + jnp.arange(st.block_out, dtype=jnp.int32)
     if st.static:
@@ -275,4 +418,30 @@ def _run(x, st: Shift, ctx, fill, chain):
     if fill is not None:
         outside = ((rows < 0) | (rows >= st.n_in)).reshape([-1 if e == d else 1 for e in range(y.ndim)])
         y = jnp.where(outside, fill.astype(y.dtype), y)
+    return y
+
+
+def _run_cut(x, st: Cut, ctx, fill, chain, operand):
+    d, pieces = st.dim, len(st.pieces_in)
+    axis = axis_arg([ctx.placement.axis_names[a] for a in st.axes])
+    idx = _index(st, ctx)
+    parts = [x]
+    for k, rows, starts in st.sends:
+
+        def send(k=k, rows=rows, starts=starts):
+            start = jnp.asarray([max(s, 0) for s in starts], jnp.int32)[idx]
+            chunk = lax.dynamic_slice_in_dim(x, start, rows, axis=d)
+            return lax.ppermute(chunk, axis, perm=[(j, j - k) for j in range(pieces) if starts[j] >= 0])
+
+        parts.append(ctx.memo(operand, ("cut", chain, d, k, rows, starts, st.axes), send))
+    ext = lax.concatenate(parts, d) if len(parts) > 1 else x
+    runs = st.runs
+    if runs is not None:
+        y = lax.dynamic_slice_in_dim(ext, jnp.asarray(runs, jnp.int32)[idx], st.block_out, axis=d)
+    else:
+        places = jnp.asarray(st.reads, jnp.int32)[idx]
+        y = jnp.take(ext, jnp.clip(places, 0, ext.shape[d] - 1), axis=d)
+    if fill is not None:
+        outside = jnp.asarray(st.reads, jnp.int32)[idx] < 0
+        y = jnp.where(outside.reshape([-1 if e == d else 1 for e in range(y.ndim)]), fill.astype(y.dtype), y)
     return y
