@@ -44,8 +44,23 @@ from sbpjax.layout import balanced_piece
 from sbpjax.rules import Comm, local_shape, shape_of, split_axes
 
 
+class _Blocks:
+    """The largest piece of the operand and of the result: a device's block."""
+
+    pieces_in: tuple
+    pieces_out: tuple
+
+    @property
+    def block_in(self) -> int:
+        return max(z for _, z in self.pieces_in)
+
+    @property
+    def block_out(self) -> int:
+        return max(z for _, z in self.pieces_out)
+
+
 @dataclasses.dataclass(frozen=True)
-class Shift:
+class Shift(_Blocks):
     """How one split dim of a slice or pad is run: result row ``r`` reads
     operand row ``r + shift`` (rows outside ``[0, n_in)`` are padding).
     ``pieces_in`` / ``pieces_out``: every piece's (start, size), in the
@@ -61,14 +76,6 @@ class Shift:
     pieces_out: tuple
     left: int
     right: int
-
-    @property
-    def block_in(self) -> int:
-        return max(z for _, z in self.pieces_in)
-
-    @property
-    def block_out(self) -> int:
-        return max(z for _, z in self.pieces_out)
 
     @property
     def offsets(self) -> set:
@@ -225,7 +232,7 @@ def _shift(d, axes, shift, n, m, grid) -> Shift | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Cut:
+class Cut(_Blocks):
     """A slice or pad of a split dim whose result pieces read rows of pieces
     beyond their neighbours (a third of a column-split ``qkv``, a cut by half
     or more): each distance ``k`` (the sending piece's index minus the
@@ -248,14 +255,6 @@ class Cut:
     reads: tuple  # per piece: the place of each of its block's result rows
     left: int = 0  # no neighbour exchange (``Shift``'s)
     right: int = 0
-
-    @property
-    def block_in(self) -> int:
-        return max(z for _, z in self.pieces_in)
-
-    @property
-    def block_out(self) -> int:
-        return max(z for _, z in self.pieces_out)
 
     @property
     def runs(self) -> tuple | None:
