@@ -44,9 +44,17 @@ from sbpjax.layout import balanced_piece
 from sbpjax.rules import Comm, local_shape, shape_of, split_axes
 
 
-class _Blocks:
-    """The largest piece of the operand and of the result: a device's block."""
+@dataclasses.dataclass(frozen=True)
+class _Moved:
+    """Dim ``dim`` of ``n_in`` rows split by ``axes``, moved to ``n_out``
+    rows, result row ``r`` reading operand row ``r + shift``; every piece's
+    (start, size), and a device's block: the largest piece."""
 
+    dim: int
+    axes: tuple
+    shift: int
+    n_in: int
+    n_out: int
     pieces_in: tuple
     pieces_out: tuple
 
@@ -60,20 +68,13 @@ class _Blocks:
 
 
 @dataclasses.dataclass(frozen=True)
-class Shift(_Blocks):
+class Shift(_Moved):
     """How one split dim of a slice or pad is run: result row ``r`` reads
     operand row ``r + shift`` (rows outside ``[0, n_in)`` are padding).
     ``pieces_in`` / ``pieces_out``: every piece's (start, size), in the
     order of the group index of ``axes``; ``left`` / ``right``: rows each
     device receives from the piece before / after it (0: no exchange)."""
 
-    dim: int
-    axes: tuple
-    shift: int
-    n_in: int
-    n_out: int
-    pieces_in: tuple
-    pieces_out: tuple
     left: int
     right: int
 
@@ -232,7 +233,7 @@ def _shift(d, axes, shift, n, m, grid) -> Shift | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Cut(_Blocks):
+class Cut(_Moved):
     """A slice or pad of a split dim whose result pieces read rows of pieces
     beyond their neighbours (a third of a column-split ``qkv``, a cut by half
     or more): each distance ``k`` (the sending piece's index minus the
@@ -244,13 +245,6 @@ class Cut(_Blocks):
     Every row a device needs crosses once, as GSPMD's collective permutes
     move a misaligned slice."""
 
-    dim: int
-    axes: tuple
-    shift: int
-    n_in: int
-    n_out: int
-    pieces_in: tuple
-    pieces_out: tuple
     sends: tuple  # ((k, rows, starts per piece), ...)
     reads: tuple  # per piece: the place of each of its block's result rows
     left: int = 0  # no neighbour exchange (``Shift``'s)
