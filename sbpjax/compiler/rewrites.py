@@ -65,10 +65,11 @@ def fuse_padded_windows(nodes, outputs, emit):
 
 
 def _in_place_of(node, emitted: list) -> list:
-    """``emitted`` (the equations of a rewrite, its result last) standing for
-    ``node``: the last makes ``node``'s results, and all of them are
-    attributed to its line, checkpoint region and branch."""
-    emitted[-1].outs = node.outs
+    """``emitted`` (the equations of a rewrite, its results last, one
+    equation each) standing for ``node``: those make ``node``'s results, and
+    all of them are attributed to its line, checkpoint region and branch."""
+    for e, o in zip(emitted[len(emitted) - len(node.outs) :], node.outs):
+        e.outs = [o]
     for e in emitted:
         e.source, e.region, e.branch = node.source, node.region, node.branch
     return emitted
@@ -155,10 +156,7 @@ def splits_as_slices(nodes, emit):
         if len(emitted) != len(node.outs) or any(e.name != "slice" for e in emitted):
             out.append(node)  # this JAX spells it otherwise: keep the split
             continue
-        for e, o in zip(emitted, node.outs):
-            e.outs = [o]
-            e.source, e.region, e.branch = node.source, node.region, node.branch
-        out.extend(emitted)
+        out.extend(_in_place_of(node, emitted))
     return out
 
 
