@@ -219,14 +219,12 @@ def _rows_at(u, start, at, block, dim):
 
 @register("pad")
 def pad(eqn, in_avals):
-    """``y_i = pad(x_i, v)`` for splits of dims without interior padding:
-    the pieces move as ``sbpjax.rules.shifts`` says (in place where they line
-    up, as the gradient of ``logits[:, :-1]``; one exchange per side for a
-    shift, as the gradient of ``tokens[:, 1:]``); v broadcast."""
-    cfg = eqn.params["padding_config"]
-    return [Sig((Split(d), B), (Split(d),)) for d, (_, _, inner) in enumerate(cfg) if inner == 0] + [
-        Sig((B, B), (B,))
-    ]
+    """``y_i = pad(x_i, v)``: the pieces move as ``sbpjax.rules.shifts``
+    says (in place where they line up, as the gradient of ``logits[:, :-1]``;
+    one exchange per side for a shift, as the gradient of ``tokens[:, 1:]``;
+    a dim with interior padding, as the gradient of ``x[:, ::2]``, only
+    where every piece of the result is a multiple of the stride); v broadcast."""
+    return [Sig((Split(d), B), (Split(d),)) for d in range(rank(in_avals[0]))] + [Sig((B, B), (B,))]
 
 
 @register("rev")
@@ -241,13 +239,14 @@ def rev(eqn, in_avals):
 
 @register("slice")
 def slice_(eqn, in_avals):
-    """``y_i = slice(x_i)`` for splits of dims with stride 1: taken whole,
-    or moved as ``sbpjax.rules.shifts`` says (in place where the pieces line
-    up, as ``logits[:, :-1]``; one exchange per side for a shift, as
-    ``tokens[:, 1:]``)."""
-    st = eqn.params["strides"]
-    kept = [d for d in range(rank(in_avals[0])) if st is None or st[d] == 1]
-    return [Sig((Split(d),), (Split(d),)) for d in kept] + _partials(1) + [Sig((B,), (B,))]
+    """``y_i = slice(x_i)``: split dims taken whole, or moved as
+    ``sbpjax.rules.shifts`` says (in place where the pieces line up, as
+    ``logits[:, :-1]``; one exchange per side for a shift, as
+    ``tokens[:, 1:]``; a strided dim, as ``x[:, ::2]``, only where every
+    piece is a multiple of the stride: each device keeps its own rows)."""
+    return (
+        [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0]))] + _partials(1) + [Sig((B,), (B,))]
+    )
 
 
 # a slice or pad that moves rows along a split dim exchanges them (sbpjax.rules.shifts)
@@ -320,11 +319,13 @@ def local_broadcast(eqn, ins, ctx):
 
 
 def local_slice(eqn, ins, ctx):
-    """Split dims are taken whole or shifted (``sbpjax.rules.shifts``)."""
+    """Split dims are taken whole or shifted (``sbpjax.rules.shifts``); a
+    strided split dim keeps the rows at the start's offset of each piece."""
     p = eqn.params
     x = run_shifts(ins[0], _shift_steps(eqn, ctx), ctx)
     split = [ctx.is_split(ctx.in_nd[0], d) for d in range(x.ndim)]
-    start = [0 if split[d] else p["start_indices"][d] for d in range(x.ndim)]
+    strides = p["strides"] or (1,) * x.ndim
+    start = [0 if split[d] and strides[d] == 1 else p["start_indices"][d] for d in range(x.ndim)]
     limit = [x.shape[d] if split[d] else p["limit_indices"][d] for d in range(x.ndim)]
     return [lax.slice(x, start, limit, p["strides"])]
 
@@ -336,8 +337,10 @@ def local_pad(eqn, ins, ctx):
     x, value = ins
     x = run_shifts(x, _shift_steps(eqn, ctx), ctx, fill=value)
     cfg = [
-        (0, 0, 0) if ctx.is_split(ctx.in_nd[0], d) else tuple(c)
-        for d, c in enumerate(eqn.params["padding_config"])
+        ((lo, inner - lo, inner) if inner else (0, 0, 0))
+        if ctx.is_split(ctx.in_nd[0], d)
+        else (lo, hi, inner)
+        for d, (lo, hi, inner) in enumerate(eqn.params["padding_config"])
     ]
     return [lax.pad(x, value, cfg)]
 

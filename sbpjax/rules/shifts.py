@@ -28,6 +28,11 @@ sending and the receiving piece, each row once. A concatenation along a
 dim its operands are split on places each operand as a pad by the rows
 around it (:func:`placements`). Where some device would hold nothing
 (``x[N - 3:]`` on 8 pieces), the value is boxed first.
+
+A strided slice (``x[:, ::2]``, ``x[:, 1::2]``) and its gradient, a pad
+with interior padding, move nothing where each piece is a multiple of the
+stride and the start is below it (:func:`strided_in_place`): every device
+keeps the rows at that offset of its own piece. Other strides are boxed.
 """
 
 from __future__ import annotations
@@ -103,13 +108,52 @@ class Shift(_Moved):
 
 def _resized(eqn) -> dict:
     """{dim: (shift, operand size, result size)} for each dim a slice or pad
-    moves or resizes (strided slices and interior padding are not shifts:
-    their dims are never offered split)."""
+    moves or resizes with stride 1 and no interior padding (the others:
+    :func:`_strided`)."""
     n, m = shape_of(eqn.invars[0].aval), shape_of(eqn.outvars[0].aval)
+    strided = _strided(eqn)
     if eqn.primitive.name == "slice":
         starts = eqn.params["start_indices"]
-        return {d: (starts[d], n[d], m[d]) for d in range(len(n)) if starts[d] or n[d] != m[d]}
-    return padded_dims(eqn.params["padding_config"], n, m)
+        return {
+            d: (starts[d], n[d], m[d])
+            for d in range(len(n))
+            if d not in strided and (starts[d] or n[d] != m[d])
+        }
+    moved = padded_dims(eqn.params["padding_config"], n, m)
+    return {d: change for d, change in moved.items() if d not in strided}
+
+
+def _strided(eqn) -> dict:
+    """{dim: (offset, stride, rows of the wide side)} for each dim a slice
+    takes with a stride > 1 (its start, the operand's size) or a pad pads
+    with interior padding (its low padding, interior + 1, the result's size),
+    where every stride-aligned run of ``stride`` rows of the wide side keeps
+    one row, at ``offset``: ``x[:, ::2]``, ``x[:, 1::2]`` and their
+    gradients. Each device's piece then keeps its own rows where the pieces
+    are multiples of the stride (:func:`strided_in_place`). A dim strided
+    otherwise maps to None."""
+    n, m = shape_of(eqn.invars[0].aval), shape_of(eqn.outvars[0].aval)
+    out: dict = {}
+    if eqn.primitive.name == "slice":
+        strides = eqn.params["strides"] or (1,) * len(n)
+        for d, s in enumerate(strides):
+            if s > 1:
+                a = eqn.params["start_indices"][d]
+                out[d] = (a, s, n[d]) if a < s and n[d] % s == 0 and m[d] == n[d] // s else None
+        return out
+    for d, (lo, _, inner) in enumerate(eqn.params["padding_config"]):
+        if inner:
+            s = inner + 1
+            out[d] = (lo, s, m[d]) if 0 <= lo < s and m[d] == n[d] * s else None
+    return out
+
+
+def strided_in_place(wide: int, stride: int, axes, grid) -> bool:
+    """Whether a dim of ``wide`` rows split by ``axes`` into even pieces,
+    each a multiple of ``stride`` rows, so that the rows a stride keeps
+    (and the narrow side's even pieces) stay on their devices."""
+    pieces = math.prod(grid[a] for a in axes)
+    return wide % (pieces * stride) == 0
 
 
 def padded_dims(cfg, n, m) -> dict:
@@ -119,10 +163,11 @@ def padded_dims(cfg, n, m) -> dict:
 
 
 def may_shift(eqn) -> bool:
-    """Whether a slice or pad moves or resizes some dim: the ops whose split
-    dims may exchange rows (a shift with its neighbours, a cut with farther
-    pieces), which the greedy pass costs exactly."""
-    return bool(_resized(eqn))
+    """Whether a slice or pad moves, resizes or strides some dim: the ops
+    whose split dims may exchange rows (a shift with its neighbours, a cut
+    with farther pieces) or run only where the pieces line up (a stride),
+    which the greedy pass costs exactly."""
+    return bool(_resized(eqn)) or bool(_strided(eqn))
 
 
 def is_shift(shift: int, n: int, m: int) -> bool:
@@ -147,7 +192,16 @@ def _pieces(n: int, axes, grid) -> tuple:
 def shifts(eqn, ins, outs, grid) -> list[Shift | Cut] | None:
     """The :class:`Shift` or :class:`Cut` of each split dim a slice or pad
     moves or resizes, or ``None`` where that signature cannot run (some
-    device would hold no rows)."""
+    device would hold no rows, or a strided dim's pieces do not line up
+    with its stride). A strided dim that lines up moves nothing."""
+    for d, stride in _strided(eqn).items():
+        axes = split_axes(ins[0], d)
+        if not axes and not split_axes(outs[0], d):
+            continue
+        if split_axes(outs[0], d) != axes or stride is None:
+            return None
+        if not strided_in_place(stride[2], stride[1], tuple(axes), tuple(grid)):
+            return None
     out = []
     shifting = any(is_shift(*change) for change in _resized(eqn).values())
     for d, (shift, n, m) in _resized(eqn).items():
