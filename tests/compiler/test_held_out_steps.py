@@ -3,8 +3,9 @@ check of 2026-12-04), kept as regression cases for op mixes nothing else here
 covers: LoRA (frozen tensor-parallel kernels beside trainable low-rank ones,
 the optimizer over the adapters alone), a T5-style encoder-decoder (cross
 attention over the encoder's output, a tied head scaled by ``D**-0.5``, a
-weight-decay mask) and a VAE with 2-D kernels on 4x2 (a reparameterization
-drawn from a key passed in, a clipped Adam). Each step's new parameters,
+weight-decay mask), a VAE with 2-D kernels on 4x2 (a reparameterization
+drawn from a key passed in, a clipped Adam) and CLIP's two towers on 2x4
+(a contrastive loss over the global batch). Each step's new parameters,
 state and loss equal the one-device step's, and the compiled collectives
 move no more bytes than GSPMD's program with the same layouts.
 
@@ -162,7 +163,45 @@ def _vae_case():
     return _vae_loss, opt, params, sbp, data, ((S0, B), REP), (4, 2)
 
 
-CASES = {"lora": _lora_case, "t5": _t5_case, "vae_2d": _vae_case}
+# -- CLIP: two towers, a contrastive loss over the global batch, 2x4 --
+def _l2n(z):
+    return z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+
+
+def _clip_loss(p, img, txt):
+    zi = _l2n((jax.nn.relu(img @ p["img"]["w1"] + p["img"]["b1"]) @ p["img"]["w2"]) @ p["img"]["proj"])
+    zt = _l2n(jnp.tanh(p["txt"]["emb"][txt].mean(1) @ p["txt"]["w1"]) @ p["txt"]["proj"])
+    logits = jnp.exp(p["scale"]) * zi @ zt.T
+    labels = jnp.arange(logits.shape[0])
+    forward = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    backward = optax.softmax_cross_entropy_with_integer_labels(logits.T, labels).mean()
+    return (forward + backward) / 2
+
+
+def _clip_case():
+    """The text tower's kernel gradient reads the token means as its forward
+    product gathered them (``Domains.product_reads``): 1.24x GSPMD's bytes
+    before, when it regathered them split over both axes instead."""
+    n, v, d, e = 192, 512, 128, 64
+    params = {
+        "img": {
+            "w1": _normal(n, d),
+            "b1": np.zeros(d, np.float32),
+            "w2": _normal(d, d),
+            "proj": _normal(d, e),
+        },
+        "txt": {"emb": _normal(v, d), "w1": _normal(d, d), "proj": _normal(d, e)},
+        "scale": np.float32(np.log(1 / 0.07)),
+    }
+    sbp = jax.tree.map(lambda _: REP, params)
+    sbp["img"] |= {"w1": COL, "b1": (B, S0), "w2": ROW}
+    sbp["txt"] |= {"emb": COL, "w1": COL, "proj": ROW}
+    data = (rng.normal(size=(32, n)).astype(np.float32), rng.integers(0, v, (32, 16)).astype(np.int32))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1e-2, momentum=0.9))
+    return _clip_loss, opt, params, sbp, data, ((S0, B), (S0, B)), (2, 4)
+
+
+CASES = {"lora": _lora_case, "t5": _t5_case, "vae_2d": _vae_case, "clip": _clip_case}
 
 
 @pytest.mark.parametrize("name", list(CASES))
