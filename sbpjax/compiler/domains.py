@@ -205,6 +205,9 @@ class Domains:
         # axis -> ids of the operands of products with a replicated weight there;
         # filled in program order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
+        # axis -> ids of values computed from products run whole there with a
+        # replicated weight, and from such values (``_whole_already``)
+        self.whole_derived: dict = {}
         self.greedy = greedy.decisions
         # each value's layout as the greedy pass made it (arguments: their given layout)
         self.made: dict = {id(v): lays[0] for v, lays in zip(program.inputs, in_layouts) if len(lays) == 1}
@@ -280,32 +283,53 @@ class Domains:
         return out
 
     def _whole_already(self, node, axis) -> bool:
-        """Whether ``node`` is a product without batch dimensions that may
-        run whole on ``axis``: one with a weight the caller replicated over
+        """Whether ``node`` is a product that may run whole on ``axis``: one
+        without batch dimensions with a weight the caller replicated over
         ``axis`` (an argument, or a transpose, cast or reshape of one, whole
         there in every layout it may take: a tied head reads ``emb.T``), or
         that weight's gradient (a product reading an operand such a product
-        read); and none of its operands exists only split over ``axis``
+        read); a product with batch dimensions whose operands are all
+        computed from such products' results (``whole_derived``: attention
+        over a learned latent array, run replicated where its projections
+        are); and none of its operands exists only split over ``axis``
         (using it whole there would be a gather). Any contraction may run
         whole on an axis the caller left idle (``self.idle``)."""
         if axis in self.idle:
             return True
-        if node.name != "dot_general" or node.eqn.params["dimension_numbers"][1][0]:
+        if node.name != "dot_general":
             return False
         if any(
             isinstance(a, Var) and all(isinstance(nd[axis], Split) for nd in self.dom.get(id(a), ()))
             for a in node.ins
         ):
             return False
+        derived = self.whole_derived.setdefault(axis, set())
+        values = [a for a in node.ins if isinstance(a, Var)]
+        if node.eqn.params["dimension_numbers"][1][0]:
+            whole = bool(values) and all(id(a) in derived for a in values)
+            if whole:
+                derived.update(id(o) for o in node.outs)
+            return whole
         seen = self.whole_operands.setdefault(axis, set())
         weight = any(
             id(a) in self.weights and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
-            for a in node.ins
-            if isinstance(a, Var)
+            for a in values
         )
         if weight:
-            seen.update(id(a) for a in node.ins if isinstance(a, Var))
-        return weight or any(isinstance(a, Var) and id(a) in seen for a in node.ins)
+            seen.update(id(a) for a in values)
+            derived.update(id(o) for o in node.outs)
+        return weight or any(id(a) in seen for a in values)
+
+    def _derive_whole(self, node) -> None:
+        """Mark the results of a non-product op whole-derived on each axis
+        where all its operands are whole-derived or weights, one at least
+        derived (a softmax of scores computed whole, a residual sum)."""
+        values = [a for a in node.ins if isinstance(a, Var)]
+        for derived in self.whole_derived.values():
+            if any(id(a) in derived for a in values) and all(
+                id(a) in derived or id(a) in self.weights for a in values
+            ):
+                derived.update(id(o) for o in node.outs)
 
     def restrict(self, index, node, cs):
         dec = self.greedy[index]
@@ -438,6 +462,8 @@ class Domains:
             cs = self._scalar_sum(node, kept)
         for j, o in enumerate(node.outs):
             self.dom[id(o)] = {c[1][j] for c in cs}
+        if node.name not in HEAVY:
+            self._derive_whole(node)
         return cs
 
     def _scalar_sum(self, node, cs):
