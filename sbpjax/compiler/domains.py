@@ -71,7 +71,7 @@ def two_d(nd, grid) -> bool:
     return sum(isinstance(q, Split) for q, p in zip(nd, grid) if p > 1) >= 2
 
 
-def batch_axes(program, in_layouts, grid) -> frozenset:
+def batch_axes(program, in_layouts, grid, data=None) -> frozenset:
     """The axes a batch is split over: an argument of rank 2 or more split
     along its first dimension alone, over axes of size > 1, that the model
     reads as data (its first contraction keeps its first dimension, an
@@ -83,8 +83,8 @@ def batch_axes(program, in_layouts, grid) -> frozenset:
     would make the tensor axis one). ``in_layouts``: per argument its
     possible layouts (one unless ``AUTO``). A weight split over such an
     axis (ZeRO-3 / FSDP) may be gathered there where a contraction reads it
-    (``Domains._gathered``)."""
-    data = data_arguments(program)
+    (``Domains._gathered``). ``data``: :func:`data_arguments`, where known."""
+    data = data_arguments(program) if data is None else data
     axes: set = set()
     for v, lays in zip(program.inputs, in_layouts):
         if len(lays) != 1 or len(v.shape) < 2 or id(v) not in data:
@@ -192,10 +192,10 @@ class Domains:
         # (gap 43%) where it had been proven: 5.87 MB instead of 4.86 MB
         # (GSPMD: 9.58 MB), the same 33 collectives.
         one_axis = sum(p > 1 for p in self.grid) == 1
-        self.batch_axes = batch_axes(program, in_layouts, self.grid) if one_axis else frozenset()
-        self.args = {id(v) for v in program.inputs}
         # data arguments count as made for free_gathered (weights: _gathered)
         self.data = data_arguments(program)
+        self.batch_axes = batch_axes(program, in_layouts, self.grid, self.data) if one_axis else frozenset()
+        self.args = {id(v) for v in program.inputs}
         # values that are an argument seen another way (a transpose, a cast, a
         # reshape): the tied embedding's ``emb.T``, a bf16 copy of a kernel
         self.weights = set(self.args)

@@ -124,14 +124,14 @@ def _resized(eqn) -> dict:
 
 
 def _strided(eqn) -> dict:
-    """{dim: (offset, stride, rows of the wide side)} for each dim a slice
-    takes with a stride > 1 (its start, the operand's size) or a pad pads
-    with interior padding (its low padding, interior + 1, the result's size),
-    where every stride-aligned run of ``stride`` rows of the wide side keeps
-    one row, at ``offset``: ``x[:, ::2]``, ``x[:, 1::2]`` and their
-    gradients. Each device's piece then keeps its own rows where the pieces
-    are multiples of the stride (:func:`strided_in_place`). A dim strided
-    otherwise maps to None."""
+    """{dim: (stride, rows of the wide side)} for each dim a slice takes
+    with a stride > 1 (the operand's size) or a pad pads with interior
+    padding (interior + 1, the result's size), where every stride-aligned
+    run of ``stride`` rows of the wide side keeps one row, at the same
+    offset below the stride (the slice's start, the pad's low padding):
+    ``x[:, ::2]``, ``x[:, 1::2]`` and their gradients. Each device's piece
+    then keeps its own rows where the pieces are multiples of the stride
+    (:func:`strided_in_place`). A dim strided otherwise maps to None."""
     n, m = shape_of(eqn.invars[0].aval), shape_of(eqn.outvars[0].aval)
     out: dict = {}
     if eqn.primitive.name == "slice":
@@ -139,12 +139,12 @@ def _strided(eqn) -> dict:
         for d, s in enumerate(strides):
             if s > 1:
                 a = eqn.params["start_indices"][d]
-                out[d] = (a, s, n[d]) if a < s and n[d] % s == 0 and m[d] == n[d] // s else None
+                out[d] = (s, n[d]) if a < s and n[d] % s == 0 and m[d] == n[d] // s else None
         return out
     for d, (lo, _, inner) in enumerate(eqn.params["padding_config"]):
         if inner:
             s = inner + 1
-            out[d] = (lo, s, m[d]) if 0 <= lo < s and m[d] == n[d] * s else None
+            out[d] = (s, m[d]) if 0 <= lo < s and m[d] == n[d] * s else None
     return out
 
 
@@ -200,7 +200,7 @@ def shifts(eqn, ins, outs, grid) -> list[Shift | Cut] | None:
             continue
         if split_axes(outs[0], d) != axes or stride is None:
             return None
-        if not strided_in_place(stride[2], stride[1], tuple(axes), tuple(grid)):
+        if not strided_in_place(stride[1], stride[0], tuple(axes), tuple(grid)):
             return None
     out = []
     shifting = any(is_shift(*change) for change in _resized(eqn).values())
