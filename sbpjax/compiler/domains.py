@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 
+from sbpjax.compiler.data import batch_axes, data_arguments
 from sbpjax.compiler.program import Var
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
@@ -69,61 +70,6 @@ def two_d(nd, grid) -> bool:
     """Whether layout ``nd`` splits its value over two or more axes of
     ``grid`` (a 2-D weight, ``Domains._gathered``)."""
     return sum(isinstance(q, Split) for q, p in zip(nd, grid) if p > 1) >= 2
-
-
-def batch_axes(program, in_layouts, grid, data=None) -> frozenset:
-    """The axes a batch is split over: an argument of rank 2 or more split
-    along its first dimension alone, over axes of size > 1, that the model
-    reads as data (its first contraction keeps its first dimension, an
-    MLP's inputs; the indices of a gather, the tokens) and no op reads as a
-    weight (its first contraction contracts its first dimension, a
-    row-split kernel ``h @ w``; no gather or dynamic slice indexes into it,
-    an embedding table split along the vocabulary). Optimizer state, read
-    by neither, is not a batch (a row-split kernel's Adam moments on 1x8
-    would make the tensor axis one). ``in_layouts``: per argument its
-    possible layouts (one unless ``AUTO``). A weight split over such an
-    axis (ZeRO-3 / FSDP) may be gathered there where a contraction reads it
-    (``Domains._gathered``). ``data``: :func:`data_arguments`, where known."""
-    data = data_arguments(program) if data is None else data
-    axes: set = set()
-    for v, lays in zip(program.inputs, in_layouts):
-        if len(lays) != 1 or len(v.shape) < 2 or id(v) not in data:
-            continue
-        split = [(a, q) for a, (q, p) in enumerate(zip(lays[0], grid)) if p > 1 and isinstance(q, Split)]
-        if split and all(q == Split(0) for _, q in split):
-            axes.update(a for a, _ in split)
-    return frozenset(axes)
-
-
-def data_arguments(program) -> set:
-    """The ids of the arguments the model reads as data, not as weights (see
-    :func:`batch_axes`): its first contraction keeps its first dimension,
-    or it indexes a gather; and no op reads it as a weight."""
-    weightlike: set = set()
-    data: set = set()
-    producer: dict = {}
-    for n in program.nodes:
-        if n.name == "dot_general":
-            # by its first contraction, in program order the forward pass's
-            # (the weight gradient's product contracts the batch dimension)
-            (lc, rc), _ = n.eqn.params["dimension_numbers"]
-            for a, contracted in zip(n.ins, (lc, rc)):
-                if isinstance(a, Var) and id(a) not in weightlike and id(a) not in data:
-                    (weightlike if 0 in contracted else data).add(id(a))
-        elif n.name in ("gather", "dynamic_slice") and n.ins and isinstance(n.ins[0], Var):
-            weightlike.add(id(n.ins[0]))
-            # the indices, and what they are computed from (``x[tokens]``
-            # wraps negative ids and adds a dimension before its gather)
-            todo = [a for a in n.ins[1:] if isinstance(a, Var)]
-            while todo:
-                a = todo.pop()
-                if id(a) not in data:
-                    data.add(id(a))
-                    if id(a) in producer:
-                        todo.extend(b for b in producer[id(a)].ins if isinstance(b, Var))
-        for o in n.outs:
-            producer[id(o)] = n
-    return {id(v) for v in program.inputs if id(v) in data and id(v) not in weightlike}
 
 
 class OperandIndex:
