@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sbpjax import B, P, S
-from sbpjax.compiler.domains import OperandIndex
+from sbpjax.compiler.screen import OperandIndex
 
 LAYOUTS = [(B, B), (S(0), B), (B, S(0)), (S(1), S(0)), (P, B), (B, P), (S(0), S(1))]
 
