@@ -312,8 +312,8 @@ class Domains:
                         uses[i] = uses[i] | gathered[i]
                     if uses[i] is not None:  # see product_reads
                         uses[i] = uses[i] | self.product_reads.get(id(a), set())
-            if node.name == "gather":
-                uses = self._lookup_ids(node, uses)
+            if node.name == "gather" and uses[1] is not None:
+                uses[1] = uses[1] | self._lookup_ids(node, uses[1])
             # each operand's allowed layouts, greedy's among them, so greedy's own
             # candidate passes the screen (8,700 ops on a 32-layer step: bitsets
             # per candidate list, OperandIndex, not a test per candidate)
@@ -399,7 +399,7 @@ class Domains:
             self._derive_whole(node)
         return cs
 
-    def _lookup_ids(self, node, uses) -> list:
+    def _lookup_ids(self, node, ids) -> set:
         """An embedding lookup ``table[ids]`` from a weight split over an
         axis on every layout it may take may read its ids whole there: the
         table stays put and the rows come out split along the width
@@ -408,20 +408,18 @@ class Domains:
         or partial (a table split along the vocabulary: Megatron's
         vocab-parallel embedding). The ids are a few bytes per token. The
         scanned FSDP + tensor-parallel GPT of ``_uses`` moved 9.63 MB
-        without it (with the carries' layouts), 8.90 with it."""
+        without it (with the carries' layouts), 8.90 with it. Returns the
+        layouts ``ids`` (those its ids may be read in) made whole there."""
         table = node.ins[0]
-        if not isinstance(table, Var) or id(table) not in self.weights or uses[1] is None:
-            return uses
-        lays = self.dom.get(id(table), ())
+        lays = self.dom.get(id(table), ()) if isinstance(table, Var) and id(table) in self.weights else ()
         axes = {
             a
             for a, p in enumerate(self.grid)
             if p > 1 and lays and all(isinstance(nd[a], Split) for nd in lays)
         }
         if not axes:
-            return uses
-        whole = {tuple(Broadcast() if a in axes else q for a, q in enumerate(nd)) for nd in uses[1]}
-        return [u if i != 1 else u | whole for i, u in enumerate(uses)]
+            return set()
+        return {tuple(Broadcast() if a in axes else q for a, q in enumerate(nd)) for nd in ids}
 
     def _scalar_sum(self, node, cs):
         """A sum of scalars with a partial term (the squared norms that
