@@ -252,7 +252,9 @@ def _scanned_fsdp_tp_case():
     Before, the second layer ran in the layouts the first layer's end made
     (a scan's later iteration could not read its carry as the first did,
     ``Domains._uses``) and the embedding lookup could only split its ids
-    over y (``Domains._lookup_ids``): 1.20x GSPMD's bytes."""
+    over y (``Domains._lookup_ids``): 1.20x GSPMD's bytes; and the second
+    layer's layernorm could not slice its scale to the residual stream's
+    split (``domains.local_slices``): 0.99x. Now 0.80x (``BELOW_GSPMD``)."""
     L, d = 2, 64
     layers = {n: _normal(L, d, d, fan=d) for n in ("wq", "wk", "wv", "wo")}
     layers |= {"w1": _normal(L, d, 4 * d, fan=d), "w2": _normal(L, 4 * d, d, fan=4 * d)}
@@ -279,6 +281,11 @@ CASES = {
 }
 
 
+# cases whose plan is well below GSPMD's bytes (ours / GSPMD's at most): a
+# bound with room (the plan moves 0.80x) that the plan before the last
+# widening of the space it needs (0.99x) does not meet
+BELOW_GSPMD = {"scanned_fsdp_tp": 0.9}
+
 # its layout choice stops at its effort, 15-20 s on a quiet machine (a wide
 # graph: the attention's backward on hubs of 25 layouts)
 SLOW = {"scanned_fsdp_tp"}
@@ -302,4 +309,4 @@ def test_held_out_step(name):
 
     ours = sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
     assert ours == f.explain(*args).bytes
-    assert ours <= gspmd_bytes(step, pl, in_sbp, out_sbp, args), name
+    assert ours <= BELOW_GSPMD.get(name, 1.0) * gspmd_bytes(step, pl, in_sbp, out_sbp, args), name
