@@ -252,9 +252,13 @@ def _scanned_fsdp_tp_case():
     Before, the second layer ran in the layouts the first layer's end made
     (a scan's later iteration could not read its carry as the first did,
     ``Domains._uses``) and the embedding lookup could only split its ids
-    over y (``Domains._lookup_ids``): 1.20x GSPMD's bytes; and the second
+    over y (``Domains._lookup_ids``): 1.20x GSPMD's bytes. Then the second
     layer's layernorm could not slice its scale to the residual stream's
-    split (``domains.local_slices``): 0.99x. Now 0.80x (``BELOW_GSPMD``)."""
+    split (``reachable.local_slices``): 0.99x; the layers' kernels, slices of
+    the stack, were not gathered over x as an unrolled model's are, nor the
+    embedding table (``Domains._lookup_table``): 0.80x. Now 0.50x: the
+    batch split over x, FSDP's gathers, tensor parallelism over y
+    (``BELOW_GSPMD``)."""
     L, d = 2, 64
     layers = {n: _normal(L, d, d, fan=d) for n in ("wq", "wk", "wv", "wo")}
     layers |= {"w1": _normal(L, d, 4 * d, fan=d), "w2": _normal(L, 4 * d, d, fan=4 * d)}
@@ -282,9 +286,9 @@ CASES = {
 
 
 # cases whose plan is well below GSPMD's bytes (ours / GSPMD's at most): a
-# bound with room (the plan moves 0.80x) that the plan before the last
-# widening of the space it needs (0.99x) does not meet
-BELOW_GSPMD = {"scanned_fsdp_tp": 0.9}
+# bound with room (the plan moves 0.50x on jax 0.10.2, 0.49x on 0.12) that
+# the plans before its widenings (0.99x, 0.80x, 0.64x, one by one) do not meet
+BELOW_GSPMD = {"scanned_fsdp_tp": 0.6}
 
 # its layout choice stops at its effort, 15-20 s on a quiet machine (a wide
 # graph: the attention's backward on hubs of 25 layouts)
