@@ -1,7 +1,8 @@
 """Layouts a value reaches from one it has without an invented conversion:
 its partials reduced, whole axes sliced locally (no bytes), a partial beside
-a whole factor. The candidate screen (:mod:`sbpjax.compiler.domains`) widens
-each operand's allowed layouts by these."""
+a whole factor; and whether a weight's layout is split over two axes. The
+candidate screen (:mod:`sbpjax.compiler.domains`) widens each operand's
+allowed layouts by these."""
 
 from __future__ import annotations
 
