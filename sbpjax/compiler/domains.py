@@ -81,7 +81,7 @@ class Domains:
     (``_uses``), its slices of stacked arguments as arguments, an
     embedding lookup's ids whole over the axes its table is split over
     (``_lookup_ids``) or its table gathered over the axes its ids are
-    split over (``_lookup_table``), and a broadcast operand of an
+    split over (``_lookup_table``), and a broadcast weight read by an
     elementwise op sliced locally (``local_slices``). The greedy choice is
     kept (except a contraction computed whole on an axis, below), so the
     program's optimum is at most greedy's bytes; layouts
@@ -129,6 +129,16 @@ class Domains:
         for n in program.nodes:
             if n.name in VIEWS and isinstance(n.ins[0], Var) and id(n.ins[0]) in self.weights:
                 self.weights.add(id(n.outs[0]))
+        # weights and their broadcasts (a layernorm's scale, a bias), which an
+        # elementwise op may read locally sliced (``local_slices`` in ``restrict``)
+        self.broadcast_weights = set(self.weights)
+        for n in program.nodes:
+            if (
+                n.name in (*VIEWS, "broadcast_in_dim", "squeeze", "expand_dims")
+                and isinstance(n.ins[0], Var)
+                and id(n.ins[0]) in self.broadcast_weights
+            ):
+                self.broadcast_weights.add(id(n.outs[0]))
         # axis -> ids of the operands of products with a replicated weight there;
         # filled in program order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
@@ -313,7 +323,7 @@ class Domains:
                 for i, j in alike:
                     if id(node.ins[i]) in self.args:
                         uses[i] = uses[i] | {nd for nd in uses[j] if any(sliced_to(m, nd) for m in uses[i])}
-                # A broadcast operand (a layernorm's scale, a bias) may be read
+                # A broadcast weight (a layernorm's scale, a bias) may be read
                 # sliced from any layout it has, so that the op can follow its
                 # full-size operand's split: the slice moves nothing. Before,
                 # only the split the greedy pass gave the scale was offered, so
@@ -321,9 +331,17 @@ class Domains:
                 # batch 16) could run its first layer with the residual stream
                 # split along its width but not its second: 8.90 MB against
                 # GSPMD's 9.00 MB, now 7.23 MB (4 layers 17.39 -> 13.77 MB,
-                # GSPMD 17.04). Broadcast operands only, as for arguments above.
+                # GSPMD 17.04). Broadcast weights only: offered for any broadcast
+                # operand (a layernorm's mean too), a 3-layer GPT sweep step
+                # (4x2, 2-D kernels, seed 849) gathered an activation for its
+                # layernorm and sliced the result back, which XLA on jax 0.12
+                # removes, so the plan no longer counted what XLA runs.
                 for i, a in enumerate(node.ins):
-                    if uses[i] is not None and a.shape != node.outs[0].shape:
+                    if (
+                        uses[i] is not None
+                        and a.shape != node.outs[0].shape
+                        and id(a) in self.broadcast_weights
+                    ):
                         uses[i] = uses[i] | local_slices(uses[i], a.shape)
             if node.name in HEAVY:
                 made = [
