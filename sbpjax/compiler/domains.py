@@ -114,31 +114,15 @@ class Domains:
         # (4.47 MB with ``_lookup_table`` too).
         # Data arguments' slices (a batch's inputs and its shifted labels) stay
         # values: a product reads them as the greedy pass made them.
-        for n in program.nodes:
-            a = n.ins[0] if n.ins else None
-            if (
-                n.name in ("slice", "squeeze")
-                and isinstance(a, Var)
-                and id(a) in self.args
-                and id(a) not in self.data
-            ):
-                self.args.add(id(n.outs[0]))
+        self.args |= reached(program, self.args - self.data, ("slice", "squeeze"))
         # values that are an argument seen another way (a transpose, a cast, a
         # reshape): the tied embedding's ``emb.T``, a bf16 copy of a kernel
-        self.weights = set(self.args)
-        for n in program.nodes:
-            if n.name in VIEWS and isinstance(n.ins[0], Var) and id(n.ins[0]) in self.weights:
-                self.weights.add(id(n.outs[0]))
+        self.weights = self.args | reached(program, self.args, VIEWS)
         # weights and their broadcasts (a layernorm's scale, a bias), which an
         # elementwise op may read locally sliced (``local_slices`` in ``restrict``)
-        self.broadcast_weights = set(self.weights)
-        for n in program.nodes:
-            if (
-                n.name in (*VIEWS, "broadcast_in_dim", "squeeze", "expand_dims")
-                and isinstance(n.ins[0], Var)
-                and id(n.ins[0]) in self.broadcast_weights
-            ):
-                self.broadcast_weights.add(id(n.outs[0]))
+        self.broadcast_weights = self.weights | reached(
+            program, self.weights, (*VIEWS, "broadcast_in_dim", "squeeze", "expand_dims")
+        )
         # axis -> ids of the operands of products with a replicated weight there;
         # filled in program order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
@@ -548,3 +532,18 @@ def free_gathered(node, i, made) -> set:
     shared = free_axes(made[i], skips[i]) & free_axes(made[1 - i], skips[1 - i])
     nd = made[i]
     return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in shared}
+
+
+def reached(program, seeds: set, ops) -> set:
+    """The ids of the values computed from ``seeds`` by chains of the
+    one-operand ``ops`` (in program order, so a chain is followed whole)."""
+    out: set = set()
+    for n in program.nodes:
+        if (
+            n.name in ops
+            and n.ins
+            and isinstance(n.ins[0], Var)
+            and (id(n.ins[0]) in seeds or id(n.ins[0]) in out)
+        ):
+            out.add(id(n.outs[0]))
+    return out
