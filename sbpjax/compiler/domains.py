@@ -20,7 +20,17 @@ import itertools
 
 from sbpjax.compiler.data import batch_axes, data_arguments
 from sbpjax.compiler.program import Var
-from sbpjax.compiler.reachable import beside_partial, local_slices, reductions, sliced_to, two_d
+from sbpjax.compiler.reachable import (
+    beside_partial,
+    free_gathered,
+    ids_whole,
+    local_slices,
+    reached,
+    reductions,
+    sliced_to,
+    table_gathered,
+    two_d,
+)
 from sbpjax.compiler.screen import OperandIndex
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
@@ -80,8 +90,8 @@ class Domains:
     scan's later iteration a layout of the first iteration's carry
     (``_uses``), its slices of stacked arguments as arguments, an
     embedding lookup's ids whole over the axes its table is split over
-    (``_lookup_ids``) or its table gathered over the axes its ids are
-    split over (``_lookup_table``), and a broadcast weight read by an
+    (``ids_whole``) or its table gathered over the axes its ids are
+    split over (``table_gathered``), and a broadcast weight read by an
     elementwise op sliced locally (``local_slices``). The greedy choice is
     kept (except a contraction computed whole on an axis, below), so the
     program's optimum is at most greedy's bytes; layouts
@@ -111,7 +121,7 @@ class Domains:
         # Without it a scanned GPT with FSDP and tensor parallelism (2x4,
         # batch 16) was never offered its kernels gathered over the FSDP axis
         # (``_gathered``): 7.23 MB against GSPMD's 9.00 MB, 5.76 MB with it
-        # (4.47 MB with ``_lookup_table`` too).
+        # (4.47 MB with ``table_gathered`` too).
         # Data arguments' slices (a batch's inputs and its shifted labels) stay
         # values: a product reads them as the greedy pass made them.
         self.args |= reached(program, self.args - self.data, ("slice", "squeeze"))
@@ -170,7 +180,7 @@ class Domains:
         # An S or P over an axis of size 1 is B (a user's (B, S(1)) on an 8x1
         # placement): the normalized form too. Gathering a split value to B is
         # not offered (only greedy's own gathers are, and an embedding
-        # lookup's ids: ``_lookup_ids``): bytes alone would then
+        # lookup's ids: ``ids_whole``): bytes alone would then
         # gather a small batch and run the whole step replicated on every
         # device (Alpa likewise enumerates only strategies that use every
         # device).
@@ -342,10 +352,11 @@ class Domains:
                         uses[i] = uses[i] | gathered[i]
                     if uses[i] is not None:  # see product_reads
                         uses[i] = uses[i] | self.product_reads.get(id(a), set())
-            if node.name == "gather" and uses[1] is not None:
-                uses[1] = uses[1] | self._lookup_ids(node, uses[1])
+            table = node.ins[0] if node.name == "gather" else None
+            if isinstance(table, Var) and id(table) in self.weights and uses[1] is not None:
+                uses[1] = uses[1] | ids_whole(self.dom.get(id(table), ()), uses[1], self.grid)
                 if uses[0] is not None:
-                    uses[0] = uses[0] | self._lookup_table(node, uses[0], uses[1])
+                    uses[0] = uses[0] | table_gathered(uses[0], uses[1], self.grid)
             # each operand's allowed layouts, greedy's among them, so greedy's own
             # candidate passes the screen (8,700 ops on a 32-layer step: bitsets
             # per candidate list, OperandIndex, not a test per candidate)
@@ -431,48 +442,6 @@ class Domains:
             self._derive_whole(node)
         return cs
 
-    def _lookup_ids(self, node, ids) -> set:
-        """An embedding lookup ``table[ids]`` from a weight split over an
-        axis on every layout it may take may read its ids whole there: the
-        table stays put and the rows come out split along the width
-        (weights stationary: the residual stream then runs split along its
-        width, as GSPMD runs FSDP with tensor parallelism on a small batch)
-        or partial (a table split along the vocabulary: Megatron's
-        vocab-parallel embedding). The ids are a few bytes per token. The
-        scanned FSDP + tensor-parallel GPT of ``_uses`` moved 9.63 MB
-        without it (with the carries' layouts), 8.90 with it. Returns the
-        layouts ``ids`` (those its ids may be read in) made whole there."""
-        table = node.ins[0]
-        lays = self.dom.get(id(table), ()) if isinstance(table, Var) and id(table) in self.weights else ()
-        axes = {
-            a
-            for a, p in enumerate(self.grid)
-            if p > 1 and lays and all(isinstance(nd[a], Split) for nd in lays)
-        }
-        if not axes:
-            return set()
-        return {tuple(Broadcast() if a in axes else q for a, q in enumerate(nd)) for nd in ids}
-
-    def _lookup_table(self, node, table, ids) -> set:
-        """An embedding lookup ``table[ids]`` may read its table (a weight)
-        gathered over an axis its ids may be split over, as FSDP gathers a
-        weight where it is used: the rows then come out split as the ids
-        are, along the batch. The other half of ``_lookup_ids`` (the table
-        stays put, the ids are gathered): which is cheaper depends on the
-        table's size against the activations'. The scanned GPT of the layer
-        slices (``__init__``) moved 5.76 MB without it, 4.47 MB with it
-        (GSPMD 9.00 MB). Returns the layouts ``table`` (those the table may
-        be read in) gathered there."""
-        if not (isinstance(node.ins[0], Var) and id(node.ins[0]) in self.weights):
-            return set()
-        split = {a for a, p in enumerate(self.grid) if p > 1 and any(isinstance(nd[a], Split) for nd in ids)}
-        out = set()
-        for nd in table:
-            for a in split:
-                if isinstance(nd[a], Split):
-                    out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
-        return out
-
     def _scalar_sum(self, node, cs):
         """A sum of scalars with a partial term (the squared norms that
         ``optax.clip_by_global_norm`` adds up, a loss of several terms) takes
@@ -499,51 +468,3 @@ class Domains:
             if all(p == 1 or (isinstance(q, Partial) and q.op == "sum") for q, p in zip(c[1][0], self.grid))
         ]
         return full or cs
-
-
-def free_gathered(node, i, made) -> set:
-    """Operand ``i`` of a product (``made``: each operand's layout as the
-    greedy pass made it, or as the caller gave a data argument; None for
-    other arguments) with its free dim's split gathered
-    over an axis the other operand's free dim is split over too. Two
-    operands split alike on their free dims cannot both keep the split:
-    attention with the sequence split (context parallelism) gathers K and V,
-    as Megatron's context parallelism and GSPMD do; without this the only
-    plan in the space moved both to a split of the head dim and
-    reduce-scattered the scores (1.25x GSPMD's bytes). Data arguments
-    (``data_arguments``) count as the caller gave them: attention of a split
-    input with itself under a segment mask moved 2,193,408 B (GSPMD
-    1,849,344) before, 931,840 now. Weights do not (``Domains._gathered``
-    says where they are gathered): counted too, a tensor-parallel kernel
-    meeting an activation split over its axis was offered gathered, and a
-    clipped 2-layer Llama step's solve stopped at a 14% gap.
-    From greedy's layouts only: offered at every product, from the domains,
-    the larger space left a 2-layer GPT's effort-limited solve on 2x2x2 at
-    2.77 MB (GSPMD 1.78 MB), and alike layers of the demo's GPT stopped
-    sharing one decision (a 37 s solve)."""
-    if node.name != "dot_general" or any(nd is None for nd in made):
-        return set()
-    (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]
-    skips = (set(lc) | set(lb), set(rc) | set(rb))
-
-    def free_axes(nd, skip) -> set:
-        return {a for a, q in enumerate(nd) if isinstance(q, Split) and q.dim not in skip}
-
-    shared = free_axes(made[i], skips[i]) & free_axes(made[1 - i], skips[1 - i])
-    nd = made[i]
-    return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in shared}
-
-
-def reached(program, seeds: set, ops) -> set:
-    """The ids of the values computed from ``seeds`` by chains of the
-    one-operand ``ops`` (in program order, so a chain is followed whole)."""
-    out: set = set()
-    for n in program.nodes:
-        if (
-            n.name in ops
-            and n.ins
-            and isinstance(n.ins[0], Var)
-            and (id(n.ins[0]) in seeds or id(n.ins[0]) in out)
-        ):
-            out.add(id(n.outs[0]))
-    return out

@@ -252,11 +252,11 @@ def _scanned_fsdp_tp_case():
     Before, the second layer ran in the layouts the first layer's end made
     (a scan's later iteration could not read its carry as the first did,
     ``Domains._uses``) and the embedding lookup could only split its ids
-    over y (``Domains._lookup_ids``): 1.20x GSPMD's bytes. Then the second
+    over y (``reachable.ids_whole``): 1.20x GSPMD's bytes. Then the second
     layer's layernorm could not slice its scale to the residual stream's
     split (``reachable.local_slices``): 0.99x; the layers' kernels, slices of
     the stack, were not gathered over x as an unrolled model's are, nor the
-    embedding table (``Domains._lookup_table``): 0.80x. Now 0.50x: the
+    embedding table (``reachable.table_gathered``): 0.80x. Now 0.50x: the
     batch split over x, FSDP's gathers, tensor parallelism over y
     (``BELOW_GSPMD``)."""
     L, d = 2, 64
