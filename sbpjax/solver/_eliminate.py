@@ -42,22 +42,28 @@ class LeafBatch:
 
 @dataclass
 class Bucket:
-    """One mini-bucket of node x: the factors ``ins`` (slot ids; -1 is x's unary) summed over
-    the sorted ``scope``, minimized over axis ``axis``, go to ``out`` (a slot id, or -1: the
-    unary of the single remaining node, or -2: the constant)."""
+    """One mini-bucket of node x: the factors ``inputs`` (slot id, -1 for x's unary, and
+    its shape broadcast over the sorted ``scope``) summed in this order, minimized over
+    axis ``axis``, go to ``out`` (a slot id, or -1: the unary of the single remaining node,
+    or -2: the constant); ``rest`` is the scope without x. From input ``full_from`` on, the
+    running sum already spans the whole scope (and grows in place)."""
 
-    ins: list
-    shapes: list
+    inputs: tuple
     scope: tuple
     axis: int
     out: int
+    rest: tuple
+    full_from: int
 
 
 @dataclass
 class Step:
+    """Node x eliminated: its ``buckets``; ``decode``: each of its factors as (slot id,
+    x's position in the slot's scope, the scope's other nodes), to read back its strategy."""
+
     x: int
     buckets: list
-    decode: list  # (slot id, scope) of every factor of x: read back its strategy from them
+    decode: list
 
 
 @dataclass
@@ -161,16 +167,22 @@ def run(
 
 
 class _Run:
+    """One run of a plan. ``forward`` and ``decode`` are the solver's inner loop (a
+    heuristic solve runs hundreds of plans of a few hundred steps each, mostly on small
+    tables, where Python's overhead per step outweighs the arithmetic), so the plan holds
+    each step's bookkeeping ready (``Bucket.rest``, ``full_from``, ``Step.decode``) and the
+    tables are summed in the order written, in place where the sum is full size already:
+    the same values, bit for bit, as summing them anew."""
+
     def __init__(self, plan_: Plan, model: Model, unary: np.ndarray, fixed: np.ndarray | None):
         self.plan, self.m = plan_, model
         self.u = unary.copy()
+        noff = model.noff.tolist()
+        self.uv = [self.u[a:b] for a, b in zip(noff[:-1], noff[1:])]  # views: writes reach u
         self.fixed = fixed
         self.slots: list = [None] * len(plan_.slot_scopes)
         self.owned = [False] * len(self.slots)
         self.const = 0.0
-
-    def unary(self, x: int) -> np.ndarray:
-        return self.u[self.m.noff[x] : self.m.noff[x + 1]]
 
     def slot(self, f: int) -> np.ndarray:
         t = self.slots[f]
@@ -180,12 +192,12 @@ class _Run:
             raise AssertionError(f"factor slot {f} read before it was written")
         return t
 
-    def emit(self, out: int, table: np.ndarray, scope: tuple) -> None:
-        """Add ``table`` (over ``scope``) to the constant, a unary, or a slot."""
+    def emit(self, out: int, table: np.ndarray, rest: tuple) -> None:
+        """Add ``table`` (over ``rest``) to the constant, a unary, or a slot."""
         if out == -2:
             self.const += float(table)
         elif out == -1:
-            self.unary(scope[0])[:] += table.reshape(-1)
+            self.uv[rest[0]] += table.reshape(-1)
         elif self.owned[out]:
             self.slots[out] += table
         else:  # a new slot, or a pair's matrix that must stay unchanged in the model
@@ -197,22 +209,31 @@ class _Run:
         for b in self.plan.batches:
             vals = m.pflat[b.pos] + u[b.xidx]
             np.add.at(u, b.ytarget, np.minimum.reduceat(vals, b.starts))
+        uv, slots, slot, emit = self.uv, self.slots, self.slot, self.emit
         for step in self.plan.steps:
+            x = step.x
             if isinstance(step, Condition):
                 assert self.fixed is not None, "a plan with conditioned nodes needs the fixed strategies"
-                a = int(self.fixed[step.x])
-                self.const += float(self.unary(step.x)[a])
+                a = int(self.fixed[x])
+                self.const += float(uv[x][a])
                 for f, axis, rest, out in step.items:
-                    self.emit(out, np.take(self.slot(f), a, axis=axis), rest)
+                    emit(out, np.take(slot(f), a, axis=axis), rest)
                 continue
-            x = step.x
             for bk in step.buckets:
                 acc = None
-                for f, shape in zip(bk.ins, bk.shapes):
-                    t = (self.unary(x) if f < 0 else self.slot(f)).reshape(shape)
-                    acc = t if acc is None else acc + t
-                assert acc is not None
-                self.emit(bk.out, acc.min(axis=bk.axis), tuple(v for v in bk.scope if v != x))
+                for i, (f, shape) in enumerate(bk.inputs):
+                    if f < 0:
+                        t = uv[x].reshape(shape)
+                    else:
+                        t = slots[f]
+                        t = (t if t is not None else slot(f)).reshape(shape)
+                    if acc is None:
+                        acc = t
+                    elif i >= bk.full_from:  # a sum made here, full size already
+                        acc += t
+                    else:
+                        acc = acc + t
+                emit(bk.out, acc.min(axis=bk.axis), bk.rest)
 
     def decode(self) -> np.ndarray:
         m, k, noff = self.m, self.m.k, self.m.noff
@@ -223,16 +244,31 @@ class _Run:
             mins, arg = seg_argmin(self.u[np.repeat(noff[iso], sizes) + local_index(sizes)], sizes)
             self.const += float(mins.sum())
             s[iso] = arg
+        sl = s.tolist()
+        uv, slots, slot = self.uv, self.slots, self.slot
         for step in reversed(self.plan.steps):
             x = step.x
             if isinstance(step, Condition):
                 assert self.fixed is not None
-                s[x] = self.fixed[x]
+                sl[x] = int(self.fixed[x])
                 continue
-            vec = self.unary(x).copy()
-            for f, scope in step.decode:
-                vec += self.slot(f)[tuple(slice(None) if v == x else s[v] for v in scope)]
-            s[x] = int(np.argmin(vec))
+            vec = None
+            for f, xpos, others in step.decode:
+                t = slots[f]
+                if t is None:
+                    t = slot(f)
+                if len(others) == 1:  # a pair's matrix: a column or a row
+                    row = t[:, sl[others[0]]] if xpos == 0 else t[sl[others[0]]]
+                else:
+                    idx: list = [sl[v] for v in others]
+                    idx.insert(xpos, slice(None))
+                    row = t[tuple(idx)]
+                if vec is None:
+                    vec = uv[x] + row
+                else:
+                    vec += row
+            sl[x] = int((uv[x] if vec is None else vec).argmin())
+        s = np.asarray(sl, dtype=np.int64)
         rep = np.repeat
         for b in reversed(self.plan.batches):
             x_row = m.pu[b.p] == b.x

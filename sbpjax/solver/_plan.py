@@ -37,7 +37,7 @@ class _Planner:
         n = model.n
         self.priority = [0] * n if priority is None else priority.tolist()
         self.protect = [False] * n if protect is None else protect.tolist()
-        self.scopes: list = [(int(u), int(v)) for u, v in zip(model.pu, model.pv)]
+        self.scopes: list = list(zip(model.pu.tolist(), model.pv.tolist()))
         self.by_scope: dict = {sc: i for i, sc in enumerate(self.scopes) if pair_alive[i]}
         self.var_slots: list = [set() for _ in range(n)]
         self.nb: list = [set() for _ in range(n)]
@@ -146,16 +146,31 @@ class _Planner:
         factors = sorted(self.var_slots[x])
         buckets = _split(x, factors, self.scopes, self.k, self.cap)
         self.exact &= len(buckets) == 1
-        step = Step(x, [], [(f, self.scopes[f]) for f in factors])
+        decode = []
+        for f in factors:
+            scope = self.scopes[f]
+            decode.append((f, scope.index(x), tuple(v for v in scope if v != x)))
+        step = Step(x, [], decode)
         touched: set = set()
+        k = self.k
         for ins, scope in buckets:
             target = tuple(sorted(scope))
             rest = tuple(v for v in target if v != x)
-            entries = float(math.prod(self.k[v] for v in target))
+            entries = float(math.prod(k[v] for v in target))
             self.work += entries
             self.max_table = max(self.max_table, entries)
-            shapes = [_shape(target, (x,) if f < 0 else self.scopes[f], self.k) for f in ins]
-            step.buckets.append(Bucket(ins, shapes, target, target.index(x), self._output(rest)))
+            where = {v: i for i, v in enumerate(target)}
+            inputs, covered, full_from = [], set(), len(ins)
+            for i, f in enumerate(ins):
+                if full_from == len(ins) and len(covered) == len(target):
+                    full_from = max(i, 2)  # the first sum (of inputs 0 and 1) is a new array
+                fs = (x,) if f < 0 else self.scopes[f]
+                covered.update(fs)
+                shape = [1] * len(target)
+                for v in fs:
+                    shape[where[v]] = k[v]
+                inputs.append((f, tuple(shape)))
+            step.buckets.append(Bucket(tuple(inputs), target, where[x], self._output(rest), rest, full_from))
             self._connect(rest)
             touched.update(rest)
         touched |= self._detach(x, factors)
@@ -202,15 +217,6 @@ def plan(
             return None
         mode = "exact"
     return _Planner(model, cap, mode, priority, protect, leaves).build(model, order)
-
-
-def _shape(target: tuple, scope: tuple, k: list) -> tuple:
-    if len(scope) == len(target):
-        return tuple(k[v] for v in target)
-    shape = [1] * len(target)
-    for v in scope:
-        shape[target.index(v)] = k[v]
-    return tuple(shape)
 
 
 def _split(x: int, factors: list, scopes: list, k: list, cap: float) -> list:
