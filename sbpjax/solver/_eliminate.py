@@ -233,6 +233,7 @@ class _Run:
                         acc += t
                     else:
                         acc = acc + t
+                assert acc is not None  # a bucket has one input at least
                 emit(bk.out, acc.min(axis=bk.axis), bk.rest)
 
     def decode(self) -> np.ndarray:

@@ -160,7 +160,9 @@ class _Planner:
             self.work += entries
             self.max_table = max(self.max_table, entries)
             where = {v: i for i, v in enumerate(target)}
-            inputs, covered, full_from = [], set(), len(ins)
+            inputs: list = []
+            covered: set = set()
+            full_from = len(ins)
             for i, f in enumerate(ins):
                 if full_from == len(ins) and len(covered) == len(target):
                     full_from = max(i, 2)  # the first sum (of inputs 0 and 1) is a new array
