@@ -388,11 +388,13 @@ def handwritten_mlp(mesh, data="x", tensor="y"):
     )
 
 
-def handwritten_block_step(mesh, heads, opt, data, tensor, psbp_specs, forward=None):
+def handwritten_block_step(mesh, heads, opt, data, tensor, psbp_specs, forward=None, gather_dims=None):
     """Transformer train step by hand: Megatron tensor parallelism over
     ``tensor`` (column-parallel q/k/v/w1/head, row-parallel wo/w2 with a psum,
     a model-parallel cross-entropy over the vocabulary shards) and data
-    parallelism over ``data`` (gradient psum)."""
+    parallelism over ``data`` (gradient psum). ``gather_dims``: per parameter,
+    the dim split over ``data`` too (FSDP; -1: none), gathered in the loss,
+    so that its gradient is reduce-scattered (the all-gather's transpose)."""
     n_t = mesh.shape[tensor] if tensor else 1
 
     def mp_ce(logits, labels):
@@ -413,6 +415,12 @@ def handwritten_block_step(mesh, heads, opt, data, tensor, psbp_specs, forward=N
         n_global = tokens.size * (mesh.shape[data] if data else 1)
 
         def local_loss(p):
+            if gather_dims is not None:
+                p = jax.tree.map(
+                    lambda w, dim: w if dim < 0 else lax.all_gather(w, data, axis=dim, tiled=True),
+                    p,
+                    gather_dims,
+                )
             logits = (forward or block_forward)(
                 p, tokens, heads // n_t, psum_t=(lambda v: lax.psum(v, tensor)) if tensor else None
             )
@@ -581,7 +589,23 @@ def gpt_sweep_configs(quick):
         (64, 16, (2, 4)),
         (64, 32, (2, 4)),
         (64, 32, (2, 4), "scan"),
+        (64, 2, (2, 4), "scan", "fsdp"),
     ]
+
+
+def with_fsdp(nd, ndim, stacked):
+    """Layout ``nd`` (whole over the first axis) with the first axis splitting
+    a matrix (a kernel, a table; ``stacked``: behind a leading layer dim)
+    along its last dim the second axis leaves whole: a kernel's input dim
+    where the second splits its output (column-parallel), its output dim
+    where the second splits its input (row-parallel), a table's width. A
+    vector (a layernorm's scale) stays as it is."""
+    if ndim - stacked != 2:
+        return nd
+    free = [
+        k for k in (ndim - 2, ndim - 1) if all(not (isinstance(q, sj.sbp.Split) and q.dim == k) for q in nd)
+    ]
+    return (sj.S(free[-1]),) + tuple(nd[1:])
 
 
 def gpt_sweep_compile_only_configs(quick):
@@ -624,12 +648,21 @@ def compile_only_rows(args) -> list:
 def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
     """One sweep row: an AdamW step of a GPT with Megatron annotations over the
     placement's second axis and the batch split over its first, by sbpjax,
-    GSPMD and a hand-written Megatron shard_map."""
-    d, layers, shape, *scan = cfg
-    scan = bool(scan and scan[0] == "scan")
+    GSPMD and a hand-written Megatron shard_map. ``cfg``: (d_model, layers,
+    placement shape, and "scan" for stacked layers run by ``lax.scan``, and
+    "fsdp" for every weight split over the first axis too, along the dim
+    tensor parallelism leaves whole: FSDP with tensor parallelism, which
+    the hand-written program gathers over the first axis in the loss, so
+    that the gradients are reduce-scattered)."""
+    d, layers, shape, *kind = cfg
+    scan, fsdp = "scan" in kind, "fsdp" in kind
     # 8 heads, or as many as the tensor axis has devices (16x16): the tensor axis divides them
     vocab, seq, batch, heads = 64, 16, 16, max(8, shape[1])
-    name = f"gpt_sweep_d{d}_L{layers}_{shape[0]}x{shape[1]}" + ("_scan" if scan else "")
+    name = (
+        f"gpt_sweep_d{d}_L{layers}_{shape[0]}x{shape[1]}"
+        + ("_scan" if scan else "")
+        + ("_fsdp" if fsdp else "")
+    )
     if ONLY and not any(o in name for o in ONLY):
         return None
     pl = sj.placement(shape, ("x", "y"))
@@ -669,6 +702,21 @@ def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
         ps = {"emb": rep, "blocks": stacked, "head": col}
     else:
         ps = {"emb": rep, "blocks": [dict(blk) for _ in blocks], "head": col}
+    gather_dims = None
+    if fsdp:  # the first axis splits each weight along the dim the second leaves whole
+        ps = {
+            "emb": with_fsdp(ps["emb"], 2, False),
+            "blocks": jax.tree.map(
+                lambda nd, leaf: with_fsdp(nd, np.ndim(leaf), scan),
+                ps["blocks"],
+                params["blocks"],
+                is_leaf=is_nd_sbp,
+            ),
+            "head": with_fsdp(ps["head"], 2, False),
+        }
+        gather_dims = jax.tree.map(
+            lambda nd: nd[0].dim if isinstance(nd[0], sj.sbp.Split) else -1, ps, is_leaf=is_nd_sbp
+        )
     ss = state_sbp(state, ps, rep)
     data_sbp = (S0, B)
     data_axis = "x" if shape[0] > 1 else None
@@ -676,7 +724,9 @@ def gpt_sweep_row(cfg, repeats, samples, rng, execute=True):
     pspecs = jax.tree.map(lambda nd, leaf: spec_of(nd, np.ndim(leaf), pl), ps, params, is_leaf=is_nd_sbp)
     sspecs = jax.tree.map(lambda nd, leaf: spec_of(nd, np.ndim(leaf), pl), ss, state, is_leaf=is_nd_sbp)
     forward = scanned_gpt_forward if scan else gpt_forward
-    body, _ = handwritten_block_step(pl.mesh, heads, opt, data_axis, tensor_axis, pspecs, forward=forward)
+    body, _ = handwritten_block_step(
+        pl.mesh, heads, opt, data_axis, tensor_axis, pspecs, forward=forward, gather_dims=gather_dims
+    )
     dspec = PS(data_axis) if data_axis else PS()
     hw = jax.jit(
         jax.shard_map(
