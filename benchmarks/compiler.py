@@ -600,11 +600,9 @@ def with_fsdp(nd, ndim, stacked):
     where the second splits its output (column-parallel), its output dim
     where the second splits its input (row-parallel), a table's width. A
     vector (a layernorm's scale) stays as it is."""
-    if ndim - stacked != 2:
+    free = [k for k in (ndim - 2, ndim - 1) if sj.S(k) not in nd]
+    if ndim - stacked != 2 or not free:
         return nd
-    free = [
-        k for k in (ndim - 2, ndim - 1) if all(not (isinstance(q, sj.sbp.Split) and q.dim == k) for q in nd)
-    ]
     return (sj.S(free[-1]),) + tuple(nd[1:])
 
 

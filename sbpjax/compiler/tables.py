@@ -127,7 +127,7 @@ def moves(moved: int, shape, src, dst, grid) -> bool:
     Without the crossing such an entry was bounded by 0 where its plan costs
     a collective's latency and more: a 2-layer scanned GPT with FSDP and
     tensor parallelism (2x4) chose plans whose exact cost was 2.7 times
-    their bounds', and settled in five rounds instead of two."""
+    their bounds', and took five settling rounds where it takes two now."""
     return bool(moved) or (bool(crossed_axes(src, dst, grid)) and pieces_filled(shape, src, dst, grid))
 
 
@@ -195,8 +195,8 @@ def crossed_axes(src, dst, grid) -> frozenset:
 
 
 def pieces_filled(shape, src, dst, grid) -> bool:
-    """Whether every device holds values in both layouts: each dim either
-    splits evenly by the axes that split it. Where a piece is empty (a dim of
+    """Whether every device holds values in both layouts: each dim splits
+    evenly over the axes that split it. Where a piece is empty (a dim of
     1 split over two devices), a crossed axis need not move anything: the
     device at its other coordinate may need nothing either."""
     for nd in (src, dst):

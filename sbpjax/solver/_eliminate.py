@@ -168,8 +168,8 @@ def run(
 
 class _Run:
     """One run of a plan. ``forward`` and ``decode`` are the solver's inner loop (a
-    heuristic solve runs hundreds of plans of a few hundred steps each, mostly on small
-    tables, where Python's overhead per step outweighs the arithmetic), so the plan holds
+    heuristic solve runs hundreds of plans of a few hundred steps each, many on small
+    tables, where Python's overhead per step is much of the time), so the plan holds
     each step's bookkeeping ready (``Bucket.rest``, ``full_from``, ``Step.decode``) and the
     tables are summed in the order written, in place where the sum is full size already:
     the same values, bit for bit, as summing them anew."""
