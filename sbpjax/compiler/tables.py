@@ -131,10 +131,6 @@ def moves(moved: int, shape, src, dst, grid) -> bool:
     return bool(moved) or (bool(crossed_axes(src, dst, grid)) and pieces_filled(shape, src, dst, grid))
 
 
-# The collectives that sum a partial; a permute or a gather only moves values.
-REDUCING = ("all_reduce", "reduce_scatter")
-
-
 def least_latency(launch: dict, src, dst, grid) -> float:
     """The least latency a boxing plan from ``src`` to ``dst`` that moves
     bytes pays, by ``launch`` ({group of axis indices: {op: one step's
@@ -152,7 +148,15 @@ def least_latency(launch: dict, src, dst, grid) -> float:
       permute round, 0.9 MB: on the 32-layer scanned GPT of
       ``benchmarks/compiler.py`` the ring-latency solve
       (``second_looks.fewer_collectives``) settled in 8 rounds instead of
-      11, to the same plan."""
+      11, to the same plan.
+    * Where the target is whole over that axis, the sum must also reach
+      every coordinate of it: an all-reduce, or a reduce-scatter (which
+      leaves the sum split over the group, so over ``a``) followed by a
+      step over a group with ``a``. ``(P, P) -> (B, B)`` on a 2x4 ring is
+      bounded by 3.4 MB instead of the 2.5 MB of one reduce-scatter over y
+      (its plan, one all-reduce over both axes, costs 11.3 MB): the demo's
+      ring-latency solve settles in 6 rounds instead of 8, to the same
+      plan."""
     if not launch:
         return 0.0
     crossed = crossed_axes(src, dst, grid)
@@ -165,10 +169,21 @@ def least_latency(launch: dict, src, dst, grid) -> float:
     reduced = [
         a for a, (p, q) in enumerate(zip(src, dst)) if grid[a] > 1 and isinstance(p, Partial) and p != q
     ]
-    reduce = max(
-        (min(ops[op] for g, ops in launch.items() if a in g for op in REDUCING) for a in reduced), default=0.0
-    )
-    return max(step, reduce)
+
+    def summed(a) -> float:
+        """The least latency of summing axis ``a``'s partial (and, for a
+        target whole over ``a``, of replicating the sum over it: an
+        all-reduce, or a reduce-scatter, which leaves the sum split over
+        ``a``, and then any step over a group with ``a``)."""
+        whole = isinstance(dst[a], Broadcast)
+        spread = min(lat for g, ops in launch.items() if a in g for lat in ops.values())
+        return min(
+            min(ops["all_reduce"], ops["reduce_scatter"] + (spread if whole else 0.0))
+            for g, ops in launch.items()
+            if a in g
+        )
+
+    return max(step, max((summed(a) for a in reduced), default=0.0))
 
 
 def crossed_axes(src, dst, grid) -> frozenset:
