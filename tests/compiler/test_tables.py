@@ -79,3 +79,20 @@ def test_a_reduction_over_the_larger_axis_is_bounded_by_its_own_collective():
     assert reduce_y > launch[frozenset({0})]["permute"]
     plan = sj.plan_boxing((64, 32), np.float32, pl, (sj.B, sj.P), (sj.B, sj.S(0)), launch_priced="ring")
     assert [(s.op, s.axes) for s in plan.steps if s.bytes] == [("reduce_scatter", ("y",))]
+
+
+def test_a_reduction_into_a_whole_value_also_spreads_the_sum():
+    """Summed into a value whole over y, a partial over y pays an all-reduce,
+    or a reduce-scatter (which leaves the sum split over y) and one more step
+    over a group with y: on the ring times of 2x4, the reduce-scatter over y
+    and a permute round, less than the all-reduce over y; and the planner's
+    own plan costs at least that."""
+    pl = sj.placement((2, 4), ("x", "y"))
+    launch = _launches(sj.CostModel(), pl, ring=True)
+    y = launch[frozenset({1})]
+    spread = min(lat for g, ops in launch.items() if 1 in g for lat in ops.values())
+    whole = least_latency(launch, (sj.B, sj.P), (sj.B, sj.B), pl.shape)
+    assert whole == min(y["all_reduce"], y["reduce_scatter"] + spread)
+    assert whole > least_latency(launch, (sj.B, sj.P), (sj.B, sj.S(0)), pl.shape) == y["reduce_scatter"]
+    plan = sj.plan_boxing((64, 32), np.float32, pl, (sj.B, sj.P), (sj.B, sj.B), launch_priced="ring")
+    assert boxing_cost(plan, sj.CostModel(), DEFAULT_OPTIONS, ring=True) >= 64 * whole
