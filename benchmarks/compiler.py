@@ -599,7 +599,10 @@ def with_fsdp(nd, ndim, stacked):
     along its last dim the second axis leaves whole: a kernel's input dim
     where the second splits its output (column-parallel), its output dim
     where the second splits its input (row-parallel), a table's width. A
-    vector (a layernorm's scale) stays as it is."""
+    vector (a layernorm's scale) stays as it is. Not ``sbpjax.flax.zero_layout``,
+    ZeRO's stored layout, which splits the first dim that divides: a stack's
+    layer dim here, so each layer would live on one half of x, not the FSDP
+    layout the held-out test ``scanned_fsdp_tp`` and MaxText-style models use."""
     free = [k for k in (ndim - 2, ndim - 1) if sj.S(k) not in nd]
     if ndim - stacked != 2 or not free:
         return nd

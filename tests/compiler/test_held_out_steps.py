@@ -290,8 +290,10 @@ CASES = {
 # the plans before its widenings (0.99x, 0.80x, 0.64x, one by one) do not meet
 BELOW_GSPMD = {"scanned_fsdp_tp": 0.6}
 
-# its layout choice stops at its effort, 15-20 s on a quiet machine (a wide
-# graph: the attention's backward on hubs of 25 layouts)
+# a wide graph (449 nodes, hubs of up to 58 layouts): no exact elimination
+# fits, so its layout choice is a heuristic search, about 4 s on a quiet
+# machine in two settling solves (15-20 s in five before the tables' bounds
+# counted a crossing into a partial target), besides three XLA compiles
 SLOW = {"scanned_fsdp_tp"}
 
 
