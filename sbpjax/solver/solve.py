@@ -8,7 +8,9 @@ The steps (each counts its work against the budget):
    order (``_fill_order``), one elimination gives the optimum without the usage limit,
    which is the answer when it fits the limit (``lower_bound == cost``); otherwise
    mini-bucket elimination gives a lower bound and a first solution;
-3. large-neighbourhood moves and, with a binding usage limit, Lagrangian multipliers
+3. otherwise, the pairwise relaxation's dual (``_dual``) raises the bound and decodes a
+   solution, which ends the solve where the two meet (the relaxation is tight);
+4. large-neighbourhood moves and, with a binding usage limit, Lagrangian multipliers
    with repair and single-node moves (``_search``).
 """
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sbpjax._errors import SBPError
-from sbpjax.solver import _eliminate, _kept_plans
+from sbpjax.solver import _dual, _eliminate, _kept_plans
 from sbpjax.solver._budget import Budget
 from sbpjax.solver._eliminate import Plan
 from sbpjax.solver._memory import MemorySearch
@@ -165,8 +167,25 @@ class _Solve:
         else:
             if self.search_effort is not None:
                 self.budget.effort = min(self.budget.effort, float(self.search_effort))
-            self._search(model, inc, exact)
+            if exact is None:
+                self._relax(model, inc)
+            if not self._proven(inc):
+                self._search(model, inc, exact)
         return self._finish(inc, model)
+
+    def _relax(self, model: Model, inc: Incumbent) -> None:
+        """The relaxation's bound, and its decoded solutions offered to ``inc``."""
+
+        def offer(s):
+            inc.offer(s)
+            return inc.cost if inc.feasible else None
+
+        bound = _dual.ascend(model, self.budget, offer, self.stats)
+        self.lower_bound = max(self.lower_bound, bound)
+
+    def _proven(self, inc: Incumbent) -> bool:
+        """The best solution is within ``_dual.PROVEN`` of the lower bound."""
+        return inc.feasible and inc.cost - self.lower_bound <= _dual.PROVEN * abs(inc.cost)
 
     def _eliminate(self, model: Model, inc: Incumbent) -> _eliminate.Plan | None:
         """The exact plan when the graph is narrow enough (its run offered to ``inc``),

@@ -1,0 +1,199 @@
+"""A lower bound, and often the optimum, from the pairwise relaxation of the model.
+
+The model's cost is a sum of unary and pairwise terms. Its linear relaxation over the
+local polytope has a dual whose every point is a *reparametrization*: messages
+``lu[p](a)`` and ``lv[p](b)`` move cost from pair ``p`` into its two nodes, so that for
+every assignment ``x``
+
+    sum_i b_i(x_i) + sum_p (T_p(x_u, x_v) - lu_p(x_u) - lv_p(x_v)) = cost(x),
+
+with ``b_i = unary_i + the messages into i``. Hence each node's least ``b_i`` plus each
+pair's least remaining entry is a lower bound of every solution's cost, whatever the
+messages (the identity is exact; only float rounding separates it from the bound).
+
+The messages are raised by MPLP's edge updates (Globerson and Jaakkola, NIPS 2007), block
+coordinate ascent on that dual: each update of pair ``(u, v)`` splits the pair's least
+cost given each side evenly between its two nodes, which never lowers the bound. Pairs
+that share no node are updated together (one class of a greedy edge colouring), so a
+sweep is a few numpy operations per class. Where the relaxation is tight, as it is on
+the layout problems of train steps measured so far (the scanned FSDP + tensor-parallel
+GPT's: 449 nodes, 515 pairs, tight within 185 sweeps), each node's least ``b_i``
+decodes an optimal solution and the bound proves it, so the solve needs no search.
+
+Strategies that are not allowed (infinite cost) take a finite cost above any allowed
+solution's (``_finite``): the relaxation of that problem bounds the same optimum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from sbpjax.solver._budget import Budget
+from sbpjax.solver._model import Model, local_index, offsets
+
+# Sweeps between two looks at the bound and the decoded solution (each look costs about
+# one sweep).
+CHECK = 10
+# Ascent stops when a look finds the bound grown by less than this share of itself over
+# the last CHECK sweeps (the ascent has converged, up to float rounding of the sums), or
+# by less than SLOW of the gap left to the best solution (closing it at that pace would
+# take 1e4 sweeps, the work of several searches).
+STALL = 1e-9
+SLOW = 1e-3
+# A solution within this share of the bound is taken as proven optimal: float64 sums
+# of 1e5-1e6 terms round by up to about 1e-11 of their size, and a better solution
+# could only gain less than this.
+PROVEN = 1e-9
+
+
+def _finite(values: np.ndarray, big: float) -> np.ndarray:
+    out = np.asarray(values, dtype=np.float64).copy()
+    out[~np.isfinite(out)] = big
+    return out
+
+
+class Relaxation:
+    """The messages of one model, and the index arrays of its colour classes."""
+
+    def __init__(self, model: Model):
+        m = self.m = model
+        k = m.k.astype(np.int64)
+        pu, pv = m.pu.astype(np.int64), m.pv.astype(np.int64)
+        ku, kv = k[pu], k[pv]
+        finite = [a[np.isfinite(a)] for a in (m.unary, m.pflat)]
+        # above any allowed solution's cost, so a disallowed strategy is never cheaper
+        big = 1.0 + 2.0 * sum(float(np.abs(a).sum()) for a in finite)
+        self.unary = _finite(m.unary, big)
+        self.pairs = _finite(m.pflat, big)
+        self.b = self.unary.copy()
+        self.luoff, self.lvoff = offsets(ku), offsets(kv)
+        self.lu = np.zeros(int(self.luoff[-1]))
+        self.lv = np.zeros(int(self.lvoff[-1]))
+        # each pair entry's u-side and v-side message position (pairs are stored by rows)
+        sizes = ku * kv
+        entry = local_index(sizes)
+        kv_e = np.repeat(kv, sizes)
+        self.eu = np.repeat(self.luoff[:-1], sizes) + entry // np.maximum(kv_e, 1)
+        self.ev = np.repeat(self.lvoff[:-1], sizes) + entry % np.maximum(kv_e, 1)
+        self.classes = [self._class(np.asarray(c, dtype=np.int64), ku, kv) for c in _colour(pu, pv, m.n)]
+        self.sweep_work = 4.0 * (len(self.pairs) + len(self.unary))
+        # per node, its pairs with a node earlier in the order: (pair, other node, whether
+        # the node is the pair's v side)
+        self.earlier: list[list[tuple[int, int, bool]]] = [[] for _ in range(m.n)]
+        for p, (u, v) in enumerate(zip(pu.tolist(), pv.tolist())):
+            if u < v:
+                self.earlier[v].append((p, u, True))
+            else:
+                self.earlier[u].append((p, v, False))
+
+    def _class(self, ps: np.ndarray, ku: np.ndarray, kv: np.ndarray) -> tuple:
+        m = self.m
+        pu, pv = m.pu[ps].astype(np.int64), m.pv[ps].astype(np.int64)
+        cu, cv = ku[ps], kv[ps]
+        ent = np.concatenate([np.arange(m.poff[p], m.poff[p + 1]) for p in ps.tolist()])
+        pos_u = np.repeat(m.noff[pu], cu) + local_index(cu)
+        pos_v = np.repeat(m.noff[pv], cv) + local_index(cv)
+        msg_u = np.repeat(self.luoff[ps], cu) + local_index(cu)
+        msg_v = np.repeat(self.lvoff[ps], cv) + local_index(cv)
+        # each entry's row (u strategy) and column (v strategy) in the class's vectors
+        sizes = cu * cv
+        entry = local_index(sizes)
+        kv_e = np.repeat(cv, sizes)
+        ridx = np.repeat(offsets(cu)[:-1], sizes) + entry // kv_e
+        cidx = np.repeat(offsets(cv)[:-1], sizes) + entry % kv_e
+        row_starts = offsets(np.repeat(cv, cu))[:-1]
+        perm = np.argsort(cidx, kind="stable")
+        col_starts = offsets(np.repeat(cu, cv))[:-1]
+        return (self.pairs[ent], pos_u, pos_v, msg_u, msg_v, ridx, cidx, row_starts, perm, col_starts)
+
+    def sweep(self) -> None:
+        """One MPLP update of every pair, class by class."""
+        b, lu, lv = self.b, self.lu, self.lv
+        for t, pos_u, pos_v, msg_u, msg_v, ridx, cidx, row_starts, perm, col_starts in self.classes:
+            bu = b[pos_u] - lu[msg_u]  # each node's cost without this pair's message
+            bv = b[pos_v] - lv[msg_v]
+            nu = 0.5 * (np.minimum.reduceat(t + bv[cidx], row_starts) - bu)
+            nv = 0.5 * (np.minimum.reduceat((t + bu[ridx])[perm], col_starts) - bv)
+            b[pos_u] = bu + nu
+            b[pos_v] = bv + nv
+            lu[msg_u] = nu
+            lv[msg_v] = nv
+
+    def bound(self) -> float:
+        """Each node's least reparametrized cost plus each pair's least remaining entry
+        (exactly rounded sums: the same bound on every machine)."""
+        m = self.m
+        nodes = np.minimum.reduceat(self.b, m.noff[:-1]) if m.n else np.zeros(0)
+        rest = self.pairs - self.lu[self.eu] - self.lv[self.ev]
+        pairs = np.minimum.reduceat(rest, m.poff[:-1]) if m.npairs else np.zeros(0)
+        return math.fsum(nodes.tolist()) + math.fsum(pairs.tolist())
+
+    def decode(self) -> np.ndarray:
+        """A solution read off the messages: nodes in order, each taking its least
+        reparametrized cost given the pairs' remaining costs to the nodes already
+        chosen. Conditioning breaks the ties the messages leave (at the relaxation's
+        optimum many strategies cost the same at a node) consistently with the choices
+        made, so a tight relaxation decodes its optimum."""
+        m = self.m
+        rest = self.pairs - self.lu[self.eu] - self.lv[self.ev]
+        x = np.zeros(m.n, dtype=np.int64)
+        for i in range(m.n):
+            score = self.b[m.noff[i] : m.noff[i + 1]].copy()
+            for p, j, side in self.earlier[i]:
+                kj, ki = int(m.k[j]), int(m.k[i])
+                block = rest[m.poff[p] : m.poff[p + 1]]
+                if side:  # i is the pair's v side: the row of x[j]
+                    score += block[x[j] * ki : (x[j] + 1) * ki]
+                else:  # i is the u side: the column of x[j]
+                    score += block[x[j] :: kj]
+            x[i] = int(np.argmin(score))
+        return x
+
+
+def _colour(pu: np.ndarray, pv: np.ndarray, n: int) -> list[list[int]]:
+    """Pairs in classes that share no node: each pair, in order, takes the first class
+    neither of its nodes is in yet (at most twice the largest degree classes)."""
+    used: list[set] = [set() for _ in range(n)]
+    classes: list[list[int]] = []
+    for p, (u, v) in enumerate(zip(pu.tolist(), pv.tolist())):
+        c = 0
+        while c in used[u] or c in used[v]:
+            c += 1
+        if c == len(classes):
+            classes.append([])
+        classes[c].append(p)
+        used[u].add(c)
+        used[v].add(c)
+    return classes
+
+
+def ascend(model: Model, budget: Budget, offer, stats: dict) -> float:
+    """Raise the relaxation's bound while it grows and ``budget`` affords it, offering
+    each look's decoded solution to ``offer`` (a callable returning the best solution's
+    cost, or None while no feasible one is known). Returns the best bound seen; stops
+    early once the best solution is proven (within ``PROVEN`` of the bound)."""
+    if model.npairs == 0:
+        return -np.inf
+    rel = Relaxation(model)
+    budget.spend(len(rel.pairs) + len(rel.unary))
+    best, sweeps = -np.inf, 0
+    while budget.affords(CHECK * rel.sweep_work + rel.sweep_work):
+        for _ in range(CHECK):
+            rel.sweep()
+        sweeps += CHECK
+        budget.spend(CHECK * rel.sweep_work + rel.sweep_work)
+        value = rel.bound()
+        cost = offer(rel.decode())
+        grown = value - best
+        best = max(best, value)
+        if cost is not None and cost - best <= PROVEN * abs(cost):
+            break
+        if grown <= STALL * abs(best) or (cost is not None and grown < SLOW * (cost - best)):
+            break
+    stats.update(dual_sweeps=sweeps, dual_bound=best)
+    return best
+
+
+__all__ = ["CHECK", "PROVEN", "Relaxation", "ascend"]
