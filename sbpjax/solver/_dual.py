@@ -79,14 +79,10 @@ class Relaxation:
         self.ev = np.repeat(self.lvoff[:-1], sizes) + entry % np.maximum(kv_e, 1)
         self.classes = [self._class(np.asarray(c, dtype=np.int64), ku, kv) for c in _colour(pu, pv, m.n)]
         self.sweep_work = 4.0 * (len(self.pairs) + len(self.unary))
-        # per node, its pairs with a node earlier in the order: (pair, other node, whether
-        # the node is the pair's v side)
-        self.earlier: list[list[tuple[int, int, bool]]] = [[] for _ in range(m.n)]
+        # per node, its pairs with earlier nodes (a pair's u precedes its v): (pair, u)
+        self.earlier: list[list[tuple[int, int]]] = [[] for _ in range(m.n)]
         for p, (u, v) in enumerate(zip(pu.tolist(), pv.tolist())):
-            if u < v:
-                self.earlier[v].append((p, u, True))
-            else:
-                self.earlier[u].append((p, v, False))
+            self.earlier[v].append((p, u))
 
     def _class(self, ps: np.ndarray, ku: np.ndarray, kv: np.ndarray) -> tuple:
         m = self.m
@@ -141,13 +137,9 @@ class Relaxation:
         x = np.zeros(m.n, dtype=np.int64)
         for i in range(m.n):
             score = self.b[m.noff[i] : m.noff[i + 1]].copy()
-            for p, j, side in self.earlier[i]:
-                kj, ki = int(m.k[j]), int(m.k[i])
-                block = rest[m.poff[p] : m.poff[p + 1]]
-                if side:  # i is the pair's v side: the row of x[j]
-                    score += block[x[j] * ki : (x[j] + 1) * ki]
-                else:  # i is the u side: the column of x[j]
-                    score += block[x[j] :: kj]
+            ki = int(m.k[i])
+            for p, j in self.earlier[i]:  # the row of the earlier node's choice
+                score += rest[m.poff[p] + x[j] * ki : m.poff[p] + (x[j] + 1) * ki]
             x[i] = int(np.argmin(score))
         return x
 
