@@ -170,16 +170,17 @@ def _colour(pu: np.ndarray, pv: np.ndarray, n: int) -> list[list[int]]:
     return classes
 
 
-def ascend(model: Model, budget: Budget, offer, stats: dict) -> float:
+def ascend(model: Model, budget: Budget, offer, stats: dict) -> tuple[float, bool]:
     """Raise the relaxation's bound while it grows and ``budget`` affords it, offering
     each look's decoded solution to ``offer`` (a callable returning the best solution's
-    cost, or None while no feasible one is known). Returns the best bound seen; stops
-    early once the best solution is proven (within ``PROVEN`` of the bound)."""
+    cost, or None while no feasible one is known). Returns the best bound seen, and
+    whether the ascent stopped for want of effort (rather than proven, or no longer
+    growing); ``stats["dual_stop"]`` says which."""
     if model.npairs == 0:
-        return -np.inf
+        return -np.inf, False
     rel = Relaxation(model)
     budget.spend(len(rel.pairs) + len(rel.unary))
-    best, sweeps = -np.inf, 0
+    best, sweeps, stop = -np.inf, 0, "effort"
     while budget.affords(CHECK * rel.sweep_work + rel.look_work):
         for _ in range(CHECK):
             rel.sweep()
@@ -190,11 +191,13 @@ def ascend(model: Model, budget: Budget, offer, stats: dict) -> float:
         grown = value - best
         best = max(best, value)
         if cost is not None and cost - best <= PROVEN * abs(cost):
+            stop = "proven"
             break
         if grown <= STALL * abs(best) or (cost is not None and grown < SLOW * (cost - best)):
+            stop = "converged"
             break
-    stats.update(dual_sweeps=sweeps, dual_bound=best)
-    return best
+    stats.update(dual_sweeps=sweeps, dual_bound=best, dual_stop=stop)
+    return best, stop == "effort"
 
 
 __all__ = ["CHECK", "PROVEN", "Relaxation", "ascend"]

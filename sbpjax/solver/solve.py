@@ -172,20 +172,26 @@ class _Solve:
                 # the unlimited optimum's and its solutions break the limit, so the time
                 # goes to the multiplier steps (IOPDDL's S: 1.060 of the best submitted
                 # cost with the relaxation first, 1.044 without)
-                self._relax(model, inc)
-            if not self._proven(inc):
+                spent = self._relax(model, inc)
+            else:
+                spent = False
+            if not spent and not self._proven(inc):
                 self._search(model, inc, exact)
         return self._finish(inc, model)
 
-    def _relax(self, model: Model, inc: Incumbent) -> None:
-        """The relaxation's bound, and its decoded solutions offered to ``inc``."""
+    def _relax(self, model: Model, inc: Incumbent) -> bool:
+        """The relaxation's bound, and its decoded solutions offered to ``inc``.
+        True when it stopped for want of effort: the solve then ends there, so that a
+        larger effort runs the same ascent further and is never worse (a search from an
+        ascent cut short could find what the longer ascent's search does not)."""
 
         def offer(s):
             inc.offer(s)
             return inc.cost if inc.feasible else None
 
-        bound = _dual.ascend(model, self.budget, offer, self.stats)
+        bound, spent = _dual.ascend(model, self.budget, offer, self.stats)
         self.lower_bound = max(self.lower_bound, bound)
+        return spent
 
     def _proven(self, inc: Incumbent) -> bool:
         """The best solution is within ``_dual.PROVEN`` of the lower bound."""

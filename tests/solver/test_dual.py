@@ -68,7 +68,7 @@ def test_a_tree_is_solved_and_proven():
         best, _ = brute_force(p)
         model = raw_model(p)
         found: list = []
-        bound = ascend(model, Budget(1e9), lambda s, m=model, f=found: f.append(m.costs(s)) or min(f), {})
+        bound, _ = ascend(model, Budget(1e9), lambda s, m=model, f=found: f.append(m.costs(s)) or min(f), {})
         assert close(min(found), best)
         assert best - bound <= PROVEN * abs(best) + 1e-9
 
@@ -97,7 +97,7 @@ def test_a_wide_graph_is_proven_without_search(monkeypatch):
     p = _submodular_grid(np.random.default_rng(13), 3, 4)
     best, _ = brute_force(p)
     sol = solve(p)
-    assert not sol.stats["exact"] and sol.stats["dual_sweeps"] > 0
+    assert not sol.stats["exact"] and sol.stats["dual_sweeps"] > 0 and sol.stats["dual_stop"] == "proven"
     assert "rounds" not in sol.stats
     assert close(sol.cost, best) and sol.gap <= PROVEN
 
@@ -108,3 +108,16 @@ def test_the_bound_is_the_same_on_every_run():
     a, b = _relaxed(p, 12), _relaxed(p, 12)
     assert a.bound() == b.bound()
     assert (a.decode() == b.decode()).all()
+
+
+def test_an_ascent_cut_short_ends_the_solve(monkeypatch):
+    # too little effort for the ascent to finish: the solve ends with its best decoded
+    # solution, and a larger effort, which runs the same ascent further, is never worse
+    solve_module = importlib.import_module("sbpjax.solver.solve")
+    monkeypatch.setattr(solve_module, "TABLE_CAP", 4.0)
+    monkeypatch.setattr(solve_module, "MOVE_CAP", 4.0)
+    p = _submodular_grid(np.random.default_rng(19), 4, 5)
+    short, full = solve(p, effort=3e3), solve(p)
+    assert short.stats["dual_stop"] == "effort" and "rounds" not in short.stats
+    assert full.stats["dual_stop"] == "proven"
+    assert full.cost <= short.cost and short.lower_bound <= full.cost
