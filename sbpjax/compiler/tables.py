@@ -31,6 +31,7 @@ import numpy as np
 
 from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes
 from sbpjax.compiler.pricing import boxing_cost
+from sbpjax.compiler.propagation import even_on
 from sbpjax.dtypes import dtype_name
 from sbpjax.sbp import Broadcast, Partial, Split
 
@@ -120,15 +121,18 @@ class Tables:
 def moves(moved: int, shape, src, dst, grid) -> bool:
     """Whether every plan from ``src`` to ``dst`` moves a byte: where the
     bytes bound ``moved`` says so, or where the layouts cross an axis
-    (:func:`crossed_axes`) and every piece of both holds values
-    (:func:`pieces_filled`). The bytes bound of a partial target is 0
-    (zero-filling is free, and so is which device holds which part of the
+    (:func:`crossed_axes`) and every piece of both holds values (both are
+    even: where a piece is empty, a dim of 1 split over two devices, the
+    device at the crossed axis's other coordinate may need nothing). The
+    bytes bound of a partial target is 0 (zero-filling is free, and so is which device holds which part of the
     sum), yet ``(S(1), P) -> (P, S(1))`` still sums over the second axis.
     Without the crossing such an entry was bounded by 0 where its plan costs
     a collective's latency and more: a 2-layer scanned GPT with FSDP and
     tensor parallelism (2x4) chose plans whose exact cost was 2.7 times
     their bounds', and took five settling rounds where it takes two now."""
-    return bool(moved) or (bool(crossed_axes(src, dst, grid)) and pieces_filled(shape, src, dst, grid))
+    if moved:
+        return True
+    return bool(crossed_axes(src, dst, grid)) and even_on(src, shape, grid) and even_on(dst, shape, grid)
 
 
 def least_latency(launch: dict, src, dst, grid) -> float:
@@ -209,21 +213,6 @@ def crossed_axes(src, dst, grid) -> frozenset:
     return frozenset(out)
 
 
-def pieces_filled(shape, src, dst, grid) -> bool:
-    """Whether every device holds values in both layouts: each dim splits
-    evenly over the axes that split it. Where a piece is empty (a dim of
-    1 split over two devices), a crossed axis need not move anything: the
-    device at its other coordinate may need nothing either."""
-    for nd in (src, dst):
-        ways = [1] * len(shape)
-        for q, p in zip(nd, grid):
-            if isinstance(q, Split):
-                ways[q.dim] *= p
-        if any(n % w for n, w in zip(shape, ways)):
-            return False
-    return True
-
-
 def _launches(cost_model, placement, ring: bool) -> dict:
     """{group (a frozenset of axis indices of more than one device): {op:
     the latency, in bytes, of one step of it over the group}}: its launch
@@ -246,4 +235,4 @@ def _launches(cost_model, placement, ring: bool) -> dict:
     return out
 
 
-__all__ = ["Table", "Tables", "crossed_axes", "least_latency", "moves", "pieces_filled"]
+__all__ = ["Table", "Tables", "crossed_axes", "least_latency", "moves"]
