@@ -27,12 +27,10 @@ solution's (``_finite``): the relaxation of that problem bounds the same optimum
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from sbpjax.solver._budget import Budget
-from sbpjax.solver._model import Model, local_index, offsets
+from sbpjax.solver._model import Model, local_index, offsets, separate_minima
 
 # Sweeps between two looks at the bound and the decoded solution (a look reads about
 # half what a sweep does).
@@ -81,8 +79,8 @@ class Relaxation:
         sizes = ku * kv
         entry = local_index(sizes)
         kv_e = np.repeat(kv, sizes)
-        self.eu = np.repeat(self.luoff[:-1], sizes) + entry // np.maximum(kv_e, 1)
-        self.ev = np.repeat(self.lvoff[:-1], sizes) + entry % np.maximum(kv_e, 1)
+        self.eu = np.repeat(self.luoff[:-1], sizes) + entry // kv_e
+        self.ev = np.repeat(self.lvoff[:-1], sizes) + entry % kv_e
         self.classes = [self._class(np.asarray(c, dtype=np.int64), ku, kv) for c in _colour(pu, pv, m.n)]
         # work in entries read, as elimination counts it: a sweep reads each pair entry
         # once for each side and each message twice; a look reads each entry and strategy
@@ -102,12 +100,11 @@ class Relaxation:
         pos_v = np.repeat(m.noff[pv], cv) + local_index(cv)
         msg_u = np.repeat(self.luoff[ps], cu) + local_index(cu)
         msg_v = np.repeat(self.lvoff[ps], cv) + local_index(cv)
-        # each entry's row (u strategy) and column (v strategy) in the class's vectors
-        sizes = cu * cv
-        entry = local_index(sizes)
-        kv_e = np.repeat(cv, sizes)
-        ridx = np.repeat(offsets(cu)[:-1], sizes) + entry // kv_e
-        cidx = np.repeat(offsets(cv)[:-1], sizes) + entry % kv_e
+        # each entry's row (u strategy) and column (v strategy) in the class's vectors:
+        # its message positions (``eu``, ``ev``) renumbered within the class
+        at_u, at_v = np.empty(len(self.lu), np.int64), np.empty(len(self.lv), np.int64)
+        at_u[msg_u], at_v[msg_v] = np.arange(len(msg_u)), np.arange(len(msg_v))
+        ridx, cidx = at_u[self.eu[ent]], at_v[self.ev[ent]]
         row_starts = offsets(np.repeat(cv, cu))[:-1]
         perm = np.argsort(cidx, kind="stable")
         col_starts = offsets(np.repeat(cu, cv))[:-1]
@@ -126,23 +123,23 @@ class Relaxation:
             lu[msg_u] = nu
             lv[msg_v] = nv
 
-    def bound(self) -> float:
-        """Each node's least reparametrized cost plus each pair's least remaining entry
-        (exactly rounded sums: the same bound on every machine)."""
-        m = self.m
-        nodes = np.minimum.reduceat(self.b, m.noff[:-1]) if m.n else np.zeros(0)
-        rest = self.pairs - self.lu[self.eu] - self.lv[self.ev]
-        pairs = np.minimum.reduceat(rest, m.poff[:-1]) if m.npairs else np.zeros(0)
-        return math.fsum(nodes.tolist()) + math.fsum(pairs.tolist())
+    def remaining(self) -> np.ndarray:
+        """Each pair entry's cost less the two messages it sends (flat as ``pflat``)."""
+        return self.pairs - self.lu[self.eu] - self.lv[self.ev]
 
-    def decode(self) -> np.ndarray:
+    def bound(self, rest: np.ndarray | None = None) -> float:
+        """Each node's least reparametrized cost plus each pair's least remaining entry
+        (``rest``: ``remaining()``, passed where it is at hand)."""
+        return separate_minima(self.m, self.b, self.remaining() if rest is None else rest)
+
+    def decode(self, rest: np.ndarray | None = None) -> np.ndarray:
         """A solution read off the messages: nodes in order, each taking its least
         reparametrized cost given the pairs' remaining costs to the nodes already
         chosen. Conditioning breaks the ties the messages leave (at the relaxation's
         optimum many strategies cost the same at a node) consistently with the choices
         made, so a tight relaxation decodes its optimum."""
         m = self.m
-        rest = self.pairs - self.lu[self.eu] - self.lv[self.ev]
+        rest = self.remaining() if rest is None else rest
         x = np.zeros(m.n, dtype=np.int64)
         for i in range(m.n):
             score = self.b[m.noff[i] : m.noff[i + 1]].copy()
@@ -186,8 +183,9 @@ def ascend(model: Model, budget: Budget, offer, stats: dict) -> tuple[float, boo
             rel.sweep()
         sweeps += CHECK
         budget.spend(CHECK * rel.sweep_work + rel.look_work)
-        value = rel.bound()
-        cost = offer(rel.decode())
+        rest = rel.remaining()
+        value = rel.bound(rest)
+        cost = offer(rel.decode(rest))
         grown = value - best
         best = max(best, value)
         if cost is not None and cost - best <= PROVEN * abs(cost):

@@ -44,6 +44,16 @@ def offsets(sizes: np.ndarray) -> np.ndarray:
     return out
 
 
+def separate_minima(model: Model, unary: np.ndarray, pflat: np.ndarray) -> float:
+    """Each node's cheapest entry of ``unary`` plus each pair's cheapest entry of
+    ``pflat`` (flat as ``model``'s own), taken separately: a lower bound of any
+    solution's cost under those tables. Exactly rounded sums, the same on every
+    machine."""
+    nodes = np.minimum.reduceat(unary, model.noff[:-1]).tolist() if model.n else []
+    pairs = np.minimum.reduceat(pflat, model.poff[:-1]).tolist() if model.npairs else []
+    return math.fsum(nodes) + math.fsum(pairs)
+
+
 def segment_ids(sizes: np.ndarray) -> np.ndarray:
     """``[0]*sizes[0] + [1]*sizes[1] + ...`` (int64)."""
     return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)

@@ -26,7 +26,7 @@ from sbpjax.solver import _dual, _eliminate, _kept_plans
 from sbpjax.solver._budget import Budget
 from sbpjax.solver._eliminate import Plan
 from sbpjax.solver._memory import MemorySearch
-from sbpjax.solver._model import Model, raw_model
+from sbpjax.solver._model import Model, raw_model, separate_minima
 from sbpjax.solver._reduce import reduce
 from sbpjax.solver._search import Incumbent, Search
 from sbpjax.solver.problem import Problem
@@ -153,7 +153,7 @@ class _Solve:
             return self._finish(None, model)
         # a bound however little effort is left (the elimination's may not be afforded);
         # one pass over the tables, not charged so that plans stay as they were
-        self.lower_bound = _separate_minima(model)
+        self.lower_bound = separate_minima(model, model.unary, model.pflat)
         inc = Incumbent(model, self.budget)
         if self.start is not None:
             s0 = model.from_original(self.start)
@@ -276,15 +276,6 @@ def _argmin(model: Model) -> np.ndarray:
     """Each node's cheapest strategy on its own."""
     _, arg = _eliminate.seg_argmin(model.unary, model.k)
     return arg
-
-
-def _separate_minima(model: Model) -> float:
-    """A lower bound of any solution's cost: each node's cheapest strategy and each
-    pair's cheapest entry, taken separately."""
-    bound = float(np.minimum.reduceat(model.unary, model.noff[:-1]).sum()) if model.n else 0.0
-    if model.npairs:
-        bound += float(np.minimum.reduceat(model.pflat, model.poff[:-1]).sum())
-    return bound
 
 
 def _better(problem: Problem, a: np.ndarray, b: np.ndarray) -> bool:

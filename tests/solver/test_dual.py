@@ -27,7 +27,7 @@ def test_reparametrization_keeps_every_assignments_cost():
         p = random_problem(rng, 6, 9, kmax=4, forbid=0.0, follow=0.0)
         rel = _relaxed(p, 7)
         m = rel.m
-        rest = rel.pairs - rel.lu[rel.eu] - rel.lv[rel.ev]
+        rest = rel.remaining()
         for _ in range(10):
             x = np.array([rng.integers(0, k) for k in m.k])
             nodes = sum(rel.b[m.noff[i] + x[i]] for i in range(m.n))
