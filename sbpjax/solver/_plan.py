@@ -159,20 +159,12 @@ class _Planner:
             entries = float(math.prod(k[v] for v in target))
             self.work += entries
             self.max_table = max(self.max_table, entries)
-            where = {v: i for i, v in enumerate(target)}
-            inputs: list = []
-            covered: set = set()
-            full_from = len(ins)
-            for i, f in enumerate(ins):
-                if full_from == len(ins) and len(covered) == len(target):
-                    full_from = max(i, 2)  # the first sum (of inputs 0 and 1) is a new array
-                fs = (x,) if f < 0 else self.scopes[f]
-                covered.update(fs)
-                shape = [1] * len(target)
-                for v in fs:
-                    shape[where[v]] = k[v]
-                inputs.append((f, tuple(shape)))
-            step.buckets.append(Bucket(tuple(inputs), target, where[x], self._output(rest), rest, full_from))
+            scopes = [(x,) if f < 0 else self.scopes[f] for f in ins]
+            inputs = tuple((f, _shape(target, sc, k)) for f, sc in zip(ins, scopes))
+            bucket = Bucket(
+                inputs, target, target.index(x), self._output(rest), rest, _full_from(target, scopes)
+            )
+            step.buckets.append(bucket)
             self._connect(rest)
             touched.update(rest)
         touched |= self._detach(x, factors)
@@ -219,6 +211,26 @@ def plan(
             return None
         mode = "exact"
     return _Planner(model, cap, mode, priority, protect, leaves).build(model, order)
+
+
+def _shape(target: tuple, scope: tuple, k: list) -> tuple:
+    """A factor over ``scope`` broadcast over the sorted ``target``."""
+    shape = [1] * len(target)
+    for v in scope:
+        shape[target.index(v)] = k[v]
+    return tuple(shape)
+
+
+def _full_from(target: tuple, scopes: list) -> int:
+    """The first input a bucket's running sum, already spanning ``target``, takes in
+    place (``Bucket.full_from``); at least 2: the first sum, of inputs 0 and 1, is a new
+    array. ``len(scopes)`` where no input is added to a full sum."""
+    covered: set = set()
+    for i, sc in enumerate(scopes):
+        if len(covered) == len(target):
+            return max(i, 2)
+        covered.update(sc)
+    return len(scopes)
 
 
 def _split(x: int, factors: list, scopes: list, k: list, cap: float) -> list:
