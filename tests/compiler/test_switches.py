@@ -16,7 +16,7 @@ from conftest import assert_close
 
 import sbpjax as sj
 from sbpjax import B, S
-from sbpjax.compiler import explain, lower
+from sbpjax.compiler import explain, local_plan
 from sbpjax.compiler.api import state_sbp
 
 N, D, H = 16, 32, 64
@@ -71,7 +71,7 @@ def test_a_cond_runs_only_the_branch_it_takes_with_its_collectives_inside(pl24, 
     """A cond that cannot run as a switch (here: none may) runs written out,
     every branch computed and a select picking: the same values."""
     if not as_switch:
-        for module in (lower, explain):
+        for module in (local_plan, explain):
             monkeypatch.setattr(module, "plan_switches", lambda prop, runs: ({}, {}))
     w1, w2, x = weights()
 
