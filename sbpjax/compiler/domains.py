@@ -283,156 +283,25 @@ class Domains:
                 derived.update(id(o) for o in node.outs)
 
     def restrict(self, index, node, cs):
+        """The candidates ``cs`` of op ``node`` (decision ``index``) kept for
+        the solver: each operand read in a layout it may be in (``_reads``),
+        an elementwise op's same-shape operands in its output's layout, a
+        contraction using every device; greedy's candidate always stays, but
+        for a contraction computed whole on an axis. Records the layouts the
+        op's results may then take."""
         dec = self.greedy[index]
         keep_g = (list(dec.in_sbp), list(dec.out_sbp))
         if len(cs) > 1:
-            uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
-            alike = [  # operands (i, j) of one shape, both values
-                (i, j)
-                for i, a in enumerate(node.ins)
-                for j, b in enumerate(node.ins)
-                if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape
-            ]
-            if node.name in HEAVY or node.name == "add_any":
-                # A contraction or a sum of gradients may also take an operand in
-                # a layout another operand of the same shape has (an activation
-                # and its gradient meeting at a kernel gradient, or two gradients
-                # of one value, one split along height, the other along the
-                # batch): one is boxed to the other's layout, where the producer
-                # layouts alone would leave a gather, or zero-filling both into a
-                # partial that is reduced later at full size. (All elementwise
-                # ops would triple the integer program for little more.)
-                for i, j in alike:
-                    uses[i] = uses[i] | self._uses(node.ins[j])
-            elif node.name in ELEMENTWISE:
-                # An argument whole on an axis may be read split there as
-                # another operand of its shape may be (a free local slice): a
-                # replicated optimizer state meeting a tensor-split gradient.
-                # optax.MultiSteps' accumulation kept its gradients partial
-                # over both axes without it: 4.69 MB against GSPMD's 2.20 (now
-                # 1.93). Arguments only: their domains are given, not grown
-                # layer by layer. Offered for every operand (1.15 MB there),
-                # alike layers of the demo's GPT stopped sharing one decision
-                # (1,131 decisions instead of 724, a 3.7 s solve instead of 1.7).
-                for i, j in alike:
-                    if id(node.ins[i]) in self.args:
-                        uses[i] = uses[i] | {nd for nd in uses[j] if any(sliced_to(m, nd) for m in uses[i])}
-                # A broadcast weight (a layernorm's scale, a bias) may be read
-                # sliced from any layout it has, so that the op can follow its
-                # full-size operand's split: the slice moves nothing. Before,
-                # only the split the greedy pass gave the scale was offered, so
-                # a scanned GPT with FSDP and tensor parallelism (2x4, 2 layers,
-                # batch 16) could run its first layer with the residual stream
-                # split along its width but not its second: 8.90 MB against
-                # GSPMD's 9.00 MB, now 7.23 MB (4 layers 17.39 -> 13.77 MB,
-                # GSPMD 17.04). Broadcast weights only: offered for any broadcast
-                # operand (a layernorm's mean too), a 3-layer GPT sweep step
-                # (4x2, 2-D kernels, seed 849) gathered an activation for its
-                # layernorm and sliced the result back, which XLA on jax 0.12
-                # removes, so the plan no longer counted what XLA runs.
-                for i, a in enumerate(node.ins):
-                    if (
-                        uses[i] is not None
-                        and a.shape != node.outs[0].shape
-                        and id(a) in self.broadcast_weights
-                    ):
-                        uses[i] = uses[i] | local_slices(uses[i], a.shape)
-            if node.name in HEAVY:
-                made = [
-                    None
-                    if not isinstance(a, Var) or (id(a) in self.args and id(a) not in self.data)
-                    else self.made.get(id(a))
-                    for a in node.ins
-                ]
-                gathered = [free_gathered(node, i, made) for i in range(len(uses))]
-                for i, a in enumerate(node.ins):
-                    if uses[i] is not None and id(a) in self.args:
-                        uses[i] = uses[i] | self._gathered(a)
-                    if gathered[i]:
-                        uses[i] = uses[i] | gathered[i]
-                    if uses[i] is not None:  # see product_reads
-                        uses[i] = uses[i] | self.product_reads.get(id(a), set())
-            table = node.ins[0] if node.name == "gather" else None
-            if isinstance(table, Var) and id(table) in self.weights and uses[1] is not None:
-                uses[1] = uses[1] | ids_whole(self.dom.get(id(table), ()), uses[1], self.grid)
-                if uses[0] is not None:
-                    uses[0] = uses[0] | table_gathered(uses[0], uses[1], self.grid)
+            uses = self._reads(node)
             # each operand's allowed layouts, greedy's among them, so greedy's own
             # candidate passes the screen (8,700 ops on a 32-layer step: bitsets
             # per candidate list, OperandIndex, not a test per candidate)
             allow = [None if u is None else u | {tuple(g)} for u, g in zip(uses, dec.in_sbp)]
             kept = self.screen.reading(cs, allow)
             if node.name in ELEMENTWISE:
-                # Elementwise ops take their same-shape operands in the output's
-                # layout (no operand zero-filled into a partial the others do not
-                # have): far fewer near-equal alternatives for the solver to
-                # tell apart. One exception (beside_partial): a product or
-                # quotient read by a contraction may read its whole factor or
-                # divisor beside a partial sum, (sum_i a_i) * b = sum_i a_i * b,
-                # so that the contraction reduces the partial at its smaller
-                # output: a top-2 MoE's expert gradient (a gelu between two
-                # expert einsums) moved 2.90x GSPMD's bytes at 1,024 tokens
-                # without it, 0.83x with it. Each limit was measured:
-                # * only mul and div: offered to every elementwise op (a
-                #   select's whole predicate beside partial branches), the
-                #   demo's solve took 25 s and stopped at a 21% gap;
-                # * only where a contraction reads the result: offered to
-                #   optax.MultiSteps' accumulating divisions, it kept partial
-                #   gradients in the state to save one collective's latency,
-                #   then the plan's peak sent choose() back to greedy's plan:
-                #   317 kB against 139 kB (GSPMD 156 kB);
-                # * only to an op with a choice already: an op whose operands
-                #   fix its one signature stays fixed. Offered there too, ~20
-                #   ops per GPT layer became decisions of their own, the 8-layer
-                #   compiler row's solve went from 1.9 s to 3.7 s, and no row
-                #   moved a byte less.
-                shape = node.outs[0].shape
-                same = [i for i, a in enumerate(node.ins) if isinstance(a, Var) and a.shape == shape]
-                strict = [c for c in kept if c == keep_g or all(c[0][i] == c[1][0] for i in same)]
-                if (
-                    len(strict) > 1
-                    and node.name in ("mul", "div")
-                    and id(node.outs[0]) in self.product_operands
-                ):
-                    strict = [
-                        c for c in kept if c == keep_g or all(beside_partial(c[0][i], c[1][0]) for i in same)
-                    ]
-                kept = strict
+                kept = self._in_output_layout(node, kept, keep_g)
             if node.name in HEAVY:
-                # Alpa's rule: a contraction uses every device. Computing it whole
-                # on every device of an axis moves the fewest bytes when weights
-                # are smaller than activations (gather the weights, never reduce)
-                # but multiplies its time by the axis size (8x a tensor-parallel
-                # step); such candidates stay out unless nothing else is left.
-                # The greedy choice may be one (it is then not kept), so the
-                # guarantee against greedy is the comparison in choose().
-                # The exception (_whole_already): a product with a weight the
-                # caller left B on the axis, on operands that exist whole there
-                # already (a head on a Megatron block's replicated residual
-                # stream), and that weight's gradient. Nothing is gathered for
-                # it and GSPMD computes it there whole; splitting the batch
-                # over the tensor axis instead made the head's weight gradient
-                # a partial over both axes: 23.5 MB on linen_mlp (models.py)
-                # against GSPMD's 22.4 (now 21.9). Wider exceptions (any
-                # product without batch dimensions whose operands may be whole
-                # there, so also split weights' gradients) added near-ties that
-                # left the scanned decoder's time-limited solve at 107 MB
-                # instead of 94 on jax 0.12, above GSPMD's 99.
-                excepted = {a for a, p in enumerate(self.grid) if p > 1 and self._whole_already(node, a)}
-                spread = [
-                    c
-                    for c in kept
-                    if not any(
-                        p > 1
-                        and a not in excepted
-                        and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
-                        for a, p in enumerate(self.grid)
-                    )
-                ]
-                kept = spread or kept
-                for i, a in enumerate(node.ins):
-                    if isinstance(a, Var):
-                        self.product_reads.setdefault(id(a), set()).update(c[0][i] for c in kept)
+                kept = self._using_every_device(node, kept)
             elif keep_g not in kept:
                 kept.append(keep_g)
             cs = self._scalar_sum(node, kept)
@@ -441,6 +310,159 @@ class Domains:
         if node.name not in HEAVY:
             self._derive_whole(node)
         return cs
+
+    def _reads(self, node) -> list:
+        """Per operand of ``node``, the layouts it may be read in (None for a
+        constant): those ``_uses`` gives, widened for the op's kind."""
+        uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
+        alike = [  # operands (i, j) of one shape, both values
+            (i, j)
+            for i, a in enumerate(node.ins)
+            for j, b in enumerate(node.ins)
+            if i != j and uses[i] is not None and uses[j] is not None and a.shape == b.shape
+        ]
+        if node.name in HEAVY or node.name == "add_any":
+            # A contraction or a sum of gradients may also take an operand in
+            # a layout another operand of the same shape has (an activation
+            # and its gradient meeting at a kernel gradient, or two gradients
+            # of one value, one split along height, the other along the
+            # batch): one is boxed to the other's layout, where the producer
+            # layouts alone would leave a gather, or zero-filling both into a
+            # partial that is reduced later at full size. (All elementwise
+            # ops would triple the integer program for little more.)
+            for i, j in alike:
+                uses[i] = uses[i] | self._uses(node.ins[j])
+        elif node.name in ELEMENTWISE:
+            self._elementwise_reads(node, uses, alike)
+        if node.name in HEAVY:
+            self._product_reads(node, uses)
+        table = node.ins[0] if node.name == "gather" else None
+        if isinstance(table, Var) and id(table) in self.weights and uses[1] is not None:
+            uses[1] = uses[1] | ids_whole(self.dom.get(id(table), ()), uses[1], self.grid)
+            if uses[0] is not None:
+                uses[0] = uses[0] | table_gathered(uses[0], uses[1], self.grid)
+        return uses
+
+    def _elementwise_reads(self, node, uses: list, alike: list) -> None:
+        """Widen ``uses`` in place for an elementwise op.
+
+        An argument whole on an axis may be read split there as another
+        operand of its shape may be (a free local slice): a replicated
+        optimizer state meeting a tensor-split gradient. optax.MultiSteps'
+        accumulation kept its gradients partial over both axes without it:
+        4.69 MB against GSPMD's 2.20 (now 1.93). Arguments only: their
+        domains are given, not grown layer by layer. Offered for every
+        operand (1.15 MB there), alike layers of the demo's GPT stopped
+        sharing one decision (1,131 decisions instead of 724, a 3.7 s solve
+        instead of 1.7).
+
+        A broadcast weight (a layernorm's scale, a bias) may be read sliced
+        from any layout it has, so that the op can follow its full-size
+        operand's split: the slice moves nothing. Before, only the split the
+        greedy pass gave the scale was offered, so a scanned GPT with FSDP and
+        tensor parallelism (2x4, 2 layers, batch 16) could run its first
+        layer with the residual stream split along its width but not its
+        second: 8.90 MB against GSPMD's 9.00 MB, now 7.23 MB (4 layers 17.39
+        -> 13.77 MB, GSPMD 17.04). Broadcast weights only: offered for any
+        broadcast operand (a layernorm's mean too), a 3-layer GPT sweep step
+        (4x2, 2-D kernels, seed 849) gathered an activation for its layernorm
+        and sliced the result back, which XLA on jax 0.12 removes, so the plan
+        no longer counted what XLA runs."""
+        for i, j in alike:
+            if id(node.ins[i]) in self.args:
+                uses[i] = uses[i] | {nd for nd in uses[j] if any(sliced_to(m, nd) for m in uses[i])}
+        for i, a in enumerate(node.ins):
+            if uses[i] is not None and a.shape != node.outs[0].shape and id(a) in self.broadcast_weights:
+                uses[i] = uses[i] | local_slices(uses[i], a.shape)
+
+    def _product_reads(self, node, uses: list) -> None:
+        """Widen ``uses`` in place for a contraction: a weight gathered over
+        one axis (``_gathered``), an operand made whole for free
+        (``free_gathered``), and a layout an earlier product read the operand
+        in (``product_reads``)."""
+        made = [
+            None
+            if not isinstance(a, Var) or (id(a) in self.args and id(a) not in self.data)
+            else self.made.get(id(a))
+            for a in node.ins
+        ]
+        gathered = [free_gathered(node, i, made) for i in range(len(uses))]
+        for i, a in enumerate(node.ins):
+            if uses[i] is not None and id(a) in self.args:
+                uses[i] = uses[i] | self._gathered(a)
+            if gathered[i]:
+                uses[i] = uses[i] | gathered[i]
+            if uses[i] is not None:
+                uses[i] = uses[i] | self.product_reads.get(id(a), set())
+
+    def _in_output_layout(self, node, kept: list, keep_g) -> list:
+        """An elementwise op's candidates that read its same-shape operands
+        in the output's layout (no operand zero-filled into a partial the
+        others do not have): far fewer near-equal alternatives for the solver
+        to tell apart.
+
+        One exception (``beside_partial``): a product or quotient read by a
+        contraction may read its whole factor or divisor beside a partial
+        sum, (sum_i a_i) * b = sum_i a_i * b, so that the contraction reduces
+        the partial at its smaller output: a top-2 MoE's expert gradient (a
+        gelu between two expert einsums) moved 2.90x GSPMD's bytes at 1,024
+        tokens without it, 0.83x with it. Each limit was measured:
+
+        * only mul and div: offered to every elementwise op (a select's whole
+          predicate beside partial branches), the demo's solve took 25 s and
+          stopped at a 21% gap;
+        * only where a contraction reads the result: offered to
+          optax.MultiSteps' accumulating divisions, it kept partial gradients
+          in the state to save one collective's latency, then the plan's peak
+          sent choose() back to greedy's plan: 317 kB against 139 kB (GSPMD
+          156 kB);
+        * only to an op with a choice already: an op whose operands fix its
+          one signature stays fixed. Offered there too, ~20 ops per GPT layer
+          became decisions of their own, the 8-layer compiler row's solve went
+          from 1.9 s to 3.7 s, and no row moved a byte less."""
+        shape = node.outs[0].shape
+        same = [i for i, a in enumerate(node.ins) if isinstance(a, Var) and a.shape == shape]
+        strict = [c for c in kept if c == keep_g or all(c[0][i] == c[1][0] for i in same)]
+        if len(strict) > 1 and node.name in ("mul", "div") and id(node.outs[0]) in self.product_operands:
+            strict = [c for c in kept if c == keep_g or all(beside_partial(c[0][i], c[1][0]) for i in same)]
+        return strict
+
+    def _using_every_device(self, node, kept: list) -> list:
+        """A contraction's candidates that use every device (Alpa's rule),
+        unless none is left; records the layouts they read (``product_reads``).
+
+        Computing a contraction whole on every device of an axis moves the
+        fewest bytes when weights are smaller than activations (gather the
+        weights, never reduce) but multiplies its time by the axis size (8x a
+        tensor-parallel step); such candidates stay out unless nothing else is
+        left. The greedy choice may be one (it is then not kept), so the
+        guarantee against greedy is the comparison in choose().
+
+        The exception (``_whole_already``): a product with a weight the caller
+        left B on the axis, on operands that exist whole there already (a head
+        on a Megatron block's replicated residual stream), and that weight's
+        gradient. Nothing is gathered for it and GSPMD computes it there
+        whole; splitting the batch over the tensor axis instead made the
+        head's weight gradient a partial over both axes: 23.5 MB on linen_mlp
+        (models.py) against GSPMD's 22.4 (now 21.9). Wider exceptions (any
+        product without batch dimensions whose operands may be whole there,
+        so also split weights' gradients) added near-ties that left the
+        scanned decoder's time-limited solve at 107 MB instead of 94 on jax
+        0.12, above GSPMD's 99."""
+        excepted = {a for a, p in enumerate(self.grid) if p > 1 and self._whole_already(node, a)}
+        spread = [
+            c
+            for c in kept
+            if not any(
+                p > 1 and a not in excepted and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
+                for a, p in enumerate(self.grid)
+            )
+        ]
+        kept = spread or kept
+        for i, a in enumerate(node.ins):
+            if isinstance(a, Var):
+                self.product_reads.setdefault(id(a), set()).update(c[0][i] for c in kept)
+        return kept
 
     def _scalar_sum(self, node, cs):
         """A sum of scalars with a partial term (the squared norms that
