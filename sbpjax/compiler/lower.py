@@ -59,13 +59,18 @@ class LocalCtx:
 
     def offset(self, nd, shape, dim):
         """Where this device's piece starts along ``dim``."""
+        return self.extent(nd, shape, dim)[0]
+
+    def extent(self, nd, shape, dim):
+        """(start, size) of this device's piece along ``dim``: on an uneven
+        split its size without the padding its block has."""
         axes = split_axes(nd, dim)
         if not axes:
-            return 0
+            return 0, shape[dim]
         p = math.prod(self.grid[a] for a in axes)
         if shape[dim] % p:
-            return uneven.piece(shape[dim], axes, self.placement.axis_names, self.grid)[0]
-        return group_index(axes, self.placement.axis_names, self.grid) * (shape[dim] // p)
+            return uneven.piece(shape[dim], axes, self.placement.axis_names, self.grid)
+        return group_index(axes, self.placement.axis_names, self.grid) * (shape[dim] // p), shape[dim] // p
 
 
 def _default_local(eqn, ins, ctx):

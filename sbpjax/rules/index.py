@@ -9,6 +9,13 @@ label term of a model-parallel cross-entropy). ``scatter-add`` is the transpose:
 updates split on a batch dim add into a partial result; an operand split on
 the indexed dim drops updates for rows it does not own. ``scatter-max`` and
 ``-min`` (``segment_max``) combine split updates into partial maxima (minima).
+
+Out-of-range indices keep the meaning JAX gives them on one device: an
+index clamped (``x[ids]``, ``mode="clip"``) is clamped against the whole
+operand before each device looks for it in its own rows, so exactly one
+device owns it; a ``mode="fill"`` gather's fill value is written by that one
+device (the others add zeros); a clipped scatter is clamped before its
+indices are shifted to the local block.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sbpjax.rules import B, P, Sig, rank, register, set_local, shape_of
-from sbpjax.sbp import Split
+from sbpjax.sbp import Partial, Split
 
 
 def _gather_dims(eqn):
@@ -33,7 +40,9 @@ def _gather_dims(eqn):
 
 @register("gather")
 def gather(eqn, in_avals):
-    """Window splits, batch splits, indexed-dim split -> P(sum), P -> P."""
+    """Window splits, batch splits, indexed-dim split -> P(sum), P -> P.
+    Out-of-range ids read what they read on one device (clamped, or the fill
+    value of ``mode="fill"``)."""
     offset_dims, collapsed, start_map, op_batch, idx_batch = _gather_dims(eqn)
     xs, ishape = shape_of(in_avals[0]), shape_of(in_avals[1])
     sizes = eqn.params["slice_sizes"]
@@ -61,33 +70,74 @@ def _local_offsets(ctx, operand_nd, operand_shape, dims):
     return {d: ctx.offset(operand_nd, operand_shape, d) for d in dims}
 
 
+def _in_bounds(idx, xs, slice_sizes, start_map):
+    """Per index vector, whether its slice lies inside an operand of global
+    shape ``xs`` (a FILL_OR_DROP gather's test)."""
+    ok = jnp.ones(idx.shape[:-1], bool)
+    for j, d in enumerate(start_map):
+        ok = ok & (idx[..., j] >= 0) & (idx[..., j] <= xs[d] - slice_sizes[d])
+    return ok
+
+
+def _clamped(idx, xs, slice_sizes, start_map):
+    """Start indices clamped so that each slice lies inside the operand, as
+    XLA clamps them (CLIP, PROMISE_IN_BOUNDS)."""
+    upper = jnp.asarray([xs[d] - slice_sizes[d] for d in start_map], idx.dtype)
+    return jnp.clip(idx, 0, upper)
+
+
+def _first_of_partial(ctx, nd):
+    """True on one device of each group the partial axes of ``nd`` span."""
+    first = jnp.asarray(True)
+    for a, q in enumerate(nd):
+        if isinstance(q, Partial) and ctx.grid[a] > 1:
+            first = first & (lax.axis_index(ctx.placement.axis_names[a]) == 0)
+    return first
+
+
 def local_gather(eqn, ins, ctx):
+    """The gather on local pieces. Out-of-range ids keep their meaning: an
+    index is clamped (CLIP, PROMISE_IN_BOUNDS: as XLA clamps) or reads the
+    fill value (FILL_OR_DROP) exactly as on one device, and where the result
+    is a partial sum the fill value is held by one device of each group."""
     x, idx = ins
     xs = shape_of(eqn.invars[0].aval)
     _, collapsed, start_map, _, _ = _gather_dims(eqn)
     params = dict(eqn.params)
+    sizes = params["slice_sizes"]  # global: an indexed dim split here has size 1 (collapsed)
+    fill = params["mode"] == lax.GatherScatterMode.FILL_OR_DROP
     # window dims taken whole: the slice size is the local size
-    params["slice_sizes"] = tuple(
-        x.shape[d] if params["slice_sizes"][d] == xs[d] else params["slice_sizes"][d] for d in range(len(xs))
-    )
+    params["slice_sizes"] = tuple(x.shape[d] if sizes[d] == xs[d] else sizes[d] for d in range(len(xs)))
+    out_rank = rank(eqn.outvars[0].aval)
+    offset_dims = tuple(eqn.params["dimension_numbers"].offset_dims)
+    batch_out = tuple(j for j in range(out_rank) if j not in offset_dims)
     split_indexed = [d for d in start_map if ctx.is_split(ctx.in_nd[0], d)]
     if not split_indexed:
-        return [lax.gather_p.bind(x, idx, **params)]
-    # indexed dim split: look up local rows only, zeros elsewhere (a partial sum)
-    offs = _local_offsets(ctx, ctx.in_nd[0], xs, split_indexed)
-    shift = jnp.asarray([offs.get(d, 0) for d in start_map], idx.dtype)
-    local_idx = idx - shift
-    ok = jnp.ones(idx.shape[:-1], bool)
+        y = lax.gather_p.bind(x, idx, **params)
+        if fill and any(isinstance(q, Partial) for q in ctx.in_nd[0]):
+            # a partial operand: every device would fill, and the sum hold the fill n times
+            held = _first_of_partial(ctx, ctx.in_nd[0]) | _in_bounds(idx, xs, sizes, start_map)
+            y = jnp.where(lax.broadcast_in_dim(held, y.shape, batch_out), y, jnp.zeros((), y.dtype))
+        return [y]
+    # indexed dim split: each device looks up the rows it owns, zeros elsewhere (a
+    # partial sum). The global index is clamped first, so exactly one device owns
+    # every index vector (for FILL_OR_DROP that device then writes the fill value).
+    inside = _in_bounds(idx, xs, sizes, start_map)
+    idx = _clamped(idx, xs, sizes, start_map)
+    # (an uneven split's padded rows are owned by no device: the next piece owns them)
+    pieces = {d: ctx.extent(ctx.in_nd[0], xs, d) for d in split_indexed}
+    local_idx = idx - jnp.asarray([pieces[d][0] if d in pieces else 0 for d in start_map], idx.dtype)
+    owned = jnp.ones(idx.shape[:-1], bool)
     for j, d in enumerate(start_map):
-        if d in offs:
-            ok = ok & (local_idx[..., j] >= 0) & (local_idx[..., j] < x.shape[d])
+        if d in pieces:
+            owned = owned & (local_idx[..., j] >= 0) & (local_idx[..., j] < pieces[d][1])
     params["mode"] = lax.GatherScatterMode.CLIP
     y = lax.gather_p.bind(x, local_idx, **params)
-    out_rank = y.ndim
-    offset_dims = tuple(eqn.params["dimension_numbers"].offset_dims)
-    batch_out = [j for j in range(out_rank) if j not in offset_dims]
-    mask = lax.broadcast_in_dim(ok, y.shape, tuple(batch_out))
-    return [jnp.where(mask, y, jnp.zeros((), y.dtype))]
+    y = jnp.where(lax.broadcast_in_dim(owned, y.shape, batch_out), y, jnp.zeros((), y.dtype))
+    if fill:
+        value = jnp.asarray(eqn.params["fill_value"], y.dtype)
+        y = jnp.where(lax.broadcast_in_dim(owned & ~inside, y.shape, batch_out), value, y)
+    return [y]
 
 
 set_local("gather")(local_gather)
@@ -134,6 +184,15 @@ def _index_update_dims(in_avals, update_window_dims) -> list:
     return list(zip(range(rank(in_avals[1]) - 1), [j for j in updates if j not in update_window_dims]))
 
 
+def _scatter_slice_sizes(eqn) -> list:
+    """Per operand dim, the global size of the window each update writes."""
+    dn = eqn.params["dimension_numbers"]
+    us = shape_of(eqn.invars[2].aval)
+    window = iter(dn.update_window_dims)
+    skipped = set(dn.inserted_window_dims) | set(getattr(dn, "operand_batching_dims", ()))
+    return [1 if d in skipped else us[next(window)] for d in range(rank(eqn.invars[0].aval))]
+
+
 def local_scatter(eqn, ins, ctx):
     """A scatter of any combining kind on local pieces: indices into an operand
     split on the indexed dim are shifted to its block, and rows owned
@@ -144,6 +203,9 @@ def local_scatter(eqn, ins, ctx):
     params = dict(eqn.params)
     split_indexed = [d for d in to_operand if ctx.is_split(ctx.in_nd[0], d)]
     if split_indexed:
+        if params["mode"] == lax.GatherScatterMode.CLIP:
+            # clamped as on one device, before the shift: a clamped row has one owner
+            idx = _clamped(idx, xs, _scatter_slice_sizes(eqn), to_operand)
         offs = _local_offsets(ctx, ctx.in_nd[0], xs, split_indexed)
         idx = idx - jnp.asarray([offs.get(d, 0) for d in to_operand], idx.dtype)
         params["mode"] = lax.GatherScatterMode.FILL_OR_DROP  # rows owned elsewhere are dropped
