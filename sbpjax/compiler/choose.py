@@ -221,140 +221,194 @@ def choose(
     it takes (optimizer state mirroring a parameter). ``arg_names``: the
     arguments' paths, by which alike layers are found
     (``CompileOptions.tie_layers``)."""
-    prop = _choose(
+    call = _Call(
         program,
         placement,
         in_sbp,
         out_sbp,
         cost_model,
         solver,
-        ties,
+        dict(ties or {}),
         memory_budget,
-        same_layout,
+        dict(same_layout or {}),
         arg_names,
         options,
     )
+    prop = _choose(call)
     prop.options = options
     return prop
 
 
-def _choose(
-    program,
-    placement,
-    in_sbp,
-    out_sbp,
-    cost_model,
-    solver,
-    ties,
-    memory_budget,
-    same_layout,
-    arg_names,
-    options,
-):
-    if solver not in SOLVERS:
-        raise SBPError(
-            f"sj.jit: solver={solver!r} is not one of {SOLVERS}; use 'ilp' (whole-program "
-            "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping)."
-        )
-    ties = dict(ties or {})
-    auto = any(nd is AUTO for nd in in_sbp)
-    if solver == "greedy" and (auto or memory_budget is not None):
-        raise SBPError(
-            "sj.jit: AUTO layouts and memory_budget are chosen by the whole-program solver, not "
-            "the greedy pass; use solver='ilp' (the default), or annotate every argument."
-        )
-    grid = placement.shape
-    rep = (Broadcast(),) * len(grid)
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One layout choice's arguments (``choose``'s), ``ties`` and
+    ``same_layout`` as dicts."""
+
+    program: object
+    placement: object
+    in_sbp: object
+    out_sbp: object
+    cost_model: object
+    solver: str
+    ties: dict
+    memory_budget: object
+    same_layout: dict
+    arg_names: object
+    options: CompileOptions
+
+
+def _choose(call: _Call) -> Propagation:
+    _check_solver(call)
+    program, grid = call.program, call.placement.shape
     # under a budget the mirror pairs only say which arguments are optimizer
     # state (for the hand-written candidates): the state is chosen on its own,
     # so that it can be split where the parameters stay whole
-    mirrors = dict(same_layout or {})
-    if memory_budget is not None:
-        same_layout = {}
+    mirrors = call.same_layout
+    if call.memory_budget is not None:
+        call = dataclasses.replace(call, same_layout={})
     caches: tuple[dict, ...] = ({}, {}, {}, {}, {}, {})
-
-    def greedy_of(ins):
-        outs = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
-        for k, i in ties.items():
-            outs[k] = ins[i]
-        return propagate(
-            program,
-            placement,
-            ins,
-            outs if (out_sbp is not None or ties) else None,
-            cost_model,
-            caches=caches,
-            # the caller's arguments' (AUTO ones laid out here would idle axes)
-            idle=idle_axes(in_sbp, grid),
-            launch_priced=options.launch_priced,
-        )
-
-    def unbudgeted(ins, same):
-        """The plan without a budget (kept across budgets: ``sub_plans``)."""
-        key = plan_cache.plan_key(
-            program,
-            placement,
-            ins,
-            out_sbp,
-            solver=solver,
-            cost_model=cost_model,
-            options=options,
-            ties=ties,
-            same_layout=same,
-            memory_budget=None,
-            arg_names=arg_names,
-        )
-        return sub_plans.recall(
-            key,
-            lambda: _choose(
-                program, placement, ins, out_sbp, cost_model, solver, ties, None, same, arg_names, options
-            ),
-            lambda entry: restore(program, placement, ins, out_sbp, ties, entry, cost_model, options),
-            entry_of,
-        )
-
-    def by_hand(ins):  # the plan of hand-written layouts, as sj.jit given them makes it
-        return unbudgeted(ins, {})
-
-    greedy = greedy_of([rep if nd is AUTO else nd for nd in in_sbp])
+    rep = (Broadcast(),) * len(grid)
+    greedy = _greedy(call, [rep if nd is AUTO else nd for nd in call.in_sbp], caches)
     g_bytes = total_bytes(greedy)
-    if solver == "greedy":
+    if call.solver == "greedy":
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes, ops=len(program.nodes))
         return greedy
-    if memory_budget is not None and mirrors:
+
+    def by_hand(ins):  # the plan of hand-written layouts, as sj.jit given them makes it
+        return _unbudgeted(call, ins, {})
+
+    def held_to_hand(plan, fits):  # under a budget: no worse than the hand-written layouts
+        return hand_layouts.no_worse_than_by_hand(
+            program, plan, fits, call.in_sbp, mirrors, call.ties, call.memory_budget, by_hand
+        )
+
+    if call.memory_budget is not None and mirrors:
         # a budget the plan chosen without it meets changes nothing: that plan
         # (optimizer state in its parameter's layout, a third of the choices)
         # is solved first, and the budget's larger problem only where it does
         # not fit. Decision: on the compiler benchmark's budget GPT (d_model
         # 128, 2 layers, 2x4, AdamW) the budget's own problem took 115 s to
         # plan, the smaller one 63 s, for the same plan.
-        free = unbudgeted(in_sbp, mirrors)
-        held = held_bytes(program, free, ties, grid)
-        if held <= memory_budget:
-            free.choice.memory_budget, free.choice.memory_bytes = memory_budget, held
-            return hand_layouts.no_worse_than_by_hand(
-                program, free, True, in_sbp, mirrors, ties, memory_budget, by_hand
-            )
-    g_price = price(greedy, cost_model, options)
-    g_memory = held_bytes(program, greedy, ties, grid)
-    g_fits = memory_budget is None or g_memory <= memory_budget
-    classes = _classes(program, arg_names, options)
+        free = _unbudgeted(call, call.in_sbp, mirrors)
+        held = held_bytes(program, free, call.ties, grid)
+        if held <= call.memory_budget:
+            free.choice.memory_budget, free.choice.memory_bytes = call.memory_budget, held
+            return held_to_hand(free, True)
+    g_memory = held_bytes(program, greedy, call.ties, grid)
+    g_fits = call.memory_budget is None or g_memory <= call.memory_budget
+    form, solved, choice = _solve(call, greedy, caches, g_bytes)
+    if solved.strategies is None:
+        choice.method, choice.reason = "greedy", f"the solver found no plan ({solved.status})"
+        choice.memory_bytes = g_memory
+        greedy.choice = choice
+        if call.memory_budget is None:
+            return greedy
+        kept = held_to_hand(greedy, g_fits)
+        if kept is None:
+            raise _over_budget(call.memory_budget, least_usage(form), solved.status)
+        return kept
+    kept = _cheaper(call, greedy, form.plan(solved.strategies), solved, choice, g_fits, g_memory)
+    left = call.options.effort - solved.work
+    kept = second_looks.fewer_collectives(
+        program,
+        kept,
+        form,
+        call.in_sbp,
+        call.cost_model,
+        call.options,
+        caches,
+        call.ties,
+        call.memory_budget,
+        left,
+    )
+    if g_fits:
+        kept = second_looks.held_to_greedys_peak(kept, greedy, g_memory)
+    if call.memory_budget is None:
+        return kept
+    return held_to_hand(kept, True)
+
+
+def _check_solver(call: _Call) -> None:
+    if call.solver not in SOLVERS:
+        raise SBPError(
+            f"sj.jit: solver={call.solver!r} is not one of {SOLVERS}; use 'ilp' (whole-program "
+            "choice, the default) or 'greedy' (a fast op-by-op pass for prototyping)."
+        )
+    auto = any(nd is AUTO for nd in call.in_sbp)
+    if call.solver == "greedy" and (auto or call.memory_budget is not None):
+        raise SBPError(
+            "sj.jit: AUTO layouts and memory_budget are chosen by the whole-program solver, not "
+            "the greedy pass; use solver='ilp' (the default), or annotate every argument."
+        )
+
+
+def _greedy(call: _Call, ins, caches) -> Propagation:
+    """The greedy pass's plan from input layouts ``ins``."""
+    outs = list(call.out_sbp) if call.out_sbp is not None else [None] * len(call.program.outputs)
+    for k, i in call.ties.items():
+        outs[k] = ins[i]
+    return propagate(
+        call.program,
+        call.placement,
+        ins,
+        outs if (call.out_sbp is not None or call.ties) else None,
+        call.cost_model,
+        caches=caches,
+        # the caller's arguments' (AUTO ones laid out here would idle axes)
+        idle=idle_axes(call.in_sbp, call.placement.shape),
+        launch_priced=call.options.launch_priced,
+    )
+
+
+def _unbudgeted(call: _Call, ins, same) -> Propagation:
+    """The plan without a budget from input layouts ``ins`` (kept across
+    budgets: ``sub_plans``)."""
+    sub = dataclasses.replace(call, in_sbp=ins, memory_budget=None, same_layout=same)
+    key = plan_cache.plan_key(
+        sub.program,
+        sub.placement,
+        sub.in_sbp,
+        sub.out_sbp,
+        solver=sub.solver,
+        cost_model=sub.cost_model,
+        options=sub.options,
+        ties=sub.ties,
+        same_layout=same,
+        memory_budget=None,
+        arg_names=sub.arg_names,
+    )
+    return sub_plans.recall(
+        key,
+        lambda: _choose(sub),
+        lambda entry: restore(
+            sub.program, sub.placement, sub.in_sbp, sub.out_sbp, sub.ties, entry, sub.cost_model, sub.options
+        ),
+        entry_of,
+    )
+
+
+def _solve(call: _Call, greedy: Propagation, caches, g_bytes: int):
+    """The whole-program problem, its solution, and the Choice that records both."""
+    program = call.program
+    classes = _classes(program, call.arg_names, call.options)
     t0 = time.perf_counter()
     form = formulate(
         program,
-        placement,
-        in_sbp,
-        out_sbp,
+        call.placement,
+        call.in_sbp,
+        call.out_sbp,
         greedy,
-        cost_model,
-        options,
+        call.cost_model,
+        call.options,
         caches=caches,
-        ties=ties,
-        same_layout=same_layout,
+        ties=call.ties,
+        same_layout=call.same_layout,
         classes=classes,
     )
     t1 = time.perf_counter()
-    solved = solve_settled(form, options.effort, start=form.start(greedy), usage_limit=memory_budget)
+    solved = solve_settled(
+        form, call.options.effort, start=form.start(greedy), usage_limit=call.memory_budget
+    )
     choice = Choice(
         "ilp",
         build_s=t1 - t0,
@@ -364,64 +418,45 @@ def _choose(
         groups=form.groups,
         variables=len(form.costs),
         constraints=len(form.edges),
-        shared=options.tie_layers,
+        shared=call.options.tie_layers,
         greedy_bytes=g_bytes,
         greedy_peak=int(live_bytes(greedy).max()),
-        auto=auto,
-        memory_budget=memory_budget,
+        auto=any(nd is AUTO for nd in call.in_sbp),
+        memory_budget=call.memory_budget,
         rounds=solved.rounds,
         planned=form.tables.planned,
         entries=form.tables.entries,
     )
-    if solved.strategies is None:
-        choice.method, choice.reason = "greedy", f"the solver found no plan ({solved.status})"
-        choice.memory_bytes = g_memory
-        greedy.choice = choice
-        if memory_budget is None:
-            return greedy
-        kept = hand_layouts.no_worse_than_by_hand(
-            program, greedy, g_fits, in_sbp, mirrors, ties, memory_budget, by_hand
-        )
-        if kept is None:
-            raise _over_budget(memory_budget, least_usage(form), solved.status)
-        return kept
-    chosen = form.plan(solved.strategies)
+    return form, solved, choice
+
+
+def _cheaper(call: _Call, greedy, chosen, solved, choice: Choice, g_fits: bool, g_memory: int) -> Propagation:
+    """The solved plan, or greedy's where it is no cheaper by ``price``."""
     choice.objective = solved.cost / 64
     if solved.bound is not None:
         choice.bound = solved.bound / 64
         choice.gap = max(0.0, (solved.cost - solved.bound) / solved.cost) if solved.cost else 0.0
     choice.ilp_bytes = total_bytes(chosen)
-    chosen_price = price(chosen, cost_model, options)
+    g_price = price(greedy, call.cost_model, call.options)
+    chosen_price = price(chosen, call.cost_model, call.options)
     # On an equal price greedy's choice is kept: its tie-breaks (alpha-beta
     # time, fewer boxings, no splits made from nothing) are finer than the
     # solver's objective. Except where scans were written out: the solve gives
     # their iterations the same layouts (loop_classes), so the lowering can
     # keep the loop (sbpjax.compiler.loops); greedy's iterations may each differ.
-    if g_fits and (chosen_price > g_price or (chosen_price == g_price and not program.loops)):
+    if g_fits and (chosen_price > g_price or (chosen_price == g_price and not call.program.loops)):
         choice.method = "greedy"
         choice.reason = (
             f"the whole-program plan moves {choice.ilp_bytes} B (objective {chosen_price:.0f} B), "
-            f"greedy's {g_bytes} B (objective {g_price:.0f} B)"
+            f"greedy's {greedy.bytes} B (objective {g_price:.0f} B)"
         )
         choice.memory_bytes = g_memory
         greedy.choice = choice
-        kept = greedy
-    else:
-        choice.memory_bytes = held_bytes(program, chosen, ties, grid)
-        chosen.warnings = greedy.warnings
-        chosen.choice = choice
-        kept = chosen
-    left = options.effort - solved.work
-    kept = second_looks.fewer_collectives(
-        program, kept, form, in_sbp, cost_model, options, caches, ties, memory_budget, left
-    )
-    if g_fits:
-        kept = second_looks.held_to_greedys_peak(kept, greedy, g_memory)
-    if memory_budget is None:
-        return kept
-    return hand_layouts.no_worse_than_by_hand(
-        program, kept, True, in_sbp, mirrors, ties, memory_budget, by_hand
-    )
+        return greedy
+    choice.memory_bytes = held_bytes(call.program, chosen, call.ties, call.placement.shape)
+    chosen.warnings = greedy.warnings
+    chosen.choice = choice
+    return chosen
 
 
 def _classes(program, arg_names, options: CompileOptions) -> list | None:
