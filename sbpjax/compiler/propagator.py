@@ -294,6 +294,12 @@ class Propagator:
         if free is not None:
             return free
         # rank 1-D candidates per axis, then cost the products exactly
+        return self._cheapest(node, cur, self._products(node, self._ranked_per_axis(node, cur, sigs)))
+
+    def _ranked_per_axis(self, node: Node, cur: list, sigs: list) -> list:
+        """Per placement axis, the 1-D candidates worth costing on it: the
+        ``_TOP_K`` cheapest by ``estimate`` (all of them for an op that
+        communicates itself), and the best with the outputs' preferences."""
         per_axis = []
         communicates = own_comm(node.eqn)
         for a, p in enumerate(self.grid):
@@ -334,6 +340,12 @@ class Propagator:
                     if self.rank_with_prefs:
                         keep.append(top)
             per_axis.append(keep)
+        return per_axis
+
+    def _products(self, node: Node, per_axis: list) -> list:
+        """(order, ins, outs, own bytes) of each product of the per-axis
+        candidates that fits the pieces and can run (its partials allowed,
+        its own communication possible)."""
         combos = []
         for order, combo in enumerate(itertools.product(*per_axis)):
             ins = [tuple(s.ins[j] for s in combo) for j in range(len(node.ins))]
@@ -346,6 +358,10 @@ class Propagator:
             if comm is None:
                 continue
             combos.append((order, ins, outs, sum(c.bytes for c in comm)))
+        return combos
+
+    def _cheapest(self, node: Node, cur: list, combos: list):
+        """(ins, outs) of the product with the least key, or False when none."""
         # Bound every product's bytes first (no searches), then cost them exactly
         # in order of the bound until the bound exceeds the best bytes found:
         # the rest cannot win, since bytes come first in the key.
