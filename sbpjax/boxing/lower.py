@@ -16,6 +16,7 @@ every one against NumPy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -255,89 +256,154 @@ def _gather(x, axis, d):
     return y.reshape(x.shape[:d] + (y.shape[d] * x.shape[d],) + x.shape[d + 1 :])
 
 
-def _apply(step: Step, x, geom: Geometry, tables: IndexTables, names, dtype):
-    op, group, d = step.op, step.group, step.dim
-    axes = tuple(names[a] for a in group)
-    even = geom.even(step.src) and geom.even(step.dst)
-    g = geom.splits(group)
-    if op == "all_gather":
-        assert d is not None  # plan.py gives every gather, all-to-all, scatter and slice its dim
-        y = _gather(x, axis_arg(axes), d)
-        if not even:
-            dep, tab = tables.compact(step.dst.dims[d], group, d)
-            y = jnp.take(y, tables.lookup(dep, tab), axis=d)
-        return y
-    if op == "all_to_all":
-        e = step.dim2
-        assert d is not None and e is not None
-        if not even:
-            dep, tab = tables.arrange(step.src.dims[e], group, e)
-            x = jnp.take(x, tables.lookup(dep, tab), axis=e)
-        y = lax.all_to_all(x, axis_arg(axes), split_axis=e, concat_axis=d, tiled=True)
-        if not even:
-            dep, tab = tables.compact(step.dst.dims[d], group, d)
-            y = jnp.take(y, tables.lookup(dep, tab), axis=d)
-        return y
-    if op == "reduce_scatter":
-        assert d is not None
-        if not even:
-            dep, tab = tables.arrange(step.src.dims[d], group, d)
-            x = jnp.take(x, tables.lookup(dep, tab), axis=d)
+@dataclasses.dataclass(frozen=True)
+class _On:
+    """What a step's lowering reads besides the step and the block: the
+    value's geometry, its index tables, the mesh's axis names, its dtype."""
+
+    geom: Geometry
+    tables: IndexTables
+    names: tuple
+    dtype: object
+
+    def axes(self, step: Step):
+        return axis_arg(tuple(self.names[a] for a in step.group))
+
+    def even(self, step: Step) -> bool:
+        return self.geom.even(step.src) and self.geom.even(step.dst)
+
+    def index(self, step: Step):
+        """This device's index in the step's group."""
+        return group_index(step.group, self.names, self.geom.grid)
+
+    def compact(self, y, step: Step, d: int):
+        """A gathered dim with an uneven split's padding taken out."""
+        dep, tab = self.tables.compact(step.dst.dims[d], step.group, d)
+        return jnp.take(y, self.tables.lookup(dep, tab), axis=d)
+
+    def arrange(self, x, step: Step, d: int):
+        """A dim laid out as even chunks, one per peer, before an uneven split's
+        pieces are sent."""
+        dep, tab = self.tables.arrange(step.src.dims[d], step.group, d)
+        return jnp.take(x, self.tables.lookup(dep, tab), axis=d)
+
+
+def _all_gather(step: Step, x, on: _On):
+    d = step.dim
+    assert d is not None  # plan.py gives every gather, all-to-all, scatter and slice its dim
+    y = _gather(x, on.axes(step), d)
+    return y if on.even(step) else on.compact(y, step, d)
+
+
+def _all_to_all(step: Step, x, on: _On):
+    d, e = step.dim, step.dim2
+    assert d is not None and e is not None
+    even = on.even(step)
+    if not even:
+        x = on.arrange(x, step, e)
+    y = lax.all_to_all(x, on.axes(step), split_axis=e, concat_axis=d, tiled=True)
+    return y if even else on.compact(y, step, d)
+
+
+def _reduce_scatter(step: Step, x, on: _On):
+    d = step.dim
+    assert d is not None
+    if not on.even(step):
+        x = on.arrange(x, step, d)
+    g = on.geom.splits(step.group)
+    if step.reduce == "sum":
+        return _scatter_sum(x, on.axes(step), d, g)
+    # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
+    shape = x.shape
+    chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1 :])
+    got = lax.all_to_all(chunks, on.axes(step), split_axis=d, concat_axis=d, tiled=True)
+    return jnp.max(got, axis=d) if step.reduce == "max" else jnp.min(got, axis=d)
+
+
+def _all_reduce(step: Step, x, on: _On):
+    if step.reduce == "sum":
+        return lax.psum(x, on.axes(step))
+    return preduce_extreme(x, on.axes(step), step.reduce)
+
+
+def _local_slice(step: Step, x, on: _On):
+    d = step.dim
+    assert d is not None
+    parent, child = step.src.dims[d], step.dst.dims[d]
+    if on.even(step):
+        size = on.geom.padded_dim(child, d)
+        return lax.dynamic_slice_in_dim(x, on.index(step) * size, size, axis=d)
+    dep, tab = on.tables.slice(parent, child, d)
+    return jnp.take(x, on.tables.lookup(dep, tab), axis=d)
+
+
+def _zeros(step: Step, x, on: _On):  # the tensor is all zeros in every layout (plan_zeros)
+    return jnp.zeros(on.geom.padded(step.dst), on.dtype)
+
+
+def _zero_fill(step: Step, x, on: _On):
+    assert step.reduce is not None  # a fill names the op of the partial it makes
+    d = step.dim
+    fill = fill_value(step.reduce, on.dtype)
+    if d is None:  # B -> P
         if step.reduce == "sum":
-            return _scatter_sum(x, axis_arg(axes), d, g)
-        # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
-        shape = x.shape
-        chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1 :])
-        got = lax.all_to_all(chunks, axis_arg(axes), split_axis=d, concat_axis=d, tiled=True)
-        return jnp.max(got, axis=d) if step.reduce == "max" else jnp.min(got, axis=d)
-    if op == "all_reduce":
-        if step.reduce == "sum":
-            return lax.psum(x, axis_arg(axes))
-        return preduce_extreme(x, axis_arg(axes), step.reduce)
-    if op == "local_slice":
-        assert d is not None
-        parent, child = step.src.dims[d], step.dst.dims[d]
-        if even:
-            size = geom.padded_dim(child, d)
-            return lax.dynamic_slice_in_dim(x, group_index(group, names, geom.grid) * size, size, axis=d)
-        dep, tab = tables.slice(parent, child, d)
-        return jnp.take(x, tables.lookup(dep, tab), axis=d)
-    if op == "zeros":  # the tensor is all zeros in every layout (plan_zeros)
-        return jnp.zeros(geom.padded(step.dst), dtype)
-    if op == "zero_fill":
-        assert step.reduce is not None  # a fill names the op of the partial it makes
-        fill = fill_value(step.reduce, dtype)
-        if d is None:  # B -> P
-            if step.reduce == "sum":
-                return jnp.where(group_index(group, names, geom.grid) == 0, x, jnp.zeros_like(x))
-            return x  # B -> P(max|min): every device keeps the value
-        parent, child = step.dst.dims[d], step.src.dims[d]
-        if even:
-            shape = list(x.shape)
-            shape[d] = geom.padded_dim(parent, d)
-            base = jnp.full(shape, fill, x.dtype)
-            start = [0] * x.ndim
-            start[d] = group_index(group, names, geom.grid) * x.shape[d]
-            return lax.dynamic_update_slice(base, x, start)
-        slot_shape = list(x.shape)
-        slot_shape[d] = 1
-        ext = jnp.concatenate([x, jnp.full(slot_shape, fill, x.dtype)], axis=d)
-        dep, tab = tables.fill(parent, child, d)
-        return jnp.take(ext, tables.lookup(dep, tab), axis=d)
-    if op == "permute":
-        sched = p2p_schedule(geom, step.src, step.dst)
-        assert sched is not None  # permute steps are only made where p2p_tiles finds even tiles
-        all_axes = tuple(names)
-        everyone = tuple(range(len(names)))
-        tiles = _to_tiles(x, sched.src_tiles_local, sched.tile_shape)
-        pieces = [tiles]
-        for (pairs, _), send in zip(sched.rounds, sched.send):
-            buf = jnp.take(tiles, tables.lookup(everyone, send), axis=0)
-            pieces.append(lax.ppermute(buf, axis_arg(all_axes), perm=list(pairs)))
-        pool = jnp.concatenate(pieces, axis=0)
-        out = jnp.take(pool, tables.lookup(everyone, sched.gather), axis=0)
-        return _from_tiles(out, sched.dst_tiles_local, sched.tile_shape)
-    raise SBPError(f"internal error: boxing step {op!r} has no lowering; please report it.")
+            return jnp.where(on.index(step) == 0, x, jnp.zeros_like(x))
+        return x  # B -> P(max|min): every device keeps the value
+    parent, child = step.dst.dims[d], step.src.dims[d]
+    if on.even(step):
+        shape = list(x.shape)
+        shape[d] = on.geom.padded_dim(parent, d)
+        base = jnp.full(shape, fill, x.dtype)
+        start = [0] * x.ndim
+        start[d] = on.index(step) * x.shape[d]
+        return lax.dynamic_update_slice(base, x, start)
+    slot_shape = list(x.shape)
+    slot_shape[d] = 1
+    ext = jnp.concatenate([x, jnp.full(slot_shape, fill, x.dtype)], axis=d)
+    dep, tab = on.tables.fill(parent, child, d)
+    return jnp.take(ext, on.tables.lookup(dep, tab), axis=d)
+
+
+def _permute(step: Step, x, on: _On):
+    sched = p2p_schedule(on.geom, step.src, step.dst)
+    assert sched is not None  # permute steps are only made where p2p_tiles finds even tiles
+    everyone = tuple(range(len(on.names)))
+    tiles = _to_tiles(x, sched.src_tiles_local, sched.tile_shape)
+    pieces = [tiles]
+    for (pairs, _), send in zip(sched.rounds, sched.send):
+        buf = jnp.take(tiles, on.tables.lookup(everyone, send), axis=0)
+        pieces.append(lax.ppermute(buf, axis_arg(tuple(on.names)), perm=list(pairs)))
+    pool = jnp.concatenate(pieces, axis=0)
+    out = jnp.take(pool, on.tables.lookup(everyone, sched.gather), axis=0)
+    return _from_tiles(out, sched.dst_tiles_local, sched.tile_shape)
+
+
+# each boxing step's lowering on a device's local block
+LOWERINGS = {
+    "all_gather": _all_gather,
+    "all_to_all": _all_to_all,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "local_slice": _local_slice,
+    "zeros": _zeros,
+    "zero_fill": _zero_fill,
+    "permute": _permute,
+}
+
+
+def apply_step(step: Step, x, plan: BoxingPlan):
+    """One step of ``plan`` on a device's local block (a bucket runs its
+    members' local steps one by one, their collectives together)."""
+    geom = Geometry(plan.shape, plan.placement.shape)
+    names = plan.placement.axis_names
+    return _apply(step, x, _On(geom, IndexTables(geom, names), names, plan.dtype))
+
+
+def _apply(step: Step, x, on: _On):
+    lowering = LOWERINGS.get(step.op)
+    if lowering is None:
+        raise SBPError(f"internal error: boxing step {step.op!r} has no lowering; please report it.")
+    return lowering(step, x, on)
 
 
 # ---------------------------------------------------------------------------
@@ -376,9 +442,9 @@ def run_plan(plan: BoxingPlan, x):
     if 0 in plan.shape:
         assert plan.dst_layout is not None  # plan_boxing sets both layouts
         return jnp.zeros(geom.padded(plan.dst_layout), x.dtype)
-    tables = IndexTables(geom, plan.placement.axis_names)
+    on = _On(geom, IndexTables(geom, plan.placement.axis_names), plan.placement.axis_names, plan.dtype)
     for step in plan.steps:
-        x = _apply(step, x, geom, tables, plan.placement.axis_names, plan.dtype)
+        x = _apply(step, x, on)
     return x
 
 

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sbpjax.boxing.lower import IndexTables, _apply, axis_arg, preduce_extreme
+from sbpjax.boxing.lower import apply_step, axis_arg, preduce_extreme
 from sbpjax.compiler.liveness import live_bytes
 from sbpjax.compiler.program import Const, Var
 from sbpjax.compiler.propagation import Boxing, Propagation
@@ -351,14 +351,13 @@ def run_bucket(bucket: Bucket, xs: list) -> list:
     plans = [b.plan for b in boxings]
     pl = plans[0].placement
     names = pl.axis_names
-    geoms = [Geometry(p.shape, pl.shape) for p in plans]
     xs = list(xs)
     at = [0] * len(plans)  # each member's next step
 
     def run_local(i):
         steps = plans[i].steps
         while at[i] < len(steps) and steps[at[i]].collective is None:
-            xs[i] = _apply(steps[at[i]], xs[i], geoms[i], IndexTables(geoms[i], names), names, plans[i].dtype)
+            xs[i] = apply_step(steps[at[i]], xs[i], plans[i])
             at[i] += 1
 
     for i in range(len(plans)):
@@ -367,7 +366,7 @@ def run_bucket(bucket: Bucket, xs: list) -> list:
         steps = [plans[i].steps[at[i]] for i in who]
         if len(who) == 1:
             i = who[0]
-            ys = [_apply(steps[0], xs[i], geoms[i], IndexTables(geoms[i], names), names, plans[i].dtype)]
+            ys = [apply_step(steps[0], xs[i], plans[i])]
         else:
             axis = axis_arg(tuple(names[a] for a in group))
             n = math.prod(pl.shape[a] for a in group)
