@@ -165,26 +165,11 @@ def plan_buckets(
     their bucket and are skipped at their own place."""
     cap = prop.options.bucket_bytes if cap is None else cap
     enabled = prop.options.bucketing if enabled is None else enabled
-    buckets: dict = {}
-    joined: set = set()
     if not enabled:
-        return buckets, joined
+        return {}, set()
     grid = prop.placement.shape
-    prog = prop.program
     order = [b for d in prop.decisions for b in d.boxings] + list(prop.out_boxings)
-    # jax.checkpoint regions: a bucket stays inside one region (or outside all), so
-    # no boxing moves across the region's optimization barrier
-    zones = zones or {}
-    region = {
-        id(b): (getattr(d.node, "region", 0), zones.get(id(b), ())) for d in prop.decisions for b in d.boxings
-    }
-    region.update({id(b): (0, zones.get(id(b), ())) for b in prop.out_boxings})
     keys: dict = {id(b): bucket_key(b, grid) for b in order}
-    if gather_cap is None and any(
-        k is not None and all(q[0] == "all_gather" for q in k[1]) for k in keys.values()
-    ):
-        peak = int(live_bytes(prop).max())
-        gather_cap = int(prop.options.gather_share * peak) if peak > 0 else None
     pending: dict = {}  # dtype -> qualifying boxings not yet run, program order
     local: dict = {}  # id(boxing) -> its block's bytes, read once per bucket a pending boxing is tried for
     for b in order:
@@ -193,59 +178,100 @@ def plan_buckets(
             pending.setdefault(k[0], []).append(b)
             local[id(b)] = _local_bytes(b, grid)
     if not any(len(v) > 1 for v in pending.values()):
+        return {}, set()
+    if gather_cap is None and any(
+        k is not None and all(q[0] == "all_gather" for q in k[1]) for k in keys.values()
+    ):
+        peak = int(live_bytes(prop).max())
+        gather_cap = int(prop.options.gather_share * peak) if peak > 0 else None
+    filling = _Filling(keys, pending, local, _regions(prop, zones or {}), cap, gather_cap)
+    return filling.run(prop)
+
+
+def _regions(prop: Propagation, zones: dict) -> dict:
+    """id(boxing) -> (its jax.checkpoint region, its zone). A bucket stays
+    inside one region (or outside all), so no boxing moves across the
+    region's optimization barrier, and inside one zone."""
+    region = {
+        id(b): (getattr(d.node, "region", 0), zones.get(id(b), ())) for d in prop.decisions for b in d.boxings
+    }
+    region.update({id(b): (0, zones.get(id(b), ())) for b in prop.out_boxings})
+    return region
+
+
+@dataclasses.dataclass
+class _Filling:
+    """Buckets filled in program order: each boxing not yet run opens one and
+    takes in the pending boxings of its dtype whose sources are ready, up to
+    the byte cap, in its region, where they share a round."""
+
+    keys: dict  # id(boxing) -> bucket_key
+    pending: dict  # dtype -> qualifying boxings not yet run, program order
+    local: dict  # id(boxing) -> its block's bytes
+    region: dict  # id(boxing) -> (region, zone)
+    cap: int
+    gather_cap: int | None
+
+    def run(self, prop: Propagation) -> tuple[dict, set]:
+        buckets: dict = {}
+        joined: set = set()
+        ready = {(id(v), nd) for v, nd in zip(prop.program.inputs, prop.in_sbp)}
+        done: set = set()
+        for dec in [*prop.decisions, None]:
+            for b in dec.boxings if dec is not None else prop.out_boxings:
+                if id(b) in done:
+                    continue
+                done.add(id(b))
+                if self.keys[id(b)] is None:
+                    ready.add((id(b.var), b.dst))
+                    continue
+                members = self._members(b, ready, done)
+                if len(members) > 1:
+                    rounds = schedule([self.keys[id(c)][1] for c in members])
+                    buckets[id(b)] = Bucket(members, rounds)
+                    joined.update(id(c) for c in members[1:])
+                ready.update((id(c.var), c.dst) for c in members)
+            if dec is not None:
+                ready.update((id(v), nd) for v, nd in zip(dec.node.outs, dec.out_sbp))
         return buckets, joined
 
-    ready = {(id(v), nd) for v, nd in zip(prog.inputs, prop.in_sbp)}
-    done: set = set()
-    for dec in [*prop.decisions, None]:
-        for b in dec.boxings if dec is not None else prop.out_boxings:
-            if id(b) in done:
+    def _members(self, b, ready: set, done: set) -> list:
+        """The bucket ``b`` opens: ``b`` and the pending boxings that join it
+        (marked done, taken off ``pending``)."""
+        k = self.keys[id(b)]
+        members = [b]
+        seqs = [k[1]]  # distinct kind sequences in the bucket
+        n_rounds = len(k[1])
+        size = self.local[id(b)]
+        limit = self.cap
+        if self.gather_cap is not None and all(kind[0] == "all_gather" for kind in k[1]):
+            limit = min(self.cap, self.gather_cap)
+        rest = []
+        for c in self.pending[k[0]]:
+            if id(c) in done:
                 continue
-            done.add(id(b))
-            k = keys[id(b)]
-            if k is None:
-                ready.add((id(b.var), b.dst))
+            nb = self.local[id(c)]
+            if (
+                (id(c.var), c.src) not in ready
+                or size + nb > limit
+                or self.region.get(id(c), (0, ())) != self.region.get(id(b), (0, ()))
+            ):
+                rest.append(c)
                 continue
-            members = [b]
-            seqs = [k[1]]  # distinct kind sequences in the bucket
-            n_rounds = len(k[1])
-            size = local[id(b)]
-            limit = cap
-            if gather_cap is not None and all(kind[0] == "all_gather" for kind in k[1]):
-                limit = min(cap, gather_cap)
-            rest = []
-            for c in pending[k[0]]:
-                if id(c) in done:
-                    continue
-                nb = local[id(c)]
-                if (
-                    (id(c.var), c.src) not in ready
-                    or size + nb > limit
-                    or region.get(id(c), (0, ())) != region.get(id(b), (0, ()))
-                ):
+            q = self.keys[id(c)][1]
+            if q not in seqs:
+                # join only where that saves collectives (shares a round)
+                n = len(schedule([*seqs, q]))
+                if n >= n_rounds + len(q):
                     rest.append(c)
                     continue
-                q = keys[id(c)][1]
-                if q not in seqs:
-                    # join only where that saves collectives (shares a round)
-                    n = len(schedule([*seqs, q]))
-                    if n >= n_rounds + len(q):
-                        rest.append(c)
-                        continue
-                    seqs.append(q)
-                    n_rounds = n
-                members.append(c)
-                size += nb
-                done.add(id(c))
-            pending[k[0]] = rest
-            if len(members) > 1:
-                rounds = schedule([keys[id(c)][1] for c in members])
-                buckets[id(b)] = Bucket(members, rounds)
-                joined.update(id(c) for c in members[1:])
-            ready.update((id(c.var), c.dst) for c in members)
-        if dec is not None:
-            ready.update((id(v), nd) for v, nd in zip(dec.node.outs, dec.out_sbp))
-    return buckets, joined
+                seqs.append(q)
+                n_rounds = n
+            members.append(c)
+            size += nb
+            done.add(id(c))
+        self.pending[k[0]] = rest
+        return members
 
 
 def count_collectives(prop: Propagation, combined_all_reduces: bool = False, **kw) -> int:
