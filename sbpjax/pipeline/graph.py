@@ -80,10 +80,26 @@ def build_graph(
     # An explicit order decides when things are consumed; registers across
     # devices then get a slot per microbatch so a valid order can never block on them.
     between = m if lists is not None else activation_registers
-    last = n - 1
+    actors, regs = _feeds(threads, n, m, data_registers)
+    for s in range(n):
+        more_actors, more_regs = _stage(s, n, m, threads, split, stash, kept, between)
+        actors += more_actors
+        regs += more_regs
+    if schedule.flush:
+        regs.append(RegisterSpec("flush", f"forward{n - 1}", (f"backward{n - 1}",), 1, every=m, reuse=m))
+    orders = {}
+    if lists is not None:  # each device's list orders the actors on that device's thread
+        thread_of = {schedule.device_of(s, devices): threads.per_stage[s] for s in range(n)}
+        orders = {thread_of[d]: [(f"{kind}{s}", k) for kind, s, k in seq] for d, seq in lists.items()}
+    return ActorGraph(tuple(actors), tuple(regs), orders)
+
+
+def _feeds(threads: StageThreads, n: int, m: int, data_registers: int) -> tuple[list, list]:
+    """For each feed (``inputs`` to the first stage, ``targets`` to the last):
+    a loader actor on the host thread and a put actor on the copy thread."""
     actors: list[ActorSpec] = []
     regs: list[RegisterSpec] = []
-    for feed, stage in (("inputs", 0), ("targets", last)):
+    for feed, stage in (("inputs", 0), ("targets", n - 1)):
         actors += [
             ActorSpec(f"load:{feed}", "load", None, threads.loader, m),
             ActorSpec(f"put:{feed}", "put", stage, threads.copy, m),
@@ -92,40 +108,40 @@ def build_graph(
             RegisterSpec(f"host:{feed}", f"load:{feed}", (f"put:{feed}",), data_registers),
             RegisterSpec(feed, f"put:{feed}", (f"forward{stage}",), data_registers),
         ]
-    for s in range(n):
-        t = threads.per_stage[s]
-        b, w = (f"backward_input{s}", f"backward_weight{s}") if split else (f"backward{s}", f"backward{s}")
-        actors.append(ActorSpec(f"forward{s}", "forward", s, t, m))
-        if split:
-            actors += [ActorSpec(b, "backward_input", s, t, m), ActorSpec(w, "backward_weight", s, t, m)]
-            regs.append(RegisterSpec(f"kept{s}", b, (w,), kept[s], kept=True))  # type: ignore[index]
-        else:
-            actors.append(ActorSpec(b, "backward", s, t, m))
-        actors.append(ActorSpec(f"update{s}", "update", s, t, 1, per_step=True))
+    return actors, regs
+
+
+def _stage(s: int, n: int, m: int, threads: StageThreads, split: bool, stash, kept, between: int):
+    """Stage ``s``'s actors (forward, backward or B and W, update, and the
+    transfers into it from its neighbours) and registers."""
+    t = threads.per_stage[s]
+    b, w = (f"backward_input{s}", f"backward_weight{s}") if split else (f"backward{s}", f"backward{s}")
+    actors = [ActorSpec(f"forward{s}", "forward", s, t, m)]
+    regs: list[RegisterSpec] = []
+    if split:
+        actors += [ActorSpec(b, "backward_input", s, t, m), ActorSpec(w, "backward_weight", s, t, m)]
+        regs.append(RegisterSpec(f"kept{s}", b, (w,), kept[s], kept=True))
+    else:
+        actors.append(ActorSpec(b, "backward", s, t, m))
+    actors.append(ActorSpec(f"update{s}", "update", s, t, 1, per_step=True))
+    regs += [
+        RegisterSpec(f"stash{s}", f"forward{s}", (b,), stash[s], activation=True),
+        RegisterSpec(f"grads{s}", w, (f"update{s}",), 1, every=m),
+    ]
+    if s < n - 1:
+        send = f"transfer:act{s}->{s + 1}"
+        actors.append(ActorSpec(send, "transfer", s + 1, threads.per_stage[s + 1], m))
         regs += [
-            RegisterSpec(f"stash{s}", f"forward{s}", (b,), stash[s], activation=True),
-            RegisterSpec(f"grads{s}", w, (f"update{s}",), 1, every=m),
+            RegisterSpec(f"out{s}", f"forward{s}", (send,), between),
+            RegisterSpec(f"in{s + 1}", send, (f"forward{s + 1}",), between),
         ]
-        if s < last:
-            send = f"transfer:act{s}->{s + 1}"
-            actors.append(ActorSpec(send, "transfer", s + 1, threads.per_stage[s + 1], m))
-            regs += [
-                RegisterSpec(f"out{s}", f"forward{s}", (send,), between),
-                RegisterSpec(f"in{s + 1}", send, (f"forward{s + 1}",), between),
-            ]
-        if s > 0:
-            send = f"transfer:grad{s}->{s - 1}"
-            actors.append(ActorSpec(send, "transfer", s - 1, threads.per_stage[s - 1], m))
-            regs += [
-                RegisterSpec(f"dx{s}", b, (send,), between),
-                RegisterSpec(
-                    f"dy{s - 1}", send, (f"{'backward_input' if split else 'backward'}{s - 1}",), between
-                ),
-            ]
-    if schedule.flush:
-        regs.append(RegisterSpec("flush", f"forward{last}", (f"backward{last}",), 1, every=m, reuse=m))
-    orders = {}
-    if lists is not None:  # each device's list orders the actors on that device's thread
-        thread_of = {schedule.device_of(s, devices): threads.per_stage[s] for s in range(n)}
-        orders = {thread_of[d]: [(f"{kind}{s}", k) for kind, s, k in seq] for d, seq in lists.items()}
-    return ActorGraph(tuple(actors), tuple(regs), orders)
+    if s > 0:
+        send = f"transfer:grad{s}->{s - 1}"
+        actors.append(ActorSpec(send, "transfer", s - 1, threads.per_stage[s - 1], m))
+        regs += [
+            RegisterSpec(f"dx{s}", b, (send,), between),
+            RegisterSpec(
+                f"dy{s - 1}", send, (f"{'backward_input' if split else 'backward'}{s - 1}",), between
+            ),
+        ]
+    return actors, regs
