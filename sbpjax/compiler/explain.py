@@ -235,6 +235,19 @@ class Explanation:
             lines.append("  " + conds)
         if (again := self._regather_line()) is not None:
             lines.append("  " + again)
+        rows = self._rows()
+        widths = [min(max(len(r[c]) for r in rows), 60) for c in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  " + "  ".join(v[:60].ljust(w) for v, w in zip(r, widths)).rstrip())
+        lines.append("  totals: " + self._totals())
+        for w in self.warnings:
+            lines.append(f"  warning: {w}")
+        return "\n".join(lines)
+
+    def _rows(self) -> list:
+        """The table: a header, a row per op, a row per result's boxing."""
+        prop = self.propagation
+        names = prop.placement.axis_names
         rows = [("#", "op", "inputs", "outputs", "boxing", "bytes", "source")]
         own: dict = {}
         for i, c in self.comm:
@@ -247,7 +260,7 @@ class Explanation:
                     for b in d.boxings
                 ]
                 + [
-                    f"{c.what}({','.join(pl.axis_names[a] for a in c.axes)})"
+                    f"{c.what}({','.join(names[a] for a in c.axes)})"
                     + ("" if c in own.get(i, ()) else ", shared with an earlier op")
                     for c in d.comm
                 ]
@@ -265,31 +278,18 @@ class Explanation:
                 )
             )
         for b in prop.out_boxings:
-            rows.append(
-                (
-                    "out",
-                    "",
-                    _short(b.src),
-                    _short(b.dst),
-                    f"[{', '.join(s.label() for s in b.plan.steps)}]",
-                    str(b.bytes),
-                    b.where,
-                )
-            )
-        widths = [min(max(len(r[c]) for r in rows), 60) for c in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  " + "  ".join(v[:60].ljust(w) for v, w in zip(r, widths)).rstrip())
+            steps = ", ".join(s.label() for s in b.plan.steps)
+            rows.append(("out", "", _short(b.src), _short(b.dst), f"[{steps}]", str(b.bytes), b.where))
+        return rows
+
+    def _totals(self) -> str:
+        """Bytes per kind of communication."""
         by_kind: dict = {}
         for b in self.boxings:
             for s in b.plan.steps:
                 by_kind[s.op] = by_kind.get(s.op, 0) + s.bytes
         for _, c in self.comm:
             by_kind[c.what] = by_kind.get(c.what, 0) + c.bytes
-        lines.append(
-            "  totals: " + (", ".join(f"{k} {v} B" for k, v in sorted(by_kind.items())) or "no communication")
-        )
-        for w in self.warnings:
-            lines.append(f"  warning: {w}")
-        return "\n".join(lines)
+        return ", ".join(f"{k} {v} B" for k, v in sorted(by_kind.items())) or "no communication"
 
     __repr__ = __str__
