@@ -286,80 +286,93 @@ def _size(closed) -> int:
 def _flatten_control(eqn, ins, nodes, cse, flat):
     """The outputs of a scan or cond written out as straight-line code (see
     ``UNROLL_LIMIT``), or None to keep the equation as it is."""
-    name, p = eqn.primitive.name, eqn.params
     if getattr(eqn, "effects", None):
         return None
+    name = eqn.primitive.name
     if name == "scan":
-        body, length = p["jaxpr"], p["length"]
-        if length == 0 or length * max(_size(body), 1) > flat.unroll_limit:
-            return None
-        consts, carry, xs = scan_operands(p, ins)
-        if "ft_out" in p:  # jax >= 0.12 groups the results as flat trees
-
-            def split_out(outs):
-                return (list(g) for g in p["ft_out"].update(outs).unpack())
-
-        else:
-            n_carry = len(carry)
-
-            def split_out(outs):
-                return outs[:n_carry], outs[n_carry:]
-
-        ys: dict = {}
-        slice_cse = {} if flat.loop_slices else cse
-        loop = Loop(p["reverse"], len(consts), len(carry), list(xs), [])
-        for i in reversed(range(length)) if p["reverse"] else range(length):
-            sliced_from = len(nodes)
-            x_i = [_inline_closed(index_jaxpr(x, i), [x], nodes, slice_cse, flat)[0] for x in xs]
-            start = len(nodes)
-            slicing = nodes[sliced_from:start]
-            ins_i = consts + carry + x_i
-            # a copy of the merge table: equal equations merge within the iteration
-            # and with the code before the loop, never across iterations (the
-            # lowering rolls iterations that are alike back into one loop body)
-            outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), flat)
-            made = {id(o) for n in nodes[start:] for o in n.outs}
-            loop.iterations.append(Iteration(i, ins_i, list(outs_i), made, slicing))
-            carry, ys[i] = split_out(outs_i)
-
-        def stack(vs):
-            return _emit(lambda *v: jax.numpy.stack(v), vs, nodes, cse, what="stack", flat=flat)[0]
-
-        stacked = [stack([ys[i][k] for i in range(length)]) for k in range(len(ys[0]))]
-        if len(carry) + len(stacked) != len(eqn.outvars):
-            return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
-        loop.stacked, loop.source = list(stacked), source_of(eqn)
-        flat.loops.append(loop)
-        return carry + stacked
+        return _flatten_scan(eqn, ins, nodes, cse, flat)
     if name == "custom_linear_solve":
-        return _linear_solve(p, ins, nodes, cse, flat)
+        return _linear_solve(eqn.params, ins, nodes, cse, flat)
     if name == "cond":
-        branches = p["branches"]
-        if sum(_size(b) for b in branches) > flat.unroll_limit:
-            return None
-        index, operands = ins[0], ins[1:]
-        if len(branches) == 1:
-            return _inline(branches[0].jaxpr, list(branches[0].consts), operands, nodes, cse, flat)
-        cond = Cond(next(_conds), index, len(branches), [], source_of(eqn))
-        results = []
-        for k, b in enumerate(branches):
-            start = len(nodes)
-            # a copy of the merge table: a branch's equations may read the code
-            # before the cond, but nothing outside the branch reads its values
-            results.append(_inline(b.jaxpr, list(b.consts), operands, nodes, dict(cse), flat))
-            for n in nodes[start:]:
-                n.branch = ((cond.id, k), *n.branch)
-        # lax.switch has already clamped the index; select_n picks case ``index``
-        outs = []
-        for cases in zip(*results):
-            start = len(nodes)
-            outs.append(_emit(lambda i, *cases: jax.lax.select_n(i, *cases), [index, *cases], nodes, {})[0])
-            for n in nodes[start:]:
-                n.source = cond.source  # the user's cond, not this line
-            cond.selects += [n for n in nodes[start:] if n.name == "select_n"]
-        flat.conds.append(cond)
-        return outs
+        return _flatten_cond(eqn, ins, nodes, cse, flat)
     return None
+
+
+def _flatten_scan(eqn, ins, nodes, cse, flat):
+    """A scan as its iterations one after another (a :class:`Loop` records
+    them), its stacked outputs stacked from each iteration's."""
+    p = eqn.params
+    body, length = p["jaxpr"], p["length"]
+    if length == 0 or length * max(_size(body), 1) > flat.unroll_limit:
+        return None
+    consts, carry, xs = scan_operands(p, ins)
+    if "ft_out" in p:  # jax >= 0.12 groups the results as flat trees
+
+        def split_out(outs):
+            return (list(g) for g in p["ft_out"].update(outs).unpack())
+
+    else:
+        n_carry = len(carry)
+
+        def split_out(outs):
+            return outs[:n_carry], outs[n_carry:]
+
+    ys: dict = {}
+    slice_cse = {} if flat.loop_slices else cse
+    loop = Loop(p["reverse"], len(consts), len(carry), list(xs), [])
+    for i in reversed(range(length)) if p["reverse"] else range(length):
+        sliced_from = len(nodes)
+        x_i = [_inline_closed(index_jaxpr(x, i), [x], nodes, slice_cse, flat)[0] for x in xs]
+        start = len(nodes)
+        slicing = nodes[sliced_from:start]
+        ins_i = consts + carry + x_i
+        # a copy of the merge table: equal equations merge within the iteration
+        # and with the code before the loop, never across iterations (the
+        # lowering rolls iterations that are alike back into one loop body)
+        outs_i = _inline(body.jaxpr, list(body.consts), ins_i, nodes, dict(cse), flat)
+        made = {id(o) for n in nodes[start:] for o in n.outs}
+        loop.iterations.append(Iteration(i, ins_i, list(outs_i), made, slicing))
+        carry, ys[i] = split_out(outs_i)
+
+    def stack(vs):
+        return _emit(lambda *v: jax.numpy.stack(v), vs, nodes, cse, what="stack", flat=flat)[0]
+
+    stacked = [stack([ys[i][k] for i in range(length)]) for k in range(len(ys[0]))]
+    if len(carry) + len(stacked) != len(eqn.outvars):
+        return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
+    loop.stacked, loop.source = list(stacked), source_of(eqn)
+    flat.loops.append(loop)
+    return carry + stacked
+
+
+def _flatten_cond(eqn, ins, nodes, cse, flat):
+    """A cond as every branch followed by one ``select_n`` per result (a
+    :class:`Cond` records them)."""
+    branches = eqn.params["branches"]
+    if sum(_size(b) for b in branches) > flat.unroll_limit:
+        return None
+    index, operands = ins[0], ins[1:]
+    if len(branches) == 1:
+        return _inline(branches[0].jaxpr, list(branches[0].consts), operands, nodes, cse, flat)
+    cond = Cond(next(_conds), index, len(branches), [], source_of(eqn))
+    results = []
+    for k, b in enumerate(branches):
+        start = len(nodes)
+        # a copy of the merge table: a branch's equations may read the code
+        # before the cond, but nothing outside the branch reads its values
+        results.append(_inline(b.jaxpr, list(b.consts), operands, nodes, dict(cse), flat))
+        for n in nodes[start:]:
+            n.branch = ((cond.id, k), *n.branch)
+    # lax.switch has already clamped the index; select_n picks case ``index``
+    outs = []
+    for cases in zip(*results):
+        start = len(nodes)
+        outs.append(_emit(lambda i, *cases: jax.lax.select_n(i, *cases), [index, *cases], nodes, {})[0])
+        for n in nodes[start:]:
+            n.source = cond.source  # the user's cond, not this line
+        cond.selects += [n for n in nodes[start:] if n.name == "select_n"]
+    flat.conds.append(cond)
+    return outs
 
 
 def _linear_solve(params, ins, nodes, cse, flat):
