@@ -86,8 +86,28 @@ def plan_regathers(prop: Propagation, excluded: set, target: int | None = None) 
     indices inside rolled loops, switches or checkpoint regions. ``target``:
     an estimated peak to reach with the fewest regathers (the largest first)
     and then stop; None: regather while the peak falls."""
-    if not prop.decisions:
+    held = _gathered_arguments(prop, excluded)
+    if not held:
         return {}, None
+    live = live_bytes(prop, held)
+    first = int(live.max())
+    live = _lower_peak(prop, held, live, -1 if target is None else target)
+    if first - int(live.max()) < prop.options.regather_min_saving * first:
+        return {}, None
+    out: dict = {}
+    for h in held:
+        for s in h.starts[1:]:
+            node = prop.decisions[s].node
+            where = f"{node.name} at {node.source} (gathered again)"
+            out.setdefault(s, []).append(
+                dataclasses.replace(h.boxing, where=where, node_index=s, regather=True)
+            )
+    return out, ((first, int(live.max())) if out else None)
+
+
+def _gathered_arguments(prop: Propagation, excluded: set) -> list:
+    """A :class:`Held` per argument all-gathered to a larger block (first
+    where it is gathered), its uses outside ``excluded``."""
     grid = prop.placement.shape
     inputs = {id(v) for v in prop.program.inputs}
     made: dict = {}
@@ -102,21 +122,23 @@ def plan_regathers(prop: Propagation, excluded: set, target: int | None = None) 
             ):
                 made.setdefault((id(b.var), b.dst), (i, b))
     if not made:
-        return {}, None
+        return []
     uses = decision_uses(prop, made)
-    held = [
-        Held(b, uses[key], [i], value_bytes(b.var, b.dst, prop.placement.shape))
+    return [
+        Held(b, uses[key], [i], value_bytes(b.var, b.dst, grid))
         for key, (i, b) in made.items()
         # Held's model: gathered where it is first used, so each segment starts at a use.
         # A gathering whose first counted use is elsewhere (a consumer inside a region
         # the uses above do not see) is left as it is.
         if uses[key] and uses[key][0] == i and not any(u in excluded for u in uses[key])
     ]
-    if not held:
-        return {}, None
-    live = live_bytes(prop, held)
-    first = int(live.max())
-    goal = -1 if target is None else target
+
+
+def _lower_peak(prop: Propagation, held: list, live, goal: int):
+    """Gather again, at the peak, each weight held across it and next used
+    after it, while the estimated peak falls and stays above ``goal`` (where
+    a round reaches ``goal``: only the fewest of its regathers, the largest
+    first). Changes ``held``' starts; returns the live bytes it ends with."""
     while live.max() > goal:
         peak = int(np.argmax(live))
         moved = []
@@ -146,17 +168,7 @@ def plan_regathers(prop: Propagation, excluded: set, target: int | None = None) 
                 if trial.max() <= goal:
                     break
         live = trial
-    if first - int(live.max()) < prop.options.regather_min_saving * first:
-        return {}, None
-    out: dict = {}
-    for h in held:
-        for s in h.starts[1:]:
-            node = prop.decisions[s].node
-            where = f"{node.name} at {node.source} (gathered again)"
-            out.setdefault(s, []).append(
-                dataclasses.replace(h.boxing, where=where, node_index=s, regather=True)
-            )
-    return out, ((first, int(live.max())) if out else None)
+    return live
 
 
 def add_regathers(prop: Propagation, mode: bool | str = True) -> None:
