@@ -51,7 +51,7 @@ taken) is still computed (``trace._last_carries``), and boxed like the others
 
 from __future__ import annotations
 
-import types
+import dataclasses
 
 from sbpjax.compiler.loop_exits import carry_input
 from sbpjax.compiler.loop_state import OUTER, Run, carry_boxings, check_run, roles
@@ -70,15 +70,30 @@ def plan_runs(prop: Propagation) -> list[Run]:
     return runs
 
 
-def _plan_runs(prop: Propagation) -> list[Run]:
-    prog = prop.program
-    decs = prop.decisions
-    index_of = {id(d.node): i for i, d in enumerate(decs)}
-    producer: dict = {}  # id(Var) -> (decision index, output position)
+@dataclasses.dataclass(frozen=True)
+class ValueIndex:
+    """Where each value of a plan is made, read and boxed: what the checks of
+    a run (:mod:`sbpjax.compiler.loop_state`, :mod:`sbpjax.compiler.loop_exits`)
+    look up as ``ctx``. Decision indices throughout; -1 is an input (for
+    ``made_at``) or the program's outputs (for ``reads`` and ``boxings_of``)."""
+
+    producer: dict  # id(Var) -> (decision index, output position)
+    made_at: dict  # id(Var) -> [(decision index, layout)]: the layouts it is available in, from where
+    reads: dict  # id(Var) -> [(decision index, layout)]: where its ops and boxings read it, in what layout
+    boxings_of: dict  # id(Var) -> [(decision index, Boxing)]
+    placement: object
+
+    def available(self, v, before: int) -> set:
+        """The layouts ``v`` is in before decision ``before``."""
+        return {nd for i, nd in self.made_at.get(id(v), ()) if i < before}
+
+
+def value_index(prop: Propagation) -> ValueIndex:
+    prog, decs = prop.program, prop.decisions
+    producer: dict = {}
     for i, d in enumerate(decs):
         for o, v in enumerate(d.node.outs):
             producer[id(v)] = (i, o)
-    # the layouts each value is available in, and from where (decision index; -1: an input)
     made_at: dict = {}
     for v, nd in zip(prog.inputs, prop.in_sbp):
         made_at.setdefault(id(v), []).append((-1, nd))
@@ -89,12 +104,6 @@ def _plan_runs(prop: Propagation) -> list[Run]:
             made_at.setdefault(id(v), []).append((i, nd))
     for b in prop.out_boxings:  # after every op
         made_at.setdefault(id(b.var), []).append((len(decs), b.dst))
-
-    def available(v, before: int) -> set:
-        return {nd for i, nd in made_at.get(id(v), ()) if i < before}
-
-    # the layouts each value is read in, and where: decision indices (its ops and the
-    # boxings placed there), -1 for the program's outputs
     reads: dict = {}
     for i, d in enumerate(decs):
         for a, nd in zip(d.node.ins, d.in_sbp):
@@ -105,27 +114,25 @@ def _plan_runs(prop: Propagation) -> list[Run]:
         reads.setdefault(id(a), []).append((-1, tuple(nd)))
     for b in prop.out_boxings:
         reads.setdefault(id(b.var), []).append((-1, tuple(b.src)))
-    boxings_of: dict = {}  # id(Var) -> [(decision index, -1 for the outputs' boxings), Boxing]
+    boxings_of: dict = {}
     for i, d in enumerate(decs):
         for b in d.boxings:
             boxings_of.setdefault(id(b.var), []).append((i, b))
     for b in prop.out_boxings:
         boxings_of.setdefault(id(b.var), []).append((-1, b))
-    ctx = types.SimpleNamespace(
-        producer=producer,
-        available=available,
-        made_at=made_at,
-        reads=reads,
-        boxings_of=boxings_of,
-        placement=prop.placement,
-    )
+    return ValueIndex(producer, made_at, reads, boxings_of, prop.placement)
+
+
+def _plan_runs(prop: Propagation) -> list[Run]:
+    decs = prop.decisions
+    index_of = {id(d.node): i for i, d in enumerate(decs)}
+    ctx = value_index(prop)
     runs: list = []
     taken: set = set()  # decision indices already inside a run of an outer or earlier loop
-    for loop in reversed(prog.loops):  # outer loops first: an inner loop rolls inside the outer body
-        bodies = []
-        for it in loop.iterations:
-            body = sorted(index_of[id(n)] for n in _nodes_of(it, decs, producer))
-            bodies.append(body)
+    for loop in reversed(prop.program.loops):  # outer loops first: an inner loop rolls inside the outer body
+        bodies = [
+            sorted(index_of[id(n)] for n in _nodes_of(it, decs, ctx.producer)) for it in loop.iterations
+        ]
         q = 0
         n = len(loop.iterations)
         while q < n - 1:
