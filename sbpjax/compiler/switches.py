@@ -137,44 +137,9 @@ def _places(prop, real, candidates, fixed):
     runs a boxing that readers outside it need, or a boxing reads a value
     not yet made where it would run)."""
     decs = prop.decisions
-    select_of = {id(n): c for c in real for n in candidates[c][0].selects}
-    reads: dict = {}  # (id(Var), layout) -> [path of each read]
-    where: dict = {}  # id(Boxing) -> (decision index, path where the op reads it)
-    for i, d in enumerate(decs):
-        path = _path(d.node, real)
-        c = select_of.get(id(d.node))
-        operand_paths = [
-            path + ((c, j - 1),) if c is not None and j >= 1 else path for j in range(len(d.node.ins))
-        ]
-        for a, nd, p in zip(d.node.ins, d.in_sbp, operand_paths):
-            if isinstance(a, Var):
-                reads.setdefault((id(a), nd), []).append(p)
-        for b in d.boxings:
-            at = [p for a, nd, p in zip(d.node.ins, d.in_sbp, operand_paths) if a is b.var and nd == b.dst]
-            where[id(b)] = (i, common_path(at) if at else path)
-    for b in prop.out_boxings:
-        reads.setdefault((id(b.var), b.src), []).append(())
-    for a, nd in zip(prop.program.outputs, prop.out_sbp):
-        if isinstance(a, Var):
-            reads.setdefault((id(a), nd), []).append(())
-
-    # A boxing may read another's result (its source layout made by an earlier
-    # boxing): that read is where the reading boxing runs, which may move out
-    # in turn. Places only move outwards, so this settles.
+    reads, where = _reads_and_boxings(prop, real, candidates)
     boxings = [(i, b) for i, d in enumerate(decs) for b in d.boxings]
-    place_of = {id(b): where[id(b)][1] for _, b in boxings}
-    while True:
-        all_reads = {k: list(v) for k, v in reads.items()}
-        for _, b in boxings:
-            all_reads.setdefault((id(b.var), b.src), []).append(place_of[id(b)])
-        moved = False
-        for _, b in boxings:
-            place = common_path([place_of[id(b)], *all_reads.get((id(b.var), b.dst), [])])
-            if place != place_of[id(b)]:
-                place_of[id(b)], moved = place, True
-        if not moved:
-            break
-
+    place_of = _settled_places(boxings, reads, where)
     places: dict = {}
     hoisted: dict = {}
     broken: set = set()
@@ -200,12 +165,56 @@ def _places(prop, real, candidates, fixed):
             places[id(b)] = place
         made[(id(b.var), b.dst)] = place
     # a boxing runs where its source is made, or deeper
-    for d in decs:
-        for b in d.boxings:
-            place = places.get(id(b), ())
-            src = made.get((id(b.var), b.src))
-            if src is not None and place[: len(src)] != src:
-                broken |= {c for c, _ in place[len(common_path([place, src])) :]} | {
-                    c for c, _ in src[len(common_path([place, src])) :]
-                }
+    for _, b in boxings:
+        place = places.get(id(b), ())
+        src = made.get((id(b.var), b.src))
+        if src is not None and place[: len(src)] != src:
+            common = len(common_path([place, src]))
+            broken |= {c for c, _ in place[common:]} | {c for c, _ in src[common:]}
     return places, hoisted, broken & real
+
+
+def _reads_and_boxings(prop, real, candidates) -> tuple[dict, dict]:
+    """``(reads, where)``: the path of each read of each (value, layout) (a
+    select reads case ``k`` in branch ``k``; the program's outputs read at
+    the top), and each boxing's (decision index, path where its op reads it)."""
+    select_of = {id(n): c for c in real for n in candidates[c][0].selects}
+    reads: dict = {}
+    where: dict = {}
+    for i, d in enumerate(prop.decisions):
+        path = _path(d.node, real)
+        c = select_of.get(id(d.node))
+        operand_paths = [
+            path + ((c, j - 1),) if c is not None and j >= 1 else path for j in range(len(d.node.ins))
+        ]
+        for a, nd, p in zip(d.node.ins, d.in_sbp, operand_paths):
+            if isinstance(a, Var):
+                reads.setdefault((id(a), nd), []).append(p)
+        for b in d.boxings:
+            at = [p for a, nd, p in zip(d.node.ins, d.in_sbp, operand_paths) if a is b.var and nd == b.dst]
+            where[id(b)] = (i, common_path(at) if at else path)
+    for b in prop.out_boxings:
+        reads.setdefault((id(b.var), b.src), []).append(())
+    for a, nd in zip(prop.program.outputs, prop.out_sbp):
+        if isinstance(a, Var):
+            reads.setdefault((id(a), nd), []).append(())
+    return reads, where
+
+
+def _settled_places(boxings: list, reads: dict, where: dict) -> dict:
+    """id(boxing) -> its place: the innermost path all reads of its result
+    lie in. A boxing may read another's result (its source layout made by an
+    earlier boxing): that read is where the reading boxing runs, which may
+    move out in turn. Places only move outwards, so this settles."""
+    place_of = {id(b): where[id(b)][1] for _, b in boxings}
+    while True:
+        all_reads = {k: list(v) for k, v in reads.items()}
+        for _, b in boxings:
+            all_reads.setdefault((id(b.var), b.src), []).append(place_of[id(b)])
+        moved = False
+        for _, b in boxings:
+            place = common_path([place_of[id(b)], *all_reads.get((id(b.var), b.dst), [])])
+            if place != place_of[id(b)]:
+                place_of[id(b)], moved = place, True
+        if not moved:
+            return place_of
