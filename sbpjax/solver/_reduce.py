@@ -196,6 +196,35 @@ def merge_dependencies(model: Model) -> Model | None:
 
 
 def _collapse(model: Model, parent: list, link: list) -> Model:
+    """The model with each tree of ``parent`` one node, its root's: a
+    member's strategy is ``link``'s function of its parent's."""
+    rid, k, gflat, goff = _root_maps(model, parent, link)
+    noff = offsets(k)
+    gsizes = k[rid]
+    # unary: each member's costs at its mapped strategies
+    newpos = np.repeat(noff[rid], gsizes) + local_index(gsizes)
+    oldpos = np.repeat(model.noff[:-1], gsizes) + gflat
+    unary = np.bincount(newpos, weights=model.unary[oldpos], minlength=int(noff[-1]))
+    unary += _inner_pairs(model, rid, k, noff, gflat, goff, len(unary))
+    pu, pv, poff, pflat = _outer_pairs(model, rid, k, gflat, goff)
+    # members and memory pieces follow their model node
+    mroot = rid[model.mroot]
+    msizes = k[mroot]
+    mmap = model.mmap[
+        np.repeat(model.moff[:-1], msizes) + gflat[np.repeat(goff[model.mroot], msizes) + local_index(msizes)]
+    ]
+    mem = model.memory
+    if mem is not None:
+        qsz = k[rid[mem.qnode]]
+        qold = np.repeat(mem.qoff[:-1], qsz) + gflat[np.repeat(goff[mem.qnode], qsz) + local_index(qsz)]
+        mem = Memory(rid[mem.qnode], mem.qlo, mem.qhi, offsets(qsz), mem.qusage[qold], mem.nseg, mem.limit)
+    return Model(k, noff, unary, pu, pv, poff, pflat, mroot, offsets(msizes), mmap, mem)
+
+
+def _root_maps(model: Model, parent: list, link: list):
+    """``(rid, k, gflat, goff)``: each node's root (numbered), each root's
+    strategy count, and flat, per node, the node's strategy for each of its
+    root's (``gflat[goff[x] + a]``)."""
     n = model.n
     children: list = [[] for _ in range(n)]
     for x, p in enumerate(parent):
@@ -214,25 +243,29 @@ def _collapse(model: Model, parent: list, link: list) -> Model:
                 g[c] = link[c][g[x]]
                 stack.append(c)
     k = model.k[roots]
-    noff = offsets(k)
-    gsizes = k[rid]
-    goff = offsets(gsizes)
-    gflat = np.concatenate(g)
-    # unary: each member's costs at its mapped strategies
-    newpos = np.repeat(noff[rid], gsizes) + local_index(gsizes)
-    oldpos = np.repeat(model.noff[:-1], gsizes) + gflat
-    unary = np.bincount(newpos, weights=model.unary[oldpos], minlength=int(noff[-1]))
-    # pairs: internal ones become unary costs, the others are re-indexed and summed
+    return rid, k, np.concatenate(g), offsets(k[rid])
+
+
+def _inner_pairs(model: Model, rid, k, noff, gflat, goff, size: int) -> np.ndarray:
+    """The pairs inside one tree, as unary costs of its root."""
     ru, rv = rid[model.pu], rid[model.pv]
-    inner = ru == rv
-    p_in = np.flatnonzero(inner)
+    p_in = np.flatnonzero(ru == rv)
     sz = k[ru[p_in]]
     a = local_index(sz)
     gu = gflat[np.repeat(goff[model.pu[p_in]], sz) + a]
     gv = gflat[np.repeat(goff[model.pv[p_in]], sz) + a]
     vals = model.pflat[np.repeat(model.poff[p_in], sz) + gu * np.repeat(model.k[model.pv[p_in]], sz) + gv]
-    unary += np.bincount(np.repeat(noff[ru[p_in]], sz) + a, weights=vals, minlength=len(unary))
-    p_out = np.flatnonzero(~inner)
+    return np.bincount(np.repeat(noff[ru[p_in]], sz) + a, weights=vals, minlength=size)
+
+
+def _outer_pairs(model: Model, rid, k, gflat, goff):
+    """``(pu, pv, poff, pflat)``: the pairs between trees, re-indexed by
+    their roots' strategies (the lower root on the row side), those between
+    the same two roots summed."""
+    ru, rv = rid[model.pu], rid[model.pv]
+    p_out = np.flatnonzero(ru != rv)
+    if not len(p_out):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.float64)
     swap = ru[p_out] > rv[p_out]
     lo_node = np.where(swap, model.pv[p_out], model.pu[p_out])  # the old node on the new row side
     hi_node = np.where(swap, model.pu[p_out], model.pv[p_out])
@@ -247,26 +280,10 @@ def _collapse(model: Model, parent: list, link: list) -> Model:
     vals = model.pflat[
         np.repeat(model.poff[p_out], sizes) + old_row * np.repeat(model.k[model.pv[p_out]], sizes) + old_col
     ]
-    if len(p_out):
-        _, first, inv = np.unique(rlo * n + rhi, return_index=True, return_inverse=True)
-        poff = offsets(sizes[first])
-        pflat = np.bincount(np.repeat(poff[:-1][inv], sizes) + loc, weights=vals, minlength=int(poff[-1]))
-        pu, pv = rlo[first], rhi[first]
-    else:
-        pu = pv = np.zeros(0, np.int64)
-        poff, pflat = np.zeros(1, np.int64), np.zeros(0, np.float64)
-    # members and memory pieces follow their model node
-    mroot = rid[model.mroot]
-    msizes = k[mroot]
-    mmap = model.mmap[
-        np.repeat(model.moff[:-1], msizes) + gflat[np.repeat(goff[model.mroot], msizes) + local_index(msizes)]
-    ]
-    mem = model.memory
-    if mem is not None:
-        qsz = k[rid[mem.qnode]]
-        qold = np.repeat(mem.qoff[:-1], qsz) + gflat[np.repeat(goff[mem.qnode], qsz) + local_index(qsz)]
-        mem = Memory(rid[mem.qnode], mem.qlo, mem.qhi, offsets(qsz), mem.qusage[qold], mem.nseg, mem.limit)
-    return Model(k, noff, unary, pu, pv, poff, pflat, mroot, offsets(msizes), mmap, mem)
+    _, first, inv = np.unique(rlo * model.n + rhi, return_index=True, return_inverse=True)
+    poff = offsets(sizes[first])
+    pflat = np.bincount(np.repeat(poff[:-1][inv], sizes) + loc, weights=vals, minlength=int(poff[-1]))
+    return rlo[first], rhi[first], poff, pflat
 
 
 def split_additive(model: Model) -> Model:
