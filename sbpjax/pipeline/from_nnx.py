@@ -166,8 +166,8 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
         )
     path, kind, n = find_blocks(model, blocks)
     parts = Parts(model, path, kind, n, sample)
-    before, after, has_before, has_after = split_params(parts, sample)
     node = get_path(model, path)
+    before, after, has_before, has_after = split_params(parts, sample, _through_blocks(node, kind))
     where = path_text(path)
     if kind == "list":
         layers = [_module_layer(m, f"{where}.{i}", _block_tie(m)) for i, m in enumerate(node)]
@@ -200,6 +200,21 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
     if check:
         _check_against_model(chain, model, sample)
     return chain
+
+
+def _through_blocks(node, kind: str):
+    """The blocks' output shape of their input's: each block of a list in
+    turn (a block may change the width); a stack's scan carries one shape."""
+
+    def run(h):
+        if kind != "list":
+            return h
+        for block in node:
+            graphdef, state = nnx.split(block)
+            h = jax.eval_shape(lambda s, x, g=graphdef: nnx.merge(g, s)(x), state, h)
+        return jax.ShapeDtypeStruct(h.shape, h.dtype)
+
+    return run
 
 
 def _block_tie(module) -> str:

@@ -255,9 +255,11 @@ def _scan_counts(eqn) -> tuple[int, int]:
     return len(parts[0]), len(parts[1])
 
 
-def split_params(parts: Parts, sample) -> tuple[dict, dict, bool, bool]:
+def split_params(parts: Parts, sample, through_blocks=None) -> tuple[dict, dict, bool, bool]:
     """Non-block parameters read before and after the blocks, and whether each
-    part is there at all (it reads a parameter, or is not the identity)."""
+    part is there at all (it reads a parameter, or is not the identity).
+    ``through_blocks``: the blocks' output shape (a ``jax.ShapeDtypeStruct``)
+    of their input's, where the blocks change the width (default: unchanged)."""
     paths = list(parts.params)
     leaves = [parts.params[p] for p in paths]
 
@@ -269,7 +271,10 @@ def split_params(parts: Parts, sample) -> tuple[dict, dict, bool, bool]:
 
     used_before = _used_inputs(before_fn, leaves, sample)
     h = jax.eval_shape(before_fn, leaves, sample)
-    used_after = _used_inputs(after_fn, leaves, jax.ShapeDtypeStruct(h.shape, h.dtype))
+    h = jax.ShapeDtypeStruct(h.shape, h.dtype)
+    if through_blocks is not None:
+        h = through_blocks(h)  # the head reads what the last block makes
+    used_after = _used_inputs(after_fn, leaves, h)
     tied = [path_text(p) for p, b, a in zip(paths, used_before, used_after[: len(paths)]) if b and a]
     if tied:
         raise SBPError(
@@ -287,7 +292,7 @@ def split_params(parts: Parts, sample) -> tuple[dict, dict, bool, bool]:
     # parameters neither part reads stay with the head (their gradient is zero)
     after.update({p: v for p, v in parts.params.items() if p not in before and p not in after})
     identity_before = not before and _is_identity(before_fn, leaves, sample)
-    identity_after = not after and _is_identity(after_fn, leaves, jax.ShapeDtypeStruct(h.shape, h.dtype))
+    identity_after = not after and _is_identity(after_fn, leaves, h)
     return before, after, not identity_before, not identity_after
 
 

@@ -201,6 +201,41 @@ def test_cut_nnx_model_steps_like_the_single_device_model(model_cls):
         assert_close(g, w, rtol=1e-4, scale=1e-2)
 
 
+class Widening(nnx.Module):
+    """Blocks that change the width: the head reads the last block's width,
+    not the embedding's."""
+
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(4, 8, rngs=rngs)
+        self.blocks = nnx.List(
+            [nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 16, rngs=rngs), nnx.Linear(16, 12, rngs=rngs)]
+        )
+        self.head = nnx.Linear(12, 2, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_blocks_that_change_the_width_cut_and_train_like_one_program():
+    model = Widening(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
+    c = sjp.cut(model, sj.placement(2, "pp"), axis="pp", sample=x, costs=[1.0] * 5)
+    assert [layer.name for layer in c.chain.layers] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+
+    def mse(out, target):
+        return jnp.mean((out - target) ** 2)
+
+    r = sjp.Pipeline(c.stages, mse, optax.sgd(0.1), microbatches=2).step(x, y)
+    loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
+    assert r.loss == pytest.approx(float(loss), rel=1e-5)
+    for g, w in zip(jax.tree.leaves(c.model_params(r.grads)), jax.tree.leaves(nnx.to_pure_dict(grads))):
+        assert_close(g, w, rtol=1e-4)
+
+
 def test_interleaved_schedule_puts_two_stages_on_each_group():
     model = ListGPT(nnx.Rngs(0), layers=2)
     pl = sj.placement((2, 2), ("pp", "tp"))
