@@ -57,6 +57,10 @@ class StepBodies:
         self.losses, self.pending = losses, pending
         self.last = len(pipe.stages) - 1
         self.scale = np.float32(1.0 / pipe.microbatches)
+        # each stage's gradient accumulator, this step's own: an action of a failed
+        # step still running (past its deadline: a thread cannot be stopped) adds
+        # into the failed step's accumulators, never into a later step's
+        self.acc = [None if prog is None else prog.zeros for prog in pipe.programs]
 
     def bodies(self) -> dict[str, Callable]:
         pipe, stages, last = self.pipe, self.pipe.stages, self.last
@@ -173,11 +177,11 @@ class StepBodies:
 
         def backward(k, v):
             inputs, saved = v[f"stash{s}"]
-            out = prog.backward(stage.params, *inputs, saved, self._cotangent(s, v), prog.acc)
-            dx, prog.acc = ready((None, out) if s == 0 else out)
+            out = prog.backward(stage.params, *inputs, saved, self._cotangent(s, v), self.acc[s])
+            dx, self.acc[s] = ready((None, out) if s == 0 else out)
             if s > 0:  # the gradient this stage sends back: where a NaN made here shows first
                 self.check(s, "input gradient", dx)
-            return {f"dx{s}": dx, f"grads{s}": prog.acc}
+            return {f"dx{s}": dx, f"grads{s}": self.acc[s]}
 
         return backward
 
@@ -194,7 +198,7 @@ class StepBodies:
             inputs, saved = v[f"stash{s}"]
             ct = self._cotangent(s, v)
             if s == 0:
-                prog.acc = ready(prog.backward(stage.params, *inputs, saved, ct, prog.acc))
+                self.acc[s] = ready(prog.backward(stage.params, *inputs, saved, ct, self.acc[s]))
                 return {f"dx{s}": None, f"kept{s}": ()}
             split = prog.vjp.split(stage.params, inputs[0], inputs[1:])
             saved_b = tuple(saved[i] for i in split.saved_for_input)
@@ -214,9 +218,11 @@ class StepBodies:
         def backward_weight(k, v):
             if s > 0:
                 inputs, saved_w, ct, kept = v[f"kept{s}"]
-                prog.acc = ready(prog.backward_weight(stage.params, *inputs, saved_w, ct, kept, prog.acc))
-            self.check(s, "weight gradient (accumulated)", prog.acc)
-            return {f"grads{s}": prog.acc}
+                self.acc[s] = ready(
+                    prog.backward_weight(stage.params, *inputs, saved_w, ct, kept, self.acc[s])
+                )
+            self.check(s, "weight gradient (accumulated)", self.acc[s])
+            return {f"grads{s}": self.acc[s]}
 
         return backward_weight
 

@@ -163,7 +163,6 @@ class StagePrograms:
         self.zeros = jax.tree_util.tree_map(
             lambda t, s: to_global(np.zeros(t.shape, t.dtype), pl, s), stage.params, ps, is_leaf=is_global
         )
-        self.acc = self.zeros
         self.grads = None
         self.last = loss_fn is not None
 

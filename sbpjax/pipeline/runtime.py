@@ -49,6 +49,10 @@ THREAD_PREFIX = "sbpjax-pipeline:"
 _STOP = None  # the message that tells a thread to leave
 
 
+class _Abandoned(Exception):
+    """An action not run because its step had already failed."""
+
+
 class _ActionFailed(Exception):
     def __init__(self, spec: ActorSpec, k: int, error: BaseException):
         super().__init__(str(error))
@@ -138,6 +142,10 @@ class ThreadedSystem(ActorSystem):
         try:
             if self._before is not None:
                 self._before(spec, k)
+            if self._failed.is_set():
+                # the step failed (or passed a deadline) while this action waited: its
+                # caller has returned, so the body would only hold a device for nothing
+                raise _Abandoned(f"{spec.name} #{k}")
             out = self._bodies[actor.index](k, inputs)
         except BaseException as e:
             raise _ActionFailed(spec, k, e) from e

@@ -367,13 +367,8 @@ class Pipeline:
                 before_action=self.before_action,
                 action_timeout=self._deadline(),
             )
-        try:
-            timeline = system.run()
-            values = self._losses(losses)  # read before anything changes
-        finally:
-            for prog in self.programs:
-                if prog is not None:
-                    prog.acc = prog.zeros
+        timeline = system.run()
+        values = self._losses(losses)  # read before anything changes
         for stage, prog, done in zip(self.stages, self.programs, pending):
             if prog is not None:  # a stage of another process keeps its handles
                 stage.params, prog.state, prog.grads = done

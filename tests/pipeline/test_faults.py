@@ -307,3 +307,79 @@ def test_hanging_w_raises_within_the_deadline(no_leftover_threads_after_release)
         pipe.step(x, y)
     assert (e.value.kind, e.value.stage, e.value.microbatch) == ("backward_weight", 1, 1)
     _assert_unchanged(before, _snapshot(pipe))
+
+
+def test_a_w_left_running_past_its_deadline_never_touches_a_later_step(monkeypatch):
+    """A W whose body (not its before_action: a hung collective) outlives its
+    step's deadline finishes later, on its own thread. Its weight gradient goes
+    into the failed step's accumulator: the next step's gradients are the
+    single-device ones (the stale W had added into the next step's)."""
+    from sbpjax.pipeline import bodies
+
+    slow = threading.Event()
+    original = bodies.StepBodies.backward_weight
+
+    def backward_weight(self, s):
+        body = original(self, s)
+
+        def maybe_slow(k, v):
+            if slow.is_set() and s == 1 and k == 1:
+                time.sleep(3.5)  # inside the body (the runtime cannot skip it), past the 2 s grace
+            return body(k, v)
+
+        return maybe_slow
+
+    monkeypatch.setattr(bodies.StepBodies, "backward_weight", backward_weight)
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.0), microbatches=4, schedule="zb-h1")
+    x, y = _batch(4)
+    pipe.step(x, y)  # compiles (sgd(0): the parameters never change)
+    pipe.action_timeout = 0.5
+    slow.set()
+    with pytest.raises(sjp.PipelineTimeout):
+        pipe.step(x, y)
+    slow.clear()
+    time.sleep(1.5)  # the stale W has finished by now (0.5 s deadline + 2 s grace + 1.5 s > 3.5 s)
+    got = pipe.step(x, y).grads
+    params = [_params(0), _params(1)]
+    want = jax.grad(lambda ps: mse(layer(ps[1], layer(ps[0], x)), y))(params)
+    for g, w in zip(got, want):
+        for key in ("w", "b"):
+            np.testing.assert_allclose(g[key].numpy(), w[key], rtol=1e-5, atol=1e-6)
+
+
+def test_an_action_whose_step_failed_while_it_waited_does_not_run(
+    monkeypatch, no_leftover_threads_after_release
+):
+    """A W held in ``before_action`` past the deadline is released after the
+    step has failed: its body is not run (it would hold a device for nothing)."""
+    from sbpjax.pipeline import bodies
+
+    release = no_leftover_threads_after_release
+    ran = []
+    original = bodies.StepBodies.backward_weight
+
+    def backward_weight(self, s):
+        body = original(self, s)
+
+        def counted(k, v):
+            ran.append((s, k))
+            return body(k, v)
+
+        return counted
+
+    monkeypatch.setattr(bodies.StepBodies, "backward_weight", backward_weight)
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), microbatches=4, schedule="zb-h1")
+    x, y = _batch(4)
+    pipe.step(x, y)
+
+    def block(spec, k):
+        if spec.kind == "backward_weight" and spec.stage == 1 and k == 1:
+            release.wait()
+
+    pipe.before_action, pipe.action_timeout = block, 0.5
+    ran.clear()
+    with pytest.raises(sjp.PipelineTimeout):
+        pipe.step(x, y)
+    release.set()
+    time.sleep(0.5)
+    assert (1, 0) in ran and (1, 1) not in ran
