@@ -42,6 +42,7 @@ from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
 from sbpjax.pipeline.graph import StageThreads, build_graph
 from sbpjax.pipeline.lockstep import LockstepSystem
+from sbpjax.pipeline.optimizer_scope import check_stagewise
 from sbpjax.pipeline.programs import StagePrograms
 from sbpjax.pipeline.registry import as_schedule
 from sbpjax.pipeline.runtime import ThreadedSystem
@@ -211,6 +212,12 @@ class Pipeline:
     gradients, each W's accumulated gradient and, before the update, every
     gradient, and raises naming the stage where a NaN or infinity first appears.
 
+    The optimizer runs on each stage's own parameters. One that computes a
+    statistic of the whole model first (``optax.clip_by_global_norm``,
+    ``optax.apply_if_finite``) would see each stage's alone, so it is refused
+    with an SBPError (:mod:`sbpjax.pipeline.optimizer_scope`);
+    ``stagewise_optimizer=True`` accepts it with per-stage statistics.
+
     With ``jax.distributed``, stages may live in different processes: build
     the same pipeline in every process. ``lockstep`` is then True: each
     process runs the actions of the stages with devices in it (``here``) in
@@ -239,10 +246,13 @@ class Pipeline:
         before_action: Callable | None = None,
         action_timeout="auto",
         check_finite: bool = False,
+        stagewise_optimizer: bool = False,
     ):
         stages = list(stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise SBPError("Pipeline: stages must be a non-empty list of sbpjax.pipeline.Stage.")
+        if not stagewise_optimizer:
+            check_stagewise(optimizer, [st.params for st in stages], [st.name for st in stages])
         self.stages = stages
         self.schedule = as_schedule(schedule)
         self.microbatches = microbatches

@@ -255,3 +255,38 @@ def test_flax_modules_as_stages():
     assert result.loss == pytest.approx(want_loss, rel=2e-6)
     assert_close([host(g) for g in result.grads], want_grads)
     assert_close([host(st.params) for st in stages], want_params)
+
+
+@pytest.mark.parametrize(
+    "opt, stagewise",
+    [
+        (optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)), False),
+        (optax.apply_if_finite(optax.adam(1e-2), 3), False),
+        (optax.chain(optax.clip(0.1), optax.adamw(1e-2)), True),
+        (optax.MultiSteps(optax.adam(1e-2), 2), True),
+        (optax.lamb(1e-2), True),
+        (optax.adafactor(1e-2), True),
+    ],
+    ids=["clip_by_global_norm", "apply_if_finite", "clip", "multisteps", "lamb", "adafactor"],
+)
+def test_an_optimizer_of_the_whole_model_is_refused_not_run_per_stage(one_device_stages, opt, stagewise):
+    """An optimizer whose update of one stage reads another stage's gradients
+    (a global norm) would see each stage's alone: it is refused, and runs per
+    stage only when asked. Optimizers that treat each parameter on its own run
+    as they would on one device."""
+    stages = one_device_stages[2]
+    if not stagewise:
+        with pytest.raises(
+            sj.SBPError, match=r"stage 0 \('layer0'\) is computed from stage 1.*stagewise_optimizer"
+        ):
+            sjp.Pipeline(stages, mse, opt, microbatches=2)
+        sjp.Pipeline(stages, mse, opt, microbatches=2, stagewise_optimizer=True)  # accepted when asked
+        return
+    pipe = sjp.Pipeline(stages, mse, opt, microbatches=2)
+    x, y = batch(2, seed=7)
+    before = [host(st.params) for st in stages]
+    _, want_grads, _, _ = reference_step([layer, layer], before, x, y, opt)
+    whole = list(before)  # the single-device update of the whole model
+    updates, _ = opt.update(want_grads, opt.init(whole), whole)
+    pipe.step(x, y)
+    assert_close([host(st.params) for st in stages], optax.apply_updates(whole, updates))
