@@ -361,6 +361,11 @@ class Pipeline:
         m = self.microbatches
         load_inputs = self._feed("inputs", inputs, m)
         load_targets = self._feed("targets", targets, m)
+        if not callable(inputs) and not callable(targets) and np.shape(inputs)[0] != np.shape(targets)[0]:
+            raise SBPError(
+                f"Pipeline.step: inputs have {np.shape(inputs)[0]} rows but targets {np.shape(targets)[0]}; "
+                "microbatch k of each is rows k*size..(k+1)*size, so they must have the same number of rows."
+            )
         losses: list = [None] * m
         pending: list = [None] * len(self.stages)
         if self.memory_budget is not None:

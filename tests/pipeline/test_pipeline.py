@@ -206,6 +206,9 @@ def test_bad_input_raises_sbperror(one_device_stages):
     opt = optax.sgd(0.1)
     with pytest.raises(sj.SBPError, match="do not split into 3 equal microbatches"):
         sjp.Pipeline(stages, mse, opt, microbatches=3).step(*batch(2, seed=0))
+    x, y = batch(2, seed=0)
+    with pytest.raises(sj.SBPError, match=r"inputs have \d+ rows but targets \d+"):
+        sjp.Pipeline(stages, mse, opt, microbatches=2).step(x, np.concatenate([y, y]))
     with pytest.raises(sj.SBPError, match="shares devices"):
         overlapping = sj.Placement(np.array(jax.devices()[0:2]), ("d",))
         sjp.Pipeline(
