@@ -44,10 +44,13 @@ def _parse_path(text: str) -> tuple:
 
 
 # -- finding the blocks ------------------------------------------------------------
-def _is_block_list(node) -> bool:
+def _is_block_list(node, least: int = 2) -> bool:
+    """A list of ``least`` or more modules. Found without a name, a list of one
+    module is not taken for the blocks (any submodule kept in a list would
+    be); named with ``blocks=``, it is."""
     return (
         isinstance(node, (list, tuple, nnx.List))
-        and len(node) >= 2
+        and len(node) >= least
         and all(isinstance(m, nnx.Module) for m in node)
     )
 
@@ -74,12 +77,12 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
                 f"LayerChain.from_model: {type(model).__name__} has no attribute path {blocks!r}; "
                 f"its attributes are {_attributes(model)}."
             ) from None
-        if _is_block_list(node):
+        if _is_block_list(node, least=1):
             return path, "list", len(node)
         depth = _stack_depth(node) if isinstance(node, nnx.Module) else None
         if depth is None:
             raise SBPError(
-                f"LayerChain.from_model: {blocks!r} is a {type(node).__name__}, neither a list of two or more "
+                f"LayerChain.from_model: {blocks!r} is a {type(node).__name__}, neither a non-empty list of "
                 "modules nor a module stacked by nnx.vmap (parameters sharing a leading layer dim)."
             )
         return path, "stacked", depth

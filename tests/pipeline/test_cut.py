@@ -285,3 +285,26 @@ def test_models_that_cannot_be_cut_say_why():
         sjp.cut(ListGPT(nnx.Rngs(0)), sj.placement(8, "pp"), sample=x, stages=9)
     with pytest.raises(sj.SBPError, match="needs sample="):
         sjp.cut(ListGPT(nnx.Rngs(0)), sj.placement(2, "pp"))
+
+
+class OneBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(4, 8, rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs)])
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_named_list_of_one_block_is_the_blocks():
+    """Found without a name, a one-module list is not taken for the blocks;
+    named, it is."""
+    x = np.ones((2, 4), np.float32)
+    with pytest.raises(sj.SBPError, match="found no blocks"):
+        sjp.LayerChain.from_model(OneBlock(nnx.Rngs(0)), x)
+    chain = sjp.LayerChain.from_model(OneBlock(nnx.Rngs(0)), x, blocks="blocks")
+    assert [layer.name for layer in chain.layers] == ["embed", "blocks.0", "head"]
