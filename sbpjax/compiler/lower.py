@@ -161,6 +161,7 @@ class LocalProgram:
         return sum(isinstance(s, Partial) and self.grid[a] > 1 for a, s in enumerate(nd))
 
     def body(self, *blocks):
+        """The program on one device: its input blocks in, its output blocks out."""
         prop = self.prop
         env: dict = {}
         for v, nd, x in zip(prop.program.inputs, prop.in_sbp, blocks):
