@@ -158,6 +158,8 @@ class CompiledFunction:
                 out.append(leaf if nd is None else leaf.to_global(sbp=nd))
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
+        if donated:
+            _check_no_donated_alias(out, donated, tree)
         return out, tree
 
     def _compile(self, gts, tree):
@@ -350,6 +352,26 @@ class CompiledFunction:
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
+
+
+def _check_no_donated_alias(placed: list, donated: set, tree) -> None:
+    """A donated argument's buffer passed again as another argument of the same
+    call: XLA frees it while the other still reads it (jax.jit then crashes the
+    process on CPU), so it is refused here."""
+    where: dict = {}
+    for k, t in enumerate(placed):
+        if isinstance(t, GlobalTensor):
+            where.setdefault(id(t.physical), []).append(k)
+    for ks in where.values():
+        if len(ks) > 1 and any(k in donated for k in ks):
+            gone = next(k for k in ks if k in donated)
+            other = next(k for k in ks if k != gone)
+            paths = leaf_paths(tree)
+            raise SBPError(
+                f"sj.jit: the same tensor is passed as argument {leaf_name(paths[gone])}, which is donated "
+                f"(donate_argnums), and as {leaf_name(paths[other])}: its buffer would be freed while the "
+                "call still reads it. Pass two different tensors, or leave this argument out of donate_argnums."
+            )
 
 
 class _Unplaced:

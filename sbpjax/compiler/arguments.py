@@ -133,15 +133,13 @@ def broadcast_spec(spec, tree, what, ndim):
     given, spec = spec, _canonical_spec(spec, ndim, what)
     values = jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves)
     try:
-        return jax.tree_util.tree_flatten(
-            jax.tree_util.tree_map(
-                lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub),
-                spec,
-                values,
-                is_leaf=_is_sbp_leaf,
-            ),
-            is_leaf=_is_sbp_leaf,
-        )[0]
+        expanded = jax.tree_util.tree_map(
+            lambda s, sub: jax.tree_util.tree_map(lambda _: s, sub), spec, values, is_leaf=_is_sbp_leaf
+        )
+        # read up to the values' own leaves: a None among the values is no leaf, and the
+        # None standing for it in the spec must not become an entry (every later
+        # value would take the layout written for the one before it)
+        return tree.flatten_up_to(expanded)
     except (ValueError, TypeError) as e:
         raise SBPError(
             f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "

@@ -453,3 +453,23 @@ def test_explain_reports_the_time_of_each_phase(pl24):
     e = f.explain(a, b, compile=True)  # lowers and compiles with XLA too
     assert e.timings["xla_compile_s"] > 0 and e.timings["lower_s"] > 0
     assert "XLA compile" in e.summary() and "XLA compile" in str(e)
+
+
+def test_a_none_among_the_arguments_shifts_no_layout(pl24):
+    """None is no leaf of the values: the None standing for it in in_sbp (or
+    out_sbp) must not become an entry, or every later argument takes the
+    layout written for the one before it."""
+    a = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+
+    def f(pair, v, w):
+        return {"a": None, "b": pair[0] + v}, w * 2
+
+    sbp = ((sj.S(0), sj.B), (sj.S(1), sj.S(0)), (sj.B, sj.S(1)))
+    g = sj.jit(
+        f, placement=pl24, in_sbp=((sbp[0], None), sbp[1], sbp[2]), out_sbp=({"a": None, "b": sbp[2]}, sbp[1])
+    )
+    assert [tuple(nd) for nd in g.explain((a, None), a, a).propagation.in_sbp] == list(sbp)
+    out, w2 = g((a, None), a, a)
+    assert out["a"] is None and out["b"].sbp == sbp[2] and w2.sbp == sbp[1]
+    np.testing.assert_array_equal(out["b"].numpy(), a + a)
+    np.testing.assert_array_equal(w2.numpy(), a * 2)

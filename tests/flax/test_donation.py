@@ -77,6 +77,16 @@ def test_jit_donate_argnums_errors():
     f = sj.jit(lambda a: a + 1, placement=pl, donate_argnums=(0, 2))
     with pytest.raises(sj.SBPError, match="names argument 2"):
         f(np.ones(4, np.float32))
+    # one tensor passed as a donated and as a kept argument: refused (XLA would free
+    # the buffer the call still reads; jax.jit crashes the process on CPU), and kept
+    x = sj.to_global(np.arange(4, dtype=np.float32), pl, (S(0),) + (B,) * (pl.ndim - 1))
+    g = sj.jit(lambda a, b: a + b, placement=pl, donate_argnums=(0,))
+    with pytest.raises(sj.SBPError, match=r"args\[0\], which is donated.*and as args\[1\]"):
+        g(x, x)
+    np.testing.assert_array_equal(x.numpy(), np.arange(4))
+    np.testing.assert_array_equal(
+        g(x, sj.to_global(np.ones(4, np.float32), pl, x.sbp)).numpy(), np.arange(4) + 1
+    )
 
 
 def _trainer(donate, **options):
