@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -264,7 +265,7 @@ class _On:
     geom: Geometry
     tables: IndexTables
     names: tuple
-    dtype: object
+    dtype: Any
 
     def axes(self, step: Step):
         return axis_arg(tuple(self.names[a] for a in step.group))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
@@ -244,16 +246,16 @@ class _Call:
     """One layout choice's arguments (``choose``'s), ``ties`` and
     ``same_layout`` as dicts."""
 
-    program: object
-    placement: object
-    in_sbp: object
-    out_sbp: object
-    cost_model: object
+    program: Any  # a Program
+    placement: Any  # a Placement
+    in_sbp: Sequence
+    out_sbp: Sequence | None
+    cost_model: CostModel | None
     solver: str
     ties: dict
-    memory_budget: object
+    memory_budget: int | None
     same_layout: dict
-    arg_names: object
+    arg_names: Sequence | None
     options: CompileOptions
 
 

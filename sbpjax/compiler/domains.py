@@ -314,7 +314,7 @@ class Domains:
     def _reads(self, node) -> list:
         """Per operand of ``node``, the layouts it may be read in (None for a
         constant): those ``_uses`` gives, widened for the op's kind."""
-        uses = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
+        uses: list = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
         alike = [  # operands (i, j) of one shape, both values
             (i, j)
             for i, a in enumerate(node.ins)

@@ -90,7 +90,7 @@ def _sources(lp, run, env: dict, lo: int) -> list:
     outside the stack). Each slice is indexed out of its whole stack inside
     the body (slicing the run's part out first would copy it)."""
     by_index = sorted((run.loop.iterations[q] for q in run.positions), key=lambda it: it.index)
-    sources = []
+    sources: list = []
     for k, nd, x in run.xs:
         if x is not None:
             sources.append((lp.read(env, x, shift_up(nd)), 0, []))
