@@ -142,18 +142,14 @@ class CompiledFunction:
                     )
                 if leaf.placement != pl:
                     raise SBPError(
-                        f"sj.jit: argument leaf {k} lives on {leaf.placement!r}, the function on "
-                        f"{pl!r}; move it with t.to_global(placement=...)."
+                        f"sj.jit: argument {leaf_name(leaf_paths(tree)[k])} lives on {leaf.placement!r}, the "
+                        f"function on {pl!r}; move it with t.to_global(placement=...)."
                     )
             if spec is AUTO or (spec is None and self.auto and k < n_positional):
                 # laid out once the solver has chosen (see _place)
                 out.append(_Unplaced(leaf, shape))
                 continue
-            nd = (
-                None
-                if spec is None
-                else normalize_nd_sbp(spec, pl.ndim, len(shape), f"in_sbp of argument leaf {k}")
-            )
+            nd = None if spec is None else _leaf_layout(spec, pl.ndim, shape, k, tree)
             if isinstance(leaf, GlobalTensor):
                 out.append(leaf if nd is None else leaf.to_global(sbp=nd))
             else:
@@ -352,6 +348,16 @@ class CompiledFunction:
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
+
+
+def _leaf_layout(spec, ndim: int, shape: tuple, k: int, tree):
+    """The nd-SBP ``spec`` gives argument leaf ``k``; a bad one is reported with
+    the leaf's place in the call (its path is found only then)."""
+    try:
+        return normalize_nd_sbp(spec, ndim, len(shape), f"in_sbp of argument leaf {k}")
+    except SBPError:
+        where = f"in_sbp of argument {leaf_name(leaf_paths(tree)[k])} {shape}"
+        return normalize_nd_sbp(spec, ndim, len(shape), where)  # raises again, naming the leaf
 
 
 def _check_no_donated_alias(placed: list, donated: set, tree) -> None:

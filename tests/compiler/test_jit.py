@@ -473,3 +473,9 @@ def test_a_none_among_the_arguments_shifts_no_layout(pl24):
     assert out["a"] is None and out["b"].sbp == sbp[2] and w2.sbp == sbp[1]
     np.testing.assert_array_equal(out["b"].numpy(), a + a)
     np.testing.assert_array_equal(w2.numpy(), a * 2)
+
+
+def test_a_bad_layout_names_the_leaf_by_its_place_in_the_call(pl24):
+    f = sj.jit(lambda p, x: p["w"] @ x, placement=pl24, in_sbp=({"w": (S0, B)}, (B, sj.S(1))))
+    with pytest.raises(sj.SBPError, match=r"in_sbp of argument args\[1\] \(8,\).*splits dim 1"):
+        f({"w": np.ones((4, 8), np.float32)}, np.ones(8, np.float32))
