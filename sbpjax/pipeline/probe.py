@@ -105,17 +105,25 @@ def under(path, prefix) -> bool:
 
 
 def _used_inputs(fn, *args) -> list:
-    """Per leaf of ``args``: whether ``fn``'s outputs depend on it (JAX's dead-code
-    elimination over the traced program; private API, so an older or newer JAX
-    without it counts every leaf that an equation reads)."""
-    closed = jax.make_jaxpr(fn)(*args)
-    jaxpr = closed.jaxpr
-    try:
-        from jax._src.interpreters.partial_eval import dce_jaxpr
-    except ImportError:  # pragma: no cover - the fallback for a JAX that moved it
+    """Per leaf of ``args``: whether ``fn``'s outputs depend on it (an older or
+    newer JAX without ``dce_jaxpr`` counts every leaf that an equation reads)."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    used = used_by(jaxpr, [True] * len(jaxpr.outvars))
+    if used is None:  # pragma: no cover - the fallback for a JAX that moved it
         read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
         return [id(v) in read for v in jaxpr.invars]
-    _, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return used
+
+
+def used_by(jaxpr, outputs: list) -> list | None:
+    """Per input of ``jaxpr``: whether the outputs marked True in ``outputs``
+    are computed from it (JAX's dead-code elimination, which follows calls,
+    conds and loops). None where that private API is missing."""
+    try:
+        from jax._src.interpreters.partial_eval import dce_jaxpr
+    except ImportError:  # pragma: no cover
+        return None
+    _, used = dce_jaxpr(jaxpr, list(outputs))
     return list(used)
 
 
