@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from sbpjax.boxing.lower import group_index
 from sbpjax.rules import B, P, Sig, rank, register, set_local, shape_of
 from sbpjax.sbp import Partial, Split
 
@@ -88,11 +89,8 @@ def _clamped(idx, xs, slice_sizes, start_map):
 
 def _first_of_partial(ctx, nd):
     """True on one device of each group the partial axes of ``nd`` span."""
-    first = jnp.asarray(True)
-    for a, q in enumerate(nd):
-        if isinstance(q, Partial) and ctx.grid[a] > 1:
-            first = first & (lax.axis_index(ctx.placement.axis_names[a]) == 0)
-    return first
+    axes = [a for a, q in enumerate(nd) if isinstance(q, Partial) and ctx.grid[a] > 1]
+    return group_index(axes, ctx.placement.axis_names, ctx.grid) == 0
 
 
 def local_gather(eqn, ins, ctx):
