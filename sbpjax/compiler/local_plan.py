@@ -49,7 +49,8 @@ def plan_local(prop: Propagation) -> LocalPlan:
     switch_at: dict = {}
     for sw in switches.values():
         switch_at.setdefault(sw.span[0], []).append(sw)
-    buckets, joined = plan_buckets(prop, zones=_zones(prop, runs, places))
+    hoisted = {id(b) for r in runs for b in r.hoisted}
+    buckets, joined = plan_buckets(prop, zones=_zones(prop, runs, places, hoisted))
     return LocalPlan(
         runs=runs,
         run_at={r.first: r for r in runs},
@@ -60,7 +61,7 @@ def plan_local(prop: Propagation) -> LocalPlan:
             for var, key, nd, missing, i in r.stacks
             if missing
         },
-        hoisted=_hoisted(runs),
+        hoisted=hoisted,
         switches=switches,
         switch_at=switch_at,
         before_switch={id(b) for sw in switches.values() for b in sw.before},
@@ -70,13 +71,8 @@ def plan_local(prop: Propagation) -> LocalPlan:
     )
 
 
-def _hoisted(runs: list) -> set:
-    return {id(b) for r in runs for b in r.hoisted}
-
-
-def _zones(prop: Propagation, runs: list, places: dict) -> dict:
+def _zones(prop: Propagation, runs: list, places: dict, hoisted: set) -> dict:
     """id(boxing) -> its zone: a bucket joins only boxings of the same zone."""
-    hoisted = _hoisted(runs)
     zones: dict = {}
     for n, r in enumerate(runs):
         for m, body in enumerate(r.bodies):
