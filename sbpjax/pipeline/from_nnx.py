@@ -206,12 +206,13 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
 
 
 def _through_blocks(node, kind: str):
-    """The blocks' output shape of their input's: each block of a list in
-    turn (a block may change the width); a stack's scan carries one shape."""
+    """The blocks' output shape of their input's, through each block of a list
+    in turn (a block may change the width); None for a stack, whose scan
+    carries one shape."""
+    if kind != "list":
+        return None
 
     def run(h):
-        if kind != "list":
-            return h
         for block in node:
             graphdef, state = nnx.split(block)
             h = jax.eval_shape(lambda s, x, g=graphdef: nnx.merge(g, s)(x), state, h)
