@@ -32,10 +32,12 @@ from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and whil
 from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.arguments import (
     broadcast_spec,
+    check_no_donated_alias,
     checked_donate_argnums,
     checked_regather,
     checked_time_limit,
     is_nd_sbp,
+    leaf_layout,
     leaf_name,
     leaf_paths,
     state_sbp,
@@ -47,6 +49,7 @@ from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.planning import plan
+from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.regather import add_regathers
 from sbpjax.compiler.trace import trace
 from sbpjax.dtypes import check_partial_dtype
@@ -122,7 +125,7 @@ class CompiledFunction:
         # over every process; a placement in one process needs no check (a pipeline
         # stage), and one over some processes is not checked
         if CHECK_PROCESSES and len(self.placement.processes) == jax.process_count() > 1:
-            _check_same_call_in_every_process(tree, leaves)
+            check_same_call_in_every_process(tree, leaves)
         out = []
         pl = self.placement
         donated = set(self._donated_leaves(tree))
@@ -149,13 +152,13 @@ class CompiledFunction:
                 # laid out once the solver has chosen (see _place)
                 out.append(_Unplaced(leaf, shape))
                 continue
-            nd = None if spec is None else _leaf_layout(spec, pl.ndim, shape, k, tree)
+            nd = None if spec is None else leaf_layout(spec, pl.ndim, shape, k, tree)
             if isinstance(leaf, GlobalTensor):
                 out.append(leaf if nd is None else leaf.to_global(sbp=nd))
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         if donated:
-            _check_no_donated_alias(out, donated, tree)
+            check_no_donated_alias(out, donated, tree)
         return out, tree
 
     def _compile(self, gts, tree):
@@ -350,36 +353,6 @@ class CompiledFunction:
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
 
 
-def _leaf_layout(spec, ndim: int, shape: tuple, k: int, tree):
-    """The nd-SBP ``spec`` gives argument leaf ``k``; a bad one is reported with
-    the leaf's place in the call (its path is found only then)."""
-    try:
-        return normalize_nd_sbp(spec, ndim, len(shape), f"in_sbp of argument leaf {k}")
-    except SBPError:
-        where = f"in_sbp of argument {leaf_name(leaf_paths(tree)[k])} {shape}"
-        return normalize_nd_sbp(spec, ndim, len(shape), where)  # raises again, naming the leaf
-
-
-def _check_no_donated_alias(placed: list, donated: set, tree) -> None:
-    """A donated argument's buffer passed again as another argument of the same
-    call: XLA frees it while the other still reads it (jax.jit then crashes the
-    process on CPU), so it is refused here."""
-    where: dict = {}
-    for k, t in enumerate(placed):
-        if isinstance(t, GlobalTensor):
-            where.setdefault(id(t.physical), []).append(k)
-    for ks in where.values():
-        if len(ks) > 1 and any(k in donated for k in ks):
-            gone = next(k for k in ks if k in donated)
-            other = next(k for k in ks if k != gone)
-            paths = leaf_paths(tree)
-            raise SBPError(
-                f"sj.jit: the same tensor is passed as argument {leaf_name(paths[gone])}, which is donated "
-                f"(donate_argnums), and as {leaf_name(paths[other])}: its buffer would be freed while the "
-                "call still reads it. Pass two different tensors, or leave this argument out of donate_argnums."
-            )
-
-
 class _Unplaced:
     """An AUTO argument before the solver has chosen its layout: its shape
     and dtype key the compile cache (the layout it comes in does not)."""
@@ -397,40 +370,9 @@ class _Unplaced:
 
 
 # With several processes, every call first checks that all processes make the
-# same call (below). It costs one all-gather of 32 bytes and a wait for it per
-# call; a program known to be consistent may turn it off.
+# same call (sbpjax.compiler.processes). It costs one all-gather of 32 bytes and
+# a wait for it per call; a program known to be consistent may turn it off.
 CHECK_PROCESSES = True
-
-
-def _check_same_call_in_every_process(tree, leaves) -> None:
-    """With several processes (``jax.distributed``) every process must run the
-    same program: a process passing other shapes, dtypes or layouts would
-    compile another program and stall or abort in its first collective. Before
-    anything is placed, compare a fingerprint of the call (tree, and each
-    argument's shape, dtype and layout) across processes and raise in every
-    process when they differ. Every call is checked: a process cannot know
-    from its own calls that another process's call differs."""
-    import hashlib
-
-    from jax.experimental import multihost_utils
-
-    desc = [
-        (tuple(x.shape), str(x.dtype), x.sbp)
-        if isinstance(x, GlobalTensor)
-        else (np.shape(x), str(np.result_type(x)))
-        for x in leaves
-    ]
-    mine = np.frombuffer(hashlib.sha256(repr((tree, desc)).encode()).digest(), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))
-    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
-    if differ:
-        what = ", ".join(f"{leaf_name(path)} {d}" for path, d in zip(leaf_paths(tree), desc))
-        raise SBPError(
-            f"sj.jit: process(es) {differ} called this function with other argument shapes, dtypes or "
-            f"layouts than process 0 (this is process {jax.process_index()}: {what}). Every process must "
-            "make the same call with the same global shapes and layouts; pass each process's own rows "
-            "with sj.to_global(..., process_local=True)."
-        )
 
 
 def jit(

@@ -16,7 +16,8 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.domains import AUTO
-from sbpjax.sbp import Broadcast, Partial, Split, parse_sbp
+from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp, parse_sbp
+from sbpjax.tensor import GlobalTensor
 
 
 def is_nd_sbp(v) -> bool:
@@ -219,6 +220,36 @@ def checked_donate_argnums(v) -> tuple[int, ...]:
     return tuple(sorted(set(nums)))
 
 
+def leaf_layout(spec, ndim: int, shape: tuple, k: int, tree):
+    """The nd-SBP ``spec`` gives argument leaf ``k``; a bad one is reported with
+    the leaf's place in the call (its path is found only then)."""
+    try:
+        return normalize_nd_sbp(spec, ndim, len(shape), f"in_sbp of argument leaf {k}")
+    except SBPError:
+        where = f"in_sbp of argument {leaf_name(leaf_paths(tree)[k])} {shape}"
+        return normalize_nd_sbp(spec, ndim, len(shape), where)  # raises again, naming the leaf
+
+
+def check_no_donated_alias(placed: list, donated: set, tree) -> None:
+    """A donated argument's buffer passed again as another argument of the same
+    call: XLA frees it while the other still reads it (jax.jit then crashes the
+    process on CPU), so it is refused here."""
+    where: dict = {}
+    for k, t in enumerate(placed):
+        if isinstance(t, GlobalTensor):
+            where.setdefault(id(t.physical), []).append(k)
+    for ks in where.values():
+        if len(ks) > 1 and any(k in donated for k in ks):
+            gone = next(k for k in ks if k in donated)
+            other = next(k for k in ks if k != gone)
+            paths = leaf_paths(tree)
+            raise SBPError(
+                f"sj.jit: the same tensor is passed as argument {leaf_name(paths[gone])}, which is donated "
+                f"(donate_argnums), and as {leaf_name(paths[other])}: its buffer would be freed while the "
+                "call still reads it. Pass two different tensors, or leave this argument out of donate_argnums."
+            )
+
+
 __all__ = [
     "is_nd_sbp",
     "state_sbp",
@@ -228,4 +259,6 @@ __all__ = [
     "checked_time_limit",
     "checked_regather",
     "checked_donate_argnums",
+    "leaf_layout",
+    "check_no_donated_alias",
 ]
