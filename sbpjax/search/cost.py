@@ -53,6 +53,25 @@ class MemoryModel:
     activations: bool = True
     limit: float | None = None
 
+    def __post_init__(self):
+        def number(v) -> bool:
+            return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+        if not (
+            number(self.bytes_per_param) and math.isfinite(self.bytes_per_param) and self.bytes_per_param > 0
+        ):
+            raise SBPError(
+                f"MemoryModel: bytes_per_param={self.bytes_per_param!r}; give the bytes each parameter "
+                "takes with its gradient and optimizer state (16 for Adam in fp32)."
+            )
+        if self.limit is not None and not (
+            number(self.limit) and math.isfinite(self.limit) and self.limit > 0
+        ):
+            raise SBPError(
+                f"memory budget {self.limit!r}: give bytes per device as a finite number > 0 "
+                "(e.g. 8e9 for 8 GB), or None for no budget."
+            )
+
 
 def op_memory(op: MatmulOp, deg, memory: MemoryModel) -> float:
     p0, p1, p2 = deg

@@ -279,23 +279,31 @@ def least_bound(st: Setting) -> float:
     return least
 
 
-def cut_candidates(st: Setting, incumbent: float = math.inf, max_plays: int = 64, tolerance: float = 0.0):
+def cut_candidates(
+    st: Setting,
+    incumbent: float = math.inf,
+    max_plays: int = 64,
+    tolerance: float = 0.0,
+):
     """The cuts of ``st`` that could beat ``incumbent``, as ``([(bound, cut)],
-    proven)``, the caller to simulate them cheapest bound first while they can
+    rest)``, the caller to simulate them cheapest bound first while they can
     still win. A cut is skipped when its bound is within ``tolerance`` of the
     incumbent (``bound * (1 + tolerance) >= incumbent``), so the best simulated
     is at most ``1 + tolerance`` times the optimum. A cut that gets past the
     bounds is played on the schedule, for a schedule with action lists along
-    them (:func:`list_bound`), which tightens its bound. ``proven`` is False when
-    ``max_plays`` cuts were played before every cut that could win was, or the
-    bounds they pay for (:func:`_bound_budget`) ran out."""
+    them (:func:`list_bound`), which tightens its bound. ``rest`` is the least
+    bound of the cuts left unseen when ``max_plays`` cuts were played or the
+    bounds they pay for (:func:`_bound_budget`) ran out (``math.inf`` when
+    every cut that could win was seen): the caller's best step proves the
+    search once it is at most ``rest`` (a cap hit while nothing was known,
+    ``incumbent`` infinite, is proven harmless by the step found later)."""
     tb = Tables(st)
     L, n = st.costs.layers, st.stages
     tables = [tb.bound(s) for s in range(n)]
     G, _ = suffix_table(lambda s: tables[s], L, n)
     groups = None if st.one_stage_per_group else GroupBounds(tb)
     found: list = []
-    state = {"played": 0, "proven": True, "priced": 0}
+    state = {"played": 0, "proven": True, "priced": 0, "rest": math.inf}
     order = list_order(st)
     budget = max_plays * _bound_budget(st)
 
@@ -307,6 +315,7 @@ def cut_candidates(st: Setting, incumbent: float = math.inf, max_plays: int = 64
             return
         if state["played"] >= max_plays:
             state["proven"] = False
+            state["rest"] = min(state["rest"], bound)
             return
         state["played"] += 1
         if order:
@@ -330,6 +339,7 @@ def cut_candidates(st: Setting, incumbent: float = math.inf, max_plays: int = 64
             state["priced"] += len(ends)
             if state["priced"] > budget:
                 state["proven"] = False
+                state["rest"] = min(state["rest"], float(keys.min(initial=math.inf)))
                 return
             if not len(ends):
                 return
@@ -338,6 +348,9 @@ def cut_candidates(st: Setting, incumbent: float = math.inf, max_plays: int = 64
         for i in np.argsort(keys, kind="stable"):
             if keys[i] * (1 + tolerance) >= incumbent or not np.isfinite(keys[i]):
                 break
+            if not state["proven"]:  # out of plays or bounds below: what is left here starts at this key
+                state["rest"] = min(state["rest"], float(keys[i]))
+                break
             b = int(ends[i])
             below = None if child is None else child(i)
             walk(s + 1, b, max(so_far, float(tables[s][a, b])), [*bounds, (a, b)], below)
@@ -345,7 +358,7 @@ def cut_candidates(st: Setting, incumbent: float = math.inf, max_plays: int = 64
     least = max(float(G[0][0]), tb.mean_load())
     if np.isfinite(least) and least * (1 + tolerance) < incumbent:
         walk(0, 0, 0.0, [], None if groups is None else PartialCut.empty(st.groups))
-    return found, state["proven"]
+    return found, state["rest"]
 
 
 def _bound_budget(st: Setting) -> int:

@@ -142,7 +142,8 @@ def search_pipeline(
     exact). ``max_simulations``: per configuration, the cuts played on its
     schedule (simulated, or for a schedule with action lists first bounded
     along them), after which its cut is the best found (``plan.proven`` says
-    whether no configuration hit it)."""
+    whether the plan's step is still proven the best: every cut left unplayed
+    bounded at or above it)."""
     t0 = time.perf_counter()
     if method not in PIPELINE_METHODS:
         raise SBPError(f"search_pipeline: unknown method {method!r}; use one of {PIPELINE_METHODS}.")
@@ -163,9 +164,14 @@ def search_pipeline(
     if not space.protos:
         raise SBPError(
             f"search_pipeline: no configuration of {len(profiles)} layers on {grid!r} with microbatches {ms} "
-            "and schedules {[_name(s) for s in scheds]} can run (a microbatch's rows must scale to whole "
+            f"and schedules {[getattr(s, 'name', repr(s)) for s in scheds]} can run (a microbatch's rows must scale to whole "
             "rows, and a pipeline needs at least one layer per stage); use a larger batch or other "
             "microbatch counts."
+        )
+    if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
+        raise SBPError(
+            f"search_pipeline: max_simulations={max_simulations!r}; give the cuts to play per configuration "
+            f"before its best found stands, an int >= 1 (default {MAX_SIMULATIONS})."
         )
     if not (isinstance(tolerance, (int, float)) and tolerance >= 0):
         raise SBPError(f"search_pipeline: tolerance={tolerance!r}; give a fraction >= 0 (0: exact).")
@@ -196,7 +202,8 @@ def search_pipeline(
 def _search(space: Space, method: str, max_simulations: int, tolerance: float):
     """``((proto, layouts, Evaluated) or None, proven, simulations)``."""
     best: tuple | None = None
-    best_step, proven, sims = math.inf, True, 0
+    best_step, sims = math.inf, 0
+    unseen: list[float] = []  # per configuration cut short by the cap: the least bound left unseen
     if method == "exhaustive":
         for proto in space.protos:
             for layouts in space.layouts(proto):
@@ -209,8 +216,9 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
         return best, True, sims
     # best first over one queue: a configuration without layouts enters at its floor;
     # taken out, its layout candidates enter at their own bounds; a priced one taken
-    # out is searched for the cuts that could win, which enter at their bounds; a cut
-    # taken out is simulated. Whatever is left is bounded above the best step.
+    # out is searched for up to max_simulations cuts that could win, which enter at
+    # their bounds; a cut taken out is simulated. Whatever is left is bounded above
+    # the best step; so are the cuts a cap left unseen where the plan is proven.
     queue: list = []
     entered = itertools.count()  # ties go to what entered first
 
@@ -220,25 +228,27 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
 
     for proto in space.protos:
         proto.floor = least_bound(space.setting(proto))
-        push(proto.floor, proto, None)
+        push(proto.floor, proto, ("configuration",))
     while queue and queue[0][0] * (1 + tolerance) < best_step:
         _, _, proto, what = heapq.heappop(queue)
-        if what is None:  # a configuration: its layout candidates
+        if what[0] == "configuration":  # its layout candidates
             for layouts in space.layouts(proto):
                 st = space.setting(proto, layouts)
-                push(least_bound(st), proto, (st, layouts))
-        elif len(what) == 2:  # a priced configuration: its cuts that could win
-            st, layouts = what
-            found, done = cut_candidates(st, best_step, max_simulations, tolerance)
-            proven = proven and done
+                push(least_bound(st), proto, ("priced", st, layouts))
+        elif what[0] == "priced":  # its cuts that could win
+            _, st, layouts = what
+            found, rest = cut_candidates(st, best_step, max_simulations, tolerance)
             for bound, bounds in found:
-                push(bound, proto, (st, layouts, bounds))
+                push(bound, proto, ("cut", st, layouts, bounds))
+            if rest < math.inf:
+                unseen.append(rest)
         else:  # a cut
-            st, layouts, bounds = what
+            _, st, layouts, bounds = what
             sims += 1
             r = evaluate(st, bounds)
             if r is not None and r.step_s < best_step:
                 best, best_step = (proto, layouts, r), r.step_s
+    proven = all(rest * (1 + tolerance) >= best_step for rest in unseen)
     return best, proven, sims
 
 

@@ -30,7 +30,9 @@ class PipelinePlan:
     layer under ``jax.checkpoint``); ``layouts``: the strategy of the matmuls on
     the stage grid (None: all replicated); ``step_s``: predicted seconds per
     step; ``memory``: predicted bytes per device of each group; ``proven``: the
-    search covered its whole space (no per-configuration simulation cap was hit)."""
+    step is the best of the whole space (within the search's ``tolerance``):
+    every cut a per-configuration simulation cap left unplayed is bounded at
+    or above it."""
 
     grid: Grid
     placement_: Any
@@ -152,7 +154,7 @@ class PipelinePlan:
             f"{self.microbatches} microbatches, remat {'on' if self.remat else 'off'}",
             f"  predicted step {self.step_s * 1e3:.4g} ms, memory {human_bytes(self.peak_memory)} per device "
             f"(fullest group); searched {self.configurations} configurations, {self.simulations} simulated "
-            f"steps, in {self.search_s:.3g} s{'' if self.proven else ' (simulation cap hit: best found)'}",
+            f"steps, in {self.search_s:.3g} s{'' if self.proven else ' (simulation cap hit: best found, not proven)'}",
         ]
         for s, (lo, hi) in enumerate(self.bounds):
             layers = self.layer_names[lo:hi]

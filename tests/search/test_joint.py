@@ -140,7 +140,10 @@ def test_search_equals_exhaustive_search_on_small_spaces(seed):
     # (search.pipeline.MAX_SIMULATIONS): on these spaces that is the best step
     fast = ss.search_pipeline(profiles, grid, **kw)
     assert fast.step_s == pytest.approx(brute.step_s, rel=1e-12)
-    for plan in (brute, exact, fast):
+    # one cut per configuration: a plan said to be proven is the best
+    one = ss.search_pipeline(profiles, grid, max_simulations=1, **kw)
+    assert not one.proven or one.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    for plan in (brute, exact, fast, one):
         assert kw["memory"] is None or plan.peak_memory <= kw["memory"]
 
 
@@ -200,6 +203,25 @@ def test_bad_requests_say_what_to_fix():
         ss.search_pipeline(profiles, 4, batch=8, tolerance=-1)
     with pytest.raises(sj.SBPError, match="neither a sbpjax.pipeline.LayerChain"):
         ss.search_pipeline("model", 4, batch=8)
+    for budget in (float("nan"), "1GB", 0, -1.0):
+        with pytest.raises(sj.SBPError, match="give bytes per device as a finite number > 0"):
+            ss.search_pipeline(profiles, 4, batch=8, memory=budget)
+    with pytest.raises(sj.SBPError, match="max_simulations=0"):
+        ss.search_pipeline(profiles, 4, batch=8, max_simulations=0)
+    with pytest.raises(sj.SBPError, match=r"and schedules \['gpipe', '1f1b'"):
+        ss.search_pipeline(profiles, 4, batch=8, groups=[3])
+
+
+def test_a_plan_is_proven_when_the_cuts_a_cap_left_unseen_cannot_beat_it():
+    """One cut played per configuration, most of them priced before any step was
+    simulated: the plan is still proven, since every cut left unseen has a
+    bound at or above its step, and it is exhaustive search's."""
+    profiles = ss.gpt_profiles(6, d_model=64, heads=2, seq=8, vocab=64, examples=8)
+    kw = dict(batch=8, compute=ss.ComputeModel(1e9, 1e-5))
+    plan = ss.search_pipeline(profiles, ss.Grid(4, "x"), max_simulations=1, **kw)
+    brute = ss.search_pipeline(profiles, ss.Grid(4, "x"), method="exhaustive", **kw)
+    assert plan.proven and "cap hit" not in str(plan)
+    assert plan.step_s == pytest.approx(brute.step_s, rel=1e-12)
 
 
 # -- the plan runs ---------------------------------------------------------------------
