@@ -164,8 +164,8 @@ def search_pipeline(
     if not space.protos:
         raise SBPError(
             f"search_pipeline: no configuration of {len(profiles)} layers on {grid!r} with microbatches {ms} "
-            f"and schedules {[getattr(s, 'name', repr(s)) for s in scheds]} can run (a microbatch's rows must scale to whole "
-            "rows, and a pipeline needs at least one layer per stage); use a larger batch or other "
+            f"and schedules {[getattr(s, 'name', repr(s)) for s in scheds]} can run (a microbatch's rows "
+            "must scale to whole rows, and a pipeline needs at least one layer per stage); use a larger batch or other "
             "microbatch counts."
         )
     if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
