@@ -91,6 +91,13 @@ class Run:
         return sorted(self.loop.iterations[q].index for q in self.positions)
 
 
+def plan_key(plan) -> tuple:
+    """A boxing's steps as iterations are compared by: two boxings between the
+    same layouts may run different steps (zeros made afresh for a carry known
+    to be zeros, a gather for the same carry later)."""
+    return tuple((st.op, st.axes, st.dim, st.dim2, st.reduce) for st in plan.steps)
+
+
 def roles(prop, loop, it, body):
     """How the iteration's body reads each atom: a role that is the same in
     iterations that run the same program."""
@@ -285,7 +292,7 @@ def _done(prop, loop, bodies, positions, ctx, rotated, after, last) -> tuple[lis
     its_last = loop.iterations[positions[-1]]
     nc = loop.n_consts
     # (layouts have no order: two carries boxed alike tie on the index)
-    moved = sorted(((nc + c, b.src, b.dst) for c, b in rotated), key=repr)
+    moved = sorted(((nc + c, b.src, b.dst, plan_key(b.plan)) for c, b in rotated), key=repr)
     if after is not None:
         if sorted((a[1:] for a in after), key=repr) != moved:
             return None

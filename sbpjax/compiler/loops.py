@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 
 from sbpjax.compiler.loop_exits import carry_input
-from sbpjax.compiler.loop_state import OUTER, Run, carry_boxings, check_run, roles
+from sbpjax.compiler.loop_state import OUTER, Run, carry_boxings, check_run, plan_key, roles
 from sbpjax.compiler.propagation import Propagation
 
 
@@ -159,9 +159,12 @@ def _nodes_of(it, decs, producer):
 
 def _signature(prop, loop, it, body):
     """What the iteration runs, and apart from it the boxings of the carries it
-    reads (``(position, input, src, dst)``): the first iteration of a loop often
+    reads (``(position, input, src, dst, steps)``): the first iteration of a loop often
     reads its carry in a layout the code before made, where later ones box the
-    previous iteration's carry (see ``Run.rotated``)."""
+    previous iteration's carry (see ``Run.rotated``). A boxing is compared by
+    its steps too, not only its layouts: the first iteration's carry may be
+    known to be zeros (``jnp.zeros`` before an RNN) and boxed by making zeros
+    afresh, which later iterations must not repeat."""
     decs = prop.decisions
     role, _ = roles(prop, loop, it, body)
     sig, carried = [], []
@@ -172,9 +175,9 @@ def _signature(prop, loop, it, body):
         for b in d.boxings:
             r = role(b.var)
             if carry_input(loop, r) is not None:
-                carried.append((p, r[1], b.src, b.dst))
+                carried.append((p, r[1], b.src, b.dst, plan_key(b.plan)))
             elif r[0] != OUTER:
-                boxings.append((r, b.src, b.dst))
+                boxings.append((r, b.src, b.dst, plan_key(b.plan)))
         sig.append(
             (
                 _op_key(node),
