@@ -126,6 +126,37 @@ class Choice:
         return text
 
 
+_JSON_KINDS = {"str": (str,), "float": (int, float), "int": (int,), "bool": (bool,), "None": (type(None),)}
+
+
+def choice_of_record(record: dict) -> Choice | None:
+    """The Choice a plan cache entry records, or None where a field has
+    another type than Choice's (an edited or foreign file: ``explain()``
+    formats these fields). Fields it does not know are dropped."""
+    if not isinstance(record.get("method"), str):
+        return None
+    kept: dict = {}
+    for f in dataclasses.fields(Choice):
+        if f.name not in record:
+            continue
+        v = record[f.name]
+        if f.name == "candidates":
+            ok = isinstance(v, list) and all(
+                isinstance(c, list)
+                and len(c) == 3
+                and isinstance(c[0], str)
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in c[1:])
+                for c in v
+            )
+        else:
+            kinds = tuple(t for name in str(f.type).split("|") for t in _JSON_KINDS[name.strip()])
+            ok = isinstance(v, kinds) and (bool in kinds or not isinstance(v, bool))
+        if not ok:
+            return None
+        kept[f.name] = v
+    return Choice(**kept)
+
+
 def total_bytes(prop: Propagation) -> int:
     return prop.bytes
 
@@ -176,8 +207,9 @@ def restore(program, placement, in_sbp, out_sbp, ties, entry, cost_model=None, o
     prop.ring = entry.ring
     if any(want is None and got != have for want, got, have in zip(final, entry.out_sbp, prop.out_sbp)):
         return None
-    fields = {f.name for f in dataclasses.fields(Choice)}
-    prop.choice = Choice(**{k: v for k, v in entry.choice.items() if k in fields})
+    prop.choice = choice_of_record(entry.choice)
+    if prop.choice is None:
+        return None
     prop.choice.source = "plan cache"
     prop.options = options
     return prop

@@ -226,6 +226,9 @@ def parse_entry(record, key: str, n_ops: int) -> Entry:
     choice = record.get("choice")
     if not isinstance(choice, dict):
         raise SBPError("no choice record")
+    for name in ("in_sbp", "out_sbp", "first"):
+        if not isinstance(record.get(name, []), list):
+            raise SBPError(f"its {name} is not a list")
     first = {}
     for item in record.get("first", []):
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], list)):
@@ -255,16 +258,18 @@ def load(directory: str | None, key: str, n_ops: int) -> Entry | None:
         return None
     path = os.path.join(directory, key + ".json")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except (FileNotFoundError, NotADirectoryError):  # no entry (yet)
         return None
     except OSError as e:
         warnings.warn(PlanCacheWarning(f"sj.jit: plan cache entry {path} unreadable ({e})"), stacklevel=4)
         return None
     try:
-        return parse_entry(json.loads(text), key, n_ops)
-    except (ValueError, SBPError) as e:
+        # UnicodeDecodeError and JSONDecodeError are ValueErrors; a file nested
+        # deeper than the parser recurses is no entry either
+        return parse_entry(json.loads(data.decode("utf-8")), key, n_ops)
+    except (ValueError, RecursionError, SBPError) as e:
         warnings.warn(
             PlanCacheWarning(f"sj.jit: plan cache entry {path} ignored ({e}); planning anew"), stacklevel=4
         )

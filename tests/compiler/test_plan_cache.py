@@ -85,6 +85,11 @@ def test_a_hit_gives_the_same_plan_and_values(pl24, tmp_path):
         "bad signature",
         "wrong layout",
         "old version",
+        "not UTF-8",
+        "deeply nested",
+        "empty choice",
+        "layouts not a list",
+        "choice field of another type",
     ],
 )
 def test_a_corrupt_tampered_or_stale_entry_is_ignored_and_rewritten(pl24, tmp_path, damage):
@@ -109,10 +114,23 @@ def test_a_corrupt_tampered_or_stale_entry_is_ignored_and_rewritten(pl24, tmp_pa
         k = next(i for i, (ins, _) in enumerate(record["signatures"]) if ins)
         record["signatures"][k][0] = ["(S(9), S(9))"] * len(record["signatures"][k][0])
         text = json.dumps(record)
-    else:
+    elif damage == "old version":
         record["sbpjax"] = "0.0.0"
         text = json.dumps(record)
-    path.write_text(text)
+    elif damage == "not UTF-8":
+        text = b"\xff\xfe" + good.encode()[2:]
+    elif damage == "deeply nested":  # deeper than the JSON parser recurses
+        text = "[" * 100_000 + "]" * 100_000
+    elif damage == "empty choice":
+        record["choice"] = {}
+        text = json.dumps(record)
+    elif damage == "layouts not a list":
+        record["in_sbp"] = 5
+        text = json.dumps(record)
+    else:  # explain() formats the gap as a number
+        record["choice"]["gap"] = "x"
+        text = json.dumps(record)
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.warns(plan_cache.PlanCacheWarning):
         _, again = compiled(pl24, tmp_path)
     assert again.choice.source == "solved" and signatures(again) == signatures(first)
