@@ -226,9 +226,9 @@ def parse_entry(record, key: str, n_ops: int) -> Entry:
     choice = record.get("choice")
     if not isinstance(choice, dict):
         raise SBPError("no choice record")
-    for name in ("in_sbp", "out_sbp", "first"):
-        if not isinstance(record.get(name, []), list):
-            raise SBPError(f"its {name} is not a list")
+    for field in ("in_sbp", "out_sbp", "first"):
+        if not isinstance(record.get(field, []), list):
+            raise SBPError(f"its {field} is not a list")
     first = {}
     for item in record.get("first", []):
         if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], list)):
