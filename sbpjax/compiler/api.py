@@ -51,7 +51,7 @@ from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.planning import plan
 from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.regather import add_regathers
-from sbpjax.compiler.trace import trace
+from sbpjax.compiler.trace import trace, tracing_on
 from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
@@ -183,6 +183,7 @@ class CompiledFunction:
             unroll_limit=opts.unroll_limit,
             loop_slices=opts.loop_slices,
             keep_last_carries=opts.roll_loops,
+            placement=self.placement,
         )
         t_traced = time.perf_counter()
         out_specs = None
@@ -304,6 +305,11 @@ class CompiledFunction:
 
     # -- the public surface ------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        outer = tracing_on()
+        if outer is not None and any(
+            isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))
+        ):
+            return self._inlined(outer, args, kwargs)
         gts, tree = self._globals(args, kwargs)
         prop, fn = self._compile(gts, tree)
         gts = self._place(gts, prop)
@@ -315,6 +321,35 @@ class CompiledFunction:
             for y, o, nd in zip(outs, prog.outputs, prop.out_sbp)
         ]
         return jax.tree_util.tree_unflatten(prog.out_tree, results)
+
+    def _inlined(self, outer: Placement, args, kwargs):
+        """Called inside a function another ``sj.jit`` traces: that one plans
+        the whole program, so this function's body is inlined there, its
+        ``in_sbp`` / ``out_sbp`` kept as ``sj.constrain`` points (None and
+        AUTO leave a value free), and it returns plain values as the code
+        around it gets (GlobalTensors are what a call from outside returns)."""
+        if outer != self.placement:
+            raise SBPError(
+                f"sj.jit: {self!r} is called inside a function sj.jit compiles on {outer!r}; one program "
+                "runs on one placement. Give both the same placement, or call this one outside (its "
+                "results are GlobalTensors to pass in)."
+            )
+        ndim = self.placement.ndim
+
+        def constrained(values, spec, what):
+            leaves, tree = jax.tree_util.tree_flatten(values)
+            specs = broadcast_spec(spec, tree, what, ndim)
+            out = []
+            for k, (x, s) in enumerate(zip(leaves, specs)):
+                if s is not None and s is not AUTO:
+                    x = constrain(x, leaf_layout(s, ndim, tuple(np.shape(x)), k, tree))
+                out.append(x)
+            return jax.tree_util.tree_unflatten(tree, out)
+
+        if self.in_sbp is not None:
+            args = constrained(args, self.in_sbp, "in_sbp")
+        outs = self.fn(*args, **kwargs)
+        return outs if self.out_sbp is None else constrained(outs, self.out_sbp, "out_sbp")
 
     def explain(self, *args, compile: bool = False, **kwargs) -> Explanation:  # noqa: A002 (jax's word)
         """What the compiler decided for these arguments (``Explanation``).

@@ -10,6 +10,8 @@ Dead equations are removed so every boxing left in the plan is one XLA runs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 
@@ -114,6 +116,26 @@ def _inner_jaxpr(eqn):
     return None
 
 
+# The placement of the sj.jit tracing a function, while it does: an sj.jit
+# function called inside is inlined (CompiledFunction.__call__), its layouts
+# kept as sj.constrain points
+_TRACING: contextvars.ContextVar = contextvars.ContextVar("sbpjax_tracing", default=None)
+
+
+def tracing_on():
+    """The placement of the ``sj.jit`` tracing the caller, or None."""
+    return _TRACING.get()
+
+
+@contextlib.contextmanager
+def _tracing(placement):
+    token = _TRACING.set(placement)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
 def trace(
     fn,
     leaves_avals,
@@ -121,19 +143,22 @@ def trace(
     unroll_limit: int = UNROLL_LIMIT,
     loop_slices: bool = LOOP_SLICES,
     keep_last_carries: bool = True,
+    placement=None,
 ) -> Program:
     """Trace ``fn`` on abstract leaves; inline nested calls; drop dead code.
     ``unroll_limit`` and ``loop_slices``: see ``UNROLL_LIMIT``, ``LOOP_SLICES``
     (``sj.CompileOptions`` sets both). ``keep_last_carries``: the carries a
     written-out scan's last iteration makes are kept though nothing reads
     them (see :func:`_last_carries`); ``sj.jit`` keeps them where it rolls
-    loops (``CompileOptions.roll_loops``)."""
+    loops (``CompileOptions.roll_loops``). ``placement``: ``sj.jit``'s, for
+    the ``sj.jit`` functions ``fn`` calls (:func:`tracing_on`)."""
 
     def flat_fn(*leaves):
         args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
         return fn(*args, **kwargs)
 
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
+    with _tracing(placement):
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
     out_tree = jax.tree_util.tree_structure(out_shape)
     inputs = [Var(tuple(a.shape), _dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
     nodes: list = []

@@ -343,6 +343,24 @@ def test_constrain_forces_a_layout(pl8):
     assert np.allclose(sj.constrain(jnp.ones(3), sj.B), 1)  # outside sj.jit: identity
 
 
+def test_an_sj_jit_function_called_inside_another_is_inlined(pl8, pl24):
+    """The outer sj.jit plans the whole program: the inner body is inlined, its
+    in_sbp / out_sbp kept as sj.constrain points (read in the plan), under
+    jax.grad too; an inner function on another placement is an SBPError."""
+    X = rng().normal(size=(16, 8)).astype(np.float32)
+    inner = sj.jit(lambda a: jnp.sin(a) * 2, placement=pl8, in_sbp=S0, out_sbp=S1)
+    outer = sj.jit(lambda a: jnp.sum(inner(a) ** 2), placement=pl8, in_sbp=S1)
+    assert_close(outer(X).numpy(), np.sum((np.sin(X) * 2) ** 2), rtol=1e-5)
+    text = str(outer.explain(X))
+    assert "S(1)->S(0)" in text and "S(0)->S(1)" in text  # both constrain points boxed
+    grad = sj.jit(jax.grad(lambda a: jnp.sum(inner(a) ** 2)), placement=pl8, in_sbp=S1)
+    assert_close(grad(X).numpy(), 8 * np.sin(X) * np.cos(X), rtol=1e-5)
+    elsewhere = sj.jit(lambda a: inner(a), placement=pl24)
+    with pytest.raises(sj.SBPError, match="one program runs on one placement"):
+        elsewhere(X)
+    assert_close(outer(X).numpy(), np.sum((np.sin(X) * 2) ** 2), rtol=1e-5)  # nothing left half-done
+
+
 @pytest.mark.parametrize("zeros", [jnp.zeros, lambda s: jnp.zeros(s[::-1]).T], ids=["zeros", "transposed"])
 def test_a_zero_tensor_is_made_afresh_not_moved(zeros, pl8):
     """A tensor known to be zeros is made in the layout its consumer wants: the
