@@ -32,6 +32,7 @@ from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and whil
 from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.arguments import (
     broadcast_spec,
+    check_array_leaf,
     check_no_donated_alias,
     checked_donate_argnums,
     checked_regather,
@@ -130,6 +131,7 @@ class CompiledFunction:
         pl = self.placement
         donated = set(self._donated_leaves(tree))
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
+            check_array_leaf(leaf, k, tree)
             shape = tuple(np.shape(leaf)) if not isinstance(leaf, GlobalTensor) else leaf.shape
             if k in donated and isinstance(leaf, jax.Array):
                 # placing a jax array may reuse its buffer (a replicated layout
@@ -159,22 +161,25 @@ class CompiledFunction:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         if donated:
             check_no_donated_alias(out, donated, tree)
-        return out, tree
+        # Python scalars (and weakly typed jax values) keep JAX's weak type in
+        # the trace: a bf16 array times 2.0 stays bf16, as under jax.jit
+        weak = tuple(_weakly_typed(x) for x in leaves)
+        return out, tree, weak
 
-    def _compile(self, gts, tree):
-        key = (tree, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
+    def _compile(self, gts, tree, weak):
+        key = (tree, weak, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         with collector_paused():
-            entry = self._plan_and_build(gts, tree)
+            entry = self._plan_and_build(gts, tree, weak)
         self._cache[key] = entry
         self._unrun.add(entry[1])
         return entry
 
-    def _plan_and_build(self, gts, tree):
+    def _plan_and_build(self, gts, tree, weak):
         t0 = time.perf_counter()
-        avals = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in gts]
+        avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=w) for t, w in zip(gts, weak)]
         opts = self.options
         program = trace(
             self.fn,
@@ -306,12 +311,17 @@ class CompiledFunction:
     # -- the public surface ------------------------------------------------------
     def __call__(self, *args, **kwargs):
         outer = tracing_on()
-        if outer is not None and any(
-            isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((args, kwargs))
-        ):
+        tracers = [x for x in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(x, jax.core.Tracer)]
+        if outer is not None and tracers:
             return self._inlined(outer, args, kwargs)
-        gts, tree = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree)
+        if any(hasattr(x, "batch_dim") for x in tracers):  # jax.vmap's tracers
+            raise SBPError(
+                f"sj.jit: {self!r} is called under jax.vmap. Its results are GlobalTensors laid out by "
+                "dims vmap would shift; put the vmap inside: sj.jit(jax.vmap(f), placement=..., "
+                "in_sbp=...) with the batch dim in the layouts."
+            )
+        gts, tree, weak = self._globals(args, kwargs)
+        prop, fn = self._compile(gts, tree, weak)
         gts = self._place(gts, prop)
         with self._first_use(fn):
             outs = fn(*[t.physical for t in gts])
@@ -357,8 +367,8 @@ class CompiledFunction:
         ``compile=True`` also lowers and compiles the program with XLA (as
         ``lower(...).compile()`` does) and adds those times to ``timings``, so
         the front end's share of the whole compile can be read."""
-        gts, tree = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree)
+        gts, tree, weak = self._globals(args, kwargs)
+        prop, fn = self._compile(gts, tree, weak)
         gts = self._place(gts, prop)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
@@ -371,8 +381,8 @@ class CompiledFunction:
 
     def lower(self, *args, **kwargs):
         """The ``jax.stages.Lowered`` of the single jitted program."""
-        gts, tree = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree)
+        gts, tree, weak = self._globals(args, kwargs)
+        prop, fn = self._compile(gts, tree, weak)
         gts = self._place(gts, prop)
         with self._first_use(fn):
             return fn.lower(*[t.physical for t in gts])
@@ -386,6 +396,15 @@ class CompiledFunction:
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
+
+
+def _weakly_typed(x) -> bool:
+    """JAX's weak type: a Python int, float or complex, or a jax value made from one."""
+    if isinstance(x, (int, float, complex)) and not isinstance(
+        x, (bool, np.generic)
+    ):  # np.float64 is a float
+        return True
+    return isinstance(x, jax.Array) and bool(getattr(x, "weak_type", False))
 
 
 class _Unplaced:
@@ -447,7 +466,17 @@ def jit(
     sends its plan to the others.
 
     Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
-    ``@functools.partial(sj.jit, placement=pl)``.
+    ``@functools.partial(sj.jit, placement=pl)``. Arguments are arrays and
+    numbers (Python scalars keep JAX's weak type); there are no static
+    arguments: bind those with ``functools.partial`` before compiling.
+
+    With JAX transformations: put them inside (``sj.jit(jax.grad(loss))``,
+    ``sj.jit(jax.vmap(f))``). Outside, ``jax.vmap`` of an ``sj.jit``
+    function is an SBPError, and ``jax.grad`` differentiates through the
+    results' ``.to_jax()`` (results with no partial: ``out_sbp``), not
+    through the GlobalTensors themselves. Called inside another function
+    ``sj.jit`` compiles, it is inlined there (its layouts kept as
+    ``sj.constrain`` points).
 
     ``in_sbp`` / ``out_sbp``: pytree prefixes of the arguments / outputs whose
     leaves are nd-SBPs. A string is always one whole nd-SBP; a tuple of single

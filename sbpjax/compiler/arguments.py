@@ -230,6 +230,24 @@ def leaf_layout(spec, ndim: int, shape: tuple, k: int, tree):
         return normalize_nd_sbp(spec, ndim, len(shape), where)  # raises again, naming the leaf
 
 
+def check_array_leaf(leaf, k: int, tree) -> None:
+    """An argument leaf must be an array or a number: ``sj.jit`` has no static
+    arguments (a string, a function or a config object would select the
+    program, and the plan is keyed by shapes and layouts only)."""
+    if isinstance(leaf, GlobalTensor) or isinstance(leaf, jax.Array):
+        return
+    try:
+        ok = np.result_type(leaf).kind in "biufc"
+    except TypeError:
+        ok = False
+    if not ok:
+        raise SBPError(
+            f"sj.jit: argument {leaf_name(leaf_paths(tree)[k])} is {leaf!r:.60} ({type(leaf).__name__}), not an "
+            "array or a number. sj.jit has no static arguments: bind it before compiling, e.g. "
+            "sj.jit(functools.partial(f, mode='eval'), placement=...), or close over it."
+        )
+
+
 def check_no_donated_alias(placed: list, donated: set, tree) -> None:
     """A donated argument's buffer passed again as another argument of the same
     call: XLA frees it while the other still reads it (jax.jit then crashes the
@@ -260,5 +278,6 @@ __all__ = [
     "checked_regather",
     "checked_donate_argnums",
     "leaf_layout",
+    "check_array_leaf",
     "check_no_donated_alias",
 ]

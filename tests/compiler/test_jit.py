@@ -343,6 +343,45 @@ def test_constrain_forces_a_layout(pl8):
     assert np.allclose(sj.constrain(jnp.ones(3), sj.B), 1)  # outside sj.jit: identity
 
 
+def test_python_scalars_keep_their_weak_type_as_under_jax_jit(pl8):
+    """A bf16 array times 2.0 stays bf16 (the scalar is weakly typed); a NumPy
+    scalar is not weak, as under jax.jit."""
+    x = jnp.ones((16, 8), jnp.bfloat16)
+    xi = jnp.ones((16,), jnp.int8)
+    scale = sj.jit(lambda x, s: x * s, placement=pl8, in_sbp=(S0, sj.B))
+    for a, s in (
+        (x, 2.0),
+        (xi, 3),
+        (x, jnp.asarray(2.0)),
+        (x, np.float32(2.0)),
+        (x, np.float64(2.0)),
+        (xi, 3.5),
+    ):
+        want = jax.jit(lambda x, s: x * s)(a, s)
+        got = scale(a, s)
+        assert got.dtype == want.dtype, (a.dtype, type(s))
+        np.testing.assert_array_equal(got.numpy(), np.asarray(want))
+
+
+def test_jax_transformations_of_an_sj_jit_function(pl8):
+    """jax.grad through .to_jax() of its results works (the documented route);
+    jax.vmap of it and an argument that is no array are SBPErrors saying what to
+    write instead, and the function still works after them."""
+    X = rng().normal(size=(16, 8)).astype(np.float32)
+    Wt = rng().normal(size=(8, 4)).astype(np.float32)
+    loss = sj.jit(lambda x, w: jnp.tanh(x @ w).sum(), placement=pl8, in_sbp=(S0, sj.B), out_sbp=sj.B)
+    g = jax.grad(lambda w: loss(X, w).to_jax())(Wt)
+    want = jax.grad(lambda w: jnp.tanh(X @ w).sum())(Wt)
+    assert_close(np.asarray(g), want, rtol=1e-5)
+    double = sj.jit(lambda a: a * 2, placement=pl8, in_sbp=S0)
+    with pytest.raises(sj.SBPError, match=r"under jax.vmap.*sj.jit\(jax.vmap\(f\)"):
+        jax.vmap(double)(np.stack([X, X]))
+    mode = sj.jit(lambda x, mode: x * 2 if mode == "train" else x, placement=pl8)
+    with pytest.raises(sj.SBPError, match=r"kwargs\['mode'\] is 'eval' \(str\).*functools.partial"):
+        mode(X, mode="eval")
+    np.testing.assert_array_equal(double(X).numpy(), X * 2)
+
+
 def test_an_sj_jit_function_called_inside_another_is_inlined(pl8, pl24):
     """The outer sj.jit plans the whole program: the inner body is inlined, its
     in_sbp / out_sbp kept as sj.constrain points (read in the plan), under
