@@ -42,11 +42,13 @@ from sbpjax.compiler.arguments import (
     leaf_name,
     leaf_paths,
     state_sbp,
+    weakly_typed,
 )
 from sbpjax.compiler.collector import collector_paused
 from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
+from sbpjax.compiler.nested import inline_call
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.planning import plan
@@ -163,7 +165,7 @@ class CompiledFunction:
             check_no_donated_alias(out, donated, tree)
         # Python scalars (and weakly typed jax values) keep JAX's weak type in
         # the trace: a bf16 array times 2.0 stays bf16, as under jax.jit
-        weak = tuple(_weakly_typed(x) for x in leaves)
+        weak = tuple(weakly_typed(x) for x in leaves)
         return out, tree, weak
 
     def _compile(self, gts, tree, weak):
@@ -313,7 +315,7 @@ class CompiledFunction:
         outer = tracing_on()
         tracers = [x for x in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(x, jax.core.Tracer)]
         if outer is not None and tracers:
-            return self._inlined(outer, args, kwargs)
+            return inline_call(self, outer, args, kwargs)
         if any(hasattr(x, "batch_dim") for x in tracers):  # jax.vmap's tracers
             raise SBPError(
                 f"sj.jit: {self!r} is called under jax.vmap. Its results are GlobalTensors laid out by "
@@ -331,35 +333,6 @@ class CompiledFunction:
             for y, o, nd in zip(outs, prog.outputs, prop.out_sbp)
         ]
         return jax.tree_util.tree_unflatten(prog.out_tree, results)
-
-    def _inlined(self, outer: Placement, args, kwargs):
-        """Called inside a function another ``sj.jit`` traces: that one plans
-        the whole program, so this function's body is inlined there, its
-        ``in_sbp`` / ``out_sbp`` kept as ``sj.constrain`` points (None and
-        AUTO leave a value free), and it returns plain values as the code
-        around it gets (GlobalTensors are what a call from outside returns)."""
-        if outer != self.placement:
-            raise SBPError(
-                f"sj.jit: {self!r} is called inside a function sj.jit compiles on {outer!r}; one program "
-                "runs on one placement. Give both the same placement, or call this one outside (its "
-                "results are GlobalTensors to pass in)."
-            )
-        ndim = self.placement.ndim
-
-        def constrained(values, spec, what):
-            leaves, tree = jax.tree_util.tree_flatten(values)
-            specs = broadcast_spec(spec, tree, what, ndim)
-            out = []
-            for k, (x, s) in enumerate(zip(leaves, specs)):
-                if s is not None and s is not AUTO:
-                    x = constrain(x, leaf_layout(s, ndim, tuple(np.shape(x)), k, tree))
-                out.append(x)
-            return jax.tree_util.tree_unflatten(tree, out)
-
-        if self.in_sbp is not None:
-            args = constrained(args, self.in_sbp, "in_sbp")
-        outs = self.fn(*args, **kwargs)
-        return outs if self.out_sbp is None else constrained(outs, self.out_sbp, "out_sbp")
 
     def explain(self, *args, compile: bool = False, **kwargs) -> Explanation:  # noqa: A002 (jax's word)
         """What the compiler decided for these arguments (``Explanation``).
@@ -396,15 +369,6 @@ class CompiledFunction:
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
-
-
-def _weakly_typed(x) -> bool:
-    """JAX's weak type: a Python int, float or complex, or a jax value made from one."""
-    if isinstance(x, (int, float, complex)) and not isinstance(
-        x, (bool, np.generic)
-    ):  # np.float64 is a float
-        return True
-    return isinstance(x, jax.Array) and bool(getattr(x, "weak_type", False))
 
 
 class _Unplaced:

@@ -268,6 +268,15 @@ def check_no_donated_alias(placed: list, donated: set, tree) -> None:
             )
 
 
+def weakly_typed(x) -> bool:
+    """JAX's weak type: a Python int, float or complex, or a jax value made from one."""
+    if isinstance(x, (int, float, complex)) and not isinstance(
+        x, (bool, np.generic)
+    ):  # np.float64 is a float
+        return True
+    return isinstance(x, jax.Array) and bool(getattr(x, "weak_type", False))
+
+
 __all__ = [
     "is_nd_sbp",
     "state_sbp",
@@ -279,5 +288,6 @@ __all__ = [
     "checked_donate_argnums",
     "leaf_layout",
     "check_array_leaf",
+    "weakly_typed",
     "check_no_donated_alias",
 ]
