@@ -13,6 +13,17 @@ from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.switches import plan_switches
 from sbpjax.sbp import format_sbp
 
+_WIDEST = 60  # characters a column shows
+
+
+def _short_source(source: str) -> str:
+    """``path:line:col (function)`` within a column: a long path gives way to its
+    file name first, so the line number stays (it is what one looks up)."""
+    if len(source) <= _WIDEST:
+        return source
+    path, sep, rest = source.partition(":")
+    return os.path.basename(path) + sep + rest if sep else source
+
 
 def _short(nd) -> str:
     return format_sbp(nd)[1:-1] if len(nd) > 1 else str(nd[0])
@@ -236,9 +247,9 @@ class Explanation:
         if (again := self._regather_line()) is not None:
             lines.append("  " + again)
         rows = self._rows()
-        widths = [min(max(len(r[c]) for r in rows), 60) for c in range(len(rows[0]))]
+        widths = [min(max(len(r[c]) for r in rows), _WIDEST) for c in range(len(rows[0]))]
         for r in rows:
-            lines.append("  " + "  ".join(v[:60].ljust(w) for v, w in zip(r, widths)).rstrip())
+            lines.append("  " + "  ".join(v[:_WIDEST].ljust(w) for v, w in zip(r, widths)).rstrip())
         lines.append("  totals: " + self._totals())
         for w in self.warnings:
             lines.append(f"  warning: {w}")
@@ -274,7 +285,7 @@ class Explanation:
                     " | ".join(_short(n) for n in d.out_sbp),
                     box,
                     str(moved) if d.boxings or d.comm else "",
-                    d.node.source,
+                    _short_source(d.node.source),
                 )
             )
         for b in prop.out_boxings:

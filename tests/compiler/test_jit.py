@@ -343,6 +343,19 @@ def test_constrain_forces_a_layout(pl8):
     assert np.allclose(sj.constrain(jnp.ones(3), sj.B), 1)  # outside sj.jit: identity
 
 
+def test_explain_keeps_the_line_number_of_a_source_in_a_deep_directory(pl8, tmp_path):
+    import importlib.util
+
+    deep = tmp_path / ("a_project_directory_" * 3) / "with" / "a" / "realistic" / "depth"
+    deep.mkdir(parents=True)
+    (deep / "model_code.py").write_text("import jax.numpy as jnp\n\n\ndef f(x):\n    return jnp.sin(x) * 2\n")
+    spec = importlib.util.spec_from_file_location("model_code", deep / "model_code.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = str(sj.jit(module.f, placement=pl8, in_sbp=S0).explain(np.ones((8, 4), np.float32)))
+    assert "model_code.py:5:" in text, text
+
+
 def test_python_scalars_keep_their_weak_type_as_under_jax_jit(pl8):
     """A bf16 array times 2.0 stays bf16 (the scalar is weakly typed); a NumPy
     scalar is not weak, as under jax.jit."""
