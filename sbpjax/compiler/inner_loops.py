@@ -46,7 +46,12 @@ how often the body runs (unknown for a while loop; for a scan, pricing the
 body's choice against the code around it would make the loop part of the
 whole-program problem, which is what writing it out does); the layout the
 carry has where it is made is the one the code before the loop chose, and a
-caller who wants another writes ``sj.constrain`` on the initial value. The
+caller who wants another writes ``sj.constrain`` on the initial value. One
+exception: a replicated carry may take the split of a constant or carry of
+its shape (B to S is free) where the loop then moves fewer bytes per
+iteration: a carry made from a constant (``jnp.ones_like(x)``) arrives
+replicated, and kept so the body would gather the split ``x`` every
+iteration (``_split_carries``). The
 inner programs are planned with the default ``CostModel`` and the integer
 program (their own time limit: ``INNER_TIME_LIMIT``). A side effect in a
 body (a ``jax.debug.print``) is an op of the inner program like any other:
@@ -128,9 +133,35 @@ def _split_counts(eqn) -> tuple[int, int]:
     return n, len(eqn.invars) - n
 
 
+def _split_carries(ins, node, n_consts: int, n_carry: int, grid):
+    """Other layouts for the replicated carries, to price against keeping them:
+    each split layout a constant or carry of the same shape has, given to every
+    replicated carry of that shape (B -> S is a local slice, free). A carry
+    made before the loop from a constant (``jnp.ones_like(x)``) arrives
+    replicated where nothing before the loop chose otherwise; kept so, the body
+    gathers a split ``x`` it meets in every iteration (GSPMD keeps it split)."""
+    rep = (Broadcast(),) * len(grid)
+    fixed = range(n_consts + n_carry)
+    carries = [k for k in range(n_consts, n_consts + n_carry) if ins[k] == rep]
+    seen = set()
+    for j in fixed:
+        nd, shape = ins[j], tuple(node.ins[j].shape)
+        if nd == rep or (nd, shape) in seen:
+            continue
+        seen.add((nd, shape))
+        alt = list(ins)
+        for k in carries:
+            if tuple(node.ins[k].shape) == shape and even_on(nd, shape, grid):
+                alt[k] = nd
+        if alt != list(ins):
+            yield alt
+
+
 def signature(node: Node, cur, placement):
     """(ins, outs): every operand in the layout it arrives in (see ``_kept``;
-    a scan's stacked ones ``_stack_kept``), the carries' results in their
+    a scan's stacked ones ``_stack_kept``; a replicated carry may take a
+    split where the loop then moves fewer bytes per iteration:
+    ``_split_carries``), the carries' results in their
     layouts and a scan's stacked results in their slices' as the body
     chose them; None for an empty scan (it runs whole on every device, with
     a warning)."""
@@ -143,6 +174,9 @@ def signature(node: Node, cur, placement):
     for k, (nd, a) in enumerate(zip(cur, node.ins)):
         nd = rep if nd is None else nd
         ins.append(_stack_kept(nd, a.shape, grid) if k >= n_consts + n_carry else _kept(nd, a.shape, grid))
+    for alt in _split_carries(ins, node, n_consts, n_carry, grid):
+        if plan_loop(eqn, alt, placement).bytes < plan_loop(eqn, ins, placement).bytes:
+            ins = alt
     carries = ins[n_consts : n_consts + n_carry]
     if eqn.primitive.name == WHILE:
         return ins, carries

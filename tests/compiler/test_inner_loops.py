@@ -71,6 +71,34 @@ def test_a_split_carry_stays_split_and_the_predicate_is_reduced_in_the_loop(pl8)
     assert collectives_in_while_bodies(f, X) == {"all-reduce"}
 
 
+def newton_sqrt(x):
+    """Square roots to a tolerance: the carry starts as ``ones_like(x)``."""
+
+    def cond(s):
+        return (s[1] < 50) & (jnp.max(jnp.abs(s[0] * s[0] - x)) > 1e-4)
+
+    return jax.lax.while_loop(cond, lambda s: (0.5 * (s[0] + x / s[0]), s[1] + 1), (jnp.ones_like(x), 0))[0]
+
+
+def counted_sqrt(x):
+    return jax.lax.while_loop(
+        lambda s: s[1] < 20, lambda s: (0.5 * (s[0] + x / s[0]), s[1] + 1), (jnp.ones_like(x), 0)
+    )[0]
+
+
+@pytest.mark.parametrize("fn,moved", [(newton_sqrt, 2 * 7 * 4), (counted_sqrt, 0)])
+def test_a_carry_made_from_a_constant_takes_the_split_of_what_it_meets(pl8, fn, moved):
+    """The carry arrives replicated (nothing before the loop chose otherwise);
+    kept so, every iteration gathered the split x (20 all-gathers, 71,680 B).
+    Split like x (free), an iteration moves only the predicate's max (GSPMD's
+    bytes)."""
+    X = (np.abs(np.random.default_rng(2).normal(size=(16, 8))) * 10 + 0.1).astype(np.float32)
+    f, y = strict(fn, pl8, (S(0),), X)
+    assert_close(y.numpy(), np.sqrt(X), rtol=1e-5)
+    assert compiled_bytes(f, X) == moved
+    assert "all-gather" not in collectives_in_while_bodies(f, X)
+
+
 def mlp_until_small(x, w):
     """tanh(x @ w) until every entry is small or 50 iterations have run."""
 
