@@ -323,7 +323,7 @@ class Propagator:
                 est = sum(
                     0.0 if any(v[a] == q for v in vs) else estimate(c[a], q, nbytes(i), p)
                     for c, q, i, vs in zip(cur, s.ins, node.ins, have)
-                )
+                ) + self._axis_debt(a, cur, s, node)
                 later = sum(estimate(s.outs[j], want, nbytes, p) for want, nbytes, j in wants)
                 changed = sum(c[a] != q for c, q in zip(cur, s.ins))
                 scored.append((est, changed, *axis_ties(s, cur, a), k, s))
@@ -517,6 +517,19 @@ class Propagator:
                 if any(isinstance(q[a], Partial) and c[a] != q[a] for c, q in zip(cur, ins)):
                     debt += 2 * (self.grid[a] - 1) * nbytes(o)
         return debt
+
+    def _axis_debt(self, a: int, cur: list, s: Sig, node: Node) -> int:
+        """``_partial_debt`` of a 1-D candidate on axis ``a``: ranked without it, a
+        zero-filled partial (free now, reduced later at 2(p-1)|T|) would push
+        gathering the input (p-1)|T| out of the candidates kept (a reshape that
+        cannot keep a split)."""
+        if not any(isinstance(q, Partial) and c[a] != q for c, q in zip(cur, s.ins)):
+            return 0
+        return sum(
+            2 * (self.grid[a] - 1) * nbytes(o)
+            for o, q in zip(node.outs, s.outs)
+            if isinstance(q, Partial) and not any(c[a] == q for c in cur)
+        )
 
     @staticmethod
     def partial_ok(nd) -> bool:

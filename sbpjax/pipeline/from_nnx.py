@@ -23,6 +23,7 @@ streams) is held constant: the chain is the model in inference mode.
 
 from __future__ import annotations
 
+import flax.errors
 import jax
 import numpy as np
 from flax import nnx
@@ -132,7 +133,15 @@ def _module_layer(module, name: str, tie: str, stacked_index: int | None = None)
     def apply(p, x):
         state = jax.tree_util.tree_map(lambda v: v, params)
         nnx.replace_by_pure_dict(state, p)
-        return nnx.merge(graphdef, state, rest)(x)
+        try:
+            return nnx.merge(graphdef, state, rest)(x)
+        except flax.errors.TraceContextError:  # it writes its state: training mode
+            raise SBPError(
+                f"LayerChain.from_model: block {name!r} updates its own state when called: "
+                "BatchNorm in training mode, or Dropout drawing from its RNG stream. A pipeline stage holds "
+                "non-parameter state constant (the chain is the model in inference mode): call model.eval() "
+                "before LayerChain.from_model / sjp.cut, or keep such layers in the embedding or head."
+            ) from None
 
     def layouts(placement):
         from sbpjax.flax.annotate import get_sbp
@@ -223,7 +232,7 @@ def _through_blocks(node, kind: str):
 
 def _block_tie(module) -> str:
     """Blocks with the same graph and parameter shapes are alike."""
-    graphdef, params = nnx.split(module, nnx.Param)[:2]
+    graphdef, params = nnx.split(module, nnx.Param, ...)[:2]  # other state (batch stats, RNG streams) apart
     shapes = tuple((np.shape(v), str(v.dtype)) for v in jax.tree_util.tree_leaves(params))
     return f"{type(module).__qualname__}:{hash((graphdef, shapes))}"
 

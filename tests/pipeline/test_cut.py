@@ -302,3 +302,42 @@ def test_a_named_list_of_one_block_is_the_blocks():
         sjp.LayerChain.from_model(OneBlock(nnx.Rngs(0)), x)
     chain = sjp.LayerChain.from_model(OneBlock(nnx.Rngs(0)), x, blocks="blocks")
     assert [layer.name for layer in chain.layers] == ["embed", "blocks.0", "head"]
+
+
+class StatefulBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.drop(jnp.tanh(self.bn(self.lin(x))))
+
+
+class StatefulBlocks(Widening):
+    def __init__(self, rngs):
+        self.inp = nnx.Linear(4, 8, rngs=rngs)
+        self.blocks = nnx.List([StatefulBlock(rngs) for _ in range(3)])
+        self.head = nnx.Linear(8, 2, rngs=rngs)
+
+
+def test_blocks_with_batch_statistics_and_dropout_cut_in_inference_mode():
+    """Blocks holding BatchNorm statistics and a Dropout RNG stream: in training
+    mode (they would write that state) an SBPError says to call model.eval();
+    in inference mode the cut model trains like one program, its state held."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    y = np.random.default_rng(1).normal(size=(8, 2)).astype(np.float32)
+    model = StatefulBlocks(nnx.Rngs(0))
+    with pytest.raises(sj.SBPError, match=r"block 'blocks.0' updates its own state.*model.eval\(\)"):
+        sjp.LayerChain.from_model(model, x)
+    model.eval()
+    c = sjp.cut(model, sj.placement(2, "pp"), sample=x)
+
+    def mse(out, target):
+        return jnp.mean((out - target) ** 2)
+
+    r = sjp.Pipeline(c.stages, mse, optax.sgd(0.1), microbatches=2).step(x, y)
+    loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
+    assert r.loss == pytest.approx(float(loss), rel=1e-5)
+    for g, w in zip(jax.tree.leaves(c.model_params(r.grads)), jax.tree.leaves(nnx.to_pure_dict(grads))):
+        assert_close(g, w, rtol=1e-4, scale=1e-2)
