@@ -21,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sbpjax._errors import SBPError
 from sbpjax.compiler.api import constrain, jit, state_sbp
 from sbpjax.pipeline.split import SplitVJP, split_vjp
 from sbpjax.sbp import Broadcast
@@ -167,6 +169,24 @@ class StagePrograms:
         self.last = loss_fn is not None
 
 
+def checked_loss(loss, loss_fn):
+    """The loss a pipeline differentiates: one float scalar (the mean over a
+    microbatch), which the backward pass seeds with 1 / microbatches."""
+    leaves = jax.tree_util.tree_leaves(loss)
+    if len(leaves) != 1 or np.shape(leaves[0]) != () or not jnp.issubdtype(leaves[0].dtype, jnp.floating):
+        what = (
+            f"a {type(loss).__name__} of {len(leaves)} values"
+            if len(leaves) != 1 or not hasattr(loss, "shape")
+            else f"an array of shape {np.shape(leaves[0])} and dtype {leaves[0].dtype}"
+        )
+        raise SBPError(
+            f"Pipeline: loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} returns {what}; it must return one "
+            "float scalar, the mean loss of the microbatch (e.g. jnp.mean over its rows). Auxiliary outputs "
+            "(accuracy, counts) are not carried: compute them from the model's outputs outside the pipeline."
+        )
+    return leaves[0]
+
+
 def _compile(stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp, state_layout):
     """The split VJP and the stage's programs (see :class:`StagePrograms`).
     Parameters come in their stored layouts; a ZeRO stage gathers them to its
@@ -179,7 +199,7 @@ def _compile(stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp
     if loss_fn is not None:  # the last stage: its forward ends in the loss, seeded with 1 / m
 
         def with_loss(p, x, t):
-            return loss_fn(fn(p, x), t)
+            return checked_loss(loss_fn(fn(p, x), t), loss_fn)
 
         vjp = StageVJP(with_loss, not first)
         args: tuple = (ps, xs, target_sbp)

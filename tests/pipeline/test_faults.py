@@ -195,6 +195,25 @@ def test_one_sigint_stops_a_step(tmp_path):
     assert time.perf_counter() - t0 < 30
 
 
+@pytest.mark.parametrize(
+    "loss_fn,says",
+    [
+        (lambda y, t: (y - t) ** 2, r"an array of shape \(2, 8\)"),
+        (lambda y, t: jnp.mean((y - t) ** 2, axis=1), r"an array of shape \(2,\)"),
+        (lambda y, t: (mse(y, t), jnp.max(y)), "a tuple of 2 values"),
+        (lambda y, t: jnp.sum(y > t), "dtype int32"),
+    ],
+    ids=["elementwise", "per row", "with aux", "integer"],
+)
+def test_a_loss_that_is_not_one_float_scalar_is_refused_by_name(loss_fn, says):
+    pipe = sjp.Pipeline(_stages([layer, layer]), loss_fn, optax.sgd(0.1), microbatches=2)
+    before = _snapshot(pipe)
+    with pytest.raises(sj.SBPError, match=says + ".*must return one float scalar"):
+        pipe.step(*_batch(2))
+    _assert_unchanged(before, _snapshot(pipe))
+    assert threading.active_count() == 1 or all(t.daemon for t in threading.enumerate()[1:])
+
+
 def test_nan_stage_is_named_when_checked():
     def nan_layer(p, x):
         return layer(p, x) * jnp.nan
