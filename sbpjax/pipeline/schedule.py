@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import abc
 
+import numpy as np
+
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.validate import FUSED, SPLIT, validate_action_lists
 
@@ -102,6 +104,29 @@ class OneFOneB(Schedule):
         return (devices - 1) / (microbatches + devices - 1)
 
 
+def _index(v, what: str) -> int:
+    """A non-negative int (a NumPy one too); 1.7 is not truncated to 1."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise SBPError(f"ActionList: {what} {v!r} is not an index; give an int >= 0.")
+    return int(v)
+
+
+def _action(a, device, i: int) -> tuple:
+    """One ``(kind, stage, microbatch)`` entry of device ``device``'s list (an
+    unknown kind is the validator's to name, with the rest of the list)."""
+    kinds = sorted(set(FUSED) | set(SPLIT))
+    if not (isinstance(a, (tuple, list)) and len(a) == 3 and isinstance(a[0], str)):
+        raise SBPError(
+            f"ActionList: entry {i} of device {device}'s list is {a!r}; give (kind, stage, microbatch) "
+            f"with kind one of {kinds}, e.g. ('forward', 0, 1)."
+        )
+    return (
+        a[0],
+        _index(a[1], f"stage of entry {i} of device {device}'s list"),
+        _index(a[2], f"microbatch of entry {i} of device {device}'s list"),
+    )
+
+
 class ActionList(Schedule):
     """An explicit order: ``lists[d]`` is device ``d``'s sequence of
     ``(kind, stage, microbatch)``, with kinds ``"forward"`` and ``"backward"``
@@ -119,8 +144,12 @@ class ActionList(Schedule):
 
     def __init__(self, lists, *, stage_devices=None):
         items = lists.items() if isinstance(lists, dict) else enumerate(lists)
-        self._lists = {int(d): [(str(kind), int(s), int(k)) for kind, s, k in seq] for d, seq in items}
-        self._stage_devices = None if stage_devices is None else tuple(int(d) for d in stage_devices)
+        self._lists = {
+            _index(d, "a device"): [_action(a, d, i) for i, a in enumerate(seq)] for d, seq in items
+        }
+        self._stage_devices = (
+            None if stage_devices is None else tuple(_index(d, "stage_devices entry") for d in stage_devices)
+        )
         self.split_backward = any(kind in SPLIT[1:] for seq in self._lists.values() for kind, _, _ in seq)
 
     def action_lists(self, devices, microbatches):

@@ -251,6 +251,11 @@ class Pipeline:
         stages = list(stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise SBPError("Pipeline: stages must be a non-empty list of sbpjax.pipeline.Stage.")
+        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+            raise SBPError(
+                f"Pipeline: optimizer={optimizer!r} is not an optax GradientTransformation (init and update); "
+                "give one, e.g. optax.adam(1e-3)."
+            )
         if not stagewise_optimizer:
             check_stagewise(optimizer, [st.params for st in stages], [st.name for st in stages])
         self.stages = stages
@@ -329,6 +334,11 @@ class Pipeline:
             )
         for s, st in enumerate(stages):
             d = self.schedule.device_of(s, p)
+            if not 0 <= d < p:
+                raise SBPError(
+                    f"Pipeline: {self.schedule!r} runs stage {s} on device group {d}, but the stages use "
+                    f"{p} groups (0..{p - 1}); give stage_devices within them."
+                )
             if st.placement != groups[d]:
                 raise SBPError(
                     f"Pipeline: stage {s} ({st.name}) is on {st.placement!r} but {self.schedule!r} on "

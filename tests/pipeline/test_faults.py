@@ -214,6 +214,20 @@ def test_a_loss_that_is_not_one_float_scalar_is_refused_by_name(loss_fn, says):
     assert threading.active_count() == 1 or all(t.daemon for t in threading.enumerate()[1:])
 
 
+def test_a_pipeline_without_an_optimizer_or_with_a_stage_on_no_group_is_refused():
+    with pytest.raises(sj.SBPError, match="optimizer=None is not an optax GradientTransformation"):
+        sjp.Pipeline(_stages([layer, layer]), mse, None, microbatches=2)
+    lists = sjp.ZeroBubbleH1().action_lists(2, 2)
+    with pytest.raises(sj.SBPError, match=r"runs stage 1 on device group 5.*2 groups \(0..1\)"):
+        sjp.Pipeline(
+            _stages([layer, layer]),
+            mse,
+            optax.sgd(0.1),
+            microbatches=2,
+            schedule=sjp.ActionList(lists, stage_devices=[0, 5]),
+        )
+
+
 def test_nan_stage_is_named_when_checked():
     def nan_layer(p, x):
         return layer(p, x) * jnp.nan

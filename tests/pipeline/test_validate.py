@@ -54,6 +54,21 @@ def test_each_kind_of_break_names_the_action():
     _refused(bad, match="device 0, entry 0 \\(forward of stage 0, microbatch 1\\): comes before microbatch 0")
 
 
+def test_entries_that_are_not_actions_are_refused_when_the_list_is_made():
+    for entry, says in [
+        ((F, 0), r"entry 0 of device 0's list is \('forward', 0\); give \(kind, stage, microbatch\)"),
+        ((F, 0, "x"), r"microbatch of entry 0 of device 0's list 'x' is not an index"),
+        ((F, 0, 1.7), r"microbatch of entry 0 of device 0's list 1.7 is not an index"),  # not truncated to 1
+        ((F, -1, 0), r"stage of entry 0 of device 0's list -1 is not an index"),
+    ]:
+        bad = _zb()
+        bad[0][0] = entry
+        with pytest.raises(sj.SBPError, match=says):
+            sjp.ActionList(bad)
+    with pytest.raises(sj.SBPError, match="stage_devices entry 'a' is not an index"):
+        sjp.ActionList(_zb(), stage_devices=[0, "a"])
+
+
 def test_dependencies_that_cannot_be_met_name_who_waits_for_what():
     bad = _zb()
     bad[1].remove((W, 1, 0))
