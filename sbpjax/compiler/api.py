@@ -163,12 +163,17 @@ class CompiledFunction:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         if donated:
             check_no_donated_alias(out, donated, tree)
-        # Python scalars (and weakly typed jax values) keep JAX's weak type in
-        # the trace: a bf16 array times 2.0 stays bf16, as under jax.jit
-        weak = tuple(weakly_typed(x) for x in leaves)
-        return out, tree, weak
+        return out, tree
 
-    def _compile(self, gts, tree, weak):
+    @staticmethod
+    def _weak(args, kwargs) -> tuple:
+        """Per argument leaf, whether it is weakly typed: Python scalars (and
+        weakly typed jax values) keep JAX's weak type in the trace, so a bf16
+        array times 2.0 stays bf16, as under jax.jit."""
+        return tuple(weakly_typed(x) for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_global))
+
+    def _compile(self, gts, tree, weak=None):
+        weak = weak or (False,) * len(gts)
         key = (tree, weak, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
         hit = self._cache.get(key)
         if hit is not None:
@@ -322,8 +327,8 @@ class CompiledFunction:
                 "dims vmap would shift; put the vmap inside: sj.jit(jax.vmap(f), placement=..., "
                 "in_sbp=...) with the batch dim in the layouts."
             )
-        gts, tree, weak = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree, weak)
+        gts, tree = self._globals(args, kwargs)
+        prop, fn = self._compile(gts, tree, self._weak(args, kwargs))
         gts = self._place(gts, prop)
         with self._first_use(fn):
             outs = fn(*[t.physical for t in gts])
@@ -340,8 +345,8 @@ class CompiledFunction:
         ``compile=True`` also lowers and compiles the program with XLA (as
         ``lower(...).compile()`` does) and adds those times to ``timings``, so
         the front end's share of the whole compile can be read."""
-        gts, tree, weak = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree, weak)
+        gts, tree = self._globals(args, kwargs)
+        prop, fn = self._compile(gts, tree, self._weak(args, kwargs))
         gts = self._place(gts, prop)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
@@ -354,8 +359,8 @@ class CompiledFunction:
 
     def lower(self, *args, **kwargs):
         """The ``jax.stages.Lowered`` of the single jitted program."""
-        gts, tree, weak = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree, weak)
+        gts, tree = self._globals(args, kwargs)
+        prop, fn = self._compile(gts, tree, self._weak(args, kwargs))
         gts = self._place(gts, prop)
         with self._first_use(fn):
             return fn.lower(*[t.physical for t in gts])
