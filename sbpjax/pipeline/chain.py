@@ -14,13 +14,14 @@ between layers is the batch (microbatches split it).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
 from sbpjax.tensor import is_global
@@ -72,6 +73,30 @@ def _stage_fn(applies: Sequence[Callable], name: str) -> Callable:
     return stage
 
 
+def _warn_shared_arrays(fns, params, names) -> None:
+    """One array object among the parameters of layers with different functions
+    is most likely a tied weight (an embedding read by the head), which a
+    pipeline cannot keep tied: say so. Layers of one function given one array
+    (``[init] * n``) are alike layers from one initial value: no warning."""
+    first: dict = {}
+    for i, (fn, p) in enumerate(zip(fns, params)):
+        for path, v in jax.tree_util.tree_flatten_with_path(p)[0]:
+            if np.ndim(v) == 0:
+                continue
+            j = first.setdefault(id(v), (i, path))[0]
+            if j != i and fns[j] is not fn:
+                warnings.warn(
+                    SBPWarning(
+                        f"LayerChain.from_functions: layers {names[j]!r} and {names[i]!r} are given the same "
+                        f"array ({jax.tree_util.keystr(path)}): each layer's parameters are its own, so they are "
+                        "trained as two copies that drift apart. A pipeline cannot keep weights tied across "
+                        "stages: read the weight in one layer, or pass a copy to silence this."
+                    ),
+                    stacklevel=3,
+                )
+                return
+
+
 class LayerChain:
     """Layers run one after the other on one example input ``sample``.
 
@@ -102,7 +127,11 @@ class LayerChain:
         """A chain of ``fns[i](params[i], x) -> y``. ``param_sbp[i]``: layer ``i``'s
         parameter layouts (a pytree of nd-SBPs like ``params[i]``, one nd-SBP for
         all, or a function ``placement -> pytree``); None: B. Layers with the same
-        function and parameter shapes are tied."""
+        function and parameter shapes are tied. Each layer's parameters are its
+        own: one array given to layers of different functions (an embedding
+        table the head reads too) is trained as two copies, with an
+        SBPWarning (stages own their parameters; keep tied weights in one
+        layer)."""
         fns, params = list(fns), list(params)
         if len(fns) != len(params):
             raise SBPError(
@@ -118,6 +147,7 @@ class LayerChain:
         if len(sbps) != len(fns):
             raise SBPError(f"LayerChain.from_functions: {len(sbps)} param_sbp entries for {len(fns)} layers.")
         names = list(names) if names is not None else [f"layer{i}" for i in range(len(fns))]
+        _warn_shared_arrays(fns, params, names)
         layers = []
         for i, (fn, p, s) in enumerate(zip(fns, params, sbps)):
             shapes = tuple((np.shape(v), str(np.asarray(v).dtype)) for v in jax.tree_util.tree_leaves(p))

@@ -341,3 +341,28 @@ def test_blocks_with_batch_statistics_and_dropout_cut_in_inference_mode():
     assert r.loss == pytest.approx(float(loss), rel=1e-5)
     for g, w in zip(jax.tree.leaves(c.model_params(r.grads)), jax.tree.leaves(nnx.to_pure_dict(grads))):
         assert_close(g, w, rtol=1e-4, scale=1e-2)
+
+
+def test_one_array_given_to_layers_of_different_functions_is_said_to_train_as_copies():
+    """An embedding table the head reads too, given to both layers: the stages
+    would train two copies; an SBPWarning says so. Alike layers given one
+    initial value ([p] * n) are separate layers: no warning."""
+    import warnings
+
+    table = np.ones((6, 8), np.float32)
+
+    def embed(p, x):
+        return x @ p["E"]
+
+    def head(p, x):
+        return x @ p["E"].T
+
+    x = np.ones((4, 6), np.float32)
+    with pytest.warns(
+        sj.SBPWarning, match=r"layers 'layer0' and 'layer1' are given the same array \(\['E'\]\)"
+    ):
+        sjp.LayerChain.from_functions([embed, head], [{"E": table}, {"E": table}], x)
+    w = {"w": np.eye(6, dtype=np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", sj.SBPWarning)
+        sjp.LayerChain.from_functions([lambda p, x: x @ p["w"]] * 3, [w] * 3, x)
