@@ -56,6 +56,11 @@ def build_graph(
     m = microbatches
     if not isinstance(m, int) or m < 1:
         raise SBPError(f"pipeline: microbatches must be an int >= 1, got {m!r}.")
+    for name, v in (("data_registers", data_registers), ("activation_registers", activation_registers)):
+        # checked whether or not this schedule reads it: a setting that works
+        # only with some schedules would break when the schedule is swapped
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise SBPError(f"pipeline: {name} must be an int >= 1 (slots of a register), got {v!r}.")
     schedule.check(devices, m)
     n = schedule.stages(devices)
     if threads is None:

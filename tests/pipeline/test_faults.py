@@ -217,6 +217,16 @@ def test_a_loss_that_is_not_one_float_scalar_is_refused_by_name(loss_fn, says):
 def test_a_pipeline_without_an_optimizer_or_with_a_stage_on_no_group_is_refused():
     with pytest.raises(sj.SBPError, match="optimizer=None is not an optax GradientTransformation"):
         sjp.Pipeline(_stages([layer, layer]), mse, None, microbatches=2)
+    for schedule in ("1f1b", "zb-h1"):  # zb-h1 does not read it: refused all the same
+        with pytest.raises(sj.SBPError, match=r"activation_registers must be an int >= 1.*got 0"):
+            sjp.Pipeline(
+                _stages([layer, layer]),
+                mse,
+                optax.sgd(0.1),
+                microbatches=2,
+                schedule=schedule,
+                activation_registers=0,
+            )
     lists = sjp.ZeroBubbleH1().action_lists(2, 2)
     with pytest.raises(sj.SBPError, match=r"runs stage 1 on device group 5.*2 groups \(0..1\)"):
         sjp.Pipeline(
