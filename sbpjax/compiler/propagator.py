@@ -307,9 +307,8 @@ class Propagator:
             # then: keeping it among every op's candidates changed 8 of the compiler
             # benchmark's 22 plans, most to more bytes.
             whole = [s for s in sigs if _replicated(s)]
-            combos += [
-                (len(combos) + o, i, x, c) for o, i, x, c in self._products(node, [whole] * len(self.grid))
-            ]
+            after = 1 + max(order for order, *_ in combos)  # the rule's order: after those kept
+            combos += [(after + o, i, x, c) for o, i, x, c in self._products(node, [whole] * len(self.grid))]
         return self._cheapest(node, cur, combos)
 
     def _ranked_per_axis(self, node: Node, cur: list, sigs: list) -> list:

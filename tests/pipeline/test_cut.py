@@ -225,6 +225,11 @@ def test_blocks_that_change_the_width_cut_and_train_like_one_program():
     x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
     c = sjp.cut(model, sj.placement(2, "pp"), axis="pp", sample=x, costs=[1.0] * 5)
     assert [layer.name for layer in c.chain.layers] == ["embed", "blocks.0", "blocks.1", "blocks.2", "head"]
+    steps_like_the_model(c, model, x, y)
+
+
+def steps_like_the_model(c, model, x, y, scale=None):
+    """One pipelined step's loss and gradients equal the model's own."""
 
     def mse(out, target):
         return jnp.mean((out - target) ** 2)
@@ -233,7 +238,7 @@ def test_blocks_that_change_the_width_cut_and_train_like_one_program():
     loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
     assert r.loss == pytest.approx(float(loss), rel=1e-5)
     for g, w in zip(jax.tree.leaves(c.model_params(r.grads)), jax.tree.leaves(nnx.to_pure_dict(grads))):
-        assert_close(g, w, rtol=1e-4)
+        assert_close(g, w, rtol=1e-4, scale=scale)
 
 
 def test_interleaved_schedule_puts_two_stages_on_each_group():
@@ -331,16 +336,8 @@ def test_blocks_with_batch_statistics_and_dropout_cut_in_inference_mode():
     with pytest.raises(sj.SBPError, match=r"block 'blocks.0' updates its own state.*model.eval\(\)"):
         sjp.LayerChain.from_model(model, x)
     model.eval()
-    c = sjp.cut(model, sj.placement(2, "pp"), sample=x)
-
-    def mse(out, target):
-        return jnp.mean((out - target) ** 2)
-
-    r = sjp.Pipeline(c.stages, mse, optax.sgd(0.1), microbatches=2).step(x, y)
-    loss, grads = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
-    assert r.loss == pytest.approx(float(loss), rel=1e-5)
-    for g, w in zip(jax.tree.leaves(c.model_params(r.grads)), jax.tree.leaves(nnx.to_pure_dict(grads))):
-        assert_close(g, w, rtol=1e-4, scale=1e-2)
+    # gradients of terms of order 1e-2 (a bias before a BatchNorm: rounding noise)
+    steps_like_the_model(sjp.cut(model, sj.placement(2, "pp"), sample=x), model, x, y, scale=1e-2)
 
 
 def test_one_array_given_to_layers_of_different_functions_is_said_to_train_as_copies():
