@@ -237,7 +237,10 @@ def check_array_leaf(leaf, k: int, tree) -> None:
     if isinstance(leaf, GlobalTensor) or isinstance(leaf, jax.Array):
         return
     try:
-        ok = np.result_type(leaf).kind in "biufc"
+        dtype = np.result_type(leaf)  # ml_dtypes' (bfloat16, float8) are numbers too
+        ok = bool(
+            jax.numpy.issubdtype(dtype, jax.numpy.number) or jax.numpy.issubdtype(dtype, jax.numpy.bool_)
+        )
     except TypeError:
         ok = False
     if not ok:
