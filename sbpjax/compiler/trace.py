@@ -343,6 +343,7 @@ def _flatten_scan(eqn, ins, nodes, cse, flat):
             return outs[:n_carry], outs[n_carry:]
 
     ys: dict = {}
+    source = source_of(eqn)
     slice_cse = {} if flat.loop_slices else cse
     loop = Loop(p["reverse"], len(consts), len(carry), list(xs), [])
     for i in reversed(range(length)) if p["reverse"] else range(length):
@@ -350,6 +351,8 @@ def _flatten_scan(eqn, ins, nodes, cse, flat):
         x_i = [_inline_closed(index_jaxpr(x, i), [x], nodes, slice_cse, flat)[0] for x in xs]
         start = len(nodes)
         slicing = nodes[sliced_from:start]
+        for n in slicing:  # made by sbpjax's small jaxprs: the scan's line is the user's
+            n.source = source
         ins_i = consts + carry + x_i
         # a copy of the merge table: equal equations merge within the iteration
         # and with the code before the loop, never across iterations (the
@@ -362,10 +365,13 @@ def _flatten_scan(eqn, ins, nodes, cse, flat):
     def stack(vs):
         return _emit(lambda *v: jax.numpy.stack(v), vs, nodes, cse, what="stack", flat=flat)[0]
 
+    stacking = len(nodes)
     stacked = [stack([ys[i][k] for i in range(length)]) for k in range(len(ys[0]))]
+    for n in nodes[stacking:]:
+        n.source = source
     if len(carry) + len(stacked) != len(eqn.outvars):
         return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
-    loop.stacked, loop.source = list(stacked), source_of(eqn)
+    loop.stacked, loop.source = list(stacked), source
     flat.loops.append(loop)
     return carry + stacked
 

@@ -369,6 +369,19 @@ def test_explain_keeps_the_line_number_of_a_source_in_a_deep_directory(pl8, tmp_
     assert "model_code.py:5:" in text, text
 
 
+def test_explain_points_a_written_out_scans_slices_and_stacks_at_the_users_scan(pl8):
+    """The slices and stacks sbpjax writes for a scan's iterations come from its
+    own small programs; explain() shows the user's lax.scan line for them."""
+    X = rng().normal(size=(6, 4, 8)).astype(np.float32)
+
+    def f(xs):
+        return jax.lax.scan(lambda h, x: (jnp.tanh(h + x), h.sum()), jnp.zeros((4, 8)), xs)[1]
+
+    text = str(sj.jit(f, placement=pl8, in_sbp=S1).explain(X))
+    assert "small_jaxprs.py" not in text and "trace.py" not in text
+    assert "test_jit.py" in text.split("slice", 1)[1].split("\n", 1)[0]  # a slice's row: the test's line
+
+
 def test_python_scalars_keep_their_weak_type_as_under_jax_jit(pl8):
     """A bf16 array times 2.0 stays bf16 (the scalar is weakly typed); a NumPy
     scalar is not weak, as under jax.jit."""
