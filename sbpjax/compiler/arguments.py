@@ -272,12 +272,9 @@ def check_no_donated_alias(placed: list, donated: set, tree) -> None:
 
 
 def weakly_typed(x) -> bool:
-    """JAX's weak type: a Python int, float or complex, or a jax value made from one."""
-    if isinstance(x, (int, float, complex)) and not isinstance(
-        x, (bool, np.generic)
-    ):  # np.float64 is a float
-        return True
-    return isinstance(x, jax.Array) and bool(getattr(x, "weak_type", False))
+    """JAX's weak type (a Python int, float or complex, or a jax value made from
+    one), as ``jax.typeof`` reads it; a GlobalTensor is typed by its dtype."""
+    return not isinstance(x, GlobalTensor) and jax.typeof(x).weak_type
 
 
 __all__ = [
