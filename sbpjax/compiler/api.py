@@ -54,6 +54,7 @@ from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.planning import plan
 from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.regather import add_regathers
+from sbpjax.compiler.static_args import bind, fingerprint_text, static_args
 from sbpjax.compiler.trace import trace, tracing_on
 from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
@@ -84,6 +85,8 @@ class CompiledFunction:
         regather="auto",
         options=None,
         plan_cache=None,
+        static_argnums=None,
+        static_argnames=None,
     ):
         if not isinstance(placement, Placement):
             raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
@@ -102,6 +105,14 @@ class CompiledFunction:
             )
         self.plan_cache = plan_cache
         self.donate_argnums = checked_donate_argnums(donate_argnums)
+        self.static = static_args(fn, static_argnums, static_argnames)
+        if set(self.donate_argnums) & set(self.static.nums):
+            raise SBPError(
+                f"sj.jit: donate_argnums and the static arguments (static_argnums / static_argnames) both "
+                f"name argument(s) "
+                f"{sorted(set(self.donate_argnums) & set(self.static.nums))}: a static argument is a Python "
+                "value, not a buffer to donate."
+            )
         self.auto = bool(auto)
         if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):
             raise SBPError(
@@ -117,7 +128,10 @@ class CompiledFunction:
         functools.update_wrapper(self, fn)
 
     # -- argument handling -----------------------------------------------------
-    def _globals(self, args, kwargs):
+    def _globals(self, args, kwargs, static=()):
+        """The call's array leaves as GlobalTensors laid out as ``in_sbp``
+        says, and the call's tree; ``args`` / ``kwargs`` without the static
+        arguments, whose values ``static`` holds (``StaticArgs.split``)."""
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_global)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_global)
         # keyword arguments: as given, or B
@@ -128,10 +142,10 @@ class CompiledFunction:
         # over every process; a placement in one process needs no check (a pipeline
         # stage), and one over some processes is not checked
         if CHECK_PROCESSES and len(self.placement.processes) == jax.process_count() > 1:
-            check_same_call_in_every_process(tree, leaves)
+            check_same_call_in_every_process(tree, leaves, fingerprint_text(static))
         out = []
         pl = self.placement
-        donated = set(self._donated_leaves(tree))
+        donated = set(self._donated_leaves(tree, static))
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
             check_array_leaf(leaf, k, tree)
             shape = tuple(np.shape(leaf)) if not isinstance(leaf, GlobalTensor) else leaf.shape
@@ -172,24 +186,24 @@ class CompiledFunction:
         array times 2.0 stays bf16, as under jax.jit."""
         return tuple(weakly_typed(x) for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_global))
 
-    def _compile(self, gts, tree, weak=None):
+    def _compile(self, gts, tree, weak=None, static=()):
         weak = weak or (False,) * len(gts)
-        key = (tree, weak, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
+        key = (tree, weak, static, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         with collector_paused():
-            entry = self._plan_and_build(gts, tree, weak)
+            entry = self._plan_and_build(gts, tree, weak, static)
         self._cache[key] = entry
         self._unrun.add(entry[1])
         return entry
 
-    def _plan_and_build(self, gts, tree, weak):
+    def _plan_and_build(self, gts, tree, weak, static):
         t0 = time.perf_counter()
         avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=w) for t, w in zip(gts, weak)]
         opts = self.options
         program = trace(
-            self.fn,
+            bind(self.fn, static),
             avals,
             tree,
             unroll_limit=opts.unroll_limit,
@@ -224,7 +238,7 @@ class CompiledFunction:
             self.cost_model,
             solver=self.solver,
             options=self.options,
-            ties=self._ties(gts, tree, program, out_specs),
+            ties=self._ties(gts, tree, program, out_specs, static),
             memory_budget=self.memory_budget,
             same_layout=self._mirrors(gts, tree),
             arg_names=[leaf_name(p) for p in leaf_paths(tree)],
@@ -233,20 +247,20 @@ class CompiledFunction:
         if self.regather:
             add_regathers(prop, self.regather)
         t_chosen = time.perf_counter()
-        fn = lowering.build(prop, self._donated_leaves(tree))
+        fn = lowering.build(prop, self._donated_leaves(tree, static))
         t_built = time.perf_counter()
         prop.timings.update(trace_s=t_traced - t0, choose_s=t_chosen - t_traced, build_s=t_built - t_chosen)
         self.last_overhead_s = t_built - t0
         return prop, fn
 
-    def _ties(self, gts, tree, program, out_specs) -> dict:
+    def _ties(self, gts, tree, program, out_specs, static=()) -> dict:
         """{result index: argument index} for each donated AUTO argument: the
         first result of its shape and dtype not yet paired (the pairing XLA uses
         to alias a donated buffer), unless out_sbp gives that result a layout.
         The result takes the argument's layout, so a train step is a fixed
         point: its results are the next call's arguments, as they are."""
         ties: dict = {}
-        for i in self._donated_leaves(tree):
+        for i in self._donated_leaves(tree, static):
             if gts[i].sbp is not AUTO:
                 continue
             for k, o in enumerate(program.outputs):
@@ -295,22 +309,31 @@ class CompiledFunction:
             out.append(t)
         return out
 
-    def _donated_leaves(self, tree) -> tuple[int, ...]:
-        """Flat leaf indices of the positional arguments in ``donate_argnums``."""
+    def _donated_leaves(self, tree, static=()) -> tuple[int, ...]:
+        """Flat leaf indices of the positional arguments in ``donate_argnums``
+        (which count static arguments too; ``tree`` holds the dynamic ones)."""
         if not self.donate_argnums:
             return ()
         arg_trees = tree.children()[0].children()
-        n_args = len(arg_trees)
+        n_args = static[0] if static else len(arg_trees)
+        donated = set()
         for i in self.donate_argnums:
             if i >= n_args:
                 raise SBPError(
                     f"sj.jit: donate_argnums names argument {i}, but the call passes {n_args} positional "
                     "argument(s). Donation covers positional arguments only (as jax.jit's donate_argnums)."
                 )
+            j = self.static.dynamic_index(static, i)
+            if j is None:
+                raise SBPError(
+                    f"sj.jit: donate_argnums names argument {i}, which this call passes as a static "
+                    "argument (static_argnums / static_argnames): a Python value, not a buffer to donate."
+                )
+            donated.add(j)
         out: list[int] = []
         start = 0
         for i, sub in enumerate(arg_trees):
-            if i in self.donate_argnums:
+            if i in donated:
                 out.extend(range(start, start + sub.num_leaves))
             start += sub.num_leaves
         return tuple(out)
@@ -321,14 +344,15 @@ class CompiledFunction:
         tracers = [x for x in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(x, jax.core.Tracer)]
         if outer is not None and tracers:
             return inline_call(self, outer, args, kwargs)
+        args, kwargs, static = self.static.split(args, kwargs)
         if any(hasattr(x, "batch_dim") for x in tracers):  # jax.vmap's tracers
             raise SBPError(
                 f"sj.jit: {self!r} is called under jax.vmap. Its results are GlobalTensors laid out by "
                 "dims vmap would shift; put the vmap inside: sj.jit(jax.vmap(f), placement=..., "
                 "in_sbp=...) with the batch dim in the layouts."
             )
-        gts, tree = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree, self._weak(args, kwargs))
+        gts, tree = self._globals(args, kwargs, static)
+        prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
         gts = self._place(gts, prop)
         with self._first_use(fn):
             outs = fn(*[t.physical for t in gts])
@@ -345,8 +369,9 @@ class CompiledFunction:
         ``compile=True`` also lowers and compiles the program with XLA (as
         ``lower(...).compile()`` does) and adds those times to ``timings``, so
         the front end's share of the whole compile can be read."""
-        gts, tree = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree, self._weak(args, kwargs))
+        args, kwargs, static = self.static.split(args, kwargs)
+        gts, tree = self._globals(args, kwargs, static)
+        prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
         gts = self._place(gts, prop)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
@@ -359,8 +384,9 @@ class CompiledFunction:
 
     def lower(self, *args, **kwargs):
         """The ``jax.stages.Lowered`` of the single jitted program."""
-        gts, tree = self._globals(args, kwargs)
-        prop, fn = self._compile(gts, tree, self._weak(args, kwargs))
+        args, kwargs, static = self.static.split(args, kwargs)
+        gts, tree = self._globals(args, kwargs, static)
+        prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
         gts = self._place(gts, prop)
         with self._first_use(fn):
             return fn.lower(*[t.physical for t in gts])
@@ -413,6 +439,8 @@ def jit(
     regather="auto",
     options=None,
     plan_cache=None,
+    static_argnums=None,
+    static_argnames=None,
 ):
     """Compile ``fn`` into one SBP-partitioned program on ``placement``.
 
@@ -436,8 +464,14 @@ def jit(
 
     Usable as ``sj.jit(fn, placement=pl)`` or as a decorator
     ``@functools.partial(sj.jit, placement=pl)``. Arguments are arrays and
-    numbers (Python scalars keep JAX's weak type); there are no static
-    arguments: bind those with ``functools.partial`` before compiling.
+    numbers (Python scalars keep JAX's weak type), except static ones.
+
+    ``static_argnums`` / ``static_argnames``: as ``jax.jit``'s, the
+    arguments that are hashable Python values selecting the program (a mode
+    string, a flag, a frozen config) rather than arrays; each distinct value
+    is traced, planned and compiled once (:mod:`sbpjax.compiler.static_args`).
+    ``in_sbp`` then describes the other positional arguments, as
+    ``jax.jit``'s ``in_shardings`` does; ``donate_argnums`` counts all of them.
 
     With JAX transformations: put them inside (``sj.jit(jax.grad(loss))``,
     ``sj.jit(jax.vmap(f))``). Outside, ``jax.vmap`` of an ``sj.jit``
@@ -515,6 +549,8 @@ def jit(
         regather=regather,
         options=options,
         plan_cache=plan_cache,
+        static_argnums=static_argnums,
+        static_argnames=static_argnames,
     )
     if fn is None:
         return lambda f: CompiledFunction(f, placement, **kw)

@@ -231,9 +231,9 @@ def leaf_layout(spec, ndim: int, shape: tuple, k: int, tree):
 
 
 def check_array_leaf(leaf, k: int, tree) -> None:
-    """An argument leaf must be an array or a number: ``sj.jit`` has no static
-    arguments (a string, a function or a config object would select the
-    program, and the plan is keyed by shapes and layouts only)."""
+    """An argument leaf must be an array or a number unless it is static: a
+    string, a function or a config object selects the program, and the
+    compile cache is keyed by shapes, layouts and the static values only."""
     if isinstance(leaf, GlobalTensor) or isinstance(leaf, jax.Array):
         return
     try:
@@ -246,8 +246,8 @@ def check_array_leaf(leaf, k: int, tree) -> None:
     if not ok:
         raise SBPError(
             f"sj.jit: argument {leaf_name(leaf_paths(tree)[k])} is {leaf!r:.60} ({type(leaf).__name__}), not an "
-            "array or a number. sj.jit has no static arguments: bind it before compiling, e.g. "
-            "sj.jit(functools.partial(f, mode='eval'), placement=...), or close over it."
+            "array or a number. Mark it static (sj.jit(f, placement=..., static_argnames=('mode',)), "
+            "as jax.jit's) or bind it before compiling (sj.jit(functools.partial(f, mode='eval'), ...))."
         )
 
 

@@ -14,6 +14,7 @@ from sbpjax._errors import SBPError
 from sbpjax.compiler.arguments import broadcast_spec, leaf_layout
 from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
+from sbpjax.compiler.static_args import bind
 from sbpjax.placement import Placement
 
 
@@ -41,9 +42,10 @@ def inline_call(cf, outer: Placement, args, kwargs):
             out.append(x)
         return jax.tree_util.tree_unflatten(tree, out)
 
+    args, kwargs, static = cf.static.split(args, kwargs)
     if cf.in_sbp is not None:
         args = constrained(args, cf.in_sbp, "in_sbp")
-    outs = cf.fn(*args, **kwargs)
+    outs = bind(cf.fn, static)(*args, **kwargs)
     return outs if cf.out_sbp is None else constrained(outs, cf.out_sbp, "out_sbp")
 
 

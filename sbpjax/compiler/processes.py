@@ -18,12 +18,13 @@ from sbpjax.compiler.arguments import leaf_name, leaf_paths
 from sbpjax.tensor import GlobalTensor
 
 
-def check_same_call_in_every_process(tree, leaves) -> None:
+def check_same_call_in_every_process(tree, leaves, statics: str = "") -> None:
     """With several processes (``jax.distributed``) every process must run the
     same program: a process passing other shapes, dtypes or layouts would
     compile another program and stall or abort in its first collective. Before
     anything is placed, compare a fingerprint of the call (tree, and each
-    argument's shape, dtype and layout) across processes and raise in every
+    argument's shape, dtype and layout, and the static arguments as
+    ``statics`` gives them) across processes and raise in every
     process when they differ. Every call is checked: a process cannot know
     from its own calls that another process's call differs."""
     from jax.experimental import multihost_utils
@@ -34,16 +35,16 @@ def check_same_call_in_every_process(tree, leaves) -> None:
         else (np.shape(x), str(np.result_type(x)))
         for x in leaves
     ]
-    mine = np.frombuffer(hashlib.sha256(repr((tree, desc)).encode()).digest(), np.uint8)
+    mine = np.frombuffer(hashlib.sha256(repr((tree, desc, statics)).encode()).digest(), np.uint8)
     every = np.asarray(multihost_utils.process_allgather(mine))
     differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
     if differ:
         what = ", ".join(f"{leaf_name(path)} {d}" for path, d in zip(leaf_paths(tree), desc))
         raise SBPError(
-            f"sj.jit: process(es) {differ} called this function with other argument shapes, dtypes or "
-            f"layouts than process 0 (this is process {jax.process_index()}: {what}). Every process must "
-            "make the same call with the same global shapes and layouts; pass each process's own rows "
-            "with sj.to_global(..., process_local=True)."
+            f"sj.jit: process(es) {differ} called this function with other argument shapes, dtypes, "
+            f"layouts or static arguments than process 0 (this is process {jax.process_index()}: {what}). "
+            "Every process must make the same call with the same global shapes, layouts and static "
+            "values; pass each process's own rows with sj.to_global(..., process_local=True)."
         )
 
 

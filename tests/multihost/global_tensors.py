@@ -161,4 +161,15 @@ except sj.SBPError as err:
 else:
     raise AssertionError("a call with different shapes in the two processes was not refused")
 print("different shapes across processes: refused with SBPError")
+
+# likewise a static argument whose value differs between the processes
+scaled = sj.jit(lambda x, k: x * k, placement=pl, in_sbp=(S(0), B), static_argnums=1)
+np.testing.assert_allclose(scaled(batch, 3).numpy(), batch * 3, rtol=1e-6)
+try:
+    scaled(batch, 3 + me)
+except sj.SBPError as err:
+    assert "static arguments" in str(err), err
+else:
+    raise AssertionError("a call with different static values in the two processes was not refused")
+print("different static values across processes: refused with SBPError")
 print("OK", me)
