@@ -44,6 +44,7 @@ from sbpjax.compiler.arguments import (
     state_sbp,
     weakly_typed,
 )
+from sbpjax.compiler.auto_arguments import Unplaced, donated_result_ties, mirrored_state, place_chosen
 from sbpjax.compiler.collector import collector_paused
 from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
@@ -168,7 +169,7 @@ class CompiledFunction:
                     )
             if spec is AUTO or (spec is None and self.auto and k < n_positional):
                 # laid out once the solver has chosen (see _place)
-                out.append(_Unplaced(leaf, shape))
+                out.append(Unplaced(leaf, shape))
                 continue
             nd = None if spec is None else leaf_layout(spec, pl.ndim, shape, k, tree)
             if isinstance(leaf, GlobalTensor):
@@ -238,9 +239,9 @@ class CompiledFunction:
             self.cost_model,
             solver=self.solver,
             options=self.options,
-            ties=self._ties(gts, tree, program, out_specs, static),
+            ties=donated_result_ties(gts, self._donated_leaves(tree, static), program, out_specs),
             memory_budget=self.memory_budget,
-            same_layout=self._mirrors(gts, tree),
+            same_layout=mirrored_state(gts, leaf_paths(tree)),
             arg_names=[leaf_name(p) for p in leaf_paths(tree)],
             cache=self.plan_cache,
         )
@@ -252,62 +253,6 @@ class CompiledFunction:
         prop.timings.update(trace_s=t_traced - t0, choose_s=t_chosen - t_traced, build_s=t_built - t_chosen)
         self.last_overhead_s = t_built - t0
         return prop, fn
-
-    def _ties(self, gts, tree, program, out_specs, static=()) -> dict:
-        """{result index: argument index} for each donated AUTO argument: the
-        first result of its shape and dtype not yet paired (the pairing XLA uses
-        to alias a donated buffer), unless out_sbp gives that result a layout.
-        The result takes the argument's layout, so a train step is a fixed
-        point: its results are the next call's arguments, as they are."""
-        ties: dict = {}
-        for i in self._donated_leaves(tree, static):
-            if gts[i].sbp is not AUTO:
-                continue
-            for k, o in enumerate(program.outputs):
-                if k in ties or (out_specs is not None and out_specs[k] is not None):
-                    continue
-                if tuple(o.shape) == tuple(gts[i].shape) and np.dtype(o.dtype) == np.dtype(gts[i].dtype):
-                    ties[k] = i
-                    break
-        return ties
-
-    def _mirrors(self, gts, tree) -> dict:
-        """{argument leaf: earlier argument leaf} for AUTO leaves that mirror an
-        AUTO leaf of an earlier positional argument: same shape, and a path
-        within its argument that ends with the other's path (optax's ``mu`` /
-        ``nu`` of a parameter, as ``state_sbp`` matches them). Such state takes
-        its parameter's layout: the gradient meets both in one layout, and the
-        solver has a third of the choices. Under a memory budget the state is
-        chosen on its own where the plan chosen without it does not fit, so
-        that it can be split where the parameters stay whole (ZeRO's
-        optimizer-state sharding), and the pairs say which arguments are
-        optimizer state (``choose`` holds the plan to ZeRO's hand-written
-        layouts: ``sbpjax.compiler.hand_layouts``)."""
-        paths = leaf_paths(tree)
-        auto = [k for k, t in enumerate(gts) if t.sbp is AUTO and paths[k][0].idx == 0 and len(paths[k]) > 2]
-        out: dict = {}
-        for k in auto:
-            arg_k, inner_k = paths[k][1], jax.tree_util.keystr(paths[k][2:])
-            for j in auto:
-                if j >= k or paths[j][1] == arg_k or gts[j].shape != gts[k].shape or j in out:
-                    continue
-                if inner_k.endswith(jax.tree_util.keystr(paths[j][2:])):
-                    out[k] = j
-                    break
-        return out
-
-    def _place(self, gts, prop) -> list:
-        """The arguments laid out as the program takes them (AUTO ones as chosen)."""
-        out = []
-        for t, nd in zip(gts, prop.in_sbp):
-            if isinstance(t, _Unplaced):
-                t = (
-                    t.leaf.to_global(sbp=nd)
-                    if isinstance(t.leaf, GlobalTensor)
-                    else to_global(t.leaf, self.placement, nd)
-                )
-            out.append(t)
-        return out
 
     def _donated_leaves(self, tree, static=()) -> tuple[int, ...]:
         """Flat leaf indices of the positional arguments in ``donate_argnums``
@@ -353,7 +298,7 @@ class CompiledFunction:
             )
         gts, tree = self._globals(args, kwargs, static)
         prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
-        gts = self._place(gts, prop)
+        gts = place_chosen(gts, prop.in_sbp, self.placement)
         with self._first_use(fn):
             outs = fn(*[t.physical for t in gts])
         prog = prop.program
@@ -372,7 +317,7 @@ class CompiledFunction:
         args, kwargs, static = self.static.split(args, kwargs)
         gts, tree = self._globals(args, kwargs, static)
         prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
-        gts = self._place(gts, prop)
+        gts = place_chosen(gts, prop.in_sbp, self.placement)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
             with self._first_use(fn):
@@ -387,7 +332,7 @@ class CompiledFunction:
         args, kwargs, static = self.static.split(args, kwargs)
         gts, tree = self._globals(args, kwargs, static)
         prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
-        gts = self._place(gts, prop)
+        gts = place_chosen(gts, prop.in_sbp, self.placement)
         with self._first_use(fn):
             return fn.lower(*[t.physical for t in gts])
 
@@ -400,22 +345,6 @@ class CompiledFunction:
 
     def __repr__(self):
         return f"sj.jit({getattr(self.fn, '__name__', self.fn)!r}, placement={self.placement!r})"
-
-
-class _Unplaced:
-    """An AUTO argument before the solver has chosen its layout: its shape
-    and dtype key the compile cache (the layout it comes in does not)."""
-
-    sbp = AUTO
-
-    def __init__(self, leaf, shape):
-        self.leaf = leaf
-        self.shape = tuple(shape)
-        self.dtype = (
-            leaf.dtype
-            if isinstance(leaf, GlobalTensor)
-            else jax.dtypes.canonicalize_dtype(leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf))
-        )
 
 
 # With several processes, every call first checks that all processes make the

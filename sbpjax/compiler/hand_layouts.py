@@ -18,7 +18,7 @@ all):
   layouts).
 
 Which ``AUTO`` arguments are optimizer state comes from the mirror pairs
-``sj.jit`` finds (``CompiledFunction._mirrors``: optax's ``mu`` / ``nu`` of a
+``sj.jit`` finds (``auto_arguments.mirrored_state``: optax's ``mu`` / ``nu`` of a
 parameter): without any, there is no ZeRO-1 candidate.
 """
 
