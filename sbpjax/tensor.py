@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from sbpjax._errors import SBPError
-from sbpjax.boxing.lower import boxing_fn
+from sbpjax.boxing.lower import boxing_fn, boxings_fn
 from sbpjax.boxing.plan import normalized_layout, plan_boxing
 from sbpjax.boxing.transfer import (
     TransferPlan,
@@ -264,6 +264,34 @@ class GlobalTensor:
 
     def __jax_array__(self):
         return self.to_jax()
+
+
+def relayout_together(tensors: list, sbps: list) -> list:
+    """``[t.to_global(sbp=nd) for t, nd in zip(tensors, sbps)]`` for global
+    tensors on one placement, with every boxing that moves data in one
+    program (``boxing.lower.boxings_fn``): one dispatch rather than one per
+    tensor, and no pile of independent collective programs in flight."""
+    out = list(tensors)
+    moving = []
+    for i, (t, nd) in enumerate(zip(tensors, sbps)):
+        nd = normalize_nd_sbp(nd, t.placement.ndim, t.ndim, "to_global(sbp=...)")
+        if nd == t.sbp:
+            continue
+        t._check_alive("to_global()")
+        check_partial_dtype(t.dtype, nd, "to_global(sbp=...)")
+        plan = plan_boxing(t.shape, t.dtype, t.placement, t.sbp, nd)
+        if plan.steps:
+            moving.append((i, plan, nd))
+        else:  # e.g. S over an axis of size 1 -> B: same physical layout
+            out[i] = GlobalTensor(t.physical, t.shape, t.dtype, t.placement, nd)
+    if len(moving) == 1:
+        datas = [boxing_fn(moving[0][1])(tensors[moving[0][0]].physical)]
+    elif moving:
+        datas = boxings_fn(tuple(p for _, p, _ in moving))(*[tensors[i].physical for i, _, _ in moving])
+    for (i, _, nd), data in zip(moving, datas if moving else []):
+        t = tensors[i]
+        out[i] = GlobalTensor(data, t.shape, t.dtype, t.placement, nd)
+    return out
 
 
 def _reduced(sbp):

@@ -49,6 +49,7 @@ from sbpjax.compiler.collector import collector_paused
 from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
+from sbpjax.compiler.inflight import bounded
 from sbpjax.compiler.nested import inline_call
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
@@ -60,7 +61,7 @@ from sbpjax.compiler.trace import trace, tracing_on
 from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
-from sbpjax.tensor import GlobalTensor, is_global, to_global
+from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
 
 
 def _is_deleted(x) -> bool:
@@ -147,6 +148,7 @@ class CompiledFunction:
         out = []
         pl = self.placement
         donated = set(self._donated_leaves(tree, static))
+        moving: list = []  # (leaf, nd-SBP): global tensors to re-lay out
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
             check_array_leaf(leaf, k, tree)
             shape = tuple(np.shape(leaf)) if not isinstance(leaf, GlobalTensor) else leaf.shape
@@ -173,9 +175,15 @@ class CompiledFunction:
                 continue
             nd = None if spec is None else leaf_layout(spec, pl.ndim, shape, k, tree)
             if isinstance(leaf, GlobalTensor):
-                out.append(leaf if nd is None else leaf.to_global(sbp=nd))
+                out.append(leaf)
+                if nd is not None and nd != leaf.sbp:
+                    moving.append((k, nd))
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
+        if moving:  # every re-layout in one program (tensor.relayout_together)
+            boxed = relayout_together([out[k] for k, _ in moving], [nd for _, nd in moving])
+            for (k, _), t in zip(moving, boxed):
+                out[k] = t
         if donated:
             check_no_donated_alias(out, donated, tree)
         return out, tree
@@ -301,6 +309,7 @@ class CompiledFunction:
         gts = place_chosen(gts, prop.in_sbp, self.placement)
         with self._first_use(fn):
             outs = fn(*[t.physical for t in gts])
+        bounded(outs, self.placement)
         prog = prop.program
         results = [
             GlobalTensor(y, o.shape, o.dtype, self.placement, nd)
@@ -401,6 +410,11 @@ def jit(
     is traced, planned and compiled once (:mod:`sbpjax.compiler.static_args`).
     ``in_sbp`` then describes the other positional arguments, as
     ``jax.jit``'s ``in_shardings`` does; ``donate_argnums`` counts all of them.
+
+    Calls return before their program has run, as ``jax.jit``'s do, except
+    that on CPU devices under jax < 0.11 every 8th call waits for its results:
+    that jax's CPU client deadlocks with some 30 programs with collectives
+    queued (:mod:`sbpjax.compiler.inflight`).
 
     With JAX transformations: put them inside (``sj.jit(jax.grad(loss))``,
     ``sj.jit(jax.vmap(f))``). Outside, ``jax.vmap`` of an ``sj.jit``
