@@ -54,6 +54,7 @@ from jax.sharding import NamedSharding
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
+from sbpjax.dtypes import is_key, key_impl
 from sbpjax.layout import Geometry
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, normalize_nd_sbp
@@ -158,6 +159,8 @@ def _savable(name: str, leaf):
             f"checkpoint.save: leaf '{name}' is a traced value (inside jax.jit or "
             "jax.grad); save concrete values, outside the jitted function."
         )
+    if is_key(leaf):  # a typed PRNG key: its key data (restore wraps it again)
+        return jax.random.key_data(leaf)
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or type(leaf) in (int, float):
         return leaf
     raise SBPError(
@@ -379,6 +382,11 @@ def _restore_args(ocp, path, name, leaf, meta):
         else:
             args = ocp.RestoreArgs(restore_type=np.ndarray, dtype=plan.dtype)
         return args, plan.finish
+    if isinstance(leaf, jax.Array) and is_key(leaf):  # saved as its key data
+        impl, data = key_impl(leaf), jax.random.key_data(leaf)
+        _check_shape_dtype(path, name, meta, data.shape, data.dtype)
+        args = ocp.ArrayRestoreArgs(sharding=data.sharding, global_shape=data.shape, dtype=data.dtype)
+        return args, lambda v: jax.random.wrap_key_data(v, impl=impl)
     if isinstance(leaf, jax.Array):
         _check_shape_dtype(path, name, meta, leaf.shape, leaf.dtype)
         return ocp.ArrayRestoreArgs(sharding=leaf.sharding, global_shape=leaf.shape, dtype=leaf.dtype), None

@@ -119,6 +119,19 @@ def check_partial_dtype(dtype, sbp, where: str) -> None:
             )
 
 
+def is_key(v) -> bool:
+    """A typed PRNG key array (``jax.random.key``) or its abstract value: an
+    extended dtype, which global tensors do not hold (``sbpjax.compiler.keys``
+    and ``sbpjax.checkpoint`` carry its key data instead)."""
+    dtype = getattr(v, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def key_impl(v) -> str | None:
+    """The implementation's name of a typed key (``"threefry2x32"``), else None."""
+    return str(jax.random.key_impl(v)) if is_key(v) else None
+
+
 __all__ = [
     "PARTIAL_OPS_BY_CLASS",
     "canonical_dtype",
@@ -126,4 +139,6 @@ __all__ = [
     "dtype_class",
     "dtype_name",
     "partial_supported",
+    "is_key",
+    "key_impl",
 ]

@@ -157,6 +157,25 @@ def test_plain_leaves_and_an_optax_state_round_trip(tmp_path):
         assert np.asarray(got).dtype == np.asarray(want).dtype
 
 
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_typed_prng_keys_round_trip_as_keys(tmp_path, impl):
+    """A typed key (optax.noisy_sgd's state, a dropout key) is saved as its key
+    data and comes back as a typed key of the same implementation, split over
+    the devices as the target is."""
+    mesh = jax.make_mesh((8,), ("x",))
+    keys = jax.device_put(
+        jax.random.split(jax.random.key(5, impl=impl), 8), NamedSharding(mesh, PartitionSpec("x"))
+    )
+    tree = {"one": jax.random.key(9, impl=impl), "rows": keys}
+    checkpoint.save(tmp_path / "k", tree)
+    out = checkpoint.restore(tmp_path / "k", tree)
+    for name in tree:
+        assert jax.dtypes.issubdtype(out[name].dtype, jax.dtypes.prng_key)
+        assert str(jax.random.key_impl(out[name])) == impl
+        np.testing.assert_array_equal(jax.random.key_data(out[name]), jax.random.key_data(tree[name]))
+    assert out["rows"].sharding.is_equivalent_to(keys.sharding, keys.ndim)
+
+
 def test_save_is_atomic_and_leaves_nothing_when_it_fails(tmp_path, monkeypatch):
     pl = sj.placement(8, "x")
     t = sj.to_global(np.arange(16.0, dtype=np.float32), pl, sj.S(0))

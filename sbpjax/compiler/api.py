@@ -50,6 +50,7 @@ from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.inflight import bounded
+from sbpjax.compiler.keys import keyed, rewrapped, unwrapped
 from sbpjax.compiler.nested import inline_call
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
@@ -58,7 +59,7 @@ from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.regather import add_regathers
 from sbpjax.compiler.static_args import bind, fingerprint_text, static_args
 from sbpjax.compiler.trace import trace, tracing_on
-from sbpjax.dtypes import check_partial_dtype
+from sbpjax.dtypes import check_partial_dtype, key_impl
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
@@ -136,6 +137,7 @@ class CompiledFunction:
         arguments, whose values ``static`` holds (``StaticArgs.split``)."""
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_global)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_global)
+        leaves, impls = unwrapped(leaves)  # typed PRNG keys travel as their key data (compiler.keys)
         # keyword arguments: as given, or B
         specs = broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
         n_positional = len(specs)
@@ -173,7 +175,9 @@ class CompiledFunction:
                 # laid out once the solver has chosen (see _place)
                 out.append(Unplaced(leaf, shape))
                 continue
-            nd = None if spec is None else leaf_layout(spec, pl.ndim, shape, k, tree)
+            # a key's layout splits the key array's dims, never its data's last one
+            dims = shape[:-1] if impls[k] else shape
+            nd = None if spec is None else leaf_layout(spec, pl.ndim, dims, k, tree)
             if isinstance(leaf, GlobalTensor):
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:
@@ -188,31 +192,40 @@ class CompiledFunction:
             check_no_donated_alias(out, donated, tree)
         return out, tree
 
-    @staticmethod
-    def _weak(args, kwargs) -> tuple:
-        """Per argument leaf, whether it is weakly typed: Python scalars (and
-        weakly typed jax values) keep JAX's weak type in the trace, so a bf16
-        array times 2.0 stays bf16, as under jax.jit."""
-        return tuple(weakly_typed(x) for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_global))
+    def _prepare(self, args, kwargs):
+        """The call's arguments placed as its program takes them, and the
+        program's entry (``_compile``), for a call from outside a trace."""
+        args, kwargs, static = self.static.split(args, kwargs)
+        gts, tree = self._globals(args, kwargs, static)
+        leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_global)
+        # Python scalars (and weakly typed jax values) keep JAX's weak type in
+        # the trace, so a bf16 array times 2.0 stays bf16, as under jax.jit
+        weak = tuple(weakly_typed(x) for x in leaves)
+        entry = self._compile(gts, tree, weak, static, tuple(key_impl(x) for x in leaves))
+        return place_chosen(gts, entry[0].in_sbp, self.placement), entry
 
-    def _compile(self, gts, tree, weak=None, static=()):
+    def _compile(self, gts, tree, weak=None, static=(), keys=None):
+        """``(propagation, jitted program, each output's typed-key
+        implementation or None)``, planned once per call signature."""
         weak = weak or (False,) * len(gts)
-        key = (tree, weak, static, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
+        keys = keys or (None,) * len(gts)
+        key = (tree, weak, static, keys, tuple((t.shape, np.dtype(t.dtype).str, t.sbp) for t in gts))
         hit = self._cache.get(key)
         if hit is not None:
             return hit
         with collector_paused():
-            entry = self._plan_and_build(gts, tree, weak, static)
+            entry = self._plan_and_build(gts, tree, weak, static, keys)
         self._cache[key] = entry
         self._unrun.add(entry[1])
         return entry
 
-    def _plan_and_build(self, gts, tree, weak, static):
+    def _plan_and_build(self, gts, tree, weak, static, keys):
         t0 = time.perf_counter()
         avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=w) for t, w in zip(gts, weak)]
         opts = self.options
+        out_keys: list = []
         program = trace(
-            bind(self.fn, static),
+            keyed(bind(self.fn, static), tree, keys, out_keys),
             avals,
             tree,
             unroll_limit=opts.unroll_limit,
@@ -260,7 +273,7 @@ class CompiledFunction:
         t_built = time.perf_counter()
         prop.timings.update(trace_s=t_traced - t0, choose_s=t_chosen - t_traced, build_s=t_built - t_chosen)
         self.last_overhead_s = t_built - t0
-        return prop, fn
+        return prop, fn, tuple(out_keys)
 
     def _donated_leaves(self, tree, static=()) -> tuple[int, ...]:
         """Flat leaf indices of the positional arguments in ``donate_argnums``
@@ -297,16 +310,13 @@ class CompiledFunction:
         tracers = [x for x in jax.tree_util.tree_leaves((args, kwargs)) if isinstance(x, jax.core.Tracer)]
         if outer is not None and tracers:
             return inline_call(self, outer, args, kwargs)
-        args, kwargs, static = self.static.split(args, kwargs)
         if any(hasattr(x, "batch_dim") for x in tracers):  # jax.vmap's tracers
             raise SBPError(
                 f"sj.jit: {self!r} is called under jax.vmap. Its results are GlobalTensors laid out by "
                 "dims vmap would shift; put the vmap inside: sj.jit(jax.vmap(f), placement=..., "
                 "in_sbp=...) with the batch dim in the layouts."
             )
-        gts, tree = self._globals(args, kwargs, static)
-        prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
-        gts = place_chosen(gts, prop.in_sbp, self.placement)
+        gts, (prop, fn, out_keys) = self._prepare(args, kwargs)
         with self._first_use(fn):
             outs = fn(*[t.physical for t in gts])
         bounded(outs, self.placement)
@@ -315,7 +325,7 @@ class CompiledFunction:
             GlobalTensor(y, o.shape, o.dtype, self.placement, nd)
             for y, o, nd in zip(outs, prog.outputs, prop.out_sbp)
         ]
-        return jax.tree_util.tree_unflatten(prog.out_tree, results)
+        return jax.tree_util.tree_unflatten(prog.out_tree, rewrapped(results, out_keys))
 
     def explain(self, *args, compile: bool = False, **kwargs) -> Explanation:  # noqa: A002 (jax's word)
         """What the compiler decided for these arguments (``Explanation``).
@@ -323,10 +333,7 @@ class CompiledFunction:
         ``compile=True`` also lowers and compiles the program with XLA (as
         ``lower(...).compile()`` does) and adds those times to ``timings``, so
         the front end's share of the whole compile can be read."""
-        args, kwargs, static = self.static.split(args, kwargs)
-        gts, tree = self._globals(args, kwargs, static)
-        prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
-        gts = place_chosen(gts, prop.in_sbp, self.placement)
+        gts, (prop, fn, _) = self._prepare(args, kwargs)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
             with self._first_use(fn):
@@ -338,10 +345,7 @@ class CompiledFunction:
 
     def lower(self, *args, **kwargs):
         """The ``jax.stages.Lowered`` of the single jitted program."""
-        args, kwargs, static = self.static.split(args, kwargs)
-        gts, tree = self._globals(args, kwargs, static)
-        prop, fn = self._compile(gts, tree, self._weak(args, kwargs), static)
-        gts = place_chosen(gts, prop.in_sbp, self.placement)
+        gts, (prop, fn, _) = self._prepare(args, kwargs)
         with self._first_use(fn):
             return fn.lower(*[t.physical for t in gts])
 

@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.api import constrain, jit
 from sbpjax.compiler.arguments import checked_regather, checked_time_limit, is_nd_sbp, state_sbp
 from sbpjax.compiler.options import checked_options
-from sbpjax.dtypes import canonical_dtype
+from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.layout import Geometry
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Split, normalize_nd_sbp
@@ -70,7 +70,9 @@ def init_global(fn, placement: Placement, sbp, *args):
     S/B layouts that divide evenly are the outputs' shardings; a split that
     does not divide its dim is padded to the physical form inside the program
     (there the padding step may see the whole value); partial layouts are
-    refused (an initializer has no terms to keep apart)."""
+    refused (an initializer has no terms to keep apart). A typed PRNG key
+    output (``optax.noisy_sgd``'s state) stays a replicated ``jax.Array``:
+    ``sj.jit`` takes and returns typed keys as such (``compiler.keys``)."""
     abstract = jax.eval_shape(fn, *args)
     leaves, tree = jax.tree_util.tree_flatten(abstract)
     try:
@@ -80,8 +82,17 @@ def init_global(fn, placement: Placement, sbp, *args):
     except (ValueError, TypeError) as e:
         raise SBPError(f"init_global: the layouts do not match the outputs' structure ({e}).") from None
     pl = placement
-    nds, geoms, layouts, shardings = [], [], [], []
+    nds: list = []
+    geoms: list = []
+    layouts: list = []
+    shardings: list = []
     for k, (leaf, nd) in enumerate(zip(leaves, given)):
+        if is_key(leaf):  # a typed PRNG key (optax.noisy_sgd's state): a replicated jax array
+            nds.append(None)
+            geoms.append(None)
+            layouts.append(None)
+            shardings.append(NamedSharding(pl.mesh, PartitionSpec()))
+            continue
         nd = normalize_nd_sbp(nd, pl.ndim, len(leaf.shape), f"init_global layout of output leaf {k}")
         layout = normalized_layout(nd, len(leaf.shape), pl.shape)
         if layout.partial:
@@ -95,7 +106,7 @@ def init_global(fn, placement: Placement, sbp, *args):
     def program(*a):
         outs = jax.tree_util.tree_leaves(fn(*a))
         return [
-            y if geom.even(layout) else to_global(y, pl, nd).physical
+            y if geom is None or geom.even(layout) else to_global(y, pl, nd).physical
             for y, nd, geom, layout in zip(outs, nds, geoms, layouts)
         ]
 
@@ -103,7 +114,7 @@ def init_global(fn, placement: Placement, sbp, *args):
     return jax.tree_util.tree_unflatten(
         tree,
         [
-            GlobalTensor(x, leaf.shape, canonical_dtype(leaf.dtype), pl, nd)
+            x if nd is None else GlobalTensor(x, leaf.shape, canonical_dtype(leaf.dtype), pl, nd)
             for x, leaf, nd in zip(physical, leaves, nds)
         ],
     )

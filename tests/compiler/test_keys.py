@@ -1,0 +1,97 @@
+"""Typed PRNG keys (``jax.random.key``) through ``sj.jit`` and ``TrainStep``
+(sbpjax/compiler/keys.py): as arguments (alone, split into an array of keys
+and laid out by ``in_sbp``, of another implementation) and as results (typed
+keys again, passed to the next call), and in an optimizer's state
+(``optax.noisy_sgd``): values equal ``jax.jit``'s and optax's on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+
+import sbpjax as sj
+import sbpjax.flax as sjf
+from sbpjax import B, S
+from sbpjax.dtypes import is_key
+
+X = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+
+
+def noisy(key, x):
+    return x + jax.random.normal(key, x.shape)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_a_typed_key_argument_draws_what_jax_jit_draws(impl, pl8):
+    key = jax.random.key(7, impl=impl)
+    f = sj.jit(noisy, placement=pl8, in_sbp=(None, S(0)))
+    assert_close(f(key, X).numpy(), jax.jit(noisy)(key, X), rtol=1e-6)
+    # a uint32 key of the same shape is another call signature: another program
+    raw = jax.random.key_data(key)
+    assert_close(f(jax.random.wrap_key_data(raw, impl=impl), X).numpy(), jax.jit(noisy)(key, X), rtol=1e-6)
+    assert len(f._cache) == 1
+
+
+def test_a_typed_key_result_comes_back_typed_and_feeds_the_next_call(pl8):
+    def step(key, x):
+        key, sub = jax.random.split(key)
+        return key, x * jax.random.uniform(sub, x.shape)
+
+    f = sj.jit(step, placement=pl8, in_sbp=(None, S(0)))
+    ref = jax.jit(step)
+    k1 = k2 = jax.random.key(3)
+    y1 = y2 = X
+    for _ in range(3):
+        k1, y1 = f(k1, y1)
+        k2, y2 = ref(k2, y2)
+        assert jax.dtypes.issubdtype(k1.dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(jax.random.key_data(k1), jax.random.key_data(k2))
+        assert_close(y1.numpy(), y2, rtol=1e-6)
+    assert len(f._cache) == 1  # the returned key is the same kind of argument
+
+
+def test_an_array_of_keys_split_by_in_sbp(pl8):
+    keys = jax.random.split(jax.random.key(11), 8)
+    per_row = jax.vmap(lambda k, row: row + jax.random.normal(k, row.shape))
+    f = sj.jit(per_row, placement=pl8, in_sbp=(S(0), S(0)))
+    assert_close(f(keys, X).numpy(), jax.jit(per_row)(keys, X), rtol=1e-6)
+    assert f.explain(keys, X).propagation.in_sbp[0] == (S(0),)  # the key data's rows, split
+
+
+def test_noisy_sgd_state_holds_a_typed_key(pl8):
+    params = {"w": np.random.default_rng(1).normal(size=(16, 4)).astype(np.float32)}
+    batch = np.random.default_rng(2).normal(size=(8, 16)).astype(np.float32)
+
+    def loss(p, b):
+        return jnp.mean((b @ p["w"]) ** 2)
+
+    opt = optax.noisy_sgd(1e-2, key=jax.random.key(0))
+    step = sjf.TrainStep(loss, opt, pl8, None, (S(0),))
+    p, s = step.init(params)
+    q, t = params, opt.init(params)
+
+    @jax.jit
+    def ref(q, t, b):
+        value, g = jax.value_and_grad(loss)(q, b)
+        u, t = opt.update(g, t, q)
+        return optax.apply_updates(q, u), t, value
+
+    for _ in range(3):
+        p, s, value = step(p, s, batch)
+        q, t, want = ref(q, t, batch)
+        assert_close(value.numpy(), want, rtol=1e-5)
+    assert_close(p["w"].numpy(), q["w"], rtol=1e-5)
+    key = next(v for v in jax.tree.leaves(s) if is_key(v))
+    want_key = next(v for v in jax.tree.leaves(t) if is_key(v))
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(want_key))
+
+
+def test_a_key_layout_that_splits_the_key_data_is_an_sbp_error(pl8):
+    key = jax.random.key(0)  # a scalar key: its data has one dim, of 2
+    f = sj.jit(noisy, placement=pl8, in_sbp=(S(0), S(0)))
+    with pytest.raises(sj.SBPError):
+        f(key, X)
+    good = sj.jit(noisy, placement=pl8, in_sbp=(B, S(0)))
+    assert_close(good(key, X).numpy(), jax.jit(noisy)(key, X), rtol=1e-6)
