@@ -139,7 +139,16 @@ class CompiledFunction:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_global)
         leaves, impls = unwrapped(leaves)  # typed PRNG keys travel as their key data (compiler.keys)
         # keyword arguments: as given, or B
-        specs = broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
+        try:
+            specs = broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
+        except SBPError as e:
+            if not kwargs:
+                raise
+            raise SBPError(
+                f"sj.jit: in_sbp describes the positional arguments only, and this call passes "
+                f"{sorted(kwargs)} by keyword (laid out B); pass those by position to give them layouts, "
+                f"as jax.jit's in_shardings also asks. ({e})"
+            ) from None
         n_positional = len(specs)
         specs += [None] * (len(leaves) - len(specs))
         # only a placement over every process can be checked with an all-gather

@@ -39,7 +39,7 @@ from sbpjax.compiler.options import checked_options
 from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.layout import Geometry
 from sbpjax.placement import Placement
-from sbpjax.sbp import Broadcast, Split, normalize_nd_sbp
+from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, is_global, to_global
 
 
@@ -120,6 +120,38 @@ def init_global(fn, placement: Placement, sbp, *args):
     )
 
 
+def checked_loss(loss, loss_fn, has_aux: bool, aux_hint: str | None = None):
+    """The loss a train step differentiates: one float scalar. Anything else
+    is an SBPError naming what ``loss_fn`` returned (a tuple means metrics
+    without ``has_aux``; an integer loss has no gradient, where casting it
+    would train on zeros)."""
+    if isinstance(loss, float):
+        loss = jnp.asarray(loss, jnp.float32)
+    ok = hasattr(loss, "dtype") and np.shape(loss) == () and jnp.issubdtype(loss.dtype, jnp.floating)
+    if ok:
+        return loss
+    if isinstance(loss, (tuple, list)):
+        what = f"a {type(loss).__name__} of {len(loss)} values"
+        hint = aux_hint or (
+            "To return metrics with the loss, pass has_aux=True and return (loss, aux)."
+            if not has_aux
+            else "With has_aux=True return exactly (loss, aux)."
+        )
+    elif hasattr(loss, "dtype"):
+        what = f"an array of shape {tuple(np.shape(loss))} and dtype {loss.dtype}"
+        hint = (
+            "An integer or boolean loss has no gradient: compute it in floating point."
+            if np.shape(loss) == ()
+            else "Reduce it to one value, e.g. jnp.mean over the examples."
+        )
+    else:
+        what, hint = f"a {type(loss).__name__}", ""
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+    raise SBPError(
+        f"train step: loss_fn {name!r} returned {what}; it must return one float scalar. {hint}".strip()
+    )
+
+
 def _data_axis(batch_sbp, placement: Placement, zero) -> int:
     if isinstance(zero, str):
         if zero not in placement.axis_names:
@@ -185,6 +217,11 @@ class TrainStep:
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
+        if not isinstance(placement, Placement):
+            raise SBPError(
+                f"TrainStep: placement must be an sj.Placement, got {type(placement).__name__}; build one "
+                "with sj.placement(shape, axis_names), e.g. sj.placement((2, 4), ('data', 'model'))."
+            )
         self.placement = placement
         self.param_sbp = param_sbp
         self.batch_sbp = batch_sbp
@@ -229,6 +266,14 @@ class TrainStep:
             )
             for v, nd, p in zip(leaves, given, paths)
         ]
+        for nd, p in zip(compute, paths):
+            if any(isinstance(s, Partial) for s in nd):
+                raise SBPError(
+                    f"TrainStep: parameter {p} is given the partial layout {format_sbp(nd)}. A parameter "
+                    "is stored whole or split (S or B on each axis) and the optimizer updates it in place; "
+                    "a partial sum is a value inside the step. Give it S or B (its gradient may still be "
+                    "partial inside the step: the step reduces it where the update needs it)."
+                )
         stored = compute
         if self.zero:
             axis = _data_axis(self.batch_sbp, pl, self.zero)
@@ -290,7 +335,7 @@ class TrainStep:
             def objective(p):
                 out = loss_fn(to_compute(p), batch)
                 loss, aux = out if has_aux else (out, None)
-                return loss.astype(jnp.float32), aux
+                return checked_loss(loss, loss_fn, has_aux).astype(jnp.float32), aux
 
             (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(params)
             updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -14,19 +14,22 @@ import numpy as np
 from flax import nnx
 
 from sbpjax import checkpoint
+from sbpjax._errors import SBPError
+from sbpjax.dtypes import is_key
 from sbpjax.flax.annotate import get_sbp
-from sbpjax.flax.train import TrainStep, init_global
+from sbpjax.flax.train import TrainStep, checked_loss, init_global
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast
 from sbpjax.tensor import is_global, to_global
 
-
-def _is_key(v) -> bool:
-    return hasattr(v, "dtype") and jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key)
+_TRAINER_AUX = (
+    "Trainer's loss_fn returns the loss alone: compute metrics from the model outside the step, or "
+    "use sjf.TrainStep(..., has_aux=True), whose loss_fn returns (loss, aux)."
+)
 
 
 def _unwrap_keys(tree):
-    return jax.tree.map(lambda v: jax.random.key_data(v) if _is_key(v) else v, tree)
+    return jax.tree.map(lambda v: jax.random.key_data(v) if is_key(v) else v, tree)
 
 
 def _wrap_keys(tree, impls):
@@ -124,7 +127,7 @@ class Trainer:
         )
         # typed PRNG keys cannot be global tensors: carry their key data (uint32)
         self._key_impls = jax.tree.map(
-            lambda v: jax.random.key_impl(v) if _is_key(v) else None, self._rest_pure
+            lambda v: jax.random.key_impl(v) if is_key(v) else None, self._rest_pure
         )
         self._build_step()
         self.params, self.opt_state = self.train_step.init(self._pure)
@@ -178,7 +181,7 @@ class Trainer:
             model = model_factory()
             _, p, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
             rest_pure = nnx.to_pure_dict(rest)
-            impls["tree"] = jax.tree.map(lambda v: jax.random.key_impl(v) if _is_key(v) else None, rest_pure)
+            impls["tree"] = jax.tree.map(lambda v: jax.random.key_impl(v) if is_key(v) else None, rest_pure)
             return nnx.to_pure_dict(p), _unwrap_keys(rest_pure)
 
         jax.eval_shape(born)  # the RNG keys' implementations, which the step rewraps
@@ -195,6 +198,11 @@ class Trainer:
         """What both constructors share: the graph, the templates and the layouts
         (``model`` may be abstract). ``step_options``: the TrainStep keywords
         the constructors take as they are (zero, compute_dtype, ...)."""
+        if not isinstance(placement, Placement):
+            raise SBPError(
+                f"Trainer: placement must be an sj.Placement, got {type(placement).__name__}; build one "
+                "with sj.placement(shape, axis_names), e.g. sj.placement((2, 4), ('data', 'model'))."
+            )
         self.placement = placement
         self.graphdef: nnx.GraphDef
         # flax types split with two or more filters as a variadic tuple; two give exactly three
@@ -220,7 +228,7 @@ class Trainer:
             other = jax.tree.map(lambda v: v, rest_template)
             nnx.replace_by_pure_dict(other, _wrap_keys(rest_data, impls))
             model = nnx.merge(graphdef, state, other)
-            loss = loss_fn(model, batch)
+            loss = checked_loss(loss_fn(model, batch), loss_fn, False, aux_hint=_TRAINER_AUX)
             updated = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
             return loss, _unwrap_keys(updated)
 

@@ -575,3 +575,13 @@ def test_a_bad_layout_names_the_leaf_by_its_place_in_the_call(pl24):
     f = sj.jit(lambda p, x: p["w"] @ x, placement=pl24, in_sbp=({"w": (S0, B)}, (B, sj.S(1))))
     with pytest.raises(sj.SBPError, match=r"in_sbp of argument args\[1\] \(8,\).*splits dim 1"):
         f({"w": np.ones((4, 8), np.float32)}, np.ones(8, np.float32))
+
+
+def test_in_sbp_for_an_argument_passed_by_keyword_says_so(pl24):
+    """As jax.jit's in_shardings, in_sbp covers positional arguments; a call
+    passing one by keyword is told that, not only that the trees differ."""
+    f = sj.jit(lambda w, x: jnp.tanh(x @ w), placement=pl24, in_sbp=((B, sj.S(1)), (S0, B)))
+    w, x = np.ones((32, 64), np.float32), np.ones((16, 32), np.float32)
+    with pytest.raises(sj.SBPError, match=r"positional arguments only.*passes \['x'\] by keyword"):
+        f(w, x=x)
+    assert_close(f(w, x).numpy(), np.tanh(x @ w), rtol=1e-6)

@@ -1,6 +1,7 @@
 """Trainer.step is all or nothing: a step that fails leaves the trainer as it was."""
 
 import jax
+import jax.numpy as jnp
 import mlp_model
 import numpy as np
 import optax
@@ -54,3 +55,46 @@ def test_a_step_whose_loss_cannot_be_read_changes_nothing(monkeypatch):
     # the retry is the first step, not the second
     assert trainer.step(batch) == reference.step(batch)
     jax.tree.map(np.testing.assert_array_equal, _host(trainer), _host(reference))
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (
+            lambda m, b: (loss_fn(m, b), {"acc": 1.0}),
+            r"returned a tuple of 2 values.*TrainStep\(\.\.\., has_aux=True\)",
+        ),
+        (lambda m, b: (m(b[0]) > 0).sum(), r"shape \(\) and dtype int32.*no gradient"),
+        (lambda m, b: (m(b[0]) - b[1]) ** 2, r"shape \(8, 8\).*jnp.mean"),
+    ],
+    ids=["metrics", "integer", "per-element"],
+)
+def test_a_loss_that_is_not_one_float_is_refused_and_changes_nothing(bad, match):
+    """Not a raw AttributeError, and not an integer loss cast to float and
+    trained on zero gradients: an SBPError naming what loss_fn returned; the
+    trainer keeps its state and trains with a good loss after it."""
+    rng = np.random.default_rng(1)
+    batch = (rng.normal(size=(N, D)).astype(np.float32), rng.normal(size=(N, D)).astype(np.float32))
+    pl = sj.placement((2, 4), ("x", "y"))
+    model = sjf.annotate(MLP(nnx.Rngs(0)), {"fc1.kernel": (B, S(1)), "fc2.kernel": (B, S(0))})
+    trainer = sjf.Trainer(model, optax.adam(1e-2), bad, pl, batch_sbp=(S(0), B), donate=False)
+    before = _host(trainer)
+    with pytest.raises(sj.SBPError, match=match):
+        trainer.step(batch)
+    jax.tree.map(np.testing.assert_array_equal, _host(trainer), before)
+    step = sjf.TrainStep(lambda p, b: (jnp.sum(p["w"] * b), 1.0), optax.sgd(0.1), pl, None, (S(0), B))
+    p, s = step.init({"w": np.ones((8, 8), np.float32)})
+    with pytest.raises(sj.SBPError, match=r"tuple of 2 values.*pass has_aux=True"):
+        step(p, s, batch[0])
+
+
+def test_a_partial_parameter_layout_and_a_device_list_are_refused_by_name():
+    pl = sj.placement((2, 4), ("x", "y"))
+    layer = nnx.Linear(
+        8, 6, kernel_init=sjf.with_sbp(nnx.initializers.lecun_normal(), (sj.P, B)), rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(sj.SBPError, match=r"parameter \['kernel'\] is given the partial layout \(P, B\)"):
+        sjf.Trainer(layer, optax.sgd(0.1), lambda m, b: (m(b) ** 2).mean(), pl, batch_sbp=(S(0), B))
+    for make in (sjf.Trainer, lambda *a, **k: sjf.TrainStep(a[2], a[1], a[3], None, (S(0), B))):
+        with pytest.raises(sj.SBPError, match="placement must be an sj.Placement, got list"):
+            make(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, jax.devices(), batch_sbp=(S(0), B))
