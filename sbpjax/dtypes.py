@@ -124,7 +124,12 @@ def is_key(v) -> bool:
     extended dtype, which global tensors do not hold (``sbpjax.compiler.keys``
     and ``sbpjax.checkpoint`` carry its key data instead)."""
     dtype = getattr(v, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    # an extended dtype is no numpy dtype: the common case answers without jax's issubdtype
+    return (
+        dtype is not None
+        and not isinstance(dtype, np.dtype)
+        and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    )
 
 
 def key_impl(v) -> str | None:

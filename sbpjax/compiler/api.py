@@ -124,6 +124,9 @@ class CompiledFunction:
         self.memory_budget = memory_budget
         self.regather = checked_regather(regather, "sj.jit")
         self._cache: dict = {}
+        # per call tree, in_sbp expanded to its positional leaves; per (spec, dims), the nd-SBP
+        self._specs: dict = {}
+        self._layouts: dict = {}
         # built programs not called or lowered yet: JAX traces the shard_map body
         # (Python) on the first, with the collector paused as for the plan
         self._unrun: set = set()
@@ -140,7 +143,11 @@ class CompiledFunction:
         leaves, impls = unwrapped(leaves)  # typed PRNG keys travel as their key data (compiler.keys)
         # keyword arguments: as given, or B
         try:
-            specs = broadcast_spec(self.in_sbp, args_tree, "in_sbp", self.placement.ndim)
+            specs = self._specs.get(args_tree)
+            if specs is None:
+                specs = self._specs[args_tree] = broadcast_spec(
+                    self.in_sbp, args_tree, "in_sbp", self.placement.ndim
+                )
         except SBPError as e:
             if not kwargs:
                 raise
@@ -150,7 +157,7 @@ class CompiledFunction:
                 f"as jax.jit's in_shardings also asks. ({e})"
             ) from None
         n_positional = len(specs)
-        specs += [None] * (len(leaves) - len(specs))
+        specs = specs + [None] * (len(leaves) - len(specs))
         # only a placement over every process can be checked with an all-gather
         # over every process; a placement in one process needs no check (a pipeline
         # stage), and one over some processes is not checked
@@ -175,7 +182,7 @@ class CompiledFunction:
                         "earlier call (donate_argnums: its buffer now holds that call's result) and "
                         "cannot be used again; pass that call's result instead."
                     )
-                if leaf.placement != pl:
+                if leaf.placement is not pl and leaf.placement != pl:
                     raise SBPError(
                         f"sj.jit: argument {leaf_name(leaf_paths(tree)[k])} lives on {leaf.placement!r}, the "
                         f"function on {pl!r}; move it with t.to_global(placement=...)."
@@ -186,7 +193,7 @@ class CompiledFunction:
                 continue
             # a key's layout splits the key array's dims, never its data's last one
             dims = shape[:-1] if impls[k] else shape
-            nd = None if spec is None else leaf_layout(spec, pl.ndim, dims, k, tree)
+            nd = None if spec is None else self._layout_of(spec, dims, k, tree)
             if isinstance(leaf, GlobalTensor):
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:
@@ -200,6 +207,15 @@ class CompiledFunction:
         if donated:
             check_no_donated_alias(out, donated, tree)
         return out, tree
+
+    def _layout_of(self, spec, dims: tuple, k: int, tree):
+        """``leaf_layout`` of an argument leaf, kept per (spec, dims): a train
+        loop's calls lay out the same leaves every time."""
+        key = (spec, dims)
+        nd = self._layouts.get(key)
+        if nd is None:
+            nd = self._layouts[key] = leaf_layout(spec, self.placement.ndim, dims, k, tree)
+        return nd
 
     def _prepare(self, args, kwargs):
         """The call's arguments placed as its program takes them, and the
