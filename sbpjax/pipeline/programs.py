@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.api import constrain, jit, state_sbp
+from sbpjax.dtypes import is_key
 from sbpjax.pipeline.split import SplitVJP, split_vjp
 from sbpjax.sbp import Broadcast
 from sbpjax.tensor import is_global, to_global
@@ -137,6 +139,19 @@ def _gathered(fn: Callable, compute_sbp) -> Callable:
     return stage
 
 
+def _placed_state(v, pl, nd, index: int):
+    """An optimizer-state leaf on the stage's devices: a global tensor, or a
+    typed PRNG key (``optax.add_noise``'s) as a replicated jax array, which
+    the update program (an ``sj.jit``) takes and returns as a key. Each
+    stage's optimizer is initialized on its own parameters, so every stage
+    would start from the same key and draw the same noise: stage ``index``'s
+    key is folded with its index. (The draws then differ from one optimizer
+    over the whole model, whose key is split over all its leaves.)"""
+    if is_key(v):
+        return jax.device_put(jax.random.fold_in(v, index), NamedSharding(pl.mesh, PartitionSpec()))
+    return to_global(np.asarray(v), pl, nd)
+
+
 def _add(acc, d):
     return jax.tree_util.tree_map(lambda a, b: a + b, acc, d)
 
@@ -150,12 +165,12 @@ class StagePrograms:
     ``backward_weight``, ``backward`` and ``update`` are :func:`sbpjax.jit`
     programs (each compiles at its first call)."""
 
-    def __init__(self, stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp):
+    def __init__(self, stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp, index: int = 0):
         pl, ps = stage.placement, stage.stored_sbp
         host_params = jax.tree_util.tree_map(lambda t: t.numpy(), stage.params, is_leaf=is_global)
         state = optimizer.init(host_params)
         layout = state_sbp(state, ps, (Broadcast(),) * pl.ndim)
-        self.state = jax.tree_util.tree_map(lambda v, s: to_global(np.asarray(v), pl, s), state, layout)
+        self.state = jax.tree_util.tree_map(lambda v, s: _placed_state(v, pl, s, index), state, layout)
         key = (loss_fn, first, optimizer, target_sbp)
         if key not in stage._compiled:
             stage._compiled[key] = _compile(stage, loss_fn, first, optimizer, target_sbp, layout)

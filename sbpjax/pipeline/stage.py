@@ -290,7 +290,7 @@ class Pipeline:
         self.here = [st.placement.in_this_process for st in stages]
         self.lockstep = len(frozenset().union(*(st.placement.processes for st in stages))) > 1
         self.programs: list[StagePrograms | None] = [
-            StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer, self.target_sbp)
+            StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer, self.target_sbp, index=i)
             if self.here[i]
             else None
             for i, st in enumerate(stages)

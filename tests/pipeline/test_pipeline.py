@@ -13,6 +13,7 @@ from pipeline_helpers import MB, D, assert_close, batch, host, layer, layer_para
 
 import sbpjax as sj
 import sbpjax.pipeline as sjp
+from sbpjax.dtypes import is_key
 
 
 def mlp(p, x):  # Megatron's MLP: column-parallel w1, row-parallel w2 under 2-way TP
@@ -293,3 +294,29 @@ def test_an_optimizer_of_the_whole_model_is_refused_not_run_per_stage(one_device
     updates, _ = opt.update(want_grads, opt.init(whole), whole)
     pipe.step(x, y)
     assert_close([host(st.params) for st in stages], optax.apply_updates(whole, updates))
+
+
+def test_an_optimizer_state_with_a_typed_key_draws_its_own_noise_per_stage(one_device_stages):
+    """optax.add_noise keeps a typed PRNG key in its state: each stage keeps
+    it as a key (no raw TypeError), folded with the stage's index so the
+    stages do not draw the same noise; each stage's update is the optimizer's
+    on that stage alone with that key, as the docstring of _placed_state says."""
+    stages = one_device_stages[2]
+    opt = optax.chain(optax.add_noise(0.01, 0.55, key=jax.random.key(0)), optax.sgd(0.1))
+    pipe = sjp.Pipeline(stages, mse, opt, microbatches=2)
+    x, y = batch(2, seed=9)
+    before = [host(st.params) for st in stages]
+    _, want_grads, _, _ = reference_step([layer, layer], before, x, y, opt)
+    pipe.step(x, y)
+    noise = []
+    for s, (p, g, st) in enumerate(zip(before, want_grads, stages)):
+        state = jax.tree.map(
+            lambda v, s=s: jax.random.fold_in(v, s) if is_key(v) else v,
+            opt.init(p),
+        )
+        updates, _ = opt.update(g, state, p)
+        want = optax.apply_updates(p, updates)
+        assert_close(host(st.params), want)
+        noise.append(jax.tree.map(lambda a, b, c: np.asarray(a - b + 0.1 * c), want, p, g))
+    assert not np.allclose(noise[0]["w"], noise[1]["w"])  # the stages' noise differs
+    assert any(is_key(v) for v in jax.tree.leaves(pipe.programs[1].state))  # kept as a typed key
