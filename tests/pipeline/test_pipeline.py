@@ -320,3 +320,38 @@ def test_an_optimizer_state_with_a_typed_key_draws_its_own_noise_per_stage(one_d
         noise.append(jax.tree.map(lambda a, b, c: np.asarray(a - b + 0.1 * c), want, p, g))
     assert not np.allclose(noise[0]["w"], noise[1]["w"])  # the stages' noise differs
     assert any(is_key(v) for v in jax.tree.leaves(pipe.programs[1].state))  # kept as a typed key
+
+
+def _ema_of_the_global_norm(decay=0.9):
+    """Scales the updates by an average of past global gradient norms kept in
+    the state: the update reads no other stage now, the state carries it."""
+
+    def init(params):
+        return jnp.zeros((), jnp.float32)
+
+    def update(updates, state, params=None):
+        scale = 1.0 / (1.0 + state)
+        norm = optax.tree.norm(updates)
+        return jax.tree.map(lambda u: u * scale, updates), decay * state + (1 - decay) * norm
+
+    return optax.GradientTransformation(init, update)
+
+
+def test_an_optimizer_that_carries_or_hides_a_whole_model_statistic_is_refused(one_device_stages):
+    """Two ways a per-stage optimizer differs from one device without any
+    stage's update reading another stage's gradients: its state carries a
+    norm of the whole model to the next step, or it cannot be traced on the
+    whole model (a mask written for one stage's tree) so the check cannot
+    run. Both are SBPErrors, and both are accepted with stagewise_optimizer=True."""
+    stages = one_device_stages[2]
+    carried = optax.chain(_ema_of_the_global_norm(), optax.sgd(0.1))
+    with pytest.raises(sj.SBPError, match=r"state carries a statistic of several stages \(\[0, 1\]"):
+        sjp.Pipeline(stages, mse, carried, microbatches=2)
+    masked = optax.chain(
+        optax.masked(optax.clip_by_global_norm(0.1), {"w": True, "b": False}), optax.sgd(0.1)
+    )
+    with pytest.raises(sj.SBPError, match=r"cannot be traced on the whole model.*stagewise_optimizer=True"):
+        sjp.Pipeline(stages, mse, masked, microbatches=2)
+    for opt in (carried, masked):
+        pipe = sjp.Pipeline(stages, mse, opt, microbatches=2, stagewise_optimizer=True)
+        assert np.isfinite(pipe.step(*batch(2, seed=3)).loss)
