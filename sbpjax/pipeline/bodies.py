@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sbpjax._errors import SBPError
 from sbpjax.placement import Placement
 from sbpjax.tensor import GlobalTensor, is_global, placeholder, to_global
 
@@ -137,6 +138,12 @@ class StepBodies:
                 self.losses[k] = out
                 self.check(s, "loss", out)
                 return {f"stash{s}": (inputs, saved)}
+            if not isinstance(out, GlobalTensor):
+                raise SBPError(
+                    f"stage {s} ({stage.name!r}) returns a {type(out).__name__}, not one array: a stage passes "
+                    "one array to the next (the transfer boxes it into the next stage's placement). Pack "
+                    "several values into one array (jnp.concatenate / jnp.stack), or keep them in one stage."
+                )
             self.check(s, "forward output", out)
             return {f"out{s}": out, f"stash{s}": (inputs, saved)}
 

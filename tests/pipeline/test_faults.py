@@ -214,6 +214,18 @@ def test_a_loss_that_is_not_one_float_scalar_is_refused_by_name(loss_fn, says):
     assert threading.active_count() == 1 or all(t.daemon for t in threading.enumerate()[1:])
 
 
+def test_a_stage_that_returns_several_arrays_is_refused_by_name():
+    """Not the transfer actor's AttributeError: the stage and what it returns,
+    with every actor stopped and nothing updated."""
+    pair = lambda p, x: (layer(p, x), x)  # noqa: E731
+    pipe = sjp.Pipeline(_stages([pair, layer], names=["pair", "last"]), mse, optax.sgd(0.1), microbatches=2)
+    before = _snapshot(pipe)
+    with pytest.raises(sj.SBPError, match=r"stage 0 \('pair'\) returns a tuple, not one array"):
+        pipe.step(*_batch(2))
+    _assert_unchanged(before, _snapshot(pipe))
+    assert threading.active_count() == 1 or all(t.daemon for t in threading.enumerate()[1:])
+
+
 def test_a_pipeline_without_an_optimizer_or_with_a_stage_on_no_group_is_refused():
     with pytest.raises(sj.SBPError, match="optimizer=None is not an optax GradientTransformation"):
         sjp.Pipeline(_stages([layer, layer]), mse, None, microbatches=2)
