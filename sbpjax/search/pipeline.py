@@ -253,7 +253,11 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
 
 
 def _over_budget(space: Space) -> str:
-    """The error for a budget nothing fits, with the least memory any configuration needs."""
+    """The error for a budget nothing fits, with a configuration that would fit
+    a larger one: the least any configuration needs where each device group
+    runs one stage (exact), else the least of the cuts that balance each
+    configuration's stages (a budget that surely fits, though a cut that
+    balances the groups' sums may need less: the message says which)."""
     least, where = math.inf, None
     for proto in space.protos:
         for layouts in space.layouts(proto):
@@ -261,20 +265,26 @@ def _over_budget(space: Space) -> str:
             bounds = _least_memory_cut(st)
             need = max(group_memory(st, bounds))
             if need < least:
-                least, where = need, (proto, bounds)
+                least, where = need, (proto, bounds, st.one_stage_per_group)
     if where is None:
         return (
             "search_pipeline: no layout of the layers divides evenly on any stage grid; use a batch and "
             "layer sizes that are multiples of the device counts."
         )
-    proto, bounds = where
+    proto, bounds, exact = where
+    what = "The least any configuration needs is" if exact else "A configuration that fits needs"
     return (
         f"search_pipeline: no configuration fits the memory budget of {human_bytes(space.memory.limit or 0)} per "
-        f"device. The least any configuration needs is {human_bytes(least)} per device ({least:.6g} bytes: "
+        f"device. {what} {human_bytes(least)} per device ({least:.6g} bytes: "
         f"{proto.groups} device groups of {proto.shape}, schedule {_name(proto.schedule)}, "
         f"{proto.microbatches} microbatches, remat {proto.remat}, layers per stage "
-        f"{[b - a for a, b in bounds]}). Raise the budget to at least that, use more devices, more "
-        "microbatches or smaller layers."
+        f"{[b - a for a, b in bounds]}). "
+        + (
+            "Raise the budget to at least that"
+            if exact
+            else "A budget of that fits (with several stages per group, another cut may need less)"
+        )
+        + ", or use more devices, more microbatches or smaller layers."
     )
 
 
