@@ -273,7 +273,10 @@ class ZeroBubbleH2(_Generated):
         return greedy_lists(p, microbatches, list(range(p)), [2 * p - 1] * p, self.durations)
 
     def theory_bubble(self, devices, microbatches):
-        # the last device starts after (p - 1) F and is never idle: m (F + B + W) + (p - 1) F
+        # the last device starts after (p - 1) F and is never idle: m (F + B + W) + (p - 1) F;
+        # with m < p it does idle (one microbatch alone takes p F + p B + W), and no formula is given
+        if microbatches < devices:
+            return None
         return (devices - 1) / (3 * microbatches + devices - 1)
 
 
@@ -284,7 +287,10 @@ class _VShape(_Generated):
         return stage if stage < devices else 2 * devices - 1 - stage
 
     def theory_bubble(self, devices, microbatches):
-        # per chunk f = b = w: the last device starts after (p - 1) f and is never idle
+        # per chunk f = b = w: the last device starts after (p - 1) f and is never idle (m >= p;
+        # with fewer microbatches it idles, as ZB-H1 and ZB-H2 do)
+        if microbatches < devices:
+            return None
         return (devices - 1) / (6 * microbatches + devices - 1)
 
 

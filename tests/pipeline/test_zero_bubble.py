@@ -52,6 +52,20 @@ def test_makespan_equals_the_closed_form(name):
     assert len(tl.of_kind("backward_input")) == len(tl.of_kind("backward_weight")) == schedule.stages(3) * 7
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "zb-v"])
+def test_no_closed_form_below_p_microbatches(name):
+    """With m < p the last device idles too (one microbatch alone takes
+    p F + p B + W): the formula would promise a makespan the schedule cannot
+    reach, so theory_bubble gives None there, and the simulated bubble is
+    above the formula's."""
+    schedule = sjp.as_schedule(name)
+    for p, m in [(2, 1), (4, 1), (4, 3)]:
+        assert schedule.theory_bubble(p, m) is None
+        formula = (p - 1) / (3 * m + p - 1) if schedule.chunks == 1 else (p - 1) / (6 * m + p - 1)
+        assert sjp.simulate(schedule, p, m, EQUAL).bubble > formula
+    assert schedule.theory_bubble(4, 4) is not None
+
+
 def test_zero_bubble_beats_1f1b_at_p4_m8():
     one = sjp.simulate("1f1b", 4, 8, {"forward": 1.0, "backward": 2.0}).makespan
     assert one == 33
