@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +79,7 @@ def walk(ends: np.ndarray, start: int = 0, first_stage: int = 0) -> list[tuple[i
 
 
 def check_stages(stages, layers: int, where: str) -> None:
-    if not isinstance(stages, (int, np.integer)) or stages < 1:
+    if not is_count(stages):
         raise SBPError(f"{where}: stages={stages!r}; give the number of stages, an int >= 1.")
     if stages > layers:
         raise SBPError(

@@ -48,8 +48,12 @@ def check_budget(pipe, load_inputs, load_targets) -> None:
                 parts = " + ".join(f"stage {s}: {stash[s]} x {slot_bytes[s][0]}" for s in mine)
                 raise SBPError(
                     f"Pipeline: {pipe.schedule!r} keeps up to {held} bytes of residuals on device group {d} "
-                    f"({parts} bytes per microbatch), over memory_budget={pipe.memory_budget}; give fewer "
-                    "stash_counts, use 1f1b instead of gpipe, or a larger budget."
+                    f"({parts} bytes per microbatch), over memory_budget={pipe.memory_budget}; "
+                    + (
+                        "use 1f1b (at most p microbatches per stage), fewer microbatches, or a larger budget."
+                        if pipe.schedule.flush
+                        else "give fewer stash_counts, or a larger budget."
+                    )
                 )
     pipe._budget_checked.add(key)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_count
 from sbpjax.pipeline.actor import ActorGraph, ActorSpec
 from sbpjax.pipeline.register import RegisterSpec
 from sbpjax.pipeline.schedule import ActionList, Schedule
@@ -21,9 +21,9 @@ class StageThreads:
 
 def _counts(given, default, n: int, what: str) -> list[int]:
     counts = list(given) if given is not None else default
-    if len(counts) != n or any((not isinstance(c, int)) or c < 1 for c in counts):
+    if len(counts) != n or not all(is_count(c) for c in counts):
         raise SBPError(f"pipeline: {what} {counts} needs one int >= 1 per stage ({n} stages).")
-    return counts
+    return [int(c) for c in counts]
 
 
 def build_graph(
@@ -54,12 +54,13 @@ def build_graph(
     ``slot_bytes`` / ``memory_budget`` when given: see
     :func:`~sbpjax.pipeline.validate.validate_action_lists`)."""
     m = microbatches
-    if not isinstance(m, int) or m < 1:
+    if not is_count(m):
         raise SBPError(f"pipeline: microbatches must be an int >= 1, got {m!r}.")
+    m = int(m)
     for name, v in (("data_registers", data_registers), ("activation_registers", activation_registers)):
         # checked whether or not this schedule reads it: a setting that works
         # only with some schedules would break when the schedule is swapped
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_count(v):
             raise SBPError(f"pipeline: {name} must be an int >= 1 (slots of a register), got {v!r}.")
     schedule.check(devices, m)
     n = schedule.stages(devices)
@@ -69,6 +70,12 @@ def build_graph(
         raise SBPError(f"pipeline: {n} stages but {len(threads.per_stage)} stage threads.")
     lists = schedule.action_lists(devices, m)
     stash = _counts(stash_counts, schedule.stash_counts(devices, m), n, "stash_counts")
+    if schedule.flush and min(stash) < m:
+        raise SBPError(
+            f"pipeline: {schedule!r} runs every forward before any backward, so each stage holds all {m} "
+            f"microbatches' residuals; stash_counts {stash} would stall the step at the flush. Give each "
+            f"stage at least {m} slots, or use 1f1b, which holds at most p per stage."
+        )
     split = schedule.split_backward
     kept = _counts(kept_counts, schedule.kept_counts(devices, m), n, "kept_counts") if split else None
     if isinstance(schedule, ActionList) and (

@@ -168,7 +168,15 @@ class StagePrograms:
     def __init__(self, stage, loss_fn: Callable | None, first: bool, optimizer, target_sbp, index: int = 0):
         pl, ps = stage.placement, stage.stored_sbp
         host_params = jax.tree_util.tree_map(lambda t: t.numpy(), stage.params, is_leaf=is_global)
-        state = optimizer.init(host_params)
+        try:
+            state = optimizer.init(host_params)
+        except Exception as e:  # noqa: BLE001 - whatever optax raises on a tree it was not written for
+            raise SBPError(
+                f"Pipeline: the optimizer cannot be initialized on stage {index} ({stage.name!r})'s own "
+                f"parameters: {type(e).__name__}: {str(e).splitlines()[0][:200]}. A pipeline runs the optimizer "
+                "on each stage's parameter tree, so masks and labels (optax.masked, optax.multi_transform) "
+                "must be written for one stage's tree (a function of the tree works for any stage)."
+            ) from None
         layout = state_sbp(state, ps, (Broadcast(),) * pl.ndim)
         self.state = jax.tree_util.tree_map(lambda v, s: _placed_state(v, pl, s, index), state, layout)
         key = (loss_fn, first, optimizer, target_sbp)

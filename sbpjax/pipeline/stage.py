@@ -280,7 +280,11 @@ class Pipeline:
             stash_counts=None if stash_counts is None else list(stash_counts),
             kept_counts=None if kept_counts is None else list(kept_counts),
         )
-        if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):
+        if memory_budget is not None and (
+            isinstance(memory_budget, bool)
+            or not isinstance(memory_budget, (int, float, np.integer, np.floating))
+            or not memory_budget > 0
+        ):
             raise SBPError(f"Pipeline: memory_budget={memory_budget!r}; give bytes (> 0) or None.")
         self.memory_budget = memory_budget
         self._budget_checked: set = set()  # microbatch shapes already checked against the budget
@@ -299,7 +303,11 @@ class Pipeline:
         if not (
             action_timeout is None
             or action_timeout == "auto"
-            or (isinstance(action_timeout, (int, float)) and action_timeout > 0)
+            or (
+                isinstance(action_timeout, (int, float, np.integer, np.floating))
+                and not isinstance(action_timeout, bool)
+                and action_timeout > 0
+            )
         ):
             raise SBPError(
                 f"Pipeline: action_timeout={action_timeout!r}; give seconds (> 0), 'auto' or None."

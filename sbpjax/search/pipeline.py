@@ -33,7 +33,7 @@ import itertools
 import math
 import time
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_count
 from sbpjax.boxing.plan import human_bytes
 from sbpjax.pipeline.balance import range_costs, suffix_table, walk
 from sbpjax.pipeline.registry import as_schedule
@@ -151,9 +151,17 @@ def search_pipeline(
     grid, placement = _as_grid(devices)
     memory = memory if isinstance(memory, MemoryModel) else MemoryModel(limit=memory)
     compute = compute or ComputeModel()
+    if batch is not None and not is_count(batch):
+        raise SBPError(
+            f"search_pipeline: batch={batch!r}; give the number of examples per step, an int >= 1."
+        )
     batch = int(batch if batch is not None else profiles[0].examples)
     ms = sorted(set(microbatches)) if microbatches is not None else _divisors(batch, 64)
-    bad = [m for m in ms if not isinstance(m, int) or m < 1 or batch % m]
+    not_counts = [m for m in ms if not is_count(m)]
+    if not_counts:
+        raise SBPError(f"search_pipeline: microbatch counts {not_counts} are not ints >= 1.")
+    ms = [int(m) for m in ms]
+    bad = [m for m in ms if batch % m]
     if bad:
         raise SBPError(
             f"search_pipeline: microbatch counts {bad} do not divide the batch of {batch} examples into equal "

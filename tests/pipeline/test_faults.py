@@ -438,3 +438,32 @@ def test_an_action_whose_step_failed_while_it_waited_does_not_run(
     release.set()
     time.sleep(0.5)
     assert (1, 0) in ran and (1, 1) not in ran
+
+
+def test_counts_take_numpy_ints_and_refuse_bools_and_a_stalling_gpipe():
+    """A microbatch count computed with NumPy runs; True is no count; GPipe
+    with fewer stash slots than microbatches is refused before it stalls; an
+    optimizer whose mask is written for the whole model (not one stage's
+    tree) is an SBPError, not optax's raw pytree error."""
+    x, y = _batch(2)
+    pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), microbatches=np.int64(4) // 2)
+    assert len(pipe.step(x, y).microbatch_losses) == 2
+    for bad in (
+        dict(microbatches=True),
+        dict(microbatches=2, action_timeout=True),
+        dict(microbatches=2, memory_budget=True),
+    ):
+        with pytest.raises(sj.SBPError, match="True"):
+            sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), **bad)
+    with pytest.raises(sj.SBPError, match=r"stash_counts \[1, 1\] would stall.*at least 2 slots"):
+        sjp.Pipeline(
+            _stages([layer, layer]),
+            mse,
+            optax.sgd(0.1),
+            microbatches=2,
+            schedule="gpipe",
+            stash_counts=[1, 1],
+        )
+    whole = optax.masked(optax.add_decayed_weights(1e-2), [{"w": True, "b": False}] * 2)
+    with pytest.raises(sj.SBPError, match=r"cannot be initialized on stage 0 \('layer0'\)'s own parameters"):
+        sjp.Pipeline(_stages([layer, layer]), mse, optax.chain(whole, optax.sgd(0.1)), microbatches=2)

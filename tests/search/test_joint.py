@@ -287,3 +287,14 @@ def test_plan_builds_a_pipeline_that_steps_like_one_program(remat):
     for g, w in zip(got, want_grads):
         assert_close(g["w"].numpy(), w["w"], rtol=1e-4, scale=1e-2)
         assert_close(g["b"].numpy(), w["b"], rtol=1e-4, scale=1e-2)
+
+
+def test_counts_take_numpy_ints_and_refuse_bools():
+    profiles = random_profiles(np.random.default_rng(3), 4)
+    kw = dict(compute=ss.ComputeModel(1e10, 1e-5), schedules=["1f1b"])
+    plan = ss.search_pipeline(profiles, ss.Grid(2, "x"), batch=np.int64(8), microbatches=[np.int64(2)], **kw)
+    assert plan.microbatches == 2
+    with pytest.raises(sj.SBPError, match="batch=True"):
+        ss.search_pipeline(profiles, ss.Grid(2, "x"), batch=True, **kw)
+    with pytest.raises(sj.SBPError, match=r"microbatch counts \[True\] are not ints"):
+        ss.search_pipeline(profiles, ss.Grid(2, "x"), batch=8, microbatches=[True], **kw)
