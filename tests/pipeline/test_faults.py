@@ -440,6 +440,9 @@ def test_an_action_whose_step_failed_while_it_waited_does_not_run(
     assert (1, 0) in ran and (1, 1) not in ran
 
 
+GPIPE_TOO_FEW_SLOTS = dict(schedule="gpipe", stash_counts=[1, 1])
+
+
 def test_counts_take_numpy_ints_and_refuse_bools_and_a_stalling_gpipe():
     """A microbatch count computed with NumPy runs; True is no count; GPipe
     with fewer stash slots than microbatches is refused before it stalls; an
@@ -456,14 +459,7 @@ def test_counts_take_numpy_ints_and_refuse_bools_and_a_stalling_gpipe():
         with pytest.raises(sj.SBPError, match="True"):
             sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), **bad)
     with pytest.raises(sj.SBPError, match=r"stash_counts \[1, 1\] would stall.*at least 2 slots"):
-        sjp.Pipeline(
-            _stages([layer, layer]),
-            mse,
-            optax.sgd(0.1),
-            microbatches=2,
-            schedule="gpipe",
-            stash_counts=[1, 1],
-        )
+        sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), microbatches=2, **GPIPE_TOO_FEW_SLOTS)
     whole = optax.masked(optax.add_decayed_weights(1e-2), [{"w": True, "b": False}] * 2)
     with pytest.raises(sj.SBPError, match=r"cannot be initialized on stage 0 \('layer0'\)'s own parameters"):
         sjp.Pipeline(_stages([layer, layer]), mse, optax.chain(whole, optax.sgd(0.1)), microbatches=2)
