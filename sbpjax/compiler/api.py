@@ -188,7 +188,7 @@ class CompiledFunction:
                         f"function on {pl!r}; move it with t.to_global(placement=...)."
                     )
             if spec is AUTO or (spec is None and self.auto and k < n_positional):
-                # laid out once the solver has chosen (see _place)
+                # laid out once the solver has chosen (auto_arguments.place_chosen)
                 out.append(Unplaced(leaf, shape))
                 continue
             # a key's layout splits the key array's dims, never its data's last one
@@ -211,8 +211,11 @@ class CompiledFunction:
     def _layout_of(self, spec, dims: tuple, k: int, tree):
         """``leaf_layout`` of an argument leaf, kept per (spec, dims): a train
         loop's calls lay out the same leaves every time."""
-        key = (spec, dims)
-        nd = self._layouts.get(key)
+        try:
+            key = (spec, dims)
+            nd = self._layouts.get(key)
+        except TypeError:  # a spec that is no hashable value (a list): not kept
+            return leaf_layout(spec, self.placement.ndim, dims, k, tree)
         if nd is None:
             nd = self._layouts[key] = leaf_layout(spec, self.placement.ndim, dims, k, tree)
         return nd
@@ -439,6 +442,9 @@ def jit(
     is traced, planned and compiled once (:mod:`sbpjax.compiler.static_args`).
     ``in_sbp`` then describes the other positional arguments, as
     ``jax.jit``'s ``in_shardings`` does; ``donate_argnums`` counts all of them.
+    Typed PRNG keys (``jax.random.key``) are arguments like arrays, and a
+    key the function returns comes back as a typed key ``jax.Array``
+    (:mod:`sbpjax.compiler.keys`).
 
     Calls return before their program has run, as ``jax.jit``'s do, except
     that on CPU devices under jax < 0.11 every 8th call waits for its results:
