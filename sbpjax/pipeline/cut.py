@@ -136,10 +136,10 @@ def stage_placements(placement, axis, stages: int | None, schedule) -> tuple[lis
     """The device groups (one per index of ``axis``, or the list given) and, per
     stage, the group it runs on (the schedule's ``device_of``)."""
     if isinstance(placement, Placement):
+        a = placement.axis_index(axis)  # checked on a 1-D placement too: a wrong axis is a mistake
         if placement.ndim == 1:
             groups = [placement[i] for i in range(placement.size)]
         else:
-            a = placement.axis_index(axis)
             groups = [placement[(slice(None),) * a + (i,)] for i in range(placement.shape[a])]
     else:
         groups = list(placement)
@@ -148,6 +148,15 @@ def stage_placements(placement, axis, stages: int | None, schedule) -> tuple[lis
                 "cut: placement must be an sj.Placement with a pipeline axis (e.g. sj.placement((4, 2), "
                 "('pp', 'tp')) with axis='pp') or a list of disjoint sj.Placement, one per device group."
             )
+        seen: dict = {}
+        for g, group in enumerate(groups):
+            for d in np.asarray(group.device_ids).flat:
+                if int(d) in seen:
+                    raise SBPError(
+                        f"cut: device {int(d)} is in device groups {seen[int(d)]} and {g}; the groups of a "
+                        "pipeline are disjoint (each device runs one group's stages)."
+                    )
+                seen[int(d)] = g
     sched = as_schedule(schedule) if schedule is not None else None
     n = stages if stages is not None else (sched.stages(len(groups)) if sched else len(groups))
     if sched is not None:

@@ -138,6 +138,18 @@ class Stage:
         self.fn = fn
         self.placement = placement
         host = jax.tree_util.tree_map(lambda p: np.asarray(p), params)
+        not_float = [
+            (jax.tree_util.keystr(k), v.dtype)
+            for k, v in jax.tree_util.tree_flatten_with_path(host)[0]
+            if not np.issubdtype(v.dtype, np.inexact)
+        ]
+        if not_float:
+            path, dtype = not_float[0]
+            raise SBPError(
+                f"Stage {self.name!r}: parameter {path or '(the whole tree)'} has dtype {dtype}; a stage's "
+                "parameters are what its optimizer trains, so they are floating point (an integer has no "
+                "gradient). Close over integer settings in fn, or pass them with the data."
+            )
         self.param_sbp = _param_layouts(host, param_sbp, placement, f"Stage {self.name!r} param_sbp")
         rep = (Broadcast(),) * placement.ndim
         self.in_sbp = (

@@ -363,3 +363,17 @@ def test_one_array_given_to_layers_of_different_functions_is_said_to_train_as_co
     with warnings.catch_warnings():
         warnings.simplefilter("error", sj.SBPWarning)
         sjp.LayerChain.from_functions([lambda p, x: x @ p["w"]] * 3, [w] * 3, x)
+
+
+def test_a_wrong_pipeline_axis_or_overlapping_groups_are_refused():
+    """On a 1-D placement the axis was ignored; a list of groups that share
+    a device was accepted here and refused only by Pipeline."""
+    chain = uneven_chain()[0]
+    for axis, says in (("zz", "no axis 'zz'"), (5, "axis 5 out of range")):
+        with pytest.raises(sj.SBPError, match=says):
+            sjp.cut(chain, sj.placement(2, "pp"), axis=axis)
+    devs = np.array(jax.devices())
+    overlapping = [sj.Placement(devs[0:2], ("tp",)), sj.Placement(devs[1:3], ("tp",))]
+    with pytest.raises(sj.SBPError, match="device 1 is in device groups 0 and 1"):
+        sjp.cut(chain, overlapping)
+    assert len(sjp.cut(chain, sj.placement(2, "pp"), axis="pp").stages) == 2

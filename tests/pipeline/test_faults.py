@@ -463,3 +463,10 @@ def test_counts_take_numpy_ints_and_refuse_bools_and_a_stalling_gpipe():
     whole = optax.masked(optax.add_decayed_weights(1e-2), [{"w": True, "b": False}] * 2)
     with pytest.raises(sj.SBPError, match=r"cannot be initialized on stage 0 \('layer0'\)'s own parameters"):
         sjp.Pipeline(_stages([layer, layer]), mse, optax.chain(whole, optax.sgd(0.1)), microbatches=2)
+
+
+def test_an_integer_parameter_is_refused_by_name():
+    """Not a float0 TypeError at the first backward."""
+    params = dict(_params(0), n=np.int32(3))
+    with pytest.raises(sj.SBPError, match=r"Stage 'counted': parameter \['n'\] has dtype int32"):
+        sjp.Stage(layer, params, sj.placement(1, "d"), name="counted")
