@@ -16,6 +16,9 @@ import sbpjax.flax as sjf
 from sbpjax import B, S
 from sbpjax.dtypes import is_key
 
+# on both CI legs (pyproject.toml's markers): jax's key API (key_impl, wrap_key_data) differs by version
+pytestmark = pytest.mark.jax_versions
+
 X = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
 
 
