@@ -46,7 +46,7 @@ LOOP = textwrap.dedent(
     for _ in range(300):  # never reads a result until the end
         p, value = f(p, x)
         q, want = ref(q, x)
-    np.testing.assert_allclose(float(value.numpy()), float(want), rtol=1e-4)
+    np.testing.assert_allclose(float(value.numpy()), float(want), rtol=1e-4, atol=1e-4 * abs(float(want)) + 1e-7)
     for k in params:
         got, expected = p[k].numpy(), np.asarray(q[k])
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
