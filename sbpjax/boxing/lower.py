@@ -32,6 +32,9 @@ from sbpjax.boxing.p2p import p2p_schedule
 from sbpjax.boxing.steps import BoxingPlan, Step
 from sbpjax.layout import Geometry, Layout
 
+# whether XLA keeps an optimization barrier until fusion (see _On.computed_once)
+_BARRIER_KEPT = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
 # ---------------------------------------------------------------------------
 # Differentiable max / min all-reduce (lax.pmax has no differentiation rule).
 # ---------------------------------------------------------------------------
@@ -266,6 +269,7 @@ class _On:
     tables: IndexTables
     names: tuple
     dtype: Any
+    cpu: bool
 
     def axes(self, step: Step):
         return axis_arg(tuple(self.names[a] for a in step.group))
@@ -276,6 +280,24 @@ class _On:
     def index(self, step: Step):
         """This device's index in the step's group."""
         return group_index(step.group, self.names, self.geom.grid)
+
+    def computed_once(self, x):
+        """``x``, an all-to-all's operand, kept from being fused into the
+        collective's pieces on XLA:CPU. XLA's all-to-all decomposer turns the
+        array all-to-all into one slice per peer, and fusion then copies the
+        whole producer into every slice: in a tensor-parallel GPT step a layer
+        norm's backward before an 8-way all-to-all became 8 fusions of 96 ops.
+        An optimization barrier keeps one producer: that step's optimized HLO
+        went from 2,494 ops to 1,824 (GSPMD's: 1,567). Measured on a 24-op elementwise chain before an
+        8-way all-to-all (jax 0.12): 1,586 ops compiled in 288 ms became 237
+        ops in 193 ms, and the step ran no slower (62 ms). The bytes sent are
+        the same.
+
+        jax 0.10's XLA drops barriers before fusion, so there nothing is
+        done (a conditional on the device index held the value, but its own
+        compile cost outweighed the saving on small producers). CPU only:
+        measured there."""
+        return lax.optimization_barrier(x) if self.cpu and _BARRIER_KEPT else x
 
     def compact(self, y, step: Step, d: int):
         """A gathered dim with an uneven split's padding taken out."""
@@ -302,7 +324,7 @@ def _all_to_all(step: Step, x, on: _On):
     even = on.even(step)
     if not even:
         x = on.arrange(x, step, e)
-    y = lax.all_to_all(x, on.axes(step), split_axis=e, concat_axis=d, tiled=True)
+    y = lax.all_to_all(on.computed_once(x), on.axes(step), split_axis=e, concat_axis=d, tiled=True)
     return y if even else on.compact(y, step, d)
 
 
@@ -317,7 +339,7 @@ def _reduce_scatter(step: Step, x, on: _On):
     # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
     shape = x.shape
     chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1 :])
-    got = lax.all_to_all(chunks, on.axes(step), split_axis=d, concat_axis=d, tiled=True)
+    got = lax.all_to_all(on.computed_once(chunks), on.axes(step), split_axis=d, concat_axis=d, tiled=True)
     return jnp.max(got, axis=d) if step.reduce == "max" else jnp.min(got, axis=d)
 
 
@@ -395,9 +417,13 @@ LOWERINGS = {
 def apply_step(step: Step, x, plan: BoxingPlan):
     """One step of ``plan`` on a device's local block (a bucket runs its
     members' local steps one by one, their collectives together)."""
-    geom = Geometry(plan.shape, plan.placement.shape)
+    return _apply(step, x, _on(plan, Geometry(plan.shape, plan.placement.shape)))
+
+
+def _on(plan: BoxingPlan, geom: Geometry) -> _On:
     names = plan.placement.axis_names
-    return _apply(step, x, _On(geom, IndexTables(geom, names), names, plan.dtype))
+    cpu = plan.placement.devices.flat[0].platform == "cpu"
+    return _On(geom, IndexTables(geom, names), names, plan.dtype, cpu)
 
 
 def _apply(step: Step, x, on: _On):
@@ -436,7 +462,7 @@ def run_plan(plan: BoxingPlan, x):
     if 0 in plan.shape:
         assert plan.dst_layout is not None  # plan_boxing sets both layouts
         return jnp.zeros(geom.padded(plan.dst_layout), x.dtype)
-    on = _On(geom, IndexTables(geom, plan.placement.axis_names), plan.placement.axis_names, plan.dtype)
+    on = _on(plan, geom)
     for step in plan.steps:
         x = _apply(step, x, on)
     return x
