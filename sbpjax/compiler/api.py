@@ -29,7 +29,6 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagation.NESTED)
-from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.arguments import (
     broadcast_spec,
     check_array_leaf,
@@ -44,24 +43,23 @@ from sbpjax.compiler.arguments import (
     state_sbp,
     weakly_typed,
 )
-from sbpjax.compiler.auto_arguments import Unplaced, donated_result_ties, mirrored_state, place_chosen
+from sbpjax.compiler.auto_arguments import Unplaced, place_chosen
+from sbpjax.compiler.build_program import plan_and_build
 from sbpjax.compiler.collector import collector_paused
 from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.inflight import bounded
-from sbpjax.compiler.keys import keyed, rewrapped, unwrapped
+from sbpjax.compiler.keys import rewrapped, unwrapped
 from sbpjax.compiler.nested import inline_call
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
-from sbpjax.compiler.planning import plan
 from sbpjax.compiler.processes import check_same_call_in_every_process
-from sbpjax.compiler.regather import add_regathers
-from sbpjax.compiler.static_args import bind, fingerprint_text, static_args
-from sbpjax.compiler.trace import trace, tracing_on
-from sbpjax.dtypes import check_partial_dtype, key_impl
+from sbpjax.compiler.static_args import fingerprint_text, static_args
+from sbpjax.compiler.trace import tracing_on
+from sbpjax.dtypes import key_impl
 from sbpjax.placement import Placement
-from sbpjax.sbp import Broadcast, normalize_nd_sbp
+from sbpjax.sbp import Broadcast
 from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
 
 
@@ -242,95 +240,14 @@ class CompiledFunction:
         if hit is not None:
             return hit
         with collector_paused():
-            entry = self._plan_and_build(gts, tree, weak, static, keys)
+            entry = plan_and_build(self, gts, tree, weak, static, keys)
+        self.last_overhead_s = sum(entry[0].timings[k] for k in ("trace_s", "choose_s", "build_s"))
         self._cache[key] = entry
         self._unrun.add(entry[1])
         return entry
 
-    def _plan_and_build(self, gts, tree, weak, static, keys):
-        t0 = time.perf_counter()
-        avals = [jax.ShapeDtypeStruct(t.shape, t.dtype, weak_type=w) for t, w in zip(gts, weak)]
-        opts = self.options
-        out_keys: list = []
-        program = trace(
-            keyed(bind(self.fn, static), tree, keys, out_keys),
-            avals,
-            tree,
-            unroll_limit=opts.unroll_limit,
-            loop_slices=opts.loop_slices,
-            keep_last_carries=opts.roll_loops,
-            placement=self.placement,
-        )
-        t_traced = time.perf_counter()
-        out_specs = None
-        if self.out_sbp is not None:
-            raw = broadcast_spec(self.out_sbp, program.out_tree, "out_sbp", self.placement.ndim)
-            if any(s is AUTO for s in raw):
-                raise SBPError(
-                    "sj.jit: out_sbp leaves cannot be sj.AUTO: a result without out_sbp (None) takes the "
-                    "layout the solver chose. sj.AUTO marks arguments (in_sbp); a donated AUTO argument's "
-                    "result takes the argument's layout."
-                )
-            out_specs = [
-                None
-                if s is None
-                else normalize_nd_sbp(s, self.placement.ndim, len(o.shape), f"out_sbp of output leaf {k}")
-                for k, (s, o) in enumerate(zip(raw, program.outputs))
-            ]
-            for k, (nd, o) in enumerate(zip(out_specs, program.outputs)):
-                if nd is not None:
-                    check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
-        prop = plan(
-            program,
-            self.placement,
-            [t.sbp for t in gts],
-            out_specs,
-            self.cost_model,
-            solver=self.solver,
-            options=self.options,
-            ties=donated_result_ties(gts, self._donated_leaves(tree, static), program, out_specs),
-            memory_budget=self.memory_budget,
-            same_layout=mirrored_state(gts, leaf_paths(tree)),
-            arg_names=[leaf_name(p) for p in leaf_paths(tree)],
-            cache=self.plan_cache,
-        )
-        if self.regather:
-            add_regathers(prop, self.regather)
-        t_chosen = time.perf_counter()
-        fn = lowering.build(prop, self._donated_leaves(tree, static))
-        t_built = time.perf_counter()
-        prop.timings.update(trace_s=t_traced - t0, choose_s=t_chosen - t_traced, build_s=t_built - t_chosen)
-        self.last_overhead_s = t_built - t0
-        return prop, fn, tuple(out_keys)
-
     def _donated_leaves(self, tree, static=()) -> tuple[int, ...]:
-        """Flat leaf indices of the positional arguments in ``donate_argnums``
-        (which count static arguments too; ``tree`` holds the dynamic ones)."""
-        if not self.donate_argnums:
-            return ()
-        arg_trees = tree.children()[0].children()
-        n_args = static[0] if static else len(arg_trees)
-        donated = set()
-        for i in self.donate_argnums:
-            if i >= n_args:
-                raise SBPError(
-                    f"sj.jit: donate_argnums names argument {i}, but the call passes {n_args} positional "
-                    "argument(s). Donation covers positional arguments only (as jax.jit's donate_argnums)."
-                )
-            j = self.static.dynamic_index(static, i)
-            if j is None:
-                raise SBPError(
-                    f"sj.jit: donate_argnums names argument {i}, which this call passes as a static "
-                    "argument (static_argnums / static_argnames): a Python value, not a buffer to donate."
-                )
-            donated.add(j)
-        out: list[int] = []
-        start = 0
-        for i, sub in enumerate(arg_trees):
-            if i in donated:
-                out.extend(range(start, start + sub.num_leaves))
-            start += sub.num_leaves
-        return tuple(out)
+        return self.static.donated_leaves(self.donate_argnums, tree, static)
 
     # -- the public surface ------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -63,6 +63,36 @@ class StaticArgs:
             return None
         return i - sum(1 for j in static_positions if j < i)
 
+    def donated_leaves(self, donate_argnums: tuple, tree, key=()) -> tuple[int, ...]:
+        """Flat leaf indices of the positional arguments in ``donate_argnums``,
+        which count static arguments too; ``tree`` holds the call's dynamic
+        ones, ``key`` the static values (``split``)."""
+        if not donate_argnums:
+            return ()
+        arg_trees = tree.children()[0].children()
+        n_args = key[0] if key else len(arg_trees)
+        donated = set()
+        for i in donate_argnums:
+            if i >= n_args:
+                raise SBPError(
+                    f"sj.jit: donate_argnums names argument {i}, but the call passes {n_args} positional "
+                    "argument(s). Donation covers positional arguments only (as jax.jit's donate_argnums)."
+                )
+            j = self.dynamic_index(key, i)
+            if j is None:
+                raise SBPError(
+                    f"sj.jit: donate_argnums names argument {i}, which this call passes as a static "
+                    "argument (static_argnums / static_argnames): a Python value, not a buffer to donate."
+                )
+            donated.add(j)
+        out: list[int] = []
+        start = 0
+        for i, sub in enumerate(arg_trees):
+            if i in donated:
+                out.extend(range(start, start + sub.num_leaves))
+            start += sub.num_leaves
+        return tuple(out)
+
 
 def bind(fn, key):
     """``fn`` taking the dynamic arguments only, the static ones of ``key``
