@@ -27,6 +27,7 @@ from sbpjax.pipeline.chain import Layer, LayerChain
 from sbpjax.pipeline.cut import Cut, cut, layer_costs, layer_flops, layer_times
 from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout
 from sbpjax.pipeline.graph import build_graph
+from sbpjax.pipeline.pipeline import Pipeline, StepResult
 from sbpjax.pipeline.register import RegisterSpec
 from sbpjax.pipeline.registry import SCHEDULES, as_schedule
 from sbpjax.pipeline.runtime import ThreadedSystem
@@ -40,7 +41,7 @@ from sbpjax.pipeline.schedule import (
 )
 from sbpjax.pipeline.simulate import simulate, simulate_graph
 from sbpjax.pipeline.split import SplitVJP, split_vjp
-from sbpjax.pipeline.stage import Pipeline, Stage, StepResult
+from sbpjax.pipeline.stage import Stage
 from sbpjax.pipeline.timeline import ActionRecord, RegisterStats, Timeline
 from sbpjax.pipeline.validate import validate_action_lists
 from sbpjax.pipeline.zero_bubble import DualPipeV, ZeroBubbleH1, ZeroBubbleH2, ZeroBubbleV
