@@ -244,6 +244,7 @@ ZERO_KEEPING = frozenset(
         "convert_element_type",
         "copy",
         "copy_p",
+        "name",
         "slice",
         "rev",
         "reduce_sum",

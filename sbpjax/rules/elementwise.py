@@ -160,10 +160,10 @@ def extreme(eqn, in_avals):
     ]
 
 
-@register("reduce_precision", "copy", "copy_p", "stop_gradient", "optimization_barrier")
+@register("reduce_precision", "copy", "copy_p", "stop_gradient", "optimization_barrier", "name")
 def passthrough(eqn, in_avals):
-    """``y_i = x_i`` (up to rounding for ``reduce_precision``): every layout and
-    every partial passes."""
+    """``y_i = x_i`` (up to rounding for ``reduce_precision``; ``name`` is
+    ``checkpoint_name``'s tag): every layout and every partial passes."""
     n = len(in_avals)
     return _split_and_broadcast(eqn, in_avals) + [
         Sig((P(op),) * n, (P(op),) * n) for op in ("sum", "max", "min")
@@ -248,6 +248,7 @@ ELEMENTWISE = frozenset(NONLINEAR) | {
     "copy",
     "copy_p",
     "stop_gradient",
+    "name",
     "select_n",
 }
 
