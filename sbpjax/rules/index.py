@@ -217,7 +217,10 @@ set_local("scatter-add", "scatter_add", "scatter-sub", "scatter_sub")(local_scat
 def scatter(eqn, in_avals):
     """``x.at[idx].set(u)``: ``y_i = scatter(x_i, idx, u_i)`` for an operand split
     on a window dim the updates cover whole, or on a batching dim shared with
-    the indices and updates. A set replaces values, so no partial passes."""
+    the indices and updates; or split on the indexed dim, each device writing
+    the rows it owns (others dropped, as for scatter-add: a KV cache's or a
+    memory bank's row update moves nothing). A set replaces values, so no
+    partial passes."""
     uw, inserted, to_operand, op_batch, idx_batch = _scatter_dims(eqn)
     xs, ishape, us = shape_of(in_avals[0]), shape_of(in_avals[1]), shape_of(in_avals[2])
     update_scatter = [j for j in range(len(us)) if j not in uw]
@@ -230,7 +233,11 @@ def scatter(eqn, in_avals):
     for k, d in enumerate(window):
         if us[uw[k]] == xs[d] and d not in to_operand:
             sigs.append(Sig((Split(d), B, Split(uw[k])), (Split(d),)))
+    sigs += [Sig((Split(d), B, B), (Split(d),)) for d in to_operand if d in inserted]
     return sigs + [Sig((B, B, B), (B,))]
+
+
+set_local("scatter")(local_scatter)
 
 
 # x.at[idx].max / .min / .multiply (segment_max, _min, _prod)
@@ -247,7 +254,6 @@ def scatter_combine(eqn, in_avals):
     partial operands and updates. A product is not idempotent: no partials."""
     uw, inserted, to_operand, _, idx_batch = _scatter_dims(eqn)
     sigs = scatter(eqn, in_avals)[:-1]  # the set's, without its (B, B, B)
-    sigs += [Sig((Split(d), B, B), (Split(d),)) for d in to_operand if d in inserted]
     op = eqn.primitive.name[len("scatter") + 1 :]
     if op in ("max", "min"):
         for k, u in _index_update_dims(in_avals, uw):
