@@ -54,10 +54,11 @@ replicated, and kept so the body would gather the split ``x`` every
 iteration (``_split_carries``). The
 inner programs are planned with the default ``CostModel`` and the integer
 program (their own time limit: ``INNER_TIME_LIMIT``). A side effect in a
-body (a ``jax.debug.print``) is an op of the inner program like any other:
-one without a rule runs whole on every device, with an ``SBPWarning``
-naming its line, and the loop around it keeps its layouts (each device
-prints, as in any ``shard_map``).
+body is an op of the inner program like any other: a ``jax.debug.print``
+prints once per iteration, from the placement's first device
+(``sbpjax.rules.control``); one without a rule (a ``jax.pure_callback``)
+runs whole on every device, with an ``SBPWarning`` naming its line, and the
+loop around it keeps its layouts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Primitives every device runs on the whole value: random number generation
-(every device draws the same numbers from a broadcast key), sorting and top-k along a dim.
+(every device draws the same numbers from a broadcast key), sorting and top-k along a dim;
+and debug callbacks, which the first device runs on the whole value.
 
 Control flow (``scan``, ``while``, ``cond``) is handled by the compiler: it
 writes scans and conds out (``sbpjax.compiler.trace``) and plans a while loop
@@ -12,7 +13,12 @@ source line.
 
 from __future__ import annotations
 
-from sbpjax.rules import B, Sig, rank, register
+import functools
+import operator
+
+from jax import lax
+
+from sbpjax.rules import B, Sig, rank, register, set_local
 from sbpjax.sbp import Split
 
 RANDOM = (
@@ -33,6 +39,26 @@ RANDOM = (
 def random(eqn, in_avals):
     """``y = f(key)`` on every device: B in, B out (the same stream everywhere)."""
     return [Sig((B,) * len(in_avals), (B,) * len(eqn.outvars))]
+
+
+@register("debug_callback", "debug_print")
+def debug_callback(eqn, in_avals):
+    """``jax.debug.print`` (``debug_print``) / ``jax.debug.callback``: the callback sees whole
+    values (B) and runs on the placement's first device only, so it runs
+    once per call as under ``jax.jit`` (in a ``shard_map`` body every device
+    would run it)."""
+    return [Sig((B,) * len(in_avals), ())]
+
+
+@set_local("debug_callback", "debug_print")
+def local_debug_callback(eqn, ins, ctx):
+    first = functools.reduce(operator.and_, [lax.axis_index(n) == 0 for n in ctx.placement.axis_names])
+
+    def call(xs):
+        eqn.primitive.bind(*xs, **eqn.params)
+
+    lax.cond(first, call, lambda xs: None, list(ins))
+    return []
 
 
 @register("sort")
