@@ -18,6 +18,7 @@ import operator
 
 from jax import lax
 
+from sbpjax._errors import SBPError
 from sbpjax.rules import B, Sig, rank, register, set_local
 from sbpjax.sbp import Split
 
@@ -52,6 +53,13 @@ def debug_callback(eqn, in_avals):
 
 @set_local("debug_callback", "debug_print")
 def local_debug_callback(eqn, ins, ctx):
+    if eqn.params.get("ordered"):
+        what = f"jax.debug.print({eqn.params['fmt']!r}, ...)" if "fmt" in eqn.params else "jax.debug.callback"
+        raise SBPError(
+            f"sj.jit: {what} asks for ordered=True, and JAX orders effects only in programs on one "
+            f"device (this one runs on {ctx.placement.size} devices). Drop ordered=True: sj.jit runs "
+            "each print once per call, from the first device."
+        )
     first = functools.reduce(operator.and_, [lax.axis_index(n) == 0 for n in ctx.placement.axis_names])
 
     def call(xs):

@@ -51,3 +51,17 @@ def test_a_print_in_a_scanned_loop_prints_each_iteration_once(pl8, capfd):
     assert lines.count("start") == 1
     carries = np.concatenate([[0.0], np.cumsum(x.sum(axis=1))[:-1]])
     assert sorted(ln for ln in lines if ln.startswith("carry")) == sorted(f"carry {c}" for c in carries)
+
+
+def test_an_ordered_print_is_refused_with_what_to_do(pl8):
+    def f(x):
+        jax.debug.print("total {s}", s=x.sum(), ordered=True)
+        return x * 2
+
+    g = sj.jit(f, placement=pl8, in_sbp=((S(0),),))
+    x = np.ones((8, 4), np.float32)
+    for _ in range(2):  # refused again, not half-built, on the next call
+        with pytest.raises(
+            sj.SBPError, match=r"jax.debug.print\('total \{s\}', ...\) asks for ordered=True.*Drop"
+        ):
+            g(x)
