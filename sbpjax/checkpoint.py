@@ -185,6 +185,14 @@ def save(path, tree) -> None:
             "folder (e.g. one per step) or delete the old one first."
         )
     names, leaves, treedef = _flatten(tree)
+    for n, x in zip(names, leaves):
+        if isinstance(x, (GlobalTensor, jax.Array, np.ndarray)) and 0 in np.shape(x):
+            # checked before anything is written: orbax refuses it midway, from its own threads
+            raise SBPError(
+                f"checkpoint.save: leaf '{n}' has no elements (shape {tuple(np.shape(x))}), which orbax "
+                "cannot save; leave it out of the saved tree (it holds no values to restore) and rebuild "
+                "it from its shape."
+            )
     item = jax.tree_util.tree_unflatten(treedef, [_savable(n, x) for n, x in zip(names, leaves)])
     before = _unfinished_saves(path)
     try:

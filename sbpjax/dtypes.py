@@ -64,7 +64,15 @@ _ALTERNATIVE = {
 def canonical_dtype(dtype) -> np.dtype:
     """The dtype the devices hold for values given as ``dtype``: JAX narrows
     64-bit types to 32 bits unless ``jax_enable_x64`` is set."""
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    try:
+        if np.dtype(dtype).kind in "USOMm":  # text, objects, dates: no JAX array holds them
+            raise TypeError(dtype)
+        return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    except TypeError:
+        raise SBPError(
+            f"dtype {dtype} is not one a JAX array holds (bool, integers, floats, complex); convert the "
+            "data first, e.g. np.asarray(x, np.float32)."
+        ) from None
 
 
 def dtype_class(dtype) -> str:

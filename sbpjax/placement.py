@@ -112,7 +112,13 @@ class Placement:
             ix = index[axis] if axis < len(index) else slice(None)
             if not isinstance(ix, (int, np.integer)):
                 names.append(name)
-        sub = self._devices[index]
+        try:
+            sub = self._devices[index]
+        except (IndexError, TypeError) as e:
+            raise SBPError(
+                f"placement[{index if len(index) > 1 else index[0]!r}]: {e}; the grid has shape {self.shape} "
+                f"(axes {self._axis_names}): index it with integers and slices, one per axis."
+            ) from None
         if np.ndim(sub) == 0:
             return Placement(np.asarray([sub], dtype=object), (self._axis_names[-1],))
         return Placement(sub, names)
@@ -120,13 +126,25 @@ class Placement:
     def subset(
         self, devices: Sequence, axis_names: Sequence[str] | None = None, shape: Sequence[int] | None = None
     ) -> Placement:
-        """A placement over ``devices`` (all from this one), reshaped to ``shape``."""
-        own = set(self.device_ids)
+        """A placement over ``devices`` (all from this one; jax devices or their
+        ids), reshaped to ``shape``."""
+        by_id = {d.id: d for d in self._devices.flat}
+        chosen = []
         for d in devices:
-            if d.id not in own:
-                raise SBPError(f"subset: device {d.id} is not in this placement {self.device_ids}.")
-        devs = np.asarray(list(devices), dtype=object)
+            key = int(d) if isinstance(d, (int, np.integer)) else getattr(d, "id", None)
+            if key not in by_id:
+                raise SBPError(
+                    f"subset: device {d!r} is not in this placement (its device ids: {self.device_ids}); "
+                    "pass its jax devices or their ids."
+                )
+            chosen.append(by_id[key])
+        devs = np.asarray(chosen, dtype=object)
         if shape is not None:
+            if int(np.prod(tuple(shape))) != devs.size:
+                raise SBPError(
+                    f"subset: shape {tuple(shape)} holds {int(np.prod(tuple(shape)))} devices, and "
+                    f"{devs.size} were given; give a shape whose sizes multiply to {devs.size}."
+                )
             devs = devs.reshape(tuple(shape))
         names = (
             axis_names
@@ -169,6 +187,16 @@ class Placement:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self._axis_names, self.shape))
         ids = np.asarray(self.device_ids).reshape(self.shape).tolist()
         return f"Placement({axes}; devices {ids})"
+
+
+def checked_placement(value, where: str) -> Placement:
+    """``value`` if it is a Placement, else an SBPError naming ``where``."""
+    if not isinstance(value, Placement):
+        raise SBPError(
+            f"{where}: placement must be an sj.Placement, got {type(value).__name__} ({value!r:.60}); "
+            "make one with sj.placement(shape, axis_names)."
+        )
+    return value
 
 
 def placement(

@@ -32,7 +32,7 @@ from sbpjax.boxing.transfer import (
 )
 from sbpjax.dtypes import canonical_dtype, check_partial_dtype
 from sbpjax.layout import Geometry, Layout
-from sbpjax.placement import Placement
+from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp
 
 
@@ -230,7 +230,7 @@ class GlobalTensor:
     # -- boxing --------------------------------------------------------------
     def to_global(self, sbp=None, placement: Placement | None = None) -> GlobalTensor:
         """Box to another nd-SBP (and/or another placement). Same layout: ``self``."""
-        placement = placement or self._placement
+        placement = self._placement if placement is None else checked_placement(placement, "to_global")
         sbp = (
             self._sbp
             if sbp is None
@@ -365,11 +365,7 @@ def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> G
         return _from_process_local(x, placement, sbp)
     if isinstance(x, GlobalTensor):
         return x.to_global(sbp=sbp, placement=placement)
-    if not isinstance(placement, Placement):
-        raise SBPError(
-            f"to_global: placement must be an sj.Placement, got {type(placement).__name__}; "
-            "make one with sj.placement(shape, axis_names)."
-        )
+    checked_placement(placement, "to_global")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         x = np.asarray(x)
     shape = tuple(x.shape)
@@ -425,6 +421,46 @@ def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
     return GlobalTensor(data, shape, canonical_dtype(x.dtype), placement, sbp)
 
 
+def _checked_shape(shape, where: str) -> tuple:
+    try:
+        return tuple(int(s) for s in shape)
+    except TypeError:
+        raise SBPError(
+            f"{where}: shape must be the logical shape as a tuple of ints (e.g. (8, 4)), got {shape!r}."
+        ) from None
+
+
+def _check_grid(locals_, placement: Placement) -> None:
+    """That ``locals_`` has one entry per device of ``placement``'s grid: no
+    fewer and, where a piece would otherwise be dropped silently, no more."""
+    grid = placement.shape
+    if isinstance(locals_, np.ndarray) and locals_.dtype == object:
+        if locals_.shape != grid:
+            raise SBPError(
+                f"from_local_tensors: got a grid of shape {locals_.shape} of local tensors, the "
+                f"placement has shape {grid}."
+            )
+        return
+
+    def walk(item, depth, where):
+        if depth == len(grid):
+            return
+        try:
+            n = len(item)
+        except TypeError:
+            return  # read below, where it fails with its position
+        if n != grid[depth]:
+            raise SBPError(
+                f"from_local_tensors: {where} has {n} local tensors where the placement's axis "
+                f"{placement.axis_names[depth]!r} has {grid[depth]} devices; pass one local tensor per device, "
+                f"in a grid of shape {grid}."
+            )
+        for i, sub in enumerate(item):
+            walk(sub, depth + 1, f"{where}[{i}]")
+
+    walk(locals_, 0, "the list")
+
+
 def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTensor:
     """Build a global tensor from each device's local tensor.
 
@@ -432,7 +468,9 @@ def from_local_tensors(locals_, placement: Placement, sbp, shape) -> GlobalTenso
     nested lists) whose entries are the local tensors; ``shape`` is the logical
     shape, required because it cannot be recovered from uneven pieces.
     """
-    shape = tuple(int(s) for s in shape)
+    checked_placement(placement, "from_local_tensors")
+    shape = _checked_shape(shape, "from_local_tensors")
+    _check_grid(locals_, placement)
     sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "from_local_tensors")
     layout = normalized_layout(sbp, len(shape), placement.shape)
     geom = Geometry(shape, placement.shape)

@@ -186,6 +186,11 @@ def test_save_is_atomic_and_leaves_nothing_when_it_fails(tmp_path, monkeypatch):
     with pytest.raises(sj.SBPError, match=r"leaf 'bad' is a str; a checkpoint leaf must be"):
         checkpoint.save(tmp_path / "refused", {"t": t, "bad": "text"})
     assert os.listdir(tmp_path) == ["ok"]
+    # so is an empty tensor (orbax refused it midway, leaving its temporary folder)
+    empty = sj.to_global(np.zeros((0, 5), np.float32), pl, sj.S(0))
+    with pytest.raises(sj.SBPError, match=r"leaf 'w' has no elements \(shape \(0, 5\)\).*leave it out"):
+        checkpoint.save(tmp_path / "empty", {"w": empty, "step": 1, "b": np.ones(3, np.float32)})
+    assert os.listdir(tmp_path) == ["ok"]
 
     # orbax failing in the middle of writing arrays leaves neither the path nor its tmp folder
     async def fail(*args, **kwargs):

@@ -49,3 +49,19 @@ def test_placement_errors():
         sj.placement((2, 2), ("x", "x"))
     with pytest.raises(sj.SBPError, match="not in this placement"):
         sj.placement(2, "x").subset([d[5]])
+    pl = sj.placement((2, 4), ("x", "y"))
+    with pytest.raises(sj.SBPError, match=r"placement\[5\]: .*grid has shape \(2, 4\)"):
+        pl[5]
+    with pytest.raises(sj.SBPError, match=r"placement\['x'\]: .*integers and slices"):
+        pl["x"]
+    with pytest.raises(sj.SBPError, match=r"shape \(4, 2\) holds 8 devices, and 6 were given"):
+        pl.subset(d[:6], shape=(4, 2))
+    with pytest.raises(sj.SBPError, match=r"device 9 is not in this placement"):
+        pl.subset([0, 9])
+
+
+def test_subset_takes_device_ids():
+    pl = sj.placement((2, 4), ("x", "y"))
+    assert (
+        pl.subset([6, 1]).device_ids == (6, 1) == pl.subset([jax.devices()[6], jax.devices()[1]]).device_ids
+    )

@@ -177,6 +177,46 @@ def test_from_local_tensors_errors(pl8, pl24):
         sj.to_global(x, "x", sj.S(0))
 
 
+def test_bad_input_to_the_eager_api_is_an_sbp_error(pl8, pl24):
+    """Found by a held-out sweep: each was a raw AttributeError / TypeError, or
+    (extra local tensors) accepted with the extras silently dropped."""
+    x = np.arange(24, dtype=np.float32).reshape(4, 6)
+    t = sj.to_global(x, pl24, (sj.S(0), sj.S(1)))
+    for bad in ("xy", pl24.mesh):
+        with pytest.raises(sj.SBPError, match=r"to_global: placement must be an sj.Placement"):
+            t.to_global(sbp=(sj.B, sj.B), placement=bad)
+    assert t.sbp == (sj.S(0), sj.S(1))  # untouched by the refusals
+    np.testing.assert_array_equal(t.numpy(), x)
+    with pytest.raises(sj.SBPError, match=r"from_local_tensors: placement must be an sj.Placement"):
+        sj.from_local_tensors([x] * 8, "d", sj.B, x.shape)
+    for shape in (4, None):
+        with pytest.raises(sj.SBPError, match=r"shape must be the logical shape as a tuple of ints"):
+            sj.from_local_tensors([x] * 8, pl8, sj.B, shape)
+    with pytest.raises(sj.SBPError, match=r"plan_boxing: placement must be an sj.Placement"):
+        sj.plan_boxing(x.shape, x.dtype, "pl", (sj.S(0), sj.B), (sj.B, sj.B))
+    with pytest.raises(sj.SBPError, match=r"dtype <U1 is not one a JAX array holds.*np.asarray"):
+        sj.to_global(np.array(["a", "b"]), pl8, sj.B)
+    # one local tensor per device: 9 on 8 devices, or a 3x5 grid on 2x4, are refused
+    pieces = [np.full((2,), i, np.float32) for i in range(9)]
+    with pytest.raises(
+        sj.SBPError, match=r"the list has 9 local tensors where the placement's axis 'x' has 8"
+    ):
+        sj.from_local_tensors(pieces, pl8, sj.P, (2,))
+    rows = [[np.zeros(2, np.float32)] * 5] * 3
+    with pytest.raises(
+        sj.SBPError, match=r"the list has 3 local tensors where the placement's axis 'x' has 2"
+    ):
+        sj.from_local_tensors(rows, pl24, (sj.P, sj.P), (2,))
+    rows = [[np.zeros(2, np.float32)] * 5] * 2
+    with pytest.raises(
+        sj.SBPError, match=r"the list\[0\] has 5 local tensors where the placement's axis 'y' has 4"
+    ):
+        sj.from_local_tensors(rows, pl24, (sj.P, sj.P), (2,))
+    grid = np.empty((3, 5), object)
+    with pytest.raises(sj.SBPError, match=r"grid of shape \(3, 5\).*placement has shape \(2, 4\)"):
+        sj.from_local_tensors(grid, pl24, (sj.P, sj.P), (2,))
+
+
 def test_process_local_in_one_process_is_the_whole_array(pl24):
     """With one process, this process's part is the whole array (the
     multi-process behaviour is tested in tests/test_multihost.py)."""

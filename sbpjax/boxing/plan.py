@@ -45,7 +45,7 @@ from sbpjax.boxing.steps import (
     step_launch_bytes,
 )
 from sbpjax.layout import Geometry, Layout, geometry
-from sbpjax.placement import Placement
+from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
 
 
@@ -199,6 +199,9 @@ def plan_boxing(
     of fewer collectives (``sj.CompileOptions.fewer_collectives``); there
     the 4x2 gradient above is all-reduced up to 1.6 MB, where the cost model
     times the one all-reduce faster."""
+    checked_placement(placement, "plan_boxing")
+    if dst_placement is not None:
+        checked_placement(dst_placement, "plan_boxing(dst_placement=...)")
     shape = tuple(int(s) for s in shape)
     dtype = np.dtype(dtype)
     cm = cost_model or DEFAULT_COST_MODEL
