@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
-from sbpjax.dtypes import is_key, key_impl
+from sbpjax.dtypes import check_partial_dtype, is_key, key_impl
 from sbpjax.layout import Geometry
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, normalize_nd_sbp
@@ -373,6 +373,8 @@ def _plan_global(path, name, leaf, meta) -> _GlobalLeaf:
             leaf.sbp, placement.ndim, len(meta.shape), f"checkpoint.restore: leaf '{name}'"
         )
     shape, dtype = tuple(meta.shape), np.dtype(meta.dtype)
+    # checked before anything is read, naming the leaf
+    check_partial_dtype(dtype, sbp, f"checkpoint.restore({path}): leaf '{name}'")
     read = normalized_layout(_reduced_sbp(sbp), len(shape), placement.shape)
     geom = Geometry(shape, placement.shape)
     sharding = None

@@ -255,6 +255,10 @@ def test_restore_errors_say_what_where_and_how_to_fix(tmp_path):
         checkpoint.restore(tmp_path / "c", {"a": {"w": lay}, "step": 0.0})
     with pytest.raises(sj.SBPError, match=r"leaf 'a\.w'.*splits dim 2, but the tensor has 2 dims"):
         checkpoint.restore(tmp_path / "c", {"a": {"w": checkpoint.layout(pl, (sj.S(2), sj.B))}, "step": 0})
+    mask = sj.to_global(np.ones(8, bool), sj.placement(8, "d"), sj.S(0))
+    checkpoint.save(tmp_path / "m", {"mask": mask})
+    with pytest.raises(sj.SBPError, match=r"restore\(.*m\): leaf 'mask': P .* not supported for dtype bool"):
+        checkpoint.restore(tmp_path / "m", {"mask": checkpoint.layout(sj.placement(8, "d"), sj.P)})
     with pytest.raises(sj.SBPError, match=r"target leaf 'a\.w' is a str"):
         checkpoint.restore(tmp_path / "c", {"a": {"w": "B"}, "step": 0})
     with pytest.raises(sj.SBPError, match=r"nd-SBP \(B\) has 1 entries but the placement has 2 axes"):
