@@ -323,7 +323,7 @@ def _choose(call: _Call) -> Propagation:
         # not fit. Decision: on the compiler benchmark's budget GPT (d_model
         # 128, 2 layers, 2x4, AdamW) the budget's own problem took 115 s to
         # plan, the smaller one 63 s, for the same plan.
-        free = _unbudgeted(call, call.in_sbp, mirrors)
+        free = hand_layouts.own(_unbudgeted(call, call.in_sbp, mirrors))
         held = held_bytes(program, free, call.ties, grid)
         if held <= call.memory_budget:
             free.choice.memory_budget, free.choice.memory_bytes = call.memory_budget, held

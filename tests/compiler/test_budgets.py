@@ -72,7 +72,12 @@ def test_budgets_between_zero3_and_data_parallel_fit_and_beat_every_hand_layout_
         assert fitting and r["cheapest_fitting_bytes"] == min(fitting), r
         assert r["sbpjax_bytes"] <= min(fitting), r
         # explain() lists the hand-written layouts the plan was held to
-        assert {c[0] for c in r["candidates"]} == {"zero-1/2", "zero-3/fsdp"}, r
+        assert {c[0] for c in r["candidates"]} == {
+            "zero-1/2",
+            "zero-3/fsdp",
+            "zero-1/2 over x",
+            "zero-3/fsdp over x",
+        }, r
 
 
 def test_hand_layouts_split_state_for_zero1_and_everything_for_zero3(pl24):
@@ -80,23 +85,28 @@ def test_hand_layouts_split_state_for_zero1_and_everything_for_zero3(pl24):
     program = _program(step, args)
     n_params, mirrors = len(jax.tree.leaves(args[0])), _mirrors(args)
     in_sbp = [AUTO] * (len(program.inputs) - 2) + [(S0, B), (S0, B)]
-    cands = dict(hand_layouts.candidates(program, in_sbp, pl24.shape, mirrors))
-    assert set(cands) == {"zero-1/2", "zero-3/fsdp"}
-    assert cands["zero-1/2"][-2:] == cands["zero-3/fsdp"][-2:] == [(S0, B), (S0, B)]  # as annotated
+    cands = dict(hand_layouts.candidates(program, in_sbp, pl24.shape, mirrors, pl24.axis_names))
+    # split over every axis, and over the batch's axis (x) alone
+    assert set(cands) == {"zero-1/2", "zero-3/fsdp", "zero-1/2 over x", "zero-3/fsdp over x"}
+    assert all(ins[-2:] == [(S0, B), (S0, B)] for ins in cands.values())  # as annotated
 
     def per_device(ins):
         return [block_bytes(v.shape, v.dtype, nd, pl24.shape) for v, nd in zip(program.inputs, ins)]
 
     whole = [int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in program.inputs]
     z1, z3 = per_device(cands["zero-1/2"]), per_device(cands["zero-3/fsdp"])
+    x1, x3 = per_device(cands["zero-1/2 over x"]), per_device(cands["zero-3/fsdp over x"])
     for i in range(len(program.inputs) - 2):
         if i == n_params:  # Adam's step count, a scalar, is whole under both
             assert z1[i] == z3[i] == whole[i]
             continue
         assert z3[i] * 8 == whole[i]  # every GPT weight has a dim 8 divides
         assert z1[i] == (z3[i] if i in mirrors else whole[i])  # only the state split
+        assert x3[i] * 2 == whole[i]  # over x alone: 2 pieces
+        assert x1[i] == (x3[i] if i in mirrors else whole[i])
     # no mirror pairs (nothing is known to be optimizer state): ZeRO-3/FSDP only
-    assert [n for n, _ in hand_layouts.candidates(program, in_sbp, pl24.shape, {})] == ["zero-3/fsdp"]
+    names = [n for n, _ in hand_layouts.candidates(program, in_sbp, pl24.shape, {}, pl24.axis_names)]
+    assert names == ["zero-3/fsdp", "zero-3/fsdp over x"]
 
 
 def test_a_plan_over_the_budget_gives_way_to_a_hand_layout_that_fits(pl24):
