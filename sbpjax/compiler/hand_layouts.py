@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 from sbpjax.compiler.domains import AUTO, auto_layouts
 from sbpjax.compiler.liveness import block_bytes, held_bytes
@@ -83,9 +85,12 @@ def candidates(program, in_sbp, grid, mirrors: dict, axis_names=None) -> list[tu
         return []
     rep = (Broadcast(),) * len(grid)
     state = set(mirrors)
-    splits = [("", lambda v: most_split(v, grid))]
     names = axis_names or tuple(str(a) for a in range(len(grid)))
-    splits += [(f" over {names[a]}", lambda v, a=a: split_over(v, grid, a)) for a in data_axes(in_sbp, grid)]
+    splits: list[tuple[str, Callable]] = [("", functools.partial(most_split, grid=grid))]
+    splits += [
+        (f" over {names[a]}", functools.partial(split_over, grid=grid, axis=a))
+        for a in data_axes(in_sbp, grid)
+    ]
     out: list = []
     for suffix, split in splits:
         if state:
