@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_close
+from models import train_step
 
 import sbpjax as sj
 from sbpjax import B, S
@@ -56,15 +57,6 @@ def _embedding(opt, vocab=100, d=48, tokens=(16, 12)):
     return loss, opt, (params, opt.init(params), tok, lab)
 
 
-def _step(loss, opt):
-    def step(p, s, x, y):
-        value, g = jax.value_and_grad(loss)(p, x, y)
-        u, s = opt.update(g, s, p)
-        return optax.apply_updates(p, u), s, value
-
-    return step
-
-
 def _zero_over(axis: int, pl):
     """sbpjax.flax.zero_layout's layout of a leaf: its first dim the axis
     divides split over that axis, whole elsewhere (and whole where none does)."""
@@ -108,7 +100,7 @@ def test_a_budget_plan_moves_no_more_than_zero_over_the_batch_axis(case):
     make, (shape, names), batch, budgets = CASES[case]
     pl = sj.placement(shape, names)
     loss, opt, args = make()
-    step = _step(loss, opt)
+    step = train_step(loss, opt)
     zero_nd = _zero_over(0, pl)
     zp, zs = jax.tree.map(zero_nd, args[0]), jax.tree.map(zero_nd, args[1])
     by_hand = sj.jit(
@@ -139,7 +131,7 @@ def test_a_budget_plan_moves_no_more_than_zero_over_the_batch_axis(case):
 
 def test_budgets_tried_in_one_process_list_each_candidate_once():
     loss, opt, args = _mlp([96, 200, 72], optax.adamw(1e-2))
-    step = _step(loss, opt)
+    step = train_step(loss, opt)
     pl = sj.placement(8, "d")
     for budget in (900_000, 450_000, 270_000):
         f = sj.jit(
