@@ -44,10 +44,10 @@ def random(eqn, in_avals):
 
 @register("debug_callback", "debug_print")
 def debug_callback(eqn, in_avals):
-    """``jax.debug.print`` (``debug_print``) / ``jax.debug.callback``: the callback sees whole
-    values (B) and runs on the placement's first device only, so it runs
-    once per call as under ``jax.jit`` (in a ``shard_map`` body every device
-    would run it)."""
+    """``jax.debug.print`` (``debug_print``) / ``jax.debug.callback``: the
+    callback sees whole values (B) and runs on the placement's first device
+    only, so it runs once per call as under ``jax.jit`` (in a ``shard_map``
+    body every device would run it)."""
     return [Sig((B,) * len(in_avals), ())]
 
 
