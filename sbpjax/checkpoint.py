@@ -56,7 +56,7 @@ from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.dtypes import check_partial_dtype, is_key, key_impl
 from sbpjax.layout import Geometry
-from sbpjax.placement import Placement
+from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, to_global
 
@@ -95,11 +95,7 @@ def layout(placement: Placement, sbp) -> LayoutSpec:
 
     ``checkpoint.layout(sj.placement(8, "x"), sj.S(1))``; a 1-D placement takes a bare SBP.
     """
-    if not isinstance(placement, Placement):
-        raise SBPError(
-            f"checkpoint.layout: placement must be an sj.Placement, got "
-            f"{type(placement).__name__}; make one with sj.placement(shape, axis_names)."
-        )
+    checked_placement(placement, "checkpoint.layout")
     normalize_nd_sbp(sbp, placement.ndim, None, "checkpoint.layout")  # split dims are checked at restore
     return LayoutSpec(placement, sbp)
 

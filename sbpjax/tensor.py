@@ -392,8 +392,7 @@ def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> G
 
 
 def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
-    if not isinstance(placement, Placement):
-        raise SBPError("to_global: placement must be an sj.Placement.")
+    checked_placement(placement, "to_global")
     x = np.asarray(x)
     sbp = normalize_nd_sbp(sbp, placement.ndim, x.ndim, "to_global(process_local=True)")
     layout = normalized_layout(sbp, x.ndim, placement.shape)

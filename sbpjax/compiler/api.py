@@ -58,7 +58,7 @@ from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.static_args import fingerprint_text, static_args
 from sbpjax.compiler.trace import tracing_on
 from sbpjax.dtypes import key_impl
-from sbpjax.placement import Placement
+from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast
 from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
 
@@ -89,8 +89,7 @@ class CompiledFunction:
         static_argnums=None,
         static_argnames=None,
     ):
-        if not isinstance(placement, Placement):
-            raise SBPError("sj.jit: placement= must be an sj.Placement (sj.placement(shape, axis_names)).")
+        checked_placement(placement, "sj.jit")
         self.fn = fn
         self.placement = placement
         self.in_sbp = in_sbp

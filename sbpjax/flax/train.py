@@ -38,7 +38,7 @@ from sbpjax.compiler.arguments import checked_regather, checked_time_limit, is_n
 from sbpjax.compiler.options import checked_options
 from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.layout import Geometry
-from sbpjax.placement import Placement
+from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, is_global, to_global
 
@@ -217,12 +217,7 @@ class TrainStep:
     ):
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        if not isinstance(placement, Placement):
-            raise SBPError(
-                f"TrainStep: placement must be an sj.Placement, got {type(placement).__name__}; build one "
-                "with sj.placement(shape, axis_names), e.g. sj.placement((2, 4), ('data', 'model'))."
-            )
-        self.placement = placement
+        self.placement = checked_placement(placement, "TrainStep")
         self.param_sbp = param_sbp
         self.batch_sbp = batch_sbp
         self.zero = zero

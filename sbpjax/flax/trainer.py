@@ -14,11 +14,10 @@ import numpy as np
 from flax import nnx
 
 from sbpjax import checkpoint
-from sbpjax._errors import SBPError
 from sbpjax.dtypes import is_key
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.flax.train import TrainStep, checked_loss, init_global
-from sbpjax.placement import Placement
+from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast
 from sbpjax.tensor import is_global, to_global
 
@@ -198,12 +197,7 @@ class Trainer:
         """What both constructors share: the graph, the templates and the layouts
         (``model`` may be abstract). ``step_options``: the TrainStep keywords
         the constructors take as they are (zero, compute_dtype, ...)."""
-        if not isinstance(placement, Placement):
-            raise SBPError(
-                f"Trainer: placement must be an sj.Placement, got {type(placement).__name__}; build one "
-                "with sj.placement(shape, axis_names), e.g. sj.placement((2, 4), ('data', 'model'))."
-            )
-        self.placement = placement
+        self.placement = checked_placement(placement, "Trainer")
         self.graphdef: nnx.GraphDef
         # flax types split with two or more filters as a variadic tuple; two give exactly three
         self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]

@@ -148,15 +148,14 @@ def stage_placements(placement, axis, stages: int | None, schedule) -> tuple[lis
                 "cut: placement must be an sj.Placement with a pipeline axis (e.g. sj.placement((4, 2), "
                 "('pp', 'tp')) with axis='pp') or a list of disjoint sj.Placement, one per device group."
             )
-        seen: dict = {}
         for g, group in enumerate(groups):
-            for d in np.asarray(group.device_ids).flat:
-                if int(d) in seen:
+            for h in range(g):
+                if not group.is_disjoint(groups[h]):
+                    d = min(set(group.device_ids) & set(groups[h].device_ids))
                     raise SBPError(
-                        f"cut: device {int(d)} is in device groups {seen[int(d)]} and {g}; the groups of a "
-                        "pipeline are disjoint (each device runs one group's stages)."
+                        f"cut: device {d} is in device groups {h} and {g}; the groups of a pipeline are "
+                        "disjoint (each device runs one group's stages)."
                     )
-                seen[int(d)] = g
     sched = as_schedule(schedule) if schedule is not None else None
     n = stages if stages is not None else (sched.stages(len(groups)) if sched else len(groups))
     if sched is not None:

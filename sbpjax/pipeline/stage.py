@@ -17,7 +17,7 @@ import numpy as np
 from sbpjax._errors import SBPError
 from sbpjax.compiler.arguments import is_nd_sbp
 from sbpjax.flax.train import zero_layout
-from sbpjax.placement import Placement
+from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
 from sbpjax.tensor import to_global
 
@@ -99,13 +99,8 @@ class Stage:
             raise SBPError(
                 f"Stage {self.name!r}: fn must be a function fn(params, x) -> y, got {type(fn).__name__}."
             )
-        if not isinstance(placement, Placement):
-            raise SBPError(
-                f"Stage {self.name!r}: placement must be an sj.Placement (e.g. "
-                f"sj.Placement(np.array(jax.devices()[0:2]), ('tp',))), got {type(placement).__name__}."
-            )
         self.fn = fn
-        self.placement = placement
+        self.placement = checked_placement(placement, f"Stage {self.name!r}")
         host = jax.tree_util.tree_map(lambda p: np.asarray(p), params)
         not_float = [
             (jax.tree_util.keystr(k), v.dtype)
