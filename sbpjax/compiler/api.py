@@ -162,7 +162,7 @@ class CompiledFunction:
             check_same_call_in_every_process(tree, leaves, fingerprint_text(static))
         out = []
         pl = self.placement
-        donated = set(self._donated_leaves(tree, static))
+        donated = set(self.static.donated_leaves(self.donate_argnums, tree, static))
         moving: list = []  # (leaf, nd-SBP): global tensors to re-lay out
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
             check_array_leaf(leaf, k, tree)
@@ -244,9 +244,6 @@ class CompiledFunction:
         self._cache[key] = entry
         self._unrun.add(entry[1])
         return entry
-
-    def _donated_leaves(self, tree, static=()) -> tuple[int, ...]:
-        return self.static.donated_leaves(self.donate_argnums, tree, static)
 
     # -- the public surface ------------------------------------------------------
     def __call__(self, *args, **kwargs):

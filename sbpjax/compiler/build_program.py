@@ -64,6 +64,7 @@ def plan_and_build(cf: CompiledFunction, gts, tree, weak, static, keys):
         for k, (nd, o) in enumerate(zip(out_specs, program.outputs)):
             if nd is not None:
                 check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
+    donated = cf.static.donated_leaves(cf.donate_argnums, tree, static)
     prop = plan(
         program,
         cf.placement,
@@ -72,9 +73,7 @@ def plan_and_build(cf: CompiledFunction, gts, tree, weak, static, keys):
         cf.cost_model,
         solver=cf.solver,
         options=cf.options,
-        ties=donated_result_ties(
-            gts, cf.static.donated_leaves(cf.donate_argnums, tree, static), program, out_specs
-        ),
+        ties=donated_result_ties(gts, donated, program, out_specs),
         memory_budget=cf.memory_budget,
         same_layout=mirrored_state(gts, leaf_paths(tree)),
         arg_names=[leaf_name(p) for p in leaf_paths(tree)],
@@ -83,7 +82,7 @@ def plan_and_build(cf: CompiledFunction, gts, tree, weak, static, keys):
     if cf.regather:
         add_regathers(prop, cf.regather)
     t_chosen = time.perf_counter()
-    fn = lowering.build(prop, cf.static.donated_leaves(cf.donate_argnums, tree, static))
+    fn = lowering.build(prop, donated)
     t_built = time.perf_counter()
     prop.timings.update(trace_s=t_traced - t0, choose_s=t_chosen - t_traced, build_s=t_built - t_chosen)
     return prop, fn, tuple(out_keys)
