@@ -33,7 +33,7 @@ from sbpjax.boxing.steps import BoxingPlan, Step
 from sbpjax.layout import Geometry, Layout
 
 # whether XLA keeps an optimization barrier until fusion (see _On.computed_once)
-_BARRIER_KEPT = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+_BARRIER_KEPT = jax.__version_info__[:2] >= (0, 11)
 
 # ---------------------------------------------------------------------------
 # Differentiable max / min all-reduce (lax.pmax has no differentiation rule).

@@ -28,7 +28,7 @@ import jax
 
 EVERY = 8
 
-_AFFECTED = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11)
+_AFFECTED = jax.__version_info__[:2] < (0, 11)
 _calls = itertools.count(1)
 _lock = threading.Lock()
 
