@@ -293,8 +293,9 @@ def _figure(pic: _Picture, figsize):
             outline = Rectangle((c0, r0), c1 - c0, r1 - r0, fill=False, edgecolor="black", linewidth=1.5)
             outline.set_gid(f"cell rows {r0}:{r1} cols {c0}:{c1}")
             ax.add_patch(outline)
-    ax.set_xlim(0, width)
-    ax.set_ylim(height, 0)  # row 0 at the top, as the array prints
+    # a size-0 dim gets a frame of one unit: an empty range would make a singular axis
+    ax.set_xlim(0, max(width, 1))
+    ax.set_ylim(max(height, 1), 0)  # row 0 at the top, as the array prints
     ax.set_xticks(sorted({b for band in pic.col_bands for b in band}))
     ax.set_yticks(sorted({b for band in pic.row_bands for b in band}))
     ax.set_xlabel("dim 1" if pic.shown == 2 else "dim 0" if pic.shown == 1 else "")

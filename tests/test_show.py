@@ -8,6 +8,7 @@ distinct values, so a device's piece identifies its region of the logical tensor
 import math
 import re
 import sys
+import warnings
 
 import jax
 import matplotlib
@@ -256,6 +257,19 @@ def test_show_figure_for_a_folded_tensor_builds():
     stripes = [p for p in fig.axes[0].patches if (p.get_gid() or "").startswith("device")]
     assert len(stripes) == 8  # two row bands, each held by the four devices splitting dim 2
     fig.canvas.draw()
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (8, 0), (0,), (4, 0, 3)])
+def test_show_figure_of_an_empty_tensor_draws_a_frame_without_warnings(shape):
+    pl = sj.placement((2, 4), ("x", "y"))
+    t = sj.to_global(np.zeros(shape, np.float32), pl, (sj.S(0), sj.B))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns on a singular axis range
+        fig = show(t, kind="figure")
+        fig.canvas.draw()
+    (ax,) = fig.axes
+    assert not [p for p in ax.patches if (p.get_gid() or "").startswith("device")]
+    assert ax.get_xlim() == (0, max(shape[-1] if len(shape) <= 2 else shape[1], 1))
 
 
 def test_errors_say_what_and_how_to_fix():
