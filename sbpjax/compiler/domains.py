@@ -293,6 +293,8 @@ class Domains:
         keep_g = (list(dec.in_sbp), list(dec.out_sbp))
         if len(cs) > 1:
             uses = self._reads(node)
+            if node.name in ELEMENTWISE:
+                self._beside_zero_fill(node, uses, dec.in_sbp)
             # each operand's allowed layouts, greedy's among them, so greedy's own
             # candidate passes the screen (8,700 ops on a 32-layer step: bitsets
             # per candidate list, OperandIndex, not a test per candidate)
@@ -374,6 +376,33 @@ class Domains:
         for i, a in enumerate(node.ins):
             if uses[i] is not None and a.shape != node.outs[0].shape and id(a) in self.broadcast_weights:
                 uses[i] = uses[i] | local_slices(uses[i], a.shape)
+
+    def _beside_zero_fill(self, node, uses: list, greedy_reads) -> None:
+        """Widen ``uses`` in place where the greedy pass zero-fills a whole
+        operand into a partial (a replicated momentum added to a partial
+        gradient): that operand may also be read with those axes whole, so
+        the op can run after the partial is reduced rather than before.
+
+        Without it SGD with Nesterov momentum on 2x4 (gradient partial over
+        x, split over y; momentum replicated) added the momentum to the
+        partial gradient and then reduced both the gradient and the new
+        momentum: 81,920 B against GSPMD's 65,536. Zero-filled operands only:
+        widening every operand computed from an argument (``0.9 * m``) the
+        same way grew the demo GPT's decisions by 45%."""
+        for i, a in enumerate(node.ins):
+            made = self.made.get(id(a)) if isinstance(a, Var) else None
+            read = greedy_reads[i]
+            if uses[i] is None or made is None or len(read) != len(made):
+                continue
+            filled = [
+                ax
+                for ax, (m, r) in enumerate(zip(made, read))
+                if isinstance(r, Partial) and not isinstance(m, Partial)
+            ]
+            if filled:
+                whole = tuple(Broadcast() if ax in filled else q for ax, q in enumerate(read))
+                if whole == made or sliced_to(made, whole):
+                    uses[i] = uses[i] | {whole}
 
     def _product_reads(self, node, uses: list) -> None:
         """Widen ``uses`` in place for a contraction: a weight gathered over
