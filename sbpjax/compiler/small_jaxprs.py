@@ -16,7 +16,6 @@ scan already share their body's equations).
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 # Entries are small (a handful of equations); the bound keeps a long session's
 # table from growing with every shape it ever traced.
@@ -79,7 +78,8 @@ def _key(what, atoms) -> tuple:
     return (
         what,
         bool(jax.config.read("jax_enable_x64")),
-        tuple((tuple(a.shape), np.dtype(a.dtype).str) for a in atoms),
+        # str, not np.dtype(...).str: a typed PRNG key's dtype (key<fry>) is no numpy dtype
+        tuple((tuple(a.shape), str(a.dtype)) for a in atoms),
     )
 
 

@@ -63,6 +63,24 @@ def test_an_array_of_keys_split_by_in_sbp(pl8):
     assert f.explain(keys, X).propagation.in_sbp[0] == (S(0),)  # the key data's rows, split
 
 
+def test_a_scan_over_typed_keys_draws_what_jax_jit_draws(pl8):
+    """A scan whose scanned inputs are typed keys (what ``nn.scan`` with
+    ``split_rngs={"dropout": True}`` and ``nnx.scan`` over blocks holding a
+    ``Dropout`` make): written out, each iteration slices its key off the
+    stack. Before, the cache of those slices took a key's dtype for numpy's
+    and raised a TypeError."""
+
+    def dropout_stack(x, key):
+        def layer(h, k):
+            return h * jax.random.bernoulli(k, 0.8, h.shape) / 0.8, None
+
+        return jax.lax.scan(layer, x, jax.random.split(key, 3))[0]
+
+    f = sj.jit(dropout_stack, placement=pl8, in_sbp=(S(0), None), out_sbp=S(0))
+    key = jax.random.key(5)
+    np.testing.assert_array_equal(f(X, key).numpy(), jax.jit(dropout_stack)(X, key))
+
+
 def test_noisy_sgd_state_holds_a_typed_key(pl8):
     params = {"w": np.random.default_rng(1).normal(size=(16, 4)).astype(np.float32)}
     batch = np.random.default_rng(2).normal(size=(8, 16)).astype(np.float32)
