@@ -47,6 +47,11 @@ def zero_layout(nd: tuple, shape, placement: Placement, axis: int) -> tuple:
     """The stored layout of a parameter under ZeRO: B over ``axis`` becomes a
     split of the first dim that stays even (dim 0 first, as OneFlow's Fig. 14).
     A parameter no dim of which divides (a small odd bias) stays as it is."""
+    if not -placement.ndim <= axis < placement.ndim:
+        raise SBPError(
+            f"zero_layout: axis {axis} is out of range for a placement of {placement.ndim} axes "
+            f"{placement.axis_names}; give 0..{placement.ndim - 1} (the axis the batch is split over)."
+        )
     if not isinstance(nd[axis], Broadcast) or placement.shape[axis] == 1:
         return nd
     for dim in range(len(shape)):
@@ -159,8 +164,16 @@ def _data_axis(batch_sbp, placement: Placement, zero) -> int:
                 f"zero={zero!r}: the placement's axes are {placement.axis_names}; name one of them."
             )
         return placement.axis_names.index(zero)
-    for nd in jax.tree.leaves(batch_sbp, is_leaf=is_nd_sbp):
-        if is_nd_sbp(nd):
+
+    # batch_sbp's leaves as jit's in_sbp takes them: an nd-SBP, its text, or a
+    # bare SBP on a 1-D placement, where (S(0), S(0)) is two leaves' layouts
+    # (None / AUTO leaves name no axis)
+    def leaf(v) -> bool:
+        return isinstance(v, (Split, str)) or (is_nd_sbp(v) and len(v) == placement.ndim)
+
+    for nd in jax.tree.leaves(batch_sbp, is_leaf=leaf):
+        if leaf(nd):
+            nd = normalize_nd_sbp(nd, placement.ndim, where="batch_sbp")
             for a, s in enumerate(nd):
                 if isinstance(s, Split) and s.dim == 0 and placement.shape[a] > 1:
                     return a
