@@ -104,6 +104,8 @@ class Choice:
                 f"solve {self.solve_s:.2f} s in {self.rounds} rounds (+{self.build_s:.2f} s building, "
                 f"{self.planned} of {self.entries} boxing costs planned); greedy would move {self.greedy_bytes} B"
             )
+            if self.reason:  # second_looks.as_given
+                text += f"; {self.reason}"
         elif self.method == "hand":
             text = f"layouts: {self.reason} ({size}; proven gap {gap})"
         else:
@@ -358,7 +360,9 @@ def _choose(call: _Call) -> Propagation:
     if g_fits:
         kept = second_looks.held_to_greedys_peak(kept, greedy, g_memory)
     if call.memory_budget is None:
-        return kept
+        return second_looks.as_given(
+            kept, call.in_sbp, grid, by_hand, lambda plan: price(plan, call.cost_model, call.options)
+        )
     return held_to_hand(kept, True)
 
 
