@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sbpjax._errors import SBPError
+from sbpjax.pipeline.feeds import placed
 from sbpjax.placement import Placement
-from sbpjax.tensor import GlobalTensor, is_global, placeholder, to_global
+from sbpjax.tensor import GlobalTensor, is_global, placeholder
 
 
 def ready(tree):
@@ -69,10 +70,10 @@ class StepBodies:
             "load:inputs": lambda k, _: {"host:inputs": self.load_inputs(k)},
             "load:targets": lambda k, _: {"host:targets": self.load_targets(k)},
             "put:inputs": lambda k, v: {
-                "inputs": ready(to_global(v["host:inputs"], stages[0].placement, stages[0].in_sbp))
+                "inputs": ready(placed(v["host:inputs"], stages[0].placement, stages[0].in_sbp))
             },
             "put:targets": lambda k, v: {
-                "targets": ready(to_global(v["host:targets"], stages[last].placement, pipe.target_sbp))
+                "targets": ready(placed(v["host:targets"], stages[last].placement, pipe.target_sbp))
             },
         }
         for s in range(len(stages)):

@@ -23,10 +23,12 @@ def check_budget(pipe, load_inputs, load_targets) -> None:
     function feed is called once more, for microbatch 0's shape; each shape is
     checked once."""
     x, t = load_inputs(0), load_targets(0)
-    key = (np.shape(x), np.result_type(x), np.shape(t), np.result_type(t))
+    x_shape = jax.ShapeDtypeStruct(np.shape(x), np.result_type(x))
+    t_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)), t)
+    key = (x_shape, jax.tree.structure(t_shape), tuple(jax.tree.leaves(t_shape)))
     if key in pipe._budget_checked:
         return
-    slot_bytes = _slot_bytes(pipe, jax.ShapeDtypeStruct(key[0], key[1]), jax.ShapeDtypeStruct(key[2], key[3]))
+    slot_bytes = _slot_bytes(pipe, x_shape, t_shape)
     counts = {r.name: r.count for r in pipe.graph.registers}
     n, p = len(pipe.stages), len(pipe.groups)
     stash = [counts[f"stash{s}"] for s in range(n)]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import optax
@@ -37,6 +36,7 @@ from sbpjax._errors import SBPError
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
 from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
+from sbpjax.pipeline.feeds import feed, rows
 from sbpjax.pipeline.graph import StageThreads, build_graph
 from sbpjax.pipeline.lockstep import LockstepSystem
 from sbpjax.pipeline.optimizer_scope import check_stagewise
@@ -134,6 +134,21 @@ class Pipeline:
         stages = list(stages)
         if not stages or not all(isinstance(s, Stage) for s in stages):
             raise SBPError("Pipeline: stages must be a non-empty list of sbpjax.pipeline.Stage.")
+        seen: dict = {}
+        for i, st in enumerate(stages):
+            if id(st) in seen:
+                raise SBPError(
+                    f"Pipeline: stages {seen[id(st)]} and {i} are the same Stage object ({st.name!r}); each "
+                    "stage holds its own parameters and optimizer state, so a stage used twice would keep "
+                    "one use's gradient. Build a Stage per position; weights shared between stages (an "
+                    "embedding tied to the head) are not supported."
+                )
+            seen[id(st)] = i
+        if not callable(loss_fn):
+            raise SBPError(
+                f"Pipeline: loss_fn={loss_fn!r} is not a function; give loss_fn(outputs, targets) -> "
+                "scalar, e.g. lambda y, t: jnp.mean((y - t) ** 2)."
+            )
         if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
             raise SBPError(
                 f"Pipeline: optimizer={optimizer!r} is not an optax GradientTransformation (init and update); "
@@ -260,11 +275,11 @@ class Pipeline:
         when every action of the step has succeeded, so after any failure every
         stage has its parameters from before the step."""
         m = self.microbatches
-        load_inputs = self._feed("inputs", inputs, m)
-        load_targets = self._feed("targets", targets, m)
-        if not callable(inputs) and not callable(targets) and np.shape(inputs)[0] != np.shape(targets)[0]:
+        load_inputs = feed("inputs", inputs, m)
+        load_targets = feed("targets", targets, m)
+        if None not in (rows(inputs), rows(targets)) and rows(inputs) != rows(targets):
             raise SBPError(
-                f"Pipeline.step: inputs have {np.shape(inputs)[0]} rows but targets {np.shape(targets)[0]}; "
+                f"Pipeline.step: inputs have {rows(inputs)} rows but targets {rows(targets)}; "
                 "microbatch k of each is rows k*size..(k+1)*size, so they must have the same number of rows."
             )
         losses: list = [None] * m
@@ -364,19 +379,3 @@ class Pipeline:
     def simulate(self, durations: Durations | None = None) -> Timeline:
         """The same actor graph on the simulated clock (see :func:`simulate`)."""
         return simulate_graph(self.graph, durations)
-
-    @staticmethod
-    def _feed(name: str, data, m: int) -> Callable[[int], Any]:
-        if callable(data):
-            return data
-        shape = np.shape(data)
-        if not shape or shape[0] % m:
-            rows = shape[0] if shape else "no"
-            raise SBPError(
-                f"Pipeline.step: {name} has {rows} rows (dim 0 of shape {shape}) which do not split into "
-                f"{m} equal microbatches; equal microbatches make the accumulated gradient the whole "
-                f"batch's gradient. Use a batch that is a multiple of {m}, or pass a function k -> "
-                "microbatch."
-            )
-        size = shape[0] // m
-        return lambda k: np.asarray(data[k * size : (k + 1) * size])

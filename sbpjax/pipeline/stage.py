@@ -105,7 +105,7 @@ class Stage:
         not_float = [
             (jax.tree_util.keystr(k), v.dtype)
             for k, v in jax.tree_util.tree_flatten_with_path(host)[0]
-            if not np.issubdtype(v.dtype, np.inexact)
+            if not jax.numpy.issubdtype(v.dtype, jax.numpy.inexact)  # bfloat16 too (no numpy float)
         ]
         if not_float:
             path, dtype = not_float[0]

@@ -230,6 +230,79 @@ def test_bad_input_raises_sbperror(one_device_stages):
         sjp.Pipeline(stages, mse, opt, microbatches=0)
 
 
+def test_targets_may_be_a_tuple_or_dict_of_arrays(one_device_stages):
+    """Labels with per-example weights: the loss reads a pytree of targets,
+    split into microbatches leaf by leaf, given as arrays or by a function."""
+    stages = one_device_stages[2]
+    opt = optax.sgd(0.1)
+    x, y = batch(4, seed=3)
+    w = np.random.default_rng(3).uniform(0.5, 2.0, size=(len(x),)).astype(np.float32)
+
+    def weighted(out, t):
+        return jnp.mean(t["w"][:, None] * (out - t["y"]) ** 2)
+
+    def whole(ps):
+        h = x
+        for p in ps:
+            h = layer(p, h)
+        return weighted(h, {"y": y, "w": w})
+
+    before = [host(st.params) for st in stages]
+    want_loss, want_grads = jax.jit(jax.value_and_grad(whole))(before)
+    pipe = sjp.Pipeline(stages, weighted, opt, microbatches=4, schedule="1f1b")
+    try:
+        result = pipe.step(x, {"y": y, "w": w})
+        assert result.loss == pytest.approx(float(want_loss), rel=2e-6)
+        assert_close([host(g) for g in result.grads], want_grads)
+        rows, updated = len(x) // 4, [host(st.params) for st in stages]
+        by_function = pipe.step(
+            x, lambda k: {"y": y[k * rows : (k + 1) * rows], "w": w[k * rows : (k + 1) * rows]}
+        )
+        assert by_function.loss == pytest.approx(float(whole(updated)), rel=2e-6)
+    finally:  # the module's stages go back to their parameters for the other tests
+        for st, p in zip(stages, before):
+            st.params = jax.tree_util.tree_map(lambda a, t: sj.to_global(a, t.placement, t.sbp), p, st.params)
+    with pytest.raises(sj.SBPError, match=r"arrays of targets have shapes \[\(8, 8\), \(4,\)\]"):
+        pipe.step(x, (y, w[:4]))
+    with pytest.raises(sj.SBPError, match=r"inputs is a tuple of 2; give an array .* go in targets"):
+        pipe.step((x, x), y)
+
+
+def test_bfloat16_parameters_train():
+    """bfloat16 is floating point (ml_dtypes' type, no numpy float): a stage
+    with bf16 parameters computing in float32 equals the whole-batch step up
+    to one bf16 rounding of each gradient."""
+    devs = jax.devices()
+    rng = np.random.default_rng(5)
+
+    def mixed(p, x):
+        return layer(jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), p), x)
+
+    params = [
+        jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.bfloat16), layer_params(rng)) for _ in range(2)
+    ]
+    stages = [sjp.Stage(mixed, p, sj.Placement(np.array([devs[i]]), ("d",))) for i, p in enumerate(params)]
+    x, y = batch(2, seed=5)
+    want_loss, want_grads, _, _ = reference_step([mixed] * 2, params, x, y, optax.sgd(0.1))
+    result = sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=2).step(x, y)
+    assert result.loss == pytest.approx(want_loss, rel=2e-6)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(host(result.grads)), jax.tree_util.tree_leaves(want_grads)
+    ):
+        assert got.dtype == jnp.bfloat16
+        want = np.asarray(want, np.float32)
+        ulp = 2.0**-7  # bf16 keeps 8 significant bits: one rounding apart at most
+        np.testing.assert_allclose(got.astype(np.float32), want, rtol=ulp, atol=ulp * np.abs(want).max())
+
+
+def test_a_stage_used_twice_or_a_loss_that_is_no_function_is_refused(one_device_stages):
+    a, b = one_device_stages[2]
+    with pytest.raises(sj.SBPError, match=r"stages 0 and 2 are the same Stage object \('layer0'\)"):
+        sjp.Pipeline([a, b, a, b], mse, optax.sgd(0.1), microbatches=2, schedule=sjp.Interleaved1F1B(2))
+    with pytest.raises(sj.SBPError, match=r"loss_fn='mse' is not a function"):
+        sjp.Pipeline([a, b], "mse", optax.sgd(0.1), microbatches=2)
+
+
 def test_pipeline_simulates_its_own_graph(one_device_stages):
     pipe = sjp.Pipeline(one_device_stages[4], mse, optax.sgd(0.1), microbatches=8, schedule="1f1b")
     tl = pipe.simulate({"forward": 1.0, "backward": 2.0})
