@@ -140,7 +140,7 @@ def _module_layer(module, name: str, tie: str, stacked_index: int | None = None)
                 f"LayerChain.from_model: block {name!r} updates its own state when called: "
                 "BatchNorm in training mode, or Dropout drawing from its RNG stream. A pipeline stage holds "
                 "non-parameter state constant (the chain is the model in inference mode): call model.eval() "
-                "before LayerChain.from_model / sjp.cut, or keep such layers in the embedding or head."
+                "before LayerChain.from_model / sjp.cut."
             ) from None
 
     def layouts(placement):

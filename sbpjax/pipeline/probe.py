@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 
+import flax
 import jax
 import jax.extend.core as jax_core
 import jax.numpy as jnp
@@ -225,8 +226,12 @@ class Parts:
         )
         return jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(suffix, closed.consts))(*args, h)[0]
 
-    def after(self, own: dict, h):
+    def after(self, own: dict, h, x=None):
+        """The head on the blocks' output ``h``. The model's own input is not
+        there on the last stage: zeros of its shape stand in (``x`` only where
+        ``split_params`` checks that the head never reads it)."""
         dummy = jnp.zeros((np.shape(h)[0], *np.shape(self.sample)[1:]), np.asarray(self.sample).dtype)
+        dummy = dummy if x is None else x
         if self.stacked:
             return self._after_scan(own, dummy, h)
         token = _INJECTED.set(h)
@@ -268,21 +273,41 @@ def split_params(parts: Parts, sample, through_blocks=None) -> tuple[dict, dict,
     part is there at all (it reads a parameter, or is not the identity).
     ``through_blocks``: the blocks' output shape (a ``jax.ShapeDtypeStruct``)
     of their input's, where the blocks change the width (default: unchanged)."""
+    try:
+        return _split_params(parts, sample, through_blocks)
+    except flax.errors.TraceContextError:  # a layer outside the blocks writes its state
+        raise SBPError(
+            "LayerChain.from_model: the model's embedding or head updates its own state when called: "
+            "BatchNorm in training mode, or Dropout drawing from its RNG stream. A pipeline stage holds "
+            "non-parameter state constant (the chain is the model in inference mode): call model.eval() "
+            "before LayerChain.from_model / sjp.cut."
+        ) from None
+
+
+def _split_params(parts: Parts, sample, through_blocks) -> tuple[dict, dict, bool, bool]:
     paths = list(parts.params)
     leaves = [parts.params[p] for p in paths]
 
     def before_fn(vals, x):
         return parts.before(dict(zip(paths, vals)), x)
 
-    def after_fn(vals, h):
-        return parts.after(dict(zip(paths, vals)), h)
+    def after_fn(vals, h, x=None):
+        return parts.after(dict(zip(paths, vals)), h, x)
 
     used_before = _used_inputs(before_fn, leaves, sample)
     h = jax.eval_shape(before_fn, leaves, sample)
     h = jax.ShapeDtypeStruct(h.shape, h.dtype)
     if through_blocks is not None:
         h = through_blocks(h)  # the head reads what the last block makes
-    used_after = _used_inputs(after_fn, leaves, h)
+    used_after = _used_inputs(after_fn, leaves, h, sample)
+    if used_after[-1]:
+        raise SBPError(
+            "LayerChain.from_model: the model reads its input after the blocks (a padding mask taken "
+            "from the tokens, or a skip around the blocks from the embedding's output); the last stage "
+            "sees only the blocks' output. Pass what the head needs through the blocks, read it from the "
+            "targets in the loss, or cut the layers by hand with LayerChain.from_functions."
+        )
+    used_after = used_after[:-1]
     tied = [path_text(p) for p, b, a in zip(paths, used_before, used_after[: len(paths)]) if b and a]
     if tied:
         raise SBPError(

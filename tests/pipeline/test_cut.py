@@ -274,6 +274,34 @@ class MaskedBlocks(ListGPT):
         return self.head(x)
 
 
+class PaddingHead(ListGPT):
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return jnp.where((tokens == 0)[..., None], 0.0, self.head(x))  # the head reads the input
+
+
+class LongSkip(ListGPT):
+    def __call__(self, tokens):
+        e = x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x + e)  # a skip around every block
+
+
+class DroppedHead(ListGPT):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.drop(x))
+
+
 def test_models_that_cannot_be_cut_say_why():
     x = tokens(2, 0)
     with pytest.raises(sj.SBPError, match=r"found no blocks in NoBlocks.*blocks='<attribute path>'"):
@@ -282,6 +310,16 @@ def test_models_that_cannot_be_cut_say_why():
         sjp.LayerChain.from_model(TiedHead(nnx.Rngs(0)), x)
     with pytest.raises(sj.SBPError, match="calls its blocks with more than one value"):
         sjp.LayerChain.from_model(MaskedBlocks(nnx.Rngs(0)), x)
+    # refused by what the model reads, not by the sample: on a sample without padding (no token 0)
+    # the chain once matched the model, then ran the head on zeros in place of the tokens
+    for reads_input in (PaddingHead, LongSkip):
+        with pytest.raises(sj.SBPError, match="reads its input after the blocks"):
+            sjp.LayerChain.from_model(reads_input(nnx.Rngs(0)), np.maximum(x, 1))
+    dropped = DroppedHead(nnx.Rngs(0))
+    with pytest.raises(sj.SBPError, match=r"embedding or head updates its own state.*model.eval\(\)"):
+        sjp.LayerChain.from_model(dropped, x)
+    dropped.eval()
+    assert [layer.name for layer in sjp.LayerChain.from_model(dropped, x).layers][-1] == "head"
     with pytest.raises(sj.SBPError, match="has no attribute path 'layers'"):
         sjp.LayerChain.from_model(ListGPT(nnx.Rngs(0)), x, blocks="layers")
     with pytest.raises(sj.SBPError, match="not a Flax NNX module"):
