@@ -171,6 +171,24 @@ def _part_layer(parts: Parts, role: str, own: dict, model) -> Layer:
 def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) -> LayerChain:
     """The :class:`LayerChain` of an NNX model (see the module docstring).
     ``check``: run the chain and the model on ``sample`` and compare."""
+    try:
+        return _chain_of(model, sample, blocks, check)
+    except jax.errors.UnexpectedTracerError:
+        raise _in_a_transformation() from None
+
+
+def _in_a_transformation() -> SBPError:
+    # the probe standing in for a block stops the model's call at the block's
+    # input; inside a transformation that input is the transformation's own value
+    return SBPError(
+        "LayerChain.from_model: the model calls its blocks inside a JAX transformation (nnx.remat, "
+        "jax.checkpoint, nnx.jit, ...), so a block's input cannot be taken out of the call. Call the "
+        "blocks directly, x = block(x), and ask sjp.cut(..., remat=True) for activation checkpointing "
+        "per layer; or give the layers as functions with LayerChain.from_functions."
+    )
+
+
+def _chain_of(model, sample, blocks, check) -> LayerChain:
     if not isinstance(model, nnx.Module):
         raise SBPError(
             f"LayerChain.from_model: {type(model).__name__} is not a Flax NNX module; for layer functions use "
@@ -178,6 +196,8 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
         )
     path, kind, n = find_blocks(model, blocks)
     parts = Parts(model, path, kind, n, sample)
+    if isinstance(parts.before(parts.params, np.asarray(sample)), jax.core.Tracer):  # run eagerly
+        raise _in_a_transformation()
     node = get_path(model, path)
     before, after, has_before, has_after = split_params(parts, sample, _through_blocks(node, kind))
     where = path_text(path)

@@ -302,6 +302,14 @@ class DroppedHead(ListGPT):
         return self.head(self.drop(x))
 
 
+class RematBlocks(ListGPT):
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = nnx.remat(lambda m, h: m(h))(block, x)
+        return self.head(x)
+
+
 def test_models_that_cannot_be_cut_say_why():
     x = tokens(2, 0)
     with pytest.raises(sj.SBPError, match=r"found no blocks in NoBlocks.*blocks='<attribute path>'"):
@@ -315,6 +323,9 @@ def test_models_that_cannot_be_cut_say_why():
     for reads_input in (PaddingHead, LongSkip):
         with pytest.raises(sj.SBPError, match="reads its input after the blocks"):
             sjp.LayerChain.from_model(reads_input(nnx.Rngs(0)), np.maximum(x, 1))
+    for check in (True, False):  # found before the chain runs
+        with pytest.raises(sj.SBPError, match=r"calls its blocks inside a JAX transformation.*remat=True"):
+            sjp.LayerChain.from_model(RematBlocks(nnx.Rngs(0)), x, check=check)
     dropped = DroppedHead(nnx.Rngs(0))
     with pytest.raises(sj.SBPError, match=r"embedding or head updates its own state.*model.eval\(\)"):
         sjp.LayerChain.from_model(dropped, x)
