@@ -265,21 +265,25 @@ def _over_budget(space: Space) -> str:
     a larger one: the least any configuration needs where each device group
     runs one stage (exact), else the least of the cuts that balance each
     configuration's stages (a budget that surely fits, though a cut that
-    balances the groups' sums may need less: the message says which)."""
-    least, where = math.inf, None
+    balances the groups' sums may need less: the message says which). The
+    least is exact only where every configuration was priced exactly: a
+    configuration with several stages per group, priced at its balanced cut,
+    may need less than the least found."""
+    least, where, exact = math.inf, None, True
     for proto in space.protos:
         for layouts in space.layouts(proto):
             st = dataclasses.replace(space.setting(proto, layouts), budget=None)
             bounds = _least_memory_cut(st)
             need = max(group_memory(st, bounds))
+            exact = exact and st.one_stage_per_group
             if need < least:
-                least, where = need, (proto, bounds, st.one_stage_per_group)
+                least, where = need, (proto, bounds)
     if where is None:
         return (
             "search_pipeline: no layout of the layers divides evenly on any stage grid; use a batch and "
             "layer sizes that are multiples of the device counts."
         )
-    proto, bounds, exact = where
+    proto, bounds = where
     what = "The least any configuration needs is" if exact else "A configuration that fits needs"
     return (
         f"search_pipeline: no configuration fits the memory budget of {human_bytes(space.memory.limit or 0)} per "
