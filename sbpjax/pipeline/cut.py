@@ -26,9 +26,10 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_count
 from sbpjax.pipeline.balance import Balance, balance, check_stages, range_costs
 from sbpjax.pipeline.chain import LayerChain
+from sbpjax.pipeline.group_balance import refined
 from sbpjax.pipeline.registry import as_schedule
 from sbpjax.pipeline.stage import Stage
 from sbpjax.placement import Placement
@@ -206,6 +207,7 @@ def cut(
     schedule=None,
     blocks: str | None = None,
     remat: bool = False,
+    microbatches: int | None = None,
 ) -> Cut:
     """Cut ``model`` (a :class:`LayerChain`, or a Flax NNX model with ``sample``,
     its example input) into balanced stages on ``placement``.
@@ -215,7 +217,12 @@ def cut(
     how many (default: one per group; a ``schedule`` with several chunks per
     group, e.g. ``Interleaved1F1B(2)``, sets it and where each stage runs).
     ``costs``: "flops", "time" or one number per layer. ``remat``: each layer
-    under ``jax.checkpoint``."""
+    under ``jax.checkpoint``. ``microbatches``: with a ``schedule`` that runs
+    several stages per group (interleaved, zb-v, dualpipev), the cut balanced
+    stage by stage is refined to shorten that schedule's simulated step at
+    this microbatch count (:mod:`sbpjax.pipeline.group_balance`)."""
+    if microbatches is not None and not is_count(microbatches):
+        raise SBPError(f"cut: microbatches={microbatches!r}; give the number of microbatches, an int >= 1.")
     if isinstance(model, LayerChain):
         chain = model
     else:
@@ -230,6 +237,8 @@ def cut(
     check_stages(n, len(chain), f"cut of {chain!r}")
     values = layer_costs(chain, costs)
     split = balance(values, n)
+    if microbatches is not None and schedule is not None:
+        split = refined(values, split, as_schedule(schedule), len(groups), int(microbatches))
     built = []
     for s, (lo, hi) in enumerate(split.bounds):
         pl = groups[where[s]]
