@@ -68,6 +68,18 @@ def feed(name: str, data, m: int) -> Callable[[int], Any]:
     return lambda k: jax.tree.map(lambda a: np.asarray(a[k * size : (k + 1) * size]), data, is_leaf=is_global)
 
 
+def microbatch_shapes(data, m: int):
+    """A hashable key of the shapes and dtypes of one microbatch of ``data``
+    (arrays split into ``m``), or None where a function gives some of it."""
+    leaves = jax.tree.leaves(data, is_leaf=lambda v: callable(v) or is_global(v))
+    if any(callable(a) for a in leaves):
+        return None
+    return (
+        jax.tree.structure(data, is_leaf=is_global),
+        tuple(((np.shape(a)[0] // m, *np.shape(a)[1:]), str(getattr(a, "dtype", None))) for a in leaves),
+    )
+
+
 def placed(microbatch, placement, sbp):
     """Each array of ``microbatch`` as a global tensor laid out by ``sbp``."""
     return jax.tree.map(lambda a: to_global(np.asarray(a), placement, sbp), microbatch, is_leaf=is_global)

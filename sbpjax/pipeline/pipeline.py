@@ -36,7 +36,7 @@ from sbpjax._errors import SBPError
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
 from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
-from sbpjax.pipeline.feeds import feed, rows
+from sbpjax.pipeline.feeds import feed, microbatch_shapes, rows
 from sbpjax.pipeline.graph import StageThreads, build_graph
 from sbpjax.pipeline.lockstep import LockstepSystem
 from sbpjax.pipeline.optimizer_scope import check_stagewise
@@ -213,6 +213,7 @@ class Pipeline:
         self.action_timeout = action_timeout
         self.check_finite = check_finite
         self._slowest: dict | None = None  # kind -> slowest action (s) of the last finished step
+        self._compiled_for: set = set()  # microbatch shapes a finished step ran (see _deadline)
 
     def _device_groups(self, stages) -> list[Placement]:
         """Distinct placements in the order stages first use them; each stage on
@@ -277,6 +278,7 @@ class Pipeline:
         m = self.microbatches
         load_inputs = feed("inputs", inputs, m)
         load_targets = feed("targets", targets, m)
+        shapes = microbatch_shapes((inputs, targets), m)
         if None not in (rows(inputs), rows(targets)) and rows(inputs) != rows(targets):
             raise SBPError(
                 f"Pipeline.step: inputs have {rows(inputs)} rows but targets {rows(targets)}; "
@@ -296,7 +298,7 @@ class Pipeline:
                 bodies,
                 nbytes=physical_nbytes,
                 before_action=self.before_action,
-                action_timeout=self._deadline(),
+                action_timeout=self._deadline(shapes),
             )
         timeline = system.run()
         values = self._losses(losses)  # read before anything changes
@@ -304,6 +306,7 @@ class Pipeline:
             if prog is not None:  # a stage of another process keeps its handles
                 stage.params, prog.state, prog.grads = done
         self._slowest = {}
+        self._compiled_for.add(shapes)
         for r in timeline.actions:
             self._slowest[r.kind] = max(self._slowest.get(r.kind, 0.0), r.end - r.start)
         return StepResult(
@@ -330,14 +333,17 @@ class Pipeline:
         owner = min(last.processes)
         return [float(v) for v in every.reshape(-1, len(losses))[owner]]
 
-    def _deadline(self):
-        """``spec -> seconds or None`` for the runtime (see ``action_timeout``)."""
+    def _deadline(self, shapes):
+        """``spec -> seconds or None`` for the runtime (see ``action_timeout``).
+        A step on microbatch shapes no finished step ran compiles its programs
+        again, so it gets the first step's deadline (``shapes``: None for data
+        given by functions, whose shapes are known only when they are called)."""
         setting = self.action_timeout
         if setting is None:
             return None
         if setting != "auto":
             return lambda spec: float(setting)
-        if self._slowest is None:
+        if self._slowest is None or (shapes is not None and shapes not in self._compiled_for):
             return lambda spec: self.FIRST_STEP_TIMEOUT_S
         slowest = dict(self._slowest)
         return lambda spec: max(self.MIN_TIMEOUT_S, self.TIMEOUT_FACTOR * slowest.get(spec.kind, 0.0))

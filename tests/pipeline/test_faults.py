@@ -111,14 +111,26 @@ def no_leftover_threads_after_release():
 
 
 def test_default_deadline_follows_the_last_step():
+    """After a step, the deadline follows its slowest actions, but for a step
+    on microbatch shapes no step ran (a new batch size compiles the programs
+    again): it gets the first step's deadline."""
+    from sbpjax.pipeline.feeds import microbatch_shapes
+
     pipe = sjp.Pipeline(_stages([layer, layer]), mse, optax.sgd(0.1), microbatches=2)
     spec = pipe.graph.actors[0]
-    assert pipe._deadline()(spec) == pipe.FIRST_STEP_TIMEOUT_S
-    result = pipe.step(*_batch(2))
+    batch, larger = _batch(2), _batch(4)
+    ran, new = microbatch_shapes(batch, 2), microbatch_shapes(larger, 2)
+    assert pipe._deadline(ran)(spec) == pipe.FIRST_STEP_TIMEOUT_S
+    result = pipe.step(*batch)
     slowest = max(r.end - r.start for r in result.timeline.actions if r.kind == spec.kind)
-    assert pipe._deadline()(spec) == max(pipe.MIN_TIMEOUT_S, pipe.TIMEOUT_FACTOR * slowest)
+    steady = max(pipe.MIN_TIMEOUT_S, pipe.TIMEOUT_FACTOR * slowest)
+    assert pipe._deadline(ran)(spec) == steady
+    assert new != ran and pipe._deadline(new)(spec) == pipe.FIRST_STEP_TIMEOUT_S
+    assert pipe._deadline(None)(spec) == steady  # fed by functions: shapes unknown before the call
+    pipe.step(*larger)
+    assert pipe._deadline(new)(spec) < pipe.FIRST_STEP_TIMEOUT_S
     pipe.action_timeout = None
-    assert pipe._deadline() is None
+    assert pipe._deadline(ran) is None
     with pytest.raises(sj.SBPError, match="action_timeout"):
         sjp.Pipeline(pipe.stages, mse, optax.sgd(0.1), microbatches=2, action_timeout=-1)
 
