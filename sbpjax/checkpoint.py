@@ -321,14 +321,24 @@ def _check_names(path: str, saved: dict, wanted: list) -> None:
     if missing or extra:
         parts = []
         if missing:
-            parts.append(f"the target has leaves the checkpoint lacks: {', '.join(missing)}")
+            parts.append(f"the target has {_leaves(missing)} the checkpoint lacks: {_some(missing)}")
         if extra:
-            parts.append(f"the checkpoint has leaves the target lacks: {', '.join(extra)}")
+            parts.append(f"the checkpoint has {_leaves(extra)} the target lacks: {_some(extra)}")
         raise SBPError(
             f"checkpoint.restore({path}): the target's tree does not match the saved "
             f"tree; {'; '.join(parts)}. Give a target with the saved structure "
-            f"(saved leaves: {', '.join(sorted(saved))})."
+            f"(saved leaves: {_some(sorted(saved))})."
         )
+
+
+def _leaves(names: list) -> str:
+    return f"{len(names)} leaf" if len(names) == 1 else f"{len(names)} leaves"
+
+
+def _some(names: list, shown: int = 8) -> str:
+    """The first ``shown`` names, and how many more (a model's leaves run to hundreds)."""
+    more = f", ... and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _check_shape_dtype(path: str, name: str, meta, shape, dtype) -> None:

@@ -231,12 +231,17 @@ def test_restore_errors_say_what_where_and_how_to_fix(tmp_path):
         checkpoint.restore(tmp_path / "empty", {"a": {"w": lay}, "step": 0})
     with pytest.raises(
         sj.SBPError,
-        match=r"target has leaves the checkpoint lacks: a\.v.*"
-        r"checkpoint has leaves the target lacks: a\.w",
+        match=r"target has 1 leaf the checkpoint lacks: a\.v.*"
+        r"checkpoint has 1 leaf the target lacks: a\.w",
     ):
         checkpoint.restore(tmp_path / "c", {"a": {"v": lay}, "step": 0})
-    with pytest.raises(sj.SBPError, match=r"checkpoint has leaves the target lacks: step"):
+    with pytest.raises(sj.SBPError, match=r"checkpoint has 1 leaf the target lacks: step"):
         checkpoint.restore(tmp_path / "c", {"a": {"w": lay}})
+    many = {f"w{i:02d}": lay for i in range(20)}  # a model's hundreds of leaves: the first few and a count
+    with pytest.raises(
+        sj.SBPError, match=r"target has 20 leaves the checkpoint lacks: w00, .*, w07, \.\.\. and 12 more"
+    ):
+        checkpoint.restore(tmp_path / "c", {"a": {"w": lay}, "step": 0, **many})
     wrong_shape = sj.to_global(np.zeros((4, 5), np.float32), pl, (sj.S(0), sj.B))
     with pytest.raises(
         sj.SBPError,

@@ -296,8 +296,8 @@ class ThreadedSystem(ActorSystem):
                 what = f"microbatch {mb}" if mb is not None else "the step's update"
                 self._fail(
                     PipelineTimeout(
-                        f"pipeline: {spec.kind} actor {spec.name!r} on {where}, {what} has run {now - start:.1f} s, "
-                        f"past its deadline of {limit:.1f} s; every actor was stopped. If the action is legitimately "
+                        f"pipeline: {spec.kind} actor {spec.name!r} on {where}, {what} has run {now - start:.3g} s, "
+                        f"past its deadline of {limit:.3g} s; every actor was stopped. If the action is legitimately "
                         "this slow (a first compile, a large batch), raise Pipeline(action_timeout=...); otherwise "
                         "look for what it waits on.",
                         spec.name,

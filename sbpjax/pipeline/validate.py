@@ -104,7 +104,9 @@ def _check_shape(lists, devices, microbatches, stage_devices, name) -> bool:
 
 
 def _check_once(lists, microbatches, n, split, name) -> None:
-    """Each action exactly once, each actor's microbatches in order."""
+    """Each action exactly once, each actor's microbatches in order. A missing
+    action is named as missing, not as the one listed after it."""
+    listed = {action for seq in lists.values() for action in seq}
     seen: dict = {}
     for d, seq in lists.items():
         for pos, action in enumerate(seq):
@@ -116,7 +118,7 @@ def _check_once(lists, microbatches, n, split, name) -> None:
                 )
             seen[action] = (d, pos)
             kind, s, k = action
-            if k > 0 and (kind, s, k - 1) not in seen:
+            if k > 0 and (kind, s, k - 1) not in seen and (kind, s, k - 1) in listed:
                 raise SBPError(
                     f"{_where(name, d, pos, action)}: comes before microbatch {k - 1} of the same "
                     "kind and stage; each actor takes its microbatches 0, 1, 2, ... in turn."

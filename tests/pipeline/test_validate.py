@@ -50,6 +50,9 @@ def test_each_kind_of_break_names_the_action():
     del bad[1][-1]
     _refused(bad, match="1 action\\(s\\) never appear: backward_weight of stage 1, microbatch 1")
     bad = _zb()
+    bad[1].remove((W, 1, 0))  # missing, not "W of microbatch 1 comes before microbatch 0"
+    _refused(bad, match="1 action\\(s\\) never appear: backward_weight of stage 1, microbatch 0")
+    bad = _zb()
     bad[0][0], bad[0][1] = bad[0][1], bad[0][0]
     _refused(bad, match="device 0, entry 0 \\(forward of stage 0, microbatch 1\\): comes before microbatch 0")
 
