@@ -245,6 +245,19 @@ def moved_bytes(f, *args) -> int:
     return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
 
 
+def checked_step_bytes(f, step, args, *, rtol, err_msg="") -> int:
+    """The bytes the compiled ``f`` (an ``sj.jit`` of ``step``) moves, after
+    checking its results against ``jax.jit(step)`` on one device and its
+    compiled collectives against ``explain()``'s count."""
+    got = jax.tree.map(lambda t: t.numpy(), f(*args), is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+    want = jax.jit(step)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, rtol=rtol, err_msg=err_msg)
+    ours = sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
+    assert ours == f.explain(*args).bytes
+    return ours
+
+
 def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
     """Bytes GSPMD's program for ``fn`` moves (``jax.jit`` with the same layouts
     as ``NamedSharding``s): ``in_sbps`` / ``out_sbps`` are pytrees of nd-SBPs

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close, gspmd_bytes
+from conftest import checked_step_bytes, gspmd_bytes
 
 import sbpjax as sj
 from sbpjax.compiler.api import state_sbp
@@ -306,11 +306,5 @@ def test_held_out_step(name):
     f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
     args = (params, state, *data)
 
-    got = jax.tree.map(lambda t: t.numpy(), f(*args), is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
-    want = jax.jit(step)(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert_close(g, w, rtol=2e-4, err_msg=name)
-
-    ours = sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
-    assert ours == f.explain(*args).bytes
+    ours = checked_step_bytes(f, step, args, rtol=2e-4, err_msg=name)
     assert ours <= BELOW_GSPMD.get(name, 1.0) * gspmd_bytes(step, pl, in_sbp, out_sbp, args), name

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close, gspmd_bytes
+from conftest import checked_step_bytes, gspmd_bytes
 
 import sbpjax as sj
 
@@ -56,13 +56,9 @@ def _bytes(name):
     step, args, in_sbp, out_sbp = _case(name)
     pl = sj.placement((2, 4), ("x", "y"))
     f = sj.jit(step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
-    got = jax.tree.map(lambda t: t.numpy(), f(*args), is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
-    want = jax.jit(step)(*args)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert_close(g, w, rtol=1e-5, err_msg=name)
-    ours = sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
-    assert ours == f.explain(*args).bytes
-    return ours, gspmd_bytes(step, pl, in_sbp, out_sbp, args)
+    return checked_step_bytes(f, step, args, rtol=1e-5, err_msg=name), gspmd_bytes(
+        step, pl, in_sbp, out_sbp, args
+    )
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
