@@ -78,6 +78,9 @@ class Choice:
     memory_bytes: int | None = None
     memory_budget: int | None = None
     auto: bool = False
+    # solved with the AUTO arguments' chosen layouts given (second_looks.as_given):
+    # its boxings are derived with the axes those layouts leave idle
+    as_given: bool = False
     # the plan solved with ring latency replaced the bytes-first one (fewer_collectives), or ""
     latency_note: str = ""
     source: str = "solved"
@@ -104,7 +107,7 @@ class Choice:
                 f"solve {self.solve_s:.2f} s in {self.rounds} rounds (+{self.build_s:.2f} s building, "
                 f"{self.planned} of {self.entries} boxing costs planned); greedy would move {self.greedy_bytes} B"
             )
-            if self.reason:  # second_looks.as_given
+            if self.as_given:
                 text += f"; {self.reason}"
         elif self.method == "hand":
             text = f"layouts: {self.reason} ({size}; proven gap {gap})"
@@ -171,11 +174,11 @@ def restore(program, placement, in_sbp, out_sbp, ties, entry, cost_model=None, o
     a solved plan (:mod:`sbpjax.compiler.decode`)."""
     grid = placement.shape
     pr = Propagator(program, placement, cost_model, launch_priced=options.launch_priced)
-    pr.idle = idle_axes(in_sbp, grid)
-    pr.ring = entry.ring
-    pr.quiet = True
     if len(entry.in_sbp) != len(in_sbp) or len(entry.out_sbp) != len(program.outputs):
         return None
+    pr.idle = idle_axes(entry.in_sbp if entry.choice.get("as_given") is True else in_sbp, grid)
+    pr.ring = entry.ring
+    pr.quiet = True
     for v, want, got in zip(program.inputs, in_sbp, entry.in_sbp):
         if got not in (auto_layouts(v.shape, grid) if want is AUTO else [want]):
             return None

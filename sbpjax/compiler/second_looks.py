@@ -187,10 +187,14 @@ def as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
         return kept
     given = own(given)
     if given.choice is not None:
-        given.choice.auto = True
-        given.choice.reason = (
-            f"the AUTO arguments' layouts leave an axis idle, and given as chosen they move "
-            f"{given.bytes} B, the AUTO solve's plan {kept.bytes} B"
+        choice = given.choice
+        first = kept.choice.solve_s if kept.choice is not None else 0.0
+        note = (
+            f"AUTO's layouts, solved again as given (they leave an axis idle; {first:.2f} s choosing them): "
+            f"{given.bytes} B priced {price_of(given):.0f}, the AUTO solve's plan {kept.bytes} B "
+            f"priced {price_of(kept):.0f}"
         )
+        choice.reason = f"{choice.reason}; {note}" if choice.reason else note
+        choice.auto, choice.as_given = True, True  # restore derives boxings with the idle axes
     given.warnings = kept.warnings
     return given

@@ -114,12 +114,16 @@ def _tied_loss(p, tok, labels):
     return optax.softmax_cross_entropy_with_integer_labels(x @ p["emb"].T, labels).mean()
 
 
-def test_auto_moves_no_more_than_its_chosen_layouts_given_by_hand(pl24):
+@pytest.mark.parametrize("grid", [(2, 4), (4, 2)])
+def test_auto_moves_no_more_than_its_chosen_layouts_given_by_hand(grid, tmp_path):
     """A tied-embedding MLP (vocab 37) with AdamW, the batch over x and the
     rest AUTO: the solve chose every argument whole, and with y left idle the
     same layouts given by hand let contractions run whole over y. The AUTO
-    plan is now that plan (second_looks.as_given): 302,400 B before, 172,032 B
-    now, no more than plain data parallelism written by hand."""
+    plan is now that plan (second_looks.as_given): on 2x4, 302,400 B before,
+    172,032 B now, no more than plain data parallelism written by hand. Read
+    back from the plan cache (another process's plan), its boxings are
+    derived with the same idle axis: on 4x2 they once differed."""
+    pl24 = sj.placement(grid, ("x", "y"))
     r = np.random.default_rng(0)
     d, f, v = 32, 64, 37
     params = {
@@ -135,8 +139,16 @@ def test_auto_moves_no_more_than_its_chosen_layouts_given_by_hand(pl24):
     opt = adamw()
     step, state = train_step(_tied_loss, opt), opt.init(params)
     rep = jax.tree.map(lambda _: (B, B), (params, state))
-    auto = sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)), donate_argnums=(0, 1))
+
+    def auto_jit():
+        in_sbp = (sj.AUTO, sj.AUTO, (S0, B), (S0, B))
+        return sj.jit(step, placement=pl24, in_sbp=in_sbp, donate_argnums=(0, 1), plan_cache=str(tmp_path))
+
+    auto = auto_jit()
     e = auto.explain(params, state, *data)
+    again = auto_jit().explain(params, state, *data)
+    assert again.choice.source == "plan cache" and again.bytes == e.bytes
+    assert [(b.src, b.dst) for b in again.boxings] == [(b.src, b.dst) for b in e.boxings]
     tree = jax.tree.structure((params, state))
     given = jax.tree.unflatten(tree, e.propagation.in_sbp[: tree.num_leaves])
     # each new parameter and state in its argument's layout, as a donated AUTO argument's result is
