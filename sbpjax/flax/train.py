@@ -52,6 +52,7 @@ def zero_layout(nd: tuple, shape, placement: Placement, axis: int) -> tuple:
             f"zero_layout: axis {axis} is out of range for a placement of {placement.ndim} axes "
             f"{placement.axis_names}; give 0..{placement.ndim - 1} (the axis the batch is split over)."
         )
+    axis %= placement.ndim  # -1: the last axis
     if not isinstance(nd[axis], Broadcast) or placement.shape[axis] == 1:
         return nd
     for dim in range(len(shape)):

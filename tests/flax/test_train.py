@@ -263,13 +263,23 @@ def test_linen_train_step_equals_single_device():
         np.testing.assert_allclose(got.numpy(), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("batch_sbp", [S(0), "S(0)", (S(0), S(0)), ((S(0),), "S(0)")])
-def test_zero_finds_the_data_axis_in_each_way_batch_sbp_is_written(batch_sbp):
-    """A bare SBP, its text, or one per batch leaf (on a 1-D placement, as
-    sj.jit's in_sbp reads them): each names axis 0 as the batch's."""
-    pl = sj.placement(8, "x")
+@pytest.mark.parametrize(
+    "grid, batch_sbp, stored",
+    [
+        (8, S(0), (S(0),)),
+        (8, "S(0)", (S(0),)),
+        (8, (S(0), S(0)), (S(0),)),
+        (8, ((S(0),), "S(0)"), (S(0),)),
+        ((2, 4), "B, S(0)", (B, S(0))),
+        ((2, 4), ((B, S(0)), "B, S(0)"), (B, S(0))),
+    ],
+)
+def test_zero_finds_the_data_axis_in_each_way_batch_sbp_is_written(grid, batch_sbp, stored):
+    """A bare SBP, its text, or one per batch leaf (a bare SBP on a 1-D
+    placement, as sj.jit's in_sbp reads them): each names the batch's axis."""
+    pl = sj.placement(grid, ("x",) if grid == 8 else ("x", "y"))
     trainer = sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=batch_sbp, zero=True)
-    assert trainer.params["fc1"]["kernel"].sbp == (S(0),)
+    assert trainer.params["fc1"]["kernel"].sbp == stored
 
 
 def test_errors():
@@ -283,6 +293,8 @@ def test_errors():
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0),), zero="data")
     with pytest.raises(sj.SBPError, match=r"zero_layout: axis 5 is out of range .* give 0..0"):
         sjf.zero_layout((B,), (8, 6), pl, 5)
+    pl24 = sj.placement((2, 4), ("x", "y"))
+    assert sjf.zero_layout((B, B), (8, 8), pl24, -1) == sjf.zero_layout((B, B), (8, 8), pl24, 1) == (B, S(0))
     # a bad solve_time_limit is refused before the optimizer state is built
     inits = []
     sgd = optax.sgd(0.1)
