@@ -220,9 +220,16 @@ def cut(
     under ``jax.checkpoint``. ``microbatches``: with a ``schedule`` that runs
     several stages per group (interleaved, zb-v, dualpipev), the cut balanced
     stage by stage is refined to shorten that schedule's simulated step at
-    this microbatch count (:mod:`sbpjax.pipeline.group_balance`)."""
+    this microbatch count (:mod:`sbpjax.pipeline.group_balance`); with one
+    stage per group the stage-balanced cut is kept (it already balances the
+    groups)."""
     if microbatches is not None and not is_count(microbatches):
         raise SBPError(f"cut: microbatches={microbatches!r}; give the number of microbatches, an int >= 1.")
+    if microbatches is not None and schedule is None:
+        raise SBPError(
+            "cut: microbatches= refines the cut for the schedule it runs under; give schedule= too "
+            "(interleaved, zb-v or dualpipev: several stages per group), or leave microbatches out."
+        )
     if isinstance(model, LayerChain):
         chain = model
     else:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from sbpjax.pipeline.balance import Balance, range_costs
 from sbpjax.pipeline.graph import build_graph
 from sbpjax.pipeline.simulate import simulate_graph
@@ -41,10 +43,10 @@ from sbpjax.pipeline.simulate import simulate_graph
 # whole step, so the moves tried per pass stay few (``_moves``).
 REACH = 2
 
-# Simulations one refinement may run: an effort limit, not a clock, so the
+# Simulations the descent from each start may run: an effort limit, not a clock, so the
 # cut is the same on every machine. The descent on 240 random cuts (6-11
 # layers, 2-3 groups) ran at most 149 of them (44 on average); a 66-layer ZB-V cut into
-# 16 stages (32 microbatches) runs about 22 ms per simulation: 13 s at the limit.
+# 16 stages (32 microbatches) runs about 22 ms per simulation: 13 s per start at the limit.
 SIMULATIONS = 600
 
 # Forward : backward time of a layer, the backward split evenly into B (input
@@ -53,7 +55,9 @@ SIMULATIONS = 600
 _SHARE = {"forward": 1 / 3, "backward": 2 / 3, "backward_input": 1 / 3, "backward_weight": 1 / 3}
 
 
-def refined(costs: Sequence[float], balanced: Balance, schedule, groups: int, microbatches: int) -> Balance:
+def refined(
+    costs: Sequence[float] | np.ndarray, balanced: Balance, schedule, groups: int, microbatches: int
+) -> Balance:
     """``balanced`` (a cut of layers with these ``costs``), or a nearby cut
     whose step on ``groups`` device groups with ``microbatches`` simulates
     shorter under ``schedule`` (see the module docstring)."""
@@ -75,27 +79,37 @@ def refined(costs: Sequence[float], balanced: Balance, schedule, groups: int, mi
             load[owner[s]] += c
         return (max(load), max(stage))
 
-    left = [SIMULATIONS]
+    def simulated_within(budget: int):
+        left = [budget]
 
-    def simulated(ends: tuple) -> tuple:
-        if left[0] <= 0:  # the effort spent: no further cut is taken
-            return (math.inf, math.inf)
-        left[0] -= 1
-        stage = stages(ends)
+        def simulated(ends: tuple) -> tuple:
+            if left[0] <= 0:  # the effort spent: no further cut is taken
+                return (math.inf, math.inf)
+            left[0] -= 1
+            stage = stages(ends)
+            return (_simulated(graph, stage), max(stage))
 
-        def duration(kind, s, k):
-            return 0.0 if s is None else _SHARE.get(kind, 0.0) * stage[s]
-
-        return (simulate_graph(graph, duration).makespan, max(stage))
+        return simulated
 
     start = tuple(b for _, b in balanced.bounds[:-1])
-    # two starts: the stage-balanced cut, and the cut descended to even group
-    # sums (no simulation); the simulated descent from each, the better kept
+    # two starts, the stage-balanced cut and the cut descended to even group
+    # sums (no simulation), each descended with SIMULATIONS of its own: each
+    # descent prices its start first and only moves to a shorter step, so the
+    # better of the two is never slower than the stage-balanced cut
     starts = sorted({start, _descend(group_sums, start, layers)[1]})
-    ends = min(_descend(simulated, e, layers) for e in starts)[1]
+    ends = min(_descend(simulated_within(SIMULATIONS), e, layers) for e in starts)[1]
     edges = (0, *ends, layers)
     bounds = tuple(zip(edges[:-1], edges[1:]))
     return Balance(bounds, tuple(float(table[a, b]) for a, b in bounds))
+
+
+def _simulated(graph, stage: list) -> float:
+    """The makespan of ``graph`` with stage ``s``'s actions taking their share of ``stage[s]``."""
+
+    def duration(kind, s, k):
+        return 0.0 if s is None else _SHARE.get(kind, 0.0) * stage[s]
+
+    return simulate_graph(graph, duration).makespan
 
 
 def _descend(key, ends: tuple, layers: int) -> tuple:
@@ -129,11 +143,7 @@ def _moves(ends: tuple, layers: int) -> list:
     return sorted(e[1:-1] for e in edges if all(a < b for a, b in zip(e[:-1], e[1:])))  # no empty stage
 
 
-def makespan(costs: Sequence[float], bounds, schedule, groups: int, microbatches: int) -> float:
+def makespan(costs: Sequence[float] | np.ndarray, bounds, schedule, groups: int, microbatches: int) -> float:
     """The simulated step of the cut ``bounds`` (for tests and reports)."""
     table = range_costs(costs)
-    stage = [float(table[a, b]) for a, b in bounds]
-    graph = build_graph(schedule, groups, microbatches)
-    return simulate_graph(
-        graph, lambda kind, s, k: 0.0 if s is None else _SHARE.get(kind, 0.0) * stage[s]
-    ).makespan
+    return _simulated(build_graph(schedule, groups, microbatches), [float(table[a, b]) for a, b in bounds])
