@@ -48,6 +48,19 @@ def reductions(nd, ndim) -> set:
     return out
 
 
+def unfilled(made, read):
+    """``read`` with the axes it zero-fills from ``made`` whole (a partial
+    read of a value made whole there), where ``made`` reaches that layout
+    with no bytes; None where ``read`` zero-fills nothing."""
+    filled = [
+        a for a, (m, r) in enumerate(zip(made, read)) if isinstance(r, Partial) and not isinstance(m, Partial)
+    ]
+    if not filled:
+        return None
+    whole = tuple(Broadcast() if a in filled else q for a, q in enumerate(read))
+    return whole if whole == made or sliced_to(made, whole) else None
+
+
 def local_slices(lays, shape) -> set:
     """Every layout each of ``lays`` slices to locally (no bytes): whole (B)
     axes split on a dim of ``shape`` longer than 1 that no later axis splits

@@ -15,6 +15,7 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.schedule import ActionList
+from sbpjax.tensor import is_global
 
 
 def check_budget(pipe, load_inputs, load_targets) -> None:
@@ -23,8 +24,8 @@ def check_budget(pipe, load_inputs, load_targets) -> None:
     function feed is called once more, for microbatch 0's shape; each shape is
     checked once."""
     x, t = load_inputs(0), load_targets(0)
-    x_shape = jax.ShapeDtypeStruct(np.shape(x), np.result_type(x))
-    t_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.result_type(a)), t)
+    x_shape = _shape_of(x)
+    t_shape = jax.tree.map(_shape_of, t, is_leaf=is_global)
     key = (x_shape, jax.tree.structure(t_shape), tuple(jax.tree.leaves(t_shape)))
     if key in pipe._budget_checked:
         return
@@ -58,6 +59,14 @@ def check_budget(pipe, load_inputs, load_targets) -> None:
                     )
                 )
     pipe._budget_checked.add(key)
+
+
+def _shape_of(a) -> jax.ShapeDtypeStruct:
+    """A microbatch leaf's shape and dtype: an array, a global tensor (its
+    logical ones) or what numpy makes of a Python number or list."""
+    if hasattr(a, "shape") and hasattr(a, "dtype"):
+        return jax.ShapeDtypeStruct(tuple(a.shape), a.dtype)
+    return jax.ShapeDtypeStruct(np.shape(a), np.result_type(a))
 
 
 def _slot_bytes(pipe, h, target) -> dict:

@@ -25,10 +25,19 @@ from sbpjax.tensor import is_global, to_global
 
 
 def rows(data) -> int | None:
-    """The rows (dim 0) every array of ``data`` has, or None for a function."""
+    """The rows (dim 0) every array of ``data`` (``on_host``) has, or None for a function."""
     if callable(data):
         return None
-    return np.shape(jax.tree.leaves(data, is_leaf=is_global)[0])[0]
+    return np.shape(jax.tree.leaves(data)[0])[0]
+
+
+def on_host(data):
+    """``data`` with global tensors as their host arrays (the batch is split on
+    the host, then each microbatch placed), and a nested list of numbers as
+    one array, as numpy reads it."""
+    if isinstance(data, list) and not any(hasattr(a, "shape") for a in jax.tree.leaves(data)):
+        return np.asarray(data)
+    return jax.tree.map(lambda a: a.numpy() if is_global(a) else a, data, is_leaf=is_global)
 
 
 def feed(name: str, data, m: int) -> Callable[[int], Any]:
@@ -36,7 +45,8 @@ def feed(name: str, data, m: int) -> Callable[[int], Any]:
     (``data`` itself where it is that function already)."""
     if callable(data):
         return data
-    leaves = jax.tree.leaves(data, is_leaf=is_global)
+    data = on_host(data)
+    leaves = jax.tree.leaves(data)
     one_array = len(leaves) == 1 and leaves[0] is data
     if not leaves or not all(hasattr(a, "shape") for a in leaves) or (name == "inputs" and not one_array):
         what = "an array" if name == "inputs" else "an array or a tuple / dict of arrays"
@@ -65,17 +75,17 @@ def feed(name: str, data, m: int) -> Callable[[int], Any]:
             "microbatch."
         )
     size = n // m
-    return lambda k: jax.tree.map(lambda a: np.asarray(a[k * size : (k + 1) * size]), data, is_leaf=is_global)
+    return lambda k: jax.tree.map(lambda a: np.asarray(a[k * size : (k + 1) * size]), data)
 
 
 def microbatch_shapes(data, m: int):
     """A hashable key of the shapes and dtypes of one microbatch of ``data``
-    (arrays split into ``m``), or None where a function gives some of it."""
-    leaves = jax.tree.leaves(data, is_leaf=lambda v: callable(v) or is_global(v))
+    (``on_host`` arrays split into ``m``), or None where a function gives some of it."""
+    leaves = jax.tree.leaves(data, is_leaf=callable)
     if any(callable(a) for a in leaves):
         return None
     return (
-        jax.tree.structure(data, is_leaf=is_global),
+        jax.tree.structure(data),
         tuple(((np.shape(a)[0] // m, *np.shape(a)[1:]), str(getattr(a, "dtype", None))) for a in leaves),
     )
 

@@ -171,10 +171,7 @@ def _part_layer(parts: Parts, role: str, own: dict, model) -> Layer:
 def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) -> LayerChain:
     """The :class:`LayerChain` of an NNX model (see the module docstring).
     ``check``: run the chain and the model on ``sample`` and compare."""
-    try:
-        return _chain_of(model, sample, blocks, check)
-    except jax.errors.UnexpectedTracerError:
-        raise _in_a_transformation() from None
+    return _chain_of(model, sample, blocks, check)
 
 
 def _in_a_transformation() -> SBPError:
@@ -199,7 +196,10 @@ def _chain_of(model, sample, blocks, check) -> LayerChain:
     if isinstance(parts.before(parts.params, np.asarray(sample)), jax.core.Tracer):  # run eagerly
         raise _in_a_transformation()
     node = get_path(model, path)
-    before, after, has_before, has_after = split_params(parts, sample, _through_blocks(node, kind))
+    try:
+        before, after, has_before, has_after = split_params(parts, sample, _through_blocks(node, kind))
+    except jax.errors.UnexpectedTracerError:  # a transformation the eager run did not show
+        raise _in_a_transformation() from None
     where = path_text(path)
     if kind == "list":
         layers = [_module_layer(m, f"{where}.{i}", _block_tie(m)) for i, m in enumerate(node)]

@@ -36,7 +36,7 @@ from sbpjax._errors import SBPError
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
 from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
-from sbpjax.pipeline.feeds import feed, microbatch_shapes, rows
+from sbpjax.pipeline.feeds import feed, microbatch_shapes, on_host, rows
 from sbpjax.pipeline.graph import StageThreads, build_graph
 from sbpjax.pipeline.lockstep import LockstepSystem
 from sbpjax.pipeline.optimizer_scope import check_stagewise
@@ -276,6 +276,7 @@ class Pipeline:
         when every action of the step has succeeded, so after any failure every
         stage has its parameters from before the step."""
         m = self.microbatches
+        inputs, targets = on_host(inputs), on_host(targets)
         load_inputs = feed("inputs", inputs, m)
         load_targets = feed("targets", targets, m)
         shapes = microbatch_shapes((inputs, targets), m)

@@ -268,6 +268,21 @@ def test_targets_may_be_a_tuple_or_dict_of_arrays(one_device_stages):
         pipe.step((x, x), y)
 
 
+def test_a_global_tensor_batch_and_nested_list_targets_feed_a_step():
+    """The batch as a global tensor (split on the host, each microbatch placed
+    on its stage) and targets as nested Python lists (one array, as numpy
+    reads it), under a memory budget that prices their shapes."""
+    devs, rng = jax.devices(), np.random.default_rng(6)
+    stages = [
+        sjp.Stage(layer, layer_params(rng), sj.Placement(np.array([devs[i]]), ("d",))) for i in range(2)
+    ]
+    x, y = batch(2, seed=6)
+    want_loss = reference_step([layer] * 2, [host(st.params) for st in stages], x, y, optax.sgd(0.1))[0]
+    pipe = sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=2, memory_budget=1e9)
+    result = pipe.step(sj.to_global(x, sj.placement(8, "d"), sj.S(0)), y.tolist())
+    assert result.loss == pytest.approx(want_loss, rel=2e-6)
+
+
 def test_bfloat16_parameters_train():
     """bfloat16 is floating point (ml_dtypes' type, no numpy float): a stage
     with bf16 parameters computing in float32 equals the whole-batch step up
