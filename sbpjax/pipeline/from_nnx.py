@@ -168,12 +168,6 @@ def _part_layer(parts: Parts, role: str, own: dict, model) -> Layer:
     return Layer(name, apply, nest(own), layouts, None, role)
 
 
-def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) -> LayerChain:
-    """The :class:`LayerChain` of an NNX model (see the module docstring).
-    ``check``: run the chain and the model on ``sample`` and compare."""
-    return _chain_of(model, sample, blocks, check)
-
-
 def _in_a_transformation() -> SBPError:
     # the probe standing in for a block stops the model's call at the block's
     # input; inside a transformation that input is the transformation's own value
@@ -185,7 +179,9 @@ def _in_a_transformation() -> SBPError:
     )
 
 
-def _chain_of(model, sample, blocks, check) -> LayerChain:
+def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) -> LayerChain:
+    """The :class:`LayerChain` of an NNX model (see the module docstring).
+    ``check``: run the chain and the model on ``sample`` and compare."""
     if not isinstance(model, nnx.Module):
         raise SBPError(
             f"LayerChain.from_model: {type(model).__name__} is not a Flax NNX module; for layer functions use "
