@@ -129,6 +129,22 @@ def geometry(shape: tuple, grid: tuple) -> Geometry:
     return Geometry(shape, grid)
 
 
+def zero_split(nd: tuple, shape, grid: tuple, axis: int) -> tuple:
+    """ZeRO's stored layout of a tensor laid out ``nd``: whole (B) over
+    ``axis`` becomes a split of its first dim that stays even with the splits
+    already on it (dim 0 first, as OneFlow's Fig. 14); a tensor no dim of which
+    divides (a small odd bias), or ``nd`` not whole over ``axis``, stays as it is."""
+    if not isinstance(nd[axis], Broadcast) or grid[axis] == 1:
+        return nd
+    for dim in range(len(shape)):
+        splits = grid[axis] * math.prod(
+            grid[a] for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim
+        )
+        if shape[dim] % splits == 0:
+            return nd[:axis] + (Split(dim),) + nd[axis + 1 :]
+    return nd
+
+
 def balanced_piece(n: int, p: int, i: int) -> tuple[int, int]:
     """(start, size) of piece ``i`` when ``n`` is split in ``p`` balanced pieces:
     the first ``n % p`` pieces get one extra element."""

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 from sbpjax.compiler.domains import AUTO, auto_layouts
 from sbpjax.compiler.liveness import block_bytes, held_bytes
+from sbpjax.layout import zero_split
 from sbpjax.sbp import Broadcast, Split
 
 
@@ -50,14 +51,9 @@ def most_split(var, grid) -> tuple:
 
 def split_over(var, grid, axis: int) -> tuple:
     """ZeRO's split of ``var`` over one placement ``axis`` (the data axis on
-    a grid that also has a tensor axis): its lowest dim that axis's size
-    divides, whole on the other axes; whole where no dim divides (a small odd
-    bias), as ``sbpjax.flax.zero_layout`` stores it."""
-    rep = (Broadcast(),) * len(grid)
-    for d, size in enumerate(var.shape):
-        if size % grid[axis] == 0 and size >= grid[axis]:
-            return rep[:axis] + (Split(d),) + rep[axis + 1 :]
-    return rep
+    a grid that also has a tensor axis), whole on the other axes: what
+    ``sbpjax.flax.zero_layout`` stores (``layout.zero_split``)."""
+    return zero_split((Broadcast(),) * len(grid), var.shape, grid, axis)
 
 
 def data_axes(in_sbp, grid) -> list[int]:

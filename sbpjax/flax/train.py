@@ -23,8 +23,6 @@ Layouts, as in OneFlow's Fig. 14:
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +35,7 @@ from sbpjax.compiler.api import constrain, jit
 from sbpjax.compiler.arguments import checked_regather, checked_time_limit, is_nd_sbp, state_sbp
 from sbpjax.compiler.options import checked_options
 from sbpjax.dtypes import canonical_dtype, is_key
-from sbpjax.layout import Geometry
+from sbpjax.layout import Geometry, zero_split
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, format_sbp, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, is_global, to_global
@@ -52,16 +50,7 @@ def zero_layout(nd: tuple, shape, placement: Placement, axis: int) -> tuple:
             f"zero_layout: axis {axis} is out of range for a placement of {placement.ndim} axes "
             f"{placement.axis_names}; give 0..{placement.ndim - 1} (the axis the batch is split over)."
         )
-    axis %= placement.ndim  # -1: the last axis
-    if not isinstance(nd[axis], Broadcast) or placement.shape[axis] == 1:
-        return nd
-    for dim in range(len(shape)):
-        splits = placement.shape[axis] * math.prod(
-            placement.shape[a] for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == dim
-        )
-        if shape[dim] % splits == 0:
-            return nd[:axis] + (Split(dim),) + nd[axis + 1 :]
-    return nd
+    return zero_split(nd, shape, placement.shape, axis % placement.ndim)  # -1: the last axis
 
 
 def init_global(fn, placement: Placement, sbp, *args):
