@@ -16,7 +16,7 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.pipeline.bodies import ready
-from sbpjax.pipeline.feeds import feed, placed
+from sbpjax.pipeline.feeds import feed, on_host, placed
 
 
 def _analysis(compiled) -> dict:
@@ -58,8 +58,8 @@ def program_costs(pipe, inputs, targets) -> list[dict]:
             "program_costs: some stages run in other processes; call it where every stage runs "
             "(one process), or read each process's own stages' programs."
         )
-    x = placed(feed("inputs", inputs, m)(0), stages[0].placement, stages[0].in_sbp)
-    t = placed(feed("targets", targets, m)(0), stages[-1].placement, pipe.target_sbp)
+    x = placed(feed("inputs", on_host(inputs), m)(0), stages[0].placement, stages[0].in_sbp)
+    t = placed(feed("targets", on_host(targets), m)(0), stages[-1].placement, pipe.target_sbp)
     costs: list[dict] = [{} for _ in stages]
     stash = []
     last = len(stages) - 1

@@ -41,11 +41,10 @@ def on_host(data):
 
 
 def feed(name: str, data, m: int) -> Callable[[int], Any]:
-    """``k -> microbatch k`` of ``data`` split into ``m`` equal microbatches
-    (``data`` itself where it is that function already)."""
+    """``k -> microbatch k`` of ``data`` (``on_host``) split into ``m`` equal
+    microbatches (``data`` itself where it is that function already)."""
     if callable(data):
         return data
-    data = on_host(data)
     leaves = jax.tree.leaves(data)
     one_array = len(leaves) == 1 and leaves[0] is data
     if not leaves or not all(hasattr(a, "shape") for a in leaves) or (name == "inputs" and not one_array):

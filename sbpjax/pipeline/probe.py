@@ -230,8 +230,8 @@ class Parts:
         """The head on the blocks' output ``h``. The model's own input is not
         there on the last stage: zeros of its shape stand in (``x`` only where
         ``split_params`` checks that the head never reads it)."""
-        dummy = jnp.zeros((np.shape(h)[0], *np.shape(self.sample)[1:]), np.asarray(self.sample).dtype)
-        dummy = dummy if x is None else x
+        sample = np.asarray(self.sample)
+        dummy = jnp.zeros((np.shape(h)[0], *sample.shape[1:]), sample.dtype) if x is None else x
         if self.stacked:
             return self._after_scan(own, dummy, h)
         token = _INJECTED.set(h)
