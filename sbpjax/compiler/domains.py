@@ -293,9 +293,7 @@ class Domains:
         dec = self.greedy[index]
         keep_g = (list(dec.in_sbp), list(dec.out_sbp))
         if len(cs) > 1:
-            uses = self._reads(node)
-            if node.name in ELEMENTWISE:
-                self._beside_zero_fill(node, uses, dec.in_sbp)
+            uses = self._reads(node, dec.in_sbp)
             # each operand's allowed layouts, greedy's among them, so greedy's own
             # candidate passes the screen (8,700 ops on a 32-layer step: bitsets
             # per candidate list, OperandIndex, not a test per candidate)
@@ -314,9 +312,10 @@ class Domains:
             self._derive_whole(node)
         return cs
 
-    def _reads(self, node) -> list:
+    def _reads(self, node, greedy_reads) -> list:
         """Per operand of ``node``, the layouts it may be read in (None for a
-        constant): those ``_uses`` gives, widened for the op's kind."""
+        constant): those ``_uses`` gives, widened for the op's kind
+        (``greedy_reads``: the layouts the greedy pass reads them in)."""
         uses: list = [self._uses(a) if isinstance(a, Var) else None for a in node.ins]
         alike = [  # operands (i, j) of one shape, both values
             (i, j)
@@ -337,6 +336,8 @@ class Domains:
                 uses[i] = uses[i] | self._uses(node.ins[j])
         elif node.name in ELEMENTWISE:
             self._elementwise_reads(node, uses, alike)
+        if node.name in ELEMENTWISE:  # add_any too
+            self._beside_zero_fill(node, uses, greedy_reads)
         if node.name in HEAVY:
             self._product_reads(node, uses)
         table = node.ins[0] if node.name == "gather" else None
