@@ -77,6 +77,14 @@ def build_graph(
             f"stage at least {m} slots, or use 1f1b, which holds at most p per stage."
         )
     split = schedule.split_backward
+    if kept_counts is not None and not split:
+        # refused rather than ignored: a bound the user set on W's buffers that
+        # silently does nothing would let them grow unseen once the schedule changes back
+        raise SBPError(
+            f"pipeline: kept_counts bounds the values B keeps for W, but {schedule.name!r} runs each stage's "
+            f"backward as one action and keeps none; drop kept_counts, or use a schedule that splits the "
+            f"backward (zb-h1, zb-h2, zb-v, dualpipev)."
+        )
     kept = _counts(kept_counts, schedule.kept_counts(devices, m), n, "kept_counts") if split else None
     if isinstance(schedule, ActionList) and (
         stash_counts is not None or kept_counts is not None or memory_budget is not None

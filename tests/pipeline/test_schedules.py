@@ -142,6 +142,8 @@ def test_budgets_and_counts_are_refused_before_anything_runs(stage_sets):
     x, y = batch(8, seed=1)
     with pytest.raises(sj.SBPError, match="backward_input of stage 1, microbatch 1.*1 kept slot"):
         sjp.Pipeline(stages, mse, opt, microbatches=8, schedule="zb-h1", kept_counts=[1, 1])
+    with pytest.raises(sj.SBPError, match="'1f1b'.* keeps none; drop kept_counts"):
+        sjp.Pipeline(stages, mse, opt, microbatches=8, schedule="1f1b", kept_counts=[2, 2])
     prog = sjp.Pipeline(stages, mse, opt, microbatches=8).programs
     stash0 = prog[0].vjp.slot_bytes(params[0], x[:MB], ())[0]
     stash1, kept1 = prog[1].vjp.slot_bytes(params[1], x[:MB], (y[:MB],))
