@@ -196,13 +196,17 @@ class LayerChain:
         if examples is not None:
             x = jax.ShapeDtypeStruct((examples, *x.shape[1:]), x.dtype)
         out = [x]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = jax.eval_shape(layer.apply, layer.params, x)
-            if not isinstance(x, jax.ShapeDtypeStruct):
+            # the last layer's output goes to the loss in the last stage's own
+            # program, never between stages, so it may be any pytree (logits and
+            # an auxiliary loss); every other one crosses a cut as one array
+            if i < len(self.layers) - 1 and not isinstance(x, jax.ShapeDtypeStruct):
                 raise SBPError(
-                    f"LayerChain: layer {layer.name!r} returns {type(x).__name__}; a layer passes one "
-                    "array to the next (pack several values into one, or return the last layer's "
-                    "outputs only from the last layer)."
+                    f"LayerChain: layer {layer.name!r} (layer {i} of {len(self.layers)}) returns "
+                    f"{type(x).__name__}; a layer passes one array to the next, so pack several values "
+                    "into one array (only the last layer, whose output goes to the loss, may return a "
+                    "tuple or dict)."
                 )
             out.append(x)
         return out

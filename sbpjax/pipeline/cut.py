@@ -95,7 +95,7 @@ def layer_times(chain: LayerChain, repeats: int = 5, device=None) -> list[tuple[
         key = layer.tie
         if key is None or key not in seen:
             bwd = jax.jit(_backward(layer.apply))
-            dy = jax.numpy.ones_like(y)
+            dy = jax.tree_util.tree_map(jax.numpy.ones_like, y)  # the last layer's output may be a pytree
             jax.block_until_ready(bwd(p, x, dy))
             t_f = _median_time(fwd, (p, x), repeats)
             t_b = _median_time(bwd, (p, x, dy), repeats)

@@ -75,8 +75,11 @@ class LayerProfile:
         return sum(op.w_elems for op in self.ops)
 
 
-def _nbytes(aval) -> float:
-    return float(math.prod(aval.shape) * np.dtype(aval.dtype).itemsize)
+def _nbytes(avals) -> float:
+    """Bytes of a value's leaves (the last layer's output may be a pytree)."""
+    return float(
+        sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(avals))
+    )
 
 
 def profile(chain) -> list[LayerProfile]:

@@ -167,6 +167,41 @@ def test_a_cut_chain_of_functions_trains_like_one_program():
         assert_close(got["w"].numpy(), want["w"], rtol=1e-5)
 
 
+def test_the_last_layer_may_return_a_tuple_for_the_loss():
+    """An auxiliary loss beside the output (a mixture of experts' balance term):
+    only the last layer's output goes to the loss in its own program, so it may be
+    a pytree; a tuple between layers is refused, naming the layer."""
+    chain, params, x = uneven_chain()
+    y = np.random.default_rng(1).normal(size=(ROWS, WIDTHS[-1])).astype(np.float32)
+
+    def dense_with_aux(p, h):
+        out = dense(p, h)
+        return out, {"aux": jnp.mean(out**2)}
+
+    layers = [dense] * (len(params) - 1) + [dense_with_aux]
+    chain = sjp.LayerChain.from_functions(layers, params, x)
+
+    def loss(out, target):
+        return jnp.mean((out[0] - target) ** 2) + 0.1 * out[1]["aux"]
+
+    c = sjp.cut(chain, sj.placement(2, "pp"))  # by flop counts: the last layer's backward is priced
+    r = sjp.Pipeline(c.stages, loss, optax.sgd(0.1), microbatches=4).step(x, y)
+    want_loss, want_grads = jax.value_and_grad(lambda ps: loss(chain(ps, x), y))(params)
+    # microbatches average the aux term over 4 means of 8 rows: the same as one mean of 32
+    assert r.loss == pytest.approx(float(want_loss), rel=1e-5)
+    for got, want in zip(c.layer_params(r.grads), want_grads):
+        assert_close(got["w"].numpy(), want["w"], rtol=1e-5)
+    assert len(sjp.layer_times(chain, repeats=1)) == len(params)
+
+    def pair(p, h):
+        return dense(p, h), h
+
+    with pytest.raises(
+        sj.SBPError, match=r"layer 'layer0' \(layer 0 of 7\) returns tuple.*only the last layer"
+    ):
+        sjp.LayerChain.from_functions([pair] + [dense] * 6, params, x).boundaries()
+
+
 # -- NNX models --------------------------------------------------------------------------
 class Block(nnx.Module):
     def __init__(self, rngs):
