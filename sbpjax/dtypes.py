@@ -140,6 +140,13 @@ def is_key(v) -> bool:
     )
 
 
+def constant_bits(value) -> np.ndarray:
+    """A program constant as a NumPy array, to compare or fingerprint: a typed
+    key closed over by the user's function is its key data (NumPy cannot hold
+    a key), which names it as well as its value would."""
+    return np.asarray(jax.random.key_data(value)) if is_key(value) else np.asarray(value)
+
+
 def key_impl(v) -> str | None:
     """The implementation's name of a typed key (``"threefry2x32"``), else None."""
     return str(jax.random.key_impl(v)) if is_key(v) else None
@@ -148,6 +155,7 @@ def key_impl(v) -> str | None:
 __all__ = [
     "PARTIAL_OPS_BY_CLASS",
     "canonical_dtype",
+    "constant_bits",
     "check_partial_dtype",
     "dtype_class",
     "dtype_name",

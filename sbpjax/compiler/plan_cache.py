@@ -37,7 +37,7 @@ from sbpjax._errors import SBPError, SBPWarning
 from sbpjax._version import __version__
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.program import Var
-from sbpjax.dtypes import dtype_name
+from sbpjax.dtypes import constant_bits, dtype_name
 from sbpjax.sbp import format_sbp, parse_sbp
 
 SCHEMA = 1
@@ -82,10 +82,9 @@ def _program_text(program) -> list:
             if isinstance(a, Var):
                 ins.append(where.get(id(a), ("?",)))
             else:
-                value = np.asarray(a.value)
-                ins.append(
-                    ("const", value.shape, str(value.dtype), hashlib.sha256(value.tobytes()).hexdigest())
-                )
+                value = constant_bits(a.value)  # a typed key: its key data
+                dtype = str(getattr(a.value, "dtype", value.dtype))
+                ins.append(("const", np.shape(a.value), dtype, hashlib.sha256(value.tobytes()).hexdigest()))
         params = _ADDRESS.sub("", node.params_text)
         branch = tuple((cond_number.setdefault(c, len(cond_number)), k) for c, k in node.branch)
         outs = [(tuple(o.shape), dtype_name(o.dtype)) for o in node.outs]

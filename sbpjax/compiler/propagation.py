@@ -21,7 +21,7 @@ import numpy as np
 from sbpjax.boxing.plan import BoxingPlan
 from sbpjax.compiler.options import DEFAULT_OPTIONS
 from sbpjax.compiler.program import Const, Node, Program, Var
-from sbpjax.dtypes import dtype_name, partial_supported
+from sbpjax.dtypes import constant_bits, dtype_name, is_key, partial_supported
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES
 from sbpjax.sbp import Broadcast, Partial, Split
@@ -217,7 +217,7 @@ def op_key(node: Node) -> tuple:
         consts = tuple(
             None
             if isinstance(a, Var)
-            else (np.asarray(a.value).tobytes() if np.size(a.value) <= 64 else id(a.value))
+            else (constant_bits(a.value).tobytes() if np.size(a.value) <= 64 else id(a.value))
             for a in node.ins
         )
         key = (
@@ -265,7 +265,7 @@ def zero_values(program: Program) -> set:
 
     def zero(atom) -> bool:
         if isinstance(atom, Const):
-            return not np.any(np.asarray(atom.value))
+            return not is_key(atom.value) and not np.any(np.asarray(atom.value))
         return id(atom) in out
 
     for node in program.nodes:

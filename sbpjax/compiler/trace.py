@@ -37,6 +37,7 @@ from sbpjax.compiler.program import (
     source_of,
 )
 from sbpjax.compiler.small_jaxprs import index_jaxpr, jaxpr_of
+from sbpjax.dtypes import constant_bits
 
 INLINE = {
     "pjit",
@@ -445,7 +446,8 @@ def _cse_key(eqn, ins, texts):
         if isinstance(a, Var):
             args.append(("v", a.id))
         elif np.ndim(a.value) == 0:
-            args.append(("c", repr(np.asarray(a.value).dtype), repr(np.asarray(a.value).item())))
+            bits = constant_bits(a.value)  # a typed key: its key data
+            args.append(("c", str(getattr(a.value, "dtype", bits.dtype)), bits.tobytes()))
         else:
             return None
     return (eqn.primitive.name, params, tuple(args))

@@ -37,6 +37,25 @@ def test_a_typed_key_argument_draws_what_jax_jit_draws(impl, pl8):
     assert len(f._cache) == 1
 
 
+def test_a_key_closed_over_draws_what_jax_jit_draws(pl8, pl24, tmp_path):
+    """A key the function closes over is a constant of its program: merged with
+    its equals, fingerprinted for the plan cache and read back by its key data."""
+    key = jax.random.key(1)
+
+    def f(x):
+        again = jax.random.key(1)  # an equal key made inside: equal draws, one program
+        return x + jax.random.normal(key, x.shape) + jax.random.uniform(jax.random.fold_in(again, 3), x.shape)
+
+    want = jax.jit(f)(X)
+    for pl, sbp in ((pl8, (S(0),)), (pl24, (S(0), S(1)))):
+        for _ in range(2):  # solved, then read back from the plan cache
+            g = sj.jit(f, placement=pl, in_sbp=(sbp,), out_sbp=(B,) * pl.ndim, plan_cache=str(tmp_path))
+            assert_close(g(X).numpy(), want, rtol=1e-6)
+    other = jax.random.key(2)
+    h = sj.jit(lambda x: x + jax.random.normal(other, x.shape), placement=pl8, in_sbp=(S(0),))
+    assert_close(h(X).numpy(), X + np.asarray(jax.random.normal(other, X.shape)), rtol=1e-6)
+
+
 def test_a_typed_key_result_comes_back_typed_and_feeds_the_next_call(pl8):
     def step(key, x):
         key, sub = jax.random.split(key)
