@@ -5,7 +5,8 @@ Per device: ``y_i = reduce(x_i, axes)``. If ``x`` is split on a reduced dim,
 ``reduce_min`` -> P(min) (how a model-parallel softmax gets its max and sum
 without gathering the logits). A split on a kept dim stays a split (renumbered).
 A partial input of the same op stays partial: ``sum(sum_i x_i) = sum_i sum(x_i)``.
-``argmax``/``argmin`` need the reduced dim whole. ``cumsum`` and friends keep
+``argmax``/``argmin``, products and bitwise reductions over a split dim gather
+each piece's result and reduce those. ``cumsum`` and friends keep
 splits off their axis; ``cumsum`` is linear (keeps P(sum)), ``cummax`` monotone.
 Split along their axis, each piece's scan is completed with the totals of the
 pieces before it (an all-gather of one row per piece).
@@ -20,7 +21,7 @@ from jax import lax
 
 from sbpjax.boxing.lower import axis_arg, fill_value, group_index
 from sbpjax.rules import B, Comm, P, Sig, local_shape, rank, register, set_comm, set_local, split_axes
-from sbpjax.sbp import Split
+from sbpjax.sbp import Partial, Split
 
 _OP = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 
@@ -42,12 +43,16 @@ def reduction(eqn, in_avals):
 
 @register("argmax", "argmin", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
 def kept_dim_reduction(eqn, in_avals):
-    """``y_i = reduce(x_i)`` for splits of kept dims; over a split dim only a
-    boolean ``and`` / ``or`` has a partial kind: they are ``min`` / ``max`` on
-    booleans (``jnp.all(jnp.isfinite(grads))`` of a loss scaler reduces each
-    piece and all-reduces one flag, not the gathered gradients). An argmax, a
-    product, an integer (bitwise) and / or, or a xor over a split dim is
-    reduced whole."""
+    """``y_i = reduce(x_i)`` for splits of kept dims. Over a split dim a
+    boolean ``and`` / ``or`` is partial: ``min`` / ``max`` on booleans
+    (``jnp.all(jnp.isfinite(grads))`` of a loss scaler reduces each piece and
+    all-reduces one flag, not the gathered gradients). The others have no
+    partial kind, so each piece is reduced and the pieces' results are
+    gathered and reduced again, ``y = reduce_i y_i`` (B): a product or a
+    bitwise op over the gathered results; an argmax takes each piece's winner
+    (its value and its index plus the piece's offset) and the first piece
+    holding the largest value (greedy decoding from logits split by
+    vocabulary gathers one value and one index per row, not the logits)."""
     axes = tuple(eqn.params["axes"])
     sigs = [
         Sig((Split(d),), (Split(d - sum(a < d for a in axes)),))
@@ -57,10 +62,64 @@ def kept_dim_reduction(eqn, in_avals):
     op = _LOGICAL.get(eqn.primitive.name) if in_avals[0].dtype == bool else None
     if op:
         sigs += [Sig((Split(d),), (P(op),)) for d in axes] + [Sig((P(op),), (P(op),))]
+    else:
+        sigs += [Sig((Split(d),), (B,)) for d in axes]
     return sigs + [Sig((B,), (B,))]
 
 
 _LOGICAL = {"reduce_and": "min", "reduce_or": "max"}
+
+
+def _reduced_split_axes(eqn, nd) -> tuple[int, ...]:
+    """The placement axes splitting a dim the reduction removes."""
+    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim in eqn.params["axes"])
+
+
+@set_comm("argmax", "argmin", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
+def kept_dim_reduction_comm(eqn, in_avals, ins, outs, grid):
+    """Over a split dim (and not a boolean partial): every device gathers each
+    piece's result (an argmax: its value and its index)."""
+    axes = _reduced_split_axes(eqn, ins[0])
+    if not axes or isinstance(outs[0][axes[0]], Partial):
+        return []
+    pieces = math.prod(grid[a] for a in axes)
+    out = eqn.outvars[0].aval
+    elems = math.prod(local_shape(out.shape, outs[0], grid))
+    itemsize = out.dtype.itemsize + (in_avals[0].dtype.itemsize if eqn.primitive.name in _ARG else 0)
+    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * elems * itemsize)]
+
+
+_ARG = {"argmax": jnp.argmax, "argmin": jnp.argmin}
+_BITWISE = {"reduce_prod": jnp.multiply, "reduce_and": jnp.bitwise_and, "reduce_or": jnp.bitwise_or}
+
+
+@set_local("argmax", "argmin", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
+def kept_dim_reduction_local(eqn, ins, ctx):
+    x = ins[0]
+    y = eqn.primitive.bind(x, **eqn.params)
+    axes = _reduced_split_axes(eqn, ctx.in_nd[0])
+    if not axes or isinstance(ctx.out_nd[0][axes[0]], Partial):
+        return [y]
+    group = axis_arg([ctx.placement.axis_names[a] for a in axes])
+    name = eqn.primitive.name
+    if name in _ARG:
+        (dim,) = eqn.params["axes"]
+        # even pieces (an op with communication of its own never takes an uneven split)
+        offset = group_index(axes, ctx.placement.axis_names, ctx.grid) * x.shape[dim]
+        value = jnp.take_along_axis(x, jnp.expand_dims(y, dim), axis=dim).squeeze(dim)
+        values = lax.all_gather(value, group, axis=0, tiled=False)
+        indices = lax.all_gather(y + offset.astype(y.dtype), group, axis=0, tiled=False)
+        # the first piece holding the winning value holds the first index of it (NaN included)
+        winner = _ARG[name](values, axis=0)
+        return [jnp.take_along_axis(indices, winner[None], axis=0)[0]]
+    pieces = lax.all_gather(y, group, axis=0, tiled=False)
+    combine = (
+        jnp.not_equal if name == "reduce_xor" and y.dtype == bool else _BITWISE.get(name, jnp.bitwise_xor)
+    )
+    out = pieces[0]
+    for k in range(1, pieces.shape[0]):  # a handful of pieces; lax.reduce has no xor on booleans
+        out = combine(out, pieces[k])
+    return [out.astype(y.dtype)]
 
 
 @register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")
