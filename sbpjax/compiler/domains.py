@@ -25,6 +25,7 @@ from sbpjax.compiler.reachable import (
     free_gathered,
     ids_whole,
     local_slices,
+    partly_gathered,
     reached,
     reductions,
     sliced_to,
@@ -338,6 +339,8 @@ class Domains:
             self._elementwise_reads(node, uses, alike)
         if node.name in ELEMENTWISE:  # add_any too
             self._beside_zero_fill(node, uses, greedy_reads)
+        elif node.name not in HEAVY:
+            self._partly_gathered(node, uses, greedy_reads)
         if node.name in HEAVY:
             self._product_reads(node, uses)
         table = node.ins[0] if node.name == "gather" else None
@@ -393,6 +396,21 @@ class Domains:
             whole = None if uses[i] is None or made is None else unfilled(made, greedy_reads[i])
             if whole is not None:
                 uses[i] = uses[i] | {whole}
+
+    def _partly_gathered(self, node, uses: list, greedy_reads) -> None:
+        """Widen ``uses`` in place where the greedy pass gathers an operand
+        whole over several axes for an op that needs some dim whole (an FFT
+        along a split dim, a sort, a reshape merging dims): the operand may
+        be gathered over some of those axes only, keeping a split the op can
+        run on. Without it ``abs(rfft(x, axis=1))`` of an (S(0), S(1)) ``x`` on
+        2x4 gathered it whole: 43,008 B against 30,976 gathering dim 1 only
+        (GSPMD's 30,976). Not for contractions (``_gathered`` and
+        ``free_gathered`` say which of their operands may be gathered) or
+        elementwise ops (which follow their operands' layouts)."""
+        for i, a in enumerate(node.ins):
+            made = self.made.get(id(a)) if isinstance(a, Var) else None
+            if uses[i] is not None and made is not None:
+                uses[i] = uses[i] | partly_gathered(made, tuple(greedy_reads[i]))
 
     def _product_reads(self, node, uses: list) -> None:
         """Widen ``uses`` in place for a contraction: a weight gathered over

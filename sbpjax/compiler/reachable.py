@@ -61,6 +61,23 @@ def unfilled(made, read):
     return whole if whole == made or sliced_to(made, whole) else None
 
 
+def partly_gathered(made, read) -> set:
+    """The layouts between ``made`` and ``read`` where ``read`` gathers some of
+    ``made``'s splits whole (and keeps its other axes as they are): each
+    nonempty proper subset of those axes gathered. Empty where ``read`` does
+    more than gather."""
+    gathered = [a for a, (m, r) in enumerate(zip(made, read)) if m != r]
+    if len(gathered) < 2 or not all(
+        isinstance(made[a], Split) and isinstance(read[a], Broadcast) for a in gathered
+    ):
+        return set()
+    out = set()
+    for k in range(1, len(gathered)):
+        for axes in itertools.combinations(gathered, k):
+            out.add(tuple(Broadcast() if a in axes else q for a, q in enumerate(made)))
+    return out
+
+
 def local_slices(lays, shape) -> set:
     """Every layout each of ``lays`` slices to locally (no bytes): whole (B)
     axes split on a dim of ``shape`` longer than 1 that no later axis splits

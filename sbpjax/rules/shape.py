@@ -69,7 +69,13 @@ def broadcast_in_dim(eqn, in_avals):
 
 def reshape_map(in_shape, out_shape) -> dict:
     """Input dim -> output dim for splits that survive a row-major reshape: the
-    dims start at the same flat offset and one is the major part of the other."""
+    dims start at the same flat offset. With ``pre`` elements' worth of outer
+    index before both, the j-th of p even pieces of either is, for each outer
+    index, the flat run ``[j, j + 1) * total / (pre * p)``: the same elements,
+    whatever the sizes of the two dims (a (16, 96) -> (384, 4) reshape keeps a
+    split of the rows, though 384 merges the rows with part of the columns).
+    Uneven pieces of dims of different sizes are not the same runs; the
+    uneven-split check (``sbpjax.compiler.uneven.fits``) refuses those."""
     out = {}
     pre_out = [math.prod(out_shape[:k]) for k in range(len(out_shape) + 1)]
     for d, n in enumerate(in_shape):
@@ -78,13 +84,7 @@ def reshape_map(in_shape, out_shape) -> dict:
         pre = math.prod(in_shape[:d])
         for k in range(len(out_shape)):
             if pre_out[k] == pre and out_shape[k] > 1:
-                m = out_shape[k]
-                if m == n:
-                    out[d] = k
-                elif m > n and any(math.prod(in_shape[d:e]) == m for e in range(d + 1, len(in_shape) + 1)):
-                    out[d] = k  # d is the major part of a merged dim
-                elif m < n and any(math.prod(out_shape[k:e]) == n for e in range(k + 1, len(out_shape) + 1)):
-                    out[d] = k  # k is the major part of split d
+                out[d] = k
                 break
     return out
 
