@@ -16,7 +16,9 @@ then costs:
 * memory per device: parameters times ``MemoryModel.bytes_per_param`` (matmul
   weights at their layout's share, the rest replicated), and per microbatch in
   flight its saved activations (each matmul's input and output pieces, as
-  :class:`sbpjax.search.MemoryModel` counts them) or, with remat, its input.
+  :class:`sbpjax.search.MemoryModel` counts them, and what else the layer's
+  VJP keeps, ``LayerProfile.saved_bytes``, split by its matmuls' least data
+  degree) or, with remat, its input.
 
 A stage adds ``ComputeModel.action_s`` per forward and per backward action (the
 launch of a program and the runtime's messages), and moving its input between
@@ -148,7 +150,12 @@ def _per_layer(profiles, strategy, grid: Grid, memory: MemoryModel) -> Layouts:
         rest = p.param_elems - p.op_param_elems
         params[i] = rest * memory.bytes_per_param
         if not p.ops:
-            acts[i] = (p.in_bytes + p.out_bytes) / grid.size
+            acts[i] = max(p.in_bytes + p.out_bytes, p.saved_bytes or 0.0) / grid.size
+        else:
+            # what the layer saves beyond its matmuls (norms' statistics, activations'
+            # inputs) is split as its batch is, at most: by its matmuls' least data degree
+            data = min(plans[op.name].choice.degrees(grid)[0] if op.name in plans else 1 for op in p.ops)
+            acts[i] = p.other_saved_bytes / data
         for op in p.ops:
             deg = plans[op.name].choice.degrees(grid) if op.name in plans else (1, 1, 1)
             total = op_memory(op, deg, MemoryModel(memory.bytes_per_param, True, None))
@@ -227,9 +234,9 @@ def floor_layouts(profiles: list[LayerProfile], grid: Grid, memory: MemoryModel)
     for i, p in enumerate(profiles):
         params[i] = (p.param_elems - p.op_param_elems + p.op_param_elems / grid.size) * memory.bytes_per_param
         acts[i] = (
-            sum((op.x_elems + op.y_elems) * op.itemsize for op in p.ops) / grid.size
+            (sum((op.x_elems + op.y_elems) * op.itemsize for op in p.ops) + p.other_saved_bytes) / grid.size
             if p.ops
-            else (p.in_bytes + p.out_bytes) / grid.size
+            else max(p.in_bytes + p.out_bytes, p.saved_bytes or 0.0) / grid.size
         )
         for op in p.ops:
             shape = (op.m, op.k, op.n, op.batch, op.heads, op.edge_n, op.itemsize)

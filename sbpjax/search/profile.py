@@ -33,8 +33,12 @@ class LayerProfile:
     parameter (names unique in the chain; ``param`` is the parameter's path in
     the layer's own tree); ``param_elems``: every parameter element (those not
     in ``ops``, e.g. norms and embedding tables, stay replicated); ``in_bytes``
-    / ``out_bytes``: the layer's input and output (logical); ``tie``: layers with
-    the same tie are alike and share their layouts."""
+    / ``out_bytes``: the layer's input and output (logical); ``saved_bytes``:
+    what one microbatch of the layer holds from its forward for its backward
+    (its input and JAX's residuals: a layernorm's statistics, a GELU's input,
+    as the pipeline's stash counts them; logical; None where not traced, as in
+    :func:`gpt_profiles`); ``tie``: layers with the same tie are alike and
+    share their layouts."""
 
     name: str
     examples: int
@@ -44,6 +48,7 @@ class LayerProfile:
     in_bytes: float
     out_bytes: float
     tie: str | None = None
+    saved_bytes: float | None = None
 
     def at(self, examples: int) -> LayerProfile:
         """The same layer on ``examples`` examples (raises :class:`SBPError` when a
@@ -68,7 +73,16 @@ class LayerProfile:
             ops=tuple(ops),
             in_bytes=self.in_bytes * r,
             out_bytes=self.out_bytes * r,
+            saved_bytes=None if self.saved_bytes is None else self.saved_bytes * r,
         )
+
+    @property
+    def other_saved_bytes(self) -> float:
+        """Saved bytes beyond its matmuls' inputs and outputs (which
+        :func:`~sbpjax.search.cost.op_memory` counts at their layouts' shares)."""
+        if self.saved_bytes is None:
+            return 0.0
+        return max(self.saved_bytes - sum((op.x_elems + op.y_elems) * op.itemsize for op in self.ops), 0.0)
 
     @property
     def op_param_elems(self) -> int:
@@ -91,10 +105,12 @@ def profile(chain) -> list[LayerProfile]:
     shapes = chain.boundaries()
     out: list[LayerProfile] = []
     ops_of: dict = {}
+    saved_of: dict = {}
     for i, (layer, x, y, f) in enumerate(zip(chain.layers, shapes, shapes[1:], flops)):
         key = layer.tie if layer.tie is not None else ("layer", i)
         if key not in ops_of:
             ops_of[key] = _layer_ops(layer, x)
+            saved_of[key] = _saved_bytes(layer, x)
         prefix = f"{i}:{layer.name}"
         ops = tuple(
             dataclasses.replace(
@@ -106,8 +122,29 @@ def profile(chain) -> list[LayerProfile]:
             for op in ops_of[key]
         )
         elems = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(layer.params))
-        out.append(LayerProfile(layer.name, chain.examples, f, ops, elems, _nbytes(x), _nbytes(y), layer.tie))
+        out.append(
+            LayerProfile(
+                layer.name, chain.examples, f, ops, elems, _nbytes(x), _nbytes(y), layer.tie, saved_of[key]
+            )
+        )
     return out
+
+
+def _saved_bytes(layer, x) -> float:
+    """The layer's input and the residuals its VJP keeps, as the pipeline's
+    stash holds them for a stage of this layer alone
+    (:meth:`sbpjax.pipeline.programs.StageVJP.slot_bytes`)."""
+    from sbpjax.pipeline.split import split_vjp
+
+    leaves, tree = jax.tree_util.tree_flatten(layer.params)
+    n = len(leaves)
+    differentiable = bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
+
+    def fn(*args):
+        return layer.apply(jax.tree_util.tree_unflatten(tree, args[:n]), args[n])
+
+    split = split_vjp(fn, [*leaves, x], n, 1 if differentiable else 0)
+    return _nbytes(x) + sum(_nbytes(r.aval) for r in split.saved_refs)
 
 
 def _layer_ops(layer, x) -> tuple[MatmulOp, ...]:
