@@ -171,11 +171,24 @@ def launch(
         t = threading.Thread(target=_stream, args=(rank, p.stdout, out, lock), daemon=True)
         t.start()
         readers.append(t)
+    # Each process's exit, in the order they happen: a process whose peer died
+    # fails in its next collective and exits too, often within one poll of the
+    # first; the one to name is the first to exit, not the lowest rank.
+    exits: list = []
+
+    def wait(rank, p):
+        code = p.wait()
+        with lock:
+            exits.append((rank, code))
+
+    for rank, p in enumerate(procs):
+        threading.Thread(target=wait, args=(rank, p), daemon=True).start()
     code = 0
     try:
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            with lock:
+                done = list(exits)
+            failed = [(r, c) for r, c in done if c != 0]
             if failed:
                 rank, code = failed[0]
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -185,7 +198,7 @@ def launch(
                 _stop(procs, grace)
                 code = code if code > 0 else 128 - code
                 break
-            if all(c == 0 for c in codes):
+            if len(done) == nprocs:
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:

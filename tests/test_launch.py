@@ -117,6 +117,26 @@ def test_a_failing_process_stops_the_others_and_is_named(tmp_path):
     assert seconds < 60, seconds  # process 0 was blocked in a collective: it was stopped, not waited for
 
 
+PEER_FAILS_AFTER = """
+import jax, numpy as np
+from jax.experimental import multihost_utils
+multihost_utils.process_allgather(np.ones(4))
+if jax.process_index() == 1:
+    raise RuntimeError("the real failure, in process 1")
+multihost_utils.process_allgather(np.ones(4))  # process 0 fails here: its peer is gone
+"""
+
+
+def test_the_process_named_is_the_first_to_fail_not_the_lowest_rank(tmp_path):
+    """Process 0 fails too, a moment later, in a collective with the dead peer;
+    both exits often fall within one poll of the launcher, which once named
+    process 0 (3 runs of 3)."""
+    for _ in range(2):
+        code, out, _ = launch(tmp_path, PEER_FAILS_AFTER, "-n", "2", "--local-devices", "1", "--grace", "3")
+        assert code == 1, out
+        assert "[launch] process 1 exited with code 1; stopping the other processes" in out, out
+
+
 HANG = """
 import time
 print("waiting", flush=True)
