@@ -476,6 +476,16 @@ def restore(path, target):
             path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args)
         )
     except Exception as e:  # noqa: BLE001 - tensorstore / orbax read errors
+        if "tree structures do not match" in str(e):
+            # the files passed the manifest's check and every leaf name matched:
+            # the trees differ in their empty parts, which hold no leaf
+            raise SBPError(
+                f"checkpoint.restore({path}): the target has the saved leaves but another tree "
+                "structure around them: its empty parts differ (an optax.adamw state holds an "
+                "EmptyState where optax.adam's holds none; a () or None where the save had another). "
+                "Restore into a target built as the saved tree was (the same optimizer chain); "
+                "the checkpoint itself is intact."
+            ) from e
         raise CheckpointError(
             f"checkpoint.restore: the checkpoint at {path} is corrupted: reading its arrays "
             f"failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}).",

@@ -282,6 +282,22 @@ def _damage(file, how):
         open(file, "wb").write(bytes(b ^ 0x5A for b in data) if data else b"")
 
 
+def test_an_optimizer_state_of_another_chain_is_a_structure_mismatch_not_corruption(tmp_path):
+    """optax.adamw's state is adam's plus an EmptyState: the same leaves, another
+    tree. Reported as corrupted, a user could delete a good checkpoint."""
+    import optax
+
+    w = {"w": np.arange(4, dtype=np.float32)}
+    checkpoint.save(tmp_path / "c", {"params": w, "opt": optax.adam(1e-3).init(w)})
+    with pytest.raises(
+        sj.SBPError, match=r"another tree structure.*EmptyState.*checkpoint itself is intact"
+    ) as e:
+        checkpoint.restore(tmp_path / "c", {"params": w, "opt": optax.adamw(1e-3).init(w)})
+    assert not isinstance(e.value, checkpoint.CheckpointError)
+    back = checkpoint.restore(tmp_path / "c", {"params": w, "opt": optax.adam(1e-3).init(w)})
+    np.testing.assert_array_equal(back["params"]["w"], w["w"])
+
+
 @pytest.mark.parametrize(
     "how,kind", [("delete", "incomplete"), ("truncate", "corrupted"), ("garble", "corrupted")]
 )
