@@ -109,6 +109,21 @@ class LayerChain:
         self.layers = tuple(layers)
         if not self.layers:
             raise SBPError(f"LayerChain{source}: no layers; give at least one layer function.")
+        if sample is None or isinstance(sample, (dict, tuple)) or not np.ndim(sample):
+            # the pipeline feeds one array to the first stage (sbpjax.pipeline.feeds says why)
+            what = (
+                "None"
+                if sample is None
+                else "a scalar"
+                if np.ndim(sample) == 0 and not isinstance(sample, (dict, tuple))
+                else f"a {type(sample).__name__}"
+            )
+            raise SBPError(
+                f"LayerChain{source}: the sample is {what}; a chain's input is one array with the "
+                "examples along dim 0, as the pipeline feeds it to the first stage. Pack several inputs "
+                "into one array (concatenate a mask as a channel), or compute what the first layer "
+                "needs from it (a padding mask from the token ids)."
+            )
         self.sample = sample
         self.flops_cache: dict = {}  # examples -> per-layer (forward, backward) flops (sbpjax.pipeline.cut)
         self._to_model = to_model

@@ -47,8 +47,8 @@ def _parse_path(text: str) -> tuple:
 # -- finding the blocks ------------------------------------------------------------
 def _is_block_list(node, least: int = 2) -> bool:
     """A list of ``least`` or more modules. Found without a name, a list of one
-    module is not taken for the blocks (any submodule kept in a list would
-    be); named with ``blocks=``, it is."""
+    module is the blocks only where nothing else is (``find_blocks``); named
+    with ``blocks=``, it is."""
     return (
         isinstance(node, (list, tuple, nnx.List))
         and len(node) >= least
@@ -110,7 +110,18 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
             f"LayerChain.from_model: several modules of {type(model).__name__} look stacked "
             f"({', '.join(repr(n) for n, _ in stacks)}); name the blocks with blocks='<attribute>'."
         )
-    raise SBPError(_NOT_FOUND.format(model=type(model).__name__, attrs=_attributes(model)))
+    # Last: a list of one module, as a one-layer configuration of a deep model
+    # keeps its blocks. Taken only where it is the one such list and nothing
+    # else looks like blocks (a submodule kept alone in a list would be taken too).
+    singles = [(p, n) for p, n in nnx.iter_graph(model) if p and _is_block_list(n, least=1)]
+    singles = [(p, n) for p, n in singles if not any(q != p and under(p, q) for q, _ in singles)]
+    if len(singles) == 1:
+        return tuple(singles[0][0]), "list", 1
+    message = _NOT_FOUND.format(model=type(model).__name__, attrs=_attributes(model))
+    if singles:
+        found = ", ".join(repr(path_text(p)) for p, _ in singles)
+        message += f" (Its lists of one module, {found}, are not taken without a name: pass blocks=.)"
+    raise SBPError(message)
 
 
 def _attributes(model) -> list:

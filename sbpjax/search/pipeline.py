@@ -41,7 +41,7 @@ from sbpjax.pipeline.schedule import Schedule
 from sbpjax.search.cost import MemoryModel
 from sbpjax.search.cuts import Setting, cut_candidates, evaluate, every_cut, group_memory, least_bound
 from sbpjax.search.pipeline_cost import ComputeModel
-from sbpjax.search.pipeline_space import Space
+from sbpjax.search.pipeline_space import Space, stage_shapes
 from sbpjax.search.plan import PipelinePlan
 from sbpjax.search.profile import LayerProfile, profile
 from sbpjax.search.space import Grid
@@ -111,6 +111,25 @@ def _as_grid(devices) -> tuple[Grid, object]:
 MAX_SIMULATIONS = 8
 
 
+def _check_choices(grid: Grid, scheds: list, remat, groups) -> None:
+    """Refuse values to search that leave nothing to search, naming which."""
+    if not scheds:
+        raise SBPError(
+            f"search_pipeline: schedules=[] leaves nothing to search; give schedule names "
+            f"(any of {schedule_names()}), or leave it out for all of them."
+        )
+    if not list(remat):
+        raise SBPError("search_pipeline: remat=() leaves nothing to search; give (False,), (True,) or (False, True).")
+    if groups is not None:
+        tiling = sorted({g for g, _, _ in stage_shapes(grid)})
+        wanted = list(groups)
+        if not wanted or not set(wanted) & set(tiling):
+            raise SBPError(
+                f"search_pipeline: groups={wanted!r}: no such count of device groups tiles {grid!r} "
+                f"({grid.size} devices); counts that tile it: {tiling}."
+            )
+
+
 def search_pipeline(
     model,
     devices,
@@ -168,6 +187,7 @@ def search_pipeline(
             f"microbatches; use divisors of {batch}."
         )
     scheds = [as_schedule(s) for s in (schedules if schedules is not None else schedule_names())]
+    _check_choices(grid, scheds, remat, groups)
     space = Space(profiles, grid, batch, memory, compute, ms, scheds, tuple(remat), groups)
     if not space.protos:
         raise SBPError(

@@ -434,6 +434,10 @@ def test_models_that_cannot_be_cut_say_why():
         sjp.cut(ListGPT(nnx.Rngs(0)), sj.placement(8, "pp"), sample=x, stages=9)
     with pytest.raises(sj.SBPError, match="needs sample="):
         sjp.cut(ListGPT(nnx.Rngs(0)), sj.placement(2, "pp"))
+    eye = np.eye(4, dtype=np.float32)
+    for sample, what in (({"x": x, "mask": x}, "a dict"), ((x, x), "a tuple"), (np.float32(1), "a scalar")):
+        with pytest.raises(sj.SBPError, match=f"the sample is {what}; a chain's input is one array"):
+            sjp.LayerChain.from_functions([dense, dense], [{"w": eye}, {"w": eye}], sample)
 
 
 class OneBlock(Widening):  # its call: the embedding, each block in turn, the head
@@ -443,14 +447,26 @@ class OneBlock(Widening):  # its call: the embedding, each block in turn, the he
         self.head = nnx.Linear(8, 2, rngs=rngs)
 
 
-def test_a_named_list_of_one_block_is_the_blocks():
-    """Found without a name, a one-module list is not taken for the blocks;
-    named, it is."""
+class TwoSingleLists(OneBlock):
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.extra = nnx.List([nnx.Linear(8, 8, rngs=rngs)])
+
+    def __call__(self, x):
+        return super().__call__(x) + 0 * self.extra[0](jnp.zeros((1, 8))).sum()
+
+
+def test_a_list_of_one_block_is_the_blocks_where_nothing_else_is():
+    """A one-layer configuration of a deep model keeps its nnx.List of blocks;
+    where two one-module lists could be the blocks, the message names them."""
     x = np.ones((2, 4), np.float32)
-    with pytest.raises(sj.SBPError, match="found no blocks"):
-        sjp.LayerChain.from_model(OneBlock(nnx.Rngs(0)), x)
-    chain = sjp.LayerChain.from_model(OneBlock(nnx.Rngs(0)), x, blocks="blocks")
-    assert [layer.name for layer in chain.layers] == ["embed", "blocks.0", "head"]
+    for blocks in (None, "blocks"):
+        chain = sjp.LayerChain.from_model(OneBlock(nnx.Rngs(0)), x, blocks=blocks)
+        assert [layer.name for layer in chain.layers] == ["embed", "blocks.0", "head"]
+    with pytest.raises(
+        sj.SBPError, match=r"found no blocks.*lists of one module, 'blocks', 'extra'.*blocks="
+    ):
+        sjp.LayerChain.from_model(TwoSingleLists(nnx.Rngs(0)), x)
 
 
 class StatefulBlock(nnx.Module):

@@ -226,8 +226,18 @@ def test_bad_requests_say_what_to_fix():
             ss.search_pipeline(profiles, 4, batch=8, memory=budget)
     with pytest.raises(sj.SBPError, match="max_simulations=0"):
         ss.search_pipeline(profiles, 4, batch=8, max_simulations=0)
-    with pytest.raises(sj.SBPError, match=r"and schedules \['gpipe', '1f1b'"):
+    with pytest.raises(
+        sj.SBPError, match=r"groups=\[3\]: no such count of device groups tiles .*\[1, 2, 4\]"
+    ):
         ss.search_pipeline(profiles, 4, batch=8, groups=[3])
+    with pytest.raises(sj.SBPError, match=r"groups=\[16\]: no such count"):
+        ss.search_pipeline(profiles, 4, batch=8, groups=[16])
+    with pytest.raises(sj.SBPError, match=r"remat=\(\) leaves nothing to search"):
+        ss.search_pipeline(profiles, 4, batch=8, remat=())
+    with pytest.raises(sj.SBPError, match=r"schedules=\[\] leaves nothing to search"):
+        ss.search_pipeline(profiles, 4, batch=8, schedules=[])
+    with pytest.raises(sj.SBPError, match=r"and schedules \['1f1b'\] can run"):  # 3 layers on 4 stages
+        ss.search_pipeline(profiles, 4, batch=8, groups=[4], schedules=["1f1b"], microbatches=[8])
 
 
 def test_a_plan_is_proven_when_the_cuts_a_cap_left_unseen_cannot_beat_it():
