@@ -21,12 +21,44 @@ actions run one after another (each process drives one device group).
 
 from __future__ import annotations
 
+import hashlib
 import time
 
+import jax
+import numpy as np
+
+from sbpjax._errors import SBPError
 from sbpjax.pipeline.actor import ActorGraph
 from sbpjax.pipeline.errors import PipelineError, action_failed
 from sbpjax.pipeline.simulate import _SimulatedSystem, duration_function
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
+
+
+def check_same_step_in_every_process(pipe, processes, shapes) -> None:
+    """Every process must run the same step: a process with another microbatch
+    count, schedule or microbatch shape would send other sizes in its
+    transfers and abort or stall the others in gloo. Compared as one
+    fingerprint before anything runs, as ``sj.jit`` compares its calls
+    (``sbpjax.compiler.processes``); ``shapes``: one microbatch's shapes
+    (None for function feeds, whose shapes are not known before they run).
+    Only where the pipeline spans every process (an all-gather over every
+    process: the others would not join it)."""
+    if len(processes) != jax.process_count():
+        return
+    from jax.experimental import multihost_utils
+
+    desc = (pipe.microbatches, pipe.schedule.name, len(pipe.stages), len(pipe.groups), shapes)
+    mine = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise SBPError(
+            f"Pipeline.step: process(es) {differ} run another step than process 0 (this is process "
+            f"{jax.process_index()}: {pipe.microbatches} microbatches of {shapes if shapes else 'a function feed'}, "
+            f"schedule {pipe.schedule.name!r}, {len(pipe.stages)} stages). Every process must build the same "
+            "pipeline and step it on a batch of the same shape: the transfers between stages in different "
+            "processes are collectives of every process."
+        )
 
 
 class LockstepSystem(_SimulatedSystem):

@@ -38,7 +38,7 @@ from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
 from sbpjax.pipeline.feeds import feed, microbatch_shapes, on_host, rows
 from sbpjax.pipeline.graph import StageThreads, build_graph
-from sbpjax.pipeline.lockstep import LockstepSystem
+from sbpjax.pipeline.lockstep import LockstepSystem, check_same_step_in_every_process
 from sbpjax.pipeline.optimizer_scope import check_stagewise
 from sbpjax.pipeline.programs import StagePrograms
 from sbpjax.pipeline.registry import as_schedule
@@ -190,7 +190,8 @@ class Pipeline:
         # With jax.distributed, each process runs the stages that have devices in
         # it and meets the others in the transfers (sbpjax.pipeline.lockstep).
         self.here = [st.placement.in_this_process for st in stages]
-        self.lockstep = len(frozenset().union(*(st.placement.processes for st in stages))) > 1
+        self._processes = frozenset().union(*(st.placement.processes for st in stages))
+        self.lockstep = len(self._processes) > 1
         self.programs: list[StagePrograms | None] = [
             StagePrograms(st, loss_fn if i == n - 1 else None, i == 0, optimizer, self.target_sbp, index=i)
             if self.here[i]
@@ -285,6 +286,8 @@ class Pipeline:
                 f"Pipeline.step: inputs have {rows(inputs)} rows but targets {rows(targets)}; "
                 "microbatch k of each is rows k*size..(k+1)*size, so they must have the same number of rows."
             )
+        if self.lockstep:
+            check_same_step_in_every_process(self, self._processes, shapes)
         losses: list = [None] * m
         pending: list = [None] * len(self.stages)
         if self.memory_budget is not None:

@@ -119,7 +119,9 @@ def _check_choices(grid: Grid, scheds: list, remat, groups) -> None:
             f"(any of {schedule_names()}), or leave it out for all of them."
         )
     if not list(remat):
-        raise SBPError("search_pipeline: remat=() leaves nothing to search; give (False,), (True,) or (False, True).")
+        raise SBPError(
+            "search_pipeline: remat=() leaves nothing to search; give (False,), (True,) or (False, True)."
+        )
     if groups is not None:
         tiling = sorted({g for g, _, _ in stage_shapes(grid)})
         wanted = list(groups)

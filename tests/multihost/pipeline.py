@@ -81,4 +81,14 @@ for x, t in batches:
 kinds = sorted({r.kind for r in result.timeline.actions})
 print("KINDS", kinds)
 print("LOSSES", repr([float(v) for v in losses]))
+if pipe.lockstep:
+    # a process stepping another batch shape: refused in every process before any
+    # transfer (gloo aborted the run, or timed out after 30 s, when it was not)
+    x, t = batches[0]
+    rows = BATCH if jax.process_index() == 0 else BATCH // 2
+    try:
+        pipe.step(x[:rows], t[:rows])
+    except sj.SBPError as e:
+        assert "run another step than process 0" in str(e), e
+        print("MISMATCH REFUSED", jax.process_index())
 print("OK", jax.process_index())
