@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from sbpjax import checkpoint
+from sbpjax._errors import SBPError
 from sbpjax.dtypes import is_key
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.flax.train import TrainStep, checked_loss, init_global
@@ -63,6 +64,27 @@ def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, reg
         regather=regather,
         options=options,
     )
+
+
+def _traced_factory(model_factory):
+    """``model_factory``, with the one mistake JAX's own error leaves unexplained
+    when it runs traced: entering ``jax.set_mesh`` inside it."""
+
+    def make():
+        try:
+            return model_factory()
+        except ValueError as e:
+            if "set_mesh" not in str(e):
+                raise
+            raise SBPError(
+                "Trainer.create: model_factory enters jax.set_mesh, which JAX allows only outside "
+                "jax.jit, and the factory runs traced (nnx.eval_shape, then one jax.jit) so that no "
+                "parameter is ever whole on one device. Enter the mesh and the logical axis rules "
+                "around Trainer.create instead: `with jax.set_mesh(pl.mesh), "
+                "nnx.logical_axis_rules(rules): Trainer.create(lambda: Model(...), ...)`."
+            ) from None
+
+    return make
 
 
 class Trainer:
@@ -165,6 +187,7 @@ class Trainer:
         values equal ``Trainer(model_factory(), ...)``'s (the same RNG keys).
         """
         self = cls.__new__(cls)
+        model_factory = _traced_factory(model_factory)
         abstract = nnx.eval_shape(model_factory)
         self._setup(
             abstract,

@@ -194,3 +194,38 @@ def test_create_with_uneven_splits():
     for b, w in zip(batches, want):
         assert_close(born.step(b), w, rtol=1e-5)
         assert_close(split.step(b), w, rtol=1e-5)
+
+
+def test_a_factory_entering_set_mesh_is_told_to_enter_it_around_create():
+    """A model annotated with logical names is built under jax.set_mesh and the
+    rules, as MaxText does; inside the factory that is JAX's raw 'set_mesh can
+    only be used outside of jax.jit'. Around Trainer.create it trains."""
+    pl = sj.placement((2, 4), ("data", "model"))
+    rules = [("embed", None), ("mlp", "model")]
+
+    class Logical(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+            self.fc = nnx.Linear(6, 8, kernel_init=init, rngs=rngs)
+
+        def __call__(self, x):
+            return self.fc(x)
+
+    def inside():
+        with jax.set_mesh(pl.mesh), nnx.logical_axis_rules(rules):
+            return Logical(nnx.Rngs(0))
+
+    with pytest.raises(sj.SBPError, match=r"enters jax.set_mesh.*around Trainer.create"):
+        sjf.Trainer.create(inside, optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0), B))
+    with jax.set_mesh(pl.mesh), nnx.logical_axis_rules(rules):
+        trainer = sjf.Trainer.create(
+            lambda: Logical(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0), B)
+        )
+    assert trainer.params["fc"]["kernel"].sbp == (B, S(1))
+    from conftest import nnx_single_device
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32))] * 2
+    want, _ = nnx_single_device(Logical(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, batches)
+    for b, w in zip(batches, want):
+        assert_close(trainer.step(b), w, rtol=1e-5)
