@@ -226,6 +226,7 @@ def test_a_factory_entering_set_mesh_is_told_to_enter_it_around_create():
 
     rng = np.random.default_rng(0)
     batches = [(rng.normal(size=(8, 6)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32))] * 2
-    want, _ = nnx_single_device(Logical(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, batches)
+    with jax.set_mesh(pl.mesh), nnx.logical_axis_rules(rules):  # jax.jit's reference, on the same values
+        want, _ = nnx_single_device(Logical(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, batches)
     for b, w in zip(batches, want):
         assert_close(trainer.step(b), w, rtol=1e-5)
