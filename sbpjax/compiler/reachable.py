@@ -78,6 +78,16 @@ def partly_gathered(made, read) -> set:
     return out
 
 
+def gathered_splits(made) -> set:
+    """``made`` with each nonempty set of its split axes gathered whole."""
+    split = [a for a, q in enumerate(made) if isinstance(q, Split)]
+    out = set()
+    for k in range(1, len(split) + 1):
+        for axes in itertools.combinations(split, k):
+            out.add(tuple(Broadcast() if a in axes else q for a, q in enumerate(made)))
+    return out
+
+
 def local_slices(lays, shape) -> set:
     """Every layout each of ``lays`` slices to locally (no bytes): whole (B)
     axes split on a dim of ``shape`` longer than 1 that no later axis splits
