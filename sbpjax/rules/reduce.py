@@ -86,7 +86,10 @@ def kept_dim_reduction_comm(eqn, in_avals, ins, outs, grid):
     out = eqn.outvars[0].aval
     elems = math.prod(local_shape(out.shape, outs[0], grid))
     itemsize = out.dtype.itemsize + (in_avals[0].dtype.itemsize if eqn.primitive.name in _ARG else 0)
-    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * elems * itemsize)]
+    # each reduction gathers its own results: two reductions of one operand
+    # (an argmax and an argmin) share no exchange, unlike two reads of one halo
+    detail = (eqn.primitive.name, tuple(eqn.params["axes"]))
+    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * elems * itemsize, detail=detail)]
 
 
 _ARG = {"argmax": jnp.argmax, "argmin": jnp.argmin}
