@@ -479,12 +479,12 @@ def restore(path, target):
         if "tree structures do not match" in str(e):
             # the files passed the manifest's check and every leaf name matched:
             # the trees differ in their empty parts, which hold no leaf
+            orbax_says = " ".join(str(e).split())[:400]
             raise SBPError(
                 f"checkpoint.restore({path}): the target has the saved leaves but another tree "
-                "structure around them: its empty parts differ (an optax.adamw state holds an "
-                "EmptyState where optax.adam's holds none; a () or None where the save had another). "
-                "Restore into a target built as the saved tree was (the same optimizer chain); "
-                "the checkpoint itself is intact."
+                "structure around them, in parts that hold no leaf (an optax.adamw state holds an "
+                "EmptyState where optax.adam's holds none). Restore into a target built as the saved "
+                f"tree was (the same optimizer chain); the checkpoint itself is intact. (orbax: {orbax_says})"
             ) from e
         raise CheckpointError(
             f"checkpoint.restore: the checkpoint at {path} is corrupted: reading its arrays "

@@ -26,6 +26,7 @@ from sbpjax.compiler.reachable import (
     gathered_splits,
     ids_whole,
     local_slices,
+    moved_splits,
     partly_gathered,
     reached,
     reductions,
@@ -408,11 +409,14 @@ class Domains:
           ``abs(rfft(x, axis=1))`` of an (S(0), S(1)) ``x`` on 2x4 gathered it
           whole, 43,008 B against 30,976 gathering dim 1 only (GSPMD's 30,976);
         * where no candidate of the op reads the operand as it is made, it may
-          be gathered over any of its split axes: a zero-fill into a partial,
-          reduced later at twice a gather's bytes, was otherwise the only way
-          to read it (the key and value projections of grouped-query
-          attention with 2 key/value heads over 4 devices: 211,968 B against
-          193,536 gathered);
+          be gathered over any of its split axes, or have one split moved to
+          another dim (an all-to-all): a zero-fill into a partial, reduced
+          later at twice a gather's bytes, or a gather of everything, was
+          otherwise the only way to read it (the key and value projections of
+          grouped-query attention with 2 key/value heads over 4 devices:
+          211,968 B against 193,536 gathered; GroupNorm's reshape of 64
+          channels split over 8 devices into 4 groups: 14.7 MB gathered,
+          1.8 MB moved to the rows, at (8, 32, 32, 64));
         * a vector (rank 1: a bias, a norm's scale or statistics, reshaped to
           be broadcast) may be gathered over any of its split axes: its
           O(width) bytes are what lets the O(batch x width) values it meets
@@ -429,8 +433,10 @@ class Domains:
             if uses[i] is None or made is None:
                 continue
             uses[i] = uses[i] | partly_gathered(made, tuple(greedy_reads[i]))
-            if len(a.shape) == 1 or all(tuple(c[0][i]) != made for c in cs):
+            if len(a.shape) == 1:
                 uses[i] = uses[i] | gathered_splits(made)
+            elif all(tuple(c[0][i]) != made for c in cs):
+                uses[i] = uses[i] | gathered_splits(made) | moved_splits(made, len(a.shape))
 
     def _product_reads(self, node, uses: list) -> None:
         """Widen ``uses`` in place for a contraction: a weight gathered over

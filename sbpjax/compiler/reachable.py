@@ -88,6 +88,16 @@ def gathered_splits(made) -> set:
     return out
 
 
+def moved_splits(made, ndim: int) -> set:
+    """``made`` with one of its split axes splitting another dim (an
+    all-to-all), the other axes as they are."""
+    out = set()
+    for a, q in enumerate(made):
+        if isinstance(q, Split):
+            out.update(made[:a] + (Split(d),) + made[a + 1 :] for d in range(ndim) if d != q.dim)
+    return out
+
+
 def local_slices(lays, shape) -> set:
     """Every layout each of ``lays`` slices to locally (no bytes): whole (B)
     axes split on a dim of ``shape`` longer than 1 that no later axis splits

@@ -74,7 +74,7 @@ def _traced_factory(model_factory):
         try:
             return model_factory()
         except ValueError as e:
-            if "set_mesh" not in str(e):
+            if "`set_mesh` can only be used outside of `jax.jit`" not in str(e):
                 raise
             raise SBPError(
                 "Trainer.create: model_factory enters jax.set_mesh, which JAX allows only outside "
@@ -82,7 +82,7 @@ def _traced_factory(model_factory):
                 "parameter is ever whole on one device. Enter the mesh and the logical axis rules "
                 "around Trainer.create instead: `with jax.set_mesh(pl.mesh), "
                 "nnx.logical_axis_rules(rules): Trainer.create(lambda: Model(...), ...)`."
-            ) from None
+            ) from e
 
     return make
 

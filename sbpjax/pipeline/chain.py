@@ -97,6 +97,19 @@ def _warn_shared_arrays(fns, params, names) -> None:
                 return
 
 
+def _not_one_array(sample) -> str | None:
+    """What ``sample`` is when it is no array of rank >= 1 (None when it is)."""
+    if sample is None:
+        return "None"
+    if isinstance(sample, (dict, tuple)):
+        return f"a {type(sample).__name__}"
+    try:
+        rank = np.ndim(sample)
+    except ValueError:  # a ragged list: several arrays
+        return "a list of arrays of different shapes"
+    return "a scalar" if rank == 0 else None
+
+
 class LayerChain:
     """Layers run one after the other on one example input ``sample``.
 
@@ -109,15 +122,9 @@ class LayerChain:
         self.layers = tuple(layers)
         if not self.layers:
             raise SBPError(f"LayerChain{source}: no layers; give at least one layer function.")
-        if sample is None or isinstance(sample, (dict, tuple)) or not np.ndim(sample):
+        what = _not_one_array(sample)
+        if what is not None:
             # the pipeline feeds one array to the first stage (sbpjax.pipeline.feeds says why)
-            what = (
-                "None"
-                if sample is None
-                else "a scalar"
-                if np.ndim(sample) == 0 and not isinstance(sample, (dict, tuple))
-                else f"a {type(sample).__name__}"
-            )
             raise SBPError(
                 f"LayerChain{source}: the sample is {what}; a chain's input is one array with the "
                 "examples along dim 0, as the pipeline feeds it to the first stage. Pack several inputs "

@@ -12,6 +12,7 @@ register counts before any device is touched.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Mapping
 
 from sbpjax._errors import SBPError
@@ -37,10 +38,15 @@ class _SimulatedSystem(ActorSystem):
 
     def execute(self, actor, k, inputs):
         spec = actor.spec
-        d = float(self._duration(spec.kind, spec.stage, spec.microbatch(k)))
-        if d < 0:
+        given = self._duration(spec.kind, spec.stage, spec.microbatch(k))
+        try:
+            d = float(given)
+        except (TypeError, ValueError):
+            d = math.nan
+        if not (math.isfinite(d) and d >= 0):  # NaN passed a test of d < 0, and gave a makespan of 0
             raise SBPError(
-                f"simulate: duration of {spec.name} microbatch {k} is {d}; durations must be >= 0."
+                f"simulate: duration of {spec.name} microbatch {k} is {given!r}; durations must be "
+                "finite numbers of seconds >= 0."
             )
         start, self._now = self._now, self._now + d
         self.records.append(

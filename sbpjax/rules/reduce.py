@@ -87,8 +87,9 @@ def kept_dim_reduction_comm(eqn, in_avals, ins, outs, grid):
     elems = math.prod(local_shape(out.shape, outs[0], grid))
     itemsize = out.dtype.itemsize + (in_avals[0].dtype.itemsize if eqn.primitive.name in _ARG else 0)
     # each reduction gathers its own results: two reductions of one operand
-    # (an argmax and an argmin) share no exchange, unlike two reads of one halo
-    detail = (eqn.primitive.name, tuple(eqn.params["axes"]))
+    # (an argmax and an argmin, or two argmaxes of other index dtypes) share
+    # no exchange, unlike two reads of one halo
+    detail = (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
     return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * elems * itemsize, detail=detail)]
 
 

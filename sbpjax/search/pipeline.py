@@ -118,7 +118,7 @@ def _check_choices(grid: Grid, scheds: list, remat, groups) -> None:
             f"search_pipeline: schedules=[] leaves nothing to search; give schedule names "
             f"(any of {schedule_names()}), or leave it out for all of them."
         )
-    if not list(remat):
+    if not remat:
         raise SBPError(
             "search_pipeline: remat=() leaves nothing to search; give (False,), (True,) or (False, True)."
         )
@@ -189,6 +189,7 @@ def search_pipeline(
             f"microbatches; use divisors of {batch}."
         )
     scheds = [as_schedule(s) for s in (schedules if schedules is not None else schedule_names())]
+    remat = tuple(remat)  # once: a generator would be used up by the check
     _check_choices(grid, scheds, remat, groups)
     space = Space(profiles, grid, batch, memory, compute, ms, scheds, tuple(remat), groups)
     if not space.protos:

@@ -189,7 +189,13 @@ def test_two_reductions_of_one_split_operand_each_gather_their_own_results(pl8, 
     x = np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32)
 
     def fn(a):
-        return jnp.argmax(a, 0), jnp.argmin(a, 0), jnp.prod(1 + 0.01 * a, 0), jnp.all(a > -3, 0)
+        return (
+            jnp.argmax(a, 0),
+            jnp.argmin(a, 0),
+            jnp.prod(1 + 0.01 * a, 0),
+            jnp.all(a > -3, 0),
+            lax.argmax(a, 0, jnp.int16),  # an argmax of another index dtype: an exchange of its own
+        )
 
     for pl, sbp in ((pl8, (S0,)), (pl24, (S0, S1)), (pl24, (S0, S0))):
         f = sj.jit(fn, placement=pl, in_sbp=(sbp,))

@@ -217,6 +217,17 @@ def test_a_factory_entering_set_mesh_is_told_to_enter_it_around_create():
 
     with pytest.raises(sj.SBPError, match=r"enters jax.set_mesh.*around Trainer.create"):
         sjf.Trainer.create(inside, optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0), B))
+
+    class Unplaced(nnx.Module):  # JAX's own error mentions set_mesh: it is left as JAX's
+        def __init__(self):
+            self.w = nnx.Param(jax.device_put(jnp.zeros(8), jax.sharding.PartitionSpec("model")))
+
+        def __call__(self, x):
+            return x * self.w[...]
+
+    with pytest.raises(ValueError, match="set_mesh") as e:
+        sjf.Trainer.create(Unplaced, optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0), B))
+    assert not isinstance(e.value, sj.SBPError)
     with jax.set_mesh(pl.mesh), nnx.logical_axis_rules(rules):
         trainer = sjf.Trainer.create(
             lambda: Logical(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, pl, batch_sbp=(S(0), B)

@@ -435,7 +435,14 @@ def test_models_that_cannot_be_cut_say_why():
     with pytest.raises(sj.SBPError, match="needs sample="):
         sjp.cut(ListGPT(nnx.Rngs(0)), sj.placement(2, "pp"))
     eye = np.eye(4, dtype=np.float32)
-    for sample, what in (({"x": x, "mask": x}, "a dict"), ((x, x), "a tuple"), (np.float32(1), "a scalar")):
+    ragged = [np.zeros((2, 4)), np.zeros(2)]
+    for sample, what in (
+        ({"x": x, "mask": x}, "a dict"),
+        ((x, x), "a tuple"),
+        (tuple(ragged), "a tuple"),
+        (ragged, "a list of arrays of different shapes"),
+        (np.float32(1), "a scalar"),
+    ):
         with pytest.raises(sj.SBPError, match=f"the sample is {what}; a chain's input is one array"):
             sjp.LayerChain.from_functions([dense, dense], [{"w": eye}, {"w": eye}], sample)
 

@@ -168,3 +168,19 @@ def test_gantt_png(tmp_path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "bubble" in str(tl)
+
+
+@pytest.mark.parametrize(
+    "durations",
+    [
+        {"forward": float("nan"), "backward": 2.0},
+        {"forward": 1.0, "backward": float("inf")},
+        lambda kind, s, k: None,
+    ],
+    ids=["nan", "inf", "none"],
+)
+def test_a_duration_that_is_no_finite_number_is_refused(durations):
+    """NaN passed a test of d < 0 and gave a makespan of 0 and a NaN bubble;
+    None was a raw TypeError."""
+    with pytest.raises(sj.SBPError, match=r"durations must be finite numbers of seconds >= 0"):
+        sjp.simulate("1f1b", 4, 8, durations)
