@@ -119,6 +119,7 @@ def test_two_stage_pipeline_with_one_stage_per_process_matches_one_process():
     two = [ast.literal_eval(_lines(out, "LOSSES", p)[0]) for p in (0, 1)]
     for p in (0, 1):  # a step of another batch shape in one process is refused in both
         assert _lines(out, "MISMATCH REFUSED", p) == [str(p)], out[-3000:]
+        assert _lines(out, "REFUSAL SHARED", p) == [str(p)], out[-3000:]
     assert two[0] == two[1]  # the losses reach every process
     assert two[0] == one_gloo  # bit for bit, with the same collectives (see the Trainer test)
     np.testing.assert_allclose(two[0], one, rtol=2e-6, atol=0)

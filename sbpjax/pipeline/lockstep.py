@@ -34,26 +34,34 @@ from sbpjax.pipeline.simulate import _SimulatedSystem, duration_function
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
 
 
-def check_same_step_in_every_process(pipe, processes, shapes) -> None:
+def check_same_step_in_every_process(pipe, processes, shapes, refused=None) -> None:
     """Every process must run the same step: a process with another microbatch
     count, schedule or microbatch shape would send other sizes in its
     transfers and abort or stall the others in gloo. Compared as one
     fingerprint before anything runs, as ``sj.jit`` compares its calls
     (``sbpjax.compiler.processes``); ``shapes``: one microbatch's shapes
     (None for function feeds, whose shapes are not known before they run).
-    Only where the pipeline spans every process (an all-gather over every
-    process: the others would not join it)."""
+    ``refused``: the SBPError this process's own checks of the batch raised,
+    raised here after the exchange, so that the other processes hear of it
+    rather than wait in the exchange for this one. Only where the pipeline
+    spans every process (an all-gather over every process: the others would
+    not join it)."""
     if len(processes) != jax.process_count():
+        if refused is not None:
+            raise refused
         return
     from jax.experimental import multihost_utils
 
-    desc = (pipe.microbatches, pipe.schedule.name, len(pipe.stages), len(pipe.groups), shapes)
+    desc = (pipe.microbatches, pipe.schedule.name, len(pipe.stages), len(pipe.groups), shapes, str(refused))
     mine = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), np.uint8)
     every = np.asarray(multihost_utils.process_allgather(mine))
     differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    if refused is not None:
+        raise refused
     if differ:
         raise SBPError(
-            f"Pipeline.step: process(es) {differ} run another step than process 0 (this is process "
+            f"Pipeline.step: process(es) {differ} run another step than process 0, or refused their batch "
+            f"(their own error says why) (this is process "
             f"{jax.process_index()}: {pipe.microbatches} microbatches of {shapes if shapes else 'a function feed'}, "
             f"schedule {pipe.schedule.name!r}, {len(pipe.stages)} stages). Every process must build the same "
             "pipeline and step it on a batch of the same shape: the transfers between stages in different "

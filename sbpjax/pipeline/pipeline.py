@@ -277,21 +277,17 @@ class Pipeline:
         when every action of the step has succeeded, so after any failure every
         stage has its parameters from before the step."""
         m = self.microbatches
-        inputs, targets = on_host(inputs), on_host(targets)
-        load_inputs = feed("inputs", inputs, m)
-        load_targets = feed("targets", targets, m)
-        shapes = microbatch_shapes((inputs, targets), m)
-        if None not in (rows(inputs), rows(targets)) and rows(inputs) != rows(targets):
-            raise SBPError(
-                f"Pipeline.step: inputs have {rows(inputs)} rows but targets {rows(targets)}; "
-                "microbatch k of each is rows k*size..(k+1)*size, so they must have the same number of rows."
-            )
+        shapes, refused = None, None
+        try:
+            load_inputs, load_targets, shapes = self._feeds(inputs, targets)
+        except SBPError as e:
+            if not self.lockstep:
+                raise
+            refused = e  # raised after the other processes hear of it: none waits for this one
         if self.lockstep:
-            check_same_step_in_every_process(self, self._processes, shapes)
+            check_same_step_in_every_process(self, self._processes, shapes, refused)
         losses: list = [None] * m
         pending: list = [None] * len(self.stages)
-        if self.memory_budget is not None:
-            check_budget(self, load_inputs, load_targets)
         bodies = StepBodies(self, load_inputs, load_targets, losses, pending).bodies()
         system: ThreadedSystem | LockstepSystem
         if self.lockstep:
@@ -358,6 +354,23 @@ class Pipeline:
         placement and layout). Between steps nothing else is live: the gradient
         accumulators are zero and no B has kept anything for a W."""
         checkpoint.save(path, self._state_tree())
+
+    def _feeds(self, inputs, targets):
+        """The step's loaders and one microbatch's shapes, the batch checked
+        (rows, and the memory budget where one is given)."""
+        m = self.microbatches
+        inputs, targets = on_host(inputs), on_host(targets)
+        load_inputs = feed("inputs", inputs, m)
+        load_targets = feed("targets", targets, m)
+        shapes = microbatch_shapes((inputs, targets), m)
+        if None not in (rows(inputs), rows(targets)) and rows(inputs) != rows(targets):
+            raise SBPError(
+                f"Pipeline.step: inputs have {rows(inputs)} rows but targets {rows(targets)}; "
+                "microbatch k of each is rows k*size..(k+1)*size, so they must have the same number of rows."
+            )
+        if self.memory_budget is not None:
+            check_budget(self, load_inputs, load_targets)
+        return load_inputs, load_targets, shapes
 
     def restore(self, path) -> None:
         """Load what :meth:`save` wrote (by a pipeline of the same stages and
