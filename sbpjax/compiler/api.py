@@ -43,11 +43,11 @@ from sbpjax.compiler.arguments import (
     state_sbp,
     weakly_typed,
 )
+from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.auto_arguments import Unplaced, place_chosen
 from sbpjax.compiler.build_program import plan_and_build
 from sbpjax.compiler.collector import collector_paused
 from sbpjax.compiler.constrain import constrain
-from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.inflight import bounded
 from sbpjax.compiler.keys import rewrapped, unwrapped

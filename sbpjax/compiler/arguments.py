@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from sbpjax._errors import SBPError
-from sbpjax.compiler.domains import AUTO
+from sbpjax.compiler.auto import AUTO
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp, parse_sbp
 from sbpjax.tensor import GlobalTensor
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from sbpjax.compiler.domains import AUTO
+from sbpjax.compiler.auto import AUTO
 from sbpjax.placement import Placement
 from sbpjax.tensor import GlobalTensor, to_global
 

@@ -13,8 +13,8 @@ import jax
 from sbpjax._errors import SBPError
 from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.arguments import broadcast_spec, leaf_name, leaf_paths
+from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.auto_arguments import donated_result_ties, mirrored_state
-from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.keys import keyed
 from sbpjax.compiler.planning import plan
 from sbpjax.compiler.regather import add_regathers

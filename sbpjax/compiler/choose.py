@@ -22,10 +22,10 @@ from typing import Any
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler import hand_layouts, plan_cache, second_looks, sub_plans
+from sbpjax.compiler.auto import AUTO, auto_layouts
 from sbpjax.compiler.backend import solve_settled
 from sbpjax.compiler.classes import layer_classes, loop_classes
 from sbpjax.compiler.decode import propagation_of, value_keys
-from sbpjax.compiler.domains import AUTO, auto_layouts
 from sbpjax.compiler.formulate import formulate, least_usage
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions

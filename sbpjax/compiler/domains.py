@@ -8,15 +8,11 @@ can be in without an invented conversion: a layout its producer can give it,
 a reduction of one of its partials, or the layout the greedy pass used. The
 narrowing keeps the problem small and removes near-ties; the greedy pass's
 choice always stays, so the optimum over the narrowed space never costs more
-than greedy's plan.
-
-``AUTO`` marks an argument whose layout the solver chooses
-(:func:`auto_layouts` lists the layouts it may take).
+than greedy's plan. An ``sj.AUTO`` argument's domain is every layout
+:func:`sbpjax.compiler.auto.auto_layouts` lists.
 """
 
 from __future__ import annotations
-
-import itertools
 
 from sbpjax.compiler.data import batch_axes, data_arguments
 from sbpjax.compiler.program import Var
@@ -38,45 +34,6 @@ from sbpjax.compiler.reachable import (
 from sbpjax.compiler.screen import OperandIndex
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
-
-
-class _Auto:
-    """The layout of an argument the solver chooses (``sj.AUTO``)."""
-
-    _instance = None
-
-    def __new__(cls):
-        if cls._instance is None:
-            cls._instance = super().__new__(cls)
-        return cls._instance
-
-    def __repr__(self):
-        return "sj.AUTO"
-
-    def __reduce__(self):
-        return (_Auto, ())
-
-
-AUTO = _Auto()
-
-
-def auto_layouts(shape, grid) -> list[tuple]:
-    """The layouts an ``AUTO`` argument may take: on every placement axis B or
-    a split of any dim, where no device would be left without a piece (a dim
-    split by axes whose sizes multiply to more than its length). Partials are
-    not offered: an argument is data the caller holds, and a partial one
-    would mean the caller had summed nothing yet."""
-    per_axis = [[Broadcast()] + ([Split(d) for d in range(len(shape))] if p > 1 else []) for p in grid]
-    out = []
-    for nd in itertools.product(*per_axis):
-        pieces = [1] * len(shape)
-        for a, q in enumerate(nd):
-            if isinstance(q, Split):
-                pieces[q.dim] *= grid[a]
-        if all(n >= k for n, k in zip(shape, pieces)):
-            out.append(tuple(nd))
-    return out
-
 
 HEAVY = ("dot_general", "conv_general_dilated")
 VIEWS = ("transpose", "convert_element_type", "reshape", "copy")

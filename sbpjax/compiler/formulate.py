@@ -51,9 +51,10 @@ from typing import Any
 import numpy as np
 
 from sbpjax.boxing.cost import CostModel
+from sbpjax.compiler.auto import AUTO, auto_layouts
 from sbpjax.compiler.classes import same_candidates
 from sbpjax.compiler.decode import propagation_of, value_keys
-from sbpjax.compiler.domains import AUTO, Domains, auto_layouts
+from sbpjax.compiler.domains import Domains
 from sbpjax.compiler.folding import Folded
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions

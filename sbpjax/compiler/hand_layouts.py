@@ -30,7 +30,7 @@ import functools
 import math
 from collections.abc import Callable
 
-from sbpjax.compiler.domains import AUTO, auto_layouts
+from sbpjax.compiler.auto import AUTO, auto_layouts
 from sbpjax.compiler.liveness import block_bytes, held_bytes
 from sbpjax.layout import zero_split
 from sbpjax.sbp import Broadcast, Split

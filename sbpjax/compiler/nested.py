@@ -12,8 +12,8 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.arguments import broadcast_spec, leaf_layout
+from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.constrain import constrain
-from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.static_args import bind
 from sbpjax.placement import Placement
 

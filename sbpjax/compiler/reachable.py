@@ -91,7 +91,7 @@ def gathered_splits(made) -> set:
 def moved_splits(made, ndim: int) -> set:
     """``made`` with one of its split axes splitting another dim (an
     all-to-all), the other axes as they are."""
-    out = set()
+    out: set[tuple] = set()
     for a, q in enumerate(made):
         if isinstance(q, Split):
             out.update(made[:a] + (Split(d),) + made[a + 1 :] for d in range(ndim) if d != q.dim)

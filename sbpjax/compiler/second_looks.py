@@ -15,9 +15,9 @@ from __future__ import annotations
 import time
 
 from sbpjax.boxing.cost import CostModel
+from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.backend import solve_settled, spent
 from sbpjax.compiler.buckets import emitted_collectives
-from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.formulate import propagator
 from sbpjax.compiler.hand_layouts import own
 from sbpjax.compiler.liveness import held_bytes, live_bytes

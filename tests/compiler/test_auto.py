@@ -15,7 +15,7 @@ from conftest import assert_close
 from models import adamw, compiled_bytes, gpt_loss, gpt_params, gpt_sbp, state_sbp, train_step
 
 import sbpjax as sj
-from sbpjax.compiler.domains import auto_layouts
+from sbpjax.compiler.auto import auto_layouts
 
 S0, S1, B = sj.S(0), sj.S(1), sj.B
 MEGATRON = {"w1": (B, S1), "w2": (B, S0)}  # column- then row-split over the tensor axis

@@ -17,8 +17,8 @@ from models import adamw, gpt_loss, gpt_params, train_step
 
 import sbpjax as sj
 from sbpjax.compiler import hand_layouts
+from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.choose import Choice
-from sbpjax.compiler.domains import AUTO
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.propagate import propagate
 from sbpjax.compiler.trace import trace
