@@ -30,11 +30,15 @@ stops every thread the same way and is re-raised.
 No thread outlives :meth:`ThreadedSystem.run`, except one stuck inside an
 action body: Python cannot stop a thread, so after ``grace_s`` seconds it is
 left behind (a daemon, named in the error); it starts no other action and
-nothing it produces is used.
+nothing it produces is used. At the interpreter's exit such threads are
+waited for, up to ``EXIT_WAIT_S`` seconds: a daemon thread still inside an
+XLA program when the interpreter finalizes aborts the process (SIGABRT,
+exit code 134) after the script has ended normally.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -46,6 +50,21 @@ from sbpjax.pipeline.errors import PipelineError, PipelineStall, PipelineTimeout
 from sbpjax.pipeline.timeline import ActionRecord, Timeline
 
 THREAD_PREFIX = "sbpjax-pipeline:"
+# How long the interpreter's exit waits for threads left inside an action (the
+# module docstring). A step's own deadline has already passed once more than
+# that: an action still running a minute later is taken as hung, and the exit
+# then aborts as it would have without the wait.
+EXIT_WAIT_S = 60.0
+_left_behind: list = []
+
+
+@atexit.register
+def _wait_for_left_behind() -> None:
+    until = time.perf_counter() + EXIT_WAIT_S
+    for th in _left_behind:
+        th.join(max(0.0, until - time.perf_counter()))
+
+
 _STOP = None  # the message that tells a thread to leave
 
 
@@ -275,6 +294,9 @@ class ThreadedSystem(ActorSystem):
         until = time.perf_counter() + self._grace_s
         for th in threads:
             th.join(max(0.0, until - time.perf_counter()))
+        _left_behind[:] = [th for th in _left_behind if th.is_alive()] + [
+            th for th in threads if th.is_alive()
+        ]
         with self._lock:
             return [
                 f"{spec.name} on thread {t}"

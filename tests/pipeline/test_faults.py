@@ -207,6 +207,54 @@ def test_one_sigint_stops_a_step(tmp_path):
     assert time.perf_counter() - t0 < 30
 
 
+LEFT_INSIDE_XLA = """
+import os, sys, threading, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, {root!r})
+import jax, jax.numpy as jnp, numpy as np, optax
+import sbpjax as sj, sbpjax.pipeline as sjp
+
+slow = [False]
+def host(x):
+    if slow[0]:
+        time.sleep(4)  # a slow host callback inside a stage's program on 2 devices
+    return x
+
+@jax.custom_vjp
+def tap(x):
+    return x
+tap.defvjp(lambda x: (x, None), lambda _, g: (jax.pure_callback(host, jax.ShapeDtypeStruct(g.shape, g.dtype), g),))
+devs = jax.devices()
+rng = np.random.default_rng(0)
+stages = [
+    sjp.Stage(lambda p, x: jnp.tanh(tap(x) @ p), rng.normal(size=(4, 4)).astype(np.float32),
+              sj.Placement(np.array(devs[2 * i:2 * i + 2]), ("d",)), name=f"s{{i}}")
+    for i in range(2)
+]
+pipe = sjp.Pipeline(stages, lambda y, t: jnp.mean((y - t) ** 2), optax.sgd(0.1), microbatches=2)
+x = rng.normal(size=(4, 4)).astype(np.float32)
+pipe.step(x, x)
+pipe.action_timeout = 1.0
+slow[0] = True
+try:
+    pipe.step(x, x)
+except sjp.PipelineTimeout as e:
+    print("TIMED OUT", "Left behind" in str(e), flush=True)
+"""
+
+
+def test_an_exit_waits_for_a_thread_left_inside_an_xla_program(tmp_path):
+    """A daemon thread still inside a program on 2 devices when the interpreter
+    finalizes aborted the process (exit code 134) after the script had ended."""
+    script = tmp_path / "left_inside.py"
+    script.write_text(LEFT_INSIDE_XLA.format(root=ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert "TIMED OUT True" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize(
     "loss_fn,says",
     [
