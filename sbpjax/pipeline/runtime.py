@@ -33,7 +33,8 @@ left behind (a daemon, named in the error); it starts no other action and
 nothing it produces is used. At the interpreter's exit such threads are
 waited for, up to ``EXIT_WAIT_S`` seconds: a daemon thread still inside an
 XLA program when the interpreter finalizes aborts the process (SIGABRT,
-exit code 134) after the script has ended normally.
+exit code 134) after the script has ended normally. Not those a Ctrl-C left:
+whoever pressed it wants the process gone.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ class ThreadedSystem(ActorSystem):
                 self._check_deadlines()
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop every thread first
             self._fail(e)
-            self._join(started)
+            self._join(started, wait_at_exit=False)  # whoever pressed Ctrl-C wants out
             raise
         stuck = self._join(started)
         if self._failure is not None:
@@ -284,9 +285,10 @@ class ThreadedSystem(ActorSystem):
             tuple(records), self.register_stats(), tuple(self.thread_names), overhead, dict(self.held_bytes)
         )
 
-    def _join(self, threads) -> list[str]:
+    def _join(self, threads, wait_at_exit: bool = True) -> list[str]:
         """Join every thread; after a failure wait at most ``grace_s`` in all and
-        return the names of the actions whose threads are still inside them."""
+        return the names of the actions whose threads are still inside them
+        (``wait_at_exit``: the interpreter's exit waits for them)."""
         if not self._failed.is_set():
             for th in threads:
                 th.join()
@@ -294,9 +296,8 @@ class ThreadedSystem(ActorSystem):
         until = time.perf_counter() + self._grace_s
         for th in threads:
             th.join(max(0.0, until - time.perf_counter()))
-        _left_behind[:] = [th for th in _left_behind if th.is_alive()] + [
-            th for th in threads if th.is_alive()
-        ]
+        stuck = [th for th in threads if th.is_alive()] if wait_at_exit else []
+        _left_behind[:] = [th for th in _left_behind if th.is_alive()] + stuck
         with self._lock:
             return [
                 f"{spec.name} on thread {t}"
