@@ -300,7 +300,7 @@ class Domains:
         if node.name in ELEMENTWISE:  # add_any too
             self._beside_zero_fill(node, uses, greedy_reads)
         elif node.name not in HEAVY:
-            self._partly_gathered(node, uses, greedy_reads, cs)
+            self._gathered_or_moved_reads(node, uses, greedy_reads, cs)
         if node.name in HEAVY:
             self._product_reads(node, uses)
         table = node.ins[0] if node.name == "gather" else None
@@ -357,7 +357,7 @@ class Domains:
             if whole is not None:
                 uses[i] = uses[i] | {whole}
 
-    def _partly_gathered(self, node, uses: list, greedy_reads, cs) -> None:
+    def _gathered_or_moved_reads(self, node, uses: list, greedy_reads, cs) -> None:
         """Widen ``uses`` in place for an op that is neither a contraction nor
         elementwise (a reshape, an FFT, a sort, a broadcast):
 

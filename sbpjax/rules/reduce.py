@@ -94,7 +94,7 @@ def kept_dim_reduction_comm(eqn, in_avals, ins, outs, grid):
 
 
 _ARG = {"argmax": jnp.argmax, "argmin": jnp.argmin}
-_BITWISE = {"reduce_prod": jnp.multiply, "reduce_and": jnp.bitwise_and, "reduce_or": jnp.bitwise_or}
+_REDUCE_PIECES = {"reduce_prod": jnp.multiply, "reduce_and": jnp.bitwise_and, "reduce_or": jnp.bitwise_or}
 
 
 @set_local("argmax", "argmin", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
@@ -118,7 +118,9 @@ def kept_dim_reduction_local(eqn, ins, ctx):
         return [jnp.take_along_axis(indices, winner[None], axis=0)[0]]
     pieces = lax.all_gather(y, group, axis=0, tiled=False)
     combine = (
-        jnp.not_equal if name == "reduce_xor" and y.dtype == bool else _BITWISE.get(name, jnp.bitwise_xor)
+        jnp.not_equal
+        if name == "reduce_xor" and y.dtype == bool
+        else _REDUCE_PIECES.get(name, jnp.bitwise_xor)
     )
     out = pieces[0]
     for k in range(1, pieces.shape[0]):  # a handful of pieces; lax.reduce has no xor on booleans

@@ -191,7 +191,7 @@ def search_pipeline(
     scheds = [as_schedule(s) for s in (schedules if schedules is not None else schedule_names())]
     remat = tuple(remat)  # once: a generator would be used up by the check
     _check_choices(grid, scheds, remat, groups)
-    space = Space(profiles, grid, batch, memory, compute, ms, scheds, tuple(remat), groups)
+    space = Space(profiles, grid, batch, memory, compute, ms, scheds, remat, groups)
     if not space.protos:
         raise SBPError(
             f"search_pipeline: no configuration of {len(profiles)} layers on {grid!r} with microbatches {ms} "
