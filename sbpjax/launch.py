@@ -30,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -68,14 +69,27 @@ jax.distributed.initialize(coordinator_address=os.environ["SBPJAX_COORDINATOR"],
                            process_id=int(os.environ["SBPJAX_PROCESS_ID"]))
 sys.argv = sys.argv[1:]
 sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+
+
+def record_failure():
+    # when this process failed, on the machine's clock, for the launcher to name
+    # the first process that failed (a peer fails after it, in its next collective)
+    import time
+    path = os.path.join(os.environ["SBPJAX_LAUNCH_FAILURES"], os.environ["SBPJAX_PROCESS_ID"])
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+
+
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
 except SystemExit as e:
     code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     if code:
+        record_failure()
         flush_all()
         os._exit(code)
 except BaseException:
+    record_failure()
     # Exit now: jax.distributed's shutdown at exit waits for the peers, which
     # may be blocked in a collective with this process; the launcher stops them.
     import traceback
@@ -92,10 +106,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(rank: int, nprocs: int, port: int, local_devices: int | None, base=None) -> dict:
-    """The environment of process ``rank``."""
+def child_env(rank: int, nprocs: int, port: int, local_devices: int | None, failures: str, base=None) -> dict:
+    """The environment of process ``rank`` (``failures``: the folder where a
+    failing process records when it failed)."""
     env = dict(os.environ if base is None else base)
     env.update(
+        SBPJAX_LAUNCH_FAILURES=failures,
         SBPJAX_COORDINATOR=f"127.0.0.1:{port}",
         SBPJAX_NUM_PROCESSES=str(nprocs),
         SBPJAX_PROCESS_ID=str(rank),
@@ -157,11 +173,12 @@ def launch(
     out = out or sys.stdout
     port = port or free_port()
     lock = threading.Lock()
+    failures = tempfile.TemporaryDirectory(prefix="sbpjax-launch-")
     procs, readers = [], []
     for rank in range(nprocs):
         p = subprocess.Popen(
             [sys.executable, "-c", _BOOT, script, *args],
-            env=child_env(rank, nprocs, port, local_devices),
+            env=child_env(rank, nprocs, port, local_devices, failures.name),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -171,9 +188,11 @@ def launch(
         t = threading.Thread(target=_stream, args=(rank, p.stdout, out, lock), daemon=True)
         t.start()
         readers.append(t)
-    # Each process's exit, in the order they happen: a process whose peer died
-    # fails in its next collective and exits too, often within one poll of the
-    # first; the one to name is the first to exit, not the lowest rank.
+    # Each process's exit, in the order seen: a process whose peer died fails
+    # in its next collective and exits too, often within one poll of the first.
+    # The one to name is the first that failed: by the times failing processes
+    # record (their waiters may wake in either order on a loaded machine), else
+    # (a process killed by a signal records nothing) the first exit seen.
     exits: list = []
 
     def wait(rank, p):
@@ -190,7 +209,7 @@ def launch(
                 done = list(exits)
             failed = [(r, c) for r, c in done if c != 0]
             if failed:
-                rank, code = failed[0]
+                rank, code = _first_failure(failed, failures.name, procs)
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 with lock:
                     out.write(f"[launch] process {rank} {how}; stopping the other processes\n")
@@ -208,7 +227,29 @@ def launch(
         code = 130
     for t in readers:
         t.join(timeout=5)
+    failures.cleanup()
     return code
+
+
+def _first_failure(failed: list, folder: str, procs: list) -> tuple[int, int]:
+    """``(rank, code)`` of the process that failed first, by the times failing
+    processes recorded (any process: the first may record before its exit is
+    seen), else the first of ``failed`` (the exits seen, in order)."""
+    when = {}
+    for rank in range(len(procs)):
+        try:
+            with open(os.path.join(folder, str(rank))) as f:
+                when[rank] = float(f.read())
+        except (OSError, ValueError):
+            pass
+    if not when:
+        return failed[0]
+    first = min(when, key=lambda r: when[r])
+    try:  # it recorded its failure and exits straight after
+        code = procs[first].wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        code = 1
+    return first, code
 
 
 def _interrupt(signum, frame):
