@@ -188,26 +188,11 @@ def launch(
         t = threading.Thread(target=_stream, args=(rank, p.stdout, out, lock), daemon=True)
         t.start()
         readers.append(t)
-    # Each process's exit, in the order seen: a process whose peer died fails
-    # in its next collective and exits too, often within one poll of the first.
-    # The one to name is the first that failed: by the times failing processes
-    # record (their waiters may wake in either order on a loaded machine), else
-    # (a process killed by a signal records nothing) the first exit seen.
-    exits: list = []
-
-    def wait(rank, p):
-        code = p.wait()
-        with lock:
-            exits.append((rank, code))
-
-    for rank, p in enumerate(procs):
-        threading.Thread(target=wait, args=(rank, p), daemon=True).start()
     code = 0
     try:
         while True:
-            with lock:
-                done = list(exits)
-            failed = [(r, c) for r, c in done if c != 0]
+            codes = [p.poll() for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = _first_failure(failed, failures.name, procs)
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -217,7 +202,7 @@ def launch(
                 _stop(procs, grace)
                 code = code if code > 0 else 128 - code
                 break
-            if len(done) == nprocs:
+            if all(c == 0 for c in codes):
                 break
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -232,9 +217,12 @@ def launch(
 
 
 def _first_failure(failed: list, folder: str, procs: list) -> tuple[int, int]:
-    """``(rank, code)`` of the process that failed first, by the times failing
-    processes recorded (any process: the first may record before its exit is
-    seen), else the first of ``failed`` (the exits seen, in order)."""
+    """``(rank, code)`` of the process that failed first. A process whose peer
+    died fails in its next collective and exits too, often within one poll of
+    the first, and on a loaded machine its exit may even be seen first; so the
+    times failing processes record decide (any process's: the first records
+    before its exit is seen), else (a process killed by a signal records
+    nothing) the lowest rank of ``failed``, the exits seen in one poll."""
     when = {}
     for rank in range(len(procs)):
         try:

@@ -27,17 +27,13 @@ def check_same_call_in_every_process(tree, leaves, statics: str = "") -> None:
     ``statics`` gives them) across processes and raise in every
     process when they differ. Every call is checked: a process cannot know
     from its own calls that another process's call differs."""
-    from jax.experimental import multihost_utils
-
     desc = [
         (tuple(x.shape), str(x.dtype), x.sbp)
         if isinstance(x, GlobalTensor)
         else (np.shape(x), str(np.result_type(x)))
         for x in leaves
     ]
-    mine = np.frombuffer(hashlib.sha256(repr((tree, desc, statics)).encode()).digest(), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))
-    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    differ = processes_differing(repr((tree, desc, statics)))
     if differ:
         what = ", ".join(f"{leaf_name(path)} {d}" for path, d in zip(leaf_paths(tree), desc))
         raise SBPError(
@@ -48,4 +44,15 @@ def check_same_call_in_every_process(tree, leaves, statics: str = "") -> None:
         )
 
 
-__all__ = ["check_same_call_in_every_process"]
+def processes_differing(text: str) -> list[int]:
+    """The processes whose ``text`` (a description of what each is about to
+    run) differs from process 0's, compared by a hash gathered from every
+    process: a collective every process must call."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    return [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+
+
+__all__ = ["check_same_call_in_every_process", "processes_differing"]

@@ -63,28 +63,22 @@ def unfilled(made, read):
 
 def partly_gathered(made, read) -> set:
     """The layouts between ``made`` and ``read`` where ``read`` gathers some of
-    ``made``'s splits whole (and keeps its other axes as they are): each
-    nonempty proper subset of those axes gathered. Empty where ``read`` does
-    more than gather."""
+    ``made``'s splits whole (and keeps its other axes as they are), ``read``
+    itself not among them; empty where ``read`` does more than gather."""
     gathered = [a for a, (m, r) in enumerate(zip(made, read)) if m != r]
-    if len(gathered) < 2 or not all(
-        isinstance(made[a], Split) and isinstance(read[a], Broadcast) for a in gathered
-    ):
+    if not all(isinstance(made[a], Split) and isinstance(read[a], Broadcast) for a in gathered):
         return set()
-    out = set()
-    for k in range(1, len(gathered)):
-        for axes in itertools.combinations(gathered, k):
-            out.add(tuple(Broadcast() if a in axes else q for a, q in enumerate(made)))
-    return out
+    return gathered_splits(made, gathered) - {tuple(read)}
 
 
-def gathered_splits(made) -> set:
-    """``made`` with each nonempty set of its split axes gathered whole."""
-    split = [a for a, q in enumerate(made) if isinstance(q, Split)]
+def gathered_splits(made, axes=None) -> set:
+    """``made`` with each nonempty set of ``axes`` (default: its split axes)
+    gathered whole."""
+    axes = [a for a, q in enumerate(made) if isinstance(q, Split)] if axes is None else list(axes)
     out = set()
-    for k in range(1, len(split) + 1):
-        for axes in itertools.combinations(split, k):
-            out.add(tuple(Broadcast() if a in axes else q for a, q in enumerate(made)))
+    for k in range(1, len(axes) + 1):
+        for some in itertools.combinations(axes, k):
+            out.add(tuple(Broadcast() if a in some else q for a, q in enumerate(made)))
     return out
 
 

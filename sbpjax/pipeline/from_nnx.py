@@ -87,8 +87,7 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
                 "modules nor a module stacked by nnx.vmap (parameters sharing a leading layer dim)."
             )
         return path, "stacked", depth
-    lists = [(p, n) for p, n in nnx.iter_graph(model) if p and _is_block_list(n)]
-    lists = [(p, n) for p, n in lists if not any(q != p and under(p, q) for q, _ in lists)]
+    lists = _outermost_lists(model, least=2)
     if len(lists) == 1:
         return tuple(lists[0][0]), "list", len(lists[0][1])
     if len(lists) > 1:
@@ -113,8 +112,7 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
     # Last: a list of one module, as a one-layer configuration of a deep model
     # keeps its blocks. Taken only where it is the one such list and nothing
     # else looks like blocks (a submodule kept alone in a list would be taken too).
-    singles = [(p, n) for p, n in nnx.iter_graph(model) if p and _is_block_list(n, least=1)]
-    singles = [(p, n) for p, n in singles if not any(q != p and under(p, q) for q, _ in singles)]
+    singles = _outermost_lists(model, least=1)
     if len(singles) == 1:
         return tuple(singles[0][0]), "list", 1
     message = _NOT_FOUND.format(model=type(model).__name__, attrs=_attributes(model))
@@ -122,6 +120,13 @@ def find_blocks(model, blocks: str | None = None) -> tuple[tuple, str, int]:
         found = ", ".join(repr(path_text(p)) for p, _ in singles)
         message += f" (Its lists of one module, {found}, are not taken without a name: pass blocks=.)"
     raise SBPError(message)
+
+
+def _outermost_lists(model, least: int) -> list:
+    """``(path, list)`` of the model's lists of ``least`` or more modules that
+    no other such list holds."""
+    lists = [(p, n) for p, n in nnx.iter_graph(model) if p and _is_block_list(n, least)]
+    return [(p, n) for p, n in lists if not any(q != p and under(p, q) for q, _ in lists)]
 
 
 def _attributes(model) -> list:

@@ -21,13 +21,12 @@ actions run one after another (each process drives one device group).
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import jax
-import numpy as np
 
 from sbpjax._errors import SBPError
+from sbpjax.compiler.processes import processes_differing
 from sbpjax.pipeline.actor import ActorGraph
 from sbpjax.pipeline.errors import PipelineError, action_failed
 from sbpjax.pipeline.simulate import _SimulatedSystem, duration_function
@@ -39,7 +38,7 @@ def check_same_step_in_every_process(pipe, processes, shapes, refused=None) -> N
     count, schedule or microbatch shape would send other sizes in its
     transfers and abort or stall the others in gloo. Compared as one
     fingerprint before anything runs, as ``sj.jit`` compares its calls
-    (``sbpjax.compiler.processes``); ``shapes``: one microbatch's shapes
+    (``sbpjax.compiler.processes.processes_differing``); ``shapes``: one microbatch's shapes
     (None for function feeds, whose shapes are not known before they run).
     ``refused``: the SBPError this process's own checks of the batch raised,
     raised here after the exchange, so that the other processes hear of it
@@ -50,12 +49,8 @@ def check_same_step_in_every_process(pipe, processes, shapes, refused=None) -> N
         if refused is not None:
             raise refused
         return
-    from jax.experimental import multihost_utils
-
     desc = (pipe.microbatches, pipe.schedule.name, len(pipe.stages), len(pipe.groups), shapes, str(refused))
-    mine = np.frombuffer(hashlib.sha256(repr(desc).encode()).digest(), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))
-    differ = [p for p in range(every.shape[0]) if not np.array_equal(every[p], every[0])]
+    differ = processes_differing(repr(desc))
     if refused is not None:
         raise refused
     if differ:

@@ -131,20 +131,14 @@ def profile(chain) -> list[LayerProfile]:
 
 
 def _saved_bytes(layer, x) -> float:
-    """The layer's input and the residuals its VJP keeps, as the pipeline's
-    stash holds them for a stage of this layer alone
-    (:meth:`sbpjax.pipeline.programs.StageVJP.slot_bytes`)."""
-    from sbpjax.pipeline.split import split_vjp
+    """The layer's input and the residuals its VJP keeps: the stash of a
+    pipeline stage of this layer alone, counted by the runtime's own
+    :meth:`sbpjax.pipeline.programs.StageVJP.slot_bytes`."""
+    from sbpjax.pipeline.programs import StageVJP
 
-    leaves, tree = jax.tree_util.tree_flatten(layer.params)
-    n = len(leaves)
-    differentiable = bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
-
-    def fn(*args):
-        return layer.apply(jax.tree_util.tree_unflatten(tree, args[:n]), args[n])
-
-    split = split_vjp(fn, [*leaves, x], n, 1 if differentiable else 0)
-    return _nbytes(x) + sum(_nbytes(r.aval) for r in split.saved_refs)
+    differentiable = bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))  # not for token ids
+    stash, _ = StageVJP(layer.apply, differentiable).slot_bytes(layer.params, x, ())
+    return float(stash)
 
 
 def _layer_ops(layer, x) -> tuple[MatmulOp, ...]:
