@@ -22,6 +22,7 @@ from sbpjax.compiler.loop_exits import (
     shift_up,
 )
 from sbpjax.compiler.program import Const, Loop
+from sbpjax.dtypes import constant_bits
 from sbpjax.sbp import Broadcast
 
 OUTER = "outer"
@@ -119,11 +120,10 @@ def roles(prop, loop, it, body):
     def role(a):
         if isinstance(a, Const):
             v = a.value
-            return (
-                ("const", id(v))
-                if getattr(v, "ndim", 0)
-                else ("const", repr(v), str(getattr(v, "dtype", "")))
-            )
+            if getattr(v, "ndim", 0):
+                return ("const", id(v))
+            # by its bits, not repr: a scalar jax.Array's repr formats it on the host (~1 ms)
+            return ("const", constant_bits(v).tobytes(), str(getattr(v, "dtype", type(v).__name__)))
         if id(a) in pos:
             return ("made", *pos[id(a)])
         if id(a) in it.made:

@@ -180,7 +180,7 @@ def _signature(prop, loop, it, body):
                 boxings.append((r, b.src, b.dst, plan_key(b.plan)))
         sig.append(
             (
-                _op_key(node),
+                (node.name, node.params_text),
                 node.region > 0,
                 tuple(d.in_sbp),
                 tuple(d.out_sbp),
@@ -191,15 +191,6 @@ def _signature(prop, loop, it, body):
         )
     sig.append(tuple(role(a) for a in it.outs))
     return sig, tuple(carried)
-
-
-def _op_key(node):
-    eqn = node.eqn
-    try:
-        params = tuple(sorted((k, repr(v)) for k, v in eqn.params.items()))
-    except Exception:  # noqa: BLE001 - unprintable params: compare the equation itself
-        params = id(eqn)
-    return (eqn.primitive.name, params)
 
 
 def _grow(prop, loop, bodies, q0, ctx) -> Run | None:
