@@ -140,4 +140,4 @@ def local_shape(dims, nd, grid) -> tuple:
 
 
 # Import the families so their rules register themselves.
-from sbpjax.rules import control, dot, elementwise, index, linalg, reduce, shape, window  # noqa: E402,F401
+from sbpjax.rules import control, dot, elementwise, index, linalg, reduce, reverse, shape, window  # noqa: E402,F401

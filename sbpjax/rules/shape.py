@@ -227,16 +227,6 @@ def pad(eqn, in_avals):
     return [Sig((Split(d), B), (Split(d),)) for d in range(rank(in_avals[0]))] + [Sig((B, B), (B,))]
 
 
-@register("rev")
-def rev(eqn, in_avals):
-    dims = tuple(eqn.params["dimensions"])
-    return (
-        [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0])) if d not in dims]
-        + _partials(1)
-        + [Sig((B,), (B,))]
-    )
-
-
 @register("slice")
 def slice_(eqn, in_avals):
     """``y_i = slice(x_i)``: split dims taken whole, or moved as
