@@ -160,6 +160,10 @@ def get_sbp(model, placement: Placement | None = None, *, rules=None):
         where = f"parameter '{_path_text(path)}'"
         ndim = jax.numpy.ndim(node.get_value())
         if sbp is not None and meta.get(RANK_KEY) is not None:
+            if placement is not None:
+                # checked as written, one layer's layout, so that a message's
+                # example is what to write in with_sbp (not the stack's layout)
+                sbp = normalize_nd_sbp(sbp, placement.ndim, meta[RANK_KEY], f"{where} (one layer of a stack)")
             sbp = shift_stacked(sbp, ndim - meta[RANK_KEY], where)
         if placement is not None:
             if sbp is None:

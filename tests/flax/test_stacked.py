@@ -153,6 +153,22 @@ def test_shift_stacked_refuses_a_split_of_the_removed_dim():
         shift_stacked((S(0), B), -1, "p", 0)
 
 
+def test_a_wrong_layout_in_a_stack_is_named_as_written_for_one_layer():
+    """A one-entry layout on a 2-axis placement, written for one layer: the
+    message's example is what to write in with_sbp, not the stack's shifted
+    layout (it said ``e.g. (S(2), B)``, which written there became S(3))."""
+
+    class Short(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(
+                D, H, kernel_init=sjf.with_sbp(nnx.initializers.lecun_normal(), (S(1),)), rngs=rngs
+            )
+
+    pl = sj.placement((2, 4), ("data", "model"))
+    with pytest.raises(sj.SBPError, match=r"one layer of a stack.*e\.g\. \(S\(1\), B\)"):
+        sjf.get_sbp(stack(Short), pl)
+
+
 def _sgd_step(apply):
     def step(params, x):
         loss, g = jax.value_and_grad(lambda p: jnp.mean((apply(p, x) - jnp.tanh(x)) ** 2))(params)
