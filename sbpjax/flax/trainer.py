@@ -19,7 +19,8 @@ from sbpjax.dtypes import is_key
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.flax.train import TrainStep, checked_loss, init_global
 from sbpjax.placement import Placement, checked_placement
-from sbpjax.sbp import Broadcast
+from sbpjax.compiler.arguments import broadcast_spec
+from sbpjax.sbp import Broadcast, normalize_nd_sbp
 from sbpjax.tensor import is_global, to_global
 
 _TRAINER_AUX = (
@@ -245,7 +246,7 @@ class Trainer:
             other = jax.tree.map(lambda v: v, rest_template)
             nnx.replace_by_pure_dict(other, _wrap_keys(rest_data, impls))
             model = nnx.merge(graphdef, state, other)
-            loss = checked_loss(loss_fn(model, batch), loss_fn, False, aux_hint=_TRAINER_AUX)
+            loss = checked_loss(_loss_on(loss_fn, model, batch), loss_fn, False, aux_hint=_TRAINER_AUX)
             updated = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
             return loss, _unwrap_keys(updated)
 
@@ -272,6 +273,7 @@ class Trainer:
         adopts the results as soon as the step has run and reads the loss
         after; whether the loss can be read is checked first, on a probe
         scalar of the same placement, so that failure still comes before."""
+        self._check_batch(batch)
         if not self.train_step.donate:
             params, opt_state, loss, state = self.train_step(self.params, self.opt_state, (batch, self.state))
             value = float(loss.numpy())
@@ -282,11 +284,26 @@ class Trainer:
         self.params, self.opt_state, self.state = params, opt_state, state
         return float(loss.numpy())
 
+    def _check_batch(self, batch) -> None:
+        """``batch_sbp`` read against ``batch``, each leaf's layout checked
+        where the message can name ``batch_sbp`` and the leaf (the step's own
+        check names its internal argument, ``args[2][0]``)."""
+        leaves, tree = jax.tree_util.tree_flatten_with_path(batch)
+        specs = broadcast_spec(
+            self._batch_sbp, jax.tree.structure(batch), "Trainer batch_sbp", self.placement.ndim
+        )
+        for (path, leaf), spec in zip(leaves, specs):
+            if spec is not None:
+                where = f"Trainer batch_sbp for batch{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))}"
+                normalize_nd_sbp(spec, self.placement.ndim, np.ndim(leaf), where)
+
     def explain(self, batch):
+        self._check_batch(batch)
         return self.train_step.explain(self.params, self.opt_state, (batch, self.state))
 
     def lower(self, batch):
         """The ``jax.stages.Lowered`` of one step (``.compile()`` it, read ``sj.collectives``)."""
+        self._check_batch(batch)
         return self.train_step.lower(self.params, self.opt_state, (batch, self.state))
 
     def model(self):
@@ -313,6 +330,23 @@ class Trainer:
     def state_bytes_per_device(self) -> dict:
         """Bytes the most loaded device holds: parameters and optimizer state."""
         return {"params": bytes_per_device(self.params), "opt_state": bytes_per_device(self.opt_state)}
+
+
+def _loss_on(loss_fn, model, batch):
+    """``loss_fn(model, batch)``; an error it raises while tracing (a batch of
+    the wrong shape or structure, most often) as an SBPError naming the
+    batch's shapes, its cause kept, as ``Pipeline.step`` reports it."""
+    try:
+        return loss_fn(model, batch)
+    except SBPError:
+        raise
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        shapes = jax.tree.map(lambda v: tuple(np.shape(v)), batch)
+        name = getattr(loss_fn, "__name__", repr(loss_fn))
+        raise SBPError(
+            f"Trainer.step: loss_fn {name!r} raised {type(e).__name__} on a batch of shapes {shapes}: {e}. "
+            "Check the batch's shapes and structure against what the model and loss_fn expect."
+        ) from e
 
 
 __all__ = ["Trainer", "bytes_per_device"]

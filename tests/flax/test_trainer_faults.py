@@ -98,3 +98,46 @@ def test_a_partial_parameter_layout_and_a_device_list_are_refused_by_name():
     for make in (sjf.Trainer, lambda *a, **k: sjf.TrainStep(a[2], a[1], a[3], None, (S(0), B))):
         with pytest.raises(sj.SBPError, match="placement must be an sj.Placement, got list"):
             make(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, jax.devices(), batch_sbp=(S(0), B))
+
+
+@pytest.mark.parametrize(
+    "batch_sbp, match",
+    [
+        ((S(3), B), r"Trainer batch_sbp for batch\[0\] \(8, 8\): S\(3\) on placement axis 0 splits dim 3"),
+        ((S(0),), r"Trainer batch_sbp for batch\[0\] \(8, 8\): .* has 1 entries .* e\.g\. \(S\(0\), B\)"),
+    ],
+    ids=["dim", "entries"],
+)
+def test_a_bad_batch_sbp_is_named_as_the_trainer_was_given_it(batch_sbp, match):
+    """Named ``batch_sbp`` and ``batch[0]``, not the step's internal argument
+    (``in_sbp of argument args[2][0][0]``)."""
+    rng = np.random.default_rng(2)
+    batch = (rng.normal(size=(N, D)).astype(np.float32), rng.normal(size=(N, D)).astype(np.float32))
+    trainer = sjf.Trainer(
+        MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, sj.placement((2, 4), ("x", "y")), batch_sbp=batch_sbp
+    )
+    for call in (trainer.step, trainer.explain, trainer.lower):
+        with pytest.raises(sj.SBPError, match=match):
+            call(batch)
+
+
+def test_a_batch_the_loss_cannot_take_is_an_sbperror_and_changes_nothing():
+    """A batch of the wrong width, rows or structure: the loss's own error
+    (a TypeError or ValueError from tracing) as an SBPError naming the batch's
+    shapes, its cause kept; the trainer then trains on a good batch as if
+    nothing had happened."""
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(N, D)).astype(np.float32), rng.normal(size=(N, D)).astype(np.float32)
+    trainer, reference = _trainer(), _trainer()
+    before = _host(trainer)
+    for bad, cause in (
+        ((x[:, :6], y), TypeError),
+        ((x, y[:4]), TypeError),
+        ((x,), ValueError),
+    ):  # x, y = batch
+        with pytest.raises(sj.SBPError, match=r"loss_fn 'loss_fn' raised .* on a batch of shapes") as info:
+            trainer.step(bad)
+        assert isinstance(info.value.__cause__, cause)
+        assert str(tuple(np.shape(bad[-1]))) in str(info.value)
+    jax.tree.map(np.testing.assert_array_equal, _host(trainer), before)
+    assert trainer.step((x, y)) == reference.step((x, y))
