@@ -140,7 +140,9 @@ def _stage(s: int, n: int, m: int, threads: StageThreads, split: bool, stash, ke
     regs: list[RegisterSpec] = []
     if split:
         actors += [ActorSpec(b, "backward_input", s, t, m), ActorSpec(w, "backward_weight", s, t, m)]
-        regs.append(RegisterSpec(f"kept{s}", b, (w,), kept[s], kept=True))
+        # the first stage's B keeps nothing (an empty marker per microbatch): a slot
+        # per microbatch, so that its kept_counts entry bounds nothing, as it holds nothing
+        regs.append(RegisterSpec(f"kept{s}", b, (w,), kept[s] if s > 0 else m, kept=True))
     else:
         actors.append(ActorSpec(b, "backward", s, t, m))
     actors.append(ActorSpec(f"update{s}", "update", s, t, 1, per_step=True))

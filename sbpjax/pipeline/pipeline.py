@@ -75,7 +75,8 @@ class Pipeline:
     ``data_registers`` / ``activation_registers``: slots of the loader / put
     registers and of the registers between stages; ``stash_counts`` overrides
     the schedule's forward-to-backward slots per stage and ``kept_counts`` its
-    B-to-W slots (split schedules): an action list that would need more is
+    B-to-W slots (split schedules; the first stage's B keeps nothing, so its
+    entry bounds nothing): an action list that would need more is
     refused before it runs. ``memory_budget``: bytes each device group may hold
     in residuals and kept values (logical bytes, counted from the stages'
     shapes at the first step; an action list or register counts that would

@@ -201,7 +201,8 @@ def _check_bounds(lists, n, stash_counts, kept_counts, slot_bytes, memory_budget
                     )
             elif kind in ("backward", "backward_input"):
                 stash[s] -= 1
-                if kind == "backward_input":
+                # the first stage's B runs its whole backward and keeps nothing for W
+                if kind == "backward_input" and s > 0:
                     kept[s] += 1
                     if kept_counts is not None and kept[s] > kept_counts[s]:
                         raise SBPError(
@@ -209,7 +210,7 @@ def _check_bounds(lists, n, stash_counts, kept_counts, slot_bytes, memory_budget
                             f"values for W, more than its {kept_counts[s]} kept slot(s); run a "
                             f"backward_weight of stage {s} before it, or give kept_counts[{s}] >= {kept[s]}."
                         )
-            else:
+            elif s > 0:
                 kept[s] -= 1
             if slot_bytes is not None and memory_budget is not None:
                 held = sum(stash[t] * slot_bytes[t][0] + kept[t] * slot_bytes[t][1] for t in range(n))

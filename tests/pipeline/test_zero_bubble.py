@@ -4,6 +4,10 @@ and every schedule is in the registry."""
 
 import random
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import sbpjax as sj
@@ -144,6 +148,43 @@ def test_w_waits_at_most_as_long_as_the_kept_register_allows():
         ("forward", 3, 1),
         ("backward_input", 3, 1),
     ]
+
+
+def test_the_first_stage_keeps_nothing_so_its_kept_count_bounds_nothing():
+    """The first stage's B runs its whole backward (nothing waits for an input
+    cotangent there), so its W reads nothing kept: its kept_counts entry is no
+    bound (ZB-H2 at p = 3 was refused for kept_counts[0] = 1 although it
+    holds 0 bytes there); the other stages' entries still are."""
+    need = sjp.ZeroBubbleH2().kept_counts(3, 6)
+    assert need[0] >= 2
+    tl = sjp.simulate("zb-h2", 3, 6, EQUAL, kept_counts=[1, *need[1:]])
+    assert tl.makespan == sjp.simulate("zb-h2", 3, 6, EQUAL).makespan
+    with pytest.raises(sj.SBPError, match=r"stage 1 would keep .* kept_counts\[1\]"):
+        sjp.simulate("zb-h2", 3, 6, EQUAL, kept_counts=[1, need[1] - 1, need[2]])
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) * 0.3 for _ in range(3)]
+    x = rng.normal(size=(12, 8)).astype(np.float32)
+    stages = [
+        sjp.Stage(
+            lambda w, h: h + jnp.tanh(h @ w), w, sj.Placement(np.array(jax.devices()[i : i + 1]), ("d",))
+        )
+        for i, w in enumerate(ws)
+    ]
+    mse = lambda o, t: jnp.mean((o - t) ** 2)  # noqa: E731
+    pipe = sjp.Pipeline(
+        stages, mse, optax.sgd(0.1), microbatches=6, schedule="zb-h2", kept_counts=[1, *need[1:]]
+    )
+    got = pipe.step(x, np.roll(x, 1, 1))
+
+    def whole(ws):
+        h = x
+        for w in ws:
+            h = h + jnp.tanh(h @ w)
+        return mse(h, np.roll(x, 1, 1))
+
+    want = jax.value_and_grad(whole)(ws)[0]
+    np.testing.assert_allclose(float(got.loss), float(want), rtol=1e-5)
+    assert got.timeline.peak_kept_bytes()[0] == 0
 
 
 def test_durations_split_a_whole_backward_in_half():
