@@ -2,11 +2,13 @@
 
 The reversal of a dim split evenly into ``p`` pieces is, at piece ``j``, the
 operand's piece ``p - 1 - j`` reversed. So each device sends its block to
-the device holding the mirrored piece (one ``ppermute`` over the axes that
-split the dim; the middle piece of an odd count stays) and reverses what it
-receives: the result keeps the operand's split, one block moved per device,
-as GSPMD's collective permute moves it. Over several axes the group index
-is mixed-radix, and ``p - 1 - g`` mirrors each axis's coordinate. An uneven
+the device holding the mirrored piece and reverses what it receives: the
+result keeps the operand's split, one block moved per device, as GSPMD's
+collective permute moves it. Over several axes the group index is
+mixed-radix, and ``p - 1 - g`` mirrors each axis's coordinate; so one
+``ppermute`` over every axis that splits a reversed dim mirrors them all
+(reversing two split dims moves each block once, not twice). The device
+whose coordinates are the middle ones of odd axes keeps its block. An uneven
 split is not run this way (piece ``p - 1 - j`` of the operand is not the
 size of piece ``j``): the operand is boxed instead.
 """
