@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import numbers
 import os
 import time
 
@@ -114,11 +115,7 @@ class CompiledFunction:
                 "value, not a buffer to donate."
             )
         self.auto = bool(auto)
-        if memory_budget is not None and not (isinstance(memory_budget, (int, float)) and memory_budget > 0):
-            raise SBPError(
-                f"sj.jit: memory_budget must be a positive number of bytes per device, got {memory_budget!r}."
-            )
-        self.memory_budget = memory_budget
+        self.memory_budget = checked_budget(memory_budget)
         self.regather = checked_regather(regather, "sj.jit")
         self._cache: dict = {}
         # per call tree, in_sbp expanded to its positional leaves; per (spec, dims), the nd-SBP
@@ -446,6 +443,20 @@ def jit(
     if fn is None:
         return lambda f: CompiledFunction(f, placement, **kw)
     return CompiledFunction(fn, placement, **kw)
+
+
+def checked_budget(memory_budget):
+    """``memory_budget`` as a Python int or float (NumPy's numbers too: a
+    budget computed from array sizes), or None; a bool, a string, NaN or a
+    number <= 0 is an SBPError."""
+    if memory_budget is None:
+        return None
+    ok = isinstance(memory_budget, numbers.Real) and not isinstance(memory_budget, (bool, np.bool_))
+    if not ok or not memory_budget > 0:
+        raise SBPError(
+            f"sj.jit: memory_budget must be a positive number of bytes per device, got {memory_budget!r}."
+        )
+    return int(memory_budget) if isinstance(memory_budget, numbers.Integral) else float(memory_budget)
 
 
 __all__ = ["jit", "constrain", "CompiledFunction", "is_nd_sbp", "state_sbp", "AUTO"]

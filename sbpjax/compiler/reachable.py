@@ -39,12 +39,23 @@ def sliced_to(src, dst) -> bool:
 
 
 def reductions(nd, ndim) -> set:
-    """The layouts ``nd`` reduces to: each partial axis made whole or split on a dim."""
-    out = set()
-    for a, q in enumerate(nd):
-        if isinstance(q, Partial):
-            out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
-            out.update(nd[:a] + (Split(d),) + nd[a + 1 :] for d in range(ndim))
+    """The layouts ``nd`` reduces to: each partial axis made whole or split on
+    a dim, and all of them at once (a gradient partial over both axes of a
+    2-D placement, the batch split over one and the image height over the
+    other, all-reduced whole: reduced one axis at a time only, the AdamW step
+    of such a convolution reduce-scattered its gradients and gathered the
+    parameter and both moments back, 113,720 B against GSPMD's 93,776)."""
+    partial = [a for a, q in enumerate(nd) if isinstance(q, Partial)]
+    targets = (Broadcast(),) + tuple(Split(d) for d in range(ndim))
+    out: set = set()
+    for a in partial:
+        out.update(nd[:a] + (t,) + nd[a + 1 :] for t in targets)
+    if len(partial) > 1:
+        for chosen in itertools.product(targets, repeat=len(partial)):
+            made = list(nd)
+            for a, t in zip(partial, chosen):
+                made[a] = t
+            out.add(tuple(made))
     return out
 
 

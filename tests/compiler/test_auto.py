@@ -261,8 +261,13 @@ def test_auto_errors(pl24):
         sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, (S0, B)), solver="greedy")(params, x)
     with pytest.raises(sj.SBPError, match="out_sbp leaves cannot be sj.AUTO"):
         sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, (S0, B)), out_sbp=sj.AUTO)(params, x)
-    with pytest.raises(sj.SBPError, match="memory_budget must be a positive number"):
-        sj.jit(step, placement=pl24, memory_budget=-1)
+    for bad in (-1, 0, float("nan"), np.float32("nan"), "10", True, np.bool_(True), [1]):
+        with pytest.raises(sj.SBPError, match="memory_budget must be a positive number"):
+            sj.jit(step, placement=pl24, memory_budget=bad)
+    # NumPy's numbers are numbers (a budget computed from array sizes), kept as Python's
+    for good, want in ((np.int64(10**6), 10**6), (np.float32(1e6), 1e6), (10**6, 10**6)):
+        got = sj.jit(step, placement=pl24, memory_budget=good).memory_budget
+        assert got == want and type(got) is type(want)
     for bad in (0, -1.0, "10", True):
         with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds"):
             sj.jit(step, placement=pl24, solve_time_limit=bad)
