@@ -56,7 +56,7 @@ from sbpjax.compiler.classes import same_candidates
 from sbpjax.compiler.decode import propagation_of, value_keys
 from sbpjax.compiler.domains import Domains
 from sbpjax.compiler.folding import Folded
-from sbpjax.compiler.liveness import block_bytes
+from sbpjax.compiler.liveness import block_bytes, result_table_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.pricing import BranchOdds
 from sbpjax.compiler.program import Var
@@ -422,6 +422,7 @@ class _Builder:
         """What arguments and results hold per device, as usages (a tied
         result reuses its argument's buffer)."""
         grid = self.grid
+        self.const_usage += result_table_bytes(self.program)
         for i, (v, lays) in enumerate(zip(self.program.inputs, in_layouts)):
             # a mirror shares its parameter's node, and holds its own buffer in that layout
             n = self.arg_node.get(i)
