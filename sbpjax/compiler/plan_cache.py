@@ -8,8 +8,10 @@ those (:func:`fingerprint`). An entry is data, never code: a JSON record of
 the arguments' layouts and each op's signature, written as text. Reading one
 back checks it against the program before use (:func:`load`): every
 signature must be one the op's rule allows on these shapes
-(``signatures.allowed``), so a foreign, tampered or truncated file can at worst
-be rejected (with a ``PlanCacheWarning``), never run. Writes go to a
+(``signatures.allowed``), so a foreign, tampered or truncated file is
+rejected (with a ``PlanCacheWarning``) or, edited into another valid plan of
+the same program, runs as that plan: the same values, maybe more bytes
+(``explain()`` shows them). Nothing in it is ever run as code. Writes go to a
 temporary file renamed over the entry (atomic on POSIX and Windows), so
 processes sharing a directory never read half an entry.
 
