@@ -426,23 +426,18 @@ def estimated_peak_bytes(prop: Propagation) -> int:
     temps = [Value(sp.size[k], sp.start[k], sp.end[k]) for k in sp.size if k not in returned]
     temps += sp.gathered
     results = [Value(sp.size[k], sp.start[k], sp.end[k]) for k in sp.results]
-    # XLA returns several results as a tuple, whose table of buffer addresses (8 B a
-    # result) its memory_analysis() counts with the outputs
-    n_results = len(prop.program.outputs)
-    table = 8 * n_results if n_results > 1 else 0
-    return argument_bytes(prop) + allocated_bytes(temps, results, sp.steps) + table
-
-
-# XLA's output size counts the results' tuple: a pointer per result besides
-# their buffers (a donated result's too). Left out, a 20-result AdamW step
-# planned under an 85,911 B budget held 85,904 B by the plan and 86,064 B by
-# XLA's memory_analysis.
-RESULT_TABLE_BYTES = 8
+    return argument_bytes(prop) + allocated_bytes(temps, results, sp.steps) + result_table_bytes(prop.program)
 
 
 def result_table_bytes(program) -> int:
-    """The bytes of the results' tuple XLA holds besides their buffers."""
-    return RESULT_TABLE_BYTES * len(program.outputs)
+    """The bytes of the results' tuple XLA holds besides their buffers: it
+    returns two or more results as a tuple, whose table of buffer addresses
+    (8 B a result, a donated one's too) its memory_analysis() counts with the
+    outputs; one result is returned as it is. Left out of ``held_bytes``, a
+    20-result AdamW step planned under an 85,911 B budget held 85,904 B by
+    the plan and 86,064 B by XLA's count."""
+    n = len(program.outputs)
+    return 8 * n if n > 1 else 0
 
 
 def held_bytes(program, prop: Propagation, ties, grid) -> int:

@@ -15,11 +15,12 @@ from flax import nnx
 
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
+from sbpjax.compiler.arguments import broadcast_spec
+from sbpjax.compiler.auto import AUTO
 from sbpjax.dtypes import is_key
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.flax.train import TrainStep, checked_loss, init_global
 from sbpjax.placement import Placement, checked_placement
-from sbpjax.compiler.arguments import broadcast_spec
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
 from sbpjax.tensor import is_global, to_global
 
@@ -289,13 +290,14 @@ class Trainer:
         where the message can name ``batch_sbp`` and the leaf (the step's own
         check names its internal argument, ``args[2][0]``)."""
         leaves, tree = jax.tree_util.tree_flatten_with_path(batch)
-        specs = broadcast_spec(
-            self._batch_sbp, jax.tree.structure(batch), "Trainer batch_sbp", self.placement.ndim
-        )
+        specs = broadcast_spec(self._batch_sbp, tree, "Trainer batch_sbp", self.placement.ndim)
         for (path, leaf), spec in zip(leaves, specs):
-            if spec is not None:
-                where = f"Trainer batch_sbp for batch{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))}"
-                normalize_nd_sbp(spec, self.placement.ndim, np.ndim(leaf), where)
+            if spec is not None and spec is not AUTO:  # (an AUTO leaf the step lays out)
+                try:
+                    normalize_nd_sbp(spec, self.placement.ndim, np.ndim(leaf))
+                except SBPError:
+                    where = f"Trainer batch_sbp for batch{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))}"
+                    normalize_nd_sbp(spec, self.placement.ndim, np.ndim(leaf), where)
 
     def explain(self, batch):
         self._check_batch(batch)
@@ -338,13 +340,13 @@ def _loss_on(loss_fn, model, batch):
     batch's shapes, its cause kept, as ``Pipeline.step`` reports it."""
     try:
         return loss_fn(model, batch)
-    except SBPError:
-        raise
+    except (SBPError, jax.errors.JAXTypeError):
+        raise  # sbpjax's own, and JAX's tracing errors (a Python `if` on a traced value): not the batch
     except (TypeError, ValueError, IndexError, KeyError) as e:
         shapes = jax.tree.map(lambda v: tuple(np.shape(v)), batch)
         name = getattr(loss_fn, "__name__", repr(loss_fn))
         raise SBPError(
-            f"Trainer.step: loss_fn {name!r} raised {type(e).__name__} on a batch of shapes {shapes}: {e}. "
+            f"Trainer: loss_fn {name!r} raised {type(e).__name__} on a batch of shapes {shapes}: {e}. "
             "Check the batch's shapes and structure against what the model and loss_fn expect."
         ) from e
 

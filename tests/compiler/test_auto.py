@@ -227,6 +227,10 @@ def test_a_budget_no_layout_meets_says_the_least_any_layout_needs(pl24):
     # the plan's count is XLA's, to the byte (the results' tuple of pointers included:
     # without it a plan at its budget held 8 B per result more by XLA's count)
     assert held == _state_bytes(g, params, state, x, y) <= least
+    # one result is returned as it is, with no tuple
+    one = sj.jit(lambda w: w * 2.0, placement=pl24, in_sbp=(sj.AUTO,), memory_budget=10**6)
+    w = params[next(iter(params))]
+    assert one.explain(w).propagation.choice.memory_bytes == _state_bytes(one, w)
 
 
 def test_auto_true_chooses_every_unannotated_positional_argument(pl8):

@@ -141,3 +141,22 @@ def test_a_batch_the_loss_cannot_take_is_an_sbperror_and_changes_nothing():
         assert str(tuple(np.shape(bad[-1]))) in str(info.value)
     jax.tree.map(np.testing.assert_array_equal, _host(trainer), before)
     assert trainer.step((x, y)) == reference.step((x, y))
+
+
+def test_an_auto_batch_trains_and_a_tracing_error_in_the_loss_stays_jaxs():
+    """``batch_sbp=sj.AUTO`` leaves the batch's layout to the step (the batch
+    check passes it by); a loss that branches on a traced value raises JAX's
+    own error, not a batch-shaped SBPError."""
+    rng = np.random.default_rng(4)
+    batch = (rng.normal(size=(N, D)).astype(np.float32), rng.normal(size=(N, D)).astype(np.float32))
+    pl = sj.placement((2, 4), ("x", "y"))
+    auto = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, pl, batch_sbp=sj.AUTO)
+    given = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, pl, batch_sbp=(S(0), B))
+    np.testing.assert_allclose(auto.step(batch), given.step(batch), rtol=1e-6)
+
+    def branching(model, b):
+        return loss_fn(model, b) if b[0].sum() > 0 else 0.0
+
+    bad = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), branching, pl, batch_sbp=(S(0), B))
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        bad.step(batch)
