@@ -171,3 +171,52 @@ def test_group_norm_over_split_channels_moves_the_split_not_the_whole_input(pl8)
     moving = 7 * x.nbytes // 8  # an all-to-all: each device sends 7/8 of its piece
     assert moved == f.explain(x).bytes
     assert moved <= moving + 8 * 7 * 2 * 8 * 4 * 4 < everything  # and the statistics' all-reduces
+
+
+def test_a_partial_over_both_axes_may_be_reduced_whole_at_once(pl24):
+    """An AdamW step of two convolutions with the batch split over x and the
+    image height over y: each kernel gradient is partial over both axes, and
+    reducing it whole in one all-reduce (then updating the whole kernel and
+    its moments) is offered, not only one axis at a time. Offered one axis at
+    a time, the plan reduce-scattered the gradients and gathered the kernels
+    and both moments back: 113,720 B against GSPMD's 93,776 (now 63,800)."""
+    import optax
+
+    from sbpjax.compiler.api import state_sbp
+    from sbpjax.compiler.reachable import reductions
+
+    assert (B, B) in reductions((P, P), 4) and (S(2), S(0)) in reductions((P, P), 4)
+    rng = np.random.default_rng(8)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv2(p, x):
+        h = jax.nn.relu(jax.lax.conv_general_dilated(x, p["a"], (2, 2), "SAME", dimension_numbers=dn))
+        return jax.lax.conv_general_dilated(h, p["b"], (1, 1), "SAME", dimension_numbers=dn)
+
+    opt = optax.adamw(1e-3, weight_decay=0.01)
+
+    def step(p, s, x, y):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((conv2(p, x) - y) ** 2))(p)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    p = {
+        k: (rng.normal(size=s) * 0.2).astype(np.float32)
+        for k, s in (("a", (3, 3, 4, 8)), ("b", (3, 3, 8, 8)))
+    }
+    st = opt.init(p)
+    x, y = (
+        rng.normal(size=(4, 16, 16, 4)).astype(np.float32),
+        rng.normal(size=(4, 8, 8, 8)).astype(np.float32),
+    )
+    ps = {"a": (B, B), "b": (B, B)}
+    ss = state_sbp(st, ps, (B, B))
+    in_sbp, out_sbp = (ps, ss, (S(0), S(1)), (S(0), S(1))), (ps, ss, (B, B))
+    f = sj.jit(step, placement=pl24, in_sbp=in_sbp, out_sbp=out_sbp)
+    args = (p, st, x, y)
+    got = jax.tree.map(lambda t: t.numpy(), f(*args), is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
+    jax.tree.map(lambda a, b: assert_close(a, b, rtol=1e-4), got, jax.jit(step)(*args))
+    moved = moved_bytes(f, *args)
+    assert moved == f.explain(*args).bytes
+    assert moved <= gspmd_bytes(step, pl24, in_sbp, out_sbp, args)
+    assert moved < 93_776
