@@ -34,6 +34,7 @@ from sbpjax.rules import (
     shape_of,
     split_axes,
 )
+from sbpjax.rules.shape import ALL_P
 from sbpjax.sbp import Split
 
 
@@ -44,7 +45,7 @@ def rev(eqn, in_avals):
     every partial passes."""
     return (
         [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0]))]
-        + [Sig((P(op),), (P(op),)) for op in ("sum", "max", "min")]
+        + [Sig((P(op),), (P(op),)) for op in ALL_P]
         + [Sig((B,), (B,))]
     )
 
