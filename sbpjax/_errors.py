@@ -18,6 +18,16 @@ def is_count(value, least: int = 1) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= least
 
 
+def is_positive_amount(value) -> bool:
+    """A number (Python's or NumPy's, not a bool) above 0, not NaN: how
+    amounts such as memory budgets in bytes are checked."""
+    import numbers
+
+    import numpy as np
+
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and float(value) > 0
+
+
 class SBPWarning(UserWarning):
     """Something sbpjax handled in a slower or less precise way than asked:
     an unknown primitive run whole on every device, a loop forced to B."""

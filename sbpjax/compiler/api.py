@@ -28,7 +28,7 @@ import time
 import jax
 import numpy as np
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_positive_amount
 from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagation.NESTED)
 from sbpjax.compiler.arguments import (
     broadcast_spec,
@@ -451,8 +451,7 @@ def checked_budget(memory_budget):
     number <= 0 is an SBPError."""
     if memory_budget is None:
         return None
-    ok = isinstance(memory_budget, numbers.Real) and not isinstance(memory_budget, (bool, np.bool_))
-    if not ok or not memory_budget > 0:
+    if not is_positive_amount(memory_budget):
         raise SBPError(
             f"sj.jit: memory_budget must be a positive number of bytes per device, got {memory_budget!r}."
         )

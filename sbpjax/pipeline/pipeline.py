@@ -32,7 +32,7 @@ import numpy as np
 import optax
 
 from sbpjax import checkpoint
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_positive_amount
 from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
 from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
@@ -179,11 +179,7 @@ class Pipeline:
             stash_counts=None if stash_counts is None else list(stash_counts),
             kept_counts=None if kept_counts is None else list(kept_counts),
         )
-        if memory_budget is not None and (
-            isinstance(memory_budget, bool)
-            or not isinstance(memory_budget, (int, float, np.integer, np.floating))
-            or not memory_budget > 0
-        ):
+        if memory_budget is not None and not is_positive_amount(memory_budget):
             raise SBPError(f"Pipeline: memory_budget={memory_budget!r}; give bytes (> 0) or None.")
         self.memory_budget = memory_budget
         self._budget_checked: set = set()  # microbatch shapes already checked against the budget
