@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import gspmd_bytes
+from conftest import assert_close, gspmd_bytes
 
 import sbpjax as sj
 
@@ -123,7 +123,7 @@ def test_partial_odd_placements_shared_permutes_and_scans():
         return jnp.flip(a, (0,)) + jnp.flip(a, (0, 1))
 
     f = sj.jit(twice, placement=pl22, in_sbp=((S0, B),), out_sbp=(S0, B))
-    np.testing.assert_allclose(f(y).numpy(), np.flip(y, 0) + np.flip(y, (0, 1)), rtol=1e-6)
+    assert_close(f(y).numpy(), np.flip(y, 0) + np.flip(y, (0, 1)), rtol=1e-6)
     moved = sum(c.bytes for c in sj.collectives(f.lower(y).compile()))
     assert moved == f.explain(y).bytes == 4 * y.nbytes // 2  # one permute of each device's block
 

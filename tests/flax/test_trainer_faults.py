@@ -6,6 +6,7 @@ import mlp_model
 import numpy as np
 import optax
 import pytest
+from conftest import assert_close
 from flax import nnx
 from mlp_model import loss_fn
 
@@ -152,7 +153,7 @@ def test_an_auto_batch_trains_and_a_tracing_error_in_the_loss_stays_jaxs():
     pl = sj.placement((2, 4), ("x", "y"))
     auto = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, pl, batch_sbp=sj.AUTO)
     given = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, pl, batch_sbp=(S(0), B))
-    np.testing.assert_allclose(auto.step(batch), given.step(batch), rtol=1e-6)
+    assert_close(auto.step(batch), given.step(batch), rtol=1e-6)
 
     def branching(model, b):
         return loss_fn(model, b) if b[0].sum() > 0 else 0.0

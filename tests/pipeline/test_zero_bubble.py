@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_close
 
 import sbpjax as sj
 import sbpjax.pipeline as sjp
@@ -183,7 +184,7 @@ def test_the_first_stage_keeps_nothing_so_its_kept_count_bounds_nothing():
         return mse(h, np.roll(x, 1, 1))
 
     want = jax.value_and_grad(whole)(ws)[0]
-    np.testing.assert_allclose(float(got.loss), float(want), rtol=1e-5)
+    assert_close(float(got.loss), float(want), rtol=1e-5)
     assert got.timeline.peak_kept_bytes()[0] == 0
 
 
