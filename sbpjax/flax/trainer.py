@@ -293,11 +293,8 @@ class Trainer:
         specs = broadcast_spec(self._batch_sbp, tree, "Trainer batch_sbp", self.placement.ndim)
         for (path, leaf), spec in zip(leaves, specs):
             if spec is not None and spec is not AUTO:  # (an AUTO leaf the step lays out)
-                try:
-                    normalize_nd_sbp(spec, self.placement.ndim, np.ndim(leaf))
-                except SBPError:
-                    where = f"Trainer batch_sbp for batch{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))}"
-                    normalize_nd_sbp(spec, self.placement.ndim, np.ndim(leaf), where)
+                where = f"Trainer batch_sbp for batch{jax.tree_util.keystr(path)} {tuple(np.shape(leaf))}"
+                normalize_nd_sbp(spec, self.placement.ndim, np.ndim(leaf), where)
 
     def explain(self, batch):
         self._check_batch(batch)
