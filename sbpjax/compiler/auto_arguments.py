@@ -44,19 +44,29 @@ def place_chosen(gts: list, in_sbp: list, placement: Placement) -> list:
 
 
 def donated_result_ties(gts: list, donated: tuple, program, out_specs) -> dict:
-    """{result index: argument index} for each donated AUTO argument: the
-    first result of its shape and dtype not yet paired (the pairing XLA uses
-    to alias a donated buffer), unless out_sbp gives that result a layout.
-    The result takes the argument's layout, so a train step is a fixed
-    point: its results are the next call's arguments, as they are."""
+    """{result index: argument index} for each donated argument: the first
+    result of its shape and dtype not yet paired (the pairing XLA uses to
+    alias a donated buffer). The result takes the argument's layout, so a
+    train step is a fixed point (its results are the next call's arguments,
+    as they are) and the pair holds one buffer, which is what a memory
+    budget counts.
+
+    A result out_sbp gives a layout is passed over, unless the argument is
+    not AUTO and the layout is its own. Decision: before, only AUTO arguments were tied, so
+    a donated parameter with a written layout and its result were counted
+    twice under a budget (the least any layout holds was quoted as 1,235,532 B
+    where XLA held 613,320), and the result could come back in another
+    layout, re-laid out before the next call and its buffer not reused."""
     ties: dict = {}
     for i in donated:
-        if gts[i].sbp is not AUTO:
-            continue
+        fixed = gts[i].sbp is not AUTO
         for k, o in enumerate(program.outputs):
-            if k in ties or (out_specs is not None and out_specs[k] is not None):
+            if k in ties:
                 continue
-            if tuple(o.shape) == tuple(gts[i].shape) and np.dtype(o.dtype) == np.dtype(gts[i].dtype):
+            if tuple(o.shape) != tuple(gts[i].shape) or np.dtype(o.dtype) != np.dtype(gts[i].dtype):
+                continue
+            want = None if out_specs is None else out_specs[k]
+            if want is None or (fixed and tuple(want) == tuple(gts[i].sbp)):
                 ties[k] = i
                 break
     return ties

@@ -233,6 +233,35 @@ def test_a_budget_no_layout_meets_says_the_least_any_layout_needs(pl24):
     assert one.explain(w).propagation.choice.memory_bytes == _state_bytes(one, w)
 
 
+def test_a_donated_argument_with_a_written_layout_holds_one_buffer_with_its_result(pl24):
+    """Megatron's parameters written by hand, the optimizer state AUTO, both
+    donated, under a budget: each parameter's result comes back in its
+    layout, in its buffer, and the plan's count of what the step holds is
+    XLA's (each pair was counted twice before: the least any layout holds
+    was quoted at about twice XLA's figure)."""
+    step, params, state, x, y = _mlp_step()
+    in_sbp = (MEGATRON, sj.AUTO, (S0, B), (S0, B))
+    free = sj.jit(step, placement=pl24, in_sbp=in_sbp, donate_argnums=(0, 1))
+    need = _state_bytes(free, params, state, x, y)
+    f = sj.jit(step, placement=pl24, in_sbp=in_sbp, donate_argnums=(0, 1), memory_budget=need)
+    e = f.explain(params, state, x, y)
+    assert e.propagation.choice.memory_bytes == _state_bytes(f, params, state, x, y) <= need
+    assert e.propagation.out_sbp[:2] == [MEGATRON["w1"], MEGATRON["w2"]]
+    want = jax.jit(step)(params, state, x, y)
+    p, s, loss = f(params, state, x, y)
+    assert p["w1"].sbp == MEGATRON["w1"] and p["w2"].sbp == MEGATRON["w2"]
+    got = jax.tree.leaves((p, s, loss), is_leaf=lambda t: isinstance(t, sj.GlobalTensor))
+    for g, ref in zip(got, jax.tree.leaves(want), strict=True):
+        assert_close(
+            np.asarray(g.numpy() if isinstance(g, sj.GlobalTensor) else g), np.asarray(ref), rtol=1e-5
+        )
+    # the results are the next call's arguments as they are: no re-layout, so the
+    # parameters' own buffers are donated (a re-laid-out copy would leave them readable)
+    f(p, s, x, y)
+    with pytest.raises(sj.SBPError, match="donated"):
+        p["w1"].numpy()
+
+
 def test_auto_true_chooses_every_unannotated_positional_argument(pl8):
     """``auto=True``: leaves in_sbp leaves None are AUTO (here the parameter);
     an annotated one keeps its layout; a plain array the caller passes and
