@@ -396,16 +396,16 @@ def jit(
     every positional argument leaf ``in_sbp`` leaves ``None``) gets the layout
     the whole-program solver chooses with the rest of the program (B or a
     split of any dim on each axis; ``explain()`` shows the choice). A donated
-    argument, AUTO or not (a train step's parameters and optimizer state),
-    ties its result (the first of its shape and dtype that ``out_sbp``
-    leaves free) to the same layout, so the results can be passed to the
-    next call as they are; without donation nothing ties them. ``memory_budget``: the
+    AUTO argument (a train step's parameters and optimizer state) ties its
+    result to the same layout, so the results can be passed to the next call
+    as they are; without donation nothing ties them. ``memory_budget``: the
     bytes per device that arguments and results may hold together (a donated
-    argument and its result once; activations inside the step are not
-    counted): the solver picks the cheapest layouts that fit, e.g. ZeRO's split
-    optimizer state, never more bytes than ZeRO-1/2 or ZeRO-3/FSDP written by
-    hand where one fits (``explain()`` lists them), or raises an SBPError
-    giving the least any layout needs.
+    argument and its result once, where the result has the argument's
+    layout; activations inside the step are not counted): the solver picks
+    the cheapest layouts that fit, e.g. ZeRO's split optimizer state, never
+    more bytes than ZeRO-1/2 or ZeRO-3/FSDP written by hand where one fits
+    (``explain()`` lists them), or raises an SBPError giving the least any
+    layout needs.
     Both need ``solver="ilp"``.
 
     ``regather`` trades bytes for memory where the chosen layouts all-gather a

@@ -44,32 +44,45 @@ def place_chosen(gts: list, in_sbp: list, placement: Placement) -> list:
 
 
 def donated_result_ties(gts: list, donated: tuple, program, out_specs) -> dict:
-    """{result index: argument index} for each donated argument: the first
-    result of its shape and dtype not yet paired (the pairing XLA uses to
-    alias a donated buffer). The result takes the argument's layout, so a
-    train step is a fixed point (its results are the next call's arguments,
-    as they are) and the pair holds one buffer, which is what a memory
-    budget counts.
-
-    A result out_sbp gives a layout is passed over, unless the argument is
-    not AUTO and the layout is its own. Decision: before, only AUTO arguments were tied, so
-    a donated parameter with a written layout and its result were counted
-    twice under a budget (the least any layout holds was quoted as 1,235,532 B
-    where XLA held 613,320), and the result could come back in another
-    layout, re-laid out before the next call and its buffer not reused."""
+    """{result index: argument index} for each donated AUTO argument: the
+    first result of its shape and dtype not yet paired (the pairing XLA uses
+    to alias a donated buffer), unless out_sbp gives that result a layout.
+    The result takes the argument's layout, so a train step is a fixed
+    point: its results are the next call's arguments, as they are."""
     ties: dict = {}
     for i in donated:
-        fixed = gts[i].sbp is not AUTO
+        if gts[i].sbp is not AUTO:
+            continue
         for k, o in enumerate(program.outputs):
-            if k in ties:
+            if k in ties or (out_specs is not None and out_specs[k] is not None):
                 continue
-            if tuple(o.shape) != tuple(gts[i].shape) or np.dtype(o.dtype) != np.dtype(gts[i].dtype):
-                continue
-            want = None if out_specs is None else out_specs[k]
-            if want is None or (fixed and tuple(want) == tuple(gts[i].sbp)):
+            if tuple(o.shape) == tuple(gts[i].shape) and np.dtype(o.dtype) == np.dtype(gts[i].dtype):
                 ties[k] = i
                 break
     return ties
+
+
+def donated_aliases(gts: list, donated: tuple, program, ties: dict) -> dict:
+    """{result index: argument index} for each donated argument with a
+    written layout (not AUTO): the first result of its shape and dtype that
+    no other donated argument is paired or tied with. Nothing ties its
+    layout (the user's program chooses it, as without donation); a memory
+    budget counts the pair once where the result takes the argument's
+    layout, so XLA reuses the buffer (``liveness.held_bytes``). Decision:
+    before, such a pair was counted twice, and a budget the step met was
+    refused or bought with split parameters (the least any layout holds
+    was quoted as 1,235,532 B where XLA held 613,320)."""
+    aliases: dict = {}
+    for i in donated:
+        if gts[i].sbp is AUTO:
+            continue
+        for k, o in enumerate(program.outputs):
+            if k in ties or k in aliases:
+                continue
+            if tuple(o.shape) == tuple(gts[i].shape) and np.dtype(o.dtype) == np.dtype(gts[i].dtype):
+                aliases[k] = i
+                break
+    return aliases
 
 
 def mirrored_state(gts: list, paths: list) -> dict:
@@ -98,4 +111,4 @@ def mirrored_state(gts: list, paths: list) -> dict:
     return out
 
 
-__all__ = ["Unplaced", "donated_result_ties", "mirrored_state", "place_chosen"]
+__all__ = ["Unplaced", "donated_aliases", "donated_result_ties", "mirrored_state", "place_chosen"]

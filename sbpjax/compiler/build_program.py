@@ -14,7 +14,7 @@ from sbpjax._errors import SBPError
 from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.arguments import broadcast_spec, leaf_name, leaf_paths
 from sbpjax.compiler.auto import AUTO
-from sbpjax.compiler.auto_arguments import donated_result_ties, mirrored_state
+from sbpjax.compiler.auto_arguments import donated_aliases, donated_result_ties, mirrored_state
 from sbpjax.compiler.keys import keyed
 from sbpjax.compiler.planning import plan
 from sbpjax.compiler.regather import add_regathers
@@ -65,6 +65,7 @@ def plan_and_build(cf: CompiledFunction, gts, tree, weak, static, keys):
             if nd is not None:
                 check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
     donated = cf.static.donated_leaves(cf.donate_argnums, tree, static)
+    ties = donated_result_ties(gts, donated, program, out_specs)
     prop = plan(
         program,
         cf.placement,
@@ -73,7 +74,8 @@ def plan_and_build(cf: CompiledFunction, gts, tree, weak, static, keys):
         cf.cost_model,
         solver=cf.solver,
         options=cf.options,
-        ties=donated_result_ties(gts, donated, program, out_specs),
+        ties=ties,
+        aliases=donated_aliases(gts, donated, program, ties),
         memory_budget=cf.memory_budget,
         same_layout=mirrored_state(gts, leaf_paths(tree)),
         arg_names=[leaf_name(p) for p in leaf_paths(tree)],

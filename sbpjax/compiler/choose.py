@@ -246,6 +246,7 @@ def choose(
     same_layout=None,
     arg_names=None,
     options: CompileOptions = DEFAULT_OPTIONS,
+    aliases=None,
 ) -> Propagation:
     """The layouts of every value: the greedy pass, then (``solver="ilp"``)
     the whole-program solve, keeping whichever is cheaper by ``price`` (the
@@ -259,7 +260,9 @@ def choose(
     ``AUTO`` argument's index to an earlier ``AUTO`` argument's whose layout
     it takes (optimizer state mirroring a parameter). ``arg_names``: the
     arguments' paths, by which alike layers are found
-    (``CompileOptions.tie_layers``)."""
+    (``CompileOptions.tie_layers``). ``aliases`` maps an output index to the
+    index of a donated argument with a written layout: the budget counts the
+    pair once where the result takes that layout (nothing ties it)."""
     call = _Call(
         program,
         placement,
@@ -272,6 +275,7 @@ def choose(
         dict(same_layout or {}),
         arg_names,
         options,
+        dict(aliases or {}),
     )
     prop = _choose(call)
     prop.options = options
@@ -294,6 +298,7 @@ class _Call:
     same_layout: dict
     arg_names: Sequence | None
     options: CompileOptions
+    aliases: dict
 
 
 def _choose(call: _Call) -> Propagation:
@@ -318,7 +323,7 @@ def _choose(call: _Call) -> Propagation:
 
     def held_to_hand(plan, fits):  # under a budget: no worse than the hand-written layouts
         return hand_layouts.no_worse_than_by_hand(
-            program, plan, fits, call.in_sbp, mirrors, call.ties, call.memory_budget, by_hand
+            program, plan, fits, call.in_sbp, mirrors, call.ties, call.memory_budget, by_hand, call.aliases
         )
 
     if call.memory_budget is not None and mirrors:
@@ -329,11 +334,11 @@ def _choose(call: _Call) -> Propagation:
         # 128, 2 layers, 2x4, AdamW) the budget's own problem took 115 s to
         # plan, the smaller one 63 s, for the same plan.
         free = hand_layouts.own(_unbudgeted(call, call.in_sbp, mirrors))
-        held = held_bytes(program, free, call.ties, grid)
+        held = held_bytes(program, free, call.ties, grid, call.aliases)
         if held <= call.memory_budget:
             free.choice.memory_budget, free.choice.memory_bytes = call.memory_budget, held
             return held_to_hand(free, True)
-    g_memory = held_bytes(program, greedy, call.ties, grid)
+    g_memory = held_bytes(program, greedy, call.ties, grid, call.aliases)
     g_fits = call.memory_budget is None or g_memory <= call.memory_budget
     form, solved, choice = _solve(call, greedy, caches, g_bytes)
     if solved.strategies is None:
@@ -417,6 +422,7 @@ def _unbudgeted(call: _Call, ins, same) -> Propagation:
         same_layout=same,
         memory_budget=None,
         arg_names=sub.arg_names,
+        aliases=sub.aliases,
     )
     return sub_plans.recall(
         key,
@@ -445,6 +451,7 @@ def _solve(call: _Call, greedy: Propagation, caches, g_bytes: int):
         ties=call.ties,
         same_layout=call.same_layout,
         classes=classes,
+        aliases=call.aliases,
     )
     t1 = time.perf_counter()
     solved = solve_settled(
@@ -494,7 +501,7 @@ def _cheaper(call: _Call, greedy, chosen, solved, choice: Choice, g_fits: bool, 
         choice.memory_bytes = g_memory
         greedy.choice = choice
         return greedy
-    choice.memory_bytes = held_bytes(call.program, chosen, call.ties, call.placement.shape)
+    choice.memory_bytes = held_bytes(call.program, chosen, call.ties, call.placement.shape, call.aliases)
     chosen.warnings = greedy.warnings
     chosen.choice = choice
     return chosen

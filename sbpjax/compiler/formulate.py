@@ -99,6 +99,9 @@ class Formulation:
     program: Any
     placement: Any
     pr: Propagator
+    # result index -> a donated argument with a written layout: its buffer where
+    # the result takes that layout (auto_arguments.donated_aliases)
+    aliases: dict = dataclasses.field(default_factory=dict)
 
     _folded: Folded | None = None  # the links folded (sbpjax.compiler.folding)
 
@@ -222,14 +225,17 @@ def formulate(
     same_layout=None,
     classes=None,
     lazy: bool = True,
+    aliases=None,
 ) -> Formulation:
     """The pairwise problem of ``program``'s layout choice (see the module docstring).
 
     ``in_sbp`` entries may be ``AUTO``. ``ties``: {result index: index of an
     AUTO argument whose layout it must have} (a donated train-step state).
     ``same_layout``: {AUTO argument: earlier AUTO argument whose layout it
-    takes}. ``classes``: per op a key or None: ops with one key decide alike
-    (the iterations of a scan; alike layers). ``lazy``: cost table entries start as lower
+    takes}. ``aliases``: {result index: donated argument with a written
+    layout}, counted once where the result takes that layout. ``classes``:
+    per op a key or None: ops with one key decide alike (the iterations of
+    a scan; alike layers). ``lazy``: cost table entries start as lower
     bounds (:mod:`sbpjax.compiler.tables`; ``Formulation.settle``).
     ``caches``: the greedy pass's
     planner caches (plans, bounds, signatures, choices, evenness) and a memo
@@ -241,6 +247,7 @@ def formulate(
     memo = caches[5]
     ties = dict(ties or {})
     same_layout = dict(same_layout or {})
+    aliases = dict(aliases or {})
 
     in_layouts = [
         auto_layouts(v.shape, grid) if nd is AUTO else [nd] for v, nd in zip(program.inputs, in_sbp)
@@ -267,7 +274,7 @@ def formulate(
             b.arg_node[i] = b.arg_node[j] if j is not None and j in b.arg_node else b.node(lays, "argument")
     b.add_ops(cands, classes)
     b.add_values(in_layouts, out_sbp, ties)
-    b.add_memory(in_layouts, out_sbp, ties)
+    b.add_memory(in_layouts, out_sbp, ties, aliases)
     return Formulation(
         b.costs,
         b.const,
@@ -288,6 +295,7 @@ def formulate(
         program,
         placement,
         pr,
+        aliases=aliases,
     )
 
 
@@ -418,9 +426,10 @@ class _Builder:
         self.links.append((self.tables.table(atom, u_lays, v_lays), u, v, weight))
 
     # -- memory --------------------------------------------------------------
-    def add_memory(self, in_layouts, out_sbp, ties) -> None:
+    def add_memory(self, in_layouts, out_sbp, ties, aliases) -> None:
         """What arguments and results hold per device, as usages (a tied
-        result reuses its argument's buffer)."""
+        result reuses its argument's buffer, and an aliased one where it
+        takes the argument's layout)."""
         grid = self.grid
         self.const_usage += result_table_bytes(self.program)
         for i, (v, lays) in enumerate(zip(self.program.inputs, in_layouts)):
@@ -434,12 +443,13 @@ class _Builder:
         for k, atom in enumerate(self.program.outputs):
             if not isinstance(atom, Var) or k in ties:
                 continue
+            shared = in_layouts[aliases[k]][0] if k in aliases else None  # its donated buffer's layout
             want = out_sbp[k] if out_sbp is not None else None
             if want is not None:
-                self.const_usage += block_bytes(atom.shape, atom.dtype, want, grid)
+                self.const_usage += 0 if want == shared else block_bytes(atom.shape, atom.dtype, want, grid)
                 continue
             n, lays = self.source[id(atom)]
-            held = [block_bytes(atom.shape, atom.dtype, nd, grid) for nd in lays]
+            held = [0 if nd == shared else block_bytes(atom.shape, atom.dtype, nd, grid) for nd in lays]
             if n is None:
                 self.const_usage += held[0]
             else:

@@ -149,6 +149,7 @@ def plan_key(
     same_layout,
     memory_budget,
     arg_names,
+    aliases=None,
 ) -> str:
     """The key (``fingerprint``) of the plan ``choose`` makes with these
     arguments: everything that decides it."""
@@ -162,6 +163,8 @@ def plan_key(
         # names find alike layers only where they share decisions
         arg_names=list(arg_names or ()) if options.tie_layers else None,
     )
+    if memory_budget is not None and aliases:  # they change only what a budget counts
+        settings["aliases"] = sorted(aliases.items())
     return fingerprint(program, placement, in_sbp, out_sbp, settings)
 
 

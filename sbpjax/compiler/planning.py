@@ -38,10 +38,11 @@ def plan(
     same_layout=None,
     arg_names=None,
     cache=None,
+    aliases=None,
 ):
     """The Propagation of ``program`` (``choose``'s arguments, and ``cache``:
     ``sj.jit``'s ``plan_cache``, see ``plan_cache.cache_dir``)."""
-    ties, same_layout = dict(ties or {}), dict(same_layout or {})
+    ties, same_layout, aliases = dict(ties or {}), dict(same_layout or {}), dict(aliases or {})
 
     def chosen():
         return choose(
@@ -56,6 +57,7 @@ def plan(
             memory_budget=memory_budget,
             same_layout=same_layout,
             arg_names=arg_names,
+            aliases=aliases,
         )
 
     directory = plan_cache.cache_dir(cache)
@@ -74,6 +76,7 @@ def plan(
         same_layout=same_layout,
         memory_budget=memory_budget,
         arg_names=arg_names,
+        aliases=aliases,
     )
     n_ops = len(program.nodes)
 

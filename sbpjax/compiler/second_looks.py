@@ -157,7 +157,7 @@ def fewer_collectives(
     if choice.method == "greedy":
         choice.method = "ilp"
     choice.ilp_bytes = alt_bytes
-    choice.memory_bytes = held_bytes(program, alt, ties, form.placement.shape)
+    choice.memory_bytes = held_bytes(program, alt, ties, form.placement.shape, form.aliases)
     alt.warnings = kept.warnings
     alt.choice = choice
     return alt
