@@ -63,18 +63,21 @@ def donated_result_ties(gts: list, donated: tuple, program, out_specs) -> dict:
 
 
 def donated_aliases(gts: list, donated: tuple, program, ties: dict) -> dict:
-    """{result index: argument index} for each donated argument with a
-    written layout (not AUTO): the first result of its shape and dtype that
-    no other donated argument is paired or tied with. Nothing ties its
-    layout (the user's program chooses it, as without donation); a memory
-    budget counts the pair once where the result takes the argument's
-    layout, so XLA reuses the buffer (``liveness.held_bytes``). Decision:
-    before, such a pair was counted twice, and a budget the step met was
-    refused or bought with split parameters (the least any layout holds
-    was quoted as 1,235,532 B where XLA held 613,320)."""
+    """{result index: argument index} for each donated argument not tied
+    (one with a written layout, or an AUTO one whose results of its shape
+    out_sbp lays out): the first result of its shape and dtype that no
+    other donated argument is paired or tied with. Nothing ties its layout
+    (the user's program chooses it, as without donation); a memory budget
+    counts the pair once where the result has the argument's layout
+    (``liveness.held_bytes``). XLA may pair buffers otherwise (by size), and
+    share more: the count is an upper bound of its own. Decision: before,
+    such a pair was counted twice, and a budget the step met was refused or
+    bought with split parameters (the least any layout holds was quoted as
+    1,235,532 B where XLA held 613,320)."""
     aliases: dict = {}
+    tied = set(ties.values())
     for i in donated:
-        if gts[i].sbp is AUTO:
+        if i in tied:
             continue
         for k, o in enumerate(program.outputs):
             if k in ties or k in aliases:

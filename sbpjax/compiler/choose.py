@@ -371,7 +371,12 @@ def _choose(call: _Call) -> Propagation:
         return second_looks.as_given(
             kept, call.in_sbp, grid, by_hand, lambda plan: price(plan, call.cost_model, call.options)
         )
-    return held_to_hand(kept, True)
+    # checked, not assumed: with no choice to make the solver never read the budget
+    fits = held_bytes(program, kept, call.ties, grid, call.aliases) <= call.memory_budget
+    final = held_to_hand(kept, fits)
+    if final is None:
+        raise _over_budget(call.memory_budget, least_usage(form), solved.status)
+    return final
 
 
 def _check_solver(call: _Call) -> None:

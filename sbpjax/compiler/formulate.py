@@ -443,10 +443,18 @@ class _Builder:
         for k, atom in enumerate(self.program.outputs):
             if not isinstance(atom, Var) or k in ties:
                 continue
-            shared = in_layouts[aliases[k]][0] if k in aliases else None  # its donated buffer's layout
+            i = aliases.get(k)
+            shared = (
+                in_layouts[i][0] if i is not None and len(in_layouts[i]) == 1 else None
+            )  # its buffer's layout
             want = out_sbp[k] if out_sbp is not None else None
             if want is not None:
-                self.const_usage += 0 if want == shared else block_bytes(atom.shape, atom.dtype, want, grid)
+                size = block_bytes(atom.shape, atom.dtype, want, grid)
+                if i is not None and self.arg_node.get(i) is not None:
+                    # an AUTO argument: where it takes the result's layout, the result is in its buffer
+                    n = self.arg_node[i]
+                    self.usages[n] -= np.array([size if nd == want else 0 for nd in in_layouts[i]])
+                self.const_usage += 0 if want == shared else size
                 continue
             n, lays = self.source[id(atom)]
             held = [0 if nd == shared else block_bytes(atom.shape, atom.dtype, nd, grid) for nd in lays]

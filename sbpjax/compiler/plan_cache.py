@@ -163,7 +163,7 @@ def plan_key(
         # names find alike layers only where they share decisions
         arg_names=list(arg_names or ()) if options.tie_layers else None,
     )
-    if memory_budget is not None and aliases:  # they change only what a budget counts
+    if aliases:  # what a budget counts, and the held bytes explain() shows
         settings["aliases"] = sorted(aliases.items())
     return fingerprint(program, placement, in_sbp, out_sbp, settings)
 

@@ -259,6 +259,49 @@ def test_a_donated_argument_with_a_written_layout_and_its_result_are_counted_onc
             )
 
 
+def test_a_donated_auto_argument_shares_its_buffer_with_a_result_out_sbp_lays_out(pl8):
+    """A donated AUTO argument whose result out_sbp lays out (so nothing ties
+    them): the budget counts the pair once where the argument takes that
+    layout (it refused the budget before, quoting 6,164 B as the least)."""
+    r = np.random.default_rng(0)
+    a, x = (r.normal(size=(64, 64)).astype(np.float32) for _ in range(2))
+
+    def fn(a, x):
+        return a - 0.1 * (x @ a), (x @ a).sum()
+
+    f = sj.jit(
+        fn,
+        placement=pl8,
+        in_sbp=(sj.AUTO, (S0,)),
+        out_sbp=((S0,), None),
+        donate_argnums=0,
+        memory_budget=5000,
+    )
+    e = f.explain(a, x)
+    assert e.propagation.in_sbp[0] == (S0,)
+    assert e.propagation.choice.memory_bytes == _state_bytes(f, a, x) <= 5000
+    new, total = f(a, x)
+    assert_close(new.numpy(), a - 0.1 * (x @ a), rtol=1e-5)
+    assert_close(np.asarray(total.numpy()), (x @ a).sum(), rtol=1e-4)
+
+
+def test_a_budget_is_checked_where_the_layouts_leave_no_choice(pl8):
+    """Every layout written: the solver has nothing to choose, and the plan
+    still must fit the budget (it was returned holding 22,544 B against a
+    budget of 6,200, with no error)."""
+    r = np.random.default_rng(0)
+    a, b = (r.normal(size=(64, 64)).astype(np.float32) for _ in range(2))
+
+    def fn(a, b):
+        return a @ b, a + 1
+
+    f = sj.jit(fn, placement=pl8, in_sbp=((S1,), (S0,)), memory_budget=6200)
+    with pytest.raises(sj.SBPError, match=r"no layout fits memory_budget=6200 B per device"):
+        f(a, b)
+    roomy = sj.jit(fn, placement=pl8, in_sbp=((S1,), (S0,)), memory_budget=10**6)
+    assert roomy.explain(a, b).propagation.choice.memory_bytes == _state_bytes(roomy, a, b)
+
+
 def test_donating_an_argument_leaves_its_results_layout_free(pl8):
     """Donation only lends the buffer: a result is not pulled into its donated
     argument's layout (here B, left unwritten) at the cost of a gather."""
