@@ -261,8 +261,8 @@ def choose(
     it takes (optimizer state mirroring a parameter). ``arg_names``: the
     arguments' paths, by which alike layers are found
     (``CompileOptions.tie_layers``). ``aliases`` maps an output index to the
-    index of a donated argument with a written layout: the budget counts the
-    pair once where the result takes that layout (nothing ties it)."""
+    index of a donated argument not tied to it: the budget counts the pair
+    once where the two take one layout (nothing ties them)."""
     call = _Call(
         program,
         placement,
@@ -529,7 +529,7 @@ def _classes(program, arg_names, options: CompileOptions) -> list | None:
 def _over_budget(budget, least: int, status: str) -> SBPError:
     return SBPError(
         f"sj.jit: no layout fits memory_budget={budget} B per device: the least any layout holds is "
-        f"{least} B per device (arguments and results, a donated argument and its result once; the "
+        f"{least} B per device (arguments and results, a donated argument and its result in one layout once; the "
         f"solver: {status}). Raise the budget to at least {least} B, or use a placement with more devices."
     )
 

@@ -99,8 +99,8 @@ class Formulation:
     program: Any
     placement: Any
     pr: Propagator
-    # result index -> a donated argument with a written layout: its buffer where
-    # the result takes that layout (auto_arguments.donated_aliases)
+    # result index -> a donated argument not tied to it: its buffer where the
+    # result takes the argument's layout (auto_arguments.donated_aliases)
     aliases: dict = dataclasses.field(default_factory=dict)
 
     _folded: Folded | None = None  # the links folded (sbpjax.compiler.folding)
@@ -232,8 +232,8 @@ def formulate(
     ``in_sbp`` entries may be ``AUTO``. ``ties``: {result index: index of an
     AUTO argument whose layout it must have} (a donated train-step state).
     ``same_layout``: {AUTO argument: earlier AUTO argument whose layout it
-    takes}. ``aliases``: {result index: donated argument with a written
-    layout}, counted once where the result takes that layout. ``classes``:
+    takes}. ``aliases``: {result index: donated argument not tied to it},
+    counted once where the two take one layout. ``classes``:
     per op a key or None: ops with one key decide alike (the iterations of
     a scan; alike layers). ``lazy``: cost table entries start as lower
     bounds (:mod:`sbpjax.compiler.tables`; ``Formulation.settle``).
@@ -444,9 +444,8 @@ class _Builder:
             if not isinstance(atom, Var) or k in ties:
                 continue
             i = aliases.get(k)
-            shared = (
-                in_layouts[i][0] if i is not None and len(in_layouts[i]) == 1 else None
-            )  # its buffer's layout
+            # the layout of the donated buffer it may be in, where written (an AUTO one is chosen)
+            shared = in_layouts[i][0] if i is not None and len(in_layouts[i]) == 1 else None
             want = out_sbp[k] if out_sbp is not None else None
             if want is not None:
                 size = block_bytes(atom.shape, atom.dtype, want, grid)
