@@ -116,6 +116,9 @@ def solve_form(
     the work it did."""
     costs = form.costs
     if not costs:
+        if usage_limit is not None and form.const_usage > usage_limit:
+            # every layout fixed and over the budget (it was returned as if it fit)
+            return Solved(None, None, None, "no layout fits the memory budget"), 0
         return Solved([], form.const, form.const, "no choice to make"), 0
     problem = form_problem(form, usage_limit)
     if start is not None:

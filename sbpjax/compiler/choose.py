@@ -300,6 +300,11 @@ class _Call:
     options: CompileOptions
     aliases: dict
 
+    @property
+    def pairs(self) -> dict:
+        """{result: donated argument} whose buffer the result may share (``held_bytes``)."""
+        return {**self.ties, **self.aliases}
+
 
 def _choose(call: _Call) -> Propagation:
     _check_solver(call)
@@ -323,7 +328,7 @@ def _choose(call: _Call) -> Propagation:
 
     def held_to_hand(plan, fits):  # under a budget: no worse than the hand-written layouts
         return hand_layouts.no_worse_than_by_hand(
-            program, plan, fits, call.in_sbp, mirrors, call.ties, call.memory_budget, by_hand, call.aliases
+            program, plan, fits, call.in_sbp, mirrors, call.pairs, call.memory_budget, by_hand
         )
 
     if call.memory_budget is not None and mirrors:
@@ -334,11 +339,11 @@ def _choose(call: _Call) -> Propagation:
         # 128, 2 layers, 2x4, AdamW) the budget's own problem took 115 s to
         # plan, the smaller one 63 s, for the same plan.
         free = hand_layouts.own(_unbudgeted(call, call.in_sbp, mirrors))
-        held = held_bytes(program, free, call.ties, grid, call.aliases)
+        held = held_bytes(program, free, call.pairs, grid)
         if held <= call.memory_budget:
             free.choice.memory_budget, free.choice.memory_bytes = call.memory_budget, held
             return held_to_hand(free, True)
-    g_memory = held_bytes(program, greedy, call.ties, grid, call.aliases)
+    g_memory = held_bytes(program, greedy, call.pairs, grid)
     g_fits = call.memory_budget is None or g_memory <= call.memory_budget
     form, solved, choice = _solve(call, greedy, caches, g_bytes)
     if solved.strategies is None:
@@ -361,7 +366,7 @@ def _choose(call: _Call) -> Propagation:
         call.cost_model,
         call.options,
         caches,
-        call.ties,
+        call.pairs,
         call.memory_budget,
         left,
     )
@@ -371,12 +376,7 @@ def _choose(call: _Call) -> Propagation:
         return second_looks.as_given(
             kept, call.in_sbp, grid, by_hand, lambda plan: price(plan, call.cost_model, call.options)
         )
-    # checked, not assumed: with no choice to make the solver never read the budget
-    fits = held_bytes(program, kept, call.ties, grid, call.aliases) <= call.memory_budget
-    final = held_to_hand(kept, fits)
-    if final is None:
-        raise _over_budget(call.memory_budget, least_usage(form), solved.status)
-    return final
+    return held_to_hand(kept, True)
 
 
 def _check_solver(call: _Call) -> None:
@@ -506,7 +506,7 @@ def _cheaper(call: _Call, greedy, chosen, solved, choice: Choice, g_fits: bool, 
         choice.memory_bytes = g_memory
         greedy.choice = choice
         return greedy
-    choice.memory_bytes = held_bytes(call.program, chosen, call.ties, call.placement.shape, call.aliases)
+    choice.memory_bytes = held_bytes(call.program, chosen, call.pairs, call.placement.shape)
     chosen.warnings = greedy.warnings
     chosen.choice = choice
     return chosen

@@ -99,9 +99,6 @@ class Formulation:
     program: Any
     placement: Any
     pr: Propagator
-    # result index -> a donated argument not tied to it: its buffer where the
-    # result takes the argument's layout (auto_arguments.donated_aliases)
-    aliases: dict = dataclasses.field(default_factory=dict)
 
     _folded: Folded | None = None  # the links folded (sbpjax.compiler.folding)
 
@@ -295,7 +292,6 @@ def formulate(
         program,
         placement,
         pr,
-        aliases=aliases,
     )
 
 

@@ -115,14 +115,14 @@ def own(prop):
     return prop
 
 
-def no_worse_than_by_hand(program, kept, fits, in_sbp, mirrors, ties, memory_budget, plan_of, aliases=None):
+def no_worse_than_by_hand(program, kept, fits, in_sbp, mirrors, pairs, memory_budget, plan_of):
     """``kept`` (``fits``: within the budget), or the hand-written layout
     (``candidates``) that fits the budget and moves the fewest bytes, where
     it moves fewer than ``kept``. ``plan_of(in_sbp)``: the whole-program plan
     given those layouts, as ``sj.jit`` given them by hand would make it. None
     where nothing fits. Every candidate's bytes and memory go in
-    ``Choice.candidates``. ``ties`` and ``aliases``: the donated buffers the
-    memory count shares (``liveness.held_bytes``).
+    ``Choice.candidates``. ``pairs``: the donated buffers results may
+    share (``liveness.held_bytes``).
 
     Decisions: by bytes, as the budget is promised (never more bytes than the
     layouts one would write by hand), even where a hand layout runs more
@@ -139,7 +139,7 @@ def no_worse_than_by_hand(program, kept, fits, in_sbp, mirrors, ties, memory_bud
     best, best_bytes = (kept, kept.bytes) if fits else (None, float("inf"))
     for name, ins in candidates(program, in_sbp, grid, mirrors, kept.placement.axis_names):
         prop = plan_of(ins)
-        held = held_bytes(program, prop, ties, grid, aliases)
+        held = held_bytes(program, prop, pairs, grid)
         choice.candidates.append([name, prop.bytes, held])
         if held <= memory_budget and prop.bytes < best_bytes:
             best, best_bytes, best_name, best_held = prop, prop.bytes, name, held

@@ -440,20 +440,15 @@ def result_table_bytes(program) -> int:
     return 8 * n if n > 1 else 0
 
 
-def held_bytes(program, prop: Propagation, ties, grid, aliases=None) -> int:
+def held_bytes(program, prop: Propagation, pairs, grid) -> int:
     """Per-device bytes of a plan's arguments and results, as XLA's argument
-    + output - alias sizes count them: a tied result (``ties``) in its
-    donated argument's buffer, and an aliased one (``aliases``: {result:
-    donated argument with a written layout}) where it takes that argument's
-    layout (elsewhere XLA may still reuse the buffer; not counting on it
-    keeps the count an upper bound)."""
-    aliases = aliases or {}
+    + output - alias sizes count them. ``pairs``: {result: donated argument}
+    (a choice's ties and aliases): a result in its argument's layout (a
+    tied one always) is in that argument's buffer. Elsewhere XLA may still
+    reuse the buffer; not counting on it keeps the count an upper bound."""
     held = result_table_bytes(program)
     held += sum(block_bytes(v.shape, v.dtype, nd, grid) for v, nd in zip(program.inputs, prop.in_sbp))
     for k, (atom, nd) in enumerate(zip(program.outputs, prop.out_sbp)):
-        if not isinstance(atom, Var) or k in ties:
-            continue
-        if k in aliases and nd == prop.in_sbp[aliases[k]]:
-            continue
-        held += block_bytes(atom.shape, atom.dtype, nd, grid)
+        if isinstance(atom, Var) and not (k in pairs and nd == prop.in_sbp[pairs[k]]):
+            held += block_bytes(atom.shape, atom.dtype, nd, grid)
     return held

@@ -69,7 +69,7 @@ def larger_peak(alt: Propagation, kept: Propagation, hoisted: bool) -> bool:
 
 
 def fewer_collectives(
-    program, kept: Propagation, form, in_sbp, cost_model, options, caches, ties, memory_budget, effort: int
+    program, kept: Propagation, form, in_sbp, cost_model, options, caches, pairs, memory_budget, effort: int
 ) -> Propagation:
     """``kept``, or the plan solved with each collective at the cost model's
     ring latency (boxings planned by the same price) where that plan runs
@@ -157,7 +157,7 @@ def fewer_collectives(
     if choice.method == "greedy":
         choice.method = "ilp"
     choice.ilp_bytes = alt_bytes
-    choice.memory_bytes = held_bytes(program, alt, ties, form.placement.shape, form.aliases)
+    choice.memory_bytes = held_bytes(program, alt, pairs, form.placement.shape)
     alt.warnings = kept.warnings
     alt.choice = choice
     return alt
