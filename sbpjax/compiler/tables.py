@@ -29,7 +29,8 @@ import itertools
 
 import numpy as np
 
-from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes
+from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes, unit_bytes_lower_bound
+from sbpjax.boxing.search import shape_unit
 from sbpjax.compiler.pricing import boxing_cost
 from sbpjax.compiler.propagation import even_on
 from sbpjax.dtypes import dtype_name
@@ -61,7 +62,16 @@ class Tables:
         self.entries = 0  # entries in all tables
         # per group of placement axes and op, one collective's latency (none priced: empty)
         self._launch = _launches(cost_model, pr.pl, ring) if (options.latency or ring) else {}
-        self._least: dict = {}  # (src, dst) -> the least latency any plan between them pays
+        # Bounds are kept per shape class (``boxing.search.shape_unit``: the
+        # bytes bound of a shape is its class's times a factor, and evenness
+        # is the class's) and per pair of layouts, by small ints: a 2-layer GPT
+        # on 2x2x2 fills 780,000 entries, and hashing the nd-SBPs of each
+        # (Python-level hashes per axis) was most of the tables' time.
+        self._ids: dict = {}  # nd-SBP -> its int here
+        self._latency = LatencyBound(self._launch, pr.pl.shape)
+        self._least: dict = {}  # (src id, dst id) -> (crosses an axis, the least latency)
+        self._unit_bounds: dict = {}  # (unit shape, src id, dst id) -> (unit bytes bound, latency or None)
+        self._even: dict = {}  # (nd-SBP id, unit shape) -> even_on
 
     def table(self, atom, src_lays, dst_lays) -> Table:
         key = (
@@ -75,14 +85,58 @@ class Tables:
         if hit is None:
             hit = self._tables[key] = Table(atom, tuple(src_lays), tuple(dst_lays))
             self.entries += hit.values.size
-            for a, s in enumerate(src_lays):
-                for c, d in enumerate(dst_lays):
-                    if s == d:
+            src_ids, dst_ids = self._ids_of(src_lays), self._ids_of(dst_lays)
+            for a, i in enumerate(src_ids):
+                for c, j in enumerate(dst_ids):
+                    if i == j:
                         hit.exact[a, c] = True
-                    elif self.lazy:
-                        hit.values[a, c] = self._bound(atom, s, d)
-                    else:
+                    elif not self.lazy:
                         self._plan(hit, a, c)
+            # a zero tensor is made afresh in any layout: every bound 0
+            if self.lazy and id(atom) not in self.pr.zeros:
+                self._fill_bounds(hit, src_ids, dst_ids)
+        return hit
+
+    def _ids_of(self, lays) -> list:
+        ids = self._ids
+        return [ids.setdefault(nd, len(ids)) for nd in lays]
+
+    def _fill_bounds(self, table: Table, src_ids: list, dst_ids: list) -> None:
+        """Each inexact entry's lower bound: the bytes no plan beats, and
+        where a byte moves (:func:`moves`), the latency no plan beats
+        (:func:`least_latency`), in 1/64 bytes."""
+        atom = table.atom
+        unit, scale = shape_unit(tuple(int(d) for d in atom.shape), self.pr.pl.size)
+        per_unit_byte = 64 * atom.dtype.itemsize * scale
+        known = self._unit_bounds
+        for a, i in enumerate(src_ids):
+            row = table.values[a]
+            for c, j in enumerate(dst_ids):
+                if i == j:
+                    continue
+                hit = known.get((unit, i, j))
+                if hit is None:
+                    hit = known[unit, i, j] = self._unit_bound(unit, table.src[a], i, table.dst[c], j)
+                moved, lat = hit
+                if lat is not None:
+                    row[c] = per_unit_byte * moved + round(64 * lat)
+
+    def _unit_bound(self, unit: tuple, src, i: int, dst, j: int) -> tuple:
+        """(the bytes bound of shape class ``unit``, the least latency where
+        every plan moves a byte, else None)."""
+        moved = unit_bytes_lower_bound(unit, self.pr.pl.shape, src, dst)
+        least = self._least.get((i, j))
+        if least is None:
+            least = self._least[i, j] = self._latency(src, dst)
+        crossed, lat = least
+        if moved or (crossed and self._even_on(src, i, unit) and self._even_on(dst, j, unit)):
+            return moved, lat
+        return 0, None
+
+    def _even_on(self, nd, i: int, unit: tuple) -> bool:
+        hit = self._even.get((i, unit))
+        if hit is None:
+            hit = self._even[i, unit] = even_on(nd, unit, self.pr.pl.shape)
         return hit
 
     def cost(self, plan) -> int:
@@ -104,18 +158,6 @@ class Tables:
         table.values[a, c] = self.cost(self.pr.plan(table.atom, table.src[a], table.dst[c]))
         table.exact[a, c] = True
         self.planned += 1
-
-    def _bound(self, atom, s, d) -> float:
-        """A lower bound of the entry: the bytes no plan beats, and where a
-        byte moves (:func:`moves`), the latency no plan beats
-        (:func:`least_latency`)."""
-        moved = self.pr.bound(atom, s, d)
-        if id(atom) in self.pr.zeros or not moves(moved, atom.shape, s, d, self.pr.pl.shape):
-            return 0
-        lat = self._least.get((s, d))
-        if lat is None:
-            lat = self._least[s, d] = least_latency(self._launch, s, d, self.pr.pl.shape)
-        return 64 * moved + round(64 * lat)
 
 
 def moves(moved: int, shape, src, dst, grid) -> bool:
@@ -170,24 +212,63 @@ def least_latency(launch: dict, src, dst, grid) -> float:
         for op, lat in ops.items()
         if op == "permute" or not crossed or g & crossed
     )
-    reduced = [
-        a for a, (p, q) in enumerate(zip(src, dst)) if grid[a] > 1 and isinstance(p, Partial) and p != q
+    summed = [
+        _least_sum(launch, a, isinstance(q, Broadcast))
+        for a, (p, q) in enumerate(zip(src, dst))
+        if grid[a] > 1 and isinstance(p, Partial) and p != q
     ]
+    return max(step, max(summed, default=0.0))
 
-    def summed(a) -> float:
-        """The least latency of summing axis ``a``'s partial (and, for a
-        target whole over ``a``, of replicating the sum over it: an
-        all-reduce, or a reduce-scatter, which leaves the sum split over
-        ``a``, and then any step over a group with ``a``)."""
-        whole = isinstance(dst[a], Broadcast)
-        spread = min(lat for g, ops in launch.items() if a in g for lat in ops.values())
-        return min(
-            min(ops["all_reduce"], ops["reduce_scatter"] + (spread if whole else 0.0))
-            for g, ops in launch.items()
-            if a in g
-        )
 
-    return max(step, max((summed(a) for a in reduced), default=0.0))
+class LatencyBound:
+    """:func:`least_latency` for one ``launch`` table and grid, with its
+    parts computed once: the least step per set of crossed axes, and the
+    least sum per partial axis and target kind. Called with ``(src, dst)``
+    it returns ``(whether they cross an axis, the least latency)``; it is
+    :func:`least_latency` exactly (``tests/compiler/test_tables.py``
+    checks every pair on three grids), only asked for 150,000 pairs on a
+    2-layer GPT on 2x2x2, where recomputing both minima over the groups
+    of three axes took most of the tables' time."""
+
+    def __init__(self, launch: dict, grid: tuple):
+        self.launch, self.grid = launch, grid
+        self._step: dict = {}  # frozenset of crossed axes -> the least step
+        self._summed: dict = {}  # (axis, target whole there) -> the least sum
+
+    def __call__(self, src, dst) -> tuple[bool, float]:
+        crossed = crossed_axes(src, dst, self.grid)
+        if not self.launch:
+            return bool(crossed), 0.0
+        step = self._step.get(crossed)
+        if step is None:
+            step = self._step[crossed] = min(
+                lat
+                for g, ops in self.launch.items()
+                for op, lat in ops.items()
+                if op == "permute" or not crossed or g & crossed
+            )
+        lat = step
+        for a, (p, q) in enumerate(zip(src, dst)):
+            if self.grid[a] > 1 and isinstance(p, Partial) and p != q:
+                whole = isinstance(q, Broadcast)
+                summed = self._summed.get((a, whole))
+                if summed is None:
+                    summed = self._summed[a, whole] = _least_sum(self.launch, a, whole)
+                lat = max(lat, summed)
+        return bool(crossed), lat
+
+
+def _least_sum(launch: dict, a: int, whole: bool) -> float:
+    """The least latency of summing axis ``a``'s partial (and, for a target
+    ``whole`` over ``a``, of replicating the sum over it: an all-reduce, or a
+    reduce-scatter, which leaves the sum split over ``a``, and then any step
+    over a group with ``a``)."""
+    spread = min(lat for g, ops in launch.items() if a in g for lat in ops.values())
+    return min(
+        min(ops["all_reduce"], ops["reduce_scatter"] + (spread if whole else 0.0))
+        for g, ops in launch.items()
+        if a in g
+    )
 
 
 def crossed_axes(src, dst, grid) -> frozenset:
@@ -235,4 +316,4 @@ def _launches(cost_model, placement, ring: bool) -> dict:
     return out
 
 
-__all__ = ["Table", "Tables", "crossed_axes", "least_latency", "moves"]
+__all__ = ["LatencyBound", "Table", "Tables", "crossed_axes", "least_latency", "moves"]

@@ -15,7 +15,7 @@ import sbpjax as sj
 from sbpjax.boxing.plan import bytes_lower_bound
 from sbpjax.compiler.options import DEFAULT_OPTIONS
 from sbpjax.compiler.pricing import boxing_cost
-from sbpjax.compiler.tables import _launches, crossed_axes, least_latency, moves
+from sbpjax.compiler.tables import LatencyBound, _launches, crossed_axes, least_latency, moves
 
 ALL_1D = [sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max]
 # a slow axis between nodes and a fast one inside them: groups differ in latency
@@ -54,6 +54,23 @@ def test_an_entrys_bound_is_never_above_its_plan(shape, grid, cost_model, ring):
         assert tighter > 0
     if shape == (64, 32):  # partial targets whose bytes bound is 0 but that cross an axis
         assert crossing > 0
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("grid", [(2, 4), (1, 8), (2, 2, 2)])
+def test_the_tables_latency_bound_is_least_latency_on_every_pair(grid, ring):
+    """LatencyBound (what Tables uses, its minima kept per crossed set and
+    per summed axis) against the reference it speeds up, on every pair of
+    layouts of 2-D tensors, and whether the pair crosses an axis."""
+    pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
+    for cost_model in (sj.CostModel(), TWO_TIER if len(grid) == 2 else sj.CostModel()):
+        launch = _launches(cost_model, pl, ring)
+        fast = LatencyBound(launch, pl.shape)
+        for src, dst in itertools.product(itertools.product(ALL_1D, repeat=len(grid)), repeat=2):
+            crosses, lat = fast(src, dst)
+            assert lat == least_latency(launch, src, dst, pl.shape), (src, dst)
+            assert crosses == bool(crossed_axes(src, dst, pl.shape)), (src, dst)
+        assert LatencyBound({}, pl.shape)((sj.P,) * len(grid), (sj.B,) * len(grid)) == (True, 0.0)
 
 
 def test_crossed_axes_by_hand():
