@@ -391,6 +391,24 @@ def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> G
     return GlobalTensor(_assemble(blocks, geom, layout, placement, dtype), shape, dtype, placement, sbp)
 
 
+def abstract_global(shape, dtype, placement: Placement, sbp) -> GlobalTensor:
+    """A :class:`GlobalTensor` of a ``shape``/``dtype`` array laid out as
+    ``sbp``, whose physical array is a ``jax.ShapeDtypeStruct`` (its shape,
+    dtype and sharding: no data on any device), checked as :func:`to_global`
+    checks it. ``sj.jit``'s ``lower()`` and ``explain()`` place arguments so:
+    as ``jax.jit``'s ``lower()``, they read shapes, not values."""
+    checked_placement(placement, "to_global")
+    shape = tuple(int(d) for d in shape)
+    sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "to_global")
+    dtype = canonical_dtype(dtype)
+    check_partial_dtype(dtype, sbp, "to_global")
+    layout = normalized_layout(sbp, len(shape), placement.shape)
+    geom = Geometry(shape, placement.shape)
+    sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
+    data = jax.ShapeDtypeStruct(geom.physical_shape(layout), dtype, sharding=sharding)
+    return GlobalTensor(data, shape, dtype, placement, sbp)
+
+
 def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
     checked_placement(placement, "to_global")
     x = np.asarray(x)

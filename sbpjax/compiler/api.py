@@ -58,10 +58,10 @@ from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.static_args import fingerprint_text, static_args
 from sbpjax.compiler.trace import tracing_on
-from sbpjax.dtypes import key_impl
+from sbpjax.dtypes import is_key, key_impl
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast
-from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
+from sbpjax.tensor import GlobalTensor, abstract_global, is_global, relayout_together, to_global
 
 
 def _is_deleted(x) -> bool:
@@ -128,12 +128,20 @@ class CompiledFunction:
         functools.update_wrapper(self, fn)
 
     # -- argument handling -----------------------------------------------------
-    def _globals(self, args, kwargs, static=()):
+    def _globals(self, args, kwargs, static=(), abstract=False):
         """The call's array leaves as GlobalTensors laid out as ``in_sbp``
         says, and the call's tree; ``args`` / ``kwargs`` without the static
-        arguments, whose values ``static`` holds (``StaticArgs.split``)."""
+        arguments, whose values ``static`` holds (``StaticArgs.split``).
+        ``abstract``: leaves not laid out so yet are described, not placed
+        (``tensor.abstract_global``: for ``lower()`` and ``explain()``)."""
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_global)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_global)
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, jax.ShapeDtypeStruct) and is_key(leaf):
+                raise SBPError(
+                    f"sj.jit: argument {leaf_name(leaf_paths(tree)[k])} is a jax.ShapeDtypeStruct of typed "
+                    "PRNG keys; pass a key array (jax.random.key(0)) instead: lower() reads its shape only."
+                )
         leaves, impls = unwrapped(leaves)  # typed PRNG keys travel as their key data (compiler.keys)
         # keyword arguments: as given, or B
         try:
@@ -163,8 +171,13 @@ class CompiledFunction:
         moving: list = []  # (leaf, nd-SBP): global tensors to re-lay out
         for k, (leaf, spec) in enumerate(zip(leaves, specs)):
             check_array_leaf(leaf, k, tree)
+            if isinstance(leaf, jax.ShapeDtypeStruct) and not abstract:
+                raise SBPError(
+                    f"sj.jit: argument {leaf_name(leaf_paths(tree)[k])} is a jax.ShapeDtypeStruct: it "
+                    "describes an argument for f.lower(...) and f.explain(...); a call needs its values."
+                )
             shape = tuple(np.shape(leaf)) if not isinstance(leaf, GlobalTensor) else leaf.shape
-            if k in donated and isinstance(leaf, jax.Array):
+            if k in donated and isinstance(leaf, jax.Array) and not abstract:
                 # placing a jax array may reuse its buffer (a replicated layout
                 # on devices that hold it), and donating that would delete the
                 # caller's array; the docstring promises only the placed copy goes
@@ -191,7 +204,15 @@ class CompiledFunction:
             if isinstance(leaf, GlobalTensor):
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:
-                    moving.append((k, nd))
+                    if abstract:
+                        out[k] = abstract_global(shape, leaf.dtype, pl, nd)
+                    else:
+                        moving.append((k, nd))
+            elif abstract:
+                dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+                out.append(
+                    abstract_global(shape, dtype, pl, nd if nd is not None else (Broadcast(),) * pl.ndim)
+                )
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         if moving:  # every re-layout in one program (tensor.relayout_together)
@@ -214,17 +235,21 @@ class CompiledFunction:
             nd = self._layouts[key] = leaf_layout(spec, self.placement.ndim, dims, k, tree)
         return nd
 
-    def _prepare(self, args, kwargs):
+    def _prepare(self, args, kwargs, abstract=False):
         """The call's arguments placed as its program takes them, and the
-        program's entry (``_compile``), for a call from outside a trace."""
+        program's entry (``_compile``), for a call from outside a trace.
+        ``abstract``: arguments not laid out so yet are described, not placed
+        (``lower()`` and ``explain()`` read shapes only, as ``jax.jit``'s
+        ``lower()`` does: placing a model's parameters to read a plan cost a
+        transfer of every byte, and a compile of its boxings)."""
         args, kwargs, static = self.static.split(args, kwargs)
-        gts, tree = self._globals(args, kwargs, static)
+        gts, tree = self._globals(args, kwargs, static, abstract)
         leaves = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_global)
         # Python scalars (and weakly typed jax values) keep JAX's weak type in
         # the trace, so a bf16 array times 2.0 stays bf16, as under jax.jit
         weak = tuple(weakly_typed(x) for x in leaves)
         entry = self._compile(gts, tree, weak, static, tuple(key_impl(x) for x in leaves))
-        return place_chosen(gts, entry[0].in_sbp, self.placement), entry
+        return place_chosen(gts, entry[0].in_sbp, self.placement, abstract), entry
 
     def _compile(self, gts, tree, weak=None, static=(), keys=None):
         """``(propagation, jitted program, each output's typed-key
@@ -271,7 +296,7 @@ class CompiledFunction:
         ``compile=True`` also lowers and compiles the program with XLA (as
         ``lower(...).compile()`` does) and adds those times to ``timings``, so
         the front end's share of the whole compile can be read."""
-        gts, (prop, fn, _) = self._prepare(args, kwargs)
+        gts, (prop, fn, _) = self._prepare(args, kwargs, abstract=True)
         if compile and "xla_compile_s" not in prop.timings:
             t0 = time.perf_counter()
             with self._first_use(fn):
@@ -282,8 +307,12 @@ class CompiledFunction:
         return Explanation(prop)
 
     def lower(self, *args, **kwargs):
-        """The ``jax.stages.Lowered`` of the single jitted program."""
-        gts, (prop, fn, _) = self._prepare(args, kwargs)
+        """The ``jax.stages.Lowered`` of the single jitted program, for the
+        arguments' shapes, dtypes and layouts: as ``jax.jit``'s ``lower()``,
+        it places no data (arguments not laid out as the program takes them
+        are described by ``jax.ShapeDtypeStruct`` values). Its ``compile()``
+        runs on the physical arrays of GlobalTensors laid out so."""
+        gts, (prop, fn, _) = self._prepare(args, kwargs, abstract=True)
         with self._first_use(fn):
             return fn.lower(*[t.physical for t in gts])
 

@@ -234,7 +234,7 @@ def check_array_leaf(leaf, k: int, tree) -> None:
     """An argument leaf must be an array or a number unless it is static: a
     string, a function or a config object selects the program, and the
     compile cache is keyed by shapes, layouts and the static values only."""
-    if isinstance(leaf, GlobalTensor) or isinstance(leaf, jax.Array):
+    if isinstance(leaf, (GlobalTensor, jax.Array, jax.ShapeDtypeStruct)):
         return
     try:
         dtype = np.result_type(leaf)  # ml_dtypes' (bfloat16, float8) are numbers too
@@ -274,6 +274,8 @@ def check_no_donated_alias(placed: list, donated: set, tree) -> None:
 def weakly_typed(x) -> bool:
     """JAX's weak type (a Python int, float or complex, or a jax value made from
     one), as ``jax.typeof`` reads it; a GlobalTensor is typed by its dtype."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return bool(x.weak_type)
     return not isinstance(x, GlobalTensor) and jax.typeof(x).weak_type
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from sbpjax.compiler.auto import AUTO
 from sbpjax.placement import Placement
-from sbpjax.tensor import GlobalTensor, to_global
+from sbpjax.tensor import GlobalTensor, abstract_global, to_global
 
 
 class Unplaced:
@@ -29,16 +29,21 @@ class Unplaced:
         )
 
 
-def place_chosen(gts: list, in_sbp: list, placement: Placement) -> list:
-    """The arguments laid out as the program takes them (AUTO ones as chosen)."""
+def place_chosen(gts: list, in_sbp: list, placement: Placement, abstract: bool = False) -> list:
+    """The arguments laid out as the program takes them (AUTO ones as chosen;
+    ``abstract``: described, not placed, ``tensor.abstract_global``)."""
     out = []
     for t, nd in zip(gts, in_sbp):
         if isinstance(t, Unplaced):
-            t = (
-                t.leaf.to_global(sbp=nd)
-                if isinstance(t.leaf, GlobalTensor)
-                else to_global(t.leaf, placement, nd)
-            )
+            if abstract:
+                if not (isinstance(t.leaf, GlobalTensor) and t.leaf.sbp == nd):
+                    t = abstract_global(t.shape, t.dtype, placement, nd)
+                else:
+                    t = t.leaf
+            elif isinstance(t.leaf, GlobalTensor):
+                t = t.leaf.to_global(sbp=nd)
+            else:
+                t = to_global(t.leaf, placement, nd)
         out.append(t)
     return out
 

@@ -585,3 +585,35 @@ def test_in_sbp_for_an_argument_passed_by_keyword_says_so(pl24):
     with pytest.raises(sj.SBPError, match=r"positional arguments only.*passes \['x'\] by keyword"):
         f(w, x=x)
     assert_close(f(w, x).numpy(), np.tanh(x @ w), rtol=1e-6)
+
+
+def test_lower_and_explain_read_shapes_and_place_no_data(pl24):
+    """As jax.jit's lower(), sj.jit's lower() and explain() need only the
+    arguments' shapes and dtypes: ShapeDtypeStructs give the program that
+    arrays give (an uneven split, a Python scalar's weak type and an AUTO
+    argument among them), and that program runs on arguments placed as it
+    takes them. A call needs values, and says so."""
+
+    def f(w, x, b):
+        return jnp.tanh(x @ w) + b
+
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(16, 24)).astype(np.float32), rng.normal(size=(13, 16)).astype(np.float32)
+    described = (
+        jax.ShapeDtypeStruct(w.shape, w.dtype),
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        jax.ShapeDtypeStruct((), np.float32, weak_type=True),
+    )
+    for in_sbp in (((B, S1), (S0, B), None), (sj.AUTO, (S0, B), None)):
+        g = sj.jit(f, placement=pl24, in_sbp=in_sbp, out_sbp=(S0, B))
+        text = g.lower(*described).as_text()
+        assert text == g.lower(w, x, 2.0).as_text()
+        assert g.explain(*described).bytes == g.explain(w, x, 2.0).bytes
+        compiled = g.lower(*described).compile()
+        chosen = g.explain(*described).propagation.in_sbp
+        placed = [sj.to_global(v, pl24, nd) for v, nd in zip((w, x, np.float32(2.0)), chosen)]
+        (out,) = compiled(*[t.physical for t in placed])
+        got = sj.GlobalTensor(out, (13, 24), np.float32, pl24, (S0, B))
+        assert_close(got.numpy(), np.tanh(x @ w) + 2.0, rtol=1e-5)
+        with pytest.raises(sj.SBPError, match="ShapeDtypeStruct: it describes an argument for f.lower"):
+            g(*described)
