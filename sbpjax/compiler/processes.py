@@ -30,7 +30,10 @@ def check_same_call_in_every_process(tree, leaves, statics: str = "") -> None:
     desc = [
         (tuple(x.shape), str(x.dtype), x.sbp)
         if isinstance(x, GlobalTensor)
-        else (np.shape(x), str(np.result_type(x)))
+        else (
+            np.shape(x),
+            str(x.dtype if hasattr(x, "dtype") else np.result_type(x)),
+        )  # a ShapeDtypeStruct too
         for x in leaves
     ]
     differ = processes_differing(repr((tree, desc, statics)))
