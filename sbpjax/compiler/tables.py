@@ -212,12 +212,24 @@ def least_latency(launch: dict, src, dst, grid) -> float:
         for op, lat in ops.items()
         if op == "permute" or not crossed or g & crossed
     )
-    summed = [
-        _least_sum(launch, a, isinstance(q, Broadcast))
-        for a, (p, q) in enumerate(zip(src, dst))
-        if grid[a] > 1 and isinstance(p, Partial) and p != q
+    reduced = [
+        a for a, (p, q) in enumerate(zip(src, dst)) if grid[a] > 1 and isinstance(p, Partial) and p != q
     ]
-    return max(step, max(summed, default=0.0))
+
+    def summed(a) -> float:
+        """The least latency of summing axis ``a``'s partial (and, for a
+        target whole over ``a``, of replicating the sum over it: an
+        all-reduce, or a reduce-scatter, which leaves the sum split over
+        ``a``, and then any step over a group with ``a``)."""
+        whole = isinstance(dst[a], Broadcast)
+        spread = min(lat for g, ops in launch.items() if a in g for lat in ops.values())
+        return min(
+            min(ops["all_reduce"], ops["reduce_scatter"] + (spread if whole else 0.0))
+            for g, ops in launch.items()
+            if a in g
+        )
+
+    return max(step, max((summed(a) for a in reduced), default=0.0))
 
 
 class LatencyBound:
