@@ -42,6 +42,7 @@ from sbpjax.compiler.arguments import (
     leaf_name,
     leaf_paths,
     state_sbp,
+    weak_physical,
     weakly_typed,
 )
 from sbpjax.compiler.auto import AUTO
@@ -205,14 +206,13 @@ class CompiledFunction:
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:
                     if abstract:
-                        out[k] = abstract_global(shape, leaf.dtype, pl, nd)
+                        out[k] = abstract_global(shape, leaf.dtype, pl, nd, weak_physical(leaf), boxed=True)
                     else:
                         moving.append((k, nd))
             elif abstract:
                 dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-                out.append(
-                    abstract_global(shape, dtype, pl, nd if nd is not None else (Broadcast(),) * pl.ndim)
-                )
+                nd = nd if nd is not None else (Broadcast(),) * pl.ndim
+                out.append(abstract_global(shape, dtype, pl, nd, weak_physical(leaf)))
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         if moving:  # every re-layout in one program (tensor.relayout_together)

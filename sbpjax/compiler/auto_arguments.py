@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from sbpjax.compiler.arguments import weak_physical
 from sbpjax.compiler.auto import AUTO
 from sbpjax.placement import Placement
 from sbpjax.tensor import GlobalTensor, abstract_global, to_global
@@ -36,8 +37,9 @@ def place_chosen(gts: list, in_sbp: list, placement: Placement, abstract: bool =
     for t, nd in zip(gts, in_sbp):
         if isinstance(t, Unplaced):
             if abstract:
-                if not (isinstance(t.leaf, GlobalTensor) and t.leaf.sbp == nd):
-                    t = abstract_global(t.shape, t.dtype, placement, nd)
+                boxed = isinstance(t.leaf, GlobalTensor)
+                if not (boxed and t.leaf.sbp == nd):
+                    t = abstract_global(t.shape, t.dtype, placement, nd, weak_physical(t.leaf), boxed)
                 else:
                     t = t.leaf
             elif isinstance(t.leaf, GlobalTensor):

@@ -587,33 +587,55 @@ def test_in_sbp_for_an_argument_passed_by_keyword_says_so(pl24):
     assert_close(f(w, x).numpy(), np.tanh(x @ w), rtol=1e-6)
 
 
-def test_lower_and_explain_read_shapes_and_place_no_data(pl24):
+def test_lower_and_explain_read_shapes_and_place_no_data(pl24, monkeypatch):
     """As jax.jit's lower(), sj.jit's lower() and explain() need only the
-    arguments' shapes and dtypes: ShapeDtypeStructs give the program that
-    arrays give (an uneven split, a Python scalar's weak type and an AUTO
-    argument among them), and that program runs on arguments placed as it
-    takes them. A call needs values, and says so."""
+    arguments' shapes and dtypes: they place nothing (jax.device_put, which
+    to_global places data with, is not called), ShapeDtypeStructs stand for
+    the arrays, and the program lowered is the one a call runs (its
+    arguments placed: ``_prepare``), for an uneven split, a Python number,
+    a weakly typed jax array (whole, and split evenly), a global tensor in
+    another layout and an AUTO argument. That program runs on the placed
+    arguments. A call needs values, and says so."""
 
-    def f(w, x, b):
-        return jnp.tanh(x @ w) + b
+    def f(w, x, b, c):
+        return jnp.tanh(x @ w) + b + c[:13, None]
 
     rng = np.random.default_rng(0)
     w, x = rng.normal(size=(16, 24)).astype(np.float32), rng.normal(size=(13, 16)).astype(np.float32)
+    c = jnp.full((16,), 0.5)  # weakly typed, as the Python numbers it is made from
+    cases = {
+        "arrays": (w, x, 2.0, c),
+        "a weak scalar": (w, x, jnp.asarray(2.0), c),
+        "a global tensor in another layout": (sj.to_global(w, pl24, (S0, B)), x, 2.0, c),
+    }
     described = (
         jax.ShapeDtypeStruct(w.shape, w.dtype),
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         jax.ShapeDtypeStruct((), np.float32, weak_type=True),
+        jax.ShapeDtypeStruct((16,), np.float32, weak_type=True),
     )
-    for in_sbp in (((B, S1), (S0, B), None), (sj.AUTO, (S0, B), None)):
+    want = np.tanh(x @ w) + 2.0 + 0.5
+    for in_sbp in (((B, S1), (S0, B), None, (S0, B)), (sj.AUTO, (S0, B), None, (S0, B))):
         g = sj.jit(f, placement=pl24, in_sbp=in_sbp, out_sbp=(S0, B))
-        text = g.lower(*described).as_text()
-        assert text == g.lower(w, x, 2.0).as_text()
-        assert g.explain(*described).bytes == g.explain(w, x, 2.0).bytes
-        compiled = g.lower(*described).compile()
-        chosen = g.explain(*described).propagation.in_sbp
-        placed = [sj.to_global(v, pl24, nd) for v, nd in zip((w, x, np.float32(2.0)), chosen)]
-        (out,) = compiled(*[t.physical for t in placed])
-        got = sj.GlobalTensor(out, (13, 24), np.float32, pl24, (S0, B))
-        assert_close(got.numpy(), np.tanh(x @ w) + 2.0, rtol=1e-5)
+        for name, args in cases.items():
+            _, (_, program, _) = g._prepare(args, {})
+            placed = g._prepare(args, {})[0]
+            runs = program.lower(*[t.physical for t in placed]).as_text()
+            with monkeypatch.context() as m:
+                m.setattr(jax, "device_put", None)  # placing data would fail
+                assert g.lower(*args).as_text() == runs, (in_sbp, name)
+                assert g.explain(*args).bytes == g.explain(*described).bytes
+            (out,) = g.lower(*args).compile()(*[t.physical for t in placed])
+            assert_close(sj.GlobalTensor(out, (13, 24), np.float32, pl24, (S0, B)).numpy(), want, rtol=1e-5)
+        with monkeypatch.context() as m:
+            m.setattr(jax, "device_put", None)
+            described_text = g.lower(*described).as_text()
+        assert (
+            described_text
+            == program.lower(*[t.physical for t in g._prepare(cases["a weak scalar"], {})[0]]).as_text()
+        )
         with pytest.raises(sj.SBPError, match="ShapeDtypeStruct: it describes an argument for f.lower"):
             g(*described)
+    key = jax.ShapeDtypeStruct((2,), jax.random.key(0).dtype)
+    with pytest.raises(sj.SBPError, match="ShapeDtypeStruct of typed PRNG keys"):
+        sj.jit(lambda k: jax.random.uniform(k, (8,)), placement=pl24).lower(key)
