@@ -322,11 +322,23 @@ def shape_unit(shape: tuple, devices: int) -> tuple[tuple, int]:
 def _shape_class(ctx: _Ctx, placement: Placement, cm: CostModel):
     """The class of ``ctx``'s shape (``_search_by_class``): the dims that do
     not divide by the device count, with the placement, fill ops and cost
-    model; None for a scalar or an empty tensor (searched on their own)."""
+    model; None for a scalar or an empty tensor (searched on their own).
+
+    Where the placement's axes differ in bandwidth, each shape is a class of
+    its own. Paths of equal bytes are ranked by time, and there the time of
+    one grows with the size unlike the other's: a sum over two nodes of 4
+    is one all-reduce for a small tensor (one launch) and a reduce-scatter
+    inside the nodes, an all-reduce between them and an all-gather for a
+    large one (a quarter of the bytes over the slow link). Shared by the
+    class, a plan was the one for the first shape the process planned. With
+    one bandwidth the times of equal-bytes paths differ only by launches, so
+    the ranking holds for every size."""
     shape = ctx.geom.shape
     if not shape or 0 in shape:
         return None
-    return (placement, shape_unit(shape, placement.size)[0], ctx.fill_ops, repr(cm))
+    betas = {cm.axis_beta(name) for name, p in zip(placement.axis_names, placement.shape) if p > 1}
+    unit = shape_unit(shape, placement.size)[0] if len(betas) <= 1 else shape
+    return (placement, unit, ctx.fill_ops, repr(cm))
 
 
 def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:

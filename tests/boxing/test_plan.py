@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import sbpjax as sj
-from sbpjax.boxing.plan import COLLECTIVE_OF, bytes_lower_bound
+from sbpjax.boxing.plan import COLLECTIVE_OF, bytes_lower_bound, clear_caches
 
 ALL_1D = [sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max, sj.P_min]
 
@@ -38,6 +38,42 @@ def test_table_2_bytes_exactly(p):
     for src, dst in itertools.product(ALL_1D, ALL_1D):
         plan = sj.plan_boxing(shape, np.float32, pl, src, dst)
         assert plan.bytes == table2_same(src, dst, p, T), (src, dst, str(plan))
+
+
+@pytest.mark.parametrize(
+    "cost_model",
+    [sj.CostModel(), sj.CostModel(alpha={"x": 2e-5, "y": 2e-6}, beta={"x": 8e-11, "y": 4e-12})],
+    ids=["one_bandwidth", "two_tier"],
+)
+def test_a_plan_does_not_depend_on_the_shapes_planned_before_it(cost_model):
+    """Shapes of one class (their dims divisible by the device count) share
+    their searches. On links of two bandwidths a sum to B over 2x4 is one
+    all-reduce for a small tensor and hierarchical for a large one, so there
+    each shape is searched on its own: planned after a small tensor of its
+    class, a large one got the small one's plan. Every order, from empty
+    caches, gives each shape the plan it gets alone."""
+    pl = sj.placement((2, 4), ("x", "y"))
+    shapes = [(64, 32), (256, 256), (8, 8)]
+    pairs = [
+        ((sj.P, sj.P), (sj.B, sj.B)),
+        ((sj.S(0), sj.S(0)), (sj.B, sj.B)),
+        ((sj.P, sj.S(1)), (sj.S(0), sj.B)),
+    ]
+
+    def plans(order):
+        clear_caches()
+        return {
+            (shape, src, dst): str(sj.plan_boxing(shape, np.float32, pl, src, dst, cost_model=cost_model))
+            for shape in order
+            for src, dst in pairs
+        }
+
+    alone = {}
+    for shape in shapes:
+        alone.update(plans([shape]))
+    for order in itertools.permutations(shapes):
+        assert plans(order) == alone, order
+    clear_caches()
 
 
 @pytest.mark.parametrize("src,dst", [((sj.P, sj.P), (sj.B, sj.B)), ((sj.S(0), sj.S(0)), (sj.B, sj.B))])
