@@ -183,11 +183,11 @@ def plan_zeros(
     ordinary = plan_boxing(
         shape, dtype, placement, src_sbp, dst_sbp, cost_model=cost_model, launch_priced=launch_priced
     )
-    L_src, L_dst = ordinary.src_layout, ordinary.dst_layout
-    assert L_src is not None and L_dst is not None  # plan_boxing sets both layouts
-    if ordinary.bytes == 0 or any(op != "sum" for _, op in L_dst.partial):
+    made_src, made_dst = ordinary.src_layout, ordinary.dst_layout
+    assert made_src is not None and made_dst is not None  # plan_boxing sets both layouts
+    if ordinary.bytes == 0 or any(op != "sum" for _, op in made_dst.partial):
         return ordinary
-    return _zeros_plan(shape, dtype, placement, ordinary.src_sbp, ordinary.dst_sbp, L_src, L_dst)
+    return _zeros_plan(shape, dtype, placement, ordinary.src_sbp, ordinary.dst_sbp, made_src, made_dst)
 
 
 def _zeros_plan(shape, dtype, placement: Placement, src, dst, L_src: Layout, L_dst: Layout) -> BoxingPlan:
