@@ -33,7 +33,7 @@ import numpy as np
 
 from sbpjax.boxing.cost import DEFAULT_COST_MODEL, CostModel
 from sbpjax.boxing.p2p import P2PSchedule, clear_schedules, p2p_schedule, p2p_tiles
-from sbpjax.boxing.search import _priced_search, _search_by_class, clear_search_caches, shape_unit
+from sbpjax.boxing.search import _priced_search, _shared_search, clear_search_caches, shape_unit
 from sbpjax.boxing.steps import (
     COLLECTIVE_OF,
     BoxingPlan,
@@ -96,9 +96,9 @@ def bytes_lower_bound(shape, itemsize: int, placement: Placement, src_sbp, dst_s
     The compiler uses it to skip candidate signatures without a search, for
     tens of thousands of (shape, layouts) pairs on a 2-D model. A dim that
     divides by the device count splits evenly under every layout, so both
-    bounds are its size times a factor of the layouts alone (as for the
-    searches of ``search._search_by_class``): the bound is computed once for
-    the shape with each such dim at the device count, and scaled."""
+    bounds are its size times a factor of the layouts alone
+    (``search.shape_unit``): the bound is computed once for the shape with
+    each such dim at the device count, and scaled."""
     unit, scale = shape_unit(tuple(int(d) for d in shape), placement.size)
     return unit_bytes_lower_bound(unit, placement.shape, tuple(src_sbp), tuple(dst_sbp)) * itemsize * scale
 
@@ -247,7 +247,7 @@ def plan_boxing(
         L_dst = normalized_layout(dst, len(shape), placement.shape)
         fill_ops = tuple(sorted({op for _, op in L_dst.partial}))
         ctx = _Ctx(shape, dtype.itemsize, placement, cm, fill_ops)
-        steps = _search_by_class(ctx, L_src, L_dst, placement, cm)
+        steps = _shared_search(ctx, L_src, L_dst, placement, cm)
         if launch_priced and sum(1 for st in steps if st.bytes > 0) > 1:
             # only a plan of fewer collectives can cost less: a plan of one is final
             priced = _priced_search(ctx, L_src, L_dst, placement, cm, steps, ring=launch_priced == "ring")

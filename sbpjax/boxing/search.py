@@ -4,9 +4,9 @@ A plan is a shortest path over layouts (:class:`~sbpjax.layout.Layout`), with
 cost ``(bytes, time, steps)`` compared in that order (see
 :mod:`sbpjax.boxing.plan`). The moves from a layout are its collectives over
 one axis or a group, its free local steps and a point-to-point exchange
-(``_local_moves``). A search is shared by every shape of a class
-(``_search_by_class``): the dims that divide by the device count scale a
-step's bytes without changing which path is cheapest.
+(``_local_moves``). A search is shared by the plans of one shape, itemsize,
+placement and cost model (``_shared_search``): a layer's values and their alike
+in every other layer.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from sbpjax.layout import Layout
 from sbpjax.placement import Placement
 
 _STRUCTURES: dict = {}
-_CLASS_CTX: dict = {}
-_FEWER: dict = {}  # (class, src, dst, k) -> fewest-bytes paths of 1..k collectives (None: none)
-_TREES: dict = {}  # (class, src) -> _Tree: every target's search from src
+_SHARED_CTX: dict = {}
+_FEWER: dict = {}  # (search key, src, dst, k) -> fewest-bytes paths of 1..k collectives (None: none)
+_TREES: dict = {}  # (search key, src) -> _Tree: every target's search from src
 
 
 def clear_search_caches() -> None:
     """Forget every search made so far."""
-    for cache in (_STRUCTURES, _CLASS_CTX, _FEWER, _TREES):
+    for cache in (_STRUCTURES, _SHARED_CTX, _FEWER, _TREES):
         cache.clear()
 
 
@@ -46,7 +46,7 @@ def _reducible(layout: Layout, axis: int) -> bool:
 
 def _free_moves(ctx: _Ctx, L: Layout) -> list[Step]:
     """The moves from ``L`` that do not depend on the target, cached on the
-    context (a class context serves many searches, which meet the same
+    context (a shared context serves many searches, which meet the same
     layouts)."""
     local = ctx._move_cache.get(L)
     if local is None:
@@ -252,7 +252,7 @@ def _search_from(ctx: _Ctx, tree: _Tree, src: Layout, dst: Layout) -> list:
     path to ``dst`` and each expanded layout's path followed by the
     exchange, on equal cost (``_less``) the one found first: by the
     expansion of the layout it leaves from, the exchange after that
-    layout's other moves. Every pair of layouts in a class is asked for
+    layout's other moves. Every pair of layouts of a shape is asked for
     (thousands for a 2-D GPT on 2x2x2), and one tree per source answers
     them all."""
     if src == dst:
@@ -312,59 +312,55 @@ def _less(a, b) -> bool:
 
 
 def shape_unit(shape: tuple, devices: int) -> tuple[tuple, int]:
-    """``shape``'s class representative (``_search_by_class``): each dim that
-    divides by the device count set to that count (it splits evenly under
-    every layout), and how many times that shape's size ``shape``'s is."""
+    """``shape``'s class representative for bytes (``plan.bytes_lower_bound``,
+    the layout choice's bounds): each dim that divides by the device count set
+    to that count (it splits evenly under every layout, so a step's bytes are
+    its size times a factor of the layouts alone), and how many times that
+    shape's size ``shape``'s is."""
     unit = tuple(devices if d and d % devices == 0 else d for d in shape)
     return unit, math.prod(d // devices for d in shape if d and d % devices == 0)
 
 
-def _shape_class(ctx: _Ctx, placement: Placement, cm: CostModel):
-    """The class of ``ctx``'s shape (``_search_by_class``): the dims that do
-    not divide by the device count, with the placement, fill ops and cost
-    model; None for a scalar or an empty tensor (searched on their own).
+def _search_key(ctx: _Ctx, placement: Placement, cm: CostModel):
+    """What a search is shared by (``_shared_search``): the shape, itemsize,
+    placement, fill ops and cost model; None for a scalar or an empty tensor
+    (searched on their own).
 
-    Where the placement's axes differ in bandwidth, each shape is a class of
-    its own. Paths of equal bytes are ranked by time, and there the time of
-    one grows with the size unlike the other's: a sum over two nodes of 4
-    is one all-reduce for a small tensor (one launch) and a reduce-scatter
-    inside the nodes, an all-reduce between them and an all-gather for a
-    large one (a quarter of the bytes over the slow link). Shared by the
-    class, a plan was the one for the first shape the process planned. With
-    one bandwidth the times of equal-bytes paths differ only by launches, so
-    the ranking holds for every size."""
+    Decision: only equal shapes share, not every shape of a bytes class
+    (``shape_unit``). Bytes scale alike across a class, but paths of equal
+    bytes are ranked by time, and the time of one can grow with the size
+    unlike the other's, so the cheapest path of one shape of a class is not
+    another's. On links of two bandwidths a sum over two nodes of 4 is one
+    all-reduce for a small tensor and, for a large one, a reduce-scatter
+    inside the nodes, an all-reduce between them and an all-gather; with one
+    bandwidth, a permute's time counts its busiest device, whose share
+    differs between schedules, so ``(P, S(0)) -> (B, S(1))`` on 2x4 takes a
+    reduce-scatter over dim 0 for a large tensor and over dim 1 for a small
+    one. Shared by the class, every shape got the plan of the first one the
+    process planned (``tests/boxing/test_plan.py``)."""
     shape = ctx.geom.shape
     if not shape or 0 in shape:
         return None
-    betas = {cm.axis_beta(name) for name, p in zip(placement.axis_names, placement.shape) if p > 1}
-    unit = shape_unit(shape, placement.size)[0] if len(betas) <= 1 else shape
-    return (placement, unit, ctx.fill_ops, repr(cm))
+    return (placement, shape, ctx.itemsize, ctx.fill_ops, repr(cm))
 
 
-def _search_by_class(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
-    """The search, shared by all shapes of one class.
-
-    A dim that divides by the number of devices splits evenly under every
-    layout, so a step's bytes are its size times a factor of the layouts alone;
-    the dims that do not divide (often size-1 dims kept by a reduction) are part
-    of the class. Between two shapes of one class every step's bytes then scale
-    by the same ratio, and paths of equal bytes differ in time only by their
-    latency terms. The cheapest step structure is the same for the whole class,
-    so it is found once per (placement, class, layouts, cost model) and
-    re-costed for each shape (sj.jit asks for many shapes of a few classes).
-    All searches of a class run in one context (that of the first shape seen),
-    so the moves of the layouts they share are generated once."""
-    cls = _shape_class(ctx, placement, cm)
-    if cls is None:
+def _shared_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
+    """The search, shared by the plans of one key (``_search_key``). Every
+    search of a key runs in one context (that of the first plan asked for,
+    whose steps the others re-cost: the dtype may differ in name, not size),
+    so the moves of the layouts they share are generated once, and one tree
+    per source serves every target."""
+    key_ = _search_key(ctx, placement, cm)
+    if key_ is None:
         return _search(ctx, src, dst)
-    key = (cls, src, dst)
+    key = (key_, src, dst)
     if key not in _STRUCTURES:
-        class_ctx = _CLASS_CTX.setdefault(cls, ctx)
-        tree = _TREES.get((cls, src))
+        shared_ctx = _SHARED_CTX.setdefault(key_, ctx)
+        tree = _TREES.get((key_, src))
         if tree is None:
-            tree = _TREES[cls, src] = _tree(class_ctx, src)
-        _STRUCTURES[key] = _search_from(class_ctx, tree, src, dst)
-        if class_ctx is ctx:
+            tree = _TREES[key_, src] = _tree(shared_ctx, src)
+        _STRUCTURES[key] = _search_from(shared_ctx, tree, src, dst)
+        if shared_ctx is ctx:
             return _STRUCTURES[key]
     return [ctx.restep(s) for s in _STRUCTURES[key]]
 
@@ -376,12 +372,11 @@ def _priced_search(
     launches (``plan_boxing``'s ``launch_priced``; ``ring``: plus each
     collective's ring latency, ``ring_latency_bytes``), or None. Only a path of
     fewer collectives can be: for each count below ``steps``' the path of
-    the fewest bytes is found once per class of shapes and pair of layouts
-    (``_search_by_class``: bytes scale with the size, the path does not), and
-    the cheapest of them at this size by bytes plus launches is taken."""
+    the fewest bytes is found once per search key (``_search_key``) and pair
+    of layouts, and the cheapest of them by bytes plus launches is taken."""
     fewer = sum(1 for st in steps if st.bytes > 0) - 1
-    cls = _shape_class(ctx, placement, cm)
-    search_ctx = ctx if cls is None else _CLASS_CTX.setdefault(cls, ctx)
+    cls = _search_key(ctx, placement, cm)
+    search_ctx = ctx if cls is None else _SHARED_CTX.setdefault(cls, ctx)
 
     def search() -> list:
         return [_search(search_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
@@ -394,22 +389,16 @@ def _priced_search(
             _FEWER[key] = search()
         found = _FEWER[key]
     paths = [p for p in found if p is not None]
-    # priced at this size without re-costing every step: bytes scale with it
-    scale = 1.0
-    if search_ctx is not ctx:
-        scale = (math.prod(ctx.geom.shape) * ctx.itemsize) / (
-            math.prod(search_ctx.geom.shape) * search_ctx.itemsize
-        )
 
     def latency(st) -> float:
         if not ring:
             return step_launch_bytes(st, cm)
         return ring_latency_bytes(cm, placement, st.op, st.axes, st.rounds) if st.bytes > 0 else 0.0
 
-    def price(path, scale=1.0) -> float:
-        return sum(scale * st.bytes + latency(st) for st in path)
+    def price(path) -> float:  # the shared context's steps: the same shape and itemsize
+        return sum(st.bytes + latency(st) for st in path)
 
-    best = min(paths, key=lambda p: price(p, scale), default=None)
-    if best is None or price(best, scale) >= price(steps):
+    best = min(paths, key=price, default=None)
+    if best is None or price(best) >= price(steps):
         return None
     return best if search_ctx is ctx else [ctx.restep(st) for st in best]

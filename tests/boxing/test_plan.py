@@ -2,6 +2,7 @@
 
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,32 +47,44 @@ def test_table_2_bytes_exactly(p):
     ids=["one_bandwidth", "two_tier"],
 )
 def test_a_plan_does_not_depend_on_the_shapes_planned_before_it(cost_model):
-    """Shapes of one class (their dims divisible by the device count) share
-    their searches. On links of two bandwidths a sum to B over 2x4 is one
-    all-reduce for a small tensor and hierarchical for a large one, so there
-    each shape is searched on its own: planned after a small tensor of its
-    class, a large one got the small one's plan. Every order, from empty
-    caches, gives each shape the plan it gets alone."""
+    """Searches are shared by the plans of one shape and itemsize, not by
+    every shape whose dims the device count divides: between those, paths
+    of equal bytes swap their time ranking with the size. On links of two
+    bandwidths a sum to B over 2x4 is one all-reduce for a small tensor and
+    hierarchical for a large one; on one bandwidth a permute's time counts
+    its busiest device, and ``(P, S(0)) -> (B, S(1))`` reduce-scatters over
+    another dim for a large tensor than for a small one (found by review).
+    Shared, each shape got the plan of the first one planned. Every order,
+    from empty caches, gives each shape (and dtype) the plan it gets alone."""
     pl = sj.placement((2, 4), ("x", "y"))
-    shapes = [(64, 32), (256, 256), (8, 8)]
+    cases = [
+        ((64, 32), np.float32),
+        ((2048, 2048), np.float32),
+        ((8, 8), np.float32),
+        ((64, 32), jnp.bfloat16),
+    ]
     pairs = [
         ((sj.P, sj.P), (sj.B, sj.B)),
         ((sj.S(0), sj.S(0)), (sj.B, sj.B)),
-        ((sj.P, sj.S(1)), (sj.S(0), sj.B)),
+        ((sj.P, sj.S(0)), (sj.B, sj.S(1))),
+        ((sj.S(1), sj.P), (sj.S(0), sj.B)),
     ]
 
     def plans(order):
         clear_caches()
         return {
-            (shape, src, dst): str(sj.plan_boxing(shape, np.float32, pl, src, dst, cost_model=cost_model))
-            for shape in order
+            (shape, np.dtype(dtype).name, src, dst, priced): str(
+                sj.plan_boxing(shape, dtype, pl, src, dst, cost_model=cost_model, launch_priced=priced)
+            )
+            for shape, dtype in order
             for src, dst in pairs
+            for priced in (False, "ring")
         }
 
     alone = {}
-    for shape in shapes:
-        alone.update(plans([shape]))
-    for order in itertools.permutations(shapes):
+    for case in cases:
+        alone.update(plans([case]))
+    for order in (cases, cases[::-1], cases[1:] + cases[:1]):
         assert plans(order) == alone, order
     clear_caches()
 
