@@ -419,6 +419,19 @@ def abstract_global(
     return GlobalTensor(data, shape, dtype, placement, sbp)
 
 
+def abstract_boxed(t: GlobalTensor, sbp) -> GlobalTensor:
+    """:func:`abstract_global` of global tensor ``t`` boxed to ``sbp``: weakly
+    typed where the boxing keeps ``t``'s weak type, as traced (without
+    running) by ``jax.eval_shape``: most steps keep it, but a zero-fill along
+    a split dim and an empty tensor's zeros make a new array of the dtype."""
+    weak = bool(getattr(t.physical, "weak_type", False))
+    if weak:
+        sbp = normalize_nd_sbp(sbp, t.placement.ndim, len(t.shape), "to_global")
+        plan = plan_boxing(t.shape, t.dtype, t.placement, t.sbp, sbp)
+        weak = jax.eval_shape(boxing_fn(plan), t.physical).weak_type
+    return abstract_global(t.shape, t.dtype, t.placement, sbp, weak=weak, boxed=True)
+
+
 def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
     checked_placement(placement, "to_global")
     x = np.asarray(x)

@@ -62,7 +62,14 @@ from sbpjax.compiler.trace import tracing_on
 from sbpjax.dtypes import is_key, key_impl
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast
-from sbpjax.tensor import GlobalTensor, abstract_global, is_global, relayout_together, to_global
+from sbpjax.tensor import (
+    GlobalTensor,
+    abstract_boxed,
+    abstract_global,
+    is_global,
+    relayout_together,
+    to_global,
+)
 
 
 def _is_deleted(x) -> bool:
@@ -206,7 +213,7 @@ class CompiledFunction:
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:
                     if abstract:
-                        out[k] = abstract_global(shape, leaf.dtype, pl, nd, weak_physical(leaf), boxed=True)
+                        out[k] = abstract_boxed(leaf, nd)
                     else:
                         moving.append((k, nd))
             elif abstract:

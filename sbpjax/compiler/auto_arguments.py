@@ -11,7 +11,7 @@ import numpy as np
 from sbpjax.compiler.arguments import weak_physical
 from sbpjax.compiler.auto import AUTO
 from sbpjax.placement import Placement
-from sbpjax.tensor import GlobalTensor, abstract_global, to_global
+from sbpjax.tensor import GlobalTensor, abstract_boxed, abstract_global, to_global
 
 
 class Unplaced:
@@ -37,9 +37,10 @@ def place_chosen(gts: list, in_sbp: list, placement: Placement, abstract: bool =
     for t, nd in zip(gts, in_sbp):
         if isinstance(t, Unplaced):
             if abstract:
-                boxed = isinstance(t.leaf, GlobalTensor)
-                if not (boxed and t.leaf.sbp == nd):
-                    t = abstract_global(t.shape, t.dtype, placement, nd, weak_physical(t.leaf), boxed)
+                if not isinstance(t.leaf, GlobalTensor):
+                    t = abstract_global(t.shape, t.dtype, placement, nd, weak_physical(t.leaf))
+                elif t.leaf.sbp != nd:
+                    t = abstract_boxed(t.leaf, nd)
                 else:
                     t = t.leaf
             elif isinstance(t.leaf, GlobalTensor):

@@ -639,3 +639,22 @@ def test_lower_and_explain_read_shapes_and_place_no_data(pl24, monkeypatch):
     key = jax.ShapeDtypeStruct((2,), jax.random.key(0).dtype)
     with pytest.raises(sj.SBPError, match="ShapeDtypeStruct of typed PRNG keys"):
         sj.jit(lambda k: jax.random.uniform(k, (8,)), placement=pl24).lower(key)
+
+
+def test_lower_describes_a_weak_global_tensor_as_its_boxing_makes_it(pl24):
+    """A weakly typed global tensor boxed by the call stays weak, but for a
+    zero-fill along its split dim (S -> P), which makes a new array of the
+    dtype: lower() describes each as the call's boxing makes it (traced,
+    not run), so its program is the call's."""
+
+    def f(c):
+        return c.astype(jnp.bfloat16) * 2
+
+    for src, dst in (((S0, B), (P, B)), ((S0, S1), (P, P)), ((B, B), (S0, B)), ((S0, B), (B, B))):
+        c = sj.to_global(jnp.full((8, 8), 0.5), pl24, src)
+        g = sj.jit(f, placement=pl24, in_sbp=(dst,))
+        placed, (_, program, _) = g._prepare((c,), {})
+        described = g._prepare((c,), {}, abstract=True)[0]
+        assert described[0].physical.weak_type == placed[0].physical.weak_type == (dst[0] != P), (src, dst)
+        assert g.lower(c).as_text() == program.lower(*[t.physical for t in placed]).as_text(), (src, dst)
+        np.testing.assert_array_equal(g(c).numpy().astype(np.float32), np.ones((8, 8), np.float32))
