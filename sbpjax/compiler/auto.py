@@ -41,6 +41,6 @@ def auto_layouts(shape, grid) -> list[tuple]:
         for a, q in enumerate(nd):
             if isinstance(q, Split):
                 pieces[q.dim] *= grid[a]
-        if all(n >= k for n, k in zip(shape, pieces)):
+        if all(k == 1 or n >= k for n, k in zip(shape, pieces)):  # an unsplit dim may be empty
             out.append(tuple(nd))
     return out

@@ -379,3 +379,14 @@ def test_optimizer_state_mirrors_its_parameter_without_a_budget(pl24):
     adam = s_sbp[0]
     for k in params:
         assert adam.mu[k] == p_sbp[k] == adam.nu[k], k
+
+
+def test_an_auto_argument_with_an_empty_dim_is_planned(pl24):
+    """An AUTO argument of shape (0, 8) may stay whole on both axes (no
+    layout was offered: every unsplit dim was asked to hold a piece per
+    device, and the formulation failed on an empty list)."""
+    f = sj.jit(lambda a, b: (a.sum(0) + b, a * 2), placement=pl24, in_sbp=(sj.AUTO, (B, B)))
+    a, b = np.zeros((0, 8), np.float32), np.arange(8, dtype=np.float32)
+    total, doubled = f(a, b)
+    np.testing.assert_array_equal(total.numpy(), b)
+    assert doubled.numpy().shape == (0, 8)
