@@ -375,16 +375,16 @@ def _priced_search(
     the fewest bytes is found once per search key (``_search_key``) and pair
     of layouts, and the cheapest of them by bytes plus launches is taken."""
     fewer = sum(1 for st in steps if st.bytes > 0) - 1
-    cls = _search_key(ctx, placement, cm)
-    search_ctx = ctx if cls is None else _SHARED_CTX.setdefault(cls, ctx)
+    shared = _search_key(ctx, placement, cm)
+    search_ctx = ctx if shared is None else _SHARED_CTX.setdefault(shared, ctx)
 
     def search() -> list:
         return [_search(search_ctx, src, dst, collectives=k) for k in range(1, fewer + 1)]
 
-    if cls is None:
+    if shared is None:
         found = search()
     else:
-        key = (cls, src, dst, fewer)
+        key = (shared, src, dst, fewer)
         if key not in _FEWER:
             _FEWER[key] = search()
         found = _FEWER[key]
