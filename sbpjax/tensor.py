@@ -391,47 +391,6 @@ def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> G
     return GlobalTensor(_assemble(blocks, geom, layout, placement, dtype), shape, dtype, placement, sbp)
 
 
-def abstract_global(
-    shape, dtype, placement: Placement, sbp, weak: bool = False, boxed: bool = False
-) -> GlobalTensor:
-    """A :class:`GlobalTensor` of a ``shape``/``dtype`` array laid out as
-    ``sbp``, whose physical array is a ``jax.ShapeDtypeStruct`` (its shape,
-    dtype and sharding: no data on any device), checked as :func:`to_global`
-    checks it. ``sj.jit``'s ``lower()`` and ``explain()`` place arguments so:
-    as ``jax.jit``'s ``lower()``, they read shapes, not values.
-
-    ``weak``: the value is weakly typed (a jax array made from a Python
-    number), which its physical array stays where :func:`to_global` places
-    it whole (an even layout without partials: ``device_put`` keeps the
-    type; padded and partial blocks are assembled from host pieces) and
-    where a global tensor's boxing makes it (``boxed``), so that the
-    program lowered is the one a call runs."""
-    checked_placement(placement, "to_global")
-    shape = tuple(int(d) for d in shape)
-    sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "to_global")
-    dtype = canonical_dtype(dtype)
-    check_partial_dtype(dtype, sbp, "to_global")
-    layout = normalized_layout(sbp, len(shape), placement.shape)
-    geom = Geometry(shape, placement.shape)
-    sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
-    weak = weak and (boxed or (not layout.partial and geom.even(layout)))
-    data = jax.ShapeDtypeStruct(geom.physical_shape(layout), dtype, sharding=sharding, weak_type=weak)
-    return GlobalTensor(data, shape, dtype, placement, sbp)
-
-
-def abstract_boxed(t: GlobalTensor, sbp) -> GlobalTensor:
-    """:func:`abstract_global` of global tensor ``t`` boxed to ``sbp``: weakly
-    typed where the boxing keeps ``t``'s weak type, as traced (without
-    running) by ``jax.eval_shape``: most steps keep it, but a zero-fill along
-    a split dim and an empty tensor's zeros make a new array of the dtype."""
-    weak = bool(getattr(t.physical, "weak_type", False))
-    if weak:
-        sbp = normalize_nd_sbp(sbp, t.placement.ndim, len(t.shape), "to_global")
-        plan = plan_boxing(t.shape, t.dtype, t.placement, t.sbp, sbp)
-        weak = jax.eval_shape(boxing_fn(plan), t.physical).weak_type
-    return abstract_global(t.shape, t.dtype, t.placement, sbp, weak=weak, boxed=True)
-
-
 def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
     checked_placement(placement, "to_global")
     x = np.asarray(x)

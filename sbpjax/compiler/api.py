@@ -59,17 +59,11 @@ from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.static_args import fingerprint_text, static_args
 from sbpjax.compiler.trace import tracing_on
+from sbpjax.described import abstract_boxed, abstract_global
 from sbpjax.dtypes import is_key, key_impl
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast
-from sbpjax.tensor import (
-    GlobalTensor,
-    abstract_boxed,
-    abstract_global,
-    is_global,
-    relayout_together,
-    to_global,
-)
+from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
 
 
 def _is_deleted(x) -> bool:
@@ -141,7 +135,7 @@ class CompiledFunction:
         says, and the call's tree; ``args`` / ``kwargs`` without the static
         arguments, whose values ``static`` holds (``StaticArgs.split``).
         ``abstract``: leaves not laid out so yet are described, not placed
-        (``tensor.abstract_global``: for ``lower()`` and ``explain()``)."""
+        (``described.abstract_global``: for ``lower()`` and ``explain()``)."""
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_global)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_global)
         for k, leaf in enumerate(leaves):

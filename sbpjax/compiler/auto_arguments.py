@@ -10,8 +10,9 @@ import numpy as np
 
 from sbpjax.compiler.arguments import weak_physical
 from sbpjax.compiler.auto import AUTO
+from sbpjax.described import abstract_boxed, abstract_global
 from sbpjax.placement import Placement
-from sbpjax.tensor import GlobalTensor, abstract_boxed, abstract_global, to_global
+from sbpjax.tensor import GlobalTensor, to_global
 
 
 class Unplaced:
@@ -32,7 +33,7 @@ class Unplaced:
 
 def place_chosen(gts: list, in_sbp: list, placement: Placement, abstract: bool = False) -> list:
     """The arguments laid out as the program takes them (AUTO ones as chosen;
-    ``abstract``: described, not placed, ``tensor.abstract_global``)."""
+    ``abstract``: described, not placed, ``described.abstract_global``)."""
     out = []
     for t, nd in zip(gts, in_sbp):
         if isinstance(t, Unplaced):
