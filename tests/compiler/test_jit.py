@@ -618,8 +618,7 @@ def test_lower_and_explain_read_shapes_and_place_no_data(pl24, monkeypatch):
     for in_sbp in (((B, S1), (S0, B), None, (S0, B)), (sj.AUTO, (S0, B), None, (S0, B))):
         g = sj.jit(f, placement=pl24, in_sbp=in_sbp, out_sbp=(S0, B))
         for name, args in cases.items():
-            _, (_, program, _) = g._prepare(args, {})
-            placed = g._prepare(args, {})[0]
+            placed, (_, program, _) = g._prepare(args, {})
             runs = program.lower(*[t.physical for t in placed]).as_text()
             with monkeypatch.context() as m:
                 m.setattr(jax, "device_put", None)  # placing data would fail

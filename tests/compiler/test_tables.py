@@ -8,6 +8,7 @@ planner itself, as the tables call it, priced as the tables price it.
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,7 +16,9 @@ import sbpjax as sj
 from sbpjax.boxing.plan import bytes_lower_bound
 from sbpjax.compiler.options import DEFAULT_OPTIONS
 from sbpjax.compiler.pricing import boxing_cost
-from sbpjax.compiler.tables import LatencyBound, _launches, crossed_axes, least_latency, moves
+from sbpjax.compiler.propagator import Propagator
+from sbpjax.compiler.tables import LatencyBound, Tables, _launches, crossed_axes, least_latency, moves
+from sbpjax.compiler.trace import trace
 
 ALL_1D = [sj.S(0), sj.S(1), sj.B, sj.P, sj.P_max]
 # a slow axis between nodes and a fast one inside them: groups differ in latency
@@ -113,3 +116,48 @@ def test_a_reduction_into_a_whole_value_also_spreads_the_sum():
     assert whole > least_latency(launch, (sj.B, sj.P), (sj.B, sj.S(0)), pl.shape) == y["reduce_scatter"]
     plan = sj.plan_boxing((64, 32), np.float32, pl, (sj.B, sj.P), (sj.B, sj.B), launch_priced="ring")
     assert boxing_cost(plan, sj.CostModel(), DEFAULT_OPTIONS, ring=True) >= 64 * whole
+
+
+@pytest.mark.parametrize("ring", [False, True])
+@pytest.mark.parametrize("grid", [(2, 4), (2, 2, 2)])
+def test_every_tables_entry_is_its_bound_by_the_reference_functions(grid, ring):
+    """Tables computes its bounds once per shape class and pair of layout
+    ids; each entry must be what the reference functions give that entry on
+    its own: 64 times ``Propagator.bound``'s bytes plus 64 times
+    ``least_latency`` where ``moves`` says a byte moves, else 0; 0 for a
+    zero tensor; exact on the diagonal. Shapes of one class (dims the device
+    count divides), uneven ones and two dtypes, over the layouts of a
+    rank-2 value."""
+    pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
+    program = trace(
+        lambda a, b, c, d: (a + 1, b + 1, c + 1, d + 1, jax.numpy.zeros((8, 16))),
+        [
+            jax.ShapeDtypeStruct(s, t)
+            for s, t in (
+                ((8, 16), np.float32),
+                ((64, 32), np.float32),
+                ((6, 5), np.float32),
+                ((8, 16), jax.numpy.bfloat16),
+            )
+        ],
+        jax.tree.flatten(((0, 0, 0, 0), {}))[1],
+    )
+    pr = Propagator(program, pl, sj.CostModel())
+    tables = Tables(pr, sj.CostModel(), DEFAULT_OPTIONS, ring=ring)
+    launch = _launches(sj.CostModel(), pl, ring)
+    layouts = [nd for nd in itertools.product([sj.S(0), sj.S(1), sj.B, sj.P], repeat=len(grid))]
+    atoms = list(program.inputs) + [program.outputs[-1]]
+    assert id(atoms[-1]) in pr.zeros
+    for atom in atoms:
+        table = tables.table(atom, layouts[::2], layouts[1::2] + layouts[:3])
+        for a, s in enumerate(table.src):
+            for c, d in enumerate(table.dst):
+                if s == d:
+                    assert table.exact[a, c]
+                    continue
+                moved = pr.bound(atom, s, d)
+                if id(atom) in pr.zeros or not moves(moved, atom.shape, s, d, pl.shape):
+                    want = 0
+                else:
+                    want = 64 * moved + round(64 * least_latency(launch, s, d, pl.shape))
+                assert table.values[a, c] == want, (atom.shape, atom.dtype, s, d)
