@@ -346,10 +346,10 @@ def _search_key(ctx: _Ctx, placement: Placement, cm: CostModel):
 
 def _shared_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm: CostModel) -> list:
     """The search, shared by the plans of one key (``_search_key``). Every
-    search of a key runs in one context (that of the first plan asked for,
-    whose steps the others re-cost: the dtype may differ in name, not size),
-    so the moves of the layouts they share are generated once, and one tree
-    per source serves every target."""
+    search of a key runs in one context (that of the first plan asked for:
+    its steps are the others' too, the key fixing what they cost), so the
+    moves of the layouts they share are generated once, and one tree per
+    source serves every target."""
     key_ = _search_key(ctx, placement, cm)
     if key_ is None:
         return _search(ctx, src, dst)
@@ -360,9 +360,7 @@ def _shared_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm
         if tree is None:
             tree = _TREES[key_, src] = _tree(shared_ctx, src)
         _STRUCTURES[key] = _search_from(shared_ctx, tree, src, dst)
-        if shared_ctx is ctx:
-            return _STRUCTURES[key]
-    return [ctx.restep(s) for s in _STRUCTURES[key]]
+    return _STRUCTURES[key]
 
 
 def _priced_search(
@@ -401,4 +399,4 @@ def _priced_search(
     best = min(paths, key=price, default=None)
     if best is None or price(best) >= price(steps):
         return None
-    return best if search_ctx is ctx else [ctx.restep(st) for st in best]
+    return best
