@@ -62,9 +62,12 @@ def test_an_entrys_bound_is_never_above_its_plan(shape, grid, cost_model, ring):
 @pytest.mark.parametrize("ring", [False, True])
 @pytest.mark.parametrize("grid", [(2, 4), (1, 8), (2, 2, 2)])
 def test_the_tables_latency_bound_is_least_latency_on_every_pair(grid, ring):
-    """LatencyBound (what Tables uses, its minima kept per crossed set and
-    per summed axis) against the reference it speeds up, on every pair of
-    layouts of 2-D tensors, and whether the pair crosses an axis."""
+    """One LatencyBound asked for every pair of layouts of 2-D tensors (as
+    Tables asks it, its minima kept per crossed set and per summed axis)
+    answers each as ``least_latency`` does, which computes the pair alone,
+    and says whether the pair crosses an axis. The bound's values are
+    checked against plans in ``test_an_entrys_bound_is_never_above_its_plan``
+    and by hand below."""
     pl = sj.placement(grid, ("x", "y", "z")[: len(grid)])
     for cost_model in (sj.CostModel(), TWO_TIER if len(grid) == 2 else sj.CostModel()):
         launch = _launches(cost_model, pl, ring)
