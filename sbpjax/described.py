@@ -7,15 +7,14 @@ place arguments so, as ``jax.jit``'s ``lower()`` reads shapes, not values.
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from sbpjax.boxing.lower import boxing_fn
-from sbpjax.boxing.plan import normalized_layout, plan_boxing
-from sbpjax.dtypes import canonical_dtype, check_partial_dtype
-from sbpjax.layout import Geometry
-from sbpjax.placement import Placement, checked_placement
+from sbpjax.boxing.plan import plan_boxing
+from sbpjax.placement import Placement
 from sbpjax.sbp import normalize_nd_sbp
-from sbpjax.tensor import GlobalTensor
+from sbpjax.tensor import GlobalTensor, checked_layout
 
 
 def abstract_global(
@@ -30,13 +29,8 @@ def abstract_global(
     type; padded and partial blocks are assembled from host pieces) and
     where a global tensor's boxing makes it (``boxed``), so that the
     program lowered is the one a call runs."""
-    checked_placement(placement, "to_global")
     shape = tuple(int(d) for d in shape)
-    sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "to_global")
-    dtype = canonical_dtype(dtype)
-    check_partial_dtype(dtype, sbp, "to_global")
-    layout = normalized_layout(sbp, len(shape), placement.shape)
-    geom = Geometry(shape, placement.shape)
+    sbp, dtype, layout, geom = checked_layout(shape, dtype, placement, sbp)
     sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
     weak = weak and (boxed or (not layout.partial and geom.even(layout)))
     data = jax.ShapeDtypeStruct(geom.physical_shape(layout), dtype, sharding=sharding, weak_type=weak)
@@ -56,4 +50,16 @@ def abstract_boxed(t: GlobalTensor, sbp) -> GlobalTensor:
     return abstract_global(t.shape, t.dtype, t.placement, sbp, weak=weak, boxed=True)
 
 
-__all__ = ["abstract_boxed", "abstract_global"]
+def describe(leaf, placement: Placement, sbp) -> GlobalTensor:
+    """``leaf`` (an array, a number, a ``ShapeDtypeStruct`` or a global
+    tensor) laid out as ``sbp`` as a call places it (``to_global``, or the
+    global tensor's boxing), described."""
+    if isinstance(leaf, GlobalTensor):
+        return leaf if leaf.sbp == tuple(sbp) else abstract_boxed(leaf, sbp)
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+    # weak as placed data: a weak jax array or ShapeDtypeStruct (a number is placed from NumPy)
+    weak = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and bool(leaf.weak_type)
+    return abstract_global(np.shape(leaf), dtype, placement, sbp, weak)
+
+
+__all__ = ["abstract_boxed", "abstract_global", "describe"]

@@ -348,6 +348,17 @@ def is_global(v) -> bool:
     return isinstance(v, GlobalTensor)
 
 
+def checked_layout(shape: tuple, dtype, placement: Placement, sbp) -> tuple:
+    """``to_global``'s checks of laying out a ``shape``/``dtype`` array as
+    ``sbp``: ``(the nd-SBP, the dtype the devices hold, its layout, its
+    geometry)``; an ``SBPError`` for a bad one."""
+    checked_placement(placement, "to_global")
+    sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "to_global")
+    dtype = canonical_dtype(dtype)  # what the devices will hold (no float64 without x64)
+    check_partial_dtype(dtype, sbp, "to_global")
+    return sbp, dtype, normalized_layout(sbp, len(shape), placement.shape), Geometry(shape, placement.shape)
+
+
 def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> GlobalTensor:
     """Lay out the logical array ``x`` over ``placement`` as ``sbp``.
 
@@ -369,11 +380,7 @@ def to_global(x, placement: Placement, sbp, *, process_local: bool = False) -> G
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         x = np.asarray(x)
     shape = tuple(x.shape)
-    sbp = normalize_nd_sbp(sbp, placement.ndim, len(shape), "to_global")
-    dtype = canonical_dtype(x.dtype)  # what the devices will hold (no float64 without x64)
-    check_partial_dtype(dtype, sbp, "to_global")
-    layout = normalized_layout(sbp, len(shape), placement.shape)
-    geom = Geometry(shape, placement.shape)
+    sbp, dtype, layout, geom = checked_layout(shape, x.dtype, placement, sbp)
     if not layout.partial and geom.even(layout):
         sharding = NamedSharding(placement.mesh, geom.partition_spec(layout, placement.axis_names))
         if _is_traced(x):
@@ -559,4 +566,4 @@ def _check_broadcast_copies(grid, geom, layout, placement, sbp):
             groups[key] = c
 
 
-__all__ = ["GlobalTensor", "is_global", "to_global", "from_local_tensors"]
+__all__ = ["GlobalTensor", "checked_layout", "is_global", "to_global", "from_local_tensors"]

@@ -42,7 +42,6 @@ from sbpjax.compiler.arguments import (
     leaf_name,
     leaf_paths,
     state_sbp,
-    weak_physical,
     weakly_typed,
 )
 from sbpjax.compiler.auto import AUTO
@@ -59,7 +58,7 @@ from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
 from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.static_args import fingerprint_text, static_args
 from sbpjax.compiler.trace import tracing_on
-from sbpjax.described import abstract_boxed, abstract_global
+from sbpjax.described import describe
 from sbpjax.dtypes import is_key, key_impl
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast
@@ -135,7 +134,7 @@ class CompiledFunction:
         says, and the call's tree; ``args`` / ``kwargs`` without the static
         arguments, whose values ``static`` holds (``StaticArgs.split``).
         ``abstract``: leaves not laid out so yet are described, not placed
-        (``described.abstract_global``: for ``lower()`` and ``explain()``)."""
+        (``described.describe``: for ``lower()`` and ``explain()``)."""
         _, args_tree = jax.tree_util.tree_flatten(args, is_leaf=is_global)
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_global)
         for k, leaf in enumerate(leaves):
@@ -207,13 +206,11 @@ class CompiledFunction:
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:
                     if abstract:
-                        out[k] = abstract_boxed(leaf, nd)
+                        out[k] = describe(leaf, pl, nd)
                     else:
                         moving.append((k, nd))
             elif abstract:
-                dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-                nd = nd if nd is not None else (Broadcast(),) * pl.ndim
-                out.append(abstract_global(shape, dtype, pl, nd, weak_physical(leaf)))
+                out.append(describe(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
             else:
                 out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         if moving:  # every re-layout in one program (tensor.relayout_together)

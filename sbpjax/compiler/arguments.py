@@ -271,15 +271,6 @@ def check_no_donated_alias(placed: list, donated: set, tree) -> None:
             )
 
 
-def weak_physical(x) -> bool:
-    """Whether ``x`` is weakly typed as data placed on devices: a weak jax
-    array, a weak ``ShapeDtypeStruct``, a global tensor's weak physical
-    array (a Python number is placed from NumPy, not weak)."""
-    if isinstance(x, GlobalTensor):
-        x = x.physical
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and bool(x.weak_type)
-
-
 def weakly_typed(x) -> bool:
     """JAX's weak type (a Python int, float or complex, or a jax value made from
     one), as ``jax.typeof`` reads it; a GlobalTensor is typed by its dtype."""
@@ -290,7 +281,6 @@ def weakly_typed(x) -> bool:
 
 __all__ = [
     "is_nd_sbp",
-    "weak_physical",
     "state_sbp",
     "leaf_paths",
     "leaf_name",

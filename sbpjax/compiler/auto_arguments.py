@@ -8,9 +8,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from sbpjax.compiler.arguments import weak_physical
 from sbpjax.compiler.auto import AUTO
-from sbpjax.described import abstract_boxed, abstract_global
+from sbpjax.described import describe
 from sbpjax.placement import Placement
 from sbpjax.tensor import GlobalTensor, to_global
 
@@ -33,17 +32,12 @@ class Unplaced:
 
 def place_chosen(gts: list, in_sbp: list, placement: Placement, abstract: bool = False) -> list:
     """The arguments laid out as the program takes them (AUTO ones as chosen;
-    ``abstract``: described, not placed, ``described.abstract_global``)."""
+    ``abstract``: described, not placed, ``described.describe``)."""
     out = []
     for t, nd in zip(gts, in_sbp):
         if isinstance(t, Unplaced):
             if abstract:
-                if not isinstance(t.leaf, GlobalTensor):
-                    t = abstract_global(t.shape, t.dtype, placement, nd, weak_physical(t.leaf))
-                elif t.leaf.sbp != nd:
-                    t = abstract_boxed(t.leaf, nd)
-                else:
-                    t = t.leaf
+                t = describe(t.leaf, placement, nd)
             elif isinstance(t.leaf, GlobalTensor):
                 t = t.leaf.to_global(sbp=nd)
             else:
