@@ -7,6 +7,12 @@ same collectives on padded pieces, with local index maps (``jnp.take`` over
 small per-device tables) that arrange pieces before a scatter and compact them
 after a gather, so results are exact and bytes match the plan.
 
+Every index this module computes is in range (a device's own offset, a table
+entry), so slices and takes say so (``allow_negative_indices=False``,
+``mode="clip"``): JAX's defaults wrap negative indices and mask out-of-range
+ones, a compare and a select per index that XLA compiles into every program
+and cannot fold away, since it does not know a device's index is non-negative.
+
 ``check_vma=False``: several steps (point-to-point rounds, table lookups)
 produce values that are equal across an axis without JAX being able to prove
 it. Gradients are still the transposes of the collectives (all_gather <->
@@ -141,7 +147,7 @@ class IndexTables:
         return np.asarray(rows, np.int32)
 
     def lookup(self, dep, table):
-        return jnp.asarray(table)[group_index(dep, self.names, self.geom.grid)]
+        return table_entry(table, group_index(dep, self.names, self.geom.grid))
 
     def compact(self, parent, group, d):
         """After a gather over ``group``: positions of the parent piece's
@@ -218,6 +224,15 @@ def group_index(group, names, grid):
     for a in group:
         idx = idx * grid[a] + lax.axis_index(names[a])
     return idx
+
+
+def table_entry(table, index):
+    """``table[index]`` for a device's ``index`` (from :func:`group_index`,
+    never negative) into a constant table, without the wrapping of negative
+    indices that ``table[index]`` compiles (see the module's docstring)."""
+    return lax.dynamic_index_in_dim(
+        jnp.asarray(table), index, 0, keepdims=False, allow_negative_indices=False
+    )
 
 
 def _to_tiles(x, counts, tile):
@@ -302,13 +317,13 @@ class _On:
     def compact(self, y, step: Step, d: int):
         """A gathered dim with an uneven split's padding taken out."""
         dep, tab = self.tables.compact(step.dst.dims[d], step.group, d)
-        return jnp.take(y, self.tables.lookup(dep, tab), axis=d)
+        return jnp.take(y, self.tables.lookup(dep, tab), axis=d, mode="clip")
 
     def arrange(self, x, step: Step, d: int):
         """A dim laid out as even chunks, one per peer, before an uneven split's
         pieces are sent."""
         dep, tab = self.tables.arrange(step.src.dims[d], step.group, d)
-        return jnp.take(x, self.tables.lookup(dep, tab), axis=d)
+        return jnp.take(x, self.tables.lookup(dep, tab), axis=d, mode="clip")
 
 
 def _all_gather(step: Step, x, on: _On):
@@ -355,9 +370,9 @@ def _local_slice(step: Step, x, on: _On):
     parent, child = step.src.dims[d], step.dst.dims[d]
     if on.even(step):
         size = on.geom.padded_dim(child, d)
-        return lax.dynamic_slice_in_dim(x, on.index(step) * size, size, axis=d)
+        return lax.dynamic_slice_in_dim(x, on.index(step) * size, size, axis=d, allow_negative_indices=False)
     dep, tab = on.tables.slice(parent, child, d)
-    return jnp.take(x, on.tables.lookup(dep, tab), axis=d)
+    return jnp.take(x, on.tables.lookup(dep, tab), axis=d, mode="clip")
 
 
 def _zeros(step: Step, x, on: _On):  # the tensor is all zeros in every layout (plan_zeros)
@@ -379,12 +394,12 @@ def _zero_fill(step: Step, x, on: _On):
         base = jnp.full(shape, fill, x.dtype)
         start = [0] * x.ndim
         start[d] = on.index(step) * x.shape[d]
-        return lax.dynamic_update_slice(base, x, start)
+        return lax.dynamic_update_slice(base, x, start, allow_negative_indices=False)
     slot_shape = list(x.shape)
     slot_shape[d] = 1
     ext = jnp.concatenate([x, jnp.full(slot_shape, fill, x.dtype)], axis=d)
     dep, tab = on.tables.fill(parent, child, d)
-    return jnp.take(ext, on.tables.lookup(dep, tab), axis=d)
+    return jnp.take(ext, on.tables.lookup(dep, tab), axis=d, mode="clip")
 
 
 def _permute(step: Step, x, on: _On):
@@ -394,10 +409,10 @@ def _permute(step: Step, x, on: _On):
     tiles = _to_tiles(x, sched.src_tiles_local, sched.tile_shape)
     pieces = [tiles]
     for (pairs, _), send in zip(sched.rounds, sched.send):
-        buf = jnp.take(tiles, on.tables.lookup(everyone, send), axis=0)
+        buf = jnp.take(tiles, on.tables.lookup(everyone, send), axis=0, mode="clip")
         pieces.append(lax.ppermute(buf, axis_arg(tuple(on.names)), perm=list(pairs)))
     pool = jnp.concatenate(pieces, axis=0)
-    out = jnp.take(pool, on.tables.lookup(everyone, sched.gather), axis=0)
+    out = jnp.take(pool, on.tables.lookup(everyone, sched.gather), axis=0, mode="clip")
     return _from_tiles(out, sched.dst_tiles_local, sched.tile_shape)
 
 

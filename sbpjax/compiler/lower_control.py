@@ -158,7 +158,9 @@ def _step(lp, run, env: dict, depth: int, sources, buffered, stacked_out, n_stat
                 inner[(id(t.ins[nc + c]), nd)] = next(it)
         (index,) = slices
         for (k, nd, _), (whole, base, extra) in zip(run.xs, sources):
-            piece = lax.dynamic_index_in_dim(whole, index - base, 0, keepdims=False)
+            piece = lax.dynamic_index_in_dim(
+                whole, index - base, 0, keepdims=False, allow_negative_indices=False
+            )
             for i, y in extra:  # (an index outside ``whole`` is clamped, then replaced)
                 piece = jnp.where(index == i, y, piece)
             inner[(id(t.ins[k]), nd)] = piece
@@ -174,7 +176,9 @@ def _step(lp, run, env: dict, depth: int, sources, buffered, stacked_out, n_stat
             return inner[(id(v), nd)] if push is None else run_plan(push[1], lp.settled(inner, v, nd))
 
         for (e, nd), buf in zip(buffered, state[n_state:]):
-            carry.append(lax.dynamic_update_index_in_dim(buf, out(e, nd), index, 0))
+            carry.append(
+                lax.dynamic_update_index_in_dim(buf, out(e, nd), index, 0, allow_negative_indices=False)
+            )
         return carry, [out(e, nd) for e, nd in stacked_out]
 
     return step

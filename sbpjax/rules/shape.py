@@ -214,7 +214,7 @@ def _rows_at(u, start, at, block, dim):
     ``u``'s row for each of the block's rows, and where one falls in ``u``."""
     rows = jnp.asarray(at, jnp.int32) + jnp.arange(block.shape[dim], dtype=jnp.int32) - start
     here = ((rows >= 0) & (rows < u.shape[dim])).reshape([-1 if e == dim else 1 for e in range(block.ndim)])
-    return jnp.take(u, jnp.clip(rows, 0, u.shape[dim] - 1), axis=dim), here
+    return jnp.take(u, rows, axis=dim, mode="clip"), here  # rows outside u: ``here`` masks them
 
 
 @register("pad")
@@ -348,7 +348,9 @@ def local_dynamic_slice(eqn, ins, ctx):
         x.shape[d] if eqn.params["slice_sizes"][d] == n[d] else eqn.params["slice_sizes"][d]
         for d in range(len(n))
     ]
-    return [lax.dynamic_slice(x, ins[1:], sizes)]
+    # the jaxpr's starts come as the primitive takes them (any wrapping of negative
+    # starts is already in the jaxpr): clamped, never wrapped again
+    return [lax.dynamic_slice(x, ins[1:], sizes, allow_negative_indices=False)]
 
 
 def local_dynamic_update_slice(eqn, ins, ctx):
@@ -369,8 +371,8 @@ def local_dynamic_update_slice(eqn, ins, ctx):
         inside = here if inside is None else inside & here
         starts[d] = jnp.zeros_like(starts[d])
     if inside is not None:
-        u = jnp.where(inside, u, lax.dynamic_slice(x, starts, u.shape))
-    return [lax.dynamic_update_slice(x, u, starts)]
+        u = jnp.where(inside, u, lax.dynamic_slice(x, starts, u.shape, allow_negative_indices=False))
+    return [lax.dynamic_update_slice(x, u, starts, allow_negative_indices=False)]
 
 
 set_local("iota")(local_iota)

@@ -44,7 +44,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from sbpjax.boxing.lower import axis_arg, group_index
+from sbpjax.boxing.lower import axis_arg, group_index, table_entry
 from sbpjax.layout import balanced_piece
 from sbpjax.rules import Comm, local_shape, shape_of, split_axes
 
@@ -430,7 +430,7 @@ def _run(x, st: Shift, ctx, fill, chain, operand):
     d, pieces = st.dim, len(st.pieces_in)
     axis = axis_arg([ctx.placement.axis_names[a] for a in st.axes])
     idx = _index(st, ctx)
-    table = lambda values: jnp.asarray(values, jnp.int32)[idx]  # noqa: E731
+    table = lambda values: table_entry(jnp.asarray(values, jnp.int32), idx)  # noqa: E731
     size_in = table([z for _, z in st.pieces_in])
     parts = []
     if st.left:
@@ -439,7 +439,9 @@ def _run(x, st: Shift, ctx, fill, chain, operand):
             tail = (
                 lax.slice_in_dim(x, st.block_in - st.left, st.block_in, axis=d)
                 if st.n_in % pieces == 0
-                else lax.dynamic_slice_in_dim(x, size_in - st.left, st.left, axis=d)
+                else lax.dynamic_slice_in_dim(
+                    x, size_in - st.left, st.left, axis=d, allow_negative_indices=False
+                )
             )
             return lax.ppermute(tail, axis, perm=[(i, i + 1) for i in range(pieces - 1)])
 
@@ -461,7 +463,7 @@ def _run(x, st: Shift, ctx, fill, chain, operand):
         start_in = table([si for si, _ in st.pieces_in])
         own = rows - start_in  # the row's place in this device's piece
         local = jnp.where(own < size_in, st.left + own, st.left + st.block_in + own - size_in)
-        y = jnp.take(ext, jnp.clip(local, 0, ext.shape[d] - 1), axis=d)
+        y = jnp.take(ext, local, axis=d, mode="clip")  # clamped: padded rows, never read
     if fill is not None:
         outside = ((rows < 0) | (rows >= st.n_in)).reshape([-1 if e == d else 1 for e in range(y.ndim)])
         y = jnp.where(outside, fill.astype(y.dtype), y)
@@ -476,19 +478,25 @@ def _run_cut(x, st: Cut, ctx, fill, chain, operand):
     for k, rows, starts in st.sends:
 
         def send(k=k, rows=rows, starts=starts):
-            start = jnp.asarray([max(s, 0) for s in starts], jnp.int32)[idx]
-            chunk = lax.dynamic_slice_in_dim(x, start, rows, axis=d)
+            start = table_entry(jnp.asarray([max(s, 0) for s in starts], jnp.int32), idx)
+            chunk = lax.dynamic_slice_in_dim(x, start, rows, axis=d, allow_negative_indices=False)
             return lax.ppermute(chunk, axis, perm=[(j, j - k) for j in range(pieces) if starts[j] >= 0])
 
         parts.append(ctx.memo(operand, ("cut", chain, d, k, rows, starts, st.axes), send))
     ext = lax.concatenate(parts, d) if len(parts) > 1 else x
     runs = st.runs
     if runs is not None:
-        y = lax.dynamic_slice_in_dim(ext, jnp.asarray(runs, jnp.int32)[idx], st.block_out, axis=d)
+        y = lax.dynamic_slice_in_dim(
+            ext,
+            table_entry(jnp.asarray(runs, jnp.int32), idx),
+            st.block_out,
+            axis=d,
+            allow_negative_indices=False,
+        )
     else:
-        places = jnp.asarray(st.reads, jnp.int32)[idx]
-        y = jnp.take(ext, jnp.clip(places, 0, ext.shape[d] - 1), axis=d)
+        places = table_entry(jnp.asarray(st.reads, jnp.int32), idx)
+        y = jnp.take(ext, places, axis=d, mode="clip")
     if fill is not None:
-        outside = jnp.asarray(st.reads, jnp.int32)[idx] < 0
+        outside = table_entry(jnp.asarray(st.reads, jnp.int32), idx) < 0
         y = jnp.where(outside.reshape([-1 if e == d else 1 for e in range(y.ndim)]), fill.astype(y.dtype), y)
     return y

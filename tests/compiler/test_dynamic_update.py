@@ -69,3 +69,24 @@ def test_a_write_into_a_dim_split_over_both_axes(pl24, rows):
         p = np.int32(pos)
         np.testing.assert_array_equal(f(cache, new, p).numpy(), np.asarray(jax.jit(_write)(cache, new, p)))
     assert moved_bytes(f, cache, new, np.int32(0)) == 0
+
+
+@pytest.mark.parametrize("start", [-3, -40, 2, 99])
+def test_a_start_the_program_leaves_unwrapped_is_clamped_as_xla_clamps_it(pl8, start):
+    """``allow_negative_indices=False``: a negative start reaches the
+    primitive as it is and XLA clamps it to 0. Each device's slice and write
+    along a dim it holds whole are clamped the same (they were wrapped once
+    more: -3 read the last 3 columns and the first)."""
+    r = np.random.default_rng(start + 50)
+    x = r.normal(size=(16, 12)).astype(np.float32)
+    u = r.normal(size=(16, 4)).astype(np.float32)
+
+    def read_and_write(x, u, i):
+        piece = lax.dynamic_slice_in_dim(x, i, 4, axis=1, allow_negative_indices=False)
+        return piece, lax.dynamic_update_slice(x, u * piece, (0, i), allow_negative_indices=False)
+
+    f = sj.jit(read_and_write, placement=pl8, in_sbp=((S0,), (S0,), (B,)), out_sbp=((S0,), (S0,)))
+    i = np.int32(start)
+    for got, want in zip(f(x, u, i), jax.jit(read_and_write)(x, u, i)):
+        np.testing.assert_array_equal(got.numpy(), np.asarray(want), err_msg=f"start {start}")
+    assert moved_bytes(f, x, u, i) == 0
