@@ -249,7 +249,8 @@ set_comm_if("slice", "pad")(may_shift)
 @register("dynamic_slice")
 def dynamic_slice(eqn, in_avals):
     """``y_i = dynamic_slice(x_i, starts)`` for splits of dims taken whole; the
-    start indices are broadcast."""
+    start indices are broadcast, and clamped as XLA clamps them (a negative
+    start the program leaves unwrapped reads from 0)."""
     sizes = eqn.params["slice_sizes"]
     n = shape_of(in_avals[0])
     k = len(in_avals) - 1
