@@ -110,13 +110,17 @@ def kept_dim_reduction_local(eqn, ins, ctx):
         (dim,) = eqn.params["axes"]
         # even pieces (an op with communication of its own never takes an uneven split)
         offset = group_index(axes, ctx.placement.axis_names, ctx.grid) * x.shape[dim]
-        # argmax's indices are in range: "clip" gathers without wrapping or masking them
-        value = jnp.take_along_axis(x, jnp.expand_dims(y, dim), axis=dim, mode="clip").squeeze(dim)
+        # argmax's indices are in range: gathered without wrapping or masking them
+        value = jnp.take_along_axis(
+            x, jnp.expand_dims(y, dim), axis=dim, mode="clip", wrap_negative_indices=False
+        ).squeeze(dim)
         values = lax.all_gather(value, group, axis=0, tiled=False)
         indices = lax.all_gather(y + offset.astype(y.dtype), group, axis=0, tiled=False)
         # the first piece holding the winning value holds the first index of it (NaN included)
         winner = _ARG[name](values, axis=0)
-        return [jnp.take_along_axis(indices, winner[None], axis=0, mode="clip")[0]]
+        return [
+            jnp.take_along_axis(indices, winner[None], axis=0, mode="clip", wrap_negative_indices=False)[0]
+        ]
     pieces = lax.all_gather(y, group, axis=0, tiled=False)
     combine = (
         jnp.not_equal

@@ -76,7 +76,7 @@ def test_a_start_the_program_leaves_unwrapped_is_clamped_as_xla_clamps_it(pl8, s
     """``allow_negative_indices=False``: a negative start reaches the
     primitive as it is and XLA clamps it to 0. Each device's slice and write
     along a dim it holds whole are clamped the same (they were wrapped once
-    more: -3 read the last 3 columns and the first)."""
+    more: -3 became 9, which XLA clamped to 8, so columns 8..11 were read)."""
     r = np.random.default_rng(start + 50)
     x = r.normal(size=(16, 12)).astype(np.float32)
     u = r.normal(size=(16, 4)).astype(np.float32)
