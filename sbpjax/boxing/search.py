@@ -350,15 +350,15 @@ def _shared_search(ctx: _Ctx, src: Layout, dst: Layout, placement: Placement, cm
     its steps are the others' too, the key fixing what they cost), so the
     moves of the layouts they share are generated once, and one tree per
     source serves every target."""
-    key_ = _search_key(ctx, placement, cm)
-    if key_ is None:
+    shared = _search_key(ctx, placement, cm)
+    if shared is None:
         return _search(ctx, src, dst)
-    key = (key_, src, dst)
+    key = (shared, src, dst)
     if key not in _STRUCTURES:
-        shared_ctx = _SHARED_CTX.setdefault(key_, ctx)
-        tree = _TREES.get((key_, src))
+        shared_ctx = _SHARED_CTX.setdefault(shared, ctx)
+        tree = _TREES.get((shared, src))
         if tree is None:
-            tree = _TREES[key_, src] = _tree(shared_ctx, src)
+            tree = _TREES[shared, src] = _tree(shared_ctx, src)
         _STRUCTURES[key] = _search_from(shared_ctx, tree, src, dst)
     return _STRUCTURES[key]
 

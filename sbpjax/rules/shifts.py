@@ -485,6 +485,7 @@ def _run_cut(x, st: Cut, ctx, fill, chain, operand):
         parts.append(ctx.memo(operand, ("cut", chain, d, k, rows, starts, st.axes), send))
     ext = lax.concatenate(parts, d) if len(parts) > 1 else x
     runs = st.runs
+    reads = table_entry(jnp.asarray(st.reads, jnp.int32), idx)  # this device's rows of ext (< 0: outside)
     if runs is not None:
         y = lax.dynamic_slice_in_dim(
             ext,
@@ -494,9 +495,8 @@ def _run_cut(x, st: Cut, ctx, fill, chain, operand):
             allow_negative_indices=False,
         )
     else:
-        places = table_entry(jnp.asarray(st.reads, jnp.int32), idx)
-        y = jnp.take(ext, places, axis=d, mode="clip")
+        y = jnp.take(ext, reads, axis=d, mode="clip")
     if fill is not None:
-        outside = table_entry(jnp.asarray(st.reads, jnp.int32), idx) < 0
+        outside = reads < 0
         y = jnp.where(outside.reshape([-1 if e == d else 1 for e in range(y.ndim)]), fill.astype(y.dtype), y)
     return y
