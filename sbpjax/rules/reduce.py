@@ -156,7 +156,10 @@ def cumulative_comm(eqn, in_avals, ins, outs, grid):
     pieces = math.prod(grid[a] for a in axes)
     shape = local_shape(in_avals[0].shape, ins[0], grid)
     row = math.prod(shape) // shape[eqn.params["axis"]] * in_avals[0].dtype.itemsize
-    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * row)]
+    # each op gathers its own pieces' totals: a cummax and a cummin of one operand
+    # (or a cumsum and a reverse cumsum) send different rows and share no exchange
+    detail = (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
+    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * row, detail=detail)]
 
 
 def _identity(name, dtype):

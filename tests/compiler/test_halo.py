@@ -277,6 +277,37 @@ def test_cumulative_ops_along_the_split_dim(op, where):
     assert e.bytes == sum(c.bytes for c in sj.collectives(f.lower(x).compile()))
 
 
+@pytest.mark.jax_versions  # the same op twice relies on XLA merging the two gathers
+@pytest.mark.parametrize(
+    "first, second, exchanges",
+    [
+        ("cummax", "cummin_reverse", 2),
+        ("cumsum", "cumsum_reverse", 2),
+        ("cumsum", "cumprod", 2),
+        ("cumsum", "cumsum", 1),  # the same op twice: one gather, as XLA merges the two
+    ],
+)
+def test_two_cumulative_ops_of_one_operand_gather_their_own_totals(first, second, exchanges):
+    """Each op gathers its own pieces' totals (a cummax its maxima, a cummin its
+    minima): explain() counts every gather the program runs. It once took the
+    second op's gather for the first's (the same operand and layout), counting
+    half the bytes the compiled program moves."""
+    pl = sj.placement(8, "h")
+    x = np.random.default_rng(0).uniform(0.5, 1.5, size=(3, 16, 5)).astype(np.float32)
+
+    def fn(v):
+        return CUMULATIVE[first](v), CUMULATIVE[second](v)
+
+    f = sj.jit(fn, placement=pl, in_sbp=((sj.S(1),),), out_sbp=((sj.S(1),), (sj.S(1),)))
+    got, e = f(x), f.explain(x)
+    for g, want in zip(got, fn(x)):
+        assert_close(g.numpy(), np.asarray(want), rtol=1e-5)
+    one_gather = 8 * 7 * 3 * 5 * 4  # every device gathers one row (3 x 5) from each other piece
+    assert [c.what for _, c in e.comm] == ["all_gather"] * exchanges
+    assert e.bytes == exchanges * one_gather
+    assert e.bytes == sum(c.bytes for c in sj.collectives(f.lower(x).compile()))
+
+
 def test_cumsum_of_integers_along_the_split_dim(pl8):
     x = np.arange(64, dtype=np.int32).reshape(16, 4)
     f = sj.jit(lambda v: jnp.cumsum(v, axis=0), placement=pl8, in_sbp=(sj.S(0),), out_sbp=sj.S(0))
