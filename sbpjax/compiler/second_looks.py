@@ -24,6 +24,7 @@ from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.pricing import count_collectives, emitted_price
 from sbpjax.compiler.propagation import Propagation, idle_axes
 from sbpjax.compiler.tables import Tables
+from sbpjax.sbp import Broadcast
 
 # How far above the greedy pass's estimated peak a plan that moves no fewer
 # bytes may hold (see _held_to_greedys_peak). The greedy pass follows the
@@ -165,33 +166,48 @@ def fewer_collectives(
 
 def as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
     """``kept``, a plan that chose the layouts of ``AUTO`` arguments, or the
-    plan ``sj.jit`` makes given those same layouts by hand (``plan_of``),
-    where that is cheaper by ``price_of``.
+    plan ``sj.jit`` makes given layouts by hand (``plan_of``), where that is
+    cheaper by ``price_of``. Two hand-given layouts are tried: the ones
+    chosen for the ``AUTO`` arguments, and data parallelism (every ``AUTO``
+    argument ``B``, the greedy pass's start).
 
-    The two solves differ where the chosen layouts leave an axis idle (no
+    The solves differ where the layouts given leave an axis idle (no
     argument split or partial over it: ``propagation.idle_axes``). An
     ``AUTO`` argument may be laid out over any axis, so its solve holds each
     contraction to use every device; given the layouts, a contraction may
     run whole on the idle axis, as GSPMD runs replicated data parallelism.
-    Without this a tied-embedding MLP with AdamW on 2x4 (batch over x,
+    Without the first, a tied-embedding MLP with AdamW on 2x4 (batch over x,
     parameters and state ``AUTO``) chose every argument whole and moved
-    302,400 B, where the same layouts given by hand move 172,032 B. Only
-    where an axis is idle: elsewhere both solves search the same layouts."""
+    302,400 B, where the same layouts given by hand move 172,032 B. Without
+    the second, an MLP-Mixer step with AdamW on 4x2 chose Megatron's splits
+    over y (551,104 B, priced 2,451,144) where data parallelism written by
+    hand moves 519,984 B (priced 1,919,984): data parallelism leaves y idle,
+    so the AUTO solve never saw its plan. Only where an axis is idle:
+    elsewhere the solves search the same layouts."""
     if all(nd is not AUTO for nd in in_sbp):
         return kept
     chosen = list(kept.in_sbp)
-    if not idle_axes(chosen, grid):
+    replicated = (Broadcast(),) * len(grid)
+    data_parallel = [replicated if nd is AUTO else nd for nd in in_sbp]
+    tries = [("AUTO's layouts", chosen)]
+    if data_parallel != chosen:
+        tries.append(("data parallelism (every AUTO argument B)", data_parallel))
+    best, best_price, best_name = kept, price_of(kept), None
+    for name, layouts in tries:
+        if not idle_axes(layouts, grid):
+            continue
+        plan = plan_of(layouts)
+        if price_of(plan) < best_price:
+            best, best_price, best_name = plan, price_of(plan), name
+    if best_name is None:
         return kept
-    given = plan_of(chosen)
-    if price_of(given) >= price_of(kept):
-        return kept
-    given = own(given)
+    given = own(best)
     if given.choice is not None:
         choice = given.choice
         first = kept.choice.solve_s if kept.choice is not None else 0.0
         note = (
-            f"AUTO's layouts, solved again as given (they leave an axis idle; {first:.2f} s choosing them): "
-            f"{given.bytes} B priced {price_of(given):.0f}, the AUTO solve's plan {kept.bytes} B "
+            f"{best_name}, solved again as given (they leave an axis idle; {first:.2f} s choosing AUTO's): "
+            f"{given.bytes} B priced {best_price:.0f}, the AUTO solve's plan {kept.bytes} B "
             f"priced {price_of(kept):.0f}"
         )
         choice.reason = f"{choice.reason}; {note}" if choice.reason else note
