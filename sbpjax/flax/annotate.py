@@ -163,7 +163,9 @@ def get_sbp(model, placement: Placement | None = None, *, rules=None):
             if placement is not None:
                 # checked as written, one layer's layout, so that a message's
                 # example is what to write in with_sbp (not the stack's layout)
-                sbp = normalize_nd_sbp(sbp, placement.ndim, meta[RANK_KEY], f"{where} (one layer of a stack)")
+                stacked = meta[RANK_KEY] != ndim  # a layer of nnx.scan / nnx.vmap's stack
+                layer = f"{where} (one layer of a stack)" if stacked else where
+                sbp = normalize_nd_sbp(sbp, placement.ndim, meta[RANK_KEY], layer)
             sbp = shift_stacked(sbp, ndim - meta[RANK_KEY], where)
         if placement is not None:
             if sbp is None:
