@@ -78,8 +78,9 @@ class Choice:
     memory_bytes: int | None = None
     memory_budget: int | None = None
     auto: bool = False
-    # solved with the AUTO arguments' chosen layouts given (second_looks.as_given):
-    # its boxings are derived with the axes those layouts leave idle
+    # solved with layouts given for the AUTO arguments (the chosen ones or data
+    # parallelism's: second_looks.as_given, data_parallel_as_given): its boxings
+    # are derived with the axes those layouts leave idle
     as_given: bool = False
     # the plan solved with ring latency replaced the bytes-first one (fewer_collectives), or ""
     latency_note: str = ""
@@ -278,6 +279,14 @@ def choose(
         dict(aliases or {}),
     )
     prop = _choose(call)
+    if memory_budget is None:  # the call's own plan only: a budget's sub-plans never hold data parallelism
+        prop = second_looks.data_parallel_as_given(
+            prop,
+            call.in_sbp,
+            placement.shape,
+            lambda ins: _unbudgeted(call, ins, {}),
+            lambda plan: price(plan, call.cost_model, call.options),
+        )
     prop.options = options
     return prop
 

@@ -7,7 +7,9 @@ each collective's latency) does not see, and the plan is held to after it.
 * :func:`held_to_greedys_peak`: the greedy pass's plan, kept where it moves
   no more bytes and holds less memory at its estimated peak (``PEAK_MARGIN``);
 * :func:`as_given`: for ``AUTO`` arguments, the plan of the layouts chosen
-  for them as if written by hand, kept where it is cheaper.
+  for them as if written by hand, kept where it is cheaper;
+* :func:`data_parallel_as_given`: likewise data parallelism's plan (every
+  ``AUTO`` argument ``B``) written by hand, without a memory budget.
 """
 
 from __future__ import annotations
@@ -166,49 +168,68 @@ def fewer_collectives(
 
 def as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
     """``kept``, a plan that chose the layouts of ``AUTO`` arguments, or the
-    plan ``sj.jit`` makes given layouts by hand (``plan_of``), where that is
-    cheaper by ``price_of``. Two hand-given layouts are tried: the ones
-    chosen for the ``AUTO`` arguments, and data parallelism (every ``AUTO``
-    argument ``B``, the greedy pass's start).
+    plan ``sj.jit`` makes given those same layouts by hand (``plan_of``),
+    where that is cheaper by ``price_of``.
 
-    The solves differ where the layouts given leave an axis idle (no
+    The two solves differ where the chosen layouts leave an axis idle (no
     argument split or partial over it: ``propagation.idle_axes``). An
     ``AUTO`` argument may be laid out over any axis, so its solve holds each
     contraction to use every device; given the layouts, a contraction may
     run whole on the idle axis, as GSPMD runs replicated data parallelism.
-    Without the first, a tied-embedding MLP with AdamW on 2x4 (batch over x,
+    Without this a tied-embedding MLP with AdamW on 2x4 (batch over x,
     parameters and state ``AUTO``) chose every argument whole and moved
-    302,400 B, where the same layouts given by hand move 172,032 B. Without
-    the second, an MLP-Mixer step with AdamW on 4x2 chose Megatron's splits
-    over y (551,104 B, priced 2,451,144) where data parallelism written by
-    hand moves 519,984 B (priced 1,919,984): data parallelism leaves y idle,
-    so the AUTO solve never saw its plan. Only where an axis is idle:
-    elsewhere the solves search the same layouts."""
+    302,400 B, where the same layouts given by hand move 172,032 B. Only
+    where an axis is idle: elsewhere both solves search the same layouts."""
     if all(nd is not AUTO for nd in in_sbp):
         return kept
-    chosen = list(kept.in_sbp)
-    replicated = (Broadcast(),) * len(grid)
-    data_parallel = [replicated if nd is AUTO else nd for nd in in_sbp]
-    tries = [("AUTO's layouts", chosen)]
-    if data_parallel != chosen:
-        tries.append(("data parallelism (every AUTO argument B)", data_parallel))
-    best, best_price, best_name = kept, price_of(kept), None
-    for name, layouts in tries:
-        if not idle_axes(layouts, grid):
-            continue
-        plan = plan_of(layouts)
-        if price_of(plan) < best_price:
-            best, best_price, best_name = plan, price_of(plan), name
-    if best_name is None:
+    return _given_if_cheaper(
+        kept, list(kept.in_sbp), "AUTO's layouts, solved again as given", grid, plan_of, price_of
+    )
+
+
+def data_parallel_as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
+    """``kept``, a plan that chose the layouts of ``AUTO`` arguments, or data
+    parallelism (every ``AUTO`` argument ``B``, the others as annotated) as
+    ``sj.jit`` plans it written by hand, where that is cheaper by ``price_of``.
+
+    Data parallelism leaves an axis idle wherever the annotated arguments do
+    not use every axis (a batch split over x on 2x4), and the ``AUTO`` solve,
+    holding each contraction to every device, never sees its plan there (see
+    ``as_given``): an MLP-Mixer step with AdamW on 4x2 chose Megatron's
+    splits over y, 551,104 B priced 2,451,144, where data parallelism
+    written by hand moves 519,984 B priced 1,919,984. Without a memory budget
+    only (``choose``): data parallelism holds the most of any layout, and a
+    budget is held to the hand-written layouts that fit it instead. Costs one
+    more solve, of data parallelism's problem (smaller than ``AUTO``'s: 120
+    decisions against 457 on that step), where an axis is idle."""
+    if all(nd is not AUTO for nd in in_sbp):
         return kept
-    given = own(best)
+    replicated = (Broadcast(),) * len(grid)
+    layouts = [replicated if nd is AUTO else nd for nd in in_sbp]
+    if layouts == list(kept.in_sbp):
+        return kept
+    name = "data parallelism (every AUTO argument B), planned as given"
+    return _given_if_cheaper(kept, layouts, name, grid, plan_of, price_of)
+
+
+def _given_if_cheaper(kept: Propagation, layouts, name: str, grid, plan_of, price_of) -> Propagation:
+    """``plan_of(layouts)`` where ``layouts`` leave an axis idle and that plan
+    is cheaper than ``kept`` by ``price_of`` (its Choice saying so, as
+    ``name``), else ``kept``."""
+    if not idle_axes(layouts, grid):
+        return kept
+    given = plan_of(layouts)
+    given_price, kept_price = price_of(given), price_of(kept)
+    if given_price >= kept_price:
+        return kept
+    given = own(given)
     if given.choice is not None:
         choice = given.choice
         first = kept.choice.solve_s if kept.choice is not None else 0.0
         note = (
-            f"{best_name}, solved again as given (they leave an axis idle; {first:.2f} s choosing AUTO's): "
-            f"{given.bytes} B priced {best_price:.0f}, the AUTO solve's plan {kept.bytes} B "
-            f"priced {price_of(kept):.0f}"
+            f"{name} (they leave an axis idle; {first:.2f} s choosing AUTO's): "
+            f"{given.bytes} B priced {given_price:.0f}, the AUTO solve's plan {kept.bytes} B "
+            f"priced {kept_price:.0f}"
         )
         choice.reason = f"{choice.reason}; {note}" if choice.reason else note
         choice.auto, choice.as_given = True, True  # restore derives boxings with the idle axes

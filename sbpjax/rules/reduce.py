@@ -156,10 +156,15 @@ def cumulative_comm(eqn, in_avals, ins, outs, grid):
     pieces = math.prod(grid[a] for a in axes)
     shape = local_shape(in_avals[0].shape, ins[0], grid)
     row = math.prod(shape) // shape[eqn.params["axis"]] * in_avals[0].dtype.itemsize
-    # each op gathers its own pieces' totals: a cummax and a cummin of one operand
-    # (or a cumsum and a reverse cumsum) send different rows and share no exchange
-    detail = (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
-    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * row, detail=detail)]
+    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * row, detail=_totals_detail(eqn))]
+
+
+def _totals_detail(eqn) -> tuple:
+    """What a cumulative op's gather sends: its pieces' totals, which depend on
+    the op and its params. A cummax and a cummin of one operand (or a cumsum and
+    a reverse cumsum) send different rows and share no exchange; the same op
+    twice sends the same rows, gathered once (``LocalCtx.memo``)."""
+    return (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
 
 
 def _identity(name, dtype):
@@ -197,7 +202,11 @@ def cumulative_local(eqn, ins, ctx):
     # this piece's total is the last element of its scan (the first, reversed)
     end = 0 if reverse else y.shape[axis] - 1
     total = lax.slice_in_dim(y, end, end + 1, axis=axis)
-    totals = lax.all_gather(total, axis_arg([names[a] for a in axes]), axis=0, tiled=False)
+    totals = ctx.memo(
+        0,
+        _totals_detail(eqn),
+        lambda: lax.all_gather(total, axis_arg([names[a] for a in axes]), axis=0, tiled=False),
+    )
     me = group_index(axes, names, ctx.grid)
     before = jnp.arange(pieces) > me if reverse else jnp.arange(pieces) < me
     before = before.reshape((pieces,) + (1,) * total.ndim)
