@@ -156,14 +156,20 @@ def cumulative_comm(eqn, in_avals, ins, outs, grid):
     pieces = math.prod(grid[a] for a in axes)
     shape = local_shape(in_avals[0].shape, ins[0], grid)
     row = math.prod(shape) // shape[eqn.params["axis"]] * in_avals[0].dtype.itemsize
-    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * row, detail=_totals_detail(eqn))]
+    detail = _totals_detail(eqn, shape[eqn.params["axis"]])
+    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * row, detail=detail)]
 
 
-def _totals_detail(eqn) -> tuple:
+def _totals_detail(eqn, extent: int) -> tuple:
     """What a cumulative op's gather sends: its pieces' totals, which depend on
     the op and its params. A cummax and a cummin of one operand (or a cumsum and
     a reverse cumsum) send different rows and share no exchange; the same op
-    twice sends the same rows, gathered once (``LocalCtx.memo``)."""
+    twice sends the same rows, gathered once (``LocalCtx.memo``). Pieces of one
+    row along the axis (``extent``, the local length) are their own totals,
+    whatever the op and direction: every cumulative op of the operand sends
+    the operand's pieces, once (XLA merged such gathers before the lowering did)."""
+    if extent == 1:
+        return ("pieces", eqn.params["axis"])
     return (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
 
 
@@ -204,7 +210,7 @@ def cumulative_local(eqn, ins, ctx):
     total = lax.slice_in_dim(y, end, end + 1, axis=axis)
     totals = ctx.memo(
         0,
-        _totals_detail(eqn),
+        _totals_detail(eqn, y.shape[axis]),
         lambda: lax.all_gather(total, axis_arg([names[a] for a in axes]), axis=0, tiled=False),
     )
     me = group_index(axes, names, ctx.grid)
