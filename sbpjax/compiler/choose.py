@@ -281,11 +281,7 @@ def choose(
     prop = _choose(call)
     if memory_budget is None:  # the call's own plan only: a budget's sub-plans never hold data parallelism
         prop = second_looks.data_parallel_as_given(
-            prop,
-            call.in_sbp,
-            placement.shape,
-            lambda ins: _unbudgeted(call, ins, {}),
-            lambda plan: price(plan, call.cost_model, call.options),
+            prop, call.in_sbp, placement.shape, call.by_hand, call.price
         )
     prop.options = options
     return prop
@@ -314,6 +310,13 @@ class _Call:
         """{result: donated argument} whose buffer the result may share (``held_bytes``)."""
         return {**self.ties, **self.aliases}
 
+    def by_hand(self, ins) -> Propagation:
+        """The plan of layouts ``ins`` written by hand, as sj.jit given them makes it."""
+        return _unbudgeted(self, ins, {})
+
+    def price(self, plan: Propagation) -> float:
+        return price(plan, self.cost_model, self.options)
+
 
 def _choose(call: _Call) -> Propagation:
     _check_solver(call)
@@ -332,12 +335,9 @@ def _choose(call: _Call) -> Propagation:
         greedy.choice = Choice("greedy", greedy_bytes=g_bytes, ops=len(program.nodes))
         return greedy
 
-    def by_hand(ins):  # the plan of hand-written layouts, as sj.jit given them makes it
-        return _unbudgeted(call, ins, {})
-
     def held_to_hand(plan, fits):  # under a budget: no worse than the hand-written layouts
         return hand_layouts.no_worse_than_by_hand(
-            program, plan, fits, call.in_sbp, mirrors, call.pairs, call.memory_budget, by_hand
+            program, plan, fits, call.in_sbp, mirrors, call.pairs, call.memory_budget, call.by_hand
         )
 
     if call.memory_budget is not None and mirrors:
@@ -382,9 +382,7 @@ def _choose(call: _Call) -> Propagation:
     if g_fits:
         kept = second_looks.held_to_greedys_peak(kept, greedy, g_memory)
     if call.memory_budget is None:
-        return second_looks.as_given(
-            kept, call.in_sbp, grid, by_hand, lambda plan: price(plan, call.cost_model, call.options)
-        )
+        return second_looks.as_given(kept, call.in_sbp, grid, call.by_hand, call.price)
     return held_to_hand(kept, True)
 
 

@@ -89,8 +89,14 @@ def kept_dim_reduction_comm(eqn, in_avals, ins, outs, grid):
     # each reduction gathers its own results: two reductions of one operand
     # (an argmax and an argmin, or two argmaxes of other index dtypes) share
     # no exchange, unlike two reads of one halo
-    detail = (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
-    return [Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * elems * itemsize, detail=detail)]
+    return [
+        Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * elems * itemsize, detail=_op_detail(eqn))
+    ]
+
+
+def _op_detail(eqn) -> tuple:
+    """A ``Comm.detail`` naming the op and its params: what it gathers is its own."""
+    return (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
 
 
 _ARG = {"argmax": jnp.argmax, "argmin": jnp.argmin}
@@ -168,9 +174,7 @@ def _totals_detail(eqn, extent: int) -> tuple:
     row along the axis (``extent``, the local length) are their own totals,
     whatever the op and direction: every cumulative op of the operand sends
     the operand's pieces, once (XLA merged such gathers before the lowering did)."""
-    if extent == 1:
-        return ("pieces", eqn.params["axis"])
-    return (eqn.primitive.name, tuple(sorted((k, str(v)) for k, v in eqn.params.items())))
+    return ("pieces", eqn.params["axis"]) if extent == 1 else _op_detail(eqn)
 
 
 def _identity(name, dtype):
