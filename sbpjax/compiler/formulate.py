@@ -58,7 +58,7 @@ from sbpjax.compiler.domains import Domains
 from sbpjax.compiler.folding import Folded
 from sbpjax.compiler.liveness import block_bytes, result_table_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
-from sbpjax.compiler.pricing import BranchOdds
+from sbpjax.compiler.pricing import BranchOdds, comm_cost
 from sbpjax.compiler.program import Var
 from sbpjax.compiler.propagation import NESTED, Propagation, idle_axes, op_comm, op_key
 from sbpjax.compiler.propagator import Propagator
@@ -124,7 +124,11 @@ class Formulation:
         ``tables`` (the second solve's ring latency): the same nodes,
         strategies and links, new cost tables."""
         links = [(tables.table(t.atom, t.src, t.dst), u, v, w) for t, u, v, w in self.links]
-        return dataclasses.replace(self, links=links, tables=tables, pr=pr, _folded=None)
+        own = [np.zeros(len(s)) for s in self.strategies]
+        const = own_costs(self.program, pr, tables, self.cands, self.op_node, own)
+        return dataclasses.replace(
+            self, own=own, own_const=const, links=links, tables=tables, pr=pr, _folded=None
+        )
 
     def settle(self, strategies) -> int:
         """Plan exactly every table entry the solution ``strategies`` uses
@@ -305,6 +309,31 @@ def propagator(program, placement, in_sbp, cost_model, options, caches, ring: bo
     return pr
 
 
+def own_costs(program, pr: Propagator, tables: Tables, cands, op_node, own: list) -> float:
+    """Add each op's own communication (``pricing.comm_cost`` of its
+    ``Comm``s, priced as ``tables`` prices boxings, weighted by the chance
+    that the op runs) to its node's entries of ``own``; returns the cost of
+    the ops with one candidate, which no node decides."""
+    odds, const = BranchOdds(program), 0.0
+    for node, cs, n in zip(program.nodes, cands, op_node):
+        chance = odds.chance(node.branch)
+        cost = np.array(
+            [
+                chance
+                * sum(
+                    comm_cost(c, pr.pl, tables.cm, tables.options, ring=tables.ring)
+                    for c in op_comm(node, ins, outs, pr.pl, pr.comms) or ()
+                )
+                for ins, outs in cs
+            ]
+        )
+        if n is None:
+            const += cost[0]
+        else:
+            own[n] += cost
+    return const
+
+
 class _Builder:
     """Nodes, edges and usages as :func:`formulate` adds them."""
 
@@ -340,17 +369,8 @@ class _Builder:
         self.cands = cands
         group: dict = {}
         for index, (node, cs) in enumerate(zip(self.program.nodes, cands)):
-            own = np.array(
-                [
-                    64
-                    * self.odds.chance(node.branch)
-                    * sum(c.bytes for c in op_comm(node, ins, outs, self.placement, self.pr.comms) or ())
-                    for ins, outs in cs
-                ]
-            )
             if len(cs) == 1:
                 self.op_node.append(None)
-                self.const += own[0]
             else:
                 key = classes[index] if classes is not None else None
                 n = group.get(key) if key is not None else None
@@ -359,10 +379,10 @@ class _Builder:
                     if key is not None:
                         group[key] = n
                 self.op_node.append(n)
-                self.costs[n] += own
             for j, o in enumerate(node.outs):
                 n = self.op_node[-1]
                 self.source[id(o)] = (n, [c[1][j] for c in cs] if n is not None else [cs[0][1][j]])
+        self.const = own_costs(self.program, self.pr, self.tables, cands, self.op_node, self.costs)
 
     # -- values --------------------------------------------------------------
     def add_values(self, in_layouts, out_sbp, ties) -> None:

@@ -73,6 +73,7 @@ from jax import lax
 from sbpjax.compiler import lower
 from sbpjax.compiler.choose import choose
 from sbpjax.compiler.loop_exits import shift_down, shift_up
+from sbpjax.compiler.pricing import count_collectives
 from sbpjax.compiler.program import Node
 from sbpjax.compiler.propagation import NESTED, Nested, Propagation, even_on
 from sbpjax.compiler.trace import scan_operands, trace
@@ -97,6 +98,13 @@ class LoopPlan:
         """Bytes the iterations counted move (summed over devices, as boxings count)."""
         per = self.body.bytes + (self.cond.bytes if self.cond is not None else 0)
         return int(per) * self.length
+
+    @property
+    def launches(self) -> int:
+        """Collectives the iterations counted run, as the compiled program
+        runs them (``pricing.count_collectives``)."""
+        per = count_collectives(self.body) + (count_collectives(self.cond) if self.cond is not None else 0)
+        return per * self.length
 
 
 def _nestable(eqn) -> bool:
@@ -234,11 +242,13 @@ def comm(node: Node, ins, outs, placement) -> list:
     """What the loop moves, as one ``Comm`` on its line."""
     if not _nestable(node.eqn) or any(nd is None for nd in ins):
         return []
-    moved = plan_loop(node.eqn, ins, placement).bytes
-    if not moved:
+    plan = plan_loop(node.eqn, ins, placement)
+    if not plan.bytes:
         return []
     what = "while_iteration" if node.name == WHILE else "scan_body"
-    return [Comm(what, tuple(range(placement.ndim)), moved, detail=(id(node.eqn),))]
+    return [
+        Comm(what, tuple(range(placement.ndim)), plan.bytes, detail=(id(node.eqn),), launches=plan.launches)
+    ]
 
 
 def local(eqn, ins, ctx):

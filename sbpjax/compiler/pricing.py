@@ -70,12 +70,44 @@ def boxing_cost(
     return 64 * plan.bytes + round(64 * latency) + round(64 * options.zero_fill_weight * grown)
 
 
+def comm_cost(
+    comm, placement, cost_model, options: CompileOptions = DEFAULT_OPTIONS, ring: bool = False
+) -> int:
+    """An op's own communication (a ``rules.Comm``: a halo exchange, a
+    cumulative op's gather of its pieces' totals) in 1/64 bytes, priced as a
+    boxing's collective is: its bytes and one launch (``ring``: the cost
+    model's ring time of it; ``options.latency`` False or ``cost_model``
+    None: 1/64 B, breaking ties), for each of its ``launches`` (one for an
+    exchange as the lowering runs it, a halo one permute per side; a loop
+    planned on its own, every collective of its iterations, each priced as
+    an all-gather over the loop's axes by the ring).
+
+    Decision: launches priced here as for boxings. Priced by bytes alone (as
+    until 2026-12), an op's exchange looked free of latency beside a boxing,
+    and the layout choice kept a cumulative sum and its reverse split along
+    their axis on (8, 16) over 8 devices: two gathers of totals, 3,584 B,
+    where one all-to-all of 448 B lets both run whole."""
+    if not comm.bytes:
+        return 0
+    axes = [placement.axis_names[a] for a in comm.axes if placement.shape[a] > 1]
+    if ring:
+        op = "permute" if comm.what in ("permute", "halo_exchange") else "all_gather"
+        latency = ring_latency_bytes(cost_model, placement, op, axes, 1)
+    elif options.latency and cost_model is not None:
+        latency = launch_bytes(cost_model, axes)
+    else:
+        latency = 1 / 64
+    return 64 * comm.bytes + round(64 * latency * comm.launches)
+
+
 def price(prop: Propagation, cost_model=None, options: CompileOptions = DEFAULT_OPTIONS) -> float:
     """A whole plan's cost in bytes (``boxing_cost`` of each boxing, weighted
     by the chance it runs, plus the ops' own communication): what the
     solver minimizes, by which the plan kept is compared with greedy's."""
     cm = cost_model if cost_model is not None else CostModel()
-    return _weighted_sum(prop, lambda b: boxing_cost(b.plan, cm, options))
+    return _weighted_sum(
+        prop, lambda b: boxing_cost(b.plan, cm, options), lambda c: comm_cost(c, prop.placement, cm, options)
+    )
 
 
 def emitted_price(
@@ -101,7 +133,7 @@ def emitted_price(
             latency = sum(ring_latency_bytes(cm, prop.placement, *c) for c in launched[id(b)])
             return boxing_cost(b.plan, cm, options, with_latency=False) + round(64 * latency)
 
-        return _weighted_sum(prop, ring_cost)
+        return _weighted_sum(prop, ring_cost, lambda c: comm_cost(c, prop.placement, cm, options, ring=True))
     buckets, joined = plan_buckets(prop)
     names = prop.placement.axis_names
 
@@ -116,7 +148,7 @@ def emitted_price(
             rounds += launch_bytes(cm, [names[g] for g in group]) if options.latency else 1 / 64
         return boxing_cost(b.plan, cm, options, with_latency=False) + round(64 * rounds)
 
-    return _weighted_sum(prop, cost)
+    return _weighted_sum(prop, cost, lambda c: comm_cost(c, prop.placement, cm, options))
 
 
 def count_collectives(prop: Propagation, launched: dict | None = None) -> int:
@@ -128,10 +160,10 @@ def count_collectives(prop: Propagation, launched: dict | None = None) -> int:
     return launch_count(launched) + sum(1 for _, c in prop.comm if c.bytes)
 
 
-def _weighted_sum(prop: Propagation, cost) -> float:
-    """A plan's price in bytes from ``cost(boxing)`` (in 1/64 bytes): each
-    boxing weighted by the chance that it runs (inside a cond's branch: less
-    than 1), plus the bytes of ops that communicate themselves."""
+def _weighted_sum(prop: Propagation, cost, own_cost) -> float:
+    """A plan's price in bytes from ``cost(boxing)`` and ``own_cost(comm)``
+    (in 1/64 bytes): each boxing and each op's own communication weighted
+    by the chance that it runs (inside a cond's branch: less than 1)."""
     odds = BranchOdds(prop.program)
     readers: dict = {}
     for d in prop.decisions:
@@ -141,7 +173,7 @@ def _weighted_sum(prop: Propagation, cost) -> float:
     for d in prop.decisions:
         for b in d.boxings:
             total += odds.boxing(readers.get((id(b.var), b.dst), [()])) * cost(b)
-    total += 64 * sum(odds.chance(prop.decisions[i].node.branch) * c.bytes for i, c in prop.comm)
+    total += sum(odds.chance(prop.decisions[i].node.branch) * own_cost(c) for i, c in prop.comm)
     return total / 64
 
 
@@ -174,4 +206,12 @@ class BranchOdds:
         return self.chance(common_path(reader_paths)) if self.n_branches else 1.0
 
 
-__all__ = ["boxing_cost", "latency_bytes", "price", "emitted_price", "count_collectives", "BranchOdds"]
+__all__ = [
+    "boxing_cost",
+    "comm_cost",
+    "latency_bytes",
+    "price",
+    "emitted_price",
+    "count_collectives",
+    "BranchOdds",
+]

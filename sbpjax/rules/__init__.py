@@ -53,13 +53,17 @@ class Comm:
     two ops sending the same operand (in the same layout) with the same
     detail share one exchange (a convolution and its kernel gradient read the
     same halo), which the lowering runs once (``LocalCtx.memo``) and
-    ``explain()`` counts once."""
+    ``explain()`` counts once. ``launches``: the collectives it runs, each
+    paying a launch's latency in the layout choice's price (one for an
+    exchange; a loop planned as programs of its own, every collective of
+    its iterations)."""
 
     what: str
     axes: tuple
     bytes: int
     operand: int = 0
     detail: tuple = ()
+    launches: int = 1
 
 
 @dataclasses.dataclass

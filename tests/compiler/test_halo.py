@@ -277,7 +277,7 @@ def test_cumulative_ops_along_the_split_dim(op, where):
     assert e.bytes == sum(c.bytes for c in sj.collectives(f.lower(x).compile()))
 
 
-@pytest.mark.parametrize("rows", [16, 8])
+@pytest.mark.parametrize("rows", [256, 8])
 @pytest.mark.parametrize(
     "first, second, exchanges",
     [
@@ -292,7 +292,13 @@ def test_two_cumulative_ops_of_one_operand_gather_their_own_totals(first, second
     minima): explain() counts every gather the program runs. It once took the
     second op's gather for the first's (the same operand and layout), counting
     half the bytes the compiled program moves. Pieces of one row (``rows`` 8 on
-    8 devices) are their own totals whatever the op: one gather serves both."""
+    8 devices) are their own totals whatever the op: one gather serves both.
+
+    32 rows per device, so that the split wins by price: each gather of totals
+    pays a collective's launch (100 kB on the default cost model), and with
+    fewer rows one all-gather of the operand lets both ops run whole for less.
+    With one row per device the two plans move the same bytes in one
+    collective; either is right, and explain() must count what runs."""
     pl = sj.placement(8, "h")
     x = np.random.default_rng(0).uniform(0.5, 1.5, size=(3, rows, 5)).astype(np.float32)
 
@@ -305,9 +311,32 @@ def test_two_cumulative_ops_of_one_operand_gather_their_own_totals(first, second
         assert_close(g.numpy(), np.asarray(want), rtol=1e-5)
     one_gather = 8 * 7 * 3 * 5 * 4  # every device gathers one row (3 x 5) from each other piece
     gathers = exchanges if rows > 8 else 1
-    assert [c.what for _, c in e.comm] == ["all_gather"] * gathers
+    if rows > 8:
+        assert [c.what for _, c in e.comm] == ["all_gather"] * gathers
     assert e.bytes == gathers * one_gather
     assert e.bytes == sum(c.bytes for c in sj.collectives(f.lower(x).compile()))
+
+
+def test_an_op_that_communicates_pays_a_launch_per_collective_as_a_boxing_does():
+    """A cumsum and its reverse on (8, 16) split along their axis over 8
+    devices: kept split, each gathers its pieces' totals (two collectives,
+    3,584 B). Priced by bytes alone (as until 2026-12) those gathers looked
+    cheaper than a boxing's one collective, which pays a launch; priced alike,
+    one all-to-all lets both run whole and another brings the result back:
+    two collectives, 896 B."""
+    pl = sj.placement(8, "x")
+    x = np.random.default_rng(0).uniform(0.5, 1.5, size=(8, 16)).astype(np.float32)
+
+    def fn(a):
+        return jnp.cumsum(a, 1) + jnp.cumsum(a[:, ::-1], 1)[:, ::-1]
+
+    f = sj.jit(fn, placement=pl, in_sbp=((sj.S(1),),), out_sbp=(sj.S(1),))
+    got, e = f(x), f.explain(x)
+    assert_close(got.numpy(), np.asarray(fn(x)), rtol=1e-5)
+    assert e.comm == []
+    assert e.bytes == 2 * 8 * 7 * (1 * 2 * 4)  # twice: every device receives a 1 x 2 block from each other
+    compiled = sj.collectives(f.lower(x).compile())
+    assert e.bytes == sum(c.bytes for c in compiled) and len(compiled) == 2
 
 
 def test_cumsum_of_integers_along_the_split_dim(pl8):
