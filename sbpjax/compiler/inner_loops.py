@@ -211,7 +211,7 @@ def plan_loop(eqn, ins, placement) -> LoopPlan:
     def planned(jaxpr, args, in_sbp, out_sbp):
         closed = jaxpr if hasattr(jaxpr, "consts") else jcore.ClosedJaxpr(jaxpr, ())
         fn = jcore.jaxpr_as_fun(closed)
-        program = trace(fn, args, jax.tree_util.tree_structure((tuple(args), {})))
+        program = trace(fn, args, jax.tree_util.tree_structure((tuple(args), {})), devices=placement.size)
         return choose(program, placement, in_sbp, out_sbp)
 
     if eqn.primitive.name == WHILE:

@@ -1,6 +1,7 @@
 """Rewrites of a traced program before the layout choice: op pairs that run
-better as one op, ``jnp.roll`` spelled with ops whose split dims move few
-rows, and ``split`` as slices. Each keeps the program's values;
+better as one op, ``jnp.roll`` as one op (or, where a split of its dim
+may be uneven, spelled with ops whose split dims move few rows), and
+``split`` as slices. Each keeps the program's values;
 ``emit(fn, atoms, nodes, cse)`` appends the equations of a small JAX
 function (``trace._emit``)."""
 
@@ -11,6 +12,7 @@ import numpy as np
 from jax import lax
 
 from sbpjax.compiler.program import Const, Var
+from sbpjax.rules.roll import roll
 
 
 def fuse_padded_windows(nodes, outputs, emit):
@@ -75,13 +77,16 @@ def _in_place_of(node, emitted: list) -> list:
     return emitted
 
 
-def rolls_as_shifts(nodes, emit):
+def rolls(nodes, emit, devices: int | None = None):
     """``concatenate([x[s:], x[:s]])`` along one dim (``jnp.roll``'s static
-    spelling) as ``where(row < n - s, pad(x[s:], (0, s)), pad(x[:s], (n - s,
-    0)))``: the same rows. Along a split dim each slice and its pad are one
-    pad (``fuse_shifts``), a shift or a cut (``sbpjax.rules.shifts``), so
-    each row that changes pieces moves once, as GSPMD moves it, where the
-    concatenation moved the rows of ``x[s:]`` twice (cut, then placed).
+    spelling) as one ``roll`` op (``sbpjax.rules.roll``) where the dim's size
+    is a multiple of ``devices`` (the placement's), so that every split of it
+    is even: each device's rows that change pieces move in one permute, as
+    GSPMD moves them. Elsewhere (an uneven split, or the placement unknown)
+    as ``where(row < n - s, pad(x[s:], (0, s)), pad(x[:s], (n - s, 0)))``:
+    along a split dim each slice and its pad are one pad (``fuse_shifts``),
+    a shift or a cut (``sbpjax.rules.shifts``), each row that changes pieces
+    moved once, the rows that wrap around in a permute of their own.
     (The rewrite sees the whole-array spelling only, before layouts exist.)"""
     made = {id(o): n for n in nodes for o in n.outs}
     out = []
@@ -91,17 +96,22 @@ def rolls_as_shifts(nodes, emit):
             out.append(node)
             continue
         d, n, s = parts
+        emitted: list = []
+        if devices is not None and n % devices == 0:
+            x = made[id(node.ins[0])].ins[0]
+            emit(lambda a, d=d, k=n - s: roll(a, k, d), [x], emitted, {})
+            out.extend(_in_place_of(node, emitted))
+            continue
         head = [(0, 0, 0)] * len(node.outs[0].shape)
 
-        def roll(a, b, d=d, n=n, s=s, head=head):
+        def shifted(a, b, d=d, n=n, s=s, head=head):
             lead, tail = list(head), list(head)
             lead[d], tail[d] = (0, s, 0), (n - s, 0, 0)
             zero = np.zeros((), a.dtype)
             rows = lax.broadcasted_iota(np.int32, a.shape[:d] + (n,) + a.shape[d + 1 :], d)
             return lax.select(rows < n - s, lax.pad(a, zero, lead), lax.pad(b, zero, tail))
 
-        emitted: list = []
-        emit(roll, list(node.ins), emitted, {})
+        emit(shifted, list(node.ins), emitted, {})
         out.extend(_in_place_of(node, emitted))
     return out
 
@@ -164,7 +174,7 @@ def fuse_shifts(nodes, emit):
     """A slice or pad of a slice or pad, without interior padding or strides,
     as one pad: ``jnp.pad(x, ((3, 0),))[i:i + n]`` (a causal convolution
     written as shifted slices of a padded sequence), ``pad(x[:n - s], (s,
-    0))`` (``rolls_as_shifts``), and JAX's transposes of them. Along a split
+    0))`` (``rolls`` where a split may be uneven), and JAX's transposes of them. Along a split
     dim the pair moved rows twice across pieces of another size, where the
     one pad (a shift or a cut) moves each once. The first op stays while
     something else reads it."""

@@ -145,6 +145,7 @@ def trace(
     loop_slices: bool = LOOP_SLICES,
     keep_last_carries: bool = True,
     placement=None,
+    devices: int | None = None,
 ) -> Program:
     """Trace ``fn`` on abstract leaves; inline nested calls; drop dead code.
     ``unroll_limit`` and ``loop_slices``: see ``UNROLL_LIMIT``, ``LOOP_SLICES``
@@ -152,7 +153,11 @@ def trace(
     written-out scan's last iteration makes are kept though nothing reads
     them (see :func:`_last_carries`); ``sj.jit`` keeps them where it rolls
     loops (``CompileOptions.roll_loops``). ``placement``: ``sj.jit``'s, for
-    the ``sj.jit`` functions ``fn`` calls (:func:`tracing_on`)."""
+    the ``sj.jit`` functions ``fn`` calls (:func:`tracing_on`). ``devices``:
+    the placement's device count, where known (``rewrites.rolls``; default:
+    ``placement``'s)."""
+    if devices is None and placement is not None:
+        devices = placement.size
 
     def flat_fn(*leaves):
         args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
@@ -169,7 +174,7 @@ def trace(
     nodes = _dce(nodes, roots)
     nodes = _dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
     nodes = _dce(
-        rewrites.fuse_shifts(rewrites.rolls_as_shifts(rewrites.splits_as_slices(nodes, _emit), _emit), _emit),
+        rewrites.fuse_shifts(rewrites.rolls(rewrites.splits_as_slices(nodes, _emit), _emit, devices), _emit),
         roots,
     )
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)

@@ -144,4 +144,4 @@ def local_shape(dims, nd, grid) -> tuple:
 
 
 # Import the families so their rules register themselves.
-from sbpjax.rules import control, dot, elementwise, index, linalg, reduce, reverse, shape, window  # noqa: E402,F401
+from sbpjax.rules import control, dot, elementwise, index, linalg, reduce, reverse, roll, shape, window  # noqa: E402,F401

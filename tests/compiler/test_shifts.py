@@ -130,29 +130,65 @@ def test_which_ops_may_shift():
 
 @pytest.mark.parametrize("rows", [64, 30])
 def test_rolls_move_each_row_once(pl8, rows):
-    """``jnp.roll`` along a split dim by any amount (``rolls_as_shifts``: the
-    two parts padded into place, each slice and pad one pad, so one shift or
-    cut each): on even pieces exactly the rows that change device move, as
-    GSPMD moves them; on pieces of 4 and 3 rows each distance's exchange
+    """``jnp.roll`` along a split dim by any amount. On even pieces (64 rows)
+    it is one ``roll`` op (``rewrites.rolls``): exactly the rows that change
+    device move, as GSPMD moves them, in one collective permute per part of
+    a piece that changes device (two where neither part stays: a roll by 17
+    rows on pieces of 8). On pieces of 4 and 3 rows (30, where a
+    split may be uneven) it stays two parts padded into place, each slice
+    and pad one pad, so one shift or cut each: each distance's exchange
     sends the most rows any pair of pieces needs (at most 1.5x)."""
     x = np.random.default_rng(rows).normal(size=(rows, 4)).astype(np.float32)
     starts = [balanced_piece(rows, 8, c)[0] for c in range(8)]
     piece = [max(c for c in range(8) if starts[c] <= r) for r in range(rows)]
-    for k in (1, -1, 3, -5, 7, 17, rows // 2):
+    for k in (1, -1, 3, -5, 7, 8, 17, rows // 2):
 
         def roll(x, k=k):
             return jnp.roll(x, k, axis=0) * 2.0
 
         program = trace(
-            roll, [jax.ShapeDtypeStruct(x.shape, x.dtype)], jax.tree_util.tree_structure(((x,), {}))
+            roll,
+            [jax.ShapeDtypeStruct(x.shape, x.dtype)],
+            jax.tree_util.tree_structure(((x,), {})),
+            devices=8,
         )
-        assert "concatenate" not in [n.name for n in program.nodes]
+        names = [n.name for n in program.nodes]
+        assert "concatenate" not in names and ("roll" in names) == (rows % 8 == 0)
         moved = _check(roll, x, pl8, (S0,))
         changed = sum(piece[r] != piece[(r + k) % rows] for r in range(rows)) * 4 * 4
         if rows % 8 == 0:
             assert moved == changed, (k, moved, changed)
+            permutes = len(
+                sj.collectives(sj.jit(roll, placement=pl8, in_sbp=(S0,), out_sbp=S0).lower(x).compile())
+            )
+            # pieces of 8 rows: the last t rows go q + 1 pieces on, the rest q (mod 8; 0: kept)
+            q, t = divmod(k % rows, 8)
+            assert permutes == (t > 0 and (q + 1) % 8 != 0) + (q % 8 != 0), (k, permutes)
         else:
             assert changed <= moved <= 1.5 * changed, (k, moved, changed)
+
+
+def test_a_roll_over_two_axes_rotates_the_pieces_in_group_order():
+    """A roll of a dim split over both axes of 2x4 (8 pieces, the outer axis
+    first), by fewer rows than a piece, and by more: the rows move as on 8
+    devices of one axis, the values equal ``jnp.roll``'s, and the compiled
+    program moves what explain() says, in one permute for the short roll.
+    Rolled after a flip, the pair moves what GSPMD's collective permutes do
+    (it once cost a third permute, the rows that wrap around)."""
+    pl = sj.placement((2, 4), ("x", "y"))
+    x = np.random.default_rng(0).normal(size=(64, 16)).astype(np.float32)
+    for k, permutes in ((3, 1), (-1, 1), (17, 2)):
+        moved = _check(lambda a, k=k: jnp.roll(a, k, 0) * 2.0, x, pl, (S0, S0))
+        changed = sum(r // 8 != ((r + k) % 64) // 8 for r in range(64)) * 16 * 4
+        assert moved == changed
+        f = sj.jit(lambda a, k=k: jnp.roll(a, k, 0) * 2.0, placement=pl, in_sbp=((S0, S0),), out_sbp=(S0, S0))
+        assert len(sj.collectives(f.lower(x).compile())) == permutes
+
+    def flipped(a):
+        return jnp.roll(jnp.flip(a, 0), 3, 0) + a
+
+    moved = _check(flipped, x, pl, (S0, S0))
+    assert moved <= gspmd_bytes(flipped, pl, ((S0, S0),), (S0, S0), (x,))
 
 
 def test_a_short_piece_never_sends_holes(pl8):
