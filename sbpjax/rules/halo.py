@@ -20,11 +20,17 @@ convolution, the input gradient of a strided one). Two splits are run:
   makes a partial sum of the whole output (a kernel gradient, whose "window"
   is the output gradient).
 
-Either is exact only where every device's needed range sits at the same place
-relative to its own piece (``shift == n_l * lhs_dil`` below: "SAME" padding
-with a stride that divides the size, non-overlapping pooling, their
-gradients); anything else is not offered and the operand is gathered first.
-A halo wider than a neighbour's piece is not offered either.
+Where every device's needed range sits at the same place relative to its
+own piece (``shift == n_l * lhs_dil`` below: "SAME" padding with a stride
+that divides the size, non-overlapping pooling, their gradients), each runs
+the op on its extended piece. Where the output split's ranges drift from the
+pieces (a "VALID" convolution, whose output is shorter than its input; its
+input gradient, longer), each device receives the most rows any device
+needs from either neighbour and reads its own window from the extended
+piece at an offset of its own (:func:`_drifting`); so does a window split
+that drifts (such a convolution's kernel gradient). A dilated input's
+drifting halo is not offered and the operand is gathered first; neither is
+a halo wider than a neighbour's piece.
 """
 
 from __future__ import annotations
@@ -58,11 +64,26 @@ class Slide:
 class Halo:
     """What each device needs beyond its piece (``left`` elements from the
     piece before it, ``right`` from the piece after; negative: that many of
-    its own are not used), and the padding the op then runs with."""
+    its own are not used), and the padding the op then runs with.
+
+    ``drift`` (not 0 where the output's pieces advance by another number of
+    input rows than the input's pieces, as a "VALID" convolution's 16 rows
+    of output over the 18 rows of its input): the device of group index
+    ``i`` reads ``span`` rows of its extended block from row ``start + i *
+    drift``, the padding already among them."""
 
     left: int
     right: int
     pad: tuple[int, int]
+    drift: int = 0
+    start: int = 0
+    span: int = 0
+
+    @property
+    def key(self) -> tuple:
+        """What the block after this exchange holds, for the exchanges of the
+        dims after it (``halo_comms``' chain)."""
+        return (self.left, self.right) + ((self.drift, self.start, self.span) if self.drift else ())
 
     @property
     def received(self) -> int:
@@ -81,12 +102,12 @@ def halo(sl: Slide, pieces: int, split_window: bool) -> Halo | None:
     else:
         m_l, k_l = sl.m // pieces, sl.k
         shift = m_l * sl.stride
+    span = (m_l - 1) * sl.stride + (k_l - 1) * sl.rhs_dil + 1
     # device i needs dilated positions [i * shift - lo, ... + span): the same
     # place relative to its piece [i * n_l * lhs_dil, ...) on every device only
-    # when the two advance together
+    # when the two advance together; else each reads at its own offset
     if shift != n_l * sl.lhs_dil:
-        return None
-    span = (m_l - 1) * sl.stride + (k_l - 1) * sl.rhs_dil + 1
+        return None if sl.lhs_dil != 1 else _drifting(sl, n_l, shift, span, pieces)
     left = sl.lo // sl.lhs_dil
     right = (span - 1 - sl.lo) // sl.lhs_dil + 1 - n_l
     if left > n_l or right > n_l or n_l + min(left, 0) + min(right, 0) < 1:
@@ -94,6 +115,25 @@ def halo(sl: Slide, pieces: int, split_window: bool) -> Halo | None:
     width = n_l + left + right
     lo_l = sl.lo - left * sl.lhs_dil
     return Halo(left, right, (lo_l, span - lo_l - ((width - 1) * sl.lhs_dil + 1)))
+
+
+def _drifting(sl: Slide, n_l: int, shift: int, span: int, pieces: int) -> Halo | None:
+    """The halo where device ``i``'s window, input rows ``[i * shift - lo,
+    ... + span)`` (its outputs' under an output split, its taps' under a
+    window split), moves against its piece ``[i * n_l, ...)`` by ``drift =
+    shift - n_l`` rows per device: it needs ``lo - i * drift``
+    rows of the piece before and ``span - lo - n_l + i * drift`` of the piece
+    after. Every device receives the most any needs (the ends receive the
+    padding value: the op's padding, which the window then holds) and reads
+    its window at its own offset, as GSPMD does. None where a neighbour's
+    piece is too short."""
+    drift = shift - n_l
+    needs_left = [sl.lo - i * drift for i in range(pieces)]
+    needs_right = [span - sl.lo - n_l + i * drift for i in range(pieces)]
+    left, right = max(0, *needs_left), max(0, *needs_right)
+    if left > n_l or right > n_l:
+        return None
+    return Halo(left, right, (0, 0), drift, left - sl.lo, span)
 
 
 def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
@@ -116,8 +156,8 @@ def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
                 out.append(
                     Comm("halo_exchange", tuple(axes), nbytes, operand, (chain, dim, side, rows, axes))
                 )
-        shape[dim] += h.left + h.right
-        chain += ((dim, h.left, h.right, axes, fill_key),)
+        shape[dim] = h.span if h.drift else shape[dim] + h.left + h.right
+        chain += ((dim, *h.key, axes, fill_key),)
     return out
 
 
@@ -134,7 +174,10 @@ def run_halos(x, steps, ctx, operand=0):
             return ctx.memo(operand, (chain, dim, side, rows, axes), make)
 
         x = exchange(x, dim, h, axes, ctx.placement.axis_names, ctx.grid, fill, send)
-        chain += ((dim, h.left, h.right, axes, fill_key),)
+        if h.drift:
+            at = h.start + group_index(axes, ctx.placement.axis_names, ctx.grid) * h.drift
+            x = lax.dynamic_slice_in_dim(x, at, h.span, axis=dim)
+        chain += ((dim, *h.key, axes, fill_key),)
     return x
 
 
