@@ -154,10 +154,11 @@ def emitted_price(
 def count_collectives(prop: Propagation, launched: dict | None = None) -> int:
     """The collectives the compiled program runs: its boxings' as XLA runs
     them (all-reduces that do not depend on one another combined) and the
-    ops' own communication."""
+    ops' own communication (``Comm.launches``: a loop planned on its own runs
+    every collective of its iterations)."""
     if launched is None:
         launched = emitted_collectives(prop)
-    return launch_count(launched) + sum(1 for _, c in prop.comm if c.bytes)
+    return launch_count(launched) + sum(c.launches for _, c in prop.comm if c.bytes)
 
 
 def _weighted_sum(prop: Propagation, cost, own_cost) -> float:

@@ -95,10 +95,9 @@ def rolls(nodes, emit, devices: int | None = None):
         if parts is None:
             out.append(node)
             continue
-        d, n, s = parts
+        x, d, n, s = parts
         emitted: list = []
         if devices is not None and n % devices == 0:
-            x = made[id(node.ins[0])].ins[0]
             emit(lambda a, d=d, k=n - s: roll(a, k, d), [x], emitted, {})
             out.extend(_in_place_of(node, emitted))
             continue
@@ -117,8 +116,8 @@ def rolls(nodes, emit, devices: int | None = None):
 
 
 def _roll_parts(node, made) -> tuple | None:
-    """(dim, size, s) where ``node`` concatenates ``x[s:]`` and ``x[:s]`` of
-    one ``x`` along that dim (whole along every other)."""
+    """(x, dim, size, s) where ``node`` concatenates ``x[s:]`` and ``x[:s]``
+    of one ``x`` along that dim (whole along every other)."""
     if len(node.ins) != 2 or not all(isinstance(a, Var) for a in node.ins):
         return None
     first, second = (made.get(id(a)) for a in node.ins)
@@ -141,7 +140,7 @@ def _roll_parts(node, made) -> tuple | None:
             or any(st != 1 for st in strides)
         ):
             return None
-    return (d, n, s) if 0 < s < n else None
+    return (x, d, n, s) if 0 < s < n else None
 
 
 def splits_as_slices(nodes, emit):

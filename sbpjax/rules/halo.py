@@ -70,7 +70,7 @@ class Halo:
     input rows than the input's pieces, as a "VALID" convolution's 16 rows
     of output over the 18 rows of its input): the device of group index
     ``i`` reads ``span`` rows of its extended block from row ``start + i *
-    drift``, the padding already among them."""
+    drift``, the padding already among them (``pad`` is then (0, 0))."""
 
     left: int
     right: int

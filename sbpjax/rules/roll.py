@@ -60,7 +60,7 @@ mlir.register_lowering(roll_p, mlir.lower_fun(_roll, multiple_results=False))
 
 
 def roll(x, shift: int, dim: int):
-    """``jnp.roll(x, shift, axis=dim)`` as one op (``0 < shift < x.shape[dim]``)."""
+    """``jnp.roll(x, shift, axis=dim)`` as one op (any shift, taken mod the dim's size)."""
     return roll_p.bind(x, dim=dim, shift=shift)
 
 
@@ -99,7 +99,7 @@ def roll_comms(eqn, in_avals, ins, outs, grid) -> list[Comm] | None:
     found = _parts(eqn, ins[0], shape_of(aval), grid)
     if found is None:
         return None
-    axes, p, _, parts = found
+    axes, _, _, parts = found
     if not axes:
         return []
     block = local_shape(shape_of(aval), ins[0], grid)
