@@ -85,8 +85,9 @@ def comm_cost(
     Decision: launches priced here as for boxings. Priced by bytes alone (as
     until 2026-12), an op's exchange looked free of latency beside a boxing,
     and the layout choice kept a cumulative sum and its reverse split along
-    their axis on (8, 16) over 8 devices: two gathers of totals, 3,584 B,
-    where one all-to-all of 448 B lets both run whole."""
+    their axis on (8, 16) over 8 devices: two gathers of totals and two
+    permutes of the reversal, 4,608 B in 4 collectives, where an all-to-all
+    of 448 B lets all run whole (896 B in 2, with the one back)."""
     if not comm.bytes:
         return 0
     axes = [placement.axis_names[a] for a in comm.axes if placement.shape[a] > 1]

@@ -366,9 +366,10 @@ def test_two_cumulative_ops_of_one_operand_gather_their_own_totals(first, second
 
 def test_an_op_that_communicates_pays_a_launch_per_collective_as_a_boxing_does():
     """A cumsum and its reverse on (8, 16) split along their axis over 8
-    devices: kept split, each gathers its pieces' totals (two collectives,
-    3,584 B). Priced by bytes alone (as until 2026-12) those gathers looked
-    cheaper than a boxing's one collective, which pays a launch; priced alike,
+    devices: kept split, each cumsum gathers its pieces' totals and each
+    reversal permutes the pieces (4,608 B in 4 collectives). Priced by bytes
+    alone (as until 2026-12) those exchanges looked cheaper than a boxing's
+    collective, which pays a launch; priced alike,
     one all-to-all lets both run whole and another brings the result back:
     two collectives, 896 B."""
     pl = sj.placement(8, "x")
