@@ -22,20 +22,15 @@ from jax import lax
 
 from sbpjax.boxing.lower import axis_arg
 from sbpjax.rules import (
-    B,
     Comm,
-    P,
-    Sig,
     local_shape,
-    rank,
     register,
     set_comm,
     set_local,
     shape_of,
     split_axes,
 )
-from sbpjax.rules.shape import ALL_P
-from sbpjax.sbp import Split
+from sbpjax.rules.shape import moved_in_place
 
 
 @register("rev")
@@ -43,11 +38,7 @@ def rev(eqn, in_avals):
     """``y_j = rev(x_{p-1-j})``: any split dim, a reversed one's blocks sent to
     the devices of the mirrored pieces (one permute; even splits only);
     every partial passes."""
-    return (
-        [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0]))]
-        + [Sig((P(op),), (P(op),)) for op in ALL_P]
-        + [Sig((B,), (B,))]
-    )
+    return moved_in_place(in_avals[0])
 
 
 def _mirrored(eqn, nd, shape, grid) -> tuple | None:

@@ -26,20 +26,15 @@ from jax.interpreters import mlir
 
 from sbpjax.boxing.lower import axis_arg
 from sbpjax.rules import (
-    B,
     Comm,
-    P,
-    Sig,
     local_shape,
-    rank,
     register,
     set_comm,
     set_local,
     shape_of,
     split_axes,
 )
-from sbpjax.rules.shape import ALL_P
-from sbpjax.sbp import Split
+from sbpjax.rules.shape import moved_in_place
 
 try:
     from jax.extend.core import Primitive
@@ -68,11 +63,7 @@ def roll(x, shift: int, dim: int):
 def rolled(eqn, in_avals):
     """``y = roll(x)``: any split dim, a rolled one's pieces rotated by at most two
     cyclic permutes of their rows (even splits only); every partial passes."""
-    return (
-        [Sig((Split(d),), (Split(d),)) for d in range(rank(in_avals[0]))]
-        + [Sig((P(op),), (P(op),)) for op in ALL_P]
-        + [Sig((B,), (B,))]
-    )
+    return moved_in_place(in_avals[0])
 
 
 def _parts(eqn, nd, shape, grid) -> tuple | None:

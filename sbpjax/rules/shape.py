@@ -38,6 +38,14 @@ def _partials(n_in, n_out=1):
     return [Sig((P(op),) * n_in, (P(op),) * n_out) for op in ALL_P]
 
 
+def moved_in_place(aval) -> list[Sig]:
+    """The signatures of an op that moves each element to another place of the
+    same shape (a reversal, a rotation): any split dim kept (the rule moves
+    pieces between devices where that dim is the one moved), every partial
+    passes, B."""
+    return [Sig((Split(d),), (Split(d),)) for d in range(rank(aval))] + _partials(1) + [Sig((B,), (B,))]
+
+
 @register("transpose")
 def transpose(eqn, in_avals):
     """``y_i = transpose(x_i)``: S(d) -> S(perm.index(d))."""
