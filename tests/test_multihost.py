@@ -46,9 +46,11 @@ def launch(script, *args, timeout=300, processes=2):
     A run that hangs is stopped (SIGTERM: the launcher stops its processes,
     none is left behind) and run again, once, as tests/test_launch.py does:
     XLA:CPU's gloo communicators hang now and then inside jaxlib on a loaded
-    machine. On jax 0.12.1 three of these runs hung in one CI run (each then
-    waited out a 600 s limit, its processes left running); each passes in
-    about 10 s alone. A wrong result or exit code fails at once."""
+    machine. Killed instead (as until 2026-12), a hung launcher left its
+    processes running, and the launches after it hung too: three of these
+    runs in one CI run on jax 0.12.1, each waiting out a 600 s limit (that
+    release hangs far more often: ``pytestmark``). A wrong result or exit
+    code fails at once."""
     command = [
         sys.executable,
         "-m",
