@@ -275,6 +275,30 @@ def _gather(x, axis, d):
     return y.reshape(x.shape[:d] + (y.shape[d] * x.shape[d],) + x.shape[d + 1 :])
 
 
+def exchange_rows(x, axis, e, d, g, computed_once=lambda v: v):
+    """``lax.all_to_all(x, axis, split_axis=e, concat_axis=d, tiled=True)``
+    over a group of ``g`` devices, spelled as an all-to-all of a 2-D
+    ``[g, rest]`` array: the chunks of dim ``e`` are moved to the front
+    before, and the received pieces into dim ``d`` after (local transposes;
+    the same bytes cross devices). ``computed_once`` wraps the array sent
+    (see ``_On.computed_once``).
+
+    Why, on XLA:CPU: it splits an all-to-all into one slice per peer along
+    the split dim and concatenates what arrives, and LLVM compiles every
+    slice as a kernel of its own. Strided slices of a 4-D block took ~50 ms
+    each (jax 0.12: one (4, 8, 32, 64) exchange over 4 devices compiled in
+    153 ms, 52 ms as rows; the benchmark's 2-D transformer step's kernels
+    took LLVM 686 ms instead of 1,088). The price is a copy on each side:
+    the exchange alone ran up to ~20% slower on 8 CPU devices (median over
+    interleaved calls, (4..64, 64..256, 256..1024) f32 blocks), a small
+    part of a step."""
+    pre, post = x.shape[:e], x.shape[e + 1 :]
+    chunks = jnp.moveaxis(x.reshape(pre + (g, x.shape[e] // g) + post), e, 0)
+    got = lax.all_to_all(computed_once(chunks.reshape(g, -1)), axis, 0, 0, tiled=True).reshape(chunks.shape)
+    got = jnp.moveaxis(got, 0, d)  # [..., source, rows from it, ...]
+    return got.reshape(got.shape[:d] + (g * got.shape[d + 1],) + got.shape[d + 2 :])
+
+
 @dataclasses.dataclass(frozen=True)
 class _On:
     """What a step's lowering reads besides the step and the block: the
@@ -309,10 +333,25 @@ class _On:
         The bytes sent are the same.
 
         jax 0.10's XLA drops barriers before fusion, so there nothing is
-        done (a conditional on the device index held the value, but its own
-        compile cost outweighed the saving on small producers). CPU only:
-        measured there."""
+        done. Compiling with its barrier expander off (``compiler_options=
+        {"xla_disable_hlo_passes": "cse_barrier_expander"}``) kept the
+        barrier, but saved only 3% of the benchmark's tensor-parallel step's
+        compile on jax 0.10 once ``exchange`` sends rows, and JAX takes
+        options on a top-level jit only (an ``sj.jit`` function under
+        ``jax.grad`` is nested) and it would keep remat's barriers too. A
+        conditional on the device index held the value, but its own compile
+        cost outweighed the saving on small producers. CPU only: measured
+        there."""
         return lax.optimization_barrier(x) if self.cpu and _BARRIER_KEPT else x
+
+    def exchange(self, x, step: Step, e: int, d: int):
+        """The step's all-to-all: dim ``e``'s chunks sent, received into dim
+        ``d``. On CPU as rows (``exchange_rows``); elsewhere JAX's own tiled
+        all-to-all, which the backend lays out itself (not measured there)."""
+        axes = self.axes(step)
+        if not self.cpu:
+            return lax.all_to_all(x, axes, split_axis=e, concat_axis=d, tiled=True)
+        return exchange_rows(x, axes, e, d, self.geom.splits(step.group), self.computed_once)
 
     def compact(self, y, step: Step, d: int):
         """A gathered dim with an uneven split's padding taken out."""
@@ -339,7 +378,7 @@ def _all_to_all(step: Step, x, on: _On):
     even = on.even(step)
     if not even:
         x = on.arrange(x, step, e)
-    y = lax.all_to_all(on.computed_once(x), on.axes(step), split_axis=e, concat_axis=d, tiled=True)
+    y = on.exchange(x, step, e, d)
     return y if even else on.compact(y, step, d)
 
 
@@ -354,7 +393,7 @@ def _reduce_scatter(step: Step, x, on: _On):
     # max/min: send each peer its chunk (all-to-all), reduce the g received chunks.
     shape = x.shape
     chunks = x.reshape(shape[:d] + (g, shape[d] // g) + shape[d + 1 :])
-    got = lax.all_to_all(on.computed_once(chunks), on.axes(step), split_axis=d, concat_axis=d, tiled=True)
+    got = on.exchange(chunks, step, d, d)
     return jnp.max(got, axis=d) if step.reduce == "max" else jnp.min(got, axis=d)
 
 

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_close
+from jax.sharding import PartitionSpec as P
 
 import sbpjax as sj
 from sbpjax import B, S
-from sbpjax.boxing.lower import _BARRIER_KEPT, run_plan
+from sbpjax.boxing.lower import _BARRIER_KEPT, exchange_rows, run_plan
 from sbpjax.boxing.plan import plan_boxing
 from sbpjax.layout import Geometry
 
@@ -72,3 +73,43 @@ def test_the_producer_of_an_all_to_all_is_compiled_once(shape, placement, src, d
         assert _count(text, "sine") == 1, f"{_count(text, 'sine')} sines in the compiled program"
     got = sj.GlobalTensor(f(physical), shape, np.float32, pl, dst).numpy()
     assert_close(got, np.sin(x) * 3.0 + np.cos(x), rtol=1e-6)
+
+
+def _exchange_cases():
+    """Shapes of rank 1 to 4 with one dim a multiple of the group, every
+    (split dim, concat dim) pair, over one axis, the other, and both."""
+    rng = np.random.default_rng(7)
+    cases = []
+    for axes, g in ((("y",), 4), (("x",), 2), (("x", "y"), 8)):
+        for rank in (1, 2, 3, 4):
+            for e in range(rank):
+                for d in range(rank):
+                    shape = [int(rng.integers(1, 4)) for _ in range(rank)]
+                    shape[e] = g * int(rng.integers(1, 3))
+                    cases.append((axes, g, tuple(shape), e, d))
+    return cases
+
+
+@pytest.mark.parametrize("axes, g, shape, e, d", _exchange_cases())
+def test_exchange_rows_is_jaxs_tiled_all_to_all_sending_rows(pl24, axes, g, shape, e, d):
+    """``exchange_rows`` against ``lax.all_to_all(tiled=True)`` itself on each
+    device's own block, and the compiled all-to-all sends rows of a 2-D array
+    (one contiguous piece per peer)."""
+    x = np.random.default_rng(sum(shape) + 10 * e + d).normal(size=(8,) + shape).astype(np.float32)
+    axis = axes[0] if len(axes) == 1 else axes
+
+    def run(fn):
+        body = lambda v: fn(v[0])[None]  # noqa: E731 (one block per device)
+        mapped = jax.shard_map(body, mesh=pl24.mesh, in_specs=P(("x", "y")), out_specs=P(("x", "y")))
+        return jax.jit(mapped)
+
+    ours = run(lambda v: exchange_rows(v, axis, e, d, g))
+    theirs = run(lambda v: jax.lax.all_to_all(v, axis, split_axis=e, concat_axis=d, tiled=True))
+    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(theirs(x)))
+    text = ours.lower(x).compile().as_text()
+    sent = re.findall(r" all-to-all\(([^)]*)\)", text)
+    assert len(sent) == 1
+    assert (
+        re.findall(r"f32\[([\d,]+)\]", re.search(r"= \(([^)]*)\) all-to-all", text).group(1))
+        == [f"1,{x[0].size // g}"] * g
+    )
