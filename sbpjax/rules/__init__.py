@@ -66,6 +66,19 @@ class Comm:
     launches: int = 1
 
 
+def exchange_detail(chain: tuple, dim: int, side: str, rows: int, axes, own: str, edge: bool = True) -> tuple:
+    """The ``Comm.detail`` (and ``LocalCtx.memo`` key) of an exchange of
+    ``rows`` rows along ``dim`` over ``axes`` after the exchanges ``chain``
+    of dims before. On an unchanged block (no ``chain``) sending its own
+    ``edge`` rows ("left": its last rows to the next piece; "right": its
+    first to the one before), a halo and a shift send the same permute, so
+    they share one key: XLA would merge the two permutes, and ``explain()``
+    then counts what runs. Otherwise the key is the rule's own (``own``)."""
+    if edge and not chain:
+        return ("edge rows", dim, side, rows, tuple(axes))
+    return (own, chain, dim, side, rows, tuple(axes))
+
+
 @dataclasses.dataclass
 class Rule:
     name: str

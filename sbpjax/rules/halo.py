@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from sbpjax.boxing.lower import axis_arg, group_index
-from sbpjax.rules import Comm
+from sbpjax.rules import Comm, exchange_detail
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,9 +153,8 @@ def halo_comms(shape, itemsize, steps, grid, operand=0) -> list[Comm]:
         for side, rows in (("left", h.left), ("right", h.right)):
             if rows > 0:
                 nbytes = lines * (pieces - 1) * rows * slab
-                out.append(
-                    Comm("halo_exchange", tuple(axes), nbytes, operand, (chain, dim, side, rows, axes))
-                )
+                detail = exchange_detail(chain, dim, side, rows, axes, "halo")
+                out.append(Comm("halo_exchange", tuple(axes), nbytes, operand, detail))
         shape[dim] = h.span if h.drift else shape[dim] + h.left + h.right
         chain += ((dim, *h.key, axes, fill_key),)
     return out
@@ -171,7 +170,7 @@ def run_halos(x, steps, ctx, operand=0):
     for dim, h, axes, fill, fill_key in steps:
 
         def send(side, rows, make, chain=chain, dim=dim, axes=axes):
-            return ctx.memo(operand, (chain, dim, side, rows, axes), make)
+            return ctx.memo(operand, exchange_detail(chain, dim, side, rows, axes, "halo"), make)
 
         x = exchange(x, dim, h, axes, ctx.placement.axis_names, ctx.grid, fill, send)
         if h.drift:

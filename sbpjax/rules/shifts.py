@@ -46,7 +46,7 @@ from jax import lax
 
 from sbpjax.boxing.lower import axis_arg, group_index, table_entry
 from sbpjax.layout import balanced_piece
-from sbpjax.rules import Comm, local_shape, shape_of, split_axes
+from sbpjax.rules import Comm, exchange_detail, local_shape, shape_of, split_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,13 +389,21 @@ def step_comms(steps, aval, nd, grid, operand: int = 0) -> list[Comm]:
                 out.append(Comm("permute", st.axes, lines * pairs * rows * slab, operand, sent))
         for side, rows in (("left", st.left), ("right", st.right)):
             if rows:
-                detail = ("shift", chain, st.dim, side, rows, st.axes)
+                detail = _detail(st, chain, side, rows)
                 out.append(
                     Comm("halo_exchange", st.axes, lines * (pieces - 1) * rows * slab, operand, detail)
                 )
         shape[st.dim] = st.block_out
         chain += (_key(st),)
     return out
+
+
+def _detail(st: Shift, chain: tuple, side: str, rows: int) -> tuple:
+    """An exchange's detail (see ``exchange_detail``): an uneven split's left
+    side sends the rows at the end of each piece's valid rows, not the
+    block's edge."""
+    edge = side == "right" or st.n_in % len(st.pieces_in) == 0
+    return exchange_detail(chain, st.dim, side, rows, st.axes, "shift", edge)
 
 
 def _key(st: Shift | Cut) -> tuple:
@@ -445,7 +453,7 @@ def _run(x, st: Shift, ctx, fill, chain, operand):
             )
             return lax.ppermute(tail, axis, perm=[(i, i + 1) for i in range(pieces - 1)])
 
-        parts.append(ctx.memo(operand, ("shift", chain, d, "left", st.left, st.axes), send_left))
+        parts.append(ctx.memo(operand, _detail(st, chain, "left", st.left), send_left))
     parts.append(x)
     if st.right:
 
@@ -453,7 +461,7 @@ def _run(x, st: Shift, ctx, fill, chain, operand):
             head = lax.slice_in_dim(x, 0, st.right, axis=d)
             return lax.ppermute(head, axis, perm=[(i + 1, i) for i in range(pieces - 1)])
 
-        parts.append(ctx.memo(operand, ("shift", chain, d, "right", st.right, st.axes), send_right))
+        parts.append(ctx.memo(operand, _detail(st, chain, "right", st.right), send_right))
     ext = lax.concatenate(parts, d) if len(parts) > 1 else x
     rows = table([so for so, _ in st.pieces_out]) + st.shift + jnp.arange(st.block_out, dtype=jnp.int32)
     if st.static:
