@@ -1,5 +1,5 @@
 """Rewrites of a traced program before the layout choice: op pairs that run
-better as one op, ``jnp.roll`` as one op (or, where a split of its dim
+better as one op (a zero pad and a window sum or a convolution), ``jnp.roll`` as one op (or, where a split of its dim
 may be uneven, spelled with ops whose split dims move few rows), and
 ``split`` as slices. Each keeps the program's values;
 ``emit(fn, atoms, nodes, cse)`` appends the equations of a small JAX
@@ -64,6 +64,99 @@ def fuse_padded_windows(nodes, outputs, emit):
             continue
         out.extend(_in_place_of(node, fused))
     return out
+
+
+def fuse_padded_convs(nodes, outputs, emit):
+    """``conv(pad(x, 0, (lo, hi, 0)), k)`` as one convolution of ``x`` with
+    ``lo``/``hi`` more padding (the same zeros in the same places). A user's
+    explicit ``jnp.pad`` before a "VALID" convolution is the common case:
+    the pad makes a split dim's size uneven (16 rows on 8 devices become
+    18), so the pair gathered the activation, where the fused convolution
+    runs with a halo exchange (``sbpjax.rules.halo``): a 3x3 convolution of
+    a (4, 16, 16, 4) batch split by rows over 8 devices moved 114,688 B,
+    now 14,336 (GSPMD: 73,088).
+
+    Only where the padded value is read by that convolution alone, as its
+    input, padded on spatial dims only, with no negative or interior padding
+    and no input dilation of the convolution's own. Under ``jax.grad`` the
+    kernel's gradient reads the padded value too; fusing both convolutions
+    there moved more bytes in 4 of 6 measured train steps (strides 1 and 2,
+    8 and 2x4 devices) and fewer in the other 2, so the pair is kept. Interior padding
+    (as an input dilation) would leave windows the halo rule does not
+    offer."""
+    uses: dict = {}
+    for n in nodes:
+        for k, a in enumerate(n.ins):
+            if isinstance(a, Var):
+                uses.setdefault(id(a), []).append((n, k))
+    for a in outputs:
+        if isinstance(a, Var):
+            uses.setdefault(id(a), []).append((None, 0))
+    made = {id(o): n for n in nodes for o in n.outs}
+    fusable = {}
+    for node in nodes:
+        if node.name == "pad" and _zero_pad(node, made):
+            readers = uses.get(id(node.outs[0]), [])
+            if len(readers) == 1 and _absorbs(*readers[0], node):
+                fusable[id(node.outs[0])] = node
+    if not fusable:
+        return nodes
+    out = []
+    for node in nodes:
+        src = fusable.get(id(node.ins[0])) if node.name == "conv_general_dilated" else None
+        if src is None:
+            out.append(node)
+            continue
+        p = node.eqn.params
+        cfg = src.eqn.params["padding_config"]
+        spatial = p["dimension_numbers"].lhs_spec[2:]
+        params = dict(
+            p,
+            padding=tuple(
+                (int(lo + cfg[d][0]), int(hi + cfg[d][1])) for d, (lo, hi) in zip(spatial, p["padding"])
+            ),
+        )
+        fused: list = []
+        emit(
+            lambda x, k, q=params, prim=node.eqn.primitive: prim.bind(x, k, **q),
+            [src.ins[0], node.ins[1]],
+            fused,
+            {},
+        )
+        if len(fused) != 1 or fused[0].name != "conv_general_dilated":
+            out.append(node)  # this JAX spells it otherwise: keep the pair
+            continue
+        out.extend(_in_place_of(node, fused))
+    return out
+
+
+def _zero_pad(node, made: dict) -> bool:
+    """A pad by zeros (a constant, or a constant's ``convert_element_type``,
+    as ``jnp.pad`` writes it), with no negative or interior padding."""
+    value = node.ins[1]
+    src = made.get(id(value))
+    if src is not None and src.name == "convert_element_type":
+        value = src.ins[0]
+    return (
+        isinstance(value, Const)
+        and np.asarray(value.value).item() == 0
+        and all(
+            lo >= 0 and hi >= 0 and interior == 0 for lo, hi, interior in node.eqn.params["padding_config"]
+        )
+    )
+
+
+def _absorbs(reader, k: int, pad) -> bool:
+    """Whether ``reader`` (None: a program output) takes ``pad``'s result
+    as the input of a convolution whose own padding can hold the pad's."""
+    if reader is None or reader.name != "conv_general_dilated" or k != 0:
+        return False
+    p = reader.eqn.params
+    spatial = set(p["dimension_numbers"].lhs_spec[2:])
+    cfg = pad.eqn.params["padding_config"]
+    return all(d in spatial or tuple(c) == (0, 0, 0) for d, c in enumerate(cfg)) and all(
+        v == 1 for v in p["lhs_dilation"]
+    )
 
 
 def _in_place_of(node, emitted: list) -> list:
