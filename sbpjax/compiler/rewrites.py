@@ -67,67 +67,90 @@ def fuse_padded_windows(nodes, outputs, emit):
 
 
 def fuse_padded_convs(nodes, outputs, emit):
-    """``conv(pad(x, 0, (lo, hi, 0)), k)`` as one convolution of ``x`` with
-    ``lo``/``hi`` more padding (the same zeros in the same places). A user's
-    explicit ``jnp.pad`` before a "VALID" convolution is the common case:
-    the pad makes a split dim's size uneven (16 rows on 8 devices become
-    18), so the pair gathered the activation, where the fused convolution
-    runs with a halo exchange (``sbpjax.rules.halo``): a 3x3 convolution of
-    a (4, 16, 16, 4) batch split by rows over 8 devices moved 114,688 B,
-    now 14,336 (GSPMD: 73,088).
+    """A zero pad into convolutions, and a crop of a convolution's result,
+    as the convolutions' own padding (the same zeros in the same places):
+    ``conv(pad(x, 0, (lo, hi, 0)), k)`` is a convolution of ``x`` padded
+    ``lo``/``hi`` more, and ``pad(conv(x, k), _, (-a, -b, 0))`` (a crop, as
+    JAX writes a pad's gradient) one padded ``a``/``b`` less where its window
+    stride is 1. A user's ``jnp.pad`` before a "VALID" convolution is the
+    common case: the pad makes a split dim's size uneven (16 rows on 8
+    devices become 18), so the pair gathered the activation, where the fused
+    convolution runs with a halo exchange (``sbpjax.rules.halo``). A 3x3
+    convolution of a (4, 16, 16, 4) batch split by rows over 8 devices moved
+    114,688 B, now 14,336 (GSPMD: 73,088); its train step (the kernel's
+    gradient reads the padded value too, and the input's gradient is the
+    crop of a convolution's result) 114,688 B, now 28,672 (GSPMD: 207,672).
 
-    Only where the padded value is read by that convolution alone, as its
-    input, padded on spatial dims only, with no negative or interior padding
-    and no input dilation of the convolution's own. Under ``jax.grad`` the
-    kernel's gradient reads the padded value too; fusing both convolutions
-    there moved more bytes in 4 of 6 measured train steps (strides 1 and 2,
-    8 and 2x4 devices) and fewer in the other 2, so the pair is kept. Interior padding
-    (as an input dilation) would leave windows the halo rule does not
-    offer."""
-    uses: dict = {}
-    for n in nodes:
-        for k, a in enumerate(n.ins):
-            if isinstance(a, Var):
-                uses.setdefault(id(a), []).append((n, k))
-    for a in outputs:
-        if isinstance(a, Var):
-            uses.setdefault(id(a), []).append((None, 0))
+    A pad is fused only where every reader takes it as a convolution input,
+    on spatial dims, with no negative or interior padding and no input
+    dilation of the convolution's own (an interior pad would leave windows
+    the halo rule does not offer); a crop only of a result nothing else
+    reads."""
+    readers = _readers(nodes, outputs)
     made = {id(o): n for n in nodes for o in n.outs}
-    fusable = {}
+    padded = {}
     for node in nodes:
         if node.name == "pad" and _zero_pad(node, made):
-            readers = uses.get(id(node.outs[0]), [])
-            if len(readers) == 1 and _absorbs(*readers[0], node):
-                fusable[id(node.outs[0])] = node
-    if not fusable:
-        return nodes
-    out = []
+            uses = readers.get(id(node.outs[0]), [])
+            if uses and all(_absorbs(r, k, node) for r, k in uses):
+                padded[id(node.outs[0])] = node
+    crops = {}
     for node in nodes:
-        src = fusable.get(id(node.ins[0])) if node.name == "conv_general_dilated" else None
-        if src is None:
+        src = made.get(id(node.ins[0])) if node.name == "pad" else None
+        if src is not None and len(readers[id(src.outs[0])]) == 1 and _crops(node, src):
+            crops[id(src.outs[0])] = node
+    if not padded and not crops:
+        return nodes
+    out, fused_crops = [], set()
+    for node in nodes:
+        if id(node) in fused_crops:
+            continue
+        if node.name != "conv_general_dilated" or (
+            id(node.ins[0]) not in padded and id(node.outs[0]) not in crops
+        ):
             out.append(node)
             continue
         p = node.eqn.params
-        cfg = src.eqn.params["padding_config"]
-        spatial = p["dimension_numbers"].lhs_spec[2:]
-        params = dict(
-            p,
-            padding=tuple(
-                (int(lo + cfg[d][0]), int(hi + cfg[d][1])) for d, (lo, hi) in zip(spatial, p["padding"])
-            ),
-        )
+        padding = [list(lh) for lh in p["padding"]]
+        x = node.ins[0]
+        pad = padded.get(id(x))
+        if pad is not None:
+            cfg = pad.eqn.params["padding_config"]
+            for i, d in enumerate(p["dimension_numbers"].lhs_spec[2:]):
+                padding[i] = [padding[i][0] + cfg[d][0], padding[i][1] + cfg[d][1]]
+            x = pad.ins[0]
+        crop = crops.get(id(node.outs[0]))
+        if crop is not None:
+            cfg = crop.eqn.params["padding_config"]
+            for i, d in enumerate(p["dimension_numbers"].out_spec[2:]):
+                padding[i] = [padding[i][0] + cfg[d][0], padding[i][1] + cfg[d][1]]
+        params = dict(p, padding=tuple((int(lo), int(hi)) for lo, hi in padding))
         fused: list = []
         emit(
-            lambda x, k, q=params, prim=node.eqn.primitive: prim.bind(x, k, **q),
-            [src.ins[0], node.ins[1]],
-            fused,
-            {},
+            lambda x, k, q=params, prim=node.eqn.primitive: prim.bind(x, k, **q), [x, node.ins[1]], fused, {}
         )
         if len(fused) != 1 or fused[0].name != "conv_general_dilated":
-            out.append(node)  # this JAX spells it otherwise: keep the pair
+            out.append(node)  # this JAX spells it otherwise: keep the ops
             continue
-        out.extend(_in_place_of(node, fused))
+        if crop is None:
+            out.extend(_in_place_of(node, fused))
+        else:  # the fused convolution makes the crop's result
+            out.extend(_in_place_of(crop, fused))
+            fused_crops.add(id(crop))
     return out
+
+
+def _readers(nodes, outputs) -> dict:
+    """{id(value): [(node, operand index)]}, a program output read by None."""
+    readers: dict = {}
+    for n in nodes:
+        for k, a in enumerate(n.ins):
+            if isinstance(a, Var):
+                readers.setdefault(id(a), []).append((n, k))
+    for a in outputs:
+        if isinstance(a, Var):
+            readers.setdefault(id(a), []).append((None, 0))
+    return readers
 
 
 def _zero_pad(node, made: dict) -> bool:
@@ -156,6 +179,26 @@ def _absorbs(reader, k: int, pad) -> bool:
     cfg = pad.eqn.params["padding_config"]
     return all(d in spatial or tuple(c) == (0, 0, 0) for d, c in enumerate(cfg)) and all(
         v == 1 for v in p["lhs_dilation"]
+    )
+
+
+def _crops(pad, conv) -> bool:
+    """Whether ``pad`` only cuts rows off spatial dims of ``conv``'s result
+    where its windows move by one row (so one window less per row cut), no
+    more than the convolution pads there (a crop of rows that read the
+    input itself stays a crop)."""
+    if conv.name != "conv_general_dilated":
+        return False
+    p = conv.eqn.params
+    spatial = p["dimension_numbers"].out_spec[2:]
+    cfg = [tuple(c) for c in pad.eqn.params["padding_config"]]
+    if any(lo > 0 or hi > 0 or interior for lo, hi, interior in cfg) or all(c == (0, 0, 0) for c in cfg):
+        return False
+    if any(c != (0, 0, 0) and d not in spatial for d, c in enumerate(cfg)):
+        return False
+    return all(
+        cfg[d] == (0, 0, 0) or (p["window_strides"][i] == 1 and lo + cfg[d][0] >= 0 and hi + cfg[d][1] >= 0)
+        for i, (d, (lo, hi)) in enumerate(zip(spatial, p["padding"]))
     )
 
 

@@ -233,13 +233,15 @@ def test_valid_conv_windows_drift_from_the_pieces_and_move_only_halos(height, ta
 
 
 @pytest.mark.parametrize("grid", [(8,), (2, 4)])
-@pytest.mark.parametrize("pads", [(1, 1, 1, 1), (2, 0, 0, 1)])
-def test_an_explicit_pad_before_a_valid_conv_becomes_its_padding(grid, pads):
+@pytest.mark.parametrize("pads, stride", [((1, 1, 1, 1), 1), ((2, 0, 0, 1), 1), ((1, 2, 1, 2), 2)])
+def test_an_explicit_pad_before_a_valid_conv_becomes_its_padding(grid, pads, stride):
     """``jnp.pad`` then a "VALID" convolution: the pad made the split height
     uneven (16 rows on 8 devices became 18), and the pair gathered the
     activation (114,688 B on 8 devices, GSPMD 73,088); fused into the
     convolution's padding, only halos move. Under ``jax.grad`` the kernel's
-    gradient reads the padded value too, and the pair is kept."""
+    gradient reads the padded value too and takes the same padding, and the
+    input's gradient, a crop of a convolution's result, is that convolution
+    padded less (the train step moved 114,688 B, GSPMD 207,672)."""
     from sbpjax.compiler.trace import trace
 
     pl = sj.placement(grid, ("d", "h") if len(grid) == 2 else ("h",))
@@ -251,7 +253,7 @@ def test_an_explicit_pad_before_a_valid_conv_becomes_its_padding(grid, pads):
 
     def conv(x, k):
         y = jnp.pad(x, ((0, 0), (lo_h, hi_h), (lo_w, hi_w), (0, 0)))
-        return lax.conv_general_dilated(y, k, (1, 1), "VALID", dimension_numbers=DN)
+        return lax.conv_general_dilated(y, k, (stride, stride), "VALID", dimension_numbers=DN)
 
     def pads_traced(fn):
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, k)]
@@ -261,12 +263,13 @@ def test_an_explicit_pad_before_a_valid_conv_becomes_its_padding(grid, pads):
     rep = (sj.B,) * len(grid)
     assert pads_traced(conv) == 0
     e = _run(conv, (x, k), pl, (xs, rep))
-    assert _boxed_bytes(e) == 0 and {c.what for _, c in e.comm} == {"halo_exchange"}
-    assert e.bytes <= gspmd_bytes(conv, pl, (xs, rep), xs, (x, k))
+    if stride == 1:  # strided, the solver may rather leave the result partial or move the batch
+        assert _boxed_bytes(e) == 0 and {c.what for _, c in e.comm} == {"halo_exchange"}
+    assert e.bytes <= gspmd_bytes(conv, pl, (xs, rep), None, (x, k))
     grads = jax.grad(lambda x, k: jnp.sum(conv(x, k) ** 2), argnums=(0, 1))
-    assert pads_traced(grads) == 2  # the forward pad (two readers) and its transpose
+    assert pads_traced(grads) == 0  # the forward pad (two readers) and its transpose, a crop
     e = _run(grads, (x, k), pl, (xs, rep), rtol=2e-5)
-    assert e.bytes <= gspmd_bytes(grads, pl, (xs, rep), (xs, rep), (x, k))
+    assert e.bytes <= gspmd_bytes(grads, pl, (xs, rep), None, (x, k))
 
 
 @pytest.mark.parametrize("grid", [(8,), (2, 4)])
