@@ -336,7 +336,7 @@ class _On:
         done. Compiling with its barrier expander off (``compiler_options=
         {"xla_disable_hlo_passes": "cse_barrier_expander"}``) kept the
         barrier, but saved only 3% of the benchmark's tensor-parallel step's
-        compile on jax 0.10 once ``exchange`` sends rows, and JAX takes
+        compile on jax 0.10 once ``exchange_rows`` sends rows, and JAX takes
         options on a top-level jit only (an ``sj.jit`` function under
         ``jax.grad`` is nested) and it would keep remat's barriers too. A
         conditional on the device index held the value, but its own compile

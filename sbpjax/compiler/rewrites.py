@@ -1,7 +1,7 @@
 """Rewrites of a traced program before the layout choice: op pairs that run
-better as one op (a zero pad and a window sum or a convolution), ``jnp.roll`` as one op (or, where a split of its dim
-may be uneven, spelled with ops whose split dims move few rows), and
-``split`` as slices. Each keeps the program's values;
+better as one op (a zero pad and a window sum or a convolution),
+``jnp.roll`` as one op (or, where a split of its dim may be uneven, spelled
+with ops whose split dims move few rows), and ``split`` as slices. Each keeps the program's values;
 ``emit(fn, atoms, nodes, cse)`` appends the equations of a small JAX
 function (``trace._emit``)."""
 
@@ -84,8 +84,9 @@ def fuse_padded_convs(nodes, outputs, emit):
     A pad is fused only where every reader takes it as a convolution input,
     on spatial dims, with no negative or interior padding and no input
     dilation of the convolution's own (an interior pad would leave windows
-    the halo rule does not offer); a crop only of a result nothing else
-    reads."""
+    the halo rule does not offer); a crop only where it undoes such a pad
+    (``_undoing``), of a result nothing else reads, in the convolution's
+    checkpoint region and branch."""
     readers = _readers(nodes, outputs)
     made = {id(o): n for n in nodes for o in n.outs}
     padded = {}
@@ -94,11 +95,15 @@ def fuse_padded_convs(nodes, outputs, emit):
             uses = readers.get(id(node.outs[0]), [])
             if uses and all(_absorbs(r, k, node) for r, k in uses):
                 padded[id(node.outs[0])] = node
+    undone = {_undoing(pad) for pad in padded.values()}
     crops = {}
     for node in nodes:
         src = made.get(id(node.ins[0])) if node.name == "pad" else None
-        if src is not None and len(readers[id(src.outs[0])]) == 1 and _crops(node, src):
-            crops[id(src.outs[0])] = node
+        if src is None or src.name != "conv_general_dilated" or len(readers.get(id(src.outs[0]), ())) != 1:
+            continue
+        if (node.region, node.branch) == (src.region, src.branch) and _undoing(node, crop=True) in undone:
+            if _crops(node, src):
+                crops[id(src.outs[0])] = node
     if not padded and not crops:
         return nodes
     out, fused_crops = [], set()
@@ -132,12 +137,23 @@ def fuse_padded_convs(nodes, outputs, emit):
         if len(fused) != 1 or fused[0].name != "conv_general_dilated":
             out.append(node)  # this JAX spells it otherwise: keep the ops
             continue
-        if crop is None:
-            out.extend(_in_place_of(node, fused))
-        else:  # the fused convolution makes the crop's result
-            out.extend(_in_place_of(crop, fused))
+        out.extend(_in_place_of(node, fused))
+        if crop is not None:  # the fused convolution makes the crop's result, at the convolution's place
+            out[-1].outs = list(crop.outs)
             fused_crops.add(id(crop))
     return out
+
+
+def _undoing(pad, crop: bool = False) -> tuple:
+    """What a pad does, as (the unpadded shape, its padding): for a crop
+    (``crop``), the shape it makes and the padding that made it. JAX's
+    gradient of a pad is the crop undoing it; only such crops are fused, as
+    they give back a size the program had (a crop of an even split to an odd
+    size would leave the fused convolution's pieces uneven)."""
+    cfg = pad.eqn.params["padding_config"]
+    if crop:
+        return tuple(pad.outs[0].shape), tuple((-lo, -hi) for lo, hi, _ in cfg)
+    return tuple(pad.ins[0].shape), tuple((lo, hi) for lo, hi, _ in cfg)
 
 
 def _readers(nodes, outputs) -> dict:

@@ -272,6 +272,35 @@ def test_an_explicit_pad_before_a_valid_conv_becomes_its_padding(grid, pads, str
     assert e.bytes <= gspmd_bytes(grads, pl, (xs, rep), None, (x, k))
 
 
+def test_pads_the_convolution_rewrite_leaves_alone(pl8):
+    """A pad of a multi-output op's second result (``top_k``'s indices; the
+    rewrite once read the first result's readers and raised a KeyError), a
+    pad by a nonzero value, and a crop of a convolution's result that undoes
+    no pad (fused, it would leave 14 rows on 8 devices: twice the bytes)
+    keep their own ops and their values."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(4, 16, 16, 4)).astype(np.float32)
+    k = (0.3 * rng.normal(size=(3, 3, 4, 4))).astype(np.float32)
+
+    def conv(x, k, pad="SAME"):
+        return lax.conv_general_dilated(x, k, (1, 1), pad, dimension_numbers=DN)
+
+    programs = {
+        "top_k indices": lambda x, k: jnp.pad(lax.top_k(x, 2)[1], ((0, 0), (0, 0), (0, 0), (1, 1))),
+        "pad by one": lambda x, k: conv(
+            jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)), constant_values=1.0), k, "VALID"
+        ),
+        "odd crop": lambda x, k: lax.pad(conv(x, k), 0.0, ((0, 0, 0), (-1, -1, 0), (0, 0, 0), (0, 0, 0))),
+    }
+    from sbpjax.compiler.trace import trace
+
+    for name, fn in programs.items():
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, k)]
+        program = trace(fn, avals, jax.tree_util.tree_structure(((0, 0), {})))
+        assert sum(n.name == "pad" for n in program.nodes) == 1, name
+        _run(fn, (x, k), pl8, ((sj.S(1),), (sj.B,)))
+
+
 @pytest.mark.parametrize("grid", [(8,), (2, 4)])
 def test_a_shift_and_a_halo_of_one_block_send_its_edge_rows_once(grid):
     """A "SAME" convolution and a one-row shift of the same activation send
