@@ -115,21 +115,9 @@ def fuse_padded_convs(nodes, outputs, emit):
         ):
             out.append(node)
             continue
-        p = node.eqn.params
-        padding = [list(lh) for lh in p["padding"]]
-        x = node.ins[0]
-        pad = padded.get(id(x))
-        if pad is not None:
-            cfg = pad.eqn.params["padding_config"]
-            for i, d in enumerate(p["dimension_numbers"].lhs_spec[2:]):
-                padding[i] = [padding[i][0] + cfg[d][0], padding[i][1] + cfg[d][1]]
-            x = pad.ins[0]
-        crop = crops.get(id(node.outs[0]))
-        if crop is not None:
-            cfg = crop.eqn.params["padding_config"]
-            for i, d in enumerate(p["dimension_numbers"].out_spec[2:]):
-                padding[i] = [padding[i][0] + cfg[d][0], padding[i][1] + cfg[d][1]]
-        params = dict(p, padding=tuple((int(lo), int(hi)) for lo, hi in padding))
+        pad, crop = padded.get(id(node.ins[0])), crops.get(id(node.outs[0]))
+        x = node.ins[0] if pad is None else pad.ins[0]
+        params = dict(node.eqn.params, padding=_fused_padding(node, pad, crop))
         fused: list = []
         emit(
             lambda x, k, q=params, prim=node.eqn.primitive: prim.bind(x, k, **q), [x, node.ins[1]], fused, {}
@@ -142,6 +130,19 @@ def fuse_padded_convs(nodes, outputs, emit):
             out[-1].outs = list(crop.outs)
             fused_crops.add(id(crop))
     return out
+
+
+def _fused_padding(conv, pad, crop) -> tuple:
+    """``conv``'s padding with ``pad``'s of its input and ``crop``'s of its
+    result (either None) added, spatial dim by spatial dim."""
+    p = conv.eqn.params
+    padding = [list(lh) for lh in p["padding"]]
+    for op, spec in ((pad, "lhs_spec"), (crop, "out_spec")):
+        if op is not None:
+            cfg = op.eqn.params["padding_config"]
+            for i, d in enumerate(getattr(p["dimension_numbers"], spec)[2:]):
+                padding[i] = [padding[i][0] + cfg[d][0], padding[i][1] + cfg[d][1]]
+    return tuple((int(lo), int(hi)) for lo, hi in padding)
 
 
 def _undoing(pad, crop: bool = False) -> tuple:
