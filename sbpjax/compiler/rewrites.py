@@ -81,6 +81,10 @@ def fuse_padded_convs(nodes, outputs, emit):
     gradient reads the padded value too, and the input's gradient is the
     crop of a convolution's result) 114,688 B, now 28,672 (GSPMD: 207,672).
 
+    ``trace`` runs it after ``fuse_shifts``, which makes a slice of the
+    padded value a pad of its own (``conv(xp) + xp[:, 1:-1, 1:-1]``: the
+    convolution is then the pad's only reader).
+
     A pad is fused only where every reader takes it as a convolution input,
     on spatial dims, with no negative or interior padding and no input
     dilation of the convolution's own (an interior pad would leave windows

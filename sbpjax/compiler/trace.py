@@ -173,11 +173,13 @@ def trace(
     roots = outs + (_last_carries(flat.loops) if keep_last_carries else [])
     nodes = _dce(nodes, roots)
     nodes = _dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
-    nodes = _dce(rewrites.fuse_padded_convs(nodes, roots, _emit), roots)
     nodes = _dce(
         rewrites.fuse_shifts(rewrites.rolls(rewrites.splits_as_slices(nodes, _emit), _emit, devices), _emit),
         roots,
     )
+    # after fuse_shifts: a slice of a padded value is then a pad of its own, and
+    # convolutions may be the padded value's only readers
+    nodes = _dce(rewrites.fuse_padded_convs(nodes, roots, _emit), roots)
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
 
 

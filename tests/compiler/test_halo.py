@@ -272,6 +272,29 @@ def test_an_explicit_pad_before_a_valid_conv_becomes_its_padding(grid, pads, str
     assert e.bytes <= gspmd_bytes(grads, pl, (xs, rep), None, (x, k))
 
 
+@pytest.mark.parametrize("grid", [(8,), (2, 4)])
+def test_a_padded_value_read_by_a_convolution_and_a_slice_of_it(grid):
+    """``xp = jnp.pad(x)`` read by a "VALID" convolution and by
+    ``xp[:, 1:-1, 1:-1]`` (x again, as a residual): the slice of the pad is
+    rewritten first (``fuse_shifts``), so the convolution is the pad's only
+    reader and takes its padding. The pad was gathered: 86,016 B on 8
+    devices against GSPMD's 57,920."""
+    pl = sj.placement(grid, ("d", "h") if len(grid) == 2 else ("h",))
+    xs = (sj.S(0), sj.S(1)) if len(grid) == 2 else (sj.S(1),)
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(2, 32, 12, 4)).astype(np.float32)
+    k = (0.3 * rng.normal(size=(3, 3, 4, 4))).astype(np.float32)
+
+    def residual(x, k):
+        xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+        return lax.conv_general_dilated(xp, k, (1, 1), "VALID", dimension_numbers=DN) + xp[:, 1:-1, 1:-1]
+
+    rep = (sj.B,) * len(grid)
+    e = _run(residual, (x, k), pl, (xs, rep))
+    assert _boxed_bytes(e) == 0 and {c.what for _, c in e.comm} == {"halo_exchange"}
+    assert e.bytes <= gspmd_bytes(residual, pl, (xs, rep), None, (x, k))
+
+
 def test_pads_the_convolution_rewrite_leaves_alone(pl8):
     """A pad of a multi-output op's second result (``top_k``'s indices; the
     rewrite once read the first result's readers and raised a KeyError), a
