@@ -23,10 +23,7 @@ def fuse_padded_windows(nodes, outputs, emit):
     pair would gather the activation, where the fused window runs with a halo
     exchange (``sbpjax.rules.window``). Only where the padded value has no
     other use and no padding is negative."""
-    uses: dict = {}
-    for atom in [a for n in nodes for a in n.ins] + list(outputs):
-        if isinstance(atom, Var):
-            uses[id(atom)] = uses.get(id(atom), 0) + 1
+    readers = _readers(nodes, outputs)
     made = {id(o): n for n in nodes for o in n.outs}
     out = []
     for node in nodes:
@@ -35,10 +32,8 @@ def fuse_padded_windows(nodes, outputs, emit):
         if (
             src is None
             or src.name != "pad"
-            or uses[id(node.ins[0])] != 1
-            or not isinstance(src.ins[1], Const)
-            or np.asarray(src.ins[1].value).item() != 0
-            or any(c < 0 for cfg in src.eqn.params["padding_config"] for c in cfg)
+            or len(readers[id(node.ins[0])]) != 1
+            or not _zero_pad(src, made, interior=True)
             or any(tuple(c) != (0, 0) for c in p["padding"])
             or any(d != 1 for d in p["base_dilation"])
         ):
@@ -174,9 +169,10 @@ def _readers(nodes, outputs) -> dict:
     return readers
 
 
-def _zero_pad(node, made: dict) -> bool:
+def _zero_pad(node, made: dict, interior: bool = False) -> bool:
     """A pad by zeros (a constant, or a constant's ``convert_element_type``,
-    as ``jnp.pad`` writes it), with no negative or interior padding."""
+    as ``jnp.pad`` writes it), with no negative padding, and no interior
+    padding unless ``interior``."""
     value = node.ins[1]
     src = made.get(id(value))
     if src is not None and src.name == "convert_element_type":
@@ -185,7 +181,7 @@ def _zero_pad(node, made: dict) -> bool:
         isinstance(value, Const)
         and np.asarray(value.value).item() == 0
         and all(
-            lo >= 0 and hi >= 0 and interior == 0 for lo, hi, interior in node.eqn.params["padding_config"]
+            lo >= 0 and hi >= 0 and (interior or i == 0) for lo, hi, i in node.eqn.params["padding_config"]
         )
     )
 
