@@ -194,6 +194,27 @@ def test_conv_split_along_height_forward_and_gradients(where, stride):
     _run(grads, (x, k), pl, (xs, rep), rtol=2e-5)
 
 
+def _split_by_height(grid, seed, x_shape, k_shape):
+    """A placement of ``grid`` (8: height over h; 2-D: the batch over d,
+    height over h), the activation's and the kernel's layouts, and random
+    ``x`` and ``k`` (a 0.3-scaled kernel)."""
+    pl = sj.placement(grid, ("d", "h") if len(grid) == 2 else ("h",))
+    xs = (sj.S(0), sj.S(1)) if len(grid) == 2 else (sj.S(1),)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=x_shape).astype(np.float32)
+    k = (0.3 * rng.normal(size=k_shape)).astype(np.float32)
+    return pl, xs, (sj.B,) * len(grid), x, k
+
+
+def _pads_traced(fn, args) -> int:
+    """The pads left in ``fn``'s traced program, after sbpjax's rewrites."""
+    from sbpjax.compiler.trace import trace
+
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    program = trace(fn, avals, jax.tree_util.tree_structure((tuple(0 for _ in args), {})))
+    return sum(n.name == "pad" for n in program.nodes)
+
+
 @pytest.mark.parametrize(
     "height, taps, stride, grid",
     [(18, 3, 1, (4, 2)), (34, 4, 2, (4, 2)), (72, 9, 1, (8,))],  # (4, 2): the batch over d, height over h
@@ -208,16 +229,11 @@ def test_valid_conv_windows_drift_from_the_pieces_and_move_only_halos(height, ta
     gradient (a window split) drift alike. It once gathered the input (a 3x3
     one of a (4, 18, 18, 3) batch on 4x2 moved 15,552 B against GSPMD's
     1,728 B); now the halos alone, and the gradients no more than GSPMD's."""
-    pl = sj.placement(grid, ("d", "h") if len(grid) == 2 else ("h",))
-    xs = (sj.S(0), sj.S(1)) if len(grid) == 2 else (sj.S(1),)
-    rng = np.random.default_rng(height)
-    x = rng.normal(size=(4, height, 6, 3)).astype(np.float32)
-    k = (0.3 * rng.normal(size=(taps, 3, 3, 4))).astype(np.float32)
+    pl, xs, rep, x, k = _split_by_height(grid, height, (4, height, 6, 3), (taps, 3, 3, 4))
 
     def conv(x, k):
         return lax.conv_general_dilated(x, k, (stride, 1), "VALID", dimension_numbers=DN)
 
-    rep = (sj.B,) * len(grid)
     e = _run(conv, (x, k), pl, (xs, rep))
     assert _boxed_bytes(e) == 0 and {c.what for _, c in e.comm} == {"halo_exchange"}
     assert e.bytes <= gspmd_bytes(conv, pl, (xs, rep), xs, (x, k))
@@ -242,32 +258,20 @@ def test_an_explicit_pad_before_a_valid_conv_becomes_its_padding(grid, pads, str
     gradient reads the padded value too and takes the same padding, and the
     input's gradient, a crop of a convolution's result, is that convolution
     padded less (the train step moved 114,688 B, GSPMD 207,672)."""
-    from sbpjax.compiler.trace import trace
-
-    pl = sj.placement(grid, ("d", "h") if len(grid) == 2 else ("h",))
-    xs = (sj.S(0), sj.S(1)) if len(grid) == 2 else (sj.S(1),)
-    rng = np.random.default_rng(sum(pads))
-    x = rng.normal(size=(4, 16, 16, 4)).astype(np.float32)
-    k = (0.3 * rng.normal(size=(3, 3, 4, 4))).astype(np.float32)
+    pl, xs, rep, x, k = _split_by_height(grid, sum(pads), (4, 16, 16, 4), (3, 3, 4, 4))
     lo_h, hi_h, lo_w, hi_w = pads
 
     def conv(x, k):
         y = jnp.pad(x, ((0, 0), (lo_h, hi_h), (lo_w, hi_w), (0, 0)))
         return lax.conv_general_dilated(y, k, (stride, stride), "VALID", dimension_numbers=DN)
 
-    def pads_traced(fn):
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, k)]
-        program = trace(fn, avals, jax.tree_util.tree_structure(((0, 0), {})))
-        return sum(n.name == "pad" for n in program.nodes)
-
-    rep = (sj.B,) * len(grid)
-    assert pads_traced(conv) == 0
+    assert _pads_traced(conv, (x, k)) == 0
     e = _run(conv, (x, k), pl, (xs, rep))
     if stride == 1:  # strided, the solver may rather leave the result partial or move the batch
         assert _boxed_bytes(e) == 0 and {c.what for _, c in e.comm} == {"halo_exchange"}
     assert e.bytes <= gspmd_bytes(conv, pl, (xs, rep), None, (x, k))
     grads = jax.grad(lambda x, k: jnp.sum(conv(x, k) ** 2), argnums=(0, 1))
-    assert pads_traced(grads) == 0  # the forward pad (two readers) and its transpose, a crop
+    assert _pads_traced(grads, (x, k)) == 0  # the forward pad (two readers) and its transpose, a crop
     e = _run(grads, (x, k), pl, (xs, rep), rtol=2e-5)
     assert e.bytes <= gspmd_bytes(grads, pl, (xs, rep), None, (x, k))
 
@@ -279,31 +283,24 @@ def test_a_padded_value_read_by_a_convolution_and_a_slice_of_it(grid):
     rewritten first (``fuse_shifts``), so the convolution is the pad's only
     reader and takes its padding. The pad was gathered: 86,016 B on 8
     devices against GSPMD's 57,920."""
-    pl = sj.placement(grid, ("d", "h") if len(grid) == 2 else ("h",))
-    xs = (sj.S(0), sj.S(1)) if len(grid) == 2 else (sj.S(1),)
-    rng = np.random.default_rng(11)
-    x = rng.normal(size=(2, 32, 12, 4)).astype(np.float32)
-    k = (0.3 * rng.normal(size=(3, 3, 4, 4))).astype(np.float32)
+    pl, xs, rep, x, k = _split_by_height(grid, 11, (2, 32, 12, 4), (3, 3, 4, 4))
 
     def residual(x, k):
         xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
         return lax.conv_general_dilated(xp, k, (1, 1), "VALID", dimension_numbers=DN) + xp[:, 1:-1, 1:-1]
 
-    rep = (sj.B,) * len(grid)
     e = _run(residual, (x, k), pl, (xs, rep))
     assert _boxed_bytes(e) == 0 and {c.what for _, c in e.comm} == {"halo_exchange"}
     assert e.bytes <= gspmd_bytes(residual, pl, (xs, rep), None, (x, k))
 
 
-def test_pads_the_convolution_rewrite_leaves_alone(pl8):
+def test_pads_the_convolution_rewrite_leaves_alone():
     """A pad of a multi-output op's second result (``top_k``'s indices; the
     rewrite once read the first result's readers and raised a KeyError), a
     pad by a nonzero value, and a crop of a convolution's result that undoes
     no pad (fused, it would leave 14 rows on 8 devices: twice the bytes)
     keep their own ops and their values."""
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(4, 16, 16, 4)).astype(np.float32)
-    k = (0.3 * rng.normal(size=(3, 3, 4, 4))).astype(np.float32)
+    pl8, xs, rep, x, k = _split_by_height((8,), 5, (4, 16, 16, 4), (3, 3, 4, 4))
 
     def conv(x, k, pad="SAME"):
         return lax.conv_general_dilated(x, k, (1, 1), pad, dimension_numbers=DN)
@@ -315,13 +312,9 @@ def test_pads_the_convolution_rewrite_leaves_alone(pl8):
         ),
         "odd crop": lambda x, k: lax.pad(conv(x, k), 0.0, ((0, 0, 0), (-1, -1, 0), (0, 0, 0), (0, 0, 0))),
     }
-    from sbpjax.compiler.trace import trace
-
     for name, fn in programs.items():
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, k)]
-        program = trace(fn, avals, jax.tree_util.tree_structure(((0, 0), {})))
-        assert sum(n.name == "pad" for n in program.nodes) == 1, name
-        _run(fn, (x, k), pl8, ((sj.S(1),), (sj.B,)))
+        assert _pads_traced(fn, (x, k)) == 1, name
+        _run(fn, (x, k), pl8, (xs, rep))
 
 
 @pytest.mark.parametrize("grid", [(8,), (2, 4)])
@@ -330,17 +323,12 @@ def test_a_shift_and_a_halo_of_one_block_send_its_edge_rows_once(grid):
     the same rows to the same neighbour: the lowering runs that permute once
     (XLA would merge the two anyway), and ``explain()`` counts it once (it
     counted 21,504 B on 8 devices where 14,336 B moved)."""
-    pl = sj.placement(grid, ("d", "h") if len(grid) == 2 else ("h",))
-    xs = (sj.S(0), sj.S(1)) if len(grid) == 2 else (sj.S(1),)
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(4, 16, 16, 4)).astype(np.float32)
-    k = (0.3 * rng.normal(size=(3, 3, 4, 4))).astype(np.float32)
+    pl, xs, rep, x, k = _split_by_height(grid, 3, (4, 16, 16, 4), (3, 3, 4, 4))
 
     def conv_and_shift(x, k):
         shifted = jnp.pad(x, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :-1]
         return lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=DN) + shifted[..., :1]
 
-    rep = (sj.B,) * len(grid)
     e = _run(conv_and_shift, (x, k), pl, (xs, rep))  # explain == compiled
     conv_alone = _run(
         lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME", dimension_numbers=DN),
