@@ -184,6 +184,23 @@ def run_script(args, timeout, fast_compile=True):
     )
 
 
+def run_launcher(command, env, timeout):
+    """``(returncode, stdout, stderr)`` of ``command`` (an ``sbpjax.launch``
+    run). One still running after ``timeout`` seconds is stopped with SIGTERM,
+    on which the launcher stops its processes (killed, it left them running,
+    and later launches hung), and ``subprocess.TimeoutExpired`` is raised."""
+    import subprocess
+
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        proc.communicate(timeout=60)
+        raise
+    return proc.returncode, stdout, stderr
+
+
 def nnx_single_device(model, optimizer, loss_fn, batches):
     """The plain NNX program on one device, the reference for sbpjax.flax
     training: its losses and final parameters (a pure dict of numpy arrays)."""

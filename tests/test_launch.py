@@ -9,6 +9,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,20 +48,9 @@ def _script_and_env(tmp_path, code):
 def launch(tmp_path, code, *args, timeout=120):
     script, env = _script_and_env(tmp_path, code)
     start = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sbpjax.launch", *args, str(script), "--flag", "7"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the launcher stops its processes on SIGTERM: none is left behind
-        proc.communicate(timeout=60)
-        raise
-    return proc.returncode, stdout + stderr, time.monotonic() - start
+    command = [sys.executable, "-m", "sbpjax.launch", *args, str(script), "--flag", "7"]
+    code, stdout, stderr = run_launcher(command, env, timeout)
+    return code, stdout + stderr, time.monotonic() - start
 
 
 def test_two_processes_of_four_devices_run_one_program(tmp_path):

@@ -13,7 +13,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import FAST_COMPILE_FLAGS, xla_flags
+from conftest import FAST_COMPILE_FLAGS, run_launcher, xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "multihost")
@@ -62,18 +62,13 @@ def launch(script, *args, timeout=300, processes=2):
     ]
     command += [script, *map(str, args)]
     for attempt in range(2):
-        proc = subprocess.Popen(
-            command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
         try:
-            stdout, stderr = proc.communicate(timeout=timeout)
+            code, stdout, stderr = run_launcher(command, _env(), timeout)
             break
         except subprocess.TimeoutExpired:
-            proc.terminate()
-            proc.communicate(timeout=60)
             if attempt:
                 raise
-    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+    assert code == 0, stdout[-4000:] + stderr[-4000:]
     return stdout
 
 
