@@ -78,6 +78,7 @@ import sbpjax as sj  # noqa: E402
 from sbpjax.boxing.plan import clear_caches  # noqa: E402
 from sbpjax.compiler import small_jaxprs, sub_plans  # noqa: E402
 from sbpjax.compiler.api import is_nd_sbp, state_sbp  # noqa: E402
+from sbpjax.rules import shifts  # noqa: E402
 from sbpjax.solver._kept_plans import clear as clear_kept_plans  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -150,10 +151,12 @@ def gc_paused():
 
 
 def _forget_plans() -> None:
-    """Every cache a process's planning fills (boxing searches, solver plans,
-    the plans a budget solves on the way, traced scans' slices) and JAX's: the
-    next sj.jit plans as a fresh process would."""
+    """Every cache a process's planning fills (boxing searches, the shifts of
+    slices and pads, solver plans, the plans a budget solves on the way,
+    traced scans' slices) and JAX's: the next sj.jit plans as a fresh
+    process would."""
     clear_caches()
+    shifts.clear_caches()
     clear_kept_plans()
     sub_plans.clear()
     small_jaxprs.clear()

@@ -106,46 +106,56 @@ class Shift(_Moved):
         )
 
 
-def _resized(eqn) -> dict:
-    """{dim: (shift, operand size, result size)} for each dim a slice or pad
-    moves or resizes with stride 1 and no interior padding (the others:
-    :func:`_strided`)."""
-    n, m = shape_of(eqn.invars[0].aval), shape_of(eqn.outvars[0].aval)
-    strided = _strided(eqn)
-    if eqn.primitive.name == "slice":
-        starts = eqn.params["start_indices"]
-        return {
-            d: (starts[d], n[d], m[d])
-            for d in range(len(n))
-            if d not in strided and (starts[d] or n[d] != m[d])
-        }
-    moved = padded_dims(eqn.params["padding_config"], n, m)
-    return {d: change for d, change in moved.items() if d not in strided}
+def _geometry(eqn) -> tuple:
+    """``(strided, resized)`` of a slice or pad, as ``(dim, value)`` items.
 
-
-def _strided(eqn) -> dict:
-    """{dim: (stride, rows of the wide side)} for each dim a slice takes
-    with a stride > 1 (the operand's size) or a pad pads with interior
+    ``strided``: ``(stride, rows of the wide side)`` for each dim a slice
+    takes with a stride > 1 (the operand's size) or a pad pads with interior
     padding (interior + 1, the result's size), where every stride-aligned
     run of ``stride`` rows of the wide side keeps one row, at the same
     offset below the stride (the slice's start, the pad's low padding):
     ``x[:, ::2]``, ``x[:, 1::2]`` and their gradients. Each device's piece
     then keeps its own rows where the pieces are multiples of the stride
-    (:func:`strided_in_place`). A dim strided otherwise maps to None."""
-    n, m = shape_of(eqn.invars[0].aval), shape_of(eqn.outvars[0].aval)
-    out: dict = {}
-    if eqn.primitive.name == "slice":
-        strides = eqn.params["strides"] or (1,) * len(n)
-        for d, s in enumerate(strides):
+    (:func:`strided_in_place`). A dim strided otherwise maps to None.
+
+    ``resized``: ``(shift, operand size, result size)`` for each other dim
+    the op moves or resizes.
+
+    Read from what they depend on (the op, its operand's and result's shapes,
+    its slice indices or padding config) and worked out once per geometry:
+    the layout choice asks for every candidate signature of every slice and
+    pad (some 300,000 times for a 32-layer scanned GPT step, whose
+    written-out layers repeat the same few slices)."""
+    name, params = eqn.primitive.name, eqn.params
+    if name == "slice":
+        config = (tuple(params["start_indices"]), tuple(params["strides"] or ()))
+    else:
+        config = tuple(tuple(c) for c in params["padding_config"])
+    return _geometry_of(name, shape_of(eqn.invars[0].aval), shape_of(eqn.outvars[0].aval), config)
+
+
+@functools.lru_cache(maxsize=4096)
+def _geometry_of(name: str, n: tuple, m: tuple, config: tuple) -> tuple:
+    strided: dict = {}
+    if name == "slice":
+        starts, strides = config
+        for d, s in enumerate(strides or (1,) * len(n)):
             if s > 1:
-                a = eqn.params["start_indices"][d]
-                out[d] = (s, n[d]) if a < s and n[d] % s == 0 and m[d] == n[d] // s else None
-        return out
-    for d, (lo, _, inner) in enumerate(eqn.params["padding_config"]):
-        if inner:
-            s = inner + 1
-            out[d] = (s, m[d]) if 0 <= lo < s and m[d] == n[d] * s else None
-    return out
+                a = starts[d]
+                strided[d] = (s, n[d]) if a < s and n[d] % s == 0 and m[d] == n[d] // s else None
+        resized = {
+            d: (starts[d], n[d], m[d])
+            for d in range(len(n))
+            if d not in strided and (starts[d] or n[d] != m[d])
+        }
+    else:
+        for d, (lo, _, inner) in enumerate(config):
+            if inner:
+                s = inner + 1
+                strided[d] = (s, m[d]) if 0 <= lo < s and m[d] == n[d] * s else None
+        moved = padded_dims(config, n, m)
+        resized = {d: change for d, change in moved.items() if d not in strided}
+    return tuple(strided.items()), tuple(resized.items())
 
 
 def strided_in_place(wide: int, stride: int, axes, grid) -> bool:
@@ -167,7 +177,8 @@ def may_shift(eqn) -> bool:
     whose split dims may exchange rows (a shift with its neighbours, a cut
     with farther pieces) or run only where the pieces line up (a stride),
     which the greedy pass costs exactly."""
-    return bool(_resized(eqn)) or bool(_strided(eqn))
+    strided, resized = _geometry(eqn)
+    return bool(strided) or bool(resized)
 
 
 def is_shift(shift: int, n: int, m: int) -> bool:
@@ -194,27 +205,34 @@ def shifts(eqn, ins, outs, grid) -> list[Shift | Cut] | None:
     moves or resizes, or ``None`` where that signature cannot run (some
     device would hold no rows, or a strided dim's pieces do not line up
     with its stride). A strided dim that lines up moves nothing."""
-    for d, stride in _strided(eqn).items():
-        axes = split_axes(ins[0], d)
-        if not axes and not split_axes(outs[0], d):
+    steps = _shifts(_geometry(eqn), tuple(ins[0]), tuple(outs[0]), tuple(grid))
+    return None if steps is None else list(steps)
+
+
+@functools.lru_cache(maxsize=16384)  # per geometry and signature: see _geometry
+def _shifts(geometry: tuple, nd_in: tuple, nd_out: tuple, grid: tuple) -> tuple | None:
+    strided, resized = geometry
+    for d, stride in strided:
+        axes = split_axes(nd_in, d)
+        if not axes and not split_axes(nd_out, d):
             continue
-        if split_axes(outs[0], d) != axes or stride is None:
+        if split_axes(nd_out, d) != axes or stride is None:
             return None
-        if not strided_in_place(stride[1], stride[0], tuple(axes), tuple(grid)):
+        if not strided_in_place(stride[1], stride[0], tuple(axes), grid):
             return None
     out = []
-    shifting = any(is_shift(*change) for change in _resized(eqn).values())
-    for d, (shift, n, m) in _resized(eqn).items():
-        axes = split_axes(ins[0], d)
-        if not axes and not split_axes(outs[0], d):
+    shifting = any(is_shift(*change) for _, change in resized)
+    for d, (shift, n, m) in resized:
+        axes = split_axes(nd_in, d)
+        if not axes and not split_axes(nd_out, d):
             continue
-        if split_axes(outs[0], d) != axes:
+        if split_axes(nd_out, d) != axes:
             return None
-        step = _moved(d, tuple(axes), shift, n, m, tuple(grid), shifting)
+        step = _moved(d, tuple(axes), shift, n, m, grid, shifting)
         if step is None:
             return None
         out.append(step)
-    return out
+    return tuple(out)
 
 
 def placements(eqn, ins, outs, grid) -> list | None:
@@ -362,6 +380,13 @@ def _cut(d, axes, shift, n, m, grid) -> Cut | None:
                 places.append(first + row - pin[j][0] - starts[j])
         reads.append(tuple(places))
     return Cut(d, axes, shift, n, m, pin, pout, tuple(sends), tuple(reads))
+
+
+def clear_caches() -> None:
+    """Forget the geometries, shifts and cuts worked out so far (kept for the
+    life of the process; benchmarks clear them to time a cold planner)."""
+    for cached in (_geometry_of, _shifts, _shift, _cut):
+        cached.cache_clear()
 
 
 def shift_comms(eqn, in_avals, ins, outs, grid) -> list[Comm] | None:
