@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from sbpjax.compiler.program import Node, Var
 from sbpjax.compiler.propagation import axis_ties, estimate, fresh_splits, nbytes, op_comm
 from sbpjax.placement import Placement
-from sbpjax.rules import Sig, own_comm
+from sbpjax.rules import Sig, may_communicate, own_comm
 from sbpjax.sbp import Broadcast
 
 _TOP_K = 3  # 1-D candidates kept per axis before exact costing of their products
@@ -106,9 +106,17 @@ class SignatureSearch:
                 with_pref.append((est + later, changed, *axis_ties(s, cur, a), k, s))
             scored.sort(key=lambda t: t[:5])
             # the estimate does not see an op's own communication (a halo, a
-            # prefix carry: it depends on every axis), so such ops keep all
-            # their candidates for exact costing (they are few in a program)
-            keep = [t[5] for t in (scored if communicates else scored[:_TOP_K])]
+            # prefix carry: it depends on every axis), so such ops keep every
+            # candidate that may communicate (Rule.comm_sig_if) for exact
+            # costing. A slice's or pad's that split no dim it moves never do:
+            # ranked as any op's (the 544 slices of a 32-layer scanned GPT
+            # step's written-out layers, each with its own start, took half the
+            # greedy pass costing all 66 products of their candidates)
+            keep = [
+                t[5]
+                for k, t in enumerate(scored)
+                if k < _TOP_K or (communicates and may_communicate(node.eqn, t[5]))
+            ]
             if wants:
                 top = min(with_pref, key=lambda t: t[:5])[5]
                 if top not in keep:

@@ -89,6 +89,8 @@ class Rule:
     # (eqn) -> bool: whether ``comm`` may be more than nothing for this equation
     # (None: always); the greedy pass costs every signature of such ops exactly
     comm_if: Callable | None = None
+    # (eqn, 1-D sig) -> bool: whether that candidate may communicate (None: any may)
+    comm_sig_if: Callable | None = None
 
 
 RULES: dict = {}
@@ -121,12 +123,20 @@ def _setter(attr: str, what: str):
 set_local = _setter("local", "local evaluation")
 set_comm = _setter("comm", "communication function (see ``Comm``)")
 set_comm_if = _setter("comm_if", "test of whether an equation may communicate (see ``Rule``)")
+set_comm_sig_if = _setter("comm_sig_if", "test of whether a candidate may communicate (see ``Rule``)")
 
 
 def own_comm(eqn) -> bool:
     """Whether ``eqn``'s rule may run communication of its own (a halo)."""
     rule = RULES.get(eqn.primitive.name)
     return rule is not None and rule.comm is not None and (rule.comm_if is None or rule.comm_if(eqn))
+
+
+def may_communicate(eqn, sig) -> bool:
+    """Whether 1-D candidate ``sig`` of ``eqn`` may make its rule communicate
+    (``Rule.comm_sig_if``; without one, any candidate of an op that may)."""
+    rule = RULES.get(eqn.primitive.name)
+    return rule is None or rule.comm_sig_if is None or rule.comm_sig_if(eqn, sig)
 
 
 def P(op: str = "sum") -> Partial:

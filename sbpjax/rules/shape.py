@@ -25,10 +25,19 @@ from sbpjax.rules import (
     register,
     set_comm,
     set_comm_if,
+    set_comm_sig_if,
     set_local,
     shape_of,
 )
-from sbpjax.rules.shifts import may_shift, placements, run_shifts, shift_comms, shifts, step_comms
+from sbpjax.rules.shifts import (
+    may_shift,
+    placements,
+    run_shifts,
+    shift_comms,
+    shifts,
+    splits_moved_dim,
+    step_comms,
+)
 from sbpjax.sbp import Split
 
 ALL_P = ("sum", "max", "min")
@@ -252,6 +261,7 @@ set_comm("slice", "pad")(shift_comms)
 # a concatenation along a dim its operands are split on moves their rows (shifts.placements)
 set_comm("concatenate")(concatenate_comms)
 set_comm_if("slice", "pad")(may_shift)
+set_comm_sig_if("slice", "pad")(splits_moved_dim)
 
 
 @register("dynamic_slice")

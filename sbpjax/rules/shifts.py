@@ -47,6 +47,7 @@ from jax import lax
 from sbpjax.boxing.lower import axis_arg, group_index, table_entry
 from sbpjax.layout import balanced_piece
 from sbpjax.rules import Comm, exchange_detail, local_shape, shape_of, split_axes
+from sbpjax.sbp import Split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +128,7 @@ def _geometry(eqn) -> tuple:
     pad (some 300,000 times for a 32-layer scanned GPT step, whose
     written-out layers repeat the same few slices)."""
     name, params = eqn.primitive.name, eqn.params
+    config: tuple
     if name == "slice":
         config = (tuple(params["start_indices"]), tuple(params["strides"] or ()))
     else:
@@ -179,6 +181,14 @@ def may_shift(eqn) -> bool:
     which the greedy pass costs exactly."""
     strided, resized = _geometry(eqn)
     return bool(strided) or bool(resized)
+
+
+def splits_moved_dim(eqn, sig) -> bool:
+    """Whether 1-D candidate ``sig`` of a slice or pad splits a dim the op
+    moves, resizes or strides: only such a candidate can exchange rows."""
+    strided, resized = _geometry(eqn)
+    moved = {d for d, _ in strided} | {d for d, _ in resized}
+    return any(isinstance(q, Split) and q.dim in moved for q in (sig.ins[0], sig.outs[0]))
 
 
 def is_shift(shift: int, n: int, m: int) -> bool:

@@ -7,6 +7,8 @@ distance;
 Values against the one-device program, the plan's bytes against the compiled
 program's collectives, and against GSPMD's where GSPMD takes the layout."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,51 @@ def test_which_ops_may_shift():
     assert may_shift(cut((32, 0), (64, 8)))  # rows of far pieces: a cut
     assert may_shift(cut((0, 0), (64, 4)))  # half of a dim of 8
     assert not may_shift(cut((0, 0), (64, 8)))  # nothing moves
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_only_candidates_splitting_a_moved_dim_communicate(seed):
+    """The greedy pass ranks a slice's or pad's candidates by estimate and
+    costs exactly only the best few, plus every candidate that splits a dim
+    the op moves (``shifts.splits_moved_dim``): the estimate does not see an
+    op's own exchanges. That holds only if no other candidate communicates:
+    every product of the rule's 1-D candidates over 2x4 and 8 that splits no
+    moved dim on any axis runs with no exchange of its own, for random
+    slices (strided or not) and pads (interior or not) of a 3-D value."""
+    from sbpjax.rules import RULES
+    from sbpjax.rules.shifts import shift_comms, splits_moved_dim
+
+    r = np.random.default_rng(seed)
+    shape = tuple(int(v) for v in r.integers(3, 20, size=3))
+    loud = 0  # candidates splitting a moved dim that do exchange rows (the test is not vacuous)
+    for trial in range(20):
+        if trial % 2:
+            starts = tuple(int(r.integers(0, n // 2 + 1)) for n in shape)
+            limits = tuple(int(r.integers(a + 1, n + 1)) for a, n in zip(starts, shape))
+            strides = tuple(int(r.choice([1, 1, 2, 3])) for _ in shape)
+            eqn = jax.make_jaxpr(lambda x, a=starts, b=limits, s=strides: lax.slice(x, a, b, s))(
+                jnp.zeros(shape)
+            ).jaxpr.eqns[0]
+        else:
+            cfg = tuple(
+                (int(r.integers(-n // 3, 4)), int(r.integers(-n // 3, 4)), int(r.choice([0, 0, 1])))
+                for n in shape
+            )
+            eqn = jax.make_jaxpr(lambda x, c=cfg: lax.pad(x, 0.0, c))(jnp.zeros(shape)).jaxpr.eqns[0]
+        in_avals = [v.aval for v in eqn.invars]
+        sigs = RULES[eqn.primitive.name].signatures(eqn, in_avals)
+        quiet = [sg for sg in sigs if not splits_moved_dim(eqn, sg)]
+        assert len(quiet) < len(sigs) or not may_shift(eqn), eqn
+        for grid in ((2, 4), (8,)):
+            for combo in itertools.product(quiet, repeat=len(grid)):
+                ins = [tuple(sg.ins[j] for sg in combo) for j in range(len(eqn.invars))]
+                outs = [tuple(sg.outs[0] for sg in combo)]
+                assert not shift_comms(eqn, in_avals, ins, outs, grid), (eqn, combo)
+        for sg in sigs:
+            if splits_moved_dim(eqn, sg):
+                nds = [(q,) for q in sg.ins], [(q,) for q in sg.outs]
+                loud += bool(shift_comms(eqn, in_avals, *nds, (8,)))
+    assert loud
 
 
 @pytest.mark.parametrize("rows", [64, 30])
