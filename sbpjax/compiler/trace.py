@@ -170,7 +170,7 @@ def trace(
     nodes: list = []
     flat = _Flattening(unroll_limit=unroll_limit, loop_slices=loop_slices)
     outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, flat=flat)
-    roots = outs + (_last_carries(flat.loops) if keep_last_carries else [])
+    roots = _live_roots(nodes, outs, flat.loops) if keep_last_carries else outs
     nodes = _dce(nodes, roots)
     nodes = _dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
     nodes = _dce(
@@ -459,6 +459,26 @@ def _cse_key(eqn, ins, texts):
         else:
             return None
     return (eqn.primitive.name, params, tuple(args))
+
+
+def _live_roots(nodes, outs, loops) -> list:
+    """``outs`` and the last carries (:func:`_last_carries`) of each loop the
+    program runs: one some result or effect reads, or the loop around it.
+    A loop whose results nothing reads (a ``fori_loop`` whose carry is never
+    returned) is dead code, dropped as XLA drops it, carries and all (kept,
+    its exchanges were counted in ``explain()`` and moved nothing)."""
+    roots, live, added = list(outs), set(), set()
+    while True:
+        live = {id(o) for n in _dce(nodes, roots) for o in n.outs}
+        new = [
+            loop
+            for loop in loops
+            if id(loop) not in added and any(live & it.made for it in loop.iterations)
+        ]
+        if not new:
+            return roots
+        added.update(id(loop) for loop in new)
+        roots += _last_carries(new)
 
 
 def _last_carries(loops) -> list:

@@ -399,3 +399,33 @@ def test_what_the_iterations_share_is_made_once_and_the_rolled_loops_once_per_pl
     assert plan_runs(prop) == [] and prop.runs is not None
     add_regathers(prop, True)
     assert prop.regathered is not None and prop.runs is None  # found again when asked
+
+
+def test_a_loop_nothing_reads_is_dead_code():
+    """A ``fori_loop`` (and a scan) whose results nothing reads is dropped,
+    as XLA drops it: nothing planned, ``explain()`` counts 0 B as the
+    compiled program moves 0 B. The live loop beside it (its carry
+    returned) is kept, its last carries too."""
+    from conftest import moved_bytes
+
+    x, w = RNG.normal(size=(16, 64)).astype(np.float32), RNG.normal(size=(64, 64)).astype(np.float32) / 8
+
+    def dead(x, w):
+        jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h @ w), x)
+        jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=3)
+        return x * 2
+
+    def live_beside_dead(x, w):
+        jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h @ w), x)
+        return jax.lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h @ w), x)
+
+    pl = sj.placement(8, "d")
+    f = sj.jit(dead, placement=pl, in_sbp=((S(1),), (S(0),)))
+    assert f.explain(x, w).bytes == moved_bytes(f, x, w) == 0
+    assert not any(n.name == "dot_general" for n in f.explain(x, w).propagation.program.nodes)
+    assert_close(f(x, w).numpy(), np.asarray(jax.jit(dead)(x, w)), rtol=1e-6)
+    g = sj.jit(live_beside_dead, placement=pl, in_sbp=((S(1),), (S(0),)), out_sbp=(S(1),))
+    dots = [n for n in g.explain(x, w).propagation.program.nodes if n.name == "dot_general"]
+    assert len(dots) == 3  # the live loop's three iterations, none of the dead one's four
+    assert g.explain(x, w).bytes == moved_bytes(g, x, w) > 0
+    assert_close(g(x, w).numpy(), np.asarray(jax.jit(live_beside_dead)(x, w)), rtol=1e-5)
