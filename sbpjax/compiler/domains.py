@@ -493,9 +493,15 @@ class Domains:
         ends it. One candidate per add also keeps the chain from tying every
         layer's gradient layouts together: a 2-layer Llama-style step with
         clipping on 2x4 took 26 s to plan and stopped at a 28% gap; now
-        3 s, proven, for the same plan (17,318,000 B). Sums of whole terms
-        (a step count plus one) are left as they are: a partial there would
-        cost an all-reduce that nothing saves."""
+        3 s, proven, for the same plan (17,318,000 B). The sum of whole
+        terms stays offered beside it: where every term can be whole for free
+        (data parallelism's gradients, all-reduced for replicated
+        parameters), the norm is computed whole, with no collective of its
+        own, as GSPMD computes it (the partial sum cost one more all-reduce,
+        of 4 bytes, after the gradients'; the 2-layer step above plans in the
+        same time). Sums with no partial term (a step count plus one) are
+        left as they are: a partial there would cost an all-reduce that
+        nothing saves."""
         if node.name not in ("add", "add_any", "sub") or node.outs[0].shape != () or len(cs) < 2:
             return cs
         if not any(
@@ -509,4 +515,5 @@ class Domains:
             for c in cs
             if all(p == 1 or (isinstance(q, Partial) and q.op == "sum") for q, p in zip(c[1][0], self.grid))
         ]
-        return full or cs
+        whole = [c for c in cs if all(isinstance(q, Broadcast) for nd in c[0] + c[1] for q in nd)]
+        return full + whole if full else cs
