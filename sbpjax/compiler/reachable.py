@@ -1,7 +1,8 @@
 """Layouts a value reaches from one it has without an invented conversion:
 its partials reduced, whole axes sliced locally (no bytes), a partial beside
 a whole factor, an operand gathered where both of a product's operands split
-their free dims alike, an embedding lookup's ids made whole or its table
+their free dims alike (or it splits a dim it contracts where the other splits
+a free one), an embedding lookup's ids made whole or its table
 gathered; whether a weight's layout is split over two axes; and which values
 a chain of views reaches from another. The candidate screen
 (:mod:`sbpjax.compiler.domains`) widens each operand's allowed layouts by
@@ -169,8 +170,9 @@ def table_gathered(table, ids, grid) -> set:
 def free_gathered(node, i, made) -> set:
     """Operand ``i`` of a product (``made``: each operand's layout as the
     greedy pass made it, or as the caller gave a data argument; None for
-    other arguments) with its free dim's split gathered
-    over an axis the other operand's free dim is split over too. Two
+    other arguments) with its split gathered over an axis the other
+    operand's free dim is split over too, where operand ``i`` splits a free
+    dim or a dim it contracts there. Two
     operands split alike on their free dims cannot both keep the split:
     attention with the sequence split (context parallelism) gathers K and V,
     as Megatron's context parallelism and GSPMD do; without this the only
@@ -194,7 +196,15 @@ def free_gathered(node, i, made) -> set:
     def free_axes(nd, skip) -> set:
         return {a for a, q in enumerate(nd) if isinstance(q, Split) and q.dim not in skip}
 
+    def contracted_axes(nd, contracting) -> set:
+        return {a for a, q in enumerate(nd) if isinstance(q, Split) and q.dim in contracting}
+
     shared = free_axes(made[i], skips[i]) & free_axes(made[1 - i], skips[1 - i])
+    # split on a dim it contracts where the other operand's free dim is split:
+    # the probabilities split by query meeting V split by key (the second
+    # product of attention with the sequence split) gather V and keep the
+    # query split, as the scores' product gathers K
+    shared |= contracted_axes(made[i], (lc, rc)[i]) & free_axes(made[1 - i], skips[1 - i])
     nd = made[i]
     return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in shared}
 

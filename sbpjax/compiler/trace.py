@@ -471,9 +471,7 @@ def _live_roots(nodes, outs, loops) -> list:
     while True:
         live = {id(o) for n in _dce(nodes, roots) for o in n.outs}
         new = [
-            loop
-            for loop in loops
-            if id(loop) not in added and any(live & it.made for it in loop.iterations)
+            loop for loop in loops if id(loop) not in added and any(live & it.made for it in loop.iterations)
         ]
         if not new:
             return roots
