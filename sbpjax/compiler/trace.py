@@ -467,7 +467,7 @@ def _live_roots(nodes, outs, loops) -> list:
     A loop whose results nothing reads (a ``fori_loop`` whose carry is never
     returned) is dead code, dropped as XLA drops it, carries and all (kept,
     its exchanges were counted in ``explain()`` and moved nothing)."""
-    roots, live, added = list(outs), set(), set()
+    roots, added = list(outs), set[int]()
     while True:
         live = {id(o) for n in _dce(nodes, roots) for o in n.outs}
         new = [
