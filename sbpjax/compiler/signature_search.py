@@ -60,6 +60,15 @@ class SignatureSearch:
             return free
         # rank 1-D candidates per axis, then cost the products exactly
         combos = self._products(node, self._ranked_per_axis(node, cur, sigs))
+        if own_comm(node.eqn) and all(self._partial_debt(cur, ins, outs, node) for _, ins, outs, _ in combos):
+            # An op that communicates keeps its best few quiet candidates only
+            # (see _ranked_per_axis). Where none of the products kept runs free of
+            # a new partial (a strided slice whose pieces cannot keep the stride,
+            # the estimate's free partials filling the few), every candidate is
+            # costed, as it was before the few: the quiet ones past them (an
+            # all-to-all to another dim, a gather) may be the only cheap ones
+            # (x[:, 1::3] of a (8, 21, 32) value split over 2x4 moved 2.3x).
+            combos = self._products(node, self._ranked_per_axis(node, cur, sigs, every=True))
         if combos and all(self._partial_debt(cur, ins, outs, node) for _, ins, outs, _ in combos):
             # The ranking sees a zero-filled partial as free (its reduction later costs
             # 2(p-1)|T|, a gather now (p-1)|T|): where every product kept zero-fills an
@@ -72,10 +81,11 @@ class SignatureSearch:
             combos += [(after + o, i, x, c) for o, i, x, c in self._products(node, [whole] * len(self.grid))]
         return self._cheapest(node, cur, combos)
 
-    def _ranked_per_axis(self, node: Node, cur: list, sigs: list) -> list:
+    def _ranked_per_axis(self, node: Node, cur: list, sigs: list, every: bool = False) -> list:
         """Per placement axis, the 1-D candidates worth costing on it: the
-        ``_TOP_K`` cheapest by ``estimate`` (all of them for an op that
-        communicates itself), and the best with the outputs' preferences."""
+        ``_TOP_K`` cheapest by ``estimate``, and for an op that communicates
+        itself every candidate that may (``Rule.comm_sig_if``; ``every``: all
+        of them), and the best with the outputs' preferences."""
         per_axis = []
         communicates = own_comm(node.eqn)
         for a, p in enumerate(self.grid):
@@ -115,7 +125,7 @@ class SignatureSearch:
             keep = [
                 t[5]
                 for k, t in enumerate(scored)
-                if k < _TOP_K or (communicates and may_communicate(node.eqn, t[5]))
+                if k < _TOP_K or (communicates and (every or may_communicate(node.eqn, t[5])))
             ]
             if wants:
                 top = min(with_pref, key=lambda t: t[:5])[5]
