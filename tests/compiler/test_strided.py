@@ -1,7 +1,7 @@
 """Strided slices along a split dim (``x[:, ::2]``, ``x[:, 1::2]``) and
 their gradients (pads with interior padding): where every piece is a
 multiple of the stride, each device keeps the rows of its own piece and
-nothing moves (``sbpjax.rules.shifts._strided``); elsewhere the value is
+nothing moves (``sbpjax.rules.shifts._geometry``); elsewhere the value is
 boxed first, as before. Values against the one-device program, bytes
 against the compiled program's collectives and GSPMD's."""
 
