@@ -268,10 +268,6 @@ class _Solve:
         lb = self.lower_bound
         if feasible:
             lb = min(lb, cost)  # float sums of integer costs can round above the exact total
-            if cost - lb <= _dual.PROVEN * abs(cost):
-                # proven as the search proves (``_proven``): the bound's float
-                # sums stop short of the cost by rounding alone (a gap of 5e-10)
-                lb = cost
         self.stats.update(work=self.budget.spent, peak_usage=peak)
         return Solution(s, cost, lb, feasible, self.stats)
 
