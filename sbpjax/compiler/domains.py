@@ -14,6 +14,8 @@ than greedy's plan. An ``sj.AUTO`` argument's domain is every layout
 
 from __future__ import annotations
 
+import numpy as np
+
 from sbpjax.compiler.data import batch_axes, data_arguments
 from sbpjax.compiler.program import Var
 from sbpjax.compiler.reachable import (
@@ -505,6 +507,12 @@ class Domains:
         plan), and no test of what the terms are made from (whole or partial
         in the greedy pass's plan) told the two steps apart."""
         if node.name not in ("add", "add_any", "sub") or node.outs[0].shape != () or len(cs) < 2:
+            return cs
+        if not np.issubdtype(node.outs[0].dtype, np.inexact):
+            # an index's arithmetic (a loop's counter, a position made
+            # non-negative) adds whole integers: as a partial sum each step of
+            # a decode loop all-reduced its position (15 collectives where
+            # GSPMD runs 8)
             return cs
         if not any(
             isinstance(a, Var)
