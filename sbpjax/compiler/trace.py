@@ -462,26 +462,40 @@ def _cse_key(eqn, ins, texts):
 
 
 def _live_roots(nodes, outs, loops) -> list:
-    """``outs`` and the last carries (:func:`_last_carries`) of each loop the
-    program runs: one some result or effect reads, or the loop around it.
-    A loop whose results nothing reads (a ``fori_loop`` whose carry is never
-    returned) is dead code, dropped as XLA drops it, carries and all (kept,
-    its exchanges were counted in ``explain()`` and moved nothing)."""
-    roots, added = list(outs), set[int]()
+    """``outs`` and the last carries (:func:`_last_carries`) that the
+    program uses: each carry some op of the loop reads (for a result, an
+    effect, or another carry that is used), in some iteration. A carry whose
+    values only make its own next value (a ``fori_loop`` whose ``h`` is never
+    returned nor read otherwise) is dead code, as it is to XLA, which drops
+    it from the loop; a loop none of whose carries is used is dropped
+    whole. (Kept,
+    their exchanges were counted in ``explain()`` and moved nothing.)"""
+    roots, added = list(outs), set()
     while True:
-        live = {id(o) for n in _dce(nodes, roots) for o in n.outs}
-        new = [
-            loop for loop in loops if id(loop) not in added and any(live & it.made for it in loop.iterations)
-        ]
+        kept = _dce(nodes, roots)
+        live = {id(o) for n in kept for o in n.outs}
+        new = []
+        for loop in loops:
+            if len(loop.iterations) < 2 or not any(live & it.made for it in loop.iterations):
+                continue
+            made = set().union(*(it.made for it in loop.iterations))
+            read = {id(a) for n in kept if any(id(o) in made for o in n.outs) for a in n.ins}
+            for k in range(loop.n_carry):
+                # from the second iteration on: the first's is the initial value,
+                # which other code may read (a fori_loop's h starting at x)
+                carried = [it.ins[loop.n_consts + k] for it in loop.iterations[1:]]
+                if (id(loop), k) not in added and any(id(v) in read for v in carried):
+                    added.add((id(loop), k))
+                    new.append((loop, k))
         if not new:
             return roots
-        added.update(id(loop) for loop in new)
         roots += _last_carries(new)
 
 
-def _last_carries(loops) -> list:
-    """The carries each written-out scan of two or more iterations makes in
-    its last one, to keep as live as the others' though nothing reads them.
+def _last_carries(carries) -> list:
+    """The carries ``(loop, index)`` that each written-out scan of two or
+    more iterations makes in its last one, to keep as live as the others'
+    though nothing reads them.
 
     A scan's backward pass whose first layer's input gradient is not taken
     (the layers' input is data, not a parameter) computes that gradient in
@@ -501,10 +515,11 @@ def _last_carries(loops) -> list:
     ``ys`` are used): a result of the last iteration's ops, which the
     written-out program would have dropped."""
     roots = []
-    for loop in loops:
-        if len(loop.iterations) >= 2:
-            last = loop.iterations[-1]
-            roots += [v for v in last.outs[: loop.n_carry] if isinstance(v, Var) and id(v) in last.made]
+    for loop, k in carries:
+        last = loop.iterations[-1]
+        v = last.outs[k]
+        if isinstance(v, Var) and id(v) in last.made:
+            roots.append(v)
     return roots
 
 

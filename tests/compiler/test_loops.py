@@ -456,3 +456,27 @@ def test_a_decode_loops_positions_stay_whole():
     collectives = sj.collectives(f.lower(w, wo, x0).compile())
     assert all(c.shape.startswith("f32") for c in collectives), collectives
     assert sum(c.bytes for c in collectives) == f.explain(w, wo, x0).bytes
+
+
+def test_a_carry_only_its_own_chain_reads_is_dead_code():
+    """A ``fori_loop`` carrying a sum the program returns and an ``h`` that
+    only makes the next ``h``: XLA drops ``h`` from the loop, and so does
+    the plan (it counted the chain's exchanges where the compiled program
+    moved none). The carry the program reads is kept, in every iteration."""
+    from conftest import moved_bytes
+
+    x, w = RNG.normal(size=(16, 64)).astype(np.float32), RNG.normal(size=(64, 64)).astype(np.float32) / 8
+
+    def fn(x, w):
+        def body(i, carry):
+            acc, h = carry
+            return acc + x * i, jnp.tanh(h @ w)
+
+        return jax.lax.fori_loop(0, 4, body, (jnp.zeros_like(x), x))[0]
+
+    f = sj.jit(fn, placement=sj.placement(8, "d"), in_sbp=((S(1),), (S(0),)), out_sbp=(S(1),))
+    assert f.explain(x, w).bytes == moved_bytes(f, x, w) == 0
+    nodes = f.explain(x, w).propagation.program.nodes
+    assert not any(n.name == "dot_general" for n in nodes)
+    assert sum(n.name == "add" for n in nodes) >= 4  # the sum's four iterations
+    assert_close(f(x, w).numpy(), np.asarray(jax.jit(fn)(x, w)), rtol=1e-6)
