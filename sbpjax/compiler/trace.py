@@ -468,8 +468,8 @@ def _live_roots(nodes, outs, loops) -> list:
     values only make its own next value (a ``fori_loop`` whose ``h`` is never
     returned nor read otherwise) is dead code, as it is to XLA, which drops
     it from the loop; a loop none of whose carries is used is dropped
-    whole. (Kept,
-    their exchanges were counted in ``explain()`` and moved nothing.)"""
+    whole. (Kept, their exchanges were counted in ``explain()`` and moved
+    nothing.)"""
     roots, added = list(outs), set()
     while True:
         kept = _dce(nodes, roots)
