@@ -103,6 +103,15 @@ class Domains:
         # replicated weight, and from such values (``_whole_already``)
         self.whole_derived: dict = {}
         self.greedy = greedy.decisions
+        # Whether every weight a product reads is replicated, as given (data
+        # parallelism): the squared norms a global-norm clip sums are then of
+        # gradients made whole for the update (``_scalar_sum``).
+        multiplied = {id(a) for n in program.nodes if n.name in HEAVY for a in n.ins if isinstance(a, Var)}
+        self.weights_whole = all(
+            len(lays) == 1 and all(isinstance(q, Broadcast) for q in lays[0])
+            for v, lays in zip(program.inputs, in_layouts)
+            if id(v) in multiplied and id(v) not in self.data
+        )
         # each value's layout as the greedy pass made it (arguments: their given layout)
         self.made: dict = {id(v): lays[0] for v, lays in zip(program.inputs, in_layouts) if len(lays) == 1}
         for d in self.greedy:
@@ -499,13 +508,17 @@ class Domains:
         (a step count plus one) are left as they are: a partial there would
         cost an all-reduce that nothing saves.
 
-        Decision: the price is one all-reduce of 4 bytes in a data-parallel
-        step with a global-norm clip, whose gradients are all-reduced whole
-        anyway (GSPMD computes the norm whole and runs none). Offering the
-        sum of whole terms beside the partial one removed it, but the clipped
-        Llama-style step above planned in 4.8 s instead of 1.4 s (the same
-        plan), and no test of what the terms are made from (whole or partial
-        in the greedy pass's plan) told the two steps apart."""
+        Where every weight a product reads is given replicated (data
+        parallelism: ``weights_whole``), the sum of whole terms is offered
+        beside the partial one: the gradients are all-reduced whole for the
+        update anyway, and the norm is computed whole with no collective of
+        its own, as GSPMD computes it (the partial sum cost one more
+        all-reduce, of 4 bytes, after the gradients'). Decision: that gate
+        rather than every sum: offered everywhere, the clipped Llama-style
+        step above planned in 4.8 s instead of 1.4 s (the same plan); and
+        rather than a test of what the terms are made from, which could not
+        tell the two steps apart (the greedy pass makes both steps'
+        gradients partial sums before reducing them)."""
         if node.name not in ("add", "add_any", "sub") or node.outs[0].shape != () or len(cs) < 2:
             return cs
         if not np.issubdtype(node.outs[0].dtype, np.inexact):
@@ -525,4 +538,7 @@ class Domains:
             for c in cs
             if all(p == 1 or (isinstance(q, Partial) and q.op == "sum") for q, p in zip(c[1][0], self.grid))
         ]
+        if full and self.weights_whole:
+            whole = [c for c in cs if all(isinstance(q, Broadcast) for nd in c[0] + c[1] for q in nd)]
+            return full + whole
         return full or cs
