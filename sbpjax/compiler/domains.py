@@ -103,15 +103,6 @@ class Domains:
         # replicated weight, and from such values (``_whole_already``)
         self.whole_derived: dict = {}
         self.greedy = greedy.decisions
-        # Whether every weight a product reads is replicated, as given (data
-        # parallelism): the squared norms a global-norm clip sums are then of
-        # gradients made whole for the update (``_scalar_sum``).
-        multiplied = {id(a) for n in program.nodes if n.name in HEAVY for a in n.ins if isinstance(a, Var)}
-        self.weights_whole = all(
-            len(lays) == 1 and all(isinstance(q, Broadcast) for q in lays[0])
-            for v, lays in zip(program.inputs, in_layouts)
-            if id(v) in multiplied and id(v) not in self.data
-        )
         # each value's layout as the greedy pass made it (arguments: their given layout)
         self.made: dict = {id(v): lays[0] for v, lays in zip(program.inputs, in_layouts) if len(lays) == 1}
         for d in self.greedy:
@@ -139,6 +130,14 @@ class Domains:
         self.product_operands = {
             id(a) for n in program.nodes if n.name in HEAVY for a in n.ins if isinstance(a, Var)
         }
+        # Whether every weight a product reads is replicated, as given (data
+        # parallelism): the squared norms a global-norm clip sums are then of
+        # gradients made whole for the update (``_scalar_sum``).
+        self.weights_whole = all(
+            len(lays) == 1 and all(isinstance(q, Broadcast) for q in lays[0])
+            for v, lays in zip(program.inputs, in_layouts)
+            if id(v) in self.product_operands and id(v) not in self.data
+        )
         # value id -> the layouts the products before this one may read it
         # in. A later product may read it so too: the hub boxes the value once
         # per layout, so a kernel gradient reads the activation its forward

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from sbpjax.compiler.program import Node, Var
 from sbpjax.compiler.propagation import axis_ties, estimate, fresh_splits, nbytes, op_comm
 from sbpjax.placement import Placement
-from sbpjax.rules import Sig, may_communicate, own_comm
+from sbpjax.rules import Sig, may_communicate, own_comm, prunes_quiet
 from sbpjax.sbp import Broadcast
 
 _TOP_K = 3  # 1-D candidates kept per axis before exact costing of their products
@@ -60,7 +60,9 @@ class SignatureSearch:
             return free
         # rank 1-D candidates per axis, then cost the products exactly
         combos = self._products(node, self._ranked_per_axis(node, cur, sigs))
-        if own_comm(node.eqn) and all(self._partial_debt(cur, ins, outs, node) for _, ins, outs, _ in combos):
+        if prunes_quiet(node.eqn) and all(
+            self._partial_debt(cur, ins, outs, node) for _, ins, outs, _ in combos
+        ):
             # An op that communicates keeps its best few quiet candidates only
             # (see _ranked_per_axis). Where none of the products kept runs free of
             # a new partial (a strided slice whose pieces cannot keep the stride,

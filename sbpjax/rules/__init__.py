@@ -139,6 +139,14 @@ def may_communicate(eqn, sig) -> bool:
     return rule is None or rule.comm_sig_if is None or rule.comm_sig_if(eqn, sig)
 
 
+def prunes_quiet(eqn) -> bool:
+    """Whether ``eqn`` may communicate and its rule tells which candidates
+    cannot (``Rule.comm_sig_if``): the greedy pass then ranks those by
+    estimate, as any op's."""
+    rule = RULES.get(eqn.primitive.name)
+    return own_comm(eqn) and rule is not None and rule.comm_sig_if is not None
+
+
 def P(op: str = "sum") -> Partial:
     return Partial(op)
 
