@@ -170,8 +170,7 @@ def trace(
     nodes: list = []
     flat = _Flattening(unroll_limit=unroll_limit, loop_slices=loop_slices)
     outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, flat=flat)
-    roots = _live_roots(nodes, outs, flat.loops) if keep_last_carries else outs
-    nodes = _dce(nodes, roots)
+    roots, nodes = _live_roots(nodes, outs, flat.loops) if keep_last_carries else (outs, _dce(nodes, outs))
     nodes = _dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
     nodes = _dce(
         rewrites.fuse_shifts(rewrites.rolls(rewrites.splits_as_slices(nodes, _emit), _emit, devices), _emit),
@@ -461,9 +460,9 @@ def _cse_key(eqn, ins, texts):
     return (eqn.primitive.name, params, tuple(args))
 
 
-def _live_roots(nodes, outs, loops) -> list:
-    """``outs`` and the last carries (:func:`_last_carries`) that the
-    program uses: each carry some op of the loop reads (for a result, an
+def _live_roots(nodes, outs, loops) -> tuple[list, list]:
+    """``(roots, the nodes they keep)``: ``outs`` and the last carries
+    (:func:`_last_carries`) that the program uses: each carry some op of the loop reads (for a result, an
     effect, or another carry that is used), in some iteration. A carry whose
     values only make its own next value (a ``fori_loop`` whose ``h`` is never
     returned nor read otherwise) is dead code, as it is to XLA, which drops
@@ -488,7 +487,7 @@ def _live_roots(nodes, outs, loops) -> list:
                     added.add((id(loop), k))
                     new.append((loop, k))
         if not new:
-            return roots
+            return roots, kept
         roots += _last_carries(new)
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_close, gspmd_bytes, moved_bytes
 
 import sbpjax as sj
 from sbpjax.compiler.api import state_sbp
@@ -103,8 +104,6 @@ def test_a_data_parallel_clip_adds_no_collective(pl8):
     adds no collective and no byte to the unclipped step (the sum of scalars
     once had to be a partial sum, and one dependent all-reduce of 4 bytes
     followed the gradients' in every such step; held-out sweep)."""
-    from conftest import assert_close, gspmd_bytes, moved_bytes
-
     r = np.random.default_rng(1)
     params = {
         "w1": (r.normal(size=(16, 32)) / 4).astype(np.float32),

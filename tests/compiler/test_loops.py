@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close
+from conftest import assert_close, moved_bytes
 
 import sbpjax as sj
 from sbpjax import B, S
@@ -406,8 +406,6 @@ def test_a_loop_nothing_reads_is_dead_code():
     as XLA drops it: nothing planned, ``explain()`` counts 0 B as the
     compiled program moves 0 B. The live loop beside it (its carry
     returned) is kept, its last carries too."""
-    from conftest import moved_bytes
-
     x, w = RNG.normal(size=(16, 64)).astype(np.float32), RNG.normal(size=(64, 64)).astype(np.float32) / 8
 
     def dead(x, w):
@@ -463,8 +461,6 @@ def test_a_carry_only_its_own_chain_reads_is_dead_code():
     only makes the next ``h``: XLA drops ``h`` from the loop, and so does
     the plan (it counted the chain's exchanges where the compiled program
     moved none). The carry the program reads is kept, in every iteration."""
-    from conftest import moved_bytes
-
     x, w = RNG.normal(size=(16, 64)).astype(np.float32), RNG.normal(size=(64, 64)).astype(np.float32) / 8
 
     def fn(x, w):
