@@ -72,11 +72,12 @@ from jax import lax
 
 from sbpjax.compiler import lower
 from sbpjax.compiler.choose import choose
+from sbpjax.compiler.loop_eqns import scan_operands
 from sbpjax.compiler.loop_exits import shift_down, shift_up
 from sbpjax.compiler.pricing import count_collectives
 from sbpjax.compiler.program import Node
 from sbpjax.compiler.propagation import NESTED, Nested, Propagation, even_on
-from sbpjax.compiler.trace import scan_operands, trace
+from sbpjax.compiler.trace import trace
 from sbpjax.rules import Comm
 from sbpjax.sbp import Broadcast, Partial, Split
 

@@ -24,6 +24,7 @@ except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
 from sbpjax.compiler import rewrites
+from sbpjax.compiler.loop_eqns import scan_operands, without_dead_carries
 from sbpjax.compiler.program import (
     UNKNOWN_SOURCE,
     Cond,
@@ -429,15 +430,6 @@ def _linear_solve(params, ins, nodes, cse, flat):
     return _inline(solve.jaxpr, list(solve.consts), operands, nodes, cse, flat)
 
 
-def scan_operands(params, ins) -> tuple[list, list, list]:
-    """A scan's operands ``ins`` as (constants, carries, stacked ones)."""
-    if "ft_in" in params:  # jax >= 0.12 groups the operands as flat trees
-        consts, carry, xs = (list(g) for g in params["ft_in"].update(ins).unpack())
-        return consts, carry, xs
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
-    return ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
-
-
 def _cse_key(eqn, ins, texts):
     """Equal equations on equal inputs compute equal values; XLA merges them,
     so the plan must too (else it would count a boxing XLA never runs).
@@ -528,6 +520,11 @@ def _dce(nodes, outputs):
     for node in reversed(nodes):
         effects = getattr(node.eqn, "effects", None)
         if any(id(o) in live for o in node.outs) or effects:
+            if node.name in ("while", "scan"):  # a loop kept whole: its dead carries pass through
+                eqn = without_dead_carries(node.eqn, [id(o) in live for o in node.outs])
+                node = (
+                    node if eqn is node.eqn else dataclasses.replace(node, eqn=eqn, texts=None, op_key=None)
+                )
             kept.append(node)
             live |= {id(i) for i in node.ins if isinstance(i, Var)}
     return kept[::-1]

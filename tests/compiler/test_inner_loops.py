@@ -240,3 +240,59 @@ def test_a_scan_too_long_to_write_out_runs_split_as_a_loop_of_its_own(pl24, xs_s
     assert h.sbp == (S(0), B) and ys.sbp == (S(1), S(2))
     if xs_sbp == (S(1), B):
         assert e.bytes == 0  # every step runs on the device's rows alone
+
+
+def test_carries_nothing_reads_after_a_loop_kept_whole_are_not_planned(pl8):
+    """A loop kept whole (an effect in its body; a run-time trip count; a scan
+    past the unroll limit) whose results are partly used: the carries nothing
+    needs (not read after the loop, by its condition, or by an effect) are
+    not planned, as XLA drops them. ``explain()`` counts what the compiled
+    program moves (before: 114,688 B counted for a dead split matmul chain,
+    0 compiled). A carry an effect reads stays, with its exchanges."""
+    r = np.random.default_rng(8)
+    x = r.normal(size=(16, 64)).astype(np.float32)
+    w = (r.normal(size=(64, 64)) / 8).astype(np.float32)
+
+    def printing_step(x, w):  # only the step counter is used; the print keeps the loop whole
+        def body(i, c):
+            h, s = c
+            jax.debug.print("step {i}", i=i)
+            return jnp.tanh(h @ w), s + 1.0
+
+        return jax.lax.fori_loop(0, 4, body, (x, 0.0))[1]
+
+    def printing_chain(x, w):  # the print reads the sum, and so the chain
+        def body(i, c):
+            h, s = c
+            jax.debug.print("s {s}", s=s)
+            return jnp.tanh(h @ w), s + h.sum()
+
+        return jax.lax.fori_loop(0, 4, body, (x, 0.0))[1]
+
+    def run_time_trips(x, w):
+        def body(c):
+            k, h = c
+            return k * 1.5 + 1.0, jnp.tanh(h @ w)
+
+        return jax.lax.while_loop(lambda c: c[0] < 40.0, body, (jnp.float32(0.0), x))[0]
+
+    def long_scan(x, w):
+        def step(c, _):
+            h, s = c
+            return (jnp.tanh(h @ w), s * 0.5 + 1.0), None
+
+        return jax.lax.scan(step, (x, jnp.float32(1.0)), None, length=64)[0][1]
+
+    options = sj.CompileOptions(unroll_limit=50)
+    for fn, live in [
+        (printing_step, False),
+        (printing_chain, True),
+        (run_time_trips, False),
+        (long_scan, False),
+    ]:
+        f = sj.jit(fn, placement=pl8, in_sbp=((S(1),), (S(0),)), options=options)
+        e = f.explain(x, w)
+        assert e.bytes == compiled_bytes(f, x, w), fn.__name__
+        assert (e.bytes > 0) == live, (fn.__name__, e.bytes)
+        assert_close(f(x, w).numpy(), np.asarray(jax.jit(fn)(x, w)), rtol=1e-5, scale=1.0)
+    jax.effects_barrier()
