@@ -1,5 +1,6 @@
 """Loop equations as JAX writes them: a scan's operand groups (which moved
-between JAX versions), and the carries of a loop kept whole
+between JAX versions), a ``while`` on a batched predicate (``jax.vmap`` of a
+``while_loop``) as a loop on one, and the carries of a loop kept whole
 (:mod:`sbpjax.compiler.inner_loops`) that nothing reads after it.
 
 A ``while_loop`` (or a scan run as a loop of its own) whose results are
@@ -23,6 +24,10 @@ equations' variables.
 """
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
 
 
 def scan_operands(params, ins) -> tuple[list, list, list]:
@@ -88,4 +93,41 @@ def without_dead_carries(eqn, used_outs: list[bool]):
     return eqn
 
 
-__all__ = ["scan_operands", "without_dead_carries"]
+def batched_while(eqn):
+    """The jaxpr (closed) of a ``while`` whose condition returns a batched
+    predicate, as a loop on one scalar, or None for any other equation.
+
+    ``jax.vmap`` of a ``while_loop`` whose trip count differs per example
+    writes such a ``while``: it runs while any lane's predicate holds, and
+    each iteration keeps the body's results only in the lanes whose predicate
+    held at its start (JAX's own lowering of it). ``lax.while_loop`` takes a
+    scalar predicate only, so the lowering of the local program could not run
+    it; spelled with ``jnp.any`` and a select, the layout choice plans it as
+    any loop (a split predicate is reduced to one flag in the loop)."""
+    if eqn.primitive.name != "while" or not eqn.params["cond_jaxpr"].out_avals[0].shape:
+        return None
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+
+    def unbatched(*args):
+        cond_consts, body_consts, carry = args[:nc], args[nc : nc + nb], args[nc + nb :]
+
+        def alive(c):
+            return jax.core.eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *c)[0]
+
+        def step(c):
+            lanes = alive(c)
+            new = jax.core.eval_jaxpr(body.jaxpr, body.consts, *body_consts, *c)
+            dims = tuple(range(lanes.ndim))
+            return tuple(
+                lax.select(lax.broadcast_in_dim(lanes, jnp.shape(n), dims), n, o) for n, o in zip(new, c)
+            )
+
+        return lax.while_loop(lambda c: jnp.any(alive(c)), step, tuple(carry))
+
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    return jax.make_jaxpr(unbatched)(*avals)
+
+
+__all__ = ["batched_while", "scan_operands", "without_dead_carries"]

@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
 from sbpjax.compiler import rewrites
-from sbpjax.compiler.loop_eqns import scan_operands, without_dead_carries
+from sbpjax.compiler.loop_eqns import batched_while, scan_operands, without_dead_carries
 from sbpjax.compiler.program import (
     UNKNOWN_SOURCE,
     Cond,
@@ -254,14 +254,18 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
 def _hi_expansion(eqn, flat):
     """The jaxpr, in JAX's own primitives, of a higher-level primitive
     (``call_hi_primitive`` of jax >= 0.12, which spells ``jnp.searchsorted``
-    so): its ``expand`` traced on the equation's avals, once per equation; or
+    so): its ``expand`` traced on the equation's avals, once per equation; a
+    ``while`` on a batched predicate as a loop on one (``batched_while``); or
     None for any other equation, or one that cannot be expanded (it then runs
     whole on every device, and a warning says so)."""
-    if eqn.primitive.name != "call_hi_primitive":
+    if eqn.primitive.name not in ("call_hi_primitive", "while"):
         return None
     kept = flat.expansions.get(id(eqn))
     if kept is not None:
         return kept[1]
+    if eqn.primitive.name == "while":
+        flat.expansions[id(eqn)] = (eqn, batched_while(eqn))
+        return flat.expansions[id(eqn)][1]
     prim = eqn.params.get("_prim")
     expand, in_tree, out_tree = (getattr(prim, k, None) for k in ("expand", "in_tree", "out_tree"))
     closed = None

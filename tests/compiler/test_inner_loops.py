@@ -296,3 +296,29 @@ def test_carries_nothing_reads_after_a_loop_kept_whole_are_not_planned(pl8):
         assert (e.bytes > 0) == live, (fn.__name__, e.bytes)
         assert_close(f(x, w).numpy(), np.asarray(jax.jit(fn)(x, w)), rtol=1e-5, scale=1.0)
     jax.effects_barrier()
+
+
+def test_a_vmapped_while_loop_runs_each_example_its_own_trip_count(pl8):
+    """``jax.vmap`` of a ``while_loop`` whose trip count differs per example
+    writes a ``while`` on a batched predicate (it crashed: "cond_fun must
+    return a boolean scalar"). Each example stops at its own count; split by
+    examples the carries stay split and each iteration all-reduces one flag
+    (whether any example still runs), as ``explain()`` counts."""
+    r = np.random.default_rng(9)
+    a = (np.abs(r.normal(size=64)) * 10 + 1).astype(np.float32)
+    limit = np.float32(1.5)  # read by the condition: a constant of the loop
+
+    def halvings(a, limit):
+        return jax.lax.while_loop(lambda c: c[0] > limit, lambda c: (c[0] / 2, c[1] + 1), (a, 0))
+
+    fn = jax.vmap(halvings, in_axes=(0, None))
+    want = jax.jit(fn)(a, limit)
+    assert len(set(np.asarray(want[1]).tolist())) > 1  # the trip counts differ
+    for sbp, moved in [((S(0),), True), ((B,), False)]:
+        f, (x, n) = strict(fn, pl8, (sbp, (B,)), a, limit)
+        assert_close(x.numpy(), np.asarray(want[0]), rtol=1e-6)
+        assert np.array_equal(n.numpy(), np.asarray(want[1]))
+        e = f.explain(a, limit)
+        assert e.bytes == compiled_bytes(f, a, limit)
+        assert (e.bytes > 0) == moved and e.bytes <= 8 * 7 * 4  # a flag per device, not the carries
+        assert x.sbp == sbp
