@@ -19,13 +19,20 @@ def is_count(value, least: int = 1) -> bool:
 
 
 def is_positive_amount(value) -> bool:
-    """A number (Python's or NumPy's, not a bool) above 0, not NaN: how
-    amounts such as memory budgets in bytes are checked."""
+    """A finite number (Python's or NumPy's, not a bool) above 0: how
+    amounts such as memory budgets in bytes are checked (an infinite budget
+    is no budget: the callers take None for that)."""
+    import math
     import numbers
 
     import numpy as np
 
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and float(value) > 0
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, (bool, np.bool_))
+        and math.isfinite(float(value))
+        and float(value) > 0
+    )
 
 
 class SBPWarning(UserWarning):

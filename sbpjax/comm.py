@@ -28,6 +28,8 @@ from fractions import Fraction
 
 import numpy as np
 
+from sbpjax._errors import SBPError
+
 _DTYPE_BYTES = {
     "pred": 1,
     "s4": 0.5,
@@ -260,11 +262,21 @@ def _multipliers(comps: dict) -> dict:
 
 def _hlo_text(compiled) -> str:
     if isinstance(compiled, str):
+        if "HloModule" not in compiled and "ENTRY" not in compiled:
+            raise SBPError(
+                f"sj.collectives: the text given is not an HLO module (no 'HloModule' or 'ENTRY' in "
+                f"{compiled[:60]!r}); pass a compiled program (f.lower(*args).compile()) or its as_text()."
+            )
         return compiled
     import jax
 
     if isinstance(compiled, jax.stages.Lowered):
         compiled = compiled.compile()
+    if not callable(getattr(compiled, "as_text", None)):
+        raise SBPError(
+            f"sj.collectives: expected a compiled program, got {type(compiled).__name__}; for an sj.jit or "
+            "jax.jit function f, pass f.lower(*args).compile()."
+        )
     return compiled.as_text()
 
 

@@ -43,6 +43,18 @@ class CostModel:
     transfer_alpha: float | None = None
     transfer_beta: float | None = None
 
+    def __post_init__(self):
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            items = value.items() if isinstance(value, Mapping) else [(None, value)]
+            for axis, v in items:
+                where = name if axis is None else f"{name}[{axis!r}]"
+                _check_time(v, where)
+        for name in ("default_alpha", "default_beta", "transfer_alpha", "transfer_beta"):
+            v = getattr(self, name)
+            if v is not None or not name.startswith("transfer"):
+                _check_time(v, name)
+
     def axis_alpha(self, axis: str) -> float:
         if isinstance(self.alpha, Mapping):
             return float(self.alpha.get(axis, self.default_alpha))
@@ -87,6 +99,34 @@ class CostModel:
         return a + nbytes_per_device * b
 
 
+def _check_time(value, name: str) -> None:
+    import math
+    import numbers
+
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise SBPError(
+            f"sj.CostModel: {name} must be a finite number of seconds >= 0 (alpha: a collective's latency, "
+            f"beta: seconds per byte), got {value!r}."
+        )
+
+
+def checked_cost_model(value, where: str) -> CostModel | None:
+    """``value`` (None: the default model) if it is a CostModel, else an
+    SBPError naming ``where``."""
+    if value is None or isinstance(value, CostModel):
+        return value
+    raise SBPError(
+        f"{where}: cost_model must be an sj.CostModel (e.g. sj.CostModel(alpha=1e-5, beta=1e-10), or "
+        f"sj.calibrate(placement) to measure one), or None for the default; got {type(value).__name__} "
+        f"({value!r:.60})."
+    )
+
+
 DEFAULT_COST_MODEL = CostModel()
 
 
@@ -106,6 +146,9 @@ def calibrate(
     from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from sbpjax.placement import checked_placement
+
+    checked_placement(placement, "sj.calibrate")
     names = placement.axis_names
     stacked = PartitionSpec(names)  # one row per device
     alphas, betas = {}, {}

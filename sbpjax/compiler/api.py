@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from sbpjax._errors import SBPError, is_positive_amount
+from sbpjax.boxing.cost import checked_cost_model
 from sbpjax.compiler import inner_loops  # noqa: F401 (plans long scans and while loops: registers them in propagation.NESTED)
 from sbpjax.compiler.arguments import (
     broadcast_spec,
@@ -96,7 +97,7 @@ class CompiledFunction:
         self.placement = placement
         self.in_sbp = in_sbp
         self.out_sbp = out_sbp
-        self.cost_model = cost_model
+        self.cost_model = checked_cost_model(cost_model, "sj.jit")
         self.solver = solver
         checked_time_limit(solve_time_limit, "sj.jit")
         self.options = checked_options(options, "sj.jit")
@@ -114,6 +115,11 @@ class CompiledFunction:
                 f"name argument(s) "
                 f"{sorted(set(self.donate_argnums) & set(self.static.nums))}: a static argument is a Python "
                 "value, not a buffer to donate."
+            )
+        if not isinstance(auto, (bool, np.bool_)):
+            raise SBPError(
+                f"sj.jit: auto must be True (the layout choice picks the layouts of arguments whose in_sbp "
+                f"is None) or False, got {auto!r}."
             )
         self.auto = bool(auto)
         self.memory_budget = checked_budget(memory_budget)
@@ -476,12 +482,13 @@ def jit(
 def checked_budget(memory_budget):
     """``memory_budget`` as a Python int or float (NumPy's numbers too: a
     budget computed from array sizes), or None; a bool, a string, NaN or a
-    number <= 0 is an SBPError."""
+    number <= 0 or infinite is an SBPError."""
     if memory_budget is None:
         return None
     if not is_positive_amount(memory_budget):
         raise SBPError(
-            f"sj.jit: memory_budget must be a positive number of bytes per device, got {memory_budget!r}."
+            f"sj.jit: memory_budget must be a positive, finite number of bytes per device (None for no "
+            f"budget), got {memory_budget!r}."
         )
     return int(memory_budget) if isinstance(memory_budget, numbers.Integral) else float(memory_budget)
 

@@ -142,11 +142,59 @@ def broadcast_spec(spec, tree, what, ndim):
         # value would take the layout written for the one before it)
         return tree.flatten_up_to(expanded)
     except (ValueError, TypeError) as e:
+        where = _mismatch(spec, values, what) or f"({e})"
+        example = (
+            "in_sbp=((S(0), B), None) for two arguments" if what == "in_sbp" else f"{what}=((S(0), B), None)"
+        )
         raise SBPError(
-            f"sj.jit: {what} does not match the structure of the values ({e}). Give a pytree "
+            f"sj.jit: {what} does not match the structure of the values: {where}. Give a pytree "
             "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
-            f"in_sbp=((S(0), B), None).{_one_axis_hint(given, values, ndim)}"
+            f"{example}.{_one_axis_hint(given, values, ndim)}"
         ) from None
+
+
+def _mismatch(spec, values, what: str, path: str = "") -> str | None:
+    """Where the prefix tree ``spec`` and the values' tree (a placeholder per
+    array) first differ, in words, or None where the difference lies in a
+    container this does not read (JAX's message is given then). An nd-SBP
+    or None stands for any subtree."""
+    if _is_sbp_leaf(spec):
+        return None
+    here = f"{what}{path}"
+    if isinstance(spec, (tuple, list)):
+        if not isinstance(values, (tuple, list)):
+            return f"{here} is a {type(spec).__name__} of {len(spec)} entries where the value is {_described(values)}"
+        if len(spec) != len(values):
+            if what == "in_sbp" and not path:
+                return (
+                    f"in_sbp has {len(spec)} entries (one per positional argument) and this call passes "
+                    f"{len(values)} positional argument{'s' * (len(values) != 1)}"
+                )
+            return f"{here} has {len(spec)} entries where the values have {len(values)}"
+        for k, (s, v) in enumerate(zip(spec, values)):
+            found = _mismatch(s, v, what, f"{path}[{k}]")
+            if found:
+                return found
+    elif isinstance(spec, dict):
+        if not isinstance(values, dict):
+            return f"{here} is a dict where the value is {_described(values)}"
+        if set(spec) != set(values):
+            return f"{here} has the keys {sorted(map(str, spec))} where the values have {sorted(map(str, values))}"
+        for k in spec:
+            found = _mismatch(spec[k], values[k], what, f"{path}[{k!r}]")
+            if found:
+                return found
+    return None
+
+
+def _described(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, dict):
+        return f"a dict with the keys {sorted(map(str, value))}"
+    if value is None:
+        return "None"
+    return "one array" if isinstance(value, int) else type(value).__name__
 
 
 def _one_axis_hint(spec, values, ndim: int) -> str:

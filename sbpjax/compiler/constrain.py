@@ -16,6 +16,7 @@ import functools
 import jax
 from jax.interpreters import mlir
 
+from sbpjax._errors import SBPError
 from sbpjax.compiler.propagation import CONSTRAIN
 from sbpjax.sbp import Broadcast, Partial, Split, parse_sbp
 
@@ -44,12 +45,25 @@ jax.interpreters.ad.primitive_jvps[constrain_p] = _constrain_jvp
 jax.interpreters.batching.primitive_batchers[constrain_p] = _constrain_batch
 
 
-def _as_nd(sbp) -> tuple:
+def _as_nd(sbp, name: str = "sbp") -> tuple:
     if isinstance(sbp, str):
         return tuple(parse_sbp(sbp))
     if isinstance(sbp, (Split, Broadcast, Partial)):
         return (sbp,)
-    return tuple(sbp)
+    if isinstance(sbp, (tuple, list)) and all(isinstance(s, (Split, Broadcast, Partial, str)) for s in sbp):
+        return tuple(s if not isinstance(s, str) else _one(s, sbp, name) for s in sbp)
+    raise SBPError(
+        f"sj.constrain: {name} must be an nd-SBP, one entry per placement axis (e.g. (sj.S(0), sj.B) or "
+        f"'S(0), B'; one SBP such as sj.S(0) on a placement of one axis), got {sbp!r} "
+        f"({type(sbp).__name__})."
+    )
+
+
+def _one(text: str, sbp, name: str):
+    parsed = parse_sbp(text)
+    if len(parsed) != 1:
+        raise SBPError(f"sj.constrain: {name} entry {text!r} of {sbp!r} is not one SBP (e.g. 'S(0)' or 'B').")
+    return parsed[0]
 
 
 def constrain(x, sbp, grad_sbp=None):
@@ -65,7 +79,7 @@ def constrain(x, sbp, grad_sbp=None):
     sbp = _as_nd(sbp)
     if grad_sbp is None:
         return constrain_p.bind(x, sbp=sbp)
-    return _constrain_both(x, sbp, _as_nd(grad_sbp))
+    return _constrain_both(x, sbp, _as_nd(grad_sbp, "grad_sbp"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

@@ -13,6 +13,8 @@ can be passed to the next call as it is).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from sbpjax.dtypes import key_impl
@@ -33,6 +35,7 @@ def keyed(fn, in_tree, in_impls: tuple, out_impls: list):
     typed keys; ``out_impls`` is filled, when it is traced, with each output
     leaf's implementation (None for the others)."""
 
+    @functools.wraps(fn)  # errors and debug names read the user's function
     def with_keys(*args, **kwargs):
         if any(in_impls):
             leaves = in_tree.flatten_up_to((args, kwargs))

@@ -14,6 +14,7 @@ Each default is justified where it is used; the figures behind them are in
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from sbpjax._errors import SBPError
 
@@ -99,8 +100,8 @@ class CompileOptions:
                 raise SBPError(f"sj.CompileOptions: {name} must be a positive int, got {v!r}.")
         for name in ("zero_fill_weight", "fewer_collectives", "gather_share", "regather_min_saving"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise SBPError(f"sj.CompileOptions: {name} must be a number >= 0, got {v!r}.")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise SBPError(f"sj.CompileOptions: {name} must be a finite number >= 0, got {v!r}.")
         v = self.regather_margin
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
             raise SBPError(f"sj.CompileOptions: regather_margin must be in [0, 1), got {v!r}.")

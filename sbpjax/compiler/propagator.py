@@ -39,6 +39,7 @@ from sbpjax.compiler.propagation import (
     zero_values,
 )
 from sbpjax.compiler.signature_search import SignatureSearch
+from sbpjax.dtypes import check_partial_dtype
 from sbpjax.placement import Placement
 from sbpjax.rules import RULES, split_axes
 from sbpjax.rules.shifts import prefix_aligned
@@ -238,6 +239,7 @@ class Propagator(SignatureSearch):
                     f"sj.constrain at {node.source}: {format_sbp(want)} splits a dim the tensor of shape "
                     f"{node.ins[0].shape} does not have; split a dim in 0..{len(node.ins[0].shape) - 1}."
                 )
+            check_partial_dtype(node.ins[0].dtype, want, f"sj.constrain at {node.source}")
             return self._decide(node, index, [want], [want])
         nested = NESTED.get(node.name)
         sig = nested.signature(node, cur, self.pl) if nested is not None else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 import itertools
 
 import jax
@@ -23,6 +24,7 @@ try:  # the public home moved across JAX versions
 except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
+from sbpjax._errors import SBPError
 from sbpjax.compiler import rewrites
 from sbpjax.compiler.loop_eqns import batched_while, scan_operands, without_dead_carries
 from sbpjax.compiler.program import (
@@ -165,7 +167,16 @@ def trace(
         return fn(*args, **kwargs)
 
     with _tracing(placement):
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
+        try:
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
+        except TypeError as e:
+            if "not a valid JAX type" not in str(e):
+                raise
+            raise SBPError(
+                f"sj.jit: {_named(fn)} returned a value that is not a JAX type ({str(e).split('returned ')[-1]}); "
+                "return arrays or pytrees of them (a non-array result such as a string or a Python "
+                "object cannot be an output of a compiled program)."
+            ) from None
     out_tree = jax.tree_util.tree_structure(out_shape)
     inputs = [Var(tuple(a.shape), _dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
     nodes: list = []
@@ -181,6 +192,15 @@ def trace(
     # convolutions may be the padded value's only readers
     nodes = _dce(rewrites.fuse_padded_convs(nodes, roots, _emit), roots)
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
+
+
+def _named(fn) -> str:
+    """``fn`` as a user reads it: its name and where it is defined."""
+    inner = inspect.unwrap(fn)
+    inner = getattr(inner, "func", inner)  # a functools.partial: the function it wraps
+    code = getattr(inner, "__code__", None)
+    name = getattr(inner, "__qualname__", None) or repr(inner)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
 
 
 @dataclasses.dataclass

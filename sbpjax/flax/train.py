@@ -30,6 +30,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sbpjax._errors import SBPError
+from sbpjax.boxing.cost import checked_cost_model
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler.api import constrain, jit
 from sbpjax.compiler.arguments import checked_regather, checked_time_limit, is_nd_sbp, state_sbp
@@ -173,6 +174,35 @@ def _data_axis(batch_sbp, placement: Placement, zero) -> int:
     )
 
 
+def checked_optimizer(value, where: str):
+    """``value`` if it is an optax ``GradientTransformation`` (``init`` and
+    ``update``), else an SBPError naming ``where``."""
+    if callable(getattr(value, "init", None)) and callable(getattr(value, "update", None)):
+        return value
+    raise SBPError(
+        f"{where}: optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3)), got "
+        f"{type(value).__name__} ({value!r:.60})."
+    )
+
+
+def checked_compute_dtype(value, where: str):
+    """``value`` as a floating NumPy dtype, or None; else an SBPError naming
+    ``where`` (an integer compute dtype would cast the weights to integers
+    and train nothing)."""
+    if value is None:
+        return None
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise SBPError(
+            f"{where}: compute_dtype must be a floating dtype (jnp.bfloat16, jnp.float16, jnp.float32, or "
+            f"their names such as 'bfloat16'), got {value!r}."
+        )
+    return dtype
+
+
 class TrainStep:
     """One optimizer step, compiled by ``sj.jit`` into a single ``shard_map``.
 
@@ -219,15 +249,15 @@ class TrainStep:
         options=None,
     ):
         self.loss_fn = loss_fn
-        self.optimizer = optimizer
+        self.optimizer = checked_optimizer(optimizer, "TrainStep")
         self.placement = checked_placement(placement, "TrainStep")
         self.param_sbp = param_sbp
         self.batch_sbp = batch_sbp
         self.zero = zero
-        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        self.compute_dtype = checked_compute_dtype(compute_dtype, "TrainStep")
         self.has_aux = has_aux
         self.aux_sbp = aux_sbp
-        self.cost_model = cost_model
+        self.cost_model = checked_cost_model(cost_model, "TrainStep")
         self.donate = bool(donate)
         # checked here, not first in sj.jit: a Trainer builds the optimizer
         # state before the step, and a bad setting would fail only after that ran

@@ -15,11 +15,12 @@ from flax import nnx
 
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
+from sbpjax.boxing.cost import checked_cost_model
 from sbpjax.compiler.arguments import broadcast_spec
 from sbpjax.compiler.auto import AUTO
 from sbpjax.dtypes import is_key
 from sbpjax.flax.annotate import get_sbp
-from sbpjax.flax.train import TrainStep, checked_loss, init_global
+from sbpjax.flax.train import TrainStep, checked_compute_dtype, checked_loss, checked_optimizer, init_global
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
 from sbpjax.tensor import is_global, to_global
@@ -189,6 +190,14 @@ class Trainer:
         values equal ``Trainer(model_factory(), ...)``'s (the same RNG keys).
         """
         self = cls.__new__(cls)
+        if isinstance(model_factory, nnx.Module) or not callable(model_factory):
+            instead = (
+                " (a model: pass it to Trainer(model, ...))" if isinstance(model_factory, nnx.Module) else ""
+            )
+            raise SBPError(
+                f"Trainer.create: model_factory must be a function of no arguments that builds the model "
+                f"(e.g. lambda: MyModel(cfg, nnx.Rngs(0))), got {type(model_factory).__name__}{instead}."
+            )
         model_factory = _traced_factory(model_factory)
         abstract = nnx.eval_shape(model_factory)
         self._setup(
@@ -223,11 +232,24 @@ class Trainer:
         (``model`` may be abstract). ``step_options``: the TrainStep keywords
         the constructors take as they are (zero, compute_dtype, ...)."""
         self.placement = checked_placement(placement, "Trainer")
+        checked_optimizer(optimizer, "Trainer")
+        checked_compute_dtype(step_options["compute_dtype"], "Trainer")
+        checked_cost_model(step_options["cost_model"], "Trainer")
+        if not isinstance(model, nnx.Module):
+            raise SBPError(
+                f"Trainer: model must be a Flax NNX Module (an nnx.Module instance; Trainer.create takes a "
+                f"function that builds one), got {type(model).__name__}."
+            )
         self.graphdef: nnx.GraphDef
         # flax types split with two or more filters as a variadic tuple; two give exactly three
         self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         self._template, self._rest_template = params_state, rest
         self._pure = nnx.to_pure_dict(params_state)
+        if not jax.tree.leaves(self._pure):
+            raise SBPError(
+                f"Trainer: the model ({type(model).__name__}) has no nnx.Param to train; its weights must be "
+                "nnx.Param variables (as nnx.Linear's are)."
+            )
         self._rest_pure = nnx.to_pure_dict(rest)
         self._param_sbp = get_sbp(model, placement)
         self._optimizer, self._loss_fn, self._batch_sbp = optimizer, loss_fn, batch_sbp

@@ -424,7 +424,7 @@ def test_auto_errors(pl24):
     with pytest.raises(sj.SBPError, match="out_sbp leaves cannot be sj.AUTO"):
         sj.jit(step, placement=pl24, in_sbp=(sj.AUTO, (S0, B)), out_sbp=sj.AUTO)(params, x)
     for bad in (-1, 0, float("nan"), np.float32("nan"), "10", True, np.bool_(True), [1]):
-        with pytest.raises(sj.SBPError, match="memory_budget must be a positive number"):
+        with pytest.raises(sj.SBPError, match="memory_budget must be a positive, finite number"):
             sj.jit(step, placement=pl24, memory_budget=bad)
     # NumPy's numbers are numbers (a budget computed from array sizes), kept as Python's
     for good, want in ((np.int64(10**6), 10**6), (np.float32(1e6), 1e6), (10**6, 10**6)):

@@ -1,0 +1,172 @@
+"""Bad arguments to the public API: each is an SBPError that says what was
+wrong, where, and how to write it, raised where the argument enters (not as
+an AttributeError or TypeError deep inside the planner), and the function it
+was given to still works when called correctly."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from flax import nnx
+
+import sbpjax as sj
+import sbpjax.flax as sjf
+from sbpjax import B, P, S
+
+X = np.arange(16 * 8, dtype=np.float32).reshape(16, 8) / 100
+W = np.ones((8, 4), np.float32)
+
+
+def matmul(x, w):
+    return x @ w
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(cost_model="fast"), r"cost_model must be an sj.CostModel .*sj.calibrate\(placement\).*got str"),
+        (
+            dict(memory_budget=math.inf),
+            r"memory_budget must be a positive, finite number .*None for no budget",
+        ),
+        (dict(memory_budget=-1), r"memory_budget must be a positive"),
+    ],
+)
+def test_sj_jit_refuses_bad_settings_where_they_are_given(kwargs, match, pl8):
+    with pytest.raises(sj.SBPError, match=match):
+        sj.jit(matmul, placement=pl8, in_sbp=(S(0), B), **kwargs)
+
+
+@pytest.mark.parametrize("name", ["zero_fill_weight", "fewer_collectives", "gather_share"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_compile_options_take_finite_numbers_only(name, value):
+    # NaN passed the old check (nan < 0 is False) and priced plans at NaN
+    with pytest.raises(sj.SBPError, match=rf"CompileOptions: {name} must be a finite number >= 0"):
+        sj.CompileOptions(**{name: value})
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(alpha=-1.0), r"CostModel: alpha must be a finite number of seconds >= 0"),
+        (dict(beta=math.nan), r"CostModel: beta must be"),
+        (dict(alpha={"x": 1e-5, "y": math.inf}), r"CostModel: alpha\['y'\] must be"),
+        (dict(transfer_beta=-1e-9), r"CostModel: transfer_beta must be"),
+    ],
+)
+def test_cost_model_values_are_checked(kwargs, match):
+    with pytest.raises(sj.SBPError, match=match):
+        sj.CostModel(**kwargs)
+    assert sj.CostModel(alpha={"x": 0.0}, beta=1e-10).axis_alpha("x") == 0.0  # zero is a valid fit
+
+
+def test_calibrate_names_its_placement_argument():
+    with pytest.raises(sj.SBPError, match=r"sj.calibrate: placement must be an sj.Placement, got str"):
+        sj.calibrate("pl")
+
+
+def test_constrain_checks_its_layout_and_the_dtype_it_may_take(pl24):
+    x = np.ones((8, 8), np.float32)
+    for bad in (5, None, [S(0), 3]):
+        f = sj.jit(lambda a, bad=bad: sj.constrain(a * 2, bad), placement=pl24, in_sbp=((S(0), B),))
+        with pytest.raises(
+            sj.SBPError, match=r"sj.constrain: sbp must be an nd-SBP, one entry per placement axis"
+        ):
+            f(x)
+    # a partial of a dtype that has none: refused as out_sbp refuses it, naming the line
+    cases = [
+        (lambda a: a > 0, (P, B), "bool"),
+        (lambda a: a.astype(jnp.complex64), (sj.P_max, B), "complex64"),
+    ]
+    for make, nd, name in cases:
+        f = sj.jit(lambda a, make=make, nd=nd: sj.constrain(make(a), nd), placement=pl24, in_sbp=((S(0), B),))
+        with pytest.raises(sj.SBPError, match=rf"sj.constrain at .*test_argument_checks.py.*dtype {name}"):
+            f(x)
+
+
+def test_a_call_that_does_not_match_in_sbp_says_how_and_the_function_still_runs(pl8):
+    f = sj.jit(matmul, placement=pl8, in_sbp=((S(0),), (B,)))
+    with pytest.raises(
+        sj.SBPError, match=r"in_sbp has 2 entries .* this call passes 1 positional argument\."
+    ):
+        f(X)
+    with pytest.raises(sj.SBPError, match=r"this call passes 3 positional arguments"):
+        f(X, W, W)
+    g = sj.jit(matmul, placement=pl8, in_sbp=((S(0),), (B,)), out_sbp=((S(0),), (B,)))
+    with pytest.raises(sj.SBPError, match=r"out_sbp is a tuple of 2 entries where the value is one array"):
+        g(X, W)
+    assert_close(f(X, W).numpy(), X @ W, rtol=1e-6)  # nothing half-done by the failed calls
+
+
+def test_a_function_returning_a_non_array_is_named():
+    def named_step(x):
+        return "done"
+
+    f = sj.jit(named_step, placement=sj.placement(8, "d"), in_sbp=(S(0),))
+    with pytest.raises(
+        sj.SBPError, match=r"named_step \(.*test_argument_checks.py:\d+\) returned a value that is not"
+    ):
+        f(X)
+
+
+def test_collectives_wants_a_compiled_program(pl8):
+    f = sj.jit(matmul, placement=pl8, in_sbp=(S(0), B))
+    with pytest.raises(
+        sj.SBPError, match=r"expected a compiled program, got CompiledFunction.*f.lower\(\*args\)"
+    ):
+        sj.collectives(f)
+    with pytest.raises(sj.SBPError, match=r"not an HLO module"):
+        sj.collectives("abc")
+    assert sj.collectives(f.lower(X, W).compile()) == []  # rows split, w whole: nothing moves
+
+
+def _make():
+    return nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+
+
+def _loss(m, b):
+    return ((m(b[0]) - b[1]) ** 2).mean()
+
+
+BATCH = (X, np.zeros((16, 4), np.float32))
+
+
+@pytest.mark.parametrize(
+    "model, kwargs, match",
+    [
+        (
+            _make,
+            dict(optimizer="adam"),
+            r"Trainer: optimizer must be an optax GradientTransformation .*got str",
+        ),
+        (_make, dict(compute_dtype="bf16"), r"Trainer: compute_dtype must be a floating dtype .*got 'bf16'"),
+        (_make, dict(compute_dtype=jnp.int32), r"Trainer: compute_dtype must be a floating dtype"),
+        (_make, dict(cost_model=3), r"Trainer: cost_model must be an sj.CostModel"),
+        (lambda: {"w": np.ones(3, np.float32)}, {}, r"Trainer: model must be a Flax NNX Module .*got dict"),
+        (lambda: nnx.Dropout(0.1), {}, r"Trainer: the model \(Dropout\) has no nnx.Param to train"),
+    ],
+)
+def test_trainer_refuses_what_would_train_nothing_or_fail_later(model, kwargs, match, pl24):
+    args = dict(optimizer=optax.sgd(0.1), batch_sbp=(S(0), B)) | kwargs
+    optimizer = args.pop("optimizer")
+    with pytest.raises(sj.SBPError, match=match):
+        sjf.Trainer(model(), optimizer, _loss, pl24, **args)
+
+
+def test_trainer_create_wants_a_factory_not_a_model(pl24):
+    with pytest.raises(
+        sj.SBPError, match=r"model_factory must be a function .*got Linear \(a model: pass it to"
+    ):
+        sjf.Trainer.create(_make(), optax.sgd(0.1), _loss, pl24, batch_sbp=(S(0), B))
+    t = sjf.Trainer.create(_make, optax.sgd(0.1), _loss, pl24, batch_sbp=(S(0), B))
+    want = jax.jit(_loss)(_make(), BATCH)
+    assert_close(np.asarray(t.step(BATCH)), np.asarray(want), rtol=1e-5)
+
+
+def test_auto_is_true_or_false(pl8):
+    with pytest.raises(sj.SBPError, match=r"auto must be True .* or False, got 'no'"):
+        sj.jit(matmul, placement=pl8, auto="no")
