@@ -110,6 +110,20 @@ def _not_one_array(sample) -> str | None:
     return "a scalar" if rank == 0 else None
 
 
+def check_sample(sample, source: str) -> None:
+    """An SBPError unless ``sample`` is one array of rank >= 1; ``source``:
+    the constructor's name after ``LayerChain`` (``".from_model"``)."""
+    what = _not_one_array(sample)
+    if what is not None:
+        # the pipeline feeds one array to the first stage (sbpjax.pipeline.feeds says why)
+        raise SBPError(
+            f"LayerChain{source}: the sample is {what}; a chain's input is one array with the "
+            "examples along dim 0, as the pipeline feeds it to the first stage. Pack several inputs "
+            "into one array (concatenate a mask as a channel), or compute what the first layer "
+            "needs from it (a padding mask from the token ids)."
+        )
+
+
 class LayerChain:
     """Layers run one after the other on one example input ``sample``.
 
@@ -122,15 +136,7 @@ class LayerChain:
         self.layers = tuple(layers)
         if not self.layers:
             raise SBPError(f"LayerChain{source}: no layers; give at least one layer function.")
-        what = _not_one_array(sample)
-        if what is not None:
-            # the pipeline feeds one array to the first stage (sbpjax.pipeline.feeds says why)
-            raise SBPError(
-                f"LayerChain{source}: the sample is {what}; a chain's input is one array with the "
-                "examples along dim 0, as the pipeline feeds it to the first stage. Pack several inputs "
-                "into one array (concatenate a mask as a channel), or compute what the first layer "
-                "needs from it (a padding mask from the token ids)."
-            )
+        check_sample(sample, source)
         self.sample = sample
         self.flops_cache: dict = {}  # examples -> per-layer (forward, backward) flops (sbpjax.pipeline.cut)
         self._to_model = to_model

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from sbpjax._errors import SBPError
-from sbpjax.pipeline.chain import Layer, LayerChain
+from sbpjax.pipeline.chain import Layer, LayerChain, check_sample
 from sbpjax.pipeline.probe import Parts, flatten, get_path, nest, path_text, split_params, under
 
 _NOT_FOUND = (
@@ -203,6 +203,7 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
             f"LayerChain.from_model: {type(model).__name__} is not a Flax NNX module; for layer functions use "
             "LayerChain.from_functions(fns, params, sample)."
         )
+    check_sample(sample, ".from_model")  # before the probe runs the model on it
     path, kind, n = find_blocks(model, blocks)
     parts = Parts(model, path, kind, n, sample)
     if isinstance(parts.before(parts.params, np.asarray(sample)), jax.core.Tracer):  # run eagerly

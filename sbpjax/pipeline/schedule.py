@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import abc
 
-import numpy as np
-
 from sbpjax._errors import SBPError
-from sbpjax.pipeline.validate import FUSED, SPLIT, validate_action_lists
+from sbpjax.pipeline.validate import FUSED, SPLIT, action_entry, index_of, validate_action_lists
 
 
 class Schedule(abc.ABC):
@@ -104,27 +102,12 @@ class OneFOneB(Schedule):
         return (devices - 1) / (microbatches + devices - 1)
 
 
-def _index(v, what: str) -> int:
-    """A non-negative int (a NumPy one too); 1.7 is not truncated to 1."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise SBPError(f"ActionList: {what} {v!r} is not an index; give an int >= 0.")
-    return int(v)
-
-
-def _action(a, device, i: int) -> tuple:
-    """One ``(kind, stage, microbatch)`` entry of device ``device``'s list (an
-    unknown kind is the validator's to name, with the rest of the list)."""
-    kinds = sorted(set(FUSED) | set(SPLIT))
-    if not (isinstance(a, (tuple, list)) and len(a) == 3 and isinstance(a[0], str)):
+def _sequence(seq, device):
+    if not isinstance(seq, (list, tuple)):
         raise SBPError(
-            f"ActionList: entry {i} of device {device}'s list is {a!r}; give (kind, stage, microbatch) "
-            f"with kind one of {kinds}, e.g. ('forward', 0, 1)."
+            f"ActionList: device {device}'s list is {seq!r}; give a list of (kind, stage, microbatch) entries."
         )
-    return (
-        a[0],
-        _index(a[1], f"stage of entry {i} of device {device}'s list"),
-        _index(a[2], f"microbatch of entry {i} of device {device}'s list"),
-    )
+    return seq
 
 
 class ActionList(Schedule):
@@ -143,12 +126,20 @@ class ActionList(Schedule):
     name = "action_list"
 
     def __init__(self, lists, *, stage_devices=None):
+        if not isinstance(lists, (dict, list, tuple)):
+            raise SBPError(
+                f"ActionList: lists must map each device to its list of (kind, stage, microbatch) entries "
+                f"(a dict, or a list indexed by device), got {type(lists).__name__}."
+            )
         items = lists.items() if isinstance(lists, dict) else enumerate(lists)
         self._lists = {
-            _index(d, "a device"): [_action(a, d, i) for i, a in enumerate(seq)] for d, seq in items
+            index_of(d, "a device"): [action_entry(a, d, i) for i, a in enumerate(_sequence(seq, d))]
+            for d, seq in items
         }
         self._stage_devices = (
-            None if stage_devices is None else tuple(_index(d, "stage_devices entry") for d in stage_devices)
+            None
+            if stage_devices is None
+            else tuple(index_of(d, "stage_devices entry") for d in stage_devices)
         )
         self.split_backward = any(kind in SPLIT[1:] for seq in self._lists.values() for kind, _, _ in seq)
 

@@ -99,7 +99,14 @@ class Timeline:
         return {r.stage: r.peak_bytes for r in self.registers if r.activation}
 
     def peak_live_kept(self) -> dict[int | None, int]:
-        """Per stage: the most microbatches whose B had run and W had not, at once."""
+        """Per stage: the most slots of its kept register in use at once (B
+        writes a slot, its W reads it). A slot is in use until the W's read is
+        acknowledged, as the buffer lives until then; in a real run the
+        acknowledgement may arrive after the stage's next B, so this can be
+        one more than the schedule's own count of microbatches whose B had
+        run and W had not (the simulated run's: ZB-H1's first stage 1, run
+        2). :meth:`peak_kept_bytes` counts the same slots' bytes (the first
+        stage's B keeps none: its slots hold 0 bytes)."""
         return {r.stage: r.peak_live for r in self.registers if r.kept}
 
     def peak_kept_bytes(self) -> dict[int | None, int]:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from sbpjax._errors import SBPError
 
 FUSED = ("forward", "backward")
@@ -35,6 +37,29 @@ KINDS = (*FUSED, *SPLIT[1:])
 def describe(action) -> str:
     kind, s, k = action
     return f"{kind} of stage {s}, microbatch {k}"
+
+
+def index_of(v, what: str, name: str = "ActionList") -> int:
+    """A non-negative int (a NumPy one too); 1.7 is not truncated to 1."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise SBPError(f"{name}: {what} {v!r} is not an index; give an int >= 0.")
+    return int(v)
+
+
+def action_entry(a, device, i: int, name: str = "ActionList") -> tuple:
+    """One ``(kind, stage, microbatch)`` entry of device ``device``'s list (an
+    unknown kind is the validator's to name, with the rest of the list)."""
+    kinds = sorted(set(FUSED) | set(SPLIT))
+    if not (isinstance(a, (tuple, list)) and len(a) == 3 and isinstance(a[0], str)):
+        raise SBPError(
+            f"{name}: entry {i} of device {device}'s list is {a!r}; give (kind, stage, microbatch) "
+            f"with kind one of {kinds}, e.g. ('forward', 0, 1)."
+        )
+    return (
+        a[0],
+        index_of(a[1], f"stage of entry {i} of device {device}'s list", name),
+        index_of(a[2], f"microbatch of entry {i} of device {device}'s list", name),
+    )
 
 
 def validate_action_lists(
@@ -55,10 +80,47 @@ def validate_action_lists(
     ``kept_counts``: per stage, the slots of its F-to-B and B-to-W registers.
     ``slot_bytes[s] = (residual bytes, kept bytes)`` of one microbatch, with
     ``memory_budget`` the bytes each device may hold in them."""
+    lists = _entries(lists, name)
+    _check_counts(
+        microbatches, len(stage_devices), stash_counts, kept_counts, slot_bytes, memory_budget, name
+    )
     split = _check_shape(lists, devices, microbatches, stage_devices, name)
     _check_once(lists, microbatches, len(stage_devices), split, name)
     _check_dependencies(lists, len(stage_devices), split, name)
     _check_bounds(lists, len(stage_devices), stash_counts, kept_counts, slot_bytes, memory_budget, name)
+
+
+def _entries(lists, name: str) -> dict:
+    """``lists`` with every entry a ``(kind, stage, microbatch)`` tuple of a
+    str and two ints, or an SBPError naming the first that is not."""
+    if not isinstance(lists, Mapping):
+        raise SBPError(
+            f"{name}: lists must map each device to its list of (kind, stage, microbatch) entries, got "
+            f"{type(lists).__name__}."
+        )
+    out = {}
+    for d, seq in lists.items():
+        if not isinstance(seq, (list, tuple)):
+            raise SBPError(f"{name}: device {d}'s list is {seq!r}; give a list of (kind, stage, microbatch).")
+        out[d] = [action_entry(a, d, i, name) for i, a in enumerate(seq)]
+    return out
+
+
+def _check_counts(microbatches, n, stash_counts, kept_counts, slot_bytes, memory_budget, name) -> None:
+    """The sizes the checks read: a positive microbatch count, one register
+    size per stage, one slot size per stage where a budget is checked."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
+        raise SBPError(f"{name}: microbatches must be an int >= 1, got {microbatches!r}.")
+    for what, counts in (("stash_counts", stash_counts), ("kept_counts", kept_counts)):
+        if counts is not None and len(counts) != n:
+            raise SBPError(f"{name}: {what} has {len(counts)} entries for {n} stages; give one per stage.")
+    if slot_bytes is not None and memory_budget is not None:
+        missing = [s for s in range(n) if s not in slot_bytes]
+        if missing:
+            raise SBPError(
+                f"{name}: slot_bytes has no (residual bytes, kept bytes) for stage(s) {missing}; give one "
+                "per stage."
+            )
 
 
 def _where(name: str, d: int, pos: int, action) -> str:

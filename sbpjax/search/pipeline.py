@@ -32,6 +32,9 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Iterable
+
+import numpy as np
 
 from sbpjax._errors import SBPError, is_count
 from sbpjax.boxing.plan import human_bytes
@@ -111,8 +114,18 @@ def _as_grid(devices) -> tuple[Grid, object]:
 MAX_SIMULATIONS = 8
 
 
+def _values(given) -> tuple:
+    """A search dimension's values: one value (``remat=True``, ``groups=2``,
+    ``schedules="zb-h1"``) searches that value alone, a collection each of
+    its values (read once: a generator is used up)."""
+    if isinstance(given, (str, bool, int, np.integer)) or not isinstance(given, Iterable):
+        return (given,)
+    return tuple(given)
+
+
 def _check_choices(grid: Grid, scheds: list, remat, groups) -> None:
-    """Refuse values to search that leave nothing to search, naming which."""
+    """Refuse values to search that leave nothing to search (or are not
+    values of their kind), naming which."""
     if not scheds:
         raise SBPError(
             f"search_pipeline: schedules=[] leaves nothing to search; give schedule names "
@@ -122,6 +135,9 @@ def _check_choices(grid: Grid, scheds: list, remat, groups) -> None:
         raise SBPError(
             "search_pipeline: remat=() leaves nothing to search; give (False,), (True,) or (False, True)."
         )
+    not_bools = [r for r in remat if not isinstance(r, (bool, np.bool_))]
+    if not_bools:
+        raise SBPError(f"search_pipeline: remat values {not_bools!r} are not True or False.")
     if groups is not None:
         tiling = sorted({g for g, _, _ in stage_shapes(grid)})
         wanted = list(groups)
@@ -155,7 +171,8 @@ def search_pipeline(
     ``batch``: examples per step (default: the chain's sample). ``compute``:
     device speed and action cost (:func:`calibrate_compute`). ``microbatches``,
     ``schedules`` (names or :class:`Schedule` objects), ``remat`` (booleans) and
-    ``groups`` (device group counts): the values to search (defaults in the
+    ``groups`` (device group counts): the values to search, or one value to
+    search alone (``remat=True``, ``schedules="zb-h1"``) (defaults in the
     module docstring; every count of groups that tiles the grid). ``method``:
     "branch_and_bound" or "exhaustive". ``tolerance``: branch and bound skips
     what its bounds put within this fraction of the best step found, so the
@@ -177,7 +194,7 @@ def search_pipeline(
             f"search_pipeline: batch={batch!r}; give the number of examples per step, an int >= 1."
         )
     batch = int(batch if batch is not None else profiles[0].examples)
-    ms = sorted(set(microbatches)) if microbatches is not None else _divisors(batch, 64)
+    ms = sorted(set(_values(microbatches))) if microbatches is not None else _divisors(batch, 64)
     not_counts = [m for m in ms if not is_count(m)]
     if not_counts:
         raise SBPError(f"search_pipeline: microbatch counts {not_counts} are not ints >= 1.")
@@ -188,8 +205,9 @@ def search_pipeline(
             f"search_pipeline: microbatch counts {bad} do not divide the batch of {batch} examples into equal "
             f"microbatches; use divisors of {batch}."
         )
-    scheds = [as_schedule(s) for s in (schedules if schedules is not None else schedule_names())]
-    remat = tuple(remat)  # once: a generator would be used up by the check
+    scheds = [as_schedule(s) for s in (_values(schedules) if schedules is not None else schedule_names())]
+    remat = _values(remat)
+    groups = None if groups is None else _values(groups)
     _check_choices(grid, scheds, remat, groups)
     space = Space(profiles, grid, batch, memory, compute, ms, scheds, remat, groups)
     if not space.protos:

@@ -428,6 +428,12 @@ def test_models_that_cannot_be_cut_say_why():
     assert [layer.name for layer in sjp.LayerChain.from_model(dropped, x).layers][-1] == "head"
     with pytest.raises(sj.SBPError, match="has no attribute path 'layers'"):
         sjp.LayerChain.from_model(ListGPT(nnx.Rngs(0)), x, blocks="layers")
+    # a sample of two inputs: refused as a sample, before the model runs on it (it was refused as a
+    # model whose output "does not depend on its blocks' output")
+    with pytest.raises(
+        sj.SBPError, match=r"LayerChain.from_model: the sample is a tuple; a chain's input is one"
+    ):
+        sjp.LayerChain.from_model(ListGPT(nnx.Rngs(0)), (x, x))
     with pytest.raises(sj.SBPError, match="not a Flax NNX module"):
         sjp.LayerChain.from_model(lambda t: t, x)
     with pytest.raises(sj.SBPError, match=r"9 stages for 7 layers.*at most 7 stages"):  # 5 blocks

@@ -72,6 +72,39 @@ def test_entries_that_are_not_actions_are_refused_when_the_list_is_made():
         sjp.ActionList(_zb(), stage_devices=[0, "a"])
 
 
+def test_the_validator_itself_refuses_what_is_not_a_list_of_actions():
+    """sjp.validate_action_lists called directly (not through ActionList):
+    malformed entries and sizes are SBPErrors naming them, not unpacking or
+    index errors."""
+    good = {0: [(F, 0, 0), ("backward", 0, 0)], 1: [(F, 1, 0), ("backward", 1, 0)]}
+    validate = sjp.validate_action_lists
+    for lists, says in [
+        (
+            {0: [(F, 0)], 1: []},
+            r"entry 0 of device 0's list is \('forward', 0\); give \(kind, stage, microbatch\)",
+        ),
+        ({0: ["forward00"], 1: []}, r"entry 0 of device 0's list is 'forward00'"),
+        ({0: [None], 1: []}, r"entry 0 of device 0's list is None"),
+        ({0: [(F, "0", 0)], 1: []}, r"stage of entry 0 of device 0's list '0' is not an index"),
+        ({0: None, 1: []}, r"device 0's list is None"),
+        ([good[0], good[1]], r"lists must map each device to its list"),
+    ]:
+        with pytest.raises(sj.SBPError, match=says):
+            validate(lists, 2, 1, [0, 1])
+    with pytest.raises(sj.SBPError, match=r"stash_counts has 1 entries for 2 stages"):
+        validate(good, 2, 1, [0, 1], stash_counts=[4])
+    with pytest.raises(
+        sj.SBPError, match=r"slot_bytes has no \(residual bytes, kept bytes\) for stage\(s\) \[1\]"
+    ):
+        validate(good, 2, 1, [0, 1], slot_bytes={0: (100, 0)}, memory_budget=1e6)
+    with pytest.raises(sj.SBPError, match=r"microbatches must be an int >= 1, got 0"):
+        validate({0: [], 1: []}, 2, 0, [0, 1])
+    for lists in (None, {0: None}):
+        with pytest.raises(sj.SBPError, match=r"ActionList: (lists must map|device 0's list is None)"):
+            sjp.ActionList(lists)
+    validate(good, 2, 1, [0, 1])
+
+
 def test_dependencies_that_cannot_be_met_name_who_waits_for_what():
     bad = _zb()
     bad[1].remove((W, 1, 0))

@@ -240,6 +240,22 @@ def test_bad_requests_say_what_to_fix():
         ss.search_pipeline(profiles, 4, batch=8, groups=[4], schedules=["1f1b"], microbatches=[8])
 
 
+def test_one_value_of_a_search_dimension_searches_it_alone():
+    """``remat=True``, ``schedules="zb-h1"``, ``groups=2``, ``microbatches=4``:
+    one value, not a collection (a string was read letter by letter, the
+    others raised TypeError)."""
+    profiles = random_profiles(np.random.default_rng(0), 4)
+    for kw, got in [
+        (dict(remat=True), lambda plan: plan.remat is True),
+        (dict(schedules="zb-h1"), lambda plan: plan.schedule.name == "zb-h1"),
+        (dict(groups=2), lambda plan: plan.groups == 2),
+        (dict(microbatches=4), lambda plan: plan.microbatches == 4),
+    ]:
+        assert got(ss.search_pipeline(profiles, 4, batch=8, **kw)), kw
+    with pytest.raises(sj.SBPError, match=r"remat values \['yes'\] are not True or False"):
+        ss.search_pipeline(profiles, 4, batch=8, remat=("yes",))
+
+
 def test_a_plan_is_proven_when_the_cuts_a_cap_left_unseen_cannot_beat_it():
     """One cut played per configuration, most of them priced before any step was
     simulated: the plan is still proven, since every cut left unseen has a
