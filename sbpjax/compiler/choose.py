@@ -283,6 +283,9 @@ def choose(
         prop = second_looks.data_parallel_as_given(
             prop, call.in_sbp, placement.shape, call.by_hand, call.price
         )
+        prop = second_looks.zero_as_given(
+            prop, program, call.in_sbp, call.same_layout, placement.shape, call.by_hand, call.price
+        )
     prop.options = options
     return prop
 
