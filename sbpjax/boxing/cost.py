@@ -44,16 +44,19 @@ class CostModel:
     transfer_beta: float | None = None
 
     def __post_init__(self):
+        # stored as Python floats (a NumPy scalar or 0-d array is accepted): the
+        # plan cache keys on the model's repr, which must not depend on the type
         for name in ("alpha", "beta"):
             value = getattr(self, name)
-            items = value.items() if isinstance(value, Mapping) else [(None, value)]
-            for axis, v in items:
-                where = name if axis is None else f"{name}[{axis!r}]"
-                _check_time(v, where)
+            if isinstance(value, Mapping):
+                value = {axis: _seconds(v, f"{name}[{axis!r}]") for axis, v in value.items()}
+            else:
+                value = _seconds(value, name)
+            object.__setattr__(self, name, value)
         for name in ("default_alpha", "default_beta", "transfer_alpha", "transfer_beta"):
             v = getattr(self, name)
             if v is not None or not name.startswith("transfer"):
-                _check_time(v, name)
+                object.__setattr__(self, name, _seconds(v, name))
 
     def axis_alpha(self, axis: str) -> float:
         if isinstance(self.alpha, Mapping):
@@ -99,20 +102,24 @@ class CostModel:
         return a + nbytes_per_device * b
 
 
-def _check_time(value, name: str) -> None:
+def _seconds(value, name: str) -> float:
+    """``value`` as a float of seconds, or an SBPError: a real number (a
+    NumPy or JAX scalar too), finite and >= 0."""
     import math
-    import numbers
 
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    real = (
+        not isinstance(value, (bool, np.bool_))
+        and np.ndim(value) == 0
+        and np.issubdtype(np.asarray(value).dtype, np.number)
+        and not np.iscomplexobj(value)
+    )
+    seconds = float(value) if real else math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
         raise SBPError(
             f"sj.CostModel: {name} must be a finite number of seconds >= 0 (alpha: a collective's latency, "
             f"beta: seconds per byte), got {value!r}."
         )
+    return seconds
 
 
 def checked_cost_model(value, where: str) -> CostModel | None:

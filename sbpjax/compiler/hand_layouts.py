@@ -38,13 +38,15 @@ from sbpjax.sbp import Broadcast, Split
 
 def most_split(var, grid) -> tuple:
     """ZeRO's split of ``var``: its lowest dim that the device count divides,
-    split over every axis (as ZeRO flattens a tensor and splits it from its
+    split over every axis of size > 1 (as ZeRO flattens a tensor and splits it from its
     start); where no dim divides, the ``AUTO`` layout with the smallest block
     per device (the first such in ``auto_layouts``' order)."""
     n = math.prod(grid)
     for d, size in enumerate(var.shape):
         if size % n == 0 and size >= n:
-            return (Split(d),) * len(grid)
+            # B on an axis of size 1: the form AUTO's layouts take (auto_layouts), by which
+            # the plan cache reads a plan back
+            return tuple(Split(d) if p > 1 else Broadcast() for p in grid)
     options = auto_layouts(var.shape, grid)
     return min(options, key=lambda nd: block_bytes(var.shape, var.dtype, nd, grid))
 

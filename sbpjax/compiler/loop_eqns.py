@@ -64,10 +64,14 @@ def _fixed_point(body, n_before: int, used: list, cond_reads: list) -> list[bool
 
 
 def _passed_through(body, n_before: int, live: list):
+    """``body`` with each dead carry's result its input, or None where they
+    are so already (a second dead-code pass over the same loop)."""
     outvars = list(body.jaxpr.outvars)
     for k, alive in enumerate(live):
         if not alive:
             outvars[k] = body.jaxpr.invars[n_before + k]
+    if all(a is b for a, b in zip(outvars, body.jaxpr.outvars)):
+        return None
     return body.replace(jaxpr=body.jaxpr.replace(outvars=outvars))
 
 
@@ -80,16 +84,14 @@ def without_dead_carries(eqn, used_outs: list[bool]):
         cond = p["cond_jaxpr"].jaxpr
         cond_reads = _live_inputs(cond, [True])[p["cond_nconsts"] :]
         live = _fixed_point(p["body_jaxpr"], n_before, list(used_outs), cond_reads)
-        if all(live):
-            return eqn
-        return eqn.replace(params={**p, "body_jaxpr": _passed_through(p["body_jaxpr"], n_before, live)})
+        body = None if all(live) else _passed_through(p["body_jaxpr"], n_before, live)
+        return eqn if body is None else eqn.replace(params={**p, "body_jaxpr": body})
     if name == "scan":
         consts, carry, _ = scan_operands(p, list(eqn.invars))
         n_carry, n_before = len(carry), len(consts)
         live = _fixed_point(p["jaxpr"], n_before, list(used_outs[:n_carry]), [False] * n_carry)
-        if all(live):
-            return eqn
-        return eqn.replace(params={**p, "jaxpr": _passed_through(p["jaxpr"], n_before, live)})
+        body = None if all(live) else _passed_through(p["jaxpr"], n_before, live)
+        return eqn if body is None else eqn.replace(params={**p, "jaxpr": body})
     return eqn
 
 

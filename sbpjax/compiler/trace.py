@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import inspect
 import itertools
 
 import jax
@@ -24,7 +23,6 @@ try:  # the public home moved across JAX versions
 except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
-from sbpjax._errors import SBPError
 from sbpjax.compiler import rewrites
 from sbpjax.compiler.loop_eqns import batched_while, scan_operands, without_dead_carries
 from sbpjax.compiler.program import (
@@ -39,6 +37,7 @@ from sbpjax.compiler.program import (
     Var,
     source_of,
 )
+from sbpjax.compiler.returns import checked_returns
 from sbpjax.compiler.small_jaxprs import index_jaxpr, jaxpr_of
 from sbpjax.dtypes import constant_bits
 
@@ -164,19 +163,10 @@ def trace(
 
     def flat_fn(*leaves):
         args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
-        return fn(*args, **kwargs)
+        return checked_returns(fn, fn(*args, **kwargs))
 
     with _tracing(placement):
-        try:
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
-        except TypeError as e:
-            if "not a valid JAX type" not in str(e):
-                raise
-            raise SBPError(
-                f"sj.jit: {_named(fn)} returned a value that is not a JAX type ({str(e).split('returned ')[-1]}); "
-                "return arrays or pytrees of them (a non-array result such as a string or a Python "
-                "object cannot be an output of a compiled program)."
-            ) from None
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves_avals)
     out_tree = jax.tree_util.tree_structure(out_shape)
     inputs = [Var(tuple(a.shape), _dtype(a.dtype), name=f"arg{i}") for i, a in enumerate(leaves_avals)]
     nodes: list = []
@@ -192,15 +182,6 @@ def trace(
     # convolutions may be the padded value's only readers
     nodes = _dce(rewrites.fuse_padded_convs(nodes, roots, _emit), roots)
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
-
-
-def _named(fn) -> str:
-    """``fn`` as a user reads it: its name and where it is defined."""
-    inner = inspect.unwrap(fn)
-    inner = getattr(inner, "func", inner)  # a functools.partial: the function it wraps
-    code = getattr(inner, "__code__", None)
-    name = getattr(inner, "__qualname__", None) or repr(inner)
-    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
 
 
 @dataclasses.dataclass

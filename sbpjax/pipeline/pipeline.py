@@ -180,7 +180,7 @@ class Pipeline:
             kept_counts=None if kept_counts is None else list(kept_counts),
         )
         if memory_budget is not None and not is_positive_amount(memory_budget):
-            raise SBPError(f"Pipeline: memory_budget={memory_budget!r}; give bytes (> 0) or None.")
+            raise SBPError(f"Pipeline: memory_budget={memory_budget!r}; give bytes (finite, > 0) or None.")
         self.memory_budget = memory_budget
         self._budget_checked: set = set()  # microbatch shapes already checked against the budget
         n = len(stages)

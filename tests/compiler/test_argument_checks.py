@@ -62,6 +62,10 @@ def test_cost_model_values_are_checked(kwargs, match):
     with pytest.raises(sj.SBPError, match=match):
         sj.CostModel(**kwargs)
     assert sj.CostModel(alpha={"x": 0.0}, beta=1e-10).axis_alpha("x") == 0.0  # zero is a valid fit
+    # NumPy and JAX scalars (a calibrated fit, a computed value) are seconds too, kept as floats
+    for value in (np.float32(2e-5), jnp.float32(2e-5), np.array(2e-5), {"x": np.float64(2e-5)}):
+        model = sj.CostModel(alpha=value)
+        assert type(model.axis_alpha("x")) is float and abs(model.axis_alpha("x") - 2e-5) < 1e-12
 
 
 def test_calibrate_names_its_placement_argument():
@@ -104,13 +108,19 @@ def test_a_call_that_does_not_match_in_sbp_says_how_and_the_function_still_runs(
 
 def test_a_function_returning_a_non_array_is_named():
     def named_step(x):
-        return "done"
+        return x * 2, {"tag": "done"}
 
     f = sj.jit(named_step, placement=sj.placement(8, "d"), in_sbp=(S(0),))
     with pytest.raises(
-        sj.SBPError, match=r"named_step \(.*test_argument_checks.py:\d+\) returned a value that is not"
+        sj.SBPError, match=r"named_step \(.*test_argument_checks.py:\d+\) returned a str at output\[1\]"
     ):
         f(X)
+
+    def inner_tag(x):  # the str comes from a jax.jit inside: JAX's error names that call, not inner_tag
+        return jax.jit(lambda y: (y, "tag"))(x)[0]
+
+    with pytest.raises(TypeError, match="not a valid JAX type"):
+        sj.jit(inner_tag, placement=sj.placement(8, "d"), in_sbp=(S(0),))(X)
 
 
 def test_collectives_wants_a_compiled_program(pl8):

@@ -5,6 +5,7 @@ Checked against one device (values), against the same step with Megatron's
 annotations (bytes), and with XLA's ``memory_analysis()`` (the budget)."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -271,6 +272,16 @@ def test_auto_moves_no_more_than_zero3_written_by_hand_without_a_budget(pl8, tmp
     assert "the hand-written zero-3/fsdp layouts, planned as given" in e.choice.reason
     again = auto_jit().explain(*args)
     assert again.choice.source == "plan cache" and again.bytes == e.bytes
+    # on 8x1 the hand-written layouts are B over the axis of size 1, as AUTO's layouts are:
+    # a split there was planned, then refused by the plan cache's check in every process
+    pl81 = sj.placement((8, 1), ("x", "y"))
+    for k in range(2):
+        in81 = (sj.AUTO, sj.AUTO, (S0, B), (S0, B))
+        f81 = sj.jit(step, placement=pl81, in_sbp=in81, donate_argnums=(0, 1), plan_cache=str(tmp_path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            e81 = f81.explain(*args)
+        assert e81.bytes == e.bytes and (e81.choice.source == "plan cache") == (k == 1)
     f = auto_jit()
     assert compiled_bytes(f, *args) == e.bytes
     p_ref, _, l_ref = jax.jit(step)(*args)
