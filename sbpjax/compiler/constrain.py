@@ -18,7 +18,7 @@ from jax.interpreters import mlir
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.propagation import CONSTRAIN
-from sbpjax.sbp import Broadcast, Partial, Split, parse_sbp
+from sbpjax.sbp import Broadcast, Partial, Split, as_sbp, parse_sbp
 
 try:
     from jax.extend.core import Primitive
@@ -46,24 +46,19 @@ jax.interpreters.batching.primitive_batchers[constrain_p] = _constrain_batch
 
 
 def _as_nd(sbp, name: str = "sbp") -> tuple:
+    """``sbp`` as an nd-SBP tuple (its length is checked against the
+    placement when the layout choice reads it: the placement is unknown here)."""
     if isinstance(sbp, str):
         return tuple(parse_sbp(sbp))
     if isinstance(sbp, (Split, Broadcast, Partial)):
         return (sbp,)
-    if isinstance(sbp, (tuple, list)) and all(isinstance(s, (Split, Broadcast, Partial, str)) for s in sbp):
-        return tuple(s if not isinstance(s, str) else _one(s, sbp, name) for s in sbp)
+    if isinstance(sbp, (tuple, list)):
+        return tuple(as_sbp(s, f"sj.constrain: {name}") for s in sbp)
     raise SBPError(
         f"sj.constrain: {name} must be an nd-SBP, one entry per placement axis (e.g. (sj.S(0), sj.B) or "
         f"'S(0), B'; one SBP such as sj.S(0) on a placement of one axis), got {sbp!r} "
         f"({type(sbp).__name__})."
     )
-
-
-def _one(text: str, sbp, name: str):
-    parsed = parse_sbp(text)
-    if len(parsed) != 1:
-        raise SBPError(f"sj.constrain: {name} entry {text!r} of {sbp!r} is not one SBP (e.g. 'S(0)' or 'B').")
-    return parsed[0]
 
 
 def constrain(x, sbp, grad_sbp=None):

@@ -75,11 +75,13 @@ def test_calibrate_names_its_placement_argument():
 
 def test_constrain_checks_its_layout_and_the_dtype_it_may_take(pl24):
     x = np.ones((8, 8), np.float32)
-    for bad in (5, None, [S(0), 3]):
+    for bad, says in [
+        (5, r"sj.constrain: sbp must be an nd-SBP, one entry per placement axis"),
+        (None, r"sj.constrain: sbp must be an nd-SBP, one entry per placement axis"),
+        ([S(0), 3], r"sj.constrain: sbp: 3 is not an SBP; use sj.S\(d\)"),  # the entry, as sbp.as_sbp says
+    ]:
         f = sj.jit(lambda a, bad=bad: sj.constrain(a * 2, bad), placement=pl24, in_sbp=((S(0), B),))
-        with pytest.raises(
-            sj.SBPError, match=r"sj.constrain: sbp must be an nd-SBP, one entry per placement axis"
-        ):
+        with pytest.raises(sj.SBPError, match=says):
             f(x)
     # a partial of a dtype that has none: refused as out_sbp refuses it, naming the line
     cases = [
