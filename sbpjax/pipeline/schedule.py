@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 
 from sbpjax._errors import SBPError
-from sbpjax.pipeline.validate import FUSED, SPLIT, action_entry, index_of, validate_action_lists
+from sbpjax.pipeline.validate import FUSED, SPLIT, action_entries, index_of, validate_action_lists
 
 
 class Schedule(abc.ABC):
@@ -102,14 +102,6 @@ class OneFOneB(Schedule):
         return (devices - 1) / (microbatches + devices - 1)
 
 
-def _sequence(seq, device):
-    if not isinstance(seq, (list, tuple)):
-        raise SBPError(
-            f"ActionList: device {device}'s list is {seq!r}; give a list of (kind, stage, microbatch) entries."
-        )
-    return seq
-
-
 class ActionList(Schedule):
     """An explicit order: ``lists[d]`` is device ``d``'s sequence of
     ``(kind, stage, microbatch)``, with kinds ``"forward"`` and ``"backward"``
@@ -126,16 +118,9 @@ class ActionList(Schedule):
     name = "action_list"
 
     def __init__(self, lists, *, stage_devices=None):
-        if not isinstance(lists, (dict, list, tuple)):
-            raise SBPError(
-                f"ActionList: lists must map each device to its list of (kind, stage, microbatch) entries "
-                f"(a dict, or a list indexed by device), got {type(lists).__name__}."
-            )
-        items = lists.items() if isinstance(lists, dict) else enumerate(lists)
-        self._lists = {
-            index_of(d, "a device"): [action_entry(a, d, i) for i, a in enumerate(_sequence(seq, d))]
-            for d, seq in items
-        }
+        if isinstance(lists, (list, tuple)):  # a list indexed by device
+            lists = dict(enumerate(lists))
+        self._lists = {index_of(d, "a device"): seq for d, seq in action_entries(lists, "ActionList").items()}
         self._stage_devices = (
             None
             if stage_devices is None

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_count
 
 FUSED = ("forward", "backward")
 SPLIT = ("forward", "backward_input", "backward_weight")
@@ -41,7 +39,7 @@ def describe(action) -> str:
 
 def index_of(v, what: str, name: str = "ActionList") -> int:
     """A non-negative int (a NumPy one too); 1.7 is not truncated to 1."""
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+    if not is_count(v, 0):
         raise SBPError(f"{name}: {what} {v!r} is not an index; give an int >= 0.")
     return int(v)
 
@@ -80,7 +78,7 @@ def validate_action_lists(
     ``kept_counts``: per stage, the slots of its F-to-B and B-to-W registers.
     ``slot_bytes[s] = (residual bytes, kept bytes)`` of one microbatch, with
     ``memory_budget`` the bytes each device may hold in them."""
-    lists = _entries(lists, name)
+    lists = action_entries(lists, name)
     _check_counts(
         microbatches, len(stage_devices), stash_counts, kept_counts, slot_bytes, memory_budget, name
     )
@@ -90,7 +88,7 @@ def validate_action_lists(
     _check_bounds(lists, len(stage_devices), stash_counts, kept_counts, slot_bytes, memory_budget, name)
 
 
-def _entries(lists, name: str) -> dict:
+def action_entries(lists, name: str) -> dict:
     """``lists`` with every entry a ``(kind, stage, microbatch)`` tuple of a
     str and two ints, or an SBPError naming the first that is not."""
     if not isinstance(lists, Mapping):
@@ -109,7 +107,7 @@ def _entries(lists, name: str) -> dict:
 def _check_counts(microbatches, n, stash_counts, kept_counts, slot_bytes, memory_budget, name) -> None:
     """The sizes the checks read: a positive microbatch count, one register
     size per stage, one slot size per stage where a budget is checked."""
-    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) or microbatches < 1:
+    if not is_count(microbatches):
         raise SBPError(f"{name}: microbatches must be an int >= 1, got {microbatches!r}.")
     for what, counts in (("stash_counts", stash_counts), ("kept_counts", kept_counts)):
         if counts is not None and len(counts) != n:
