@@ -78,8 +78,8 @@ class Choice:
     memory_bytes: int | None = None
     memory_budget: int | None = None
     auto: bool = False
-    # solved with layouts given for the AUTO arguments (the chosen ones or data
-    # parallelism's: second_looks.as_given, data_parallel_as_given): its boxings
+    # solved with layouts given for the AUTO arguments (the chosen ones or ones
+    # written by hand: second_looks.as_given, by_hand_as_given): its boxings
     # are derived with the axes those layouts leave idle
     as_given: bool = False
     # the plan solved with ring latency replaced the bytes-first one (fewer_collectives), or ""
@@ -280,10 +280,7 @@ def choose(
     )
     prop = _choose(call)
     if memory_budget is None:  # the call's own plan only: a budget's sub-plans never hold data parallelism
-        prop = second_looks.data_parallel_as_given(
-            prop, call.in_sbp, placement.shape, call.by_hand, call.price
-        )
-        prop = second_looks.zero_as_given(
+        prop = second_looks.by_hand_as_given(
             prop, program, call.in_sbp, call.same_layout, placement.shape, call.by_hand, call.price
         )
     prop.options = options

@@ -8,10 +8,8 @@ each collective's latency) does not see, and the plan is held to after it.
   no more bytes and holds less memory at its estimated peak (``PEAK_MARGIN``);
 * :func:`as_given`: for ``AUTO`` arguments, the plan of the layouts chosen
   for them as if written by hand, kept where it is cheaper;
-* :func:`data_parallel_as_given`: likewise data parallelism's plan (every
-  ``AUTO`` argument ``B``) written by hand, without a memory budget;
-* :func:`zero_as_given`: likewise the ZeRO layouts written by hand, without
-  a memory budget.
+* :func:`by_hand_as_given`: likewise the layouts one would write by hand
+  (data parallelism, ZeRO-1/2, ZeRO-3/FSDP), without a memory budget.
 """
 
 from __future__ import annotations
@@ -189,31 +187,6 @@ def as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
     )
 
 
-def data_parallel_as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
-    """``kept``, a plan that chose the layouts of ``AUTO`` arguments, or data
-    parallelism (every ``AUTO`` argument ``B``, the others as annotated) as
-    ``sj.jit`` plans it written by hand, where that is cheaper by ``price_of``.
-
-    Data parallelism leaves an axis idle wherever the annotated arguments do
-    not use every axis (a batch split over x on 2x4), and the ``AUTO`` solve,
-    holding each contraction to every device, never sees its plan there (see
-    ``as_given``): an MLP-Mixer step with AdamW on 4x2 chose Megatron's
-    splits over y, 551,104 B priced 2,451,144, where data parallelism
-    written by hand moves 519,984 B priced 1,919,984. Without a memory budget
-    only (``choose``): data parallelism holds the most of any layout, and a
-    budget is held to the hand-written layouts that fit it instead. Costs one
-    more solve, of data parallelism's problem (smaller than ``AUTO``'s: 120
-    decisions against 457 on that step), where an axis is idle."""
-    if all(nd is not AUTO for nd in in_sbp):
-        return kept
-    replicated = (Broadcast(),) * len(grid)
-    layouts = [replicated if nd is AUTO else nd for nd in in_sbp]
-    if layouts == list(kept.in_sbp):
-        return kept
-    name = "data parallelism (every AUTO argument B), planned as given"
-    return _given_if_cheaper(kept, layouts, name, grid, plan_of, price_of)
-
-
 def _given_if_cheaper(kept: Propagation, layouts, name: str, grid, plan_of, price_of) -> Propagation:
     """``plan_of(layouts)`` where ``layouts`` leave an axis idle and that plan
     is cheaper than ``kept`` by ``price_of`` (its Choice saying so, as
@@ -239,25 +212,50 @@ def _given_if_cheaper(kept: Propagation, layouts, name: str, grid, plan_of, pric
     return given
 
 
-def zero_as_given(kept: Propagation, program, in_sbp, mirrors: dict, grid, plan_of, price_of) -> Propagation:
+def by_hand_as_given(
+    kept: Propagation, program, in_sbp, mirrors: dict, grid, plan_of, price_of
+) -> Propagation:
     """``kept``, a plan that chose the layouts of ``AUTO`` arguments without
-    a memory budget, or the cheapest by ``price_of`` of the ZeRO layouts a
-    user would write by hand (``hand_layouts.candidates``: ZeRO-1/2,
-    ZeRO-3/FSDP), each as ``sj.jit`` plans them given, where one is cheaper.
+    a memory budget, or the cheapest by ``price_of`` of the layouts a user
+    would write by hand instead, each as ``sj.jit`` plans them given
+    (``plan_of``), where one is cheaper:
 
-    The ``AUTO`` solve proves its plan optimal over the candidates
-    ``Domains`` keeps for each op, and a hand-written layout's plan may lie
-    outside them (which narrowing leaves it out was not traced): a 3-layer
-    MLP step with Adam on 8 devices (batch 64, weights up to 512 x 256) moved
-    10,909,696 B "proven" where ZeRO-3 written by hand moves 2,637,824 B (and
-    GSPMD given the chosen layouts 13,303,864 B). A budget is held to these
-    layouts by bytes (``hand_layouts.no_worse_than_by_hand``); without one
-    the objective decides, as everywhere else. Costs a solve per layout, of
-    problems with no ``AUTO`` argument (smaller than the ``AUTO`` one)."""
+    * data parallelism (every ``AUTO`` argument ``B``), where it leaves an
+      axis idle (the annotated arguments do not use every axis: a batch split
+      over x on 2x4). The ``AUTO`` solve holds each contraction to every
+      device and never sees its plan there (see ``as_given``): an MLP-Mixer
+      step with AdamW on 4x2 chose Megatron's splits over y, 551,104 B priced
+      2,451,144, where data parallelism written by hand moves 519,984 B
+      priced 1,919,984. Elsewhere the solve's space holds its plan.
+    * the ZeRO layouts (``hand_layouts.candidates``: ZeRO-1/2, ZeRO-3/FSDP).
+      The ``AUTO`` solve proves its plan optimal over the candidates
+      ``Domains`` keeps for each op, and their plans may lie outside them
+      (which narrowing leaves one out was not traced): a 3-layer MLP step
+      with Adam on 8 devices (batch 64, weights up to 512 x 256) moved
+      10,909,696 B "proven" where ZeRO-3 written by hand moves 2,637,824 B
+      (and GSPMD given the chosen layouts 13,303,864 B).
+
+    A budget is held to the ZeRO layouts by bytes instead
+    (``hand_layouts.no_worse_than_by_hand``); data parallelism holds the most
+    of any layout, so it is no candidate there. Costs a solve per layout, of
+    problems with no ``AUTO`` argument (data parallelism's on that step: 120
+    decisions against the ``AUTO`` solve's 457)."""
     if all(nd is not AUTO for nd in in_sbp):
         return kept
-    best, best_price, best_name = kept, price_of(kept), ""
-    for name, layouts in candidates(program, in_sbp, grid, mirrors, kept.placement.axis_names):
+    replicated = (Broadcast(),) * len(grid)
+    data_parallel = [replicated if nd is AUTO else nd for nd in in_sbp]
+    written = (
+        [("data parallelism (every AUTO argument B)", data_parallel)]
+        if idle_axes(data_parallel, grid)
+        else []
+    )
+    written += [
+        (f"the hand-written {name} layouts", ins)
+        for name, ins in candidates(program, in_sbp, grid, mirrors, kept.placement.axis_names)
+    ]
+    kept_price = price_of(kept)
+    best, best_price, best_name = kept, kept_price, ""
+    for name, layouts in written:
         if layouts == list(kept.in_sbp):
             continue
         given = plan_of(layouts)
@@ -269,8 +267,8 @@ def zero_as_given(kept: Propagation, program, in_sbp, mirrors: dict, grid, plan_
     best = own(best)
     if best.choice is not None:
         note = (
-            f"the hand-written {best_name} layouts, planned as given: {best.bytes} B priced {best_price:.0f}, "
-            f"the AUTO solve's plan {kept.bytes} B priced {price_of(kept):.0f}"
+            f"{best_name}, planned as given: {best.bytes} B priced {best_price:.0f}, "
+            f"the AUTO solve's plan {kept.bytes} B priced {kept_price:.0f}"
         )
         best.choice.reason = f"{best.choice.reason}; {note}" if best.choice.reason else note
         best.choice.auto, best.choice.as_given = True, True  # restore derives boxings as given

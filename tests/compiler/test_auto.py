@@ -186,7 +186,7 @@ def test_auto_moves_no_more_than_data_parallelism_written_by_hand(tmp_path):
     never saw that plan: it chose Megatron's splits over y, 551,104 B (priced
     2,451,144), where data parallelism written by hand moves 519,984 B
     (priced 1,919,984). The AUTO plan is now data parallelism's
-    (second_looks.data_parallel_as_given), explain() says so, and read back
+    (second_looks.by_hand_as_given), explain() says so, and read back
     from the plan cache its boxings are derived with the same idle axis."""
     pl = sj.placement((4, 2), ("x", "y"))
     r = np.random.default_rng(35)
@@ -236,7 +236,7 @@ def test_auto_moves_no_more_than_zero3_written_by_hand_without_a_budget(pl8, tmp
     10,909,696 B ("proven gap 0.00%") where ZeRO-3 written by hand moves
     2,637,824 B, a plan the same call found only under a budget every plan
     met. Without a budget the ZeRO layouts are now planned as given too and
-    the cheapest kept (second_looks.zero_as_given); explain() says so, and the
+    the cheapest kept (second_looks.by_hand_as_given); explain() says so, and the
     plan read back from the cache is the same."""
     r = np.random.default_rng(4)
 
