@@ -16,6 +16,7 @@ slowest of them (largest alpha and beta).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping, Sequence
 
@@ -105,8 +106,6 @@ class CostModel:
 def _seconds(value, name: str) -> float:
     """``value`` as a float of seconds, or an SBPError: a real number (a
     NumPy or JAX scalar too), finite and >= 0."""
-    import math
-
     real = (
         not isinstance(value, (bool, np.bool_))
         and np.ndim(value) == 0

@@ -232,6 +232,8 @@ class Trainer:
         (``model`` may be abstract). ``step_options``: the TrainStep keywords
         the constructors take as they are (zero, compute_dtype, ...)."""
         self.placement = checked_placement(placement, "Trainer")
+        # TrainStep checks these too; here the message names the Trainer the user built, and
+        # comes before the parameters are split and placed
         checked_optimizer(optimizer, "Trainer")
         checked_compute_dtype(step_options["compute_dtype"], "Trainer")
         checked_cost_model(step_options["cost_model"], "Trainer")
