@@ -131,7 +131,11 @@ def is_key(v) -> bool:
     """A typed PRNG key array (``jax.random.key``) or its abstract value: an
     extended dtype, which global tensors do not hold (``sbpjax.compiler.keys``
     and ``sbpjax.checkpoint`` carry its key data instead)."""
-    dtype = getattr(v, "dtype", None)
+    return is_key_dtype(getattr(v, "dtype", None))
+
+
+def is_key_dtype(dtype) -> bool:
+    """Whether ``dtype`` is a typed PRNG key's (an extended dtype)."""
     # an extended dtype is no numpy dtype: the common case answers without jax's issubdtype
     return (
         dtype is not None
@@ -145,6 +149,14 @@ def constant_bits(value) -> np.ndarray:
     key closed over by the user's function is its key data (NumPy cannot hold
     a key), which names it as well as its value would."""
     return np.asarray(jax.random.key_data(value)) if is_key(value) else np.asarray(value)
+
+
+@functools.cache  # one entry per key implementation and shape
+def key_data_shape(shape: tuple, dtype) -> tuple:
+    """The shape of the key data (uint32) of a typed key array of ``shape``
+    and key ``dtype``: ``shape`` and the implementation's trailing dims
+    (threefry: 2). Collectives move a key array as its key data."""
+    return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(tuple(shape), dtype)).shape
 
 
 def key_impl(v) -> str | None:
@@ -161,5 +173,7 @@ __all__ = [
     "dtype_name",
     "partial_supported",
     "is_key",
+    "is_key_dtype",
+    "key_data_shape",
     "key_impl",
 ]

@@ -36,6 +36,7 @@ from jax import lax
 from sbpjax._errors import SBPError
 from sbpjax.boxing.p2p import p2p_schedule
 from sbpjax.boxing.steps import BoxingPlan, Step
+from sbpjax.dtypes import is_key
 from sbpjax.layout import Geometry, Layout
 
 # whether XLA keeps an optimization barrier until fusion (see _On.computed_once)
@@ -511,7 +512,11 @@ def boxing_fn(plan: BoxingPlan):
 def run_plan(plan: BoxingPlan, x):
     """Apply a plan's steps to a device's local block inside a ``shard_map`` body
     over the plan's placement (``x``: the padded local tensor, partial dims
-    squeezed). Returns the target's local block, partial dims squeezed."""
+    squeezed). Returns the target's local block, partial dims squeezed. A
+    typed PRNG key array moves as its key data (``plan_boxing`` plans that)."""
+    if is_key(x):
+        impl = jax.random.key_impl(x)
+        return jax.random.wrap_key_data(run_plan(plan, jax.random.key_data(x)), impl=impl)
     geom = Geometry(plan.shape, plan.placement.shape)
     if 0 in plan.shape:
         assert plan.dst_layout is not None  # plan_boxing sets both layouts

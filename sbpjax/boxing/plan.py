@@ -44,6 +44,7 @@ from sbpjax.boxing.steps import (
     ring_latency_bytes,
     step_launch_bytes,
 )
+from sbpjax.dtypes import is_key_dtype, key_data_shape
 from sbpjax.layout import Geometry, Layout, geometry
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
@@ -229,6 +230,8 @@ def plan_boxing(
     if dst_placement is not None:
         checked_placement(dst_placement, "plan_boxing(dst_placement=...)")
     shape = tuple(int(s) for s in shape)
+    if is_key_dtype(dtype):  # typed PRNG keys move as their key data (run_plan)
+        shape, dtype = key_data_shape(shape, dtype), np.dtype(np.uint32)
     dtype = np.dtype(dtype)
     cm = cost_model or DEFAULT_COST_MODEL
     src = normalize_nd_sbp(src_sbp, placement.ndim, len(shape), "src_sbp")

@@ -100,6 +100,34 @@ def test_a_scan_over_typed_keys_draws_what_jax_jit_draws(pl8):
     np.testing.assert_array_equal(f(X, key).numpy(), jax.jit(dropout_stack)(X, key))
 
 
+@pytest.mark.parametrize("kind", ["scan", "while"])
+@pytest.mark.parametrize("layouts", [("S(0), B", "S(0), B"), ("B, S(0)", "S(0), S(1)")])
+def test_a_loop_carrying_an_array_of_keys_draws_what_jax_jit_draws(kind, layouts, pl24):
+    """A loop kept whole whose carry holds typed keys (a per-example sampler,
+    or ``jax.vmap`` of a ``while_loop`` over keys): the plan re-lays out the
+    key array itself, which moves as its key data. Before, planning that
+    move read the key's dtype as numpy's and raised a TypeError."""
+    x = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
+
+    def draw(ks, h):
+        nk = jax.vmap(jax.random.split)(ks)
+        return nk[:, 0], h + jax.vmap(lambda k, r: jax.random.normal(k, r.shape))(nk[:, 1], h)
+
+    def sampler(ks, h):
+        if kind == "scan":
+            return jax.lax.scan(lambda c, _: (draw(*c), c[1].sum()), (ks, h), None, length=3)
+        n = 3 + (h.sum() > 1e9).astype(jnp.int32)  # a trip count known at run time: the loop stays whole
+        return jax.lax.while_loop(lambda c: c[2] < n, lambda c: (*draw(c[0], c[1]), c[2] + 1), (ks, h, 0))
+
+    keys = jax.random.split(jax.random.key(4), 8)
+    is_global = lambda v: isinstance(v, sj.GlobalTensor)  # noqa: E731
+    got = jax.tree.leaves(sj.jit(sampler, placement=pl24, in_sbp=layouts)(keys, x), is_leaf=is_global)
+    want = jax.tree.leaves(jax.jit(sampler)(keys, x))
+    np.testing.assert_array_equal(jax.random.key_data(got[0]), jax.random.key_data(want[0]))
+    for g, w in zip(got[1:], want[1:]):
+        assert_close(g.numpy(), w, rtol=1e-5)
+
+
 def test_noisy_sgd_state_holds_a_typed_key(pl8):
     params = {"w": np.random.default_rng(1).normal(size=(16, 4)).astype(np.float32)}
     batch = np.random.default_rng(2).normal(size=(8, 16)).astype(np.float32)
