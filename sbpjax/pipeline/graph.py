@@ -19,10 +19,10 @@ class StageThreads:
     copy: str = "h2d"
 
 
-def _counts(given, default, n: int, what: str) -> list[int]:
+def _counts(given, default, n: int, what: str, where: str) -> list[int]:
     counts = list(given) if given is not None else default
     if len(counts) != n or not all(is_count(c) for c in counts):
-        raise SBPError(f"pipeline: {what} {counts} needs one int >= 1 per stage ({n} stages).")
+        raise SBPError(f"{where}: {what} {counts} needs one int >= 1 per stage ({n} stages).")
     return [int(c) for c in counts]
 
 
@@ -38,6 +38,7 @@ def build_graph(
     kept_counts: list[int] | None = None,
     slot_bytes: dict | None = None,
     memory_budget: float | None = None,
+    where: str = "pipeline",
 ) -> ActorGraph:
     """The actor graph of one training step.
 
@@ -52,27 +53,28 @@ def build_graph(
 
     An action list is validated first (with the register counts, and with
     ``slot_bytes`` / ``memory_budget`` when given: see
-    :func:`~sbpjax.pipeline.validate.validate_action_lists`)."""
+    :func:`~sbpjax.pipeline.validate.validate_action_lists`). ``where``
+    names the caller in the errors (``simulate`` builds the same graph)."""
     m = microbatches
     if not is_count(m):
-        raise SBPError(f"pipeline: microbatches must be an int >= 1, got {m!r}.")
+        raise SBPError(f"{where}: microbatches must be an int >= 1, got {m!r}.")
     m = int(m)
     for name, v in (("data_registers", data_registers), ("activation_registers", activation_registers)):
         # checked whether or not this schedule reads it: a setting that works
         # only with some schedules would break when the schedule is swapped
         if not is_count(v):
-            raise SBPError(f"pipeline: {name} must be an int >= 1 (slots of a register), got {v!r}.")
+            raise SBPError(f"{where}: {name} must be an int >= 1 (slots of a register), got {v!r}.")
     schedule.check(devices, m)
     n = schedule.stages(devices)
     if threads is None:
         threads = StageThreads(tuple(f"device{schedule.device_of(s, devices)}" for s in range(n)))
     if len(threads.per_stage) != n:
-        raise SBPError(f"pipeline: {n} stages but {len(threads.per_stage)} stage threads.")
+        raise SBPError(f"{where}: {n} stages but {len(threads.per_stage)} stage threads.")
     lists = schedule.action_lists(devices, m)
-    stash = _counts(stash_counts, schedule.stash_counts(devices, m), n, "stash_counts")
+    stash = _counts(stash_counts, schedule.stash_counts(devices, m), n, "stash_counts", where)
     if schedule.flush and min(stash) < m:
         raise SBPError(
-            f"pipeline: {schedule!r} runs every forward before any backward, so each stage holds all {m} "
+            f"{where}: {schedule!r} runs every forward before any backward, so each stage holds all {m} "
             f"microbatches' residuals; stash_counts {stash} would stall the step at the flush. Give each "
             f"stage at least {m} slots, or use 1f1b, which holds at most p per stage."
         )
@@ -81,11 +83,11 @@ def build_graph(
         # refused rather than ignored: a bound the user set on W's buffers that
         # silently does nothing would let them grow unseen once the schedule changes back
         raise SBPError(
-            f"pipeline: kept_counts bounds the values B keeps for W, but {schedule.name!r} runs each stage's "
+            f"{where}: kept_counts bounds the values B keeps for W, but {schedule.name!r} runs each stage's "
             f"backward as one action and keeps none; drop kept_counts, or use a schedule that splits the "
             f"backward (zb-h1, zb-h2, zb-v, dualpipev)."
         )
-    kept = _counts(kept_counts, schedule.kept_counts(devices, m), n, "kept_counts") if split else None
+    kept = _counts(kept_counts, schedule.kept_counts(devices, m), n, "kept_counts", where) if split else None
     if isinstance(schedule, ActionList) and (
         stash_counts is not None or kept_counts is not None or memory_budget is not None
     ):

@@ -141,5 +141,6 @@ def simulate(
         activation_registers=activation_registers,
         stash_counts=stash_counts,
         kept_counts=kept_counts,
+        where="simulate",
     )
     return simulate_graph(graph, durations)

@@ -113,8 +113,13 @@ def test_bad_schedules_raise_sbperror():
         )
     with pytest.raises(sj.SBPError, match="unknown action kinds"):
         sjp.simulate("1f1b", 2, 2, {"fwd": 1.0})
-    with pytest.raises(sj.SBPError, match="stash_counts"):
+    with pytest.raises(sj.SBPError, match="^simulate: stash_counts"):
         sjp.simulate("1f1b", 2, 2, stash_counts=[1])
+    # the errors name the function called, not the Pipeline that shares its graph builder
+    with pytest.raises(sj.SBPError, match="^simulate: microbatches must be an int >= 1, got 0"):
+        sjp.simulate("1f1b", 2, 0)
+    with pytest.raises(sj.SBPError, match="^simulate: data_registers"):
+        sjp.simulate("1f1b", 2, 2, data_registers=0)
 
 
 def test_slow_consumer_bounds_the_producer_to_its_register_count():
