@@ -181,7 +181,8 @@ def search_pipeline(
     schedule (simulated, or for a schedule with action lists first bounded
     along them), after which its cut is the best found (``plan.proven`` says
     whether the plan's step is still proven the best: every cut left unplayed
-    bounded at or above it)."""
+    bounded at or above it). Of plans with equal steps, the one holding less
+    memory per device is chosen (:data:`STEP_TIE`)."""
     t0 = time.perf_counter()
     if method not in PIPELINE_METHODS:
         raise SBPError(f"search_pipeline: unknown method {method!r}; use one of {PIPELINE_METHODS}.")
@@ -248,6 +249,30 @@ def search_pipeline(
     )
 
 
+# Steps within this fraction of each other are equal, and the one that holds
+# less memory per device wins: with one device group, say, every schedule runs
+# the same step, and 1F1B holds less than interleaved 1F1B. Simulated steps
+# are sums of the same prices in other orders, so equal steps differ by
+# rounding (about 1e-16 of the step); a real difference is an action's price
+# or more (1e-6 of the step for an action among a million). 1e-9 lies
+# between the two by three orders of magnitude on each side.
+STEP_TIE = 1e-9
+
+
+def _better(r, best) -> bool:
+    """Whether the priced cut ``r`` beats ``best`` (``(proto, layouts,
+    Evaluated)`` or None): a shorter step, or an equal one (:data:`STEP_TIE`)
+    holding less memory."""
+    if r is None:
+        return False
+    if best is None:
+        return True
+    step = best[2].step_s
+    if r.step_s < step * (1 - STEP_TIE):
+        return True
+    return r.step_s <= step * (1 + STEP_TIE) and r.peak_memory < best[2].peak_memory
+
+
 def _search(space: Space, method: str, max_simulations: int, tolerance: float):
     """``((proto, layouts, Evaluated) or None, proven, simulations)``."""
     best: tuple | None = None
@@ -260,7 +285,7 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
                 for bounds in every_cut(st.costs.layers, st.stages):
                     sims += 1
                     r = evaluate(st, bounds)
-                    if r is not None and r.step_s < best_step:
+                    if _better(r, best):
                         best, best_step = (proto, layouts, r), r.step_s
         return best, True, sims
     # best first over one queue: a configuration without layouts enters at its floor;
@@ -278,7 +303,8 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
     for proto in space.protos:
         proto.floor = least_bound(space.setting(proto))
         push(proto.floor, proto, ("configuration",))
-    while queue and queue[0][0] * (1 + tolerance) < best_step:
+    # a bound equal to the best step may still win the tie on memory: explored
+    while queue and queue[0][0] * (1 + tolerance) < best_step * (1 + STEP_TIE):
         _, _, proto, what = heapq.heappop(queue)
         if what[0] == "configuration":  # its layout candidates
             for layouts in space.layouts(proto):
@@ -286,7 +312,7 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
                 push(least_bound(st), proto, ("priced", st, layouts))
         elif what[0] == "priced":  # its cuts that could win
             _, st, layouts = what
-            found, rest = cut_candidates(st, best_step, max_simulations, tolerance)
+            found, rest = cut_candidates(st, best_step * (1 + STEP_TIE), max_simulations, tolerance)
             for bound, bounds in found:
                 push(bound, proto, ("cut", st, layouts, bounds))
             if rest < math.inf:
@@ -295,7 +321,7 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
             _, st, layouts, bounds = what
             sims += 1
             r = evaluate(st, bounds)
-            if r is not None and r.step_s < best_step:
+            if _better(r, best):
                 best, best_step = (proto, layouts, r), r.step_s
     proven = all(rest * (1 + tolerance) >= best_step for rest in unseen)
     return best, proven, sims

@@ -29,6 +29,7 @@ from sbpjax.search.cuts import (
 from sbpjax.search.layers import MatmulOp
 from sbpjax.search.pipeline_cost import chain_tables
 from sbpjax.search.pipeline_space import Space
+from sbpjax.search.pipeline import PIPELINE_METHODS
 
 
 def random_profiles(rng, layers):
@@ -135,6 +136,7 @@ def test_search_equals_exhaustive_search_on_small_spaces(seed):
         return
     exact = ss.search_pipeline(profiles, grid, tolerance=0.0, max_simulations=10**6, **kw)
     assert exact.step_s == pytest.approx(brute.step_s, rel=1e-12)
+    assert exact.peak_memory == brute.peak_memory  # equal steps: the less memory (search.pipeline.STEP_TIE)
     assert exact.proven and exact.simulations < brute.simulations
     # the defaults: eight cuts played per configuration, then its best found stands
     # (search.pipeline.MAX_SIMULATIONS): on these spaces that is the best step
@@ -145,6 +147,24 @@ def test_search_equals_exhaustive_search_on_small_spaces(seed):
     assert not one.proven or one.step_s == pytest.approx(brute.step_s, rel=1e-12)
     for plan in (brute, exact, fast, one):
         assert kw["memory"] is None or plan.peak_memory <= kw["memory"]
+
+
+def test_of_equal_steps_the_plan_holding_less_memory_wins():
+    """One device group runs every schedule at the same step; 1F1B holds less
+    than interleaved 1F1B. Both methods choose it, whichever schedule is listed
+    first. Before, each kept the first found: branch and bound an interleaved
+    plan at 1,999,872 B, exhaustive search another at 1,983,488 B."""
+    profiles = ss.gpt_profiles(8, d_model=64, heads=4, seq=16, vocab=128, examples=16)
+    kw = dict(groups=[1], memory=2e6, schedules=["interleaved", "1f1b"])
+    plans = [ss.search_pipeline(profiles, ss.Grid(4, "x"), method=m, **kw) for m in PIPELINE_METHODS]
+    alone = {
+        n: ss.search_pipeline(profiles, ss.Grid(4, "x"), **{**kw, "schedules": [n]}) for n in kw["schedules"]
+    }
+    assert alone["1f1b"].step_s == pytest.approx(alone["interleaved"].step_s, rel=1e-12)
+    assert alone["1f1b"].peak_memory < alone["interleaved"].peak_memory
+    for plan in plans:
+        assert plan.schedule.name == "1f1b"
+        assert plan.peak_memory == alone["1f1b"].peak_memory
 
 
 @pytest.mark.parametrize("layers", [1, 3, 4, 9])
