@@ -27,9 +27,9 @@ from sbpjax.search.cuts import (
     lower_bound,
 )
 from sbpjax.search.layers import MatmulOp
+from sbpjax.search.pipeline import PIPELINE_METHODS
 from sbpjax.search.pipeline_cost import chain_tables
 from sbpjax.search.pipeline_space import Space
-from sbpjax.search.pipeline import PIPELINE_METHODS
 
 
 def random_profiles(rng, layers):
