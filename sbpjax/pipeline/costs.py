@@ -48,8 +48,10 @@ def program_costs(pipe, inputs, targets) -> list[dict]:
     """Per stage, ``{program: {"flops", "bytes_accessed", "memory_bytes"}}``
     for one microbatch (the first of ``inputs`` / ``targets``, split as
     :meth:`Pipeline.step` splits them), over the programs ``forward``,
-    ``backward`` (whole), ``backward_input`` (B; not on the first stage, whose
-    input has no cotangent) and ``backward_weight`` (W). Every stage must run in
+    ``backward`` (whole), ``backward_input`` (B) and ``backward_weight`` (W),
+    as the runtime runs them: the first stage's input has no cotangent, so its
+    B runs the whole backward (``backward_input`` is that program's figures)
+    and its W runs no program (no ``backward_weight`` entry). Every stage must run in
     this process. Compiles what a step has not compiled yet; runs the programs
     once on the microbatch (the parameters do not change)."""
     stages, progs, m = pipe.stages, pipe.programs, pipe.microbatches
@@ -74,17 +76,17 @@ def program_costs(pipe, inputs, targets) -> list[dict]:
     for s in range(last, -1, -1):
         stage, prog = stages[s], progs[s]
         args, saved = stash[s]
-        split = prog.vjp.split(stage.params, args[0], args[1:])
         costs[s]["backward"] = _measure(prog.backward, stage.params, *args, saved, ct, prog.zeros)
+        if s == 0:  # what StepBodies.backward_input runs there
+            costs[s]["backward_input"] = costs[s]["backward"]
+            continue
+        split = prog.vjp.split(stage.params, args[0], args[1:])
+        saved_b = tuple(saved[i] for i in split.saved_for_input)
         saved_w = tuple(saved[i] for i in split.saved_for_weight)
-        kept: tuple = ()
-        if s > 0:
-            saved_b = tuple(saved[i] for i in split.saved_for_input)
-            costs[s]["backward_input"] = _measure(prog.backward_input, stage.params, *args, saved_b, ct)
-            dx, kept = ready(prog.backward_input(stage.params, *args, saved_b, ct))
+        costs[s]["backward_input"] = _measure(prog.backward_input, stage.params, *args, saved_b, ct)
+        dx, kept = ready(prog.backward_input(stage.params, *args, saved_b, ct))
         costs[s]["backward_weight"] = _measure(
             prog.backward_weight, stage.params, *args, saved_w, ct, kept, prog.zeros
         )
-        if s > 0:
-            ct = ready(dx.to_global(sbp=stages[s - 1].out_sbp, placement=stages[s - 1].placement))
+        ct = ready(dx.to_global(sbp=stages[s - 1].out_sbp, placement=stages[s - 1].placement))
     return costs

@@ -105,6 +105,20 @@ def test_every_schedule_equals_the_whole_batch_step(stage_sets, name):
             assert held[1] == live[1] * per_mb and 1 <= live[1] <= counts["kept1"]
 
 
+def test_program_costs_report_the_programs_the_runtime_runs(stage_sets):
+    """Under ZB-H1 the first stage's B runs its whole backward (its input has no
+    cotangent) and its W runs no program; every other stage's B and W split the
+    whole backward's FLOPs between them. Before, the first stage's whole
+    backward was filed under ``backward_weight``, measured on the W program,
+    which never runs there."""
+    params, stages = stage_sets["one"]
+    pipe = sjp.Pipeline(stages, mse, SGD, microbatches=4, schedule="zb-h1")
+    costs = pipe.program_costs(*batch(4, seed=3))
+    assert costs[0]["backward_input"] == costs[0]["backward"] and "backward_weight" not in costs[0]
+    b, w, whole = (costs[1][k]["flops"] for k in ("backward_input", "backward_weight", "backward"))
+    assert min(b, w) > 0 and b + w == pytest.approx(whole, rel=0.02)
+
+
 def test_tensor_parallel_stages_with_adam_under_zero_bubble():
     """2 groups of 2 devices, Megatron layouts inside each stage, ZB-H1."""
     params = _mlp_params(np.random.default_rng(4), 2)
