@@ -354,7 +354,7 @@ def _over_budget(space: Space) -> str:
     what = "The least any configuration needs is" if exact else "A configuration that fits needs"
     return (
         f"search_pipeline: no configuration fits the memory budget of {human_bytes(space.memory.limit or 0)} per "
-        f"device. {what} {human_bytes(least)} per device ({least:.6g} bytes: "
+        f"device. {what} {human_bytes(least)} per device ({math.ceil(least)} bytes: "
         f"{proto.groups} device groups of {proto.shape}, schedule {_name(proto.schedule)}, "
         f"{proto.microbatches} microbatches, remat {proto.remat}, layers per stage "
         f"{[b - a for a, b in bounds]}). "
