@@ -34,9 +34,10 @@ class Layer:
     ``apply(params, x) -> y``; ``params``: its parameters (a pytree of arrays);
     ``layouts(placement)``: a pytree like ``params`` of nd-SBPs on ``placement``
     (the model's own annotations; None: all B); ``tie``: layers with the same
-    tie have the same structure and shapes (their costs are measured once and a
-    search gives them one layout); ``kind``: "before" (embedding), "block",
-    "after" (head) or "layer"."""
+    tie have the same function and parameter shapes; those that also read
+    inputs of one shape and dtype (:meth:`LayerChain.ties`) are alike: their
+    costs are measured once and a search gives them one layout; ``kind``:
+    "before" (embedding), "block", "after" (head) or "layer"."""
 
     name: str
     apply: Callable
@@ -216,6 +217,17 @@ class LayerChain:
         from its input, which is all its forward keeps)."""
         applies = [jax.checkpoint(layer.apply) if remat else layer.apply for layer in self.layers[lo:hi]]
         return _stage_fn(applies, f"layers_{lo}_{hi - 1}" if hi - lo > 1 else self.layers[lo].name)
+
+    def ties(self, examples: int | None = None) -> list:
+        """Per layer, the key of the layers alike to it: its tie and its
+        input's shape and dtype (None where it has no tie). One function with
+        parameters of one shape costs more on a larger input (a convolution at
+        each resolution of a U-Net, a block after a stride-2 one), so the tie
+        alone does not make layers alike."""
+        return [
+            None if layer.tie is None else f"{layer.tie}<-{x.shape}:{x.dtype}"
+            for layer, x in zip(self.layers, self.boundaries(examples))
+        ]
 
     def boundaries(self, examples: int | None = None) -> list:
         """``jax.ShapeDtypeStruct`` of the chain's input and of every layer's output

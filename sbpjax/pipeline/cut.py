@@ -63,14 +63,13 @@ def _backward(apply):
 def layer_flops(chain: LayerChain, examples: int | None = None) -> list[tuple[float, float]]:
     """Per layer, ``(forward, backward)`` flops as XLA counts them in the compiled
     programs (``cost_analysis``) on ``examples`` examples (default: the
-    sample's). Layers with the same tie are compiled once."""
+    sample's). Alike layers (``LayerChain.ties``) are compiled once."""
     key = examples or chain.examples
     if key in chain.flops_cache:  # a cut and a search of one chain count once
         return chain.flops_cache[key]
     shapes = chain.boundaries(examples)
     out, seen = [], {}
-    for layer, x, y in zip(chain.layers, shapes, shapes[1:]):
-        tie = layer.tie
+    for layer, tie, x, y in zip(chain.layers, chain.ties(examples), shapes, shapes[1:]):
         if tie is None or tie not in seen:
             fwd = _flops(jax.jit(layer.apply).lower(layer.params, x).compile())
             both = _flops(jax.jit(_backward(layer.apply)).lower(layer.params, x, y).compile())
@@ -84,15 +83,15 @@ def layer_flops(chain: LayerChain, examples: int | None = None) -> list[tuple[fl
 def layer_times(chain: LayerChain, repeats: int = 5, device=None) -> list[tuple[float, float]]:
     """Per layer, ``(forward, backward)`` seconds measured on one device on the
     sample: the median of ``repeats`` runs after a warm-up (a wall-clock
-    measure: it depends on the machine and its load). Tied layers are timed once."""
+    measure: it depends on the machine and its load). Alike layers
+    (``LayerChain.ties``) are timed once."""
     device = device or jax.devices()[0]
     x = jax.device_put(np.asarray(chain.sample), device)
     out, seen = [], {}
-    for layer in chain.layers:
+    for layer, key in zip(chain.layers, chain.ties()):
         p = jax.device_put(layer.params, device)
         fwd = jax.jit(layer.apply)
         y = jax.block_until_ready(fwd(p, x))
-        key = layer.tie
         if key is None or key not in seen:
             bwd = jax.jit(_backward(layer.apply))
             dy = jax.tree_util.tree_map(jax.numpy.ones_like, y)  # the last layer's output may be a pytree

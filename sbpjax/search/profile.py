@@ -106,8 +106,8 @@ def profile(chain) -> list[LayerProfile]:
     out: list[LayerProfile] = []
     ops_of: dict = {}
     saved_of: dict = {}
-    for i, (layer, x, y, f) in enumerate(zip(chain.layers, shapes, shapes[1:], flops)):
-        key = layer.tie if layer.tie is not None else ("layer", i)
+    for i, (layer, tie, x, y, f) in enumerate(zip(chain.layers, chain.ties(), shapes, shapes[1:], flops)):
+        key = tie if tie is not None else ("layer", i)
         if key not in ops_of:
             ops_of[key] = _layer_ops(layer, x)
             saved_of[key] = _saved_bytes(layer, x)
@@ -116,7 +116,7 @@ def profile(chain) -> list[LayerProfile]:
             dataclasses.replace(
                 op,
                 name=f"{prefix}/{op.name}",
-                tie=None if layer.tie is None else f"{layer.tie}/{op.name}",
+                tie=None if tie is None else f"{tie}/{op.name}",
                 from_data=i == 0 and op.from_data,
             )
             for op in ops_of[key]
@@ -124,7 +124,7 @@ def profile(chain) -> list[LayerProfile]:
         elems = sum(int(np.size(v)) for v in jax.tree_util.tree_leaves(layer.params))
         out.append(
             LayerProfile(
-                layer.name, chain.examples, f, ops, elems, _nbytes(x), _nbytes(y), layer.tie, saved_of[key]
+                layer.name, chain.examples, f, ops, elems, _nbytes(x), _nbytes(y), tie, saved_of[key]
             )
         )
     return out
