@@ -158,6 +158,14 @@ def stage_placements(placement, axis, stages: int | None, schedule) -> tuple[lis
                     )
     sched = as_schedule(schedule) if schedule is not None else None
     n = stages if stages is not None else (sched.stages(len(groups)) if sched else len(groups))
+    if sched is not None and n != sched.stages(len(groups)):
+        # refused here, as Pipeline would refuse the stages: device_of past the schedule's stages
+        # names no group (ZB-V's 2p - 1 - s goes negative, and Python's lists read that from the end)
+        raise SBPError(
+            f"cut: stages={n} on {len(groups)} device groups, but {sched!r} runs {sched.stages(len(groups))} "
+            "stages there; leave stages out (the schedule's count), or give Interleaved1F1B(chunks=v) for v "
+            "stages per group."
+        )
     if sched is not None:
         where = [sched.device_of(s, len(groups)) for s in range(n)]
     else:

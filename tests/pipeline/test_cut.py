@@ -550,6 +550,10 @@ def test_a_wrong_pipeline_axis_or_overlapping_groups_are_refused():
     with pytest.raises(sj.SBPError, match="device 1 is in device groups 0 and 1"):
         sjp.cut(chain, overlapping)
     assert len(sjp.cut(chain, sj.placement(2, "pp"), axis="pp").stages) == 2
+    # a stage count the schedule does not run: ZB-V runs 4 on 2 groups, and placed
+    # stages 4 and 5 on groups -1 and -2 (read from the end of the list)
+    with pytest.raises(sj.SBPError, match=r"stages=6 on 2 device groups, but ZeroBubbleV\(\) runs 4"):
+        sjp.cut(chain, sj.placement(2, "pp"), stages=6, schedule="zb-v")
 
 
 def test_layers_of_one_function_on_inputs_of_other_shapes_are_priced_apart():
