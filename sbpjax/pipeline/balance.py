@@ -92,6 +92,10 @@ def balance(costs: Sequence[float] | np.ndarray, stages: int) -> Balance:
     """The contiguous cut of layers with these ``costs`` into ``stages`` non-empty
     stages whose slowest stage is as cheap as any cut's (exact; ties go to the
     cut whose stage ends come first)."""
+    if np.ndim(costs) != 1:
+        raise SBPError(
+            f"balance: costs has shape {np.shape(costs)}; give one number per layer (a list or a 1-D array)."
+        )
     costs = [float(c) for c in costs]
     bad = [i for i, c in enumerate(costs) if not np.isfinite(c) or c < 0]
     if bad:

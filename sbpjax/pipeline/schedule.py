@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_count
 from sbpjax.pipeline.validate import FUSED, SPLIT, action_entries, index_of, validate_action_lists
 
 
@@ -200,12 +200,12 @@ class Interleaved1F1B(ActionList):
     name = "interleaved"
 
     def __init__(self, chunks: int = 2):
-        if not isinstance(chunks, int) or chunks < 1:
+        if not is_count(chunks):
             raise SBPError(
                 f"Interleaved1F1B(chunks={chunks!r}): chunks is the number of model stages per "
                 "device, an int >= 1."
             )
-        self.chunks = chunks
+        self.chunks = int(chunks)
         self._stage_devices = None
 
     def stages(self, devices):
@@ -241,7 +241,13 @@ def megatron_interleaved(p: int, v: int, m: int) -> dict[int, list]:
     ``(k mod pv) // p`` of microbatch ``(k // pv) p + k mod p``; backwards take
     the chunks in reverse. It warms up with ``2 (p - d - 1) + (v - 1) p``
     forwards, then alternates one forward and one backward, then drains.
+    Needs ``m % p == 0`` (microbatches in groups of ``p``).
     """
+    if not (is_count(p) and is_count(v) and is_count(m)) or m % p:
+        raise SBPError(
+            f"megatron_interleaved(p={p!r}, v={v!r}, m={m!r}): give ints >= 1 with m % p == 0; the order "
+            "takes microbatches in groups of p."
+        )
     total = m * v
 
     def item(kind, k, d):

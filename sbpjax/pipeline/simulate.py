@@ -15,7 +15,7 @@ import heapq
 import math
 from collections.abc import Callable, Mapping
 
-from sbpjax._errors import SBPError
+from sbpjax._errors import SBPError, is_count
 from sbpjax.pipeline.actor import KINDS, ActorGraph, ActorSystem
 from sbpjax.pipeline.errors import PipelineStall
 from sbpjax.pipeline.graph import build_graph
@@ -131,8 +131,9 @@ def simulate(
     peak live registers, Gantt chart).
     """
     sched = as_schedule(schedule)
-    if not isinstance(devices, int) or devices < 1:
+    if not is_count(devices):
         raise SBPError(f"simulate: devices must be an int >= 1, got {devices!r}.")
+    devices = int(devices)
     graph = build_graph(
         sched,
         devices,

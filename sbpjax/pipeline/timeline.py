@@ -176,6 +176,8 @@ class Timeline:
         """Draw one row per thread, one box per action (colour by kind, label by
         microbatch) and write a PNG to ``path``. Needs matplotlib (``pip install
         sbpjax[plots]``)."""
+        if not self.actions:
+            raise SBPError("Timeline.gantt: the timeline has no actions to draw (no step was recorded).")
         try:
             import matplotlib
 

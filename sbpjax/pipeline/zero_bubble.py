@@ -43,6 +43,7 @@ makespans are checked against the closed forms above in the tests.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Mapping
 
@@ -206,8 +207,8 @@ def _equal(durations) -> dict:
                 f"zero-bubble schedule durations: unknown kinds {sorted(unknown)}; give {F!r}, {B!r}, {W!r}."
             )
         table.update({k: float(v) for k, v in durations.items()})
-        if any(v <= 0 for v in table.values()):
-            raise SBPError(f"zero-bubble schedule durations must be > 0, got {table}.")
+        if not all(math.isfinite(v) and v > 0 for v in table.values()):
+            raise SBPError(f"zero-bubble schedule durations must be finite numbers > 0, got {table}.")
     return table
 
 
@@ -287,9 +288,10 @@ class _VShape(_Generated):
         return stage if stage < devices else 2 * devices - 1 - stage
 
     def theory_bubble(self, devices, microbatches):
-        # per chunk f = b = w: the last device starts after (p - 1) f and is never idle (m >= p;
-        # with fewer microbatches it idles, as ZB-H1 and ZB-H2 do)
-        if microbatches < devices:
+        # per chunk f = b = w: the last device starts after (p - 1) f and is never idle, for
+        # m >= 2p: below it the generated ZB-V order runs longer (p = 8, m = 9: 4 chunk-times),
+        # and DualPipeV does not run at all
+        if microbatches < 2 * devices:
             return None
         return (devices - 1) / (6 * microbatches + devices - 1)
 

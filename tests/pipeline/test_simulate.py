@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 import sbpjax as sj
@@ -120,6 +121,21 @@ def test_bad_schedules_raise_sbperror():
         sjp.simulate("1f1b", 2, 0)
     with pytest.raises(sj.SBPError, match="^simulate: data_registers"):
         sjp.simulate("1f1b", 2, 2, data_registers=0)
+    # counts: NumPy's ints taken, bools refused, as everywhere (_errors.is_count)
+    assert sjp.simulate("1f1b", np.int64(2), 2).makespan == sjp.simulate("1f1b", 2, 2).makespan
+    with pytest.raises(sj.SBPError, match="devices must be an int >= 1, got True"):
+        sjp.simulate("1f1b", True, 2)
+    assert sjp.Interleaved1F1B(np.int64(2)).chunks == 2
+    with pytest.raises(sj.SBPError, match="chunks is the number of model stages"):
+        sjp.Interleaved1F1B(True)
+    with pytest.raises(sj.SBPError, match="finite numbers > 0"):
+        sjp.ZeroBubbleV({"backward_weight": float("nan")})
+    with pytest.raises(sj.SBPError, match="m % p == 0"):
+        sjp.megatron_interleaved(2, 2, 3)
+    with pytest.raises(sj.SBPError, match=r"costs has shape \(2, 3\)"):
+        sjp.balance(np.ones((2, 3)), 2)
+    with pytest.raises(sj.SBPError, match="no actions to draw"):
+        sjp.Timeline((), (), ()).gantt("unused.png")
 
 
 def test_slow_consumer_bounds_the_producer_to_its_register_count():

@@ -68,7 +68,17 @@ def test_no_closed_form_below_p_microbatches(name):
         assert schedule.theory_bubble(p, m) is None
         formula = (p - 1) / (3 * m + p - 1) if schedule.chunks == 1 else (p - 1) / (6 * m + p - 1)
         assert sjp.simulate(schedule, p, m, EQUAL).bubble > formula
-    assert schedule.theory_bubble(4, 4) is not None
+    # the V schedules' formula from m = 2p on: below it ZB-V's generated order runs longer
+    # (p = 8, m = 9: by 4 chunk-times), and DualPipeV does not run at all
+    assert (schedule.theory_bubble(4, 4) is None) == (schedule.chunks == 2)
+    assert schedule.theory_bubble(4, 8) is not None
+
+
+def test_the_v_schedules_give_no_closed_form_below_2p_microbatches():
+    for p, m in [(2, 3), (4, 7), (8, 9)]:
+        assert sjp.DualPipeV().theory_bubble(p, m) is None and sjp.ZeroBubbleV().theory_bubble(p, m) is None
+    formula = 7 / (6 * 9 + 7)
+    assert sjp.simulate("zb-v", 8, 9, EQUAL).bubble > formula  # the bubble the formula would promise
 
 
 def test_zero_bubble_beats_1f1b_at_p4_m8():
