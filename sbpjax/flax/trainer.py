@@ -90,6 +90,20 @@ def _traced_factory(model_factory):
     return make
 
 
+def _check_param_dtypes(pure: dict, model_name: str) -> None:
+    """An SBPError naming the first nnx.Param that is not floating: the step
+    differentiates the loss by every Param, and JAX has no gradient of an
+    integer or bool array."""
+    for path, v in jax.tree_util.tree_flatten_with_path(pure)[0]:
+        if not jnp.issubdtype(v.dtype, jnp.inexact):
+            raise SBPError(
+                f"Trainer: parameter {jax.tree_util.keystr(path)} of {model_name} is an nnx.Param of dtype "
+                f"{v.dtype}; the step differentiates the loss by every Param, and integers and bools have "
+                "no gradient. Keep counters and masks in an nnx.Variable (or a subclass), which the "
+                "trainer carries as state."
+            )
+
+
 class Trainer:
     """Train an NNX model with ``sj.jit``: its parameters' annotations are the
     compute layouts, the optimizer state follows them (or is split by ZeRO).
@@ -104,6 +118,9 @@ class Trainer:
     forward pass may update it (statistics over a split batch are reduced
     across devices), and the step returns it, as ``nnx.jit`` of the same
     step would. RNG keys travel as their key data and are rewrapped inside.
+    Values the model records with ``sow`` (``nnx.Intermediate``) are a call's
+    outputs, not state: the trainer drops them (read them inside ``loss_fn``,
+    with ``nnx.pop``, to use them in the loss).
 
     ``Trainer(model, ...)`` places a model that exists already (its values go
     through the host once); :meth:`Trainer.create` builds the model's state
@@ -212,6 +229,7 @@ class Trainer:
 
         def born():
             model = model_factory()
+            nnx.pop(model, nnx.Intermediate)
             _, p, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
             rest_pure = nnx.to_pure_dict(rest)
             impls["tree"] = jax.tree.map(lambda v: jax.random.key_impl(v) if is_key(v) else None, rest_pure)
@@ -243,6 +261,7 @@ class Trainer:
                 f"function that builds one), got {type(model).__name__}."
             )
         self.graphdef: nnx.GraphDef
+        nnx.pop(model, nnx.Intermediate)  # what sow recorded: a call's output, not the step's state
         # flax types split with two or more filters as a variadic tuple; two give exactly three
         self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         self._template, self._rest_template = params_state, rest
@@ -252,6 +271,7 @@ class Trainer:
                 f"Trainer: the model ({type(model).__name__}) has no nnx.Param to train; its weights must be "
                 "nnx.Param variables (as nnx.Linear's are)."
             )
+        _check_param_dtypes(self._pure, type(model).__name__)
         self._rest_pure = nnx.to_pure_dict(rest)
         self._param_sbp = get_sbp(model, placement)
         self._optimizer, self._loss_fn, self._batch_sbp = optimizer, loss_fn, batch_sbp
@@ -272,6 +292,9 @@ class Trainer:
             nnx.replace_by_pure_dict(other, _wrap_keys(rest_data, impls))
             model = nnx.merge(graphdef, state, other)
             loss = checked_loss(_loss_on(loss_fn, model, batch), loss_fn, False, aux_hint=_TRAINER_AUX)
+            # values the model sowed (nnx.Intermediate) are dropped: the state a step hands the
+            # next keeps its structure (sow adds a variable, then appends to it, call by call)
+            nnx.pop(model, nnx.Intermediate)
             updated = nnx.to_pure_dict(nnx.split(model, nnx.Param, ...)[2])
             return loss, _unwrap_keys(updated)
 

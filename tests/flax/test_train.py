@@ -381,3 +381,74 @@ def test_factored_and_clipped_optimizers_equal_single_device(make_opt):
     sjf.annotate(model, rules)
     trainer = sjf.Trainer(model, make_opt(), loss_fn, pl, batch_sbp=batch_sbp)
     assert_same_training(trainer, make_opt(), data())
+
+
+class _Sowing(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(16, 32, rngs=rngs)
+        self.fc2 = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.fc1(x))
+        self.sow(nnx.Intermediate, "hidden_norm", jnp.sqrt((h**2).mean()))
+        return self.fc2(h)
+
+
+def _sowing_loss(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("build", ["model", "create"])
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside:DeprecationWarning")  # flax 0.12's
+def test_values_a_model_sows_are_dropped_between_steps(build):
+    """``sow`` adds an nnx.Intermediate on the first call and appends to it
+    after. Before, the first step's state gained it, and every later step and
+    ``model()`` raised a pytree-structure ValueError. Losses are those of
+    plain SGD on one device."""
+    pl = sj.placement(8, "x")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 16)).astype(np.float32), rng.normal(size=(16, 16)).astype(np.float32)
+    opt = optax.sgd(0.1)
+    if build == "model":
+        model = _Sowing(nnx.Rngs(0))
+        model(x)  # an intermediate sown before the trainer sees the model
+        trainer = sjf.Trainer(model, opt, _sowing_loss, pl, batch_sbp=(S(0), S(0)))
+    else:
+        trainer = sjf.Trainer.create(
+            lambda: _Sowing(nnx.Rngs(0)), opt, _sowing_loss, pl, batch_sbp=(S(0), S(0))
+        )
+    ref = _Sowing(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(ref, opt, wrt=nnx.Param)
+
+    @nnx.jit
+    def ref_step(m, o):
+        def loss(m):
+            value = _sowing_loss(m, (x, y))
+            nnx.pop(m, nnx.Intermediate)
+            return value
+
+        value, grads = nnx.value_and_grad(loss)(m)
+        o.update(m, grads)
+        return value
+
+    for _ in range(3):
+        assert_close(trainer.step((x, y)), float(ref_step(ref, ref_opt)), rtol=1e-5)
+    assert not jax.tree.leaves(nnx.state(trainer.model(), nnx.Intermediate))
+
+
+def test_an_integer_param_is_named():
+    class Counting(nnx.Module):
+        def __init__(self, rngs):
+            self.fc = nnx.Linear(16, 16, rngs=rngs)
+            self.steps = nnx.Param(jnp.zeros((), jnp.int32))  # a counter kept as a Param by mistake
+
+        def __call__(self, x):
+            return self.fc(x) + self.steps[...].astype(jnp.float32)
+
+    with pytest.raises(
+        sj.SBPError, match=r"parameter \['steps'\] of Counting is an nnx.Param of dtype int32"
+    ):
+        sjf.Trainer(
+            Counting(nnx.Rngs(0)), optax.sgd(0.1), _sowing_loss, sj.placement(8, "x"), batch_sbp=(S(0), S(0))
+        )
