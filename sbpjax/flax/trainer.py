@@ -333,10 +333,19 @@ class Trainer:
         return float(loss.numpy())
 
     def _check_batch(self, batch) -> None:
-        """``batch_sbp`` read against ``batch``, each leaf's layout checked
-        where the message can name ``batch_sbp`` and the leaf (the step's own
-        check names its internal argument, ``args[2][0]``)."""
+        """``batch`` checked where the message can name the leaf (the step's
+        own checks name its internal argument, ``args[2][0]``): each leaf an
+        array of numbers or bools, its layout in ``batch_sbp`` one it has."""
         leaves, tree = jax.tree_util.tree_flatten_with_path(batch)
+        for path, leaf in leaves:
+            dtype = getattr(leaf, "dtype", None)  # a device array's own: no copy to the host to read it
+            dtype = np.asarray(leaf).dtype if dtype is None else dtype
+            if not (is_key(leaf) or jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+                raise SBPError(
+                    f"Trainer: batch{jax.tree_util.keystr(path)} is a {type(leaf).__name__} of dtype {dtype}; "
+                    "a batch holds arrays of numbers or bools. Encode text as token ids (and other data as "
+                    "arrays) before the step."
+                )
         specs = broadcast_spec(self._batch_sbp, tree, "Trainer batch_sbp", self.placement.ndim)
         for (path, leaf), spec in zip(leaves, specs):
             if spec is not None and spec is not AUTO:  # (an AUTO leaf the step lays out)

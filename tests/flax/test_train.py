@@ -452,3 +452,15 @@ def test_an_integer_param_is_named():
         sjf.Trainer(
             Counting(nnx.Rngs(0)), optax.sgd(0.1), _sowing_loss, sj.placement(8, "x"), batch_sbp=(S(0), S(0))
         )
+
+
+def test_a_batch_leaf_that_is_not_numbers_is_named_as_the_trainers_batch():
+    """Before, the step's own check named its internal argument (``args[2][0][0]``)
+    and offered ``static_argnames``, which a Trainer user cannot pass."""
+    trainer = sjf.Trainer(
+        MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, sj.placement(8, "x"), batch_sbp=(S(0), S(0))
+    )
+    x, y = data(steps=1)[0]
+    with pytest.raises(sj.SBPError, match=r"Trainer: batch\[0\] is a ndarray of dtype <U"):
+        trainer.step((x.astype(str), y))
+    assert np.isfinite(trainer.step((x, y)))  # nothing was half-done
