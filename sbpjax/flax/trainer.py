@@ -400,7 +400,8 @@ def _loss_on(loss_fn, model, batch):
         name = getattr(loss_fn, "__name__", repr(loss_fn))
         raise SBPError(
             f"Trainer: loss_fn {name!r} raised {type(e).__name__} on a batch of shapes {shapes}: {e}. "
-            "Check the batch's shapes and structure against what the model and loss_fn expect."
+            "Where it is about the batch, check its shapes and structure against what the model and "
+            "loss_fn expect; otherwise it is the model's own (a Dropout given no rngs, say)."
         ) from e
 
 
