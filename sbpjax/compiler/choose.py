@@ -367,6 +367,19 @@ def _choose(call: _Call) -> Propagation:
         return kept
     kept = _cheaper(call, greedy, form.plan(solved.strategies), solved, choice, g_fits, g_memory)
     left = call.options.effort - solved.work
+    kept, work = second_looks.bytes_first(
+        program,
+        kept,
+        form,
+        call.in_sbp,
+        call.cost_model,
+        call.options,
+        caches,
+        call.memory_budget,
+        g_bytes,
+        left,
+    )
+    left -= work
     kept = second_looks.fewer_collectives(
         program,
         kept,
