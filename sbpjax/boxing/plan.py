@@ -209,7 +209,10 @@ def plan_boxing(
 ) -> BoxingPlan:
     """The cheapest boxing of a ``shape``/``dtype`` tensor from ``src_sbp`` on
     ``placement`` to ``dst_sbp`` (on ``dst_placement`` when given): the
-    fewest bytes received, ties broken by time.
+    fewest bytes received, ties broken by time. A typed PRNG key array is
+    planned as its key data: the layouts split the keys' own dims, and the
+    plan's shape and dtype are the data's (uint32, with the implementation's
+    trailing dims).
 
     ``launch_priced``: the fewest bytes plus, for each collective, its launch
     latency in bytes (``alpha / beta`` of its group: 100 kB on the default
@@ -230,15 +233,17 @@ def plan_boxing(
     if dst_placement is not None:
         checked_placement(dst_placement, "plan_boxing(dst_placement=...)")
     shape = tuple(int(s) for s in shape)
-    if is_key_dtype(dtype):  # typed PRNG keys move as their key data (run_plan)
-        shape, dtype = key_data_shape(shape, dtype), np.dtype(np.uint32)
-    dtype = np.dtype(dtype)
     cm = cost_model or DEFAULT_COST_MODEL
     src = normalize_nd_sbp(src_sbp, placement.ndim, len(shape), "src_sbp")
     if dst_placement is not None and dst_placement == placement:
         dst_placement = None
     dpl = dst_placement or placement
     dst = normalize_nd_sbp(dst_sbp, dpl.ndim, len(shape), "dst_sbp")
+    if is_key_dtype(dtype):
+        # typed PRNG keys move as their key data (run_plan unwraps them): the layouts, read
+        # against the keys' own dims above, never split the data's trailing dims
+        shape, dtype = key_data_shape(shape, dtype), np.uint32
+    dtype = np.dtype(dtype)
     launch_priced = launch_priced if dst_placement is None else False
     key = (shape, dtype.str, placement, src, dst, dst_placement, repr(cm), launch_priced)
     if key in _CACHE:

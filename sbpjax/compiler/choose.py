@@ -367,17 +367,19 @@ def _choose(call: _Call) -> Propagation:
         return kept
     kept = _cheaper(call, greedy, form.plan(solved.strategies), solved, choice, g_fits, g_memory)
     left = call.options.effort - solved.work
-    kept, work = second_looks.bytes_first(
+    kept, work = second_looks.bytes_alone(
         program,
         kept,
         form,
-        call.in_sbp,
-        call.cost_model,
-        call.options,
-        caches,
-        call.memory_budget,
-        g_bytes,
-        left,
+        in_sbp=call.in_sbp,
+        cost_model=call.cost_model,
+        options=call.options,
+        caches=caches,
+        pairs=call.pairs,
+        memory_budget=call.memory_budget,
+        greedy_bytes=g_bytes,
+        greedy_fits=g_fits,
+        effort=left,
     )
     left -= work
     kept = second_looks.fewer_collectives(

@@ -32,14 +32,18 @@ class CompileOptions:
 
     * ``effort``: the solver's deterministic work limit (table entries
       computed plus search steps) for the whole layout choice: the settling
-      rounds and the ring-latency solve of ``fewer_collectives`` share it
+      rounds, the bytes-alone solve of a second look (given half of what
+      they left) and the ring-latency solve of ``fewer_collectives`` share it
       (``sbpjax.compiler.backend.solve_settled``). Plans are exact wherever the
       program's graph can be eliminated within it (``explain()`` prints the
       proven gap). Elsewhere a larger effort usually finds a cheaper plan, but
       not always: the tables settle along another path.
     * ``latency``: price each collective's launch latency (``alpha / beta``
       of its group from the cost model, in bytes) besides its bytes; False:
-      bytes alone, ties broken by 1/64 B per collective.
+      bytes alone, ties broken by 1/64 B per collective. Where the priced
+      plan's prices miss what runs (an exchange two ops share, reductions
+      the lowering buckets), the plan solved by bytes alone may replace it
+      (``sbpjax.compiler.second_looks.bytes_alone``).
     * ``launch_priced``: in a program with an idle placement axis, plan a
       boxing whose fewest-bytes plan borrows that axis by bytes plus
       latency (``sbpjax.compiler.propagator.Propagator.plan``).
@@ -49,7 +53,9 @@ class CompileOptions:
       each collective at its ring latency and keep that plan where it runs
       fewer collectives, is faster by the cost model and moves at most this
       share more bytes (or runs at most half the collectives with no larger
-      estimated peak); 0 turns the second solve off.
+      estimated peak); 0 turns the second solve off. The same share bounds
+      the bytes a latency-priced plan may trade for collectives against the
+      plan solved by bytes alone (``second_looks.bytes_alone``).
     * ``tie_layers``: give the alike ops of repeated layers one decision
       (``sbpjax.compiler.classes.layer_classes``): fewer decisions, but a
       restriction (the first and last layers may want other layouts), and a

@@ -1,7 +1,7 @@
 """Second looks at a solved plan: what the solver's objective (bytes, plus
 each collective's latency) does not see, and the plan is held to after it.
 
-* :func:`bytes_first`: the plan solved again by bytes alone, kept where the
+* :func:`bytes_alone`: the plan solved again by bytes alone, kept where the
   first solve's prices missed a shared exchange or the lowering's buckets;
 * :func:`fewer_collectives`: the plan solved again with each collective at
   its ring's full latency, kept where it runs fewer collectives for few more
@@ -74,48 +74,62 @@ def larger_peak(alt: Propagation, kept: Propagation, hoisted: bool) -> bool:
     return bool(live_bytes(alt, hoisted=hoisted).max() > live_bytes(kept, hoisted=hoisted).max())
 
 
-def bytes_first(
-    program, kept: Propagation, form, in_sbp, cost_model, options, caches, memory_budget, greedy_bytes, effort
+def bytes_alone(
+    program,
+    kept: Propagation,
+    form,
+    *,
+    in_sbp,
+    cost_model,
+    options,
+    caches,
+    pairs,
+    memory_budget,
+    greedy_bytes: int,
+    greedy_fits: bool,
+    effort: int,
 ) -> tuple[Propagation, int]:
-    """``kept``, the plan solved with each collective's latency priced, or the
-    plan solved by bytes alone where the first solve's prices miss what the
-    program runs, in either of two ways:
+    """``kept``, the plan of the first solve (each collective's latency
+    priced), or the plan solved by bytes alone where the first solve's
+    prices miss what the program runs, in either of two ways:
 
-    * The solve's tables charge an exchange that two ops share (a
-      convolution and its kernel gradient read one halo) once per op, where
-      the lowering and ``price`` count it once, so the objective is above
-      ``price(kept)``. The bytes-first plan is kept where ``price`` puts it
+    * Its tables charge an exchange that two ops share (a convolution and
+      its kernel gradient read one halo) once per op, where the lowering and
+      ``price`` count it once, so the solve's objective is above
+      ``price(kept)``. The bytes-alone plan is kept where ``price`` puts it
       below ``kept``. A height-split convolution's kernel gradient on 8
-      devices: the latency-priced plan all-gathered the image beside the
-      halos, 200,256 B in 9 collectives, where the bytes-first plan reuses
-      the forward's halo, 114,240 B in 8 (GSPMD: 153,664 B).
-    * The solve prices one launch per boxing, where the lowering combines
+      devices: the first plan all-gathered the image beside the halos,
+      200,256 B in 9 collectives, where the bytes-alone plan reuses the
+      forward's halo, 114,240 B in 8 (GSPMD: 153,664 B).
+    * It prices one launch per boxing, where the lowering combines
       reductions into buckets (:mod:`sbpjax.compiler.buckets`) and XLA
       combines all-reduces: a plan of many small boxings is priced above
       what it runs. Where ``kept`` moves more bytes than the greedy pass
-      (which follows the layouts op by op, as GSPMD does), it is held to
-      the test :func:`fewer_collectives` holds a trade of bytes for
-      collectives to: at most ``options.fewer_collectives`` more bytes than
-      the bytes-first plan, or at most half its collectives
-      (``pricing.count_collectives``) with no larger estimated peak. A
-      conv + BatchNorm step, batch split over x and channels over y on 2x4:
-      the latency-priced plan moved 197,160 B, the bytes-first plan 72,288
-      B, both in 11 collectives as compiled (GSPMD: 69,792 B in 10).
+      (which follows the layouts op by op, as GSPMD does) and greedy's plan
+      fits the memory budget (else the budget may be what costs the bytes),
+      ``kept`` is held to the trade :func:`fewer_collectives` allows: at
+      most ``options.fewer_collectives`` more bytes than the bytes-alone
+      plan, or at most half its collectives (``pricing.count_collectives``).
+      A conv + BatchNorm step, batch split over x and channels over y on
+      2x4: the first plan moved 197,160 B, the bytes-alone plan 72,288 B,
+      both in 11 collectives as compiled (GSPMD: 69,792 B in 10).
 
-    Both need another solve, so each is gated: a plan whose objective is its
-    price and that moves no more than greedy (every row of the compiler
-    benchmark) skips it. Decision: a gate, not a pairwise term for shared
-    exchanges or buckets in the problem: both would couple ops the exact
-    elimination now solves apart. ``effort``: what the first solve left, as
-    for :func:`fewer_collectives`; returns the plan and the work its solve
-    spent of it."""
+    Either way the bytes-alone plan is not kept where its estimated peak is
+    larger (``larger_peak``, both places of recomputation). Both tests need
+    another solve, so each is gated: a plan whose objective is its price and
+    that moves no more than greedy (every row of the compiler benchmark)
+    skips it. Decision: a gate, not a pairwise term for shared exchanges or
+    buckets in the problem: both would couple ops the exact elimination now
+    solves apart. ``effort``: what the first solve left; this solve is given
+    half of it, so that :func:`fewer_collectives` keeps the rest. Returns
+    the plan and the work the solve spent."""
     choice = kept.choice
     if not options.latency or choice is None:
         return kept, 0
     kept_price = price(kept, cost_model, options)
     # one byte over: more than the rounding of sums kept in 1/64 B (pricing._weighted_sum)
     mispriced = choice.method == "ilp" and choice.objective is not None and choice.objective > kept_price + 1
-    over_greedy = kept.bytes > greedy_bytes
+    over_greedy = greedy_fits and kept.bytes > greedy_bytes
     if not (mispriced or over_greedy):
         return kept, 0
     if (choice.gap is not None and choice.gap > 0) or spent(effort, options.effort):
@@ -126,32 +140,44 @@ def bytes_first(
     cm = cost_model if cost_model is not None else CostModel()
     alt_form = form.repriced(pr, Tables(pr, cm, plain, ring=False))
     t1 = time.perf_counter()
-    solved = solve_settled(alt_form, effort, start=alt_form.start(kept), usage_limit=memory_budget)
+    solved = solve_settled(alt_form, effort // 2, start=alt_form.start(kept), usage_limit=memory_budget)
     choice.build_s += t1 - t0
     choice.solve_s += time.perf_counter() - t1
     choice.rounds += solved.rounds
+    choice.planned += alt_form.tables.planned
+    choice.entries += alt_form.tables.entries
     if solved.strategies is None:
         return kept, solved.work
     alt = alt_form.plan(solved.strategies)
     alt_price = price(alt, cost_model, options)
     kept_count, alt_count = count_collectives(kept), count_collectives(alt)
-    if alt_price < kept_price:
-        why = f"priced {alt_price:.0f} B against {kept_price:.0f} B (the solve charged a shared exchange per op)"
-    elif over_greedy:
-        trade = kept.bytes <= (1 + options.fewer_collectives) * alt.bytes or 2 * kept_count <= alt_count
-        if trade or any(larger_peak(alt, kept, h) for h in (False, True)):
-            return kept, solved.work
-        why = f"the latency-priced plan moved more than the greedy pass's {greedy_bytes} B"
+    if mispriced and alt_price < kept_price:
+        why = f"priced {alt_price:.0f} B against {kept_price:.0f} B (the first solve charged a shared exchange per op)"
+    elif over_greedy and not (
+        kept.bytes <= (1 + options.fewer_collectives) * alt.bytes or 2 * kept_count <= alt_count
+    ):
+        why = (
+            f"the first plan moved more than the greedy pass's {greedy_bytes} B for too few collectives saved"
+        )
     else:
         return kept, solved.work
-    choice.latency_note = (
+    if any(larger_peak(alt, kept, h) for h in (False, True)):
+        return kept, solved.work
+    note(
+        choice,
         f"solved again by bytes alone, and that plan kept: {alt.bytes} B in {alt_count} collectives in place "
-        f"of {kept.bytes} B in {kept_count}, {why}"
+        f"of {kept.bytes} B in {kept_count}, {why}",
     )
     choice.ilp_bytes = alt.bytes
+    choice.memory_bytes = held_bytes(program, alt, pairs, form.placement.shape)
     alt.warnings = kept.warnings
     alt.choice = choice
     return alt, solved.work
+
+
+def note(choice, text: str) -> None:
+    """Add ``text`` to what ``explain()`` says of the second looks (``latency_note``)."""
+    choice.latency_note = f"{choice.latency_note}; {text}" if choice.latency_note else text
 
 
 def fewer_collectives(
@@ -186,7 +212,8 @@ def fewer_collectives(
     ``effort``: what the bytes-first solve left of ``options.effort``, so that
     the option bounds the plan's whole solve. Decision: the second solve gets
     no effort of its own. Where the first proved its plan (most programs) it
-    spent a small part and the second gets nearly all; where it could not,
+    spent a small part and the second gets nearly all (at least half where
+    :func:`bytes_alone` solved too); where it could not,
     the second solve is skipped (``explain()`` says so), whether the first
     spent the effort or its search stopped finding better plans: two
     heuristic solves of a 2-D GPT took minutes, the bytes-first plan, kept,
@@ -199,12 +226,10 @@ def fewer_collectives(
         return kept
     choice = kept.choice
     if choice.gap is not None and choice.gap > 0:
-        choice.latency_note = (
-            "not solved again with ring latency: the bytes-first solve was not proven optimal"
-        )
+        note(choice, "not solved again with ring latency: the bytes-first solve was not proven optimal")
         return kept
     if spent(effort, options.effort):
-        choice.latency_note = "not solved again with ring latency: the bytes-first solve spent the effort"
+        note(choice, "not solved again with ring latency: the bytes-first solve spent the effort")
         return kept
     t0 = time.perf_counter()
     # the first solve's problem, its boxings planned and priced by the ring's latency
@@ -234,11 +259,12 @@ def fewer_collectives(
     why = (
         f"within {100 * options.fewer_collectives:.0f}%" if within else "half the collectives, no larger peak"
     )
-    choice.latency_note = (
+    note(
+        choice,
         f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
         f"in place of {kept_bytes} B ({100 * (alt_bytes / max(kept_bytes, 1) - 1):+.1f}%, {why}), "
         f"{alt_count} collectives in place of {kept_count}, "
-        f"{(kept_time - alt_time) / 1e6:.2f} MB-equivalent faster by the cost model"
+        f"{(kept_time - alt_time) / 1e6:.2f} MB-equivalent faster by the cost model",
     )
     if choice.method == "greedy":
         choice.method = "ilp"

@@ -95,10 +95,11 @@ def _check_param_dtypes(pure: dict, model_name: str) -> None:
     differentiates the loss by every Param, and JAX has no gradient of an
     integer or bool array."""
     for path, v in jax.tree_util.tree_flatten_with_path(pure)[0]:
-        if not jnp.issubdtype(v.dtype, jnp.inexact):
+        dtype = jnp.result_type(v)  # a Python number's too (nnx.Param(1.0))
+        if not jnp.issubdtype(dtype, jnp.inexact):
             raise SBPError(
                 f"Trainer: parameter {jax.tree_util.keystr(path)} of {model_name} is an nnx.Param of dtype "
-                f"{v.dtype}; the step differentiates the loss by every Param, and integers and bools have "
+                f"{dtype}; the step differentiates the loss by every Param, and integers and bools have "
                 "no gradient. Keep counters and masks in an nnx.Variable (or a subclass), which the "
                 "trainer carries as state."
             )
@@ -119,8 +120,9 @@ class Trainer:
     across devices), and the step returns it, as ``nnx.jit`` of the same
     step would. RNG keys travel as their key data and are rewrapped inside.
     Values the model records with ``sow`` (``nnx.Intermediate``) are a call's
-    outputs, not state: the trainer drops them (read them inside ``loss_fn``,
-    with ``nnx.pop``, to use them in the loss).
+    outputs, not state: the trainer drops them, from the model it is given
+    too (read them inside ``loss_fn``, with ``nnx.pop``, to use them in the
+    loss).
 
     ``Trainer(model, ...)`` places a model that exists already (its values go
     through the host once); :meth:`Trainer.create` builds the model's state
@@ -261,7 +263,9 @@ class Trainer:
                 f"function that builds one), got {type(model).__name__}."
             )
         self.graphdef: nnx.GraphDef
-        nnx.pop(model, nnx.Intermediate)  # what sow recorded: a call's output, not the step's state
+        nnx.pop(
+            model, nnx.Intermediate
+        )  # what sow recorded (on the model given too): a call's output, not state
         # flax types split with two or more filters as a variadic tuple; two give exactly three
         self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         self._template, self._rest_template = params_state, rest

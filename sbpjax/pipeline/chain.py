@@ -218,15 +218,17 @@ class LayerChain:
         applies = [jax.checkpoint(layer.apply) if remat else layer.apply for layer in self.layers[lo:hi]]
         return _stage_fn(applies, f"layers_{lo}_{hi - 1}" if hi - lo > 1 else self.layers[lo].name)
 
-    def ties(self, examples: int | None = None) -> list:
+    def ties(self, examples: int | None = None, shapes: list | None = None) -> list:
         """Per layer, the key of the layers alike to it: its tie and its
         input's shape and dtype (None where it has no tie). One function with
         parameters of one shape costs more on a larger input (a convolution at
         each resolution of a U-Net, a block after a stride-2 one), so the tie
-        alone does not make layers alike."""
+        alone does not make layers alike. ``shapes``: ``boundaries(examples)``
+        where the caller has it."""
+        shapes = self.boundaries(examples) if shapes is None else shapes
         return [
             None if layer.tie is None else f"{layer.tie}<-{x.shape}:{x.dtype}"
-            for layer, x in zip(self.layers, self.boundaries(examples))
+            for layer, x in zip(self.layers, shapes)
         ]
 
     def boundaries(self, examples: int | None = None) -> list:

@@ -69,7 +69,7 @@ def layer_flops(chain: LayerChain, examples: int | None = None) -> list[tuple[fl
         return chain.flops_cache[key]
     shapes = chain.boundaries(examples)
     out, seen = [], {}
-    for layer, tie, x, y in zip(chain.layers, chain.ties(examples), shapes, shapes[1:]):
+    for layer, tie, x, y in zip(chain.layers, chain.ties(examples, shapes), shapes, shapes[1:]):
         if tie is None or tie not in seen:
             fwd = _flops(jax.jit(layer.apply).lower(layer.params, x).compile())
             both = _flops(jax.jit(_backward(layer.apply)).lower(layer.params, x, y).compile())
@@ -157,19 +157,20 @@ def stage_placements(placement, axis, stages: int | None, schedule) -> tuple[lis
                         "disjoint (each device runs one group's stages)."
                     )
     sched = as_schedule(schedule) if schedule is not None else None
-    n = stages if stages is not None else (sched.stages(len(groups)) if sched else len(groups))
-    if sched is not None and n != sched.stages(len(groups)):
+    if sched is None:
+        n = stages if stages is not None else len(groups)
+        return groups, [s % len(groups) for s in range(n)]
+    runs = sched.stages(len(groups))
+    n = stages if stages is not None else runs
+    if n != runs:
         # refused here, as Pipeline would refuse the stages: device_of past the schedule's stages
         # names no group (ZB-V's 2p - 1 - s goes negative, and Python's lists read that from the end)
         raise SBPError(
-            f"cut: stages={n} on {len(groups)} device groups, but {sched!r} runs {sched.stages(len(groups))} "
-            "stages there; leave stages out (the schedule's count), or give Interleaved1F1B(chunks=v) for v "
-            "stages per group."
+            f"cut: stages={n} on {len(groups)} device groups, but {sched!r} runs {runs} stages there; "
+            "leave stages out (the schedule's count), or give Interleaved1F1B(chunks=v) for v stages "
+            "per group."
         )
-    if sched is not None:
-        where = [sched.device_of(s, len(groups)) for s in range(n)]
-    else:
-        where = [s % len(groups) for s in range(n)]
+    where = [sched.device_of(s, len(groups)) for s in range(n)]
     return groups, where
 
 

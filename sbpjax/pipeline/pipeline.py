@@ -392,7 +392,8 @@ class Pipeline:
 
     def program_costs(self, inputs, targets) -> list[dict]:
         """Per stage, XLA's FLOPs, bytes accessed and compiled memory of each
-        program (forward, backward, backward_input, backward_weight) for one
+        program (forward, backward, backward_input, backward_weight; the first
+        stage has no backward_weight, its B runs the whole backward) for one
         microbatch of ``inputs`` / ``targets`` (see :mod:`sbpjax.pipeline.costs`)."""
         return program_costs(self, inputs, targets)
 

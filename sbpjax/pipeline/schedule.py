@@ -248,6 +248,7 @@ def megatron_interleaved(p: int, v: int, m: int) -> dict[int, list]:
             f"megatron_interleaved(p={p!r}, v={v!r}, m={m!r}): give ints >= 1 with m % p == 0; the order "
             "takes microbatches in groups of p."
         )
+    p, v, m = int(p), int(v), int(m)  # NumPy's ints: the actions hold Python's
     total = m * v
 
     def item(kind, k, d):

@@ -286,7 +286,7 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
                     sims += 1
                     r = evaluate(st, bounds)
                     if _better(r, best):
-                        best, best_step = (proto, layouts, r), r.step_s
+                        best = (proto, layouts, r)
         return best, True, sims
     # best first over one queue: a configuration without layouts enters at its floor;
     # taken out, its layout candidates enter at their own bounds; a priced one taken

@@ -98,7 +98,7 @@ def _nbytes(avals) -> float:
 
 def profile(chain) -> list[LayerProfile]:
     """Profiles of every layer of a :class:`sbpjax.pipeline.LayerChain` on its
-    sample (tied layers are traced and compiled once)."""
+    sample (alike layers, ``LayerChain.ties``, are traced and compiled once)."""
     from sbpjax.pipeline.cut import layer_flops
 
     flops = layer_flops(chain)
@@ -106,7 +106,9 @@ def profile(chain) -> list[LayerProfile]:
     out: list[LayerProfile] = []
     ops_of: dict = {}
     saved_of: dict = {}
-    for i, (layer, tie, x, y, f) in enumerate(zip(chain.layers, chain.ties(), shapes, shapes[1:], flops)):
+    for i, (layer, tie, x, y, f) in enumerate(
+        zip(chain.layers, chain.ties(shapes=shapes), shapes, shapes[1:], flops)
+    ):
         key = tie if tie is not None else ("layer", i)
         if key not in ops_of:
             ops_of[key] = _layer_ops(layer, x)

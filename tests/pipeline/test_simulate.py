@@ -95,7 +95,7 @@ def test_action_list_that_cannot_finish_is_refused_before_it_runs():
     )
 
 
-def test_bad_schedules_raise_sbperror():
+def test_bad_schedules_raise_sbperror(tmp_path):
     with pytest.raises(sj.SBPError, match="m % p == 0"):
         sjp.simulate(sjp.Interleaved1F1B(2), 4, 6)
     with pytest.raises(sj.SBPError, match="unknown pipeline schedule"):
@@ -135,7 +135,7 @@ def test_bad_schedules_raise_sbperror():
     with pytest.raises(sj.SBPError, match=r"costs has shape \(2, 3\)"):
         sjp.balance(np.ones((2, 3)), 2)
     with pytest.raises(sj.SBPError, match="no actions to draw"):
-        sjp.Timeline((), (), ()).gantt("unused.png")
+        sjp.Timeline((), (), ()).gantt(str(tmp_path / "empty.png"))
 
 
 def test_slow_consumer_bounds_the_producer_to_its_register_count():

@@ -1,4 +1,4 @@
-"""The bytes-first second look (``second_looks.bytes_first``): where the
+"""The second look by bytes alone (``second_looks.bytes_alone``): where the
 latency-priced solve's prices miss what the program runs (an exchange two ops
 share, reductions the lowering combines into buckets), the plan solved by
 bytes alone is kept. Both programs came from a held-out check of convolution
@@ -108,5 +108,6 @@ def test_many_small_reductions_are_priced_as_the_buckets_that_run_them(pl24):
 
     ours, floor = moved(trainer()), moved(trainer(latency=False))
     assert ours[0] == floor[0] and ours[1] <= floor[1]
+    assert "more than the greedy pass" in trainer().explain(batch).propagation.choice.latency_note
     want = _loss(_ConvBN(nnx.Rngs(0)), batch)  # train mode: batch statistics, as the step's
     assert_close(trainer().step(batch), float(want), rtol=1e-5)
