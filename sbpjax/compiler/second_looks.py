@@ -134,21 +134,12 @@ def bytes_alone(
         return kept, 0
     if (choice.gap is not None and choice.gap > 0) or spent(effort, options.effort):
         return kept, 0  # an unproven plan is not held to another heuristic solve's
-    t0 = time.perf_counter()
     plain = dataclasses.replace(options, latency=False)
-    pr = propagator(program, form.placement, in_sbp, cost_model, plain, caches, ring=False)
-    cm = cost_model if cost_model is not None else CostModel()
-    alt_form = form.repriced(pr, Tables(pr, cm, plain, ring=False))
-    t1 = time.perf_counter()
-    solved = solve_settled(alt_form, effort // 2, start=alt_form.start(kept), usage_limit=memory_budget)
-    choice.build_s += t1 - t0
-    choice.solve_s += time.perf_counter() - t1
-    choice.rounds += solved.rounds
-    choice.planned += alt_form.tables.planned
-    choice.entries += alt_form.tables.entries
-    if solved.strategies is None:
-        return kept, solved.work
-    alt = alt_form.plan(solved.strategies)
+    alt, work = solved_again(
+        program, kept, form, in_sbp, cost_model, plain, caches, memory_budget, effort // 2
+    )
+    if alt is None:
+        return kept, work
     alt_price = price(alt, cost_model, options)
     kept_count, alt_count = count_collectives(kept), count_collectives(alt)
     if mispriced and alt_price < kept_price:
@@ -160,9 +151,9 @@ def bytes_alone(
             f"the first plan moved more than the greedy pass's {greedy_bytes} B for too few collectives saved"
         )
     else:
-        return kept, solved.work
+        return kept, work
     if any(larger_peak(alt, kept, h) for h in (False, True)):
-        return kept, solved.work
+        return kept, work
     note(
         choice,
         f"solved again by bytes alone, and that plan kept: {alt.bytes} B in {alt_count} collectives in place "
@@ -172,7 +163,30 @@ def bytes_alone(
     choice.memory_bytes = held_bytes(program, alt, pairs, form.placement.shape)
     alt.warnings = kept.warnings
     alt.choice = choice
-    return alt, solved.work
+    return alt, work
+
+
+def solved_again(
+    program, kept: Propagation, form, in_sbp, cost_model, options, caches, memory_budget, effort, ring=False
+):
+    """The first solve's problem with its boxings planned and priced anew
+    (by ``options``; ``ring``: each collective at its ring latency), solved
+    from ``kept`` within ``effort``; its time, rounds and table entries are
+    added to ``kept.choice``. Returns the plan (None where the solve found
+    none) and the work spent."""
+    choice = kept.choice
+    t0 = time.perf_counter()
+    pr = propagator(program, form.placement, in_sbp, cost_model, options, caches, ring=ring)
+    cm = cost_model if cost_model is not None else CostModel()
+    again = form.repriced(pr, Tables(pr, cm, options, ring=ring))
+    t1 = time.perf_counter()
+    solved = solve_settled(again, effort, start=again.start(kept), usage_limit=memory_budget)
+    choice.build_s += t1 - t0
+    choice.solve_s += time.perf_counter() - t1
+    choice.rounds += solved.rounds
+    choice.planned += again.tables.planned
+    choice.entries += again.tables.entries
+    return (None if solved.strategies is None else again.plan(solved.strategies)), solved.work
 
 
 def note(choice, text: str) -> None:
@@ -231,21 +245,12 @@ def fewer_collectives(
     if spent(effort, options.effort):
         note(choice, "not solved again with ring latency: the bytes-first solve spent the effort")
         return kept
-    t0 = time.perf_counter()
     # the first solve's problem, its boxings planned and priced by the ring's latency
-    ring = propagator(program, form.placement, in_sbp, cost_model, options, caches, ring=True)
-    cm = cost_model if cost_model is not None else CostModel()
-    form = form.repriced(ring, Tables(ring, cm, options, ring=True))
-    t1 = time.perf_counter()
-    solved = solve_settled(form, effort, start=form.start(kept), usage_limit=memory_budget)
-    choice.build_s += t1 - t0
-    choice.solve_s += time.perf_counter() - t1
-    choice.rounds += solved.rounds
-    choice.planned += form.tables.planned
-    choice.entries += form.tables.entries
-    if solved.strategies is None:
+    alt, _ = solved_again(
+        program, kept, form, in_sbp, cost_model, options, caches, memory_budget, effort, ring=True
+    )
+    if alt is None:
         return kept
-    alt = form.plan(solved.strategies)
     kept_bytes, alt_bytes = kept.bytes, alt.bytes
     kept_launched, alt_launched = emitted_collectives(kept), emitted_collectives(alt)
     kept_count, alt_count = count_collectives(kept, kept_launched), count_collectives(alt, alt_launched)

@@ -321,7 +321,7 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
             _, st, layouts, bounds = what
             sims += 1
             r = evaluate(st, bounds)
-            if _better(r, best):
+            if r is not None and _better(r, best):
                 best, best_step = (proto, layouts, r), r.step_s
     proven = all(rest * (1 + tolerance) >= best_step for rest in unseen)
     return best, proven, sims
