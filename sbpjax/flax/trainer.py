@@ -18,7 +18,7 @@ from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import checked_cost_model
 from sbpjax.compiler.arguments import broadcast_spec
 from sbpjax.compiler.auto import AUTO
-from sbpjax.dtypes import is_key
+from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.flax.train import TrainStep, checked_compute_dtype, checked_loss, checked_optimizer, init_global
 from sbpjax.placement import Placement, checked_placement
@@ -263,9 +263,8 @@ class Trainer:
                 f"function that builds one), got {type(model).__name__}."
             )
         self.graphdef: nnx.GraphDef
-        nnx.pop(
-            model, nnx.Intermediate
-        )  # what sow recorded (on the model given too): a call's output, not state
+        # what sow recorded (dropped from the model given too): a call's output, not state
+        nnx.pop(model, nnx.Intermediate)
         # flax types split with two or more filters as a variadic tuple; two give exactly three
         self.graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
         self._template, self._rest_template = params_state, rest
@@ -342,14 +341,18 @@ class Trainer:
         array of numbers or bools, its layout in ``batch_sbp`` one it has."""
         leaves, tree = jax.tree_util.tree_flatten_with_path(batch)
         for path, leaf in leaves:
+            if is_key(leaf):
+                continue
             dtype = getattr(leaf, "dtype", None)  # a device array's own: no copy to the host to read it
             dtype = np.asarray(leaf).dtype if dtype is None else dtype
-            if not (is_key(leaf) or jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+            try:
+                canonical_dtype(dtype)  # the project's reading of which dtypes a JAX array holds
+            except SBPError:
                 raise SBPError(
                     f"Trainer: batch{jax.tree_util.keystr(path)} is a {type(leaf).__name__} of dtype {dtype}; "
                     "a batch holds arrays of numbers or bools. Encode text as token ids (and other data as "
                     "arrays) before the step."
-                )
+                ) from None
         specs = broadcast_spec(self._batch_sbp, tree, "Trainer batch_sbp", self.placement.ndim)
         for (path, leaf), spec in zip(leaves, specs):
             if spec is not None and spec is not AUTO:  # (an AUTO leaf the step lays out)

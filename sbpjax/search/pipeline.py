@@ -263,8 +263,6 @@ def _better(r, best) -> bool:
     """Whether the priced cut ``r`` beats ``best`` (``(proto, layouts,
     Evaluated)`` or None): a shorter step, or an equal one (:data:`STEP_TIE`)
     holding less memory."""
-    if r is None:
-        return False
     if best is None:
         return True
     step = best[2].step_s
@@ -285,7 +283,7 @@ def _search(space: Space, method: str, max_simulations: int, tolerance: float):
                 for bounds in every_cut(st.costs.layers, st.stages):
                     sims += 1
                     r = evaluate(st, bounds)
-                    if _better(r, best):
+                    if r is not None and _better(r, best):
                         best = (proto, layouts, r)
         return best, True, sims
     # best first over one queue: a configuration without layouts enters at its floor;
