@@ -22,217 +22,24 @@ from typing import Any
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler import hand_layouts, plan_cache, second_looks, sub_plans
-from sbpjax.compiler.auto import AUTO, auto_layouts
+from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.backend import solve_settled
+from sbpjax.compiler.choice import Choice
 from sbpjax.compiler.classes import layer_classes, loop_classes
-from sbpjax.compiler.decode import propagation_of, value_keys
 from sbpjax.compiler.formulate import formulate, least_usage
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
-from sbpjax.compiler.pricing import boxing_cost, price
+from sbpjax.compiler.plan_records import entry_of, restore
+from sbpjax.compiler.pricing import price
 from sbpjax.compiler.propagate import propagate
-from sbpjax.compiler.propagation import Propagation, idle_axes, op_key
-from sbpjax.compiler.propagator import Propagator
-from sbpjax.compiler.signatures import allowed
+from sbpjax.compiler.propagation import Propagation, idle_axes
 from sbpjax.sbp import Broadcast
 
 SOLVERS = ("ilp", "greedy")
 
 
-@dataclasses.dataclass
-class Choice:
-    """How the layouts were chosen, for ``explain()``.
-
-    ``method``: "ilp" (the whole-program solve) or "greedy"; ``reason``: why
-    greedy was kept; ``objective``: the kept plan's cost in the solver's own
-    count, in bytes (bytes moved, plus collectives' latency and the price of
-    zero-filled splits: ``pricing.price``); ``bound``: the solver's proven
-    lower bound; ``gap``: (objective - bound) / objective; ``ops``,
-    ``groups`` (decisions the ops make), ``variables`` (nodes of the
-    problem: groups, AUTO arguments, values with several readers) and
-    ``constraints`` (its edges); ``solve_s`` / ``build_s``: seconds in the
-    solver and building the problem; ``greedy_bytes`` / ``ilp_bytes``: what
-    each choice moves; ``source``: where this process got the plan ("solved"
-    here, "plan cache" (``sbpjax.compiler.plan_cache``) or "process 0", which
-    planned it for every process)."""
-
-    method: str
-    reason: str = ""
-    objective: float | None = None
-    bound: float | None = None
-    gap: float | None = None
-    solve_s: float = 0.0
-    build_s: float = 0.0
-    greedy_bytes: int | None = None
-    ilp_bytes: int | None = None
-    # the greedy plan's estimated per-device peak (liveness.live_bytes): the
-    # memory regather="auto" holds the chosen plan to (sbpjax.compiler.regather)
-    greedy_peak: int | None = None
-    ops: int = 0
-    groups: int = 0
-    variables: int = 0
-    constraints: int = 0
-    status: str = ""
-    shared: bool = False  # alike layers shared their decisions (CompileOptions.tie_layers)
-    # per-device bytes of arguments and results (a donated pair once), and the budget
-    memory_bytes: int | None = None
-    memory_budget: int | None = None
-    auto: bool = False
-    # solved with layouts given for the AUTO arguments (the chosen ones or ones
-    # written by hand: second_looks.as_given, by_hand_as_given): its boxings
-    # are derived with the axes those layouts leave idle
-    as_given: bool = False
-    # the plan solved with ring latency replaced the bytes-first one (fewer_collectives), or ""
-    latency_note: str = ""
-    source: str = "solved"
-    # solves until every boxing cost the plan uses was planned exactly, and
-    # the costs planned out of all the tables' entries (sbpjax.compiler.tables)
-    rounds: int = 0
-    planned: int = 0
-    entries: int = 0
-    # under a memory budget: [name, bytes moved, bytes held per device] of each
-    # hand-written layout the plan was held to (sbpjax.compiler.hand_layouts)
-    candidates: list = dataclasses.field(default_factory=list)
-
-    def describe(self) -> str:
-        if self.method == "greedy" and self.ilp_bytes is None and not self.reason:
-            return "layouts: greedy pass (solver='greedy')"
-        gap = "n/a" if self.gap is None else f"{100 * self.gap:.2f}%"
-        size = (
-            f"{self.ops} ops in {self.groups} decisions; {self.variables} nodes, {self.constraints} edges"
-            + (", alike layers sharing decisions" if self.shared else "")
-        )
-        if self.method == "ilp":
-            text = (
-                f"layouts: whole-program choice ({size}): objective {self.objective:.0f} B, proven gap {gap}, "
-                f"solve {self.solve_s:.2f} s in {self.rounds} rounds (+{self.build_s:.2f} s building, "
-                f"{self.planned} of {self.entries} boxing costs planned); greedy would move {self.greedy_bytes} B"
-            )
-            if self.as_given:
-                text += f"; {self.reason}"
-        elif self.method == "hand":
-            text = f"layouts: {self.reason} ({size}; proven gap {gap})"
-        else:
-            text = f"layouts: greedy pass kept ({self.reason}); greedy {self.greedy_bytes} B"
-        if self.latency_note:
-            text += f"; {self.latency_note}"
-        if self.auto:
-            text += "; AUTO arguments chosen too (greedy starts them B)"
-        if self.memory_bytes is not None and (self.auto or self.memory_budget is not None):
-            budget = "" if self.memory_budget is None else f" of a {self.memory_budget} B budget"
-            text += f"; arguments + results hold {self.memory_bytes} B per device{budget}"
-        if self.candidates:
-            text += "; by hand: " + ", ".join(
-                f"{name} would move {moved} B holding {held} B"
-                + ("" if self.memory_budget is None or held <= self.memory_budget else " (over the budget)")
-                for name, moved, held in self.candidates
-            )
-        if self.source != "solved":
-            text += f"; from {'the plan cache' if self.source == 'plan cache' else 'process 0'}"
-        return text
-
-
-_JSON_KINDS = {"str": (str,), "float": (int, float), "int": (int,), "bool": (bool,), "None": (type(None),)}
-
-
-def choice_of_record(record: dict) -> Choice | None:
-    """The Choice a plan cache entry records, or None where a field has
-    another type than Choice's (an edited or foreign file: ``explain()``
-    formats these fields). Fields it does not know are dropped."""
-    if not isinstance(record.get("method"), str):
-        return None
-    kept: dict = {}
-    for f in dataclasses.fields(Choice):
-        if f.name not in record:
-            continue
-        v = record[f.name]
-        if f.name == "candidates":
-            ok = isinstance(v, list) and all(
-                isinstance(c, list)
-                and len(c) == 3
-                and isinstance(c[0], str)
-                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in c[1:])
-                for c in v
-            )
-        else:
-            kinds = tuple(t for name in str(f.type).split("|") for t in _JSON_KINDS[name.strip()])
-            ok = isinstance(v, kinds) and (bool in kinds or not isinstance(v, bool))
-        if not ok:
-            return None
-        kept[f.name] = v
-    return Choice(**kept)
-
-
 def total_bytes(prop: Propagation) -> int:
     return prop.bytes
-
-
-def restore(program, placement, in_sbp, out_sbp, ties, entry, cost_model=None, options=DEFAULT_OPTIONS):
-    """The plan of a plan cache entry (``plan_cache.Entry``), or None where
-    it is not a plan of this call: its layouts must be the ones asked for
-    (an ``AUTO`` argument's one it may take) and each op's signature one its
-    rule allows (``signatures.allowed``). The boxings are derived again, as for
-    a solved plan (:mod:`sbpjax.compiler.decode`)."""
-    grid = placement.shape
-    pr = Propagator(program, placement, cost_model, launch_priced=options.launch_priced)
-    if len(entry.in_sbp) != len(in_sbp) or len(entry.out_sbp) != len(program.outputs):
-        return None
-    pr.idle = idle_axes(entry.in_sbp if entry.choice.get("as_given") is True else in_sbp, grid)
-    pr.ring = entry.ring
-    pr.quiet = True
-    for v, want, got in zip(program.inputs, in_sbp, entry.in_sbp):
-        if got not in (auto_layouts(v.shape, grid) if want is AUTO else [want]):
-            return None
-    final = list(out_sbp) if out_sbp is not None else [None] * len(program.outputs)
-    for k, i in (ties or {}).items():
-        final[k] = entry.in_sbp[i]
-    for k, want in enumerate(final):
-        if want is not None and entry.out_sbp[k] != want:
-            return None
-    # alike ops (a written-out scan's layers) with alike signatures are checked once
-    checked: dict = {}
-    for node, (ins, outs) in zip(program.nodes, entry.signatures):
-        key = (op_key(node), tuple(ins), tuple(outs))
-        ok = checked.get(key)
-        if ok is None:
-            ok = checked[key] = allowed(pr, node, ins, outs)
-        if not ok:
-            return None
-    keys = set(value_keys(program).values())
-    for key, nd in entry.first.items():
-        if key not in keys or len(nd) != len(grid):
-            return None
-    cm = cost_model if cost_model is not None else CostModel()
-
-    def cost(plan):
-        return boxing_cost(plan, cm, options, ring=entry.ring)
-
-    prop = propagation_of(
-        program, placement, pr, list(entry.in_sbp), final, entry.signatures, entry.first, cost
-    )
-    prop.ring = entry.ring
-    if any(want is None and got != have for want, got, have in zip(final, entry.out_sbp, prop.out_sbp)):
-        return None
-    prop.choice = choice_of_record(entry.choice)
-    if prop.choice is None:
-        return None
-    prop.choice.source = "plan cache"
-    prop.options = options
-    return prop
-
-
-def entry_of(prop: Propagation):
-    """The plan cache entry of a plan (``plan_cache.Entry``)."""
-    choice = {} if prop.choice is None else dataclasses.asdict(prop.choice)
-    choice["source"] = "solved"
-    return plan_cache.Entry(
-        list(prop.in_sbp),
-        [(list(d.in_sbp), list(d.out_sbp)) for d in prop.decisions],
-        list(prop.out_sbp),
-        choice,
-        dict(prop.first_versions),
-        prop.ring,
-    )
 
 
 def choose(
@@ -556,4 +363,4 @@ def _over_budget(budget, least: int, status: str) -> SBPError:
     )
 
 
-__all__ = ["choose", "restore", "entry_of", "Choice", "SOLVERS", "total_bytes", "held_bytes"]
+__all__ = ["choose", "Choice", "SOLVERS", "total_bytes", "held_bytes"]

@@ -21,8 +21,9 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler import plan_cache
-from sbpjax.compiler.choose import choose, entry_of, restore
+from sbpjax.compiler.choose import choose
 from sbpjax.compiler.options import DEFAULT_OPTIONS
+from sbpjax.compiler.plan_records import entry_of, restore
 
 
 def plan(

@@ -9,7 +9,7 @@ compiler benchmark's budget section does) would solve them again for every
 budget.
 
 They are kept here as plan cache entries (:class:`plan_cache.Entry`: data,
-re-derived into a plan by ``choose.restore`` as an entry read from disk is),
+re-derived into a plan by ``plan_records.restore`` as an entry read from disk is),
 under the key the plan cache gives a plan (``plan_cache.plan_key``). The
 solve is a pure function of that key (deterministic effort, no clock), so a
 kept entry is the plan a solve would make, and a plan does not depend on

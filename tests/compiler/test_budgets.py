@@ -18,7 +18,7 @@ from models import adamw, gpt_loss, gpt_params, train_step
 import sbpjax as sj
 from sbpjax.compiler import hand_layouts
 from sbpjax.compiler.auto import AUTO
-from sbpjax.compiler.choose import Choice
+from sbpjax.compiler.choice import Choice
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.propagate import propagate
 from sbpjax.compiler.trace import trace
