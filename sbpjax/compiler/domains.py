@@ -102,6 +102,7 @@ class Domains:
         # axis -> ids of values computed from products run whole there with a
         # replicated weight, and from such values (``_whole_already``)
         self.whole_derived: dict = {}
+        self.reduced: dict = {}  # per axis: values made only by reducing partials there (_derive_reduced)
         self.greedy = greedy.decisions
         # each value's layout as the greedy pass made it (arguments: their given layout)
         self.made: dict = {id(v): lays[0] for v, lays in zip(program.inputs, in_layouts) if len(lays) == 1}
@@ -215,7 +216,10 @@ class Domains:
         over a learned latent array, run replicated where its projections
         are); and none of its operands exists only split over ``axis``
         (using it whole there would be a gather). Any contraction may run
-        whole on an axis the caller left idle (``self.idle``)."""
+        whole on an axis the caller left idle (``self.idle``), and a product
+        of values reduced there (``_derive_reduced``: Muon's Newton-Schulz
+        iterations on a Gram matrix; whole, it adds FLOPs but no bytes to the
+        reduction every plan makes)."""
         if axis in self.idle:
             return True
         if node.name != "dot_general":
@@ -227,6 +231,9 @@ class Domains:
             return False
         derived = self.whole_derived.setdefault(axis, set())
         values = [a for a in node.ins if isinstance(a, Var)]
+        if values and all(id(a) in self.reduced.get(axis, ()) for a in values):
+            derived.update(id(o) for o in node.outs)
+            return True
         if node.eqn.params["dimension_numbers"][1][0]:
             whole = bool(values) and all(id(a) in derived for a in values)
             if whole:
@@ -253,6 +260,35 @@ class Domains:
             ):
                 derived.update(id(o) for o in node.outs)
 
+    def _derive_reduced(self, node) -> None:
+        """Mark the results of ``node`` reduced on each axis where they exist
+        there only as partials (a product contracting a dim split over the
+        axis: a gradient, a Gram matrix ``x @ x.T``), or are computed from
+        reduced values alone: a product of reduced operands (run whole there,
+        ``_whole_already``), any other op of reduced operands, scalars and
+        weights whole on the axis (a momentum update, a norm)."""
+        values = [a for a in node.ins if isinstance(a, Var)]
+        product = node.name in HEAVY
+        for axis, p in enumerate(self.grid):
+            if p == 1:
+                continue
+            reduced = self.reduced.setdefault(axis, set())
+
+            def neutral(a, axis=axis):
+                return not product and (
+                    not a.shape
+                    or id(a) in self.broadcast_weights
+                    and all(isinstance(nd[axis], Broadcast) for nd in self.dom.get(id(a), ()))
+                )
+
+            made = any(id(a) in reduced for a in values) and all(
+                id(a) in reduced or neutral(a) for a in values
+            )
+            for o in node.outs:
+                lays = self.dom.get(id(o), ())
+                if made or lays and all(isinstance(nd[axis], Partial) for nd in lays):
+                    reduced.add(id(o))
+
     def restrict(self, index, node, cs):
         """The candidates ``cs`` of op ``node`` (decision ``index``) kept for
         the solver: each operand read in a layout it may be in (``_reads``),
@@ -278,6 +314,7 @@ class Domains:
             cs = self._scalar_sum(node, kept)
         for j, o in enumerate(node.outs):
             self.dom[id(o)] = {c[1][j] for c in cs}
+        self._derive_reduced(node)
         if node.name not in HEAVY:
             self._derive_whole(node)
         return cs
