@@ -65,7 +65,7 @@ class Explanation:
 
     @property
     def choice(self):
-        """How the layouts were chosen (``sbpjax.compiler.choose.Choice``): ``method``
+        """How the layouts were chosen (``sbpjax.compiler.choice.Choice``): ``method``
         ("ilp" or "greedy"), ``reason`` greedy was kept, the ILP's ``objective``,
         proven ``bound`` and ``gap``, ``solve_s``, ``greedy_bytes``."""
         return self.propagation.choice

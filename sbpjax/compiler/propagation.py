@@ -66,7 +66,7 @@ class Propagation:
     out_boxings: list
     out_sbp: list
     warnings: list
-    choice: Any = None  # how the layouts were chosen (sbpjax.compiler.choose.Choice)
+    choice: Any = None  # how the layouts were chosen (sbpjax.compiler.choice.Choice)
     # estimated per-device peak bytes before and after regathers (sbpjax.compiler.regather)
     regathered: tuple | None = None
     # regathers regather="auto" left out: (count, peak before, peak after, their bytes,
