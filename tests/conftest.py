@@ -290,7 +290,12 @@ def checked_step_bytes(f, step, args, *, rtol, err_msg="") -> int:
 
 
 def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
-    """Bytes GSPMD's program for ``fn`` moves (``jax.jit`` with the same layouts
+    """Bytes GSPMD's program for ``fn`` moves (``gspmd_compiled``)."""
+    return sum(c.bytes for c in sj.collectives(gspmd_compiled(fn, pl, in_sbps, out_sbps, args)))
+
+
+def gspmd_compiled(fn, pl, in_sbps, out_sbps, args):
+    """GSPMD's compiled program for ``fn`` (``jax.jit`` with the same layouts
     as ``NamedSharding``s): ``in_sbps`` / ``out_sbps`` are pytrees of nd-SBPs
     matching ``args`` and the outputs leaf for leaf (``out_sbps=None``: the
     outputs' layouts are GSPMD's to choose, as sj.jit's are without out_sbp)."""
@@ -306,9 +311,7 @@ def gspmd_bytes(fn, pl, in_sbps, out_sbps, args) -> int:
 
     in_sh = jax.tree.map(lambda nd, a: sharding(nd, np.shape(a)), in_sbps, args, is_leaf=is_nd_sbp)
     if out_sbps is None:
-        compiled = jax.jit(fn, in_shardings=in_sh).lower(*args).compile()
-    else:
-        outs = jax.eval_shape(fn, *args)
-        out_sh = jax.tree.map(lambda nd, o: sharding(nd, o.shape), out_sbps, outs, is_leaf=is_nd_sbp)
-        compiled = jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()
-    return sum(c.bytes for c in sj.collectives(compiled))
+        return jax.jit(fn, in_shardings=in_sh).lower(*args).compile()
+    outs = jax.eval_shape(fn, *args)
+    out_sh = jax.tree.map(lambda nd, o: sharding(nd, o.shape), out_sbps, outs, is_leaf=is_nd_sbp)
+    return jax.jit(fn, in_shardings=in_sh, out_shardings=out_sh).lower(*args).compile()

@@ -187,7 +187,7 @@ def test_models_benchmark_quick(tmp_path):
     assert rows["decoder_scan"]["gspmd_while_loops"] == 2
     assert rows["decoder_scan"]["sbpjax_while_loops"] in (1, 2)
     # bytes at or below GSPMD's on every model (the Linen MLP's too, since its head is
-    # computed as GSPMD computes it: solve._Domains._whole_already; the height-split
+    # computed as GSPMD computes it: whole_products.WholeProducts.whole_already; the height-split
     # ResNet's too, since a (P, P) -> (B, B) reduction is one collective as the solver
     # prices it: Step.tie_time. Before, its solve ended 11-15% from its bound where its
     # 10 s did, at 147-394 kB from one run to the next against GSPMD's 295 kB)

@@ -34,10 +34,10 @@ from sbpjax.compiler.reachable import (
     unfilled,
 )
 from sbpjax.compiler.screen import OperandIndex
+from sbpjax.compiler.whole_products import HEAVY, WholeProducts
 from sbpjax.rules.elementwise import ELEMENTWISE
 from sbpjax.sbp import Broadcast, Partial, Split
 
-HEAVY = ("dot_general", "conv_general_dilated")
 VIEWS = ("transpose", "convert_element_type", "reshape", "copy")
 
 
@@ -96,13 +96,6 @@ class Domains:
         self.broadcast_weights = self.weights | reached(
             program, self.weights, (*VIEWS, "broadcast_in_dim", "squeeze", "expand_dims")
         )
-        # axis -> ids of the operands of products with a replicated weight there;
-        # filled in program order, so before the weight's gradient reads them
-        self.whole_operands: dict = {}
-        # axis -> ids of values computed from products run whole there with a
-        # replicated weight, and from such values (``_whole_already``)
-        self.whole_derived: dict = {}
-        self.reduced: dict = {}  # per axis: values made only by reducing partials there (_derive_reduced)
         self.greedy = greedy.decisions
         # each value's layout as the greedy pass made it (arguments: their given layout)
         self.made: dict = {id(v): lays[0] for v, lays in zip(program.inputs, in_layouts) if len(lays) == 1}
@@ -115,8 +108,10 @@ class Domains:
         # the solve split attention's heads over y and regather them:
         # 1,479,728 B in 20 collectives on a 2-layer GPT at d 32 against
         # GSPMD's 1,382,448 B in 1. On an idle axis running a contraction
-        # whole gathers nothing (see ``_whole_already``).
+        # whole gathers nothing (see ``WholeProducts.whole_already``).
         self.idle = idle
+        # which products may run whole on an axis (``_using_every_device``)
+        self.whole = WholeProducts(self.grid, idle, self.dom, self.weights, self.broadcast_weights, self.data)
         self.screen = OperandIndex()
         # each later iteration's carry -> the first iteration's (see _uses)
         self.carry_of: dict = {}
@@ -205,90 +200,6 @@ class Domains:
                     out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
         return out
 
-    def _whole_already(self, node, axis) -> bool:
-        """Whether ``node`` is a product that may run whole on ``axis``: one
-        without batch dimensions with a weight the caller replicated over
-        ``axis`` (an argument, or a transpose, cast or reshape of one, whole
-        there in every layout it may take: a tied head reads ``emb.T``), or
-        that weight's gradient (a product reading an operand such a product
-        read); a product with batch dimensions whose operands are all
-        computed from such products' results (``whole_derived``: attention
-        over a learned latent array, run replicated where its projections
-        are); and none of its operands exists only split over ``axis``
-        (using it whole there would be a gather). Any contraction may run
-        whole on an axis the caller left idle (``self.idle``), and a product
-        of values reduced there (``_derive_reduced``: Muon's Newton-Schulz
-        iterations on a Gram matrix; whole, it adds FLOPs but no bytes to the
-        reduction every plan makes)."""
-        if axis in self.idle:
-            return True
-        if node.name != "dot_general":
-            return False
-        if any(
-            isinstance(a, Var) and all(isinstance(nd[axis], Split) for nd in self.dom.get(id(a), ()))
-            for a in node.ins
-        ):
-            return False
-        derived = self.whole_derived.setdefault(axis, set())
-        values = [a for a in node.ins if isinstance(a, Var)]
-        if values and all(id(a) in self.reduced.get(axis, ()) for a in values):
-            derived.update(id(o) for o in node.outs)
-            return True
-        if node.eqn.params["dimension_numbers"][1][0]:
-            whole = bool(values) and all(id(a) in derived for a in values)
-            if whole:
-                derived.update(id(o) for o in node.outs)
-            return whole
-        seen = self.whole_operands.setdefault(axis, set())
-        weight = any(
-            id(a) in self.weights and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
-            for a in values
-        )
-        if weight:
-            seen.update(id(a) for a in values)
-            derived.update(id(o) for o in node.outs)
-        return weight or any(id(a) in seen for a in values)
-
-    def _derive_whole(self, node) -> None:
-        """Mark the results of a non-product op whole-derived on each axis
-        where all its operands are whole-derived or weights, one at least
-        derived (a softmax of scores computed whole, a residual sum)."""
-        values = [a for a in node.ins if isinstance(a, Var)]
-        for derived in self.whole_derived.values():
-            if any(id(a) in derived for a in values) and all(
-                id(a) in derived or id(a) in self.weights for a in values
-            ):
-                derived.update(id(o) for o in node.outs)
-
-    def _derive_reduced(self, node) -> None:
-        """Mark the results of ``node`` reduced on each axis where they exist
-        there only as partials (a product contracting a dim split over the
-        axis: a gradient, a Gram matrix ``x @ x.T``), or are computed from
-        reduced values alone: a product of reduced operands (run whole there,
-        ``_whole_already``), any other op of reduced operands, scalars and
-        weights whole on the axis (a momentum update, a norm)."""
-        values = [a for a in node.ins if isinstance(a, Var)]
-        product = node.name in HEAVY
-        for axis, p in enumerate(self.grid):
-            if p == 1:
-                continue
-            reduced = self.reduced.setdefault(axis, set())
-
-            def neutral(a, axis=axis):
-                return not product and (
-                    not a.shape
-                    or id(a) in self.broadcast_weights
-                    and all(isinstance(nd[axis], Broadcast) for nd in self.dom.get(id(a), ()))
-                )
-
-            made = any(id(a) in reduced for a in values) and all(
-                id(a) in reduced or neutral(a) for a in values
-            )
-            for o in node.outs:
-                lays = self.dom.get(id(o), ())
-                if made or lays and all(isinstance(nd[axis], Partial) for nd in lays):
-                    reduced.add(id(o))
-
     def restrict(self, index, node, cs):
         """The candidates ``cs`` of op ``node`` (decision ``index``) kept for
         the solver: each operand read in a layout it may be in (``_reads``),
@@ -314,9 +225,7 @@ class Domains:
             cs = self._scalar_sum(node, kept)
         for j, o in enumerate(node.outs):
             self.dom[id(o)] = {c[1][j] for c in cs}
-        self._derive_reduced(node)
-        if node.name not in HEAVY:
-            self._derive_whole(node)
+        self.whole.derive(node)
         return cs
 
     def _reads(self, node, greedy_reads, cs) -> list:
@@ -495,37 +404,10 @@ class Domains:
         return strict
 
     def _using_every_device(self, node, kept: list) -> list:
-        """A contraction's candidates that use every device (Alpa's rule),
-        unless none is left; records the layouts they read (``product_reads``).
-
-        Computing a contraction whole on every device of an axis moves the
-        fewest bytes when weights are smaller than activations (gather the
-        weights, never reduce) but multiplies its time by the axis size (8x a
-        tensor-parallel step); such candidates stay out unless nothing else is
-        left. The greedy choice may be one (it is then not kept), so the
-        guarantee against greedy is the comparison in choose().
-
-        The exception (``_whole_already``): a product with a weight the caller
-        left B on the axis, on operands that exist whole there already (a head
-        on a Megatron block's replicated residual stream), and that weight's
-        gradient. Nothing is gathered for it and GSPMD computes it there
-        whole; splitting the batch over the tensor axis instead made the
-        head's weight gradient a partial over both axes: 23.5 MB on linen_mlp
-        (models.py) against GSPMD's 22.4 (now 21.9). Wider exceptions (any
-        product without batch dimensions whose operands may be whole there,
-        so also split weights' gradients) added near-ties that left the
-        scanned decoder's time-limited solve at 107 MB instead of 94 on jax
-        0.12, above GSPMD's 99."""
-        excepted = {a for a, p in enumerate(self.grid) if p > 1 and self._whole_already(node, a)}
-        spread = [
-            c
-            for c in kept
-            if not any(
-                p > 1 and a not in excepted and all(isinstance(nd[a], Broadcast) for nd in c[0] + c[1])
-                for a, p in enumerate(self.grid)
-            )
-        ]
-        kept = spread or kept
+        """A contraction's candidates that use every device, but on the axes
+        where it may run whole (``WholeProducts.spread``); records the layouts
+        they read (``product_reads``)."""
+        kept = self.whole.spread(node, kept)
         for i, a in enumerate(node.ins):
             if isinstance(a, Var):
                 self.product_reads.setdefault(id(a), set()).update(c[0][i] for c in kept)
