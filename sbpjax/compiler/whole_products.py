@@ -101,10 +101,7 @@ class WholeProducts:
             return True
         if node.name != "dot_general":
             return False
-        if any(
-            isinstance(a, Var) and all(isinstance(nd[axis], Split) for nd in self.dom.get(id(a), ()))
-            for a in node.ins
-        ):
+        if self._reads_split_only(node, axis):
             return False
         derived = self.whole_derived.setdefault(axis, set())
         values = [a for a in node.ins if isinstance(a, Var)]
@@ -124,6 +121,14 @@ class WholeProducts:
             seen.update(id(a) for a in values)
             derived.update(id(o) for o in node.outs)
         return weight or any(id(a) in seen for a in values)
+
+    def _reads_split_only(self, node, axis) -> bool:
+        """Whether an operand of ``node`` exists only split over ``axis``
+        (using it whole there would be a gather)."""
+        return any(
+            isinstance(a, Var) and all(isinstance(nd[axis], Split) for nd in self.dom.get(id(a), ()))
+            for a in node.ins
+        )
 
     def _derive_whole(self, node) -> None:
         """Mark the results of a non-product op whole-derived on each axis
@@ -164,7 +169,11 @@ class WholeProducts:
                 return whole and id(a) in self.broadcast_weights and id(a) not in self.data
 
             if product:  # only a product that may run whole on its reduced operands passes them on
-                made = node.name == "dot_general" and self._small_reduced_product(node, axis)
+                made = (
+                    node.name == "dot_general"
+                    and not self._reads_split_only(node, axis)
+                    and self._small_reduced_product(node, axis)
+                )
             else:
                 made = any(id(a) in reduced for a in values) and all(
                     id(a) in reduced or neutral(a) for a in values
@@ -182,9 +191,9 @@ class WholeProducts:
         dimension longer than 1 and no more output elements than its largest
         operand has (the Gram matrices of Muon's Newton-Schulz iterations,
         ``optax.contrib.muon``, and their products with the matrix). Run
-        whole there, it reads its operands as the reduction every plan makes
-        leaves them, where split over every device it reduce-scatters and
-        gathers them back; the solver weighs the bytes. Products of
+        whole there, it reads its operands whole, as one all-reduce leaves
+        them, where split over every device it reduce-scatters and gathers
+        them back; the solver weighs the bytes. Products of
         activations (a batch, a sequence longer than the width) are left to
         the rule that products use every device: whole, they would repeat a
         model's main FLOPs on every device of the axis."""
