@@ -64,7 +64,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sbpjax.boxing.lower import apply_step, axis_arg, preduce_extreme
+from sbpjax.boxing.extremes import preduce_extreme
+from sbpjax.boxing.lower import apply_step, axis_arg
 from sbpjax.compiler.liveness import live_bytes
 from sbpjax.compiler.program import Const, Var
 from sbpjax.compiler.propagation import Boxing, Propagation

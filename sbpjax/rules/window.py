@@ -26,7 +26,7 @@ import math
 
 from jax import lax
 
-from sbpjax.boxing.lower import fill_value
+from sbpjax.boxing.extremes import fill_value
 from sbpjax.rules import B, P, Sig, local_shape, rank, register, set_comm, set_local, split_axes
 from sbpjax.rules.halo import Halo, Slide, halo, halo_comms, run_halos
 from sbpjax.sbp import Split
