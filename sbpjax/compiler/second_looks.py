@@ -144,9 +144,7 @@ def bytes_alone(
     kept_count, alt_count = count_collectives(kept), count_collectives(alt)
     if mispriced and alt_price < kept_price:
         why = f"priced {alt_price:.0f} B against {kept_price:.0f} B (the first solve charged a shared exchange per op)"
-    elif over_greedy and not (
-        kept.bytes <= (1 + options.fewer_collectives) * alt.bytes or 2 * kept_count <= alt_count
-    ):
+    elif over_greedy and not traded(kept.bytes, alt.bytes, kept_count, alt_count, options.fewer_collectives):
         why = (
             f"the first plan moved more than the greedy pass's {greedy_bytes} B for too few collectives saved"
         )
@@ -159,11 +157,7 @@ def bytes_alone(
         f"solved again by bytes alone, and that plan kept: {alt.bytes} B in {alt_count} collectives in place "
         f"of {kept.bytes} B in {kept_count}, {why}",
     )
-    choice.ilp_bytes = alt.bytes
-    choice.memory_bytes = held_bytes(program, alt, pairs, form.placement.shape)
-    alt.warnings = kept.warnings
-    alt.choice = choice
-    return alt, work
+    return replaced(kept, alt, program, pairs, form.placement.shape), work
 
 
 def solved_again(
@@ -187,6 +181,34 @@ def solved_again(
     choice.planned += again.tables.planned
     choice.entries += again.tables.entries
     return (None if solved.strategies is None else again.plan(solved.strategies)), solved.work
+
+
+def traded(
+    dear_bytes, cheap_bytes, dear_count, cheap_count, share: float, dear_peak_larger=None
+) -> str | None:
+    """Why a plan moving ``dear_bytes`` in ``dear_count`` collectives is worth
+    it against one moving ``cheap_bytes`` in ``cheap_count``: at most
+    ``share`` more bytes, or at most half the collectives where
+    ``dear_peak_larger()`` (when given) says its estimated peak is no larger;
+    None where neither holds. ``CompileOptions.fewer_collectives`` is the
+    share: the trade :func:`fewer_collectives` buys and :func:`bytes_alone`
+    holds a plan to."""
+    if dear_bytes <= (1 + share) * cheap_bytes:
+        return f"within {100 * share:.0f}%"
+    if 2 * dear_count <= cheap_count and not (dear_peak_larger is not None and dear_peak_larger()):
+        return "half the collectives, no larger peak"
+    return None
+
+
+def replaced(kept: Propagation, alt: Propagation, program, pairs, grid) -> Propagation:
+    """``alt`` in place of ``kept``: ``kept``'s Choice (its bytes and the
+    memory its arguments and results hold updated) and warnings."""
+    choice = kept.choice
+    choice.ilp_bytes = alt.bytes
+    choice.memory_bytes = held_bytes(program, alt, pairs, grid)
+    alt.warnings = kept.warnings
+    alt.choice = choice
+    return alt
 
 
 def note(choice, text: str) -> None:
@@ -254,16 +276,20 @@ def fewer_collectives(
     kept_bytes, alt_bytes = kept.bytes, alt.bytes
     kept_launched, alt_launched = emitted_collectives(kept), emitted_collectives(alt)
     kept_count, alt_count = count_collectives(kept, kept_launched), count_collectives(alt, alt_launched)
-    within = alt_bytes <= (1 + options.fewer_collectives) * kept_bytes
-    if not within and (2 * alt_count > kept_count or any(larger_peak(alt, kept, h) for h in (False, True))):
+    why = traded(
+        alt_bytes,
+        kept_bytes,
+        alt_count,
+        kept_count,
+        options.fewer_collectives,
+        dear_peak_larger=lambda: any(larger_peak(alt, kept, h) for h in (False, True)),
+    )
+    if why is None:
         return kept
     kept_time = emitted_price(kept, cost_model, ring=True, launched=kept_launched, options=options)
     alt_time = emitted_price(alt, cost_model, ring=True, launched=alt_launched, options=options)
     if alt_time >= kept_time or alt_count >= kept_count:
         return kept
-    why = (
-        f"within {100 * options.fewer_collectives:.0f}%" if within else "half the collectives, no larger peak"
-    )
     note(
         choice,
         f"then solved again with each collective's ring latency, and that plan kept: {alt_bytes} B "
@@ -273,11 +299,7 @@ def fewer_collectives(
     )
     if choice.method == "greedy":
         choice.method = "ilp"
-    choice.ilp_bytes = alt_bytes
-    choice.memory_bytes = held_bytes(program, alt, pairs, form.placement.shape)
-    alt.warnings = kept.warnings
-    alt.choice = choice
-    return alt
+    return replaced(kept, alt, program, pairs, form.placement.shape)
 
 
 def as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
