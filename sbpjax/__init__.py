@@ -33,7 +33,8 @@ from sbpjax.sbp import (
     partial_sum,
     split,
 )
-from sbpjax.tensor import GlobalTensor, from_local_tensors, to_global
+from sbpjax.local_tensors import from_local_tensors
+from sbpjax.tensor import GlobalTensor, to_global
 from sbpjax.show import layout_text, show
 from sbpjax.compiler.api import AUTO, CompiledFunction, constrain, jit
 from sbpjax.compiler.options import CompileOptions
