@@ -29,10 +29,10 @@ from sbpjax.rules import (
     set_local,
     shape_of,
 )
+from sbpjax.rules.shift_run import run_shifts
 from sbpjax.rules.shifts import (
     may_shift,
     placements,
-    run_shifts,
     shift_comms,
     shifts,
     splits_moved_dim,

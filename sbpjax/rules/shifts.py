@@ -41,10 +41,6 @@ import dataclasses
 import functools
 import math
 
-import jax.numpy as jnp
-from jax import lax
-
-from sbpjax.boxing.lower import axis_arg, group_index, table_entry
 from sbpjax.layout import balanced_piece
 from sbpjax.rules import Comm, exchange_detail, local_shape, shape_of, split_axes
 from sbpjax.sbp import Split
@@ -403,7 +399,7 @@ def clear_caches() -> None:
 def shift_comms(eqn, in_avals, ins, outs, grid) -> list[Comm] | None:
     """One exchange per side that receives rows (per distance, for a
     :class:`Cut`), per moved dim, on the block as the dims before it left it
-    (``run_shifts``)."""
+    (:func:`sbpjax.rules.shift_run.run_shifts`)."""
     steps = shifts(eqn, ins, outs, grid)
     return None if steps is None else step_comms(steps, in_avals[0], ins[0], grid)
 
@@ -425,122 +421,25 @@ def step_comms(steps, aval, nd, grid, operand: int = 0) -> list[Comm]:
                 out.append(Comm("permute", st.axes, lines * pairs * rows * slab, operand, sent))
         for side, rows in (("left", st.left), ("right", st.right)):
             if rows:
-                detail = _detail(st, chain, side, rows)
+                detail = exchange_of(st, chain, side, rows)
                 out.append(
                     Comm("halo_exchange", st.axes, lines * (pieces - 1) * rows * slab, operand, detail)
                 )
         shape[st.dim] = st.block_out
-        chain += (_key(st),)
+        chain += (step_key(st),)
     return out
 
 
-def _detail(st: Shift, chain: tuple, side: str, rows: int) -> tuple:
-    """An exchange's detail (see ``exchange_detail``): an uneven split's left
-    side sends the rows at the end of each piece's valid rows, not the
-    block's edge."""
+def exchange_of(st: Shift, chain: tuple, side: str, rows: int) -> tuple:
+    """An exchange's detail (see ``exchange_detail``), the same where it is
+    priced (here) and where it runs (:mod:`sbpjax.rules.shift_run`), so that
+    the run makes each priced exchange once: an uneven split's left side
+    sends the rows at the end of each piece's valid rows, not the block's
+    edge."""
     edge = side == "right" or st.n_in % len(st.pieces_in) == 0
     return exchange_detail(chain, st.dim, side, rows, st.axes, "shift", edge)
 
 
-def _key(st: Shift | Cut) -> tuple:
+def step_key(st: Shift | Cut) -> tuple:
+    """A step as the chain of an exchange's detail names it."""
     return (st.dim, st.shift, st.n_in, st.n_out, st.axes)
-
-
-def run_shifts(x, steps, ctx, fill=None, operand: int = 0):
-    """``x`` (a device's block) with each :class:`Shift` of ``steps`` run
-    along its dim, one after the other (a later dim's exchange carries the
-    corners); ``fill``: the padding value (a pad's), or None (a slice's).
-    Exchanges of the same rows of the same value (operand ``operand`` of
-    the op) are made once (``ctx.memo``)."""
-    chain: tuple = ()
-    for st in steps:
-        if isinstance(st, Cut):
-            x = _run_cut(x, st, ctx, fill, chain, operand)
-        elif not st.in_place:
-            x = _run(x, st, ctx, fill, chain, operand)
-        elif fill is not None:  # the block stays: positions past the operand's piece are padding
-            sizes = [z for _, z in st.pieces_in]
-            size = sizes[0] if len(set(sizes)) == 1 else jnp.asarray(sizes, jnp.int32)[_index(st, ctx)]
-            x = jnp.where(lax.broadcasted_iota(jnp.int32, x.shape, st.dim) < size, x, fill.astype(x.dtype))
-        chain += (_key(st),)
-    return x
-
-
-def _index(st: Shift | Cut, ctx):
-    return group_index(st.axes, ctx.placement.axis_names, ctx.grid)
-
-
-def _run(x, st: Shift, ctx, fill, chain, operand):
-    d, pieces = st.dim, len(st.pieces_in)
-    axis = axis_arg([ctx.placement.axis_names[a] for a in st.axes])
-    idx = _index(st, ctx)
-    table = lambda values: table_entry(jnp.asarray(values, jnp.int32), idx)  # noqa: E731
-    size_in = table([z for _, z in st.pieces_in])
-    parts = []
-    if st.left:
-        # the piece before's last `left` rows: at the end of its valid rows
-        def send_left():
-            tail = (
-                lax.slice_in_dim(x, st.block_in - st.left, st.block_in, axis=d)
-                if st.n_in % pieces == 0
-                else lax.dynamic_slice_in_dim(
-                    x, size_in - st.left, st.left, axis=d, allow_negative_indices=False
-                )
-            )
-            return lax.ppermute(tail, axis, perm=[(i, i + 1) for i in range(pieces - 1)])
-
-        parts.append(ctx.memo(operand, _detail(st, chain, "left", st.left), send_left))
-    parts.append(x)
-    if st.right:
-
-        def send_right():
-            head = lax.slice_in_dim(x, 0, st.right, axis=d)
-            return lax.ppermute(head, axis, perm=[(i + 1, i) for i in range(pieces - 1)])
-
-        parts.append(ctx.memo(operand, _detail(st, chain, "right", st.right), send_right))
-    ext = lax.concatenate(parts, d) if len(parts) > 1 else x
-    rows = table([so for so, _ in st.pieces_out]) + st.shift + jnp.arange(st.block_out, dtype=jnp.int32)
-    if st.static:
-        at = min(st.offsets)
-        y = lax.slice_in_dim(ext, at, at + st.block_out, axis=d)
-    else:
-        start_in = table([si for si, _ in st.pieces_in])
-        own = rows - start_in  # the row's place in this device's piece
-        local = jnp.where(own < size_in, st.left + own, st.left + st.block_in + own - size_in)
-        y = jnp.take(ext, local, axis=d, mode="clip")  # clamped: padded rows, never read
-    if fill is not None:
-        outside = ((rows < 0) | (rows >= st.n_in)).reshape([-1 if e == d else 1 for e in range(y.ndim)])
-        y = jnp.where(outside, fill.astype(y.dtype), y)
-    return y
-
-
-def _run_cut(x, st: Cut, ctx, fill, chain, operand):
-    d, pieces = st.dim, len(st.pieces_in)
-    axis = axis_arg([ctx.placement.axis_names[a] for a in st.axes])
-    idx = _index(st, ctx)
-    parts = [x]
-    for k, rows, starts in st.sends:
-
-        def send(k=k, rows=rows, starts=starts):
-            start = table_entry(jnp.asarray([max(s, 0) for s in starts], jnp.int32), idx)
-            chunk = lax.dynamic_slice_in_dim(x, start, rows, axis=d, allow_negative_indices=False)
-            return lax.ppermute(chunk, axis, perm=[(j, j - k) for j in range(pieces) if starts[j] >= 0])
-
-        parts.append(ctx.memo(operand, ("cut", chain, d, k, rows, starts, st.axes), send))
-    ext = lax.concatenate(parts, d) if len(parts) > 1 else x
-    runs = st.runs
-    reads = table_entry(jnp.asarray(st.reads, jnp.int32), idx)  # this device's rows of ext (< 0: outside)
-    if runs is not None:
-        y = lax.dynamic_slice_in_dim(
-            ext,
-            table_entry(jnp.asarray(runs, jnp.int32), idx),
-            st.block_out,
-            axis=d,
-            allow_negative_indices=False,
-        )
-    else:
-        y = jnp.take(ext, reads, axis=d, mode="clip")
-    if fill is not None:
-        outside = reads < 0
-        y = jnp.where(outside.reshape([-1 if e == d else 1 for e in range(y.ndim)]), fill.astype(y.dtype), y)
-    return y
