@@ -288,7 +288,7 @@ def _done(prop, loop, bodies, positions, ctx, rotated, after, last) -> tuple[lis
     iteration after the run must box it so too (it then finds it boxed), or
     the code after the loop, or nothing may read it (the carry the last
     iteration of a backward pass makes where the first layer's input
-    gradient is not taken: ``trace._last_carries``)."""
+    gradient is not taken: ``dead_code.last_carries``)."""
     its_last = loop.iterations[positions[-1]]
     nc = loop.n_consts
     # (layouts have no order: two carries boxed alike tie on the index)

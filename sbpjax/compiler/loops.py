@@ -45,7 +45,7 @@ it, as GSPMD does, with the same bytes. Iterations that differ stay written out 
 (*peeled*): the last, when the code after the loop reads its carry in another
 layout than the loop boxes it to. A carry the last iteration makes that
 nothing reads (a backward loop whose first layer's input gradient is not
-taken) is still computed (``trace._last_carries``), and boxed like the others
+taken) is still computed (``dead_code.last_carries``), and boxed like the others
 (``Run.dead_tail``), so that iteration runs in the loop too.
 """
 

@@ -5,7 +5,8 @@ helpers, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``). The compiler
 works on one flat program, so nested calls are inlined; the custom
 differentiation rules they carry are not needed any more because the traced
 function has already been differentiated (``jax.grad`` runs before tracing).
-Dead equations are removed so every boxing left in the plan is one XLA runs.
+Dead equations are removed (:mod:`sbpjax.compiler.dead_code`) so every boxing
+left in the plan is one XLA runs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ except ImportError:  # pragma: no cover
     from jax.core import Literal as _Literal  # type: ignore[attr-defined,no-redef]
 
 from sbpjax.compiler import rewrites
-from sbpjax.compiler.loop_eqns import batched_while, scan_operands, without_dead_carries
+from sbpjax.compiler.dead_code import dce, live_roots
+from sbpjax.compiler.loop_eqns import batched_while, scan_operands
 from sbpjax.compiler.program import (
     UNKNOWN_SOURCE,
     Cond,
@@ -153,7 +155,7 @@ def trace(
     ``unroll_limit`` and ``loop_slices``: see ``UNROLL_LIMIT``, ``LOOP_SLICES``
     (``sj.CompileOptions`` sets both). ``keep_last_carries``: the carries a
     written-out scan's last iteration makes are kept though nothing reads
-    them (see :func:`_last_carries`); ``sj.jit`` keeps them where it rolls
+    them (see :func:`sbpjax.compiler.dead_code.last_carries`); ``sj.jit`` keeps them where it rolls
     loops (``CompileOptions.roll_loops``). ``placement``: ``sj.jit``'s, for
     the ``sj.jit`` functions ``fn`` calls (:func:`tracing_on`). ``devices``:
     the placement's device count, where known (``rewrites.rolls``; default:
@@ -172,15 +174,15 @@ def trace(
     nodes: list = []
     flat = _Flattening(unroll_limit=unroll_limit, loop_slices=loop_slices)
     outs = _inline(closed.jaxpr, list(closed.consts), inputs, nodes, flat=flat)
-    roots, nodes = _live_roots(nodes, outs, flat.loops) if keep_last_carries else (outs, _dce(nodes, outs))
-    nodes = _dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
-    nodes = _dce(
+    roots, nodes = live_roots(nodes, outs, flat.loops) if keep_last_carries else (outs, dce(nodes, outs))
+    nodes = dce(rewrites.fuse_padded_windows(nodes, roots, _emit), roots)
+    nodes = dce(
         rewrites.fuse_shifts(rewrites.rolls(rewrites.splits_as_slices(nodes, _emit), _emit, devices), _emit),
         roots,
     )
     # after fuse_shifts: a slice of a padded value is then a pad of its own, and
     # convolutions may be the padded value's only readers
-    nodes = _dce(rewrites.fuse_padded_convs(nodes, roots, _emit), roots)
+    nodes = dce(rewrites.fuse_padded_convs(nodes, roots, _emit), roots)
     return Program(inputs, nodes, outs, out_tree, flat.loops, flat.conds)
 
 
@@ -384,7 +386,7 @@ def _flatten_scan(eqn, ins, nodes, cse, flat):
     for n in nodes[stacking:]:
         n.source = source
     if len(carry) + len(stacked) != len(eqn.outvars):
-        return None  # a form of scan not known here: kept whole (what was emitted is dead, _dce drops it)
+        return None  # a form of scan not known here: kept whole (what was emitted is dead, dce drops it)
     loop.stacked, loop.source = list(stacked), source
     flat.loops.append(loop)
     return carry + stacked
@@ -455,81 +457,3 @@ def _cse_key(eqn, ins, texts):
         else:
             return None
     return (eqn.primitive.name, params, tuple(args))
-
-
-def _live_roots(nodes, outs, loops) -> tuple[list, list]:
-    """``(roots, the nodes they keep)``: ``outs`` and the last carries
-    (:func:`_last_carries`) that the program uses: each carry some op of the loop reads (for a result, an
-    effect, or another carry that is used), in some iteration. A carry whose
-    values only make its own next value (a ``fori_loop`` whose ``h`` is never
-    returned nor read otherwise) is dead code, as it is to XLA, which drops
-    it from the loop; a loop none of whose carries is used is dropped
-    whole. (Kept, their exchanges were counted in ``explain()`` and moved
-    nothing.)"""
-    roots, added = list(outs), set()
-    while True:
-        kept = _dce(nodes, roots)
-        live = {id(o) for n in kept for o in n.outs}
-        new = []
-        for loop in loops:
-            if len(loop.iterations) < 2 or not any(live & it.made for it in loop.iterations):
-                continue
-            made = set().union(*(it.made for it in loop.iterations))
-            read = {id(a) for n in kept if any(id(o) in made for o in n.outs) for a in n.ins}
-            for k in range(loop.n_carry):
-                # from the second iteration on: the first's is the initial value,
-                # which other code may read (a fori_loop's h starting at x)
-                carried = [it.ins[loop.n_consts + k] for it in loop.iterations[1:]]
-                if (id(loop), k) not in added and any(id(v) in read for v in carried):
-                    added.add((id(loop), k))
-                    new.append((loop, k))
-        if not new:
-            return roots, kept
-        roots += _last_carries(new)
-
-
-def _last_carries(carries) -> list:
-    """The carries ``(loop, index)`` that each written-out scan of two or
-    more iterations makes in its last one, to keep as live as the others'
-    though nothing reads them.
-
-    A scan's backward pass whose first layer's input gradient is not taken
-    (the layers' input is data, not a parameter) computes that gradient in
-    every iteration but the last, where dead code elimination dropped it.
-    The last iteration then differs from the others, so the lowering wrote it
-    out after the loop (``sbpjax.compiler.loops``), its weight gradients
-    reduced outside the loop into buffers of their own: 4 Megatron MLP layers
-    on 2x4 held 1.21x GSPMD's temp memory (1.25x under ``jax.checkpoint``), and
-    the program held the layer's code twice. Decision: compute the unread
-    gradient, as GSPMD's loop does (its body is the same in every iteration),
-    and let the loop run every iteration: 0.99x GSPMD's temp memory. Where the
-    loop boxes the carry for the next iteration (a partial gradient reduced),
-    it boxes the last one too, bytes nothing reads (``Run.dead_tail``,
-    counted in ``explain().bytes``): there the step moves GSPMD's bytes, where
-    it moved 0.6% fewer. Any other carry no one reads after the loop is kept
-    alike (a ``fori_loop``'s counter, a scan's final state where only its
-    ``ys`` are used): a result of the last iteration's ops, which the
-    written-out program would have dropped."""
-    roots = []
-    for loop, k in carries:
-        last = loop.iterations[-1]
-        v = last.outs[k]
-        if isinstance(v, Var) and id(v) in last.made:
-            roots.append(v)
-    return roots
-
-
-def _dce(nodes, outputs):
-    live = {id(o) for o in outputs if isinstance(o, Var)}
-    kept = []
-    for node in reversed(nodes):
-        effects = getattr(node.eqn, "effects", None)
-        if any(id(o) in live for o in node.outs) or effects:
-            if node.name in ("while", "scan"):  # a loop kept whole: its dead carries pass through
-                eqn = without_dead_carries(node.eqn, [id(o) in live for o in node.outs])
-                node = (
-                    node if eqn is node.eqn else dataclasses.replace(node, eqn=eqn, texts=None, op_key=None)
-                )
-            kept.append(node)
-            live |= {id(i) for i in node.ins if isinstance(i, Var)}
-    return kept[::-1]
