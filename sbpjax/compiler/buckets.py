@@ -64,8 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sbpjax.boxing.device_index import axis_arg
 from sbpjax.boxing.extremes import preduce_extreme
-from sbpjax.boxing.lower import apply_step, axis_arg
+from sbpjax.boxing.lower import apply_step
 from sbpjax.compiler.liveness import live_bytes
 from sbpjax.compiler.program import Const, Var
 from sbpjax.compiler.propagation import Boxing, Propagation

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from sbpjax.boxing.lower import group_index, run_plan
+from sbpjax.boxing.device_index import group_index
+from sbpjax.boxing.lower import run_plan
 from sbpjax.boxing.plan import normalized_layout
 from sbpjax.compiler import lower_control, uneven
 from sbpjax.compiler.buckets import run_bucket

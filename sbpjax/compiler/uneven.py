@@ -42,8 +42,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from sbpjax.boxing.device_index import IndexTables
 from sbpjax.boxing.extremes import fill_value
-from sbpjax.boxing.lower import IndexTables
 from sbpjax.layout import Geometry
 from sbpjax.rules import split_axes
 from sbpjax.rules.shifts import placements, shifts

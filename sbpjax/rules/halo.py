@@ -41,7 +41,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from sbpjax.boxing.lower import axis_arg, group_index
+from sbpjax.boxing.device_index import axis_arg, group_index
 from sbpjax.rules import Comm, exchange_detail
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from sbpjax.boxing.lower import group_index
+from sbpjax.boxing.device_index import group_index
 from sbpjax.rules import B, P, Sig, rank, register, set_local, shape_of
 from sbpjax.sbp import Partial, Split
 

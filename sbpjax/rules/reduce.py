@@ -19,8 +19,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from sbpjax.boxing.device_index import axis_arg, group_index
 from sbpjax.boxing.extremes import fill_value
-from sbpjax.boxing.lower import axis_arg, group_index
 from sbpjax.rules import B, Comm, P, Sig, local_shape, rank, register, set_comm, set_local, split_axes
 from sbpjax.sbp import Partial, Split
 

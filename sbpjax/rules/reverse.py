@@ -20,7 +20,7 @@ import math
 
 from jax import lax
 
-from sbpjax.boxing.lower import axis_arg
+from sbpjax.boxing.device_index import axis_arg
 from sbpjax.rules import (
     Comm,
     local_shape,

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import mlir
 
-from sbpjax.boxing.lower import axis_arg
+from sbpjax.boxing.device_index import axis_arg
 from sbpjax.rules import (
     Comm,
     local_shape,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from sbpjax.boxing.lower import axis_arg, group_index, table_entry
+from sbpjax.boxing.device_index import axis_arg, group_index, table_entry
 from sbpjax.rules.shifts import Cut, Shift, exchange_of, step_key
 
 
