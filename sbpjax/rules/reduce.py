@@ -5,8 +5,9 @@ Per device: ``y_i = reduce(x_i, axes)``. If ``x`` is split on a reduced dim,
 ``reduce_min`` -> P(min) (how a model-parallel softmax gets its max and sum
 without gathering the logits). A split on a kept dim stays a split (renumbered).
 A partial input of the same op stays partial: ``sum(sum_i x_i) = sum_i sum(x_i)``.
-``argmax``/``argmin``, products and bitwise reductions over a split dim gather
-each piece's result and reduce those. ``cumsum`` and friends keep
+``argmax``/``argmin``, products, bitwise reductions and ``lax.reduce`` with a
+function of its own over a split dim gather each piece's result and reduce
+those. ``cumsum`` and friends keep
 splits off their axis; ``cumsum`` is linear (keeps P(sum)), ``cummax`` monotone.
 Split along their axis, each piece's scan is completed with the totals of the
 pieces before it (an all-gather of one row per piece).
@@ -223,3 +224,57 @@ def cumulative_local(eqn, ins, ctx):
     before = before.reshape((pieces,) + (1,) * total.ndim)
     carry = _REDUCE[name](jnp.where(before, totals, _identity(name, y.dtype)), axis=0)
     return [_COMBINE[name](carry, y).astype(y.dtype)]
+
+
+@register("reduce")
+def generic_reduction(eqn, in_avals):
+    """``lax.reduce`` with a function of its own (``(value, index)`` pairs
+    reduced to an argmax by hand, a monoid of the user's): ``y_i =
+    reduce(x_i)`` on every operand alike, inits broadcast. A split of a kept
+    dim stays a split; over a split dim each piece is reduced and the
+    pieces' results are gathered and reduced again with the same function,
+    ``y = reduce_i y_i`` (B). XLA's own reduce assumes the function
+    associative and commutative (it reduces in any order it likes), so the
+    pieces may be combined in any order too."""
+    n = len(eqn.outvars)
+    axes = tuple(eqn.params["dimensions"])
+    inits = (B,) * n
+    sigs = []
+    for d in range(rank(in_avals[0])):
+        if d in axes:
+            sigs.append(Sig((Split(d),) * n + inits, (B,) * n))
+        else:
+            sigs.append(Sig((Split(d),) * n + inits, (Split(d - sum(a < d for a in axes)),) * n))
+    return sigs + [Sig((B,) * (2 * n), (B,) * n)]
+
+
+def _generic_reduced_axes(eqn, nd) -> tuple[int, ...]:
+    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim in eqn.params["dimensions"])
+
+
+@set_comm("reduce")
+def generic_reduction_comm(eqn, in_avals, ins, outs, grid):
+    """Over a split dim: every device gathers each piece's result of each
+    operand (one all-gather per result)."""
+    axes = _generic_reduced_axes(eqn, ins[0])
+    if not axes:
+        return []
+    pieces = math.prod(grid[a] for a in axes)
+    comms = []
+    for k, (v, nd) in enumerate(zip(eqn.outvars, outs)):
+        elems = math.prod(local_shape(v.aval.shape, nd, grid))
+        received = math.prod(grid) * (pieces - 1) * elems * v.aval.dtype.itemsize
+        comms.append(Comm("all_gather", axes, received, detail=(*_op_detail(eqn), k)))
+    return comms
+
+
+@set_local("reduce")
+def generic_reduction_local(eqn, ins, ctx):
+    ys = eqn.primitive.bind(*ins, **eqn.params)
+    axes = _generic_reduced_axes(eqn, ctx.in_nd[0])
+    if not axes:
+        return list(ys)
+    group = axis_arg([ctx.placement.axis_names[a] for a in axes])
+    pieces = [lax.all_gather(y, group, axis=0, tiled=False) for y in ys]
+    inits = ins[len(ys) :]
+    return list(eqn.primitive.bind(*pieces, *inits, **{**eqn.params, "dimensions": (0,)}))
