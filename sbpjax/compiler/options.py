@@ -44,9 +44,10 @@ class CompileOptions:
       plan's prices miss what runs (an exchange two ops share, reductions
       the lowering buckets), the plan solved by bytes alone may replace it
       (``sbpjax.compiler.second_looks.bytes_alone``).
-    * ``launch_priced``: in a program with an idle placement axis, plan a
-      boxing whose fewest-bytes plan borrows that axis by bytes plus
-      latency (``sbpjax.compiler.propagator.Propagator.plan``).
+    * ``launch_priced``: plan a boxing whose fewest-bytes plan borrows an
+      axis it has nothing to do on (one the program leaves idle, or one the
+      value is whole on before and after) by bytes plus latency
+      (``sbpjax.compiler.propagator.Propagator.plan``).
     * ``zero_fill_weight``: the price of each byte a zero-fill (S -> P) adds
       to a device's blocks, as a fraction of a byte moved.
     * ``fewer_collectives``: after the bytes-first solve, solve again with

@@ -294,6 +294,16 @@ def zero_values(program: Program) -> set:
 # program's bound: the 4-, 8- and 16-layer rows ended their solves 3-7% from
 # it instead of proving it within 0.1-0.6%, and the 4-layer solve took
 # 10.9 s instead of 3.5 s.
+# Extended to an axis the value is whole on in both layouts (B before and after):
+# the boxing has nothing to do there either, and borrowing it buys bytes with
+# launches the same way. Muon's Gram matrices on 2x4 (a 32x64 kernel split
+# by columns over y, the batch over x) are partial over y and whole over x;
+# their reduction to B was planned as a slice over x, a reduce-scatter over y
+# and an all-gather over all 8 devices (40,960 B), so the integer program
+# zero-filled them into partials over x as well and all-reduced each over
+# the 8 devices in one collective (57,344 B), where GSPMD all-reduces over
+# the 4 of y (49,152 B): a Megatron MLP step with Muon moved 390,272 B against
+# GSPMD's 339,072, in 13 collectives each; planned by price, GSPMD's bytes.
 # ``CompileOptions.launch_priced`` False: by bytes alone (ties by time), as
 # ``plan_boxing`` plans by default.
 

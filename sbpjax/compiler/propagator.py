@@ -45,11 +45,14 @@ from sbpjax.rules import RULES, split_axes
 from sbpjax.rules.shifts import prefix_aligned
 from sbpjax.sbp import Broadcast, Partial, format_sbp
 
+REPLICATED = Broadcast()
+
 
 class Propagator(SignatureSearch):
     def __init__(self, program: Program, placement: Placement, cost_model=None, launch_priced: bool = True):
         self.prog = program
-        # plan a boxing that borrows an idle axis by bytes plus latency (LAUNCH PRICED above)
+        # plan a boxing that borrows an axis it has nothing to do on by bytes plus latency
+        # (LAUNCH PRICED in sbpjax.compiler.propagation)
         self.launch_priced = launch_priced
         self.pl = placement
         self.grid = placement.shape
@@ -156,8 +159,10 @@ class Propagator(SignatureSearch):
             planner = plan_zeros if zero else plan_boxing
             priced = "ring" if self.ring else False
             hit = planner(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=priced)
-            borrows_idle = any(st.bytes and self.idle.intersection(st.group) for st in hit.steps)
-            if not self.ring and self.launch_priced and borrows_idle:
+            # axes the boxing has nothing to do on: idle in the program, or whole in both layouts
+            lent = self.idle | {a for a, (s, d) in enumerate(zip(src, dst)) if s == d == REPLICATED}
+            borrows = any(st.bytes and lent.intersection(st.group) for st in hit.steps)
+            if not self.ring and self.launch_priced and borrows:
                 hit = planner(
                     atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=True
                 )

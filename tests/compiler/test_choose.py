@@ -556,6 +556,27 @@ def test_two_d_gpt_on_2x2x2_with_an_idle_axis_moves_no_more_than_gspmd():
     assert ours <= gspmd, (ours, gspmd, e.choice.describe())
 
 
+@pytest.mark.parametrize(
+    "n, steps", [(32, ["all_reduce"]), (256, ["local_slice", "reduce_scatter", "all_gather"])]
+)
+def test_a_boxing_that_borrows_an_axis_whole_in_both_layouts_is_priced_with_its_launches(n, steps):
+    """(B, P) -> (B, B) on 2x4 moves the fewest bytes as a slice over x, a
+    reduce-scatter over y and an all-gather over all 8 devices: x, whole in
+    both layouts, is borrowed. For a small tensor the one all-reduce over y
+    costs less by the layout choice's price (bytes plus 100 kB a launch), and
+    that plan is offered: Muon's Gram matrices (32x32) were otherwise zero-
+    filled into partials over x to be reduced in one all-reduce over all 8
+    devices (390,272 B on a Megatron MLP step against GSPMD's 339,072). A
+    large one keeps the fewest-bytes plan."""
+    from sbpjax.compiler.program import Program, Var
+    from sbpjax.compiler.propagator import Propagator
+
+    pl = sj.placement((2, 4), ("x", "y"))
+    v = Var((n, n), np.dtype(np.float32))
+    plan = Propagator(Program([v], [], [v], None, [], []), pl, sj.CostModel()).plan(v, (B, P), (B, B))
+    assert [st.op for st in plan.steps] == steps
+
+
 def test_idle_axes_are_those_no_argument_is_split_or_partial_over():
     from sbpjax.compiler.propagation import idle_axes
 
