@@ -7,10 +7,10 @@ without gathering the logits). A split on a kept dim stays a split (renumbered).
 A partial input of the same op stays partial: ``sum(sum_i x_i) = sum_i sum(x_i)``.
 ``argmax``/``argmin``, products, bitwise reductions and ``lax.reduce`` with a
 function of its own over a split dim gather each piece's result and reduce
-those. ``cumsum`` and friends keep
-splits off their axis; ``cumsum`` is linear (keeps P(sum)), ``cummax`` monotone.
-Split along their axis, each piece's scan is completed with the totals of the
-pieces before it (an all-gather of one row per piece).
+those. ``cumsum`` and friends keep splits off their axis; ``cumsum`` is linear
+(keeps P(sum)), ``cummax`` monotone. Split along their axis, each piece's scan
+is completed with the totals of the pieces before it (an all-gather of one row
+per piece).
 """
 
 from __future__ import annotations
