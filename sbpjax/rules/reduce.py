@@ -17,8 +17,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+try:  # the public home moved across JAX versions
+    from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+except ImportError:  # pragma: no cover
+    from jax.core import ClosedJaxpr, Literal, jaxpr_as_fun  # type: ignore[attr-defined,no-redef]
 
 from sbpjax.boxing.device_index import axis_arg, group_index
 from sbpjax.boxing.extremes import fill_value
@@ -231,21 +238,43 @@ def generic_reduction(eqn, in_avals):
     """``lax.reduce`` with a function of its own (``(value, index)`` pairs
     reduced to an argmax by hand, a monoid of the user's): ``y_i =
     reduce(x_i)`` on every operand alike, inits broadcast. A split of a kept
-    dim stays a split; over a split dim each piece is reduced and the
+    dim stays a split. Over a split dim each piece is reduced and the
     pieces' results are gathered and reduced again with the same function,
-    ``y = reduce_i y_i`` (B). XLA's own reduce assumes the function
-    associative and commutative (it reduces in any order it likes), so the
-    pieces may be combined in any order too."""
+    ``y = reduce_i y_i`` (B). That is the reduction of the whole where the
+    function is associative and commutative, as XLA's reduce assumes (it
+    reduces in an order of its own: a "first non-zero" function over two
+    dims does not return the first in row-major order even on one CPU
+    device), and where each init ``e`` is a constant the function keeps
+    (``f(e, e) == e``, checked: an identity such as 0 for a sum or ``-inf``
+    for a max), since every piece applies it once more. A reduce whose
+    inits are computed, or not kept (``lax.add`` from 1), is gathered whole
+    first."""
     n = len(eqn.outvars)
     axes = tuple(eqn.params["dimensions"])
     inits = (B,) * n
+    reducible = _inits_kept(eqn)
     sigs = []
     for d in range(rank(in_avals[0])):
-        if d in axes:
-            sigs.append(Sig((Split(d),) * n + inits, (B,) * n))
-        else:
+        if d not in axes:
             sigs.append(Sig((Split(d),) * n + inits, (Split(d - sum(a < d for a in axes)),) * n))
+        elif reducible:
+            sigs.append(Sig((Split(d),) * n + inits, (B,) * n))
     return sigs + [Sig((B,) * (2 * n), (B,) * n)]
+
+
+def _inits_kept(eqn) -> bool:
+    """Whether every init of a generic reduce is a literal ``e`` with
+    ``f(e, e) == e`` (NaN equal to NaN), evaluated now, outside any trace."""
+    n = len(eqn.outvars)
+    inits = eqn.invars[n:]
+    if not all(isinstance(v, Literal) for v in inits):
+        return False
+    values = [np.asarray(v.val) for v in inits]
+    jaxpr = eqn.params["jaxpr"]
+    closed = jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, [])
+    with jax.ensure_compile_time_eval():
+        got = jaxpr_as_fun(closed)(*values, *values)
+    return all(np.array_equal(np.asarray(g), v, equal_nan=v.dtype.kind in "fc") for g, v in zip(got, values))
 
 
 def _generic_reduced_axes(eqn, nd) -> tuple[int, ...]:

@@ -233,8 +233,8 @@ def test_lax_reduce_of_a_function_gathers_the_pieces_results(pl8, pl24, name, la
     """``lax.reduce`` with a function of its own (a generic ``reduce``) over
     a split dim reduces each piece and gathers the results, as GSPMD does;
     it had no rule and gathered its operands whole (10,752 B against GSPMD's
-    2,688 for a (value, index) argmax of 32x6 split over 8). Split on a kept
-    dim, nothing moves."""
+    2,688 for a (value, index) argmax over the 32 rows of a 32x6 array split
+    by rows over 8). Split on a kept dim, only the results' rows move."""
     fn, results = GENERIC[name]
     x = np.random.default_rng(4).normal(size=(8, 64)).astype(np.float32)
     x[3, [5, 40]] = 9.0  # a tie across pieces: the first index wins
@@ -268,6 +268,36 @@ def test_lax_reduce_of_a_function_gathers_the_pieces_results(pl8, pl24, name, la
         results > 1
     ):  # GSPMD refuses a one-operand reduce of such a function ("Unsupported reduction computation")
         assert moved <= gspmd_bytes(fn, pl, (sbp, sbp), out_sbp, (x, i))
+
+
+@pytest.mark.parametrize(
+    "name, fn, layout",
+    [
+        # an init the function does not keep (1 + 1 != 1): applied once per piece, it would count 8 times
+        ("add_from_one", lambda x: lax.reduce(x, np.float32(1), lax.add, (1,)), "S(1) on 8"),
+        # a computed init: not known to be kept
+        ("computed_init", lambda x: lax.reduce(x, x[0, 0] * 0, _largest_magnitude, (1,)), "S(1) on 8"),
+        # two reduced dims split over x and y: each device gathers the 7 other pieces' results
+        ("two_dims", lambda x: lax.reduce(x, np.float32(0), _largest_magnitude, (0, 1)), "S(0), S(1) on 2x4"),
+    ],
+)
+def test_lax_reduce_of_a_function_combines_pieces_only_where_its_init_is_kept(pl8, pl24, name, fn, layout):
+    """Each piece reduces with the init, so the pieces' results are combined
+    only where the init is a constant the function keeps (f(e, e) == e);
+    otherwise the operand is gathered first. The first version counted 1
+    once per piece (``lax.add`` from 1: 73 against 67)."""
+    x = np.random.default_rng(5).normal(size=(8, 64)).astype(np.float32)
+    pl, sbp = {"S(1) on 8": (pl8, (S1,)), "S(0), S(1) on 2x4": (pl24, (S0, S1))}[layout]
+    f = sj.jit(fn, placement=pl, in_sbp=(sbp,), out_sbp=(B,) * pl.ndim)
+    assert_close(f(x).numpy(), np.asarray(jax.jit(fn)(x)), rtol=1e-6)
+    e = f.explain(x)
+    moved = sum(c.bytes for c in sj.collectives(f.lower(x).compile()))
+    assert moved == e.bytes
+    (reduce,) = [d for d in e.propagation.decisions if d.node.name == "reduce"]
+    if name == "two_dims":  # each device gathers the 7 other pieces' results, one scalar each
+        assert moved == 8 * 7 * 4, str(e)
+    else:  # the reduced dim is never read split: the rows are split instead (an all-to-all)
+        assert not any(isinstance(s, sj.Split) and s.dim == 1 for s in reduce.in_sbp[0]), str(e)
 
 
 def test_polyval_stays_split(pl8):
