@@ -42,11 +42,11 @@ def test_warning_inside_nnx_while_loop_names_the_users_line(pl8):
     planned on its own: sbpjax.compiler.inner_loops) warns at the user's
     line, not inside Flax."""
 
-    def absmax(a, b):  # a reduce of a computation sbpjax does not know has no rule
-        return jax.numpy.maximum(abs(a), abs(b))
+    def absmax(a):  # a host callback has no rule
+        return np.abs(a).max(axis=1).astype(np.float32)
 
     def body(c):
-        peak = jax.lax.reduce(c, np.float32(0), absmax, (1,))  # the op's line
+        peak = jax.pure_callback(absmax, jax.ShapeDtypeStruct(c.shape[:1], np.float32), c)  # the op's line
         return peak[:, None] * 0.5 + c * 2
 
     def fn(xs):
