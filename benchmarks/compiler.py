@@ -1048,7 +1048,12 @@ def write(path, rows, config, budget=None):
             ]
             record = {"rows": sorted(ran), "commit": _commit(), "why": WHY}
             rerun = list(old["config"].get("rerun", []))
-            if not rerun or rerun[-1] != record:  # the partial write and the last one: once
+            last = rerun[-1] if rerun else {}
+            # this run's own partial write (before the compile-only rows): replaced, not repeated
+            ours = (last.get("commit"), last.get("why")) == (record["commit"], WHY)
+            if ours and set(last.get("rows", ())) <= set(record["rows"]):
+                rerun[-1] = record
+            else:
                 rerun.append(record)
             config = dict(old["config"], rerun=rerun)
             budget = old.get("budget") if budget is None else budget
