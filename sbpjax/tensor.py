@@ -44,7 +44,8 @@ def _is_traced(x) -> bool:
 class GlobalTensor:
     """A logical tensor laid out over a placement by an nd-SBP.
 
-    Build one with :func:`to_global` or :func:`from_local_tensors`.
+    Build one with :func:`to_global` or
+    :func:`~sbpjax.local_tensors.from_local_tensors`.
     """
 
     __slots__ = ("_data", "_shape", "_dtype", "_placement", "_sbp")
