@@ -371,8 +371,26 @@ class Pipeline:
 
     def restore(self, path) -> None:
         """Load what :meth:`save` wrote (by a pipeline of the same stages and
-        optimizer, whatever its schedule and layouts) into this pipeline's layouts."""
-        saved = checkpoint.restore(path, self._state_tree())
+        optimizer, whatever its schedule and layouts) into this pipeline's layouts.
+
+        A checkpoint of other stages (another cut of the model, as a schedule
+        of two stages per device group needs, or other dtypes) is refused
+        with an :class:`SBPError` that says so, and nothing changes."""
+        try:
+            saved = checkpoint.restore(path, self._state_tree())
+        except checkpoint.CheckpointError:
+            raise  # missing, incomplete or corrupted: its own message says which file
+        except SBPError as e:
+            raise SBPError(
+                f"Pipeline.restore: the checkpoint at {path} was saved by a pipeline of other stages than "
+                f"this one's {len(self.stages)} (another cut of the model, other parameter shapes or "
+                "dtypes, or another optimizer); checkpoint.restore found: "
+                f"{str(e).rstrip('.')}. A pipeline restores what a pipeline of the same stages saved, under "
+                "any schedule and layouts. A schedule that runs another number of stages per device group "
+                "(zb-v and dualpipev run two, interleaved its chunks) cuts the model differently: restore "
+                "into a pipeline cut as the saved one was, then cut again from its stages' parameters (the "
+                "optimizer's state starts anew)."
+            ) from None
         for stage, prog, params, state in zip(
             self.stages, self.programs, saved["params"], saved["opt_state"]
         ):

@@ -216,6 +216,31 @@ def test_zero_within_stages_under_zero_bubble():
         assert adam_mu["w1"].sbp == (sj.S(0),) and adam_mu["w2"].sbp == (sj.S(0),)  # the state is split
 
 
+def test_restore_of_another_cut_says_the_stages_differ_and_changes_nothing(tmp_path):
+    """A checkpoint of 2 stages restored into a pipeline of 3 (another cut,
+    as a schedule of two stages per group needs) is refused with an
+    SBPError that says the stages differ and what to do; before, the
+    message was checkpoint.restore's own, advising a target that
+    Pipeline.restore does not take. Nothing changes."""
+    rng = np.random.default_rng(10)
+    params = _params(rng, 3)
+    opt = optax.adam(1e-2)
+    two = [sjp.Stage(layer, params[s], g) for s, g in enumerate(_groups(5, 2))]
+    saved = sjp.Pipeline(two, mse, opt, microbatches=4, schedule="1f1b")
+    saved.step(*batch(4, seed=50))
+    saved.save(tmp_path / "two")
+    three = sjp.Pipeline(
+        [sjp.Stage(layer, params[s], g) for s, g in enumerate(_groups(5, 3))], mse, opt, microbatches=4
+    )
+    before = [host(st.params) for st in three.stages], [host(p.state) for p in three.programs]
+    with pytest.raises(
+        sj.SBPError, match=r"saved by a pipeline of other stages than this one's 3.*cut again"
+    ):
+        three.restore(tmp_path / "two")
+    assert_close([host(st.params) for st in three.stages], before[0])
+    assert_close([host(p.state) for p in three.programs], before[1])
+
+
 def test_checkpoint_between_zero_bubble_steps_restores_into_another_schedule(tmp_path):
     """Two ZB-H1 steps equal one ZB-H1 step, a save, a restore into a new 1F1B
     pipeline (fresh optimizer state, parameters put back to the start), and one step."""
