@@ -35,16 +35,25 @@ class PipelineTimeout(PipelineError):
     microbatch and action."""
 
 
-def action_failed(spec, k: int, error: BaseException, stopped: str) -> PipelineError:
+def action_failed(
+    spec, k: int, error: BaseException, stopped: str, inputs: str | None = None
+) -> PipelineError:
     """The error of an action that raised: which actor, stage and microbatch,
-    the original error (as ``__cause__``), and ``stopped``: what the runtime
-    did about it."""
+    the original error (as ``__cause__``), the shapes of its inputs where the
+    error may be about them (``inputs``: a stage fed another shape than it
+    takes), and ``stopped``: what the runtime did about it."""
     mb = spec.microbatch(k)
     where = f"stage {spec.stage}" if spec.stage is not None else "the host"
     what = f"microbatch {mb}" if mb is not None else "the step's update"
+    given = (
+        f" Its inputs: {inputs} (a shape error here is most often the stage before returning another "
+        "shape than this stage takes)."
+        if inputs
+        else ""
+    )
     err = PipelineError(
         f"pipeline: {spec.kind} actor {spec.name!r} failed on {where}, {what}: "
-        f"{type(error).__name__}: {str(error).rstrip('.')}. {stopped}",
+        f"{type(error).__name__}: {str(error).rstrip('.')}.{given} {stopped}",
         spec.name,
         spec.kind,
         spec.stage,

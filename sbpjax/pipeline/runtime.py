@@ -74,9 +74,30 @@ class _Abandoned(Exception):
 
 
 class _ActionFailed(Exception):
-    def __init__(self, spec: ActorSpec, k: int, error: BaseException):
+    def __init__(self, spec: ActorSpec, k: int, error: BaseException, inputs: str | None = None):
         super().__init__(str(error))
-        self.spec, self.k, self.error = spec, k, error
+        self.spec, self.k, self.error, self.inputs = spec, k, error, inputs
+
+
+def _shapes(inputs: dict) -> str:
+    """The shapes and dtypes of an action's inputs, for an error's message: a
+    shape error at a stage's first op is most often the stage before
+    returning another shape than this one takes."""
+    parts: list[str] = []
+
+    def walk(name, value):
+        if hasattr(value, "shape") and hasattr(value, "dtype"):
+            parts.append(f"{name} {getattr(value.dtype, 'name', value.dtype)}{list(value.shape)}")
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                walk(f"{name}[{key!r}]", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{name}[{i}]", v)
+
+    for name, value in inputs.items():
+        walk(name, value)
+    return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
 
 
 Body = Callable[[int, dict], dict]
@@ -168,7 +189,8 @@ class ThreadedSystem(ActorSystem):
                 raise _Abandoned(f"{spec.name} #{k}")
             out = self._bodies[actor.index](k, inputs)
         except BaseException as e:
-            raise _ActionFailed(spec, k, e) from e
+            shapes = _shapes(inputs) if isinstance(e, (TypeError, ValueError)) and inputs else None
+            raise _ActionFailed(spec, k, e, shapes) from e
         finally:
             with self._lock:
                 self._running.pop(thread, None)
@@ -333,7 +355,7 @@ class ThreadedSystem(ActorSystem):
 
     def _describe(self, error: BaseException) -> BaseException:
         if isinstance(error, _ActionFailed):
-            return action_failed(error.spec, error.k, error.error, "Every actor was stopped.")
+            return action_failed(error.spec, error.k, error.error, "Every actor was stopped.", error.inputs)
         if isinstance(error, PipelineError):
             return error
         err = PipelineError(f"pipeline runtime failed: {type(error).__name__}: {error}")

@@ -327,6 +327,26 @@ def test_nan_stage_is_named_when_checked():
     assert np.isnan(unchecked.step(*_batch(2)).loss)
 
 
+def test_a_stage_fed_another_shape_names_its_inputs():
+    """A stage that returns another shape than the next stage takes fails at
+    the next stage's first op; the error names that stage and the shapes it
+    was given, so the mismatch can be traced back (before: JAX's message
+    alone, ``dot_general requires contracting dimensions to have the same
+    shape``). Nothing changes."""
+
+    def wide(p, x):  # one feature too many
+        return jnp.concatenate([layer(p, x), x[:, :1]], axis=1)
+
+    stages = _stages([layer, wide, layer], names=["first", "wide", "last"])
+    pipe = sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=2)
+    before = _snapshot(pipe)
+    with pytest.raises(sjp.PipelineError) as e:
+        pipe.step(*_batch(2))
+    assert e.value.stage == 2 and e.value.kind == "forward", str(e.value)
+    assert "Its inputs:" in str(e.value) and "float32[2, 9]" in str(e.value), str(e.value)
+    _assert_unchanged(before, _snapshot(pipe))
+
+
 def test_nan_gradient_names_the_stage_that_made_it():
     def nan_grad_layer(p, x):  # finite forward; sqrt at 0 has an infinite slope: 0 * inf = NaN backward
         return layer(p, x) + jnp.sqrt(x * 0.0)
