@@ -36,19 +36,21 @@ class PipelineTimeout(PipelineError):
 
 
 def action_failed(
-    spec, k: int, error: BaseException, stopped: str, inputs: str | None = None
+    spec, k: int, error: BaseException, stopped: str, inputs: dict | None = None
 ) -> PipelineError:
     """The error of an action that raised: which actor, stage and microbatch,
-    the original error (as ``__cause__``), the shapes of its inputs where the
-    error may be about them (``inputs``: a stage fed another shape than it
-    takes), and ``stopped``: what the runtime did about it."""
+    the original error (as ``__cause__``), the shapes and dtypes of its
+    ``inputs`` where the error may be about them (a TypeError or ValueError:
+    a stage fed another shape than it takes fails at its first op), and
+    ``stopped``: what the runtime did about it."""
     mb = spec.microbatch(k)
     where = f"stage {spec.stage}" if spec.stage is not None else "the host"
     what = f"microbatch {mb}" if mb is not None else "the step's update"
+    shapes = _shapes(inputs) if inputs and isinstance(error, (TypeError, ValueError)) else ""
     given = (
-        f" Its inputs: {inputs} (a shape error here is most often the stage before returning another "
+        f" Its inputs: {shapes} (a shape error here is most often the stage before returning another "
         "shape than this stage takes)."
-        if inputs
+        if shapes
         else ""
     )
     err = PipelineError(
@@ -61,3 +63,22 @@ def action_failed(
     )
     err.__cause__ = error
     return err
+
+
+def _shapes(inputs: dict) -> str:
+    """``name dtype[shape]`` of each array in an action's inputs (the first six)."""
+    parts: list[str] = []
+
+    def walk(name, value):
+        if hasattr(value, "shape") and hasattr(value, "dtype"):
+            parts.append(f"{name} {getattr(value.dtype, 'name', value.dtype)}{list(value.shape)}")
+        elif isinstance(value, dict):
+            for key, v in value.items():
+                walk(f"{name}[{key!r}]", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{name}[{i}]", v)
+
+    for name, value in inputs.items():
+        walk(name, value)
+    return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")

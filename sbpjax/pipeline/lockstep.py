@@ -98,6 +98,7 @@ class LockstepSystem(_SimulatedSystem):
                 e,
                 "This process stops; the others stop when their next transfer finds it gone "
                 "(or jax.distributed's coordinator ends them).",
+                inputs,
             ) from e
         end = time.perf_counter()
         self._real.append(

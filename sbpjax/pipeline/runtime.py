@@ -74,30 +74,9 @@ class _Abandoned(Exception):
 
 
 class _ActionFailed(Exception):
-    def __init__(self, spec: ActorSpec, k: int, error: BaseException, inputs: str | None = None):
+    def __init__(self, spec: ActorSpec, k: int, error: BaseException, inputs: dict):
         super().__init__(str(error))
         self.spec, self.k, self.error, self.inputs = spec, k, error, inputs
-
-
-def _shapes(inputs: dict) -> str:
-    """The shapes and dtypes of an action's inputs, for an error's message: a
-    shape error at a stage's first op is most often the stage before
-    returning another shape than this one takes."""
-    parts: list[str] = []
-
-    def walk(name, value):
-        if hasattr(value, "shape") and hasattr(value, "dtype"):
-            parts.append(f"{name} {getattr(value.dtype, 'name', value.dtype)}{list(value.shape)}")
-        elif isinstance(value, dict):
-            for key, v in value.items():
-                walk(f"{name}[{key!r}]", v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{name}[{i}]", v)
-
-    for name, value in inputs.items():
-        walk(name, value)
-    return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
 
 
 Body = Callable[[int, dict], dict]
@@ -189,8 +168,7 @@ class ThreadedSystem(ActorSystem):
                 raise _Abandoned(f"{spec.name} #{k}")
             out = self._bodies[actor.index](k, inputs)
         except BaseException as e:
-            shapes = _shapes(inputs) if isinstance(e, (TypeError, ValueError)) and inputs else None
-            raise _ActionFailed(spec, k, e, shapes) from e
+            raise _ActionFailed(spec, k, e, inputs) from e
         finally:
             with self._lock:
                 self._running.pop(thread, None)
