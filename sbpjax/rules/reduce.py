@@ -80,8 +80,16 @@ _LOGICAL = {"reduce_and": "min", "reduce_or": "max"}
 
 
 def _reduced_split_axes(eqn, nd) -> tuple[int, ...]:
-    """The placement axes splitting a dim the reduction removes."""
-    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim in eqn.params["axes"])
+    """The placement axes splitting a dim the reduction removes (``axes`` of
+    a named reduction, ``dimensions`` of ``lax.reduce``)."""
+    dims = eqn.params["axes"] if "axes" in eqn.params else eqn.params["dimensions"]
+    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim in dims)
+
+
+def _gathered_bytes(shape, nd, grid, pieces: int, itemsize: int) -> int:
+    """Bytes all devices receive gathering the other ``pieces - 1`` pieces'
+    results (of ``shape``, in layout ``nd``)."""
+    return math.prod(grid) * (pieces - 1) * math.prod(local_shape(shape, nd, grid)) * itemsize
 
 
 @set_comm("argmax", "argmin", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor")
@@ -93,13 +101,17 @@ def kept_dim_reduction_comm(eqn, in_avals, ins, outs, grid):
         return []
     pieces = math.prod(grid[a] for a in axes)
     out = eqn.outvars[0].aval
-    elems = math.prod(local_shape(out.shape, outs[0], grid))
     itemsize = out.dtype.itemsize + (in_avals[0].dtype.itemsize if eqn.primitive.name in _ARG else 0)
     # each reduction gathers its own results: two reductions of one operand
     # (an argmax and an argmin, or two argmaxes of other index dtypes) share
     # no exchange, unlike two reads of one halo
     return [
-        Comm("all_gather", axes, math.prod(grid) * (pieces - 1) * elems * itemsize, detail=_op_detail(eqn))
+        Comm(
+            "all_gather",
+            axes,
+            _gathered_bytes(out.shape, outs[0], grid, pieces, itemsize),
+            detail=_op_detail(eqn),
+        )
     ]
 
 
@@ -277,30 +289,29 @@ def _inits_kept(eqn) -> bool:
     return all(np.array_equal(np.asarray(g), v, equal_nan=v.dtype.kind in "fc") for g, v in zip(got, values))
 
 
-def _generic_reduced_axes(eqn, nd) -> tuple[int, ...]:
-    return tuple(a for a, s in enumerate(nd) if isinstance(s, Split) and s.dim in eqn.params["dimensions"])
-
-
 @set_comm("reduce")
 def generic_reduction_comm(eqn, in_avals, ins, outs, grid):
     """Over a split dim: every device gathers each piece's result of each
     operand (one all-gather per result)."""
-    axes = _generic_reduced_axes(eqn, ins[0])
+    axes = _reduced_split_axes(eqn, ins[0])
     if not axes:
         return []
     pieces = math.prod(grid[a] for a in axes)
-    comms = []
-    for k, (v, nd) in enumerate(zip(eqn.outvars, outs)):
-        elems = math.prod(local_shape(v.aval.shape, nd, grid))
-        received = math.prod(grid) * (pieces - 1) * elems * v.aval.dtype.itemsize
-        comms.append(Comm("all_gather", axes, received, detail=(*_op_detail(eqn), k)))
-    return comms
+    return [
+        Comm(
+            "all_gather",
+            axes,
+            _gathered_bytes(v.aval.shape, nd, grid, pieces, v.aval.dtype.itemsize),
+            detail=(*_op_detail(eqn), k),
+        )
+        for k, (v, nd) in enumerate(zip(eqn.outvars, outs))
+    ]
 
 
 @set_local("reduce")
 def generic_reduction_local(eqn, ins, ctx):
     ys = eqn.primitive.bind(*ins, **eqn.params)
-    axes = _generic_reduced_axes(eqn, ctx.in_nd[0])
+    axes = _reduced_split_axes(eqn, ctx.in_nd[0])
     if not axes:
         return list(ys)
     group = axis_arg([ctx.placement.axis_names[a] for a in axes])
