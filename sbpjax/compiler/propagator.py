@@ -45,8 +45,6 @@ from sbpjax.rules import RULES, split_axes
 from sbpjax.rules.shifts import prefix_aligned
 from sbpjax.sbp import Broadcast, Partial, format_sbp
 
-REPLICATED = Broadcast()
-
 
 class Propagator(SignatureSearch):
     def __init__(self, program: Program, placement: Placement, cost_model=None, launch_priced: bool = True):
@@ -160,7 +158,7 @@ class Propagator(SignatureSearch):
             priced = "ring" if self.ring else False
             hit = planner(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=priced)
             # axes the boxing has nothing to do on: idle in the program, or whole in both layouts
-            lent = self.idle | {a for a, (s, d) in enumerate(zip(src, dst)) if s == d == REPLICATED}
+            lent = self.idle | {a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(s, Broadcast) and s == d}
             borrows = any(st.bytes and lent.intersection(st.group) for st in hit.steps)
             if not self.ring and self.launch_priced and borrows:
                 hit = planner(
