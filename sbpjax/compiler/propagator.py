@@ -158,7 +158,9 @@ class Propagator(SignatureSearch):
             priced = "ring" if self.ring else False
             hit = planner(atom.shape, atom.dtype, self.pl, src, dst, cost_model=self.cm, launch_priced=priced)
             # axes the boxing has nothing to do on: idle in the program, or whole in both layouts
-            lent = self.idle | {a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(s, Broadcast) and s == d}
+            lent = self.idle | {
+                a for a, (s, d) in enumerate(zip(src, dst)) if isinstance(s, Broadcast) and s == d
+            }
             borrows = any(st.bytes and lent.intersection(st.group) for st in hit.steps)
             if not self.ring and self.launch_priced and borrows:
                 hit = planner(
