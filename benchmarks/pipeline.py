@@ -364,9 +364,9 @@ def schedule_rows(quick: bool, steps: int, png: str) -> list[dict]:
         real = measure_schedules(pipes, batch, steps)
         sim = {name: simulated_schedule(name, p, m) for name in pipes}
         cost = {name: step_flops_and_memory(pipe, pipe.program_costs(*batch)) for name, pipe in pipes.items()}
-        # per device: the biggest program's memory plus what its group holds between actions, over its 2 devices
+        # per device: the biggest program's memory plus what one device holds between actions
         peak = {
-            name: max(memory[g] + real[name]["held"].get(g, 0) / 2 for g in memory)
+            name: max(memory[g] + real[name]["held"].get(g, 0) for g in memory)
             for name, (_, memory) in cost.items()
         }
         for name in pipes:

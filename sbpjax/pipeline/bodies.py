@@ -36,18 +36,23 @@ def ready(tree):
     return jax.block_until_ready(tree)
 
 
-def physical_nbytes(value) -> int:
-    """Bytes the devices hold for a register's value: every device's piece
-    (a replicated tensor counts once per device, a partial one in full)."""
-    total = 0
+def per_device_nbytes(value) -> int:
+    """The most bytes one device holds for a register's value: its piece of
+    each leaf (a split leaf counts its shard, a replicated or partial one its
+    whole size). Per device, as ``Pipeline(memory_budget=...)`` is: the
+    budget is checked with logical bytes, which bound this from above. A host
+    (NumPy) value counts on every device, where it goes next."""
+    held: dict = {}
+    host = 0
     for t in jax.tree_util.tree_leaves(value, is_leaf=is_global):
         array = t.physical if isinstance(t, GlobalTensor) else t
         if isinstance(array, jax.Array):
-            shard = array.sharding.shard_shape(array.shape)
-            total += int(np.prod(shard)) * array.dtype.itemsize * len(array.sharding.device_set)
+            shard = int(np.prod(array.sharding.shard_shape(array.shape))) * array.dtype.itemsize
+            for d in array.sharding.device_set:
+                held[d] = held.get(d, 0) + shard
         elif isinstance(array, (np.ndarray, np.generic)):
-            total += array.nbytes
-    return total
+            host += array.nbytes
+    return max(held.values(), default=0) + host
 
 
 class StepBodies:

@@ -1,9 +1,12 @@
 """A pipeline's memory budget, checked before a step runs.
 
-``Pipeline(memory_budget=...)``: the bytes each device group may hold between
+``Pipeline(memory_budget=...)``: the bytes each device may hold between
 actions, in residuals (a forward's, for its backward) and kept values (a B's,
 for its W). Bytes per microbatch come from the stages' shapes (logical bytes,
-:meth:`~sbpjax.pipeline.programs.StageVJP.slot_bytes`); an action list is then
+:meth:`~sbpjax.pipeline.programs.StageVJP.slot_bytes`): one device holds at
+most a value's logical bytes (a split value holds less), so the check bounds
+what the timeline measures per device. It reads shapes only, not the
+layouts the stages' programs choose, so it does not divide by a split. An action list is then
 played through the validator with them, and register-count schedules (GPipe,
 1F1B) are bounded by their slot counts.
 """
@@ -20,7 +23,7 @@ from sbpjax.tensor import is_global
 
 def check_budget(pipe, load_inputs, load_targets) -> None:
     """Refuse, naming the action or the register counts, a step of ``pipe`` that
-    would hold more than ``pipe.memory_budget`` bytes on a device group. A
+    would hold more than ``pipe.memory_budget`` bytes on a device. A
     function feed is called once more, for microbatch 0's shape; each shape is
     checked once."""
     x, t = load_inputs(0), load_targets(0)

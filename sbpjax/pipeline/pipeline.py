@@ -33,7 +33,7 @@ import optax
 
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError, is_positive_amount
-from sbpjax.pipeline.bodies import StepBodies, physical_nbytes
+from sbpjax.pipeline.bodies import StepBodies, per_device_nbytes
 from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
 from sbpjax.pipeline.feeds import feed, microbatch_shapes, on_host, rows
@@ -77,10 +77,12 @@ class Pipeline:
     the schedule's forward-to-backward slots per stage and ``kept_counts`` its
     B-to-W slots (split schedules; the first stage's B keeps nothing, so its
     entry bounds nothing): an action list that would need more is
-    refused before it runs. ``memory_budget``: bytes each device group may hold
-    in residuals and kept values (logical bytes, counted from the stages'
-    shapes at the first step; an action list or register counts that would
-    exceed it are refused, naming the action). ``before_action(actor_spec, k)``
+    refused before it runs. ``memory_budget``: bytes each device may hold
+    in residuals and kept values, counted as logical bytes from the stages'
+    shapes at the first step (a bound on what one device holds: a split value
+    holds less), so the timeline's per-device peaks stay at or under it; an
+    action list or register counts that would exceed it are refused, naming
+    the action. ``before_action(actor_spec, k)``
     is called before every action (for tracing, injected delays or faults). A
     step that cannot finish raises :class:`PipelineStall` as soon as no actor
     can act.
@@ -293,7 +295,7 @@ class Pipeline:
             system = ThreadedSystem(
                 self.graph,
                 bodies,
-                nbytes=physical_nbytes,
+                nbytes=per_device_nbytes,
                 before_action=self.before_action,
                 action_timeout=self._deadline(shapes),
             )

@@ -7,7 +7,8 @@ span)`` with ``span`` from the first such start to the last such end; data
 loading, transfers and updates are outside it so that it compares with the
 schedules' theory.
 
-Memory: the registers report the most slots and bytes each held: the
+Memory: the registers report the most slots and bytes each held, in bytes
+per device (the most any one device of the stage's group holds): the
 residuals a forward keeps for its backward (``peak_activation_bytes``) and,
 under zero-bubble schedules, what each B keeps for its W
 (``peak_kept_bytes``); ``held_bytes_over_time`` replays both from the
