@@ -479,7 +479,7 @@ def jit(
     return CompiledFunction(fn, placement, **kw)
 
 
-def checked_budget(memory_budget):
+def checked_budget(memory_budget, where: str = "sj.jit"):
     """``memory_budget`` as a Python int or float (NumPy's numbers too: a
     budget computed from array sizes), or None; a bool, a string, NaN or a
     number <= 0 or infinite is an SBPError."""
@@ -487,7 +487,7 @@ def checked_budget(memory_budget):
         return None
     if not is_positive_amount(memory_budget):
         raise SBPError(
-            f"sj.jit: memory_budget must be a positive, finite number of bytes per device (None for no "
+            f"{where}: memory_budget must be a positive, finite number of bytes per device (None for no "
             f"budget), got {memory_budget!r}."
         )
     return int(memory_budget) if isinstance(memory_budget, numbers.Integral) else float(memory_budget)

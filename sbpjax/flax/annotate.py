@@ -139,7 +139,7 @@ def annotate(model, rules, *, stacked: int = 0):
     return model
 
 
-def get_sbp(model, placement: Placement | None = None, *, rules=None):
+def get_sbp(model, placement: Placement | None = None, *, rules=None, unannotated=None):
     """The layout tree of ``model``'s parameters: a nested dict shaped like
     ``nnx.to_pure_dict(nnx.state(model, nnx.Param))`` with each parameter's nd-SBP.
 
@@ -150,7 +150,10 @@ def get_sbp(model, placement: Placement | None = None, *, rules=None):
     nd-SBP it means (see :mod:`sbpjax.flax.partitioning`); logical names are
     resolved by ``rules`` (``[(logical, axis or None), ...]``), else by Flax's
     ``nnx.logical_axis_rules`` context, else by the parameter's own sharding
-    when it already lives on this placement."""
+    when it already lives on this placement. ``unannotated``: with a
+    placement, what a parameter with no annotation gets instead of B
+    (``sj.AUTO``: the layout ``sj.jit``'s solver chooses, as
+    ``Trainer(memory_budget=...)`` asks)."""
     tree: dict = {}
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Param):
@@ -170,11 +173,12 @@ def get_sbp(model, placement: Placement | None = None, *, rules=None):
         if placement is not None:
             if sbp is None:
                 sbp = sbp_from_metadata(meta, node.get_value(), placement, rules, where)
-            sbp = (
-                (Broadcast(),) * placement.ndim
-                if sbp is None
-                else normalize_nd_sbp(sbp, placement.ndim, ndim, where)
-            )
+            if sbp is not None:
+                sbp = normalize_nd_sbp(sbp, placement.ndim, ndim, where)
+            elif unannotated is not None:
+                sbp = unannotated
+            else:
+                sbp = (Broadcast(),) * placement.ndim
         sub = tree
         for k in path[:-1]:
             sub = sub.setdefault(k, {})

@@ -32,8 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import checked_cost_model
 from sbpjax.boxing.plan import normalized_layout
-from sbpjax.compiler.api import constrain, jit
+from sbpjax.compiler.api import checked_budget, constrain, jit
 from sbpjax.compiler.arguments import checked_regather, checked_time_limit, is_nd_sbp, state_sbp
+from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.options import checked_options
 from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.layout import Geometry, zero_split
@@ -228,6 +229,19 @@ class TrainStep:
     ``regather``: ``sj.jit``'s (default ``"auto"``): whether weights the plan
     all-gathers are gathered again for the backward pass rather than held
     across the step's memory peak (``sbpjax.compiler.regather``).
+
+    Automatic layouts: a ``param_sbp`` leaf ``sj.AUTO`` (or ``param_sbp=sj.AUTO``
+    for all), and with ``memory_budget`` (bytes per device) every parameter
+    ``param_sbp`` leaves ``None``, is laid out by ``sj.jit``'s whole-program
+    solver with the rest of the step, its optimizer state with it; under the
+    budget the solver picks the cheapest layouts whose parameters and
+    optimizer state fit (ZeRO's where they do best), as ``sj.jit(...,
+    memory_budget=...)`` does. ``init`` places such parameters B (the
+    layouts depend on the batch's shapes, which ``init`` does not see); the
+    first step re-lays them out into the chosen layouts once, and each step
+    returns them there (the state is donated, so ``donate=False`` is
+    refused). ``explain`` shows the choice. ``zero`` is refused with them:
+    the budget chooses ZeRO's layouts where they fit best.
     """
 
     def __init__(
@@ -247,6 +261,7 @@ class TrainStep:
         solve_time_limit=None,
         regather="auto",
         options=None,
+        memory_budget=None,
     ):
         self.loss_fn = loss_fn
         self.optimizer = checked_optimizer(optimizer, "TrainStep")
@@ -264,6 +279,7 @@ class TrainStep:
         checked_time_limit(solve_time_limit, "TrainStep")
         self.options = checked_options(options, "TrainStep")
         self.regather = checked_regather(regather, "TrainStep")
+        self.memory_budget = checked_budget(memory_budget, "TrainStep")
         self.stored_sbp = None
         self._fn = None
 
@@ -276,7 +292,11 @@ class TrainStep:
         rep = (Broadcast(),) * pl.ndim
         leaves, tree = jax.tree_util.tree_flatten(params, is_leaf=is_global)
         try:
-            given = tree.flatten_up_to(self.param_sbp) if self.param_sbp is not None else [None] * len(leaves)
+            given = (
+                [self.param_sbp] * len(leaves)
+                if self.param_sbp is None or self.param_sbp is AUTO
+                else tree.flatten_up_to(self.param_sbp)
+            )
         except (ValueError, TypeError) as e:
             raise SBPError(
                 f"TrainStep: param_sbp does not match the parameters' structure ({e}). Give a tree "
@@ -286,16 +306,21 @@ class TrainStep:
             jax.tree_util.keystr(k)
             for k, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_global)[0]
         ]
+        unannotated = AUTO if self.memory_budget is not None else rep
         compute = [
-            rep
+            unannotated
             if nd is None
+            else nd
+            if nd is AUTO
             else normalize_nd_sbp(
                 nd, pl.ndim, len(np.shape(v)) if not is_global(v) else v.ndim, f"param_sbp of parameter {p}"
             )
             for v, nd, p in zip(leaves, given, paths)
         ]
+        if AUTO in compute:
+            self._check_auto()
         for nd, p in zip(compute, paths):
-            if any(isinstance(s, Partial) for s in nd):
+            if nd is not AUTO and any(isinstance(s, Partial) for s in nd):
                 raise SBPError(
                     f"TrainStep: parameter {p} is given the partial layout {format_sbp(nd)}. A parameter "
                     "is stored whole or split (S or B on each axis) and the optimizer updates it in place; "
@@ -303,10 +328,25 @@ class TrainStep:
                     "partial inside the step: the step reduces it where the update needs it)."
                 )
         stored = compute
-        if self.zero:
+        if self.zero and AUTO not in compute:
             axis = _data_axis(self.batch_sbp, pl, self.zero)
             stored = [zero_layout(nd, v.shape, pl, axis) for v, nd in zip(leaves, compute)]
         return tree, compute, stored
+
+    def _check_auto(self) -> None:
+        """Settings automatic layouts cannot keep, refused before anything is placed."""
+        if self.zero:
+            raise SBPError(
+                "TrainStep: zero= and automatic layouts (sj.AUTO parameters, or memory_budget=) both "
+                "decide how parameters and optimizer state are stored. Drop zero=: under memory_budget "
+                "the solver picks ZeRO's split layouts where they fit best."
+            )
+        if not self.donate:
+            raise SBPError(
+                "TrainStep: automatic layouts (sj.AUTO parameters, or memory_budget=) need donate=True: "
+                "a donated state comes back in the layouts the solver chose, ready for the next step; "
+                "without donation every step would lay the state out again."
+            )
 
     def init(self, params):
         """Parameters as global tensors at their stored layouts, and the
@@ -317,13 +357,20 @@ class TrainStep:
         plain arrays are laid out from the host. The optimizer state is made
         from the placed parameters by one compiled program whose outputs are
         born in their layouts (:func:`init_global`): it never passes through
-        the host or one device."""
+        the host or one device. An ``sj.AUTO`` parameter keeps the layout of a
+        global tensor on this placement, and is placed B otherwise, until the
+        first step lays it out as the solver chooses."""
         tree, compute, stored = self.layouts(params)
         self._tree, self._compute, self.stored_sbp = tree, compute, jax.tree_util.tree_unflatten(tree, stored)
         pl = self.placement
+        rep = (Broadcast(),) * pl.ndim
         leaves = jax.tree_util.tree_leaves(params, is_leaf=is_global)
         placed = [
-            v.to_global(sbp=nd, placement=pl) if is_global(v) else to_global(np.asarray(v), pl, nd)
+            v
+            if nd is AUTO and is_global(v) and v.placement == pl
+            else v.to_global(sbp=rep if nd is AUTO else nd, placement=pl)
+            if is_global(v)
+            else to_global(np.asarray(v), pl, rep if nd is AUTO else nd)
             for v, nd in zip(leaves, stored)
         ]
         params_g = jax.tree_util.tree_unflatten(tree, placed)
@@ -340,8 +387,14 @@ class TrainStep:
 
         physical = [t.physical for t in placed]
         rep = (Broadcast(),) * pl.ndim
-        self.opt_sbp = state_sbp(jax.eval_shape(opt_init, *physical), self.stored_sbp, rep)
-        opt_g = init_global(opt_init, pl, self.opt_sbp, *physical)
+        born = state_sbp(
+            jax.eval_shape(opt_init, *physical),
+            jax.tree_util.tree_unflatten(tree, [t.sbp for t in placed]),
+            rep,
+        )
+        # with automatic layouts the step chooses the state's layouts too (born as its parameters are)
+        self.opt_sbp = AUTO if AUTO in self._compute else born
+        opt_g = init_global(opt_init, pl, born, *physical)
         self._build()
         return opt_g
 
@@ -356,7 +409,7 @@ class TrainStep:
             for v, nd in zip(leaves, compute):
                 if cast is not None and jnp.issubdtype(v.dtype, jnp.floating):
                     v = v.astype(cast)  # before the boxing: the all-gather moves compute-dtype bytes
-                out.append(constrain(v, nd))
+                out.append(v if nd is AUTO else constrain(v, nd))  # AUTO: as the solver chose
             return jax.tree_util.tree_unflatten(tree, out)
 
         def step(params, opt_state, batch):
@@ -371,7 +424,11 @@ class TrainStep:
             return (params, opt_state, loss, aux) if has_aux else (params, opt_state, loss)
 
         rep = (Broadcast(),) * self.placement.ndim
-        outs = (self.stored_sbp, self.opt_sbp, rep) + ((self.aux_sbp,) if has_aux else ())
+        # an AUTO argument's donated result comes back in its chosen layout ("as chosen": None)
+        as_chosen = lambda tree: jax.tree.map(lambda nd: None if nd is AUTO else nd, tree, is_leaf=is_nd_sbp)  # noqa: E731
+        outs = (as_chosen(self.stored_sbp), as_chosen(self.opt_sbp), rep) + (
+            (self.aux_sbp,) if has_aux else ()
+        )
         self._fn = jit(
             step,
             placement=self.placement,
@@ -381,6 +438,7 @@ class TrainStep:
             donate_argnums=(0, 1) if self.donate else (),
             options=self.options,
             regather=self.regather,
+            memory_budget=self.memory_budget,
         )
 
     def _ready(self):

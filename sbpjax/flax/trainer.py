@@ -16,6 +16,7 @@ from flax import nnx
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError
 from sbpjax.boxing.cost import checked_cost_model
+from sbpjax.compiler.api import checked_budget
 from sbpjax.compiler.arguments import broadcast_spec
 from sbpjax.compiler.auto import AUTO
 from sbpjax.dtypes import canonical_dtype, is_key
@@ -56,9 +57,12 @@ def bytes_per_device(tree) -> int:
     return max(per.values()) if per else 0
 
 
-def _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options) -> dict:
+def _step_options(
+    zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options, memory_budget
+) -> dict:
     """The TrainStep keywords both Trainer constructors take and pass on as they are."""
     return dict(
+        memory_budget=memory_budget,
         zero=zero,
         compute_dtype=compute_dtype,
         cost_model=cost_model,
@@ -142,6 +146,15 @@ class Trainer:
 
     ``options`` (``sj.CompileOptions``) and ``regather`` (whether gathered
     weights are gathered again for the backward pass): see :class:`TrainStep`.
+
+    ``auto=True``: parameters the model does not annotate get the layouts
+    ``sj.jit``'s solver chooses with the rest of the step (annotated ones
+    keep theirs), their optimizer state with them. ``memory_budget`` (bytes
+    per device; implies ``auto``): the solver picks the cheapest layouts whose
+    parameters and optimizer state fit it, splitting them ZeRO-style where
+    that costs least, or raises an SBPError giving the least any layout
+    needs. Such parameters start B (whole on every device) and are laid out
+    once, at the first step; see :class:`TrainStep`.
     """
 
     def __init__(
@@ -159,6 +172,8 @@ class Trainer:
         solve_time_limit=None,
         regather="auto",
         options=None,
+        auto: bool = False,
+        memory_budget=None,
     ):
         self._setup(
             model,
@@ -166,7 +181,10 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options),
+            auto,
+            _step_options(
+                zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options, memory_budget
+            ),
         )
         # typed PRNG keys cannot be global tensors: carry their key data (uint32)
         self._key_impls = jax.tree.map(
@@ -196,6 +214,8 @@ class Trainer:
         solve_time_limit=None,
         regather="auto",
         options=None,
+        auto: bool = False,
+        memory_budget=None,
     ) -> Trainer:
         """A Trainer whose state is born sharded: ``model_factory()`` (no
         arguments, e.g. ``lambda: sjf.annotate(GPT(cfg, nnx.Rngs(0)), RULES)``)
@@ -225,7 +245,10 @@ class Trainer:
             loss_fn,
             placement,
             batch_sbp,
-            _step_options(zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options),
+            auto,
+            _step_options(
+                zero, compute_dtype, cost_model, donate, solve_time_limit, regather, options, memory_budget
+            ),
         )
         impls: dict = {}
 
@@ -242,12 +265,13 @@ class Trainer:
         self._build_step()
         tree, _, stored = self.train_step.layouts(self._pure)
         rep = (Broadcast(),) * placement.ndim
+        stored = [rep if nd is AUTO else nd for nd in stored]  # born B; the first step lays them out
         params_g, self.state = init_global(born, placement, (jax.tree_util.tree_unflatten(tree, stored), rep))
         self.params, self.opt_state = self.train_step.init(params_g)
         del self._pure, self._rest_pure
         return self
 
-    def _setup(self, model, optimizer, loss_fn, placement, batch_sbp, step_options: dict):
+    def _setup(self, model, optimizer, loss_fn, placement, batch_sbp, auto, step_options: dict):
         """What both constructors share: the graph, the templates and the layouts
         (``model`` may be abstract). ``step_options``: the TrainStep keywords
         the constructors take as they are (zero, compute_dtype, ...)."""
@@ -276,7 +300,14 @@ class Trainer:
             )
         _check_param_dtypes(self._pure, type(model).__name__)
         self._rest_pure = nnx.to_pure_dict(rest)
-        self._param_sbp = get_sbp(model, placement)
+        if not isinstance(auto, (bool, np.bool_)):
+            raise SBPError(
+                f"Trainer: auto must be True (parameters with no annotation get the layouts sj.jit's "
+                f"solver chooses) or False (they are B), got {auto!r}."
+            )
+        checked_budget(step_options["memory_budget"], "Trainer")  # before anything is placed
+        chosen = auto or step_options["memory_budget"] is not None
+        self._param_sbp = get_sbp(model, placement, unannotated=AUTO if chosen else None)
         self._optimizer, self._loss_fn, self._batch_sbp = optimizer, loss_fn, batch_sbp
         self._step_options = step_options
         self._probe = to_global(np.zeros((), np.float32), placement, (Broadcast(),) * placement.ndim)
