@@ -104,8 +104,9 @@ def test_a_memory_budget_bounds_the_state_each_device_holds():
     )
     with pytest.raises(sj.SBPError, match="least"):
         tight.step(batches[0])
-    assert_trains_as_one_device_from_start = tight.params["fc1"]["kernel"].sbp == (B, B)
-    assert assert_trains_as_one_device_from_start  # refused before the state was consumed
+    # refused before the state was consumed: the trainer still holds its B parameters, and can step
+    assert not tight.params["fc1"]["kernel"].physical.is_deleted()
+    assert tight.params["fc1"]["kernel"].sbp == (B, B)
 
 
 def test_train_step_auto_parameters_come_back_in_the_chosen_layouts():
@@ -151,3 +152,18 @@ def test_settings_automatic_layouts_cannot_keep_are_refused():
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, PL, batch_sbp=BATCH_SBP, memory_budget=-1)
     with pytest.raises(sj.SBPError, match="Trainer: auto must be"):
         sjf.Trainer(MLP(nnx.Rngs(0)), optax.sgd(0.1), loss_fn, PL, batch_sbp=BATCH_SBP, auto="yes")
+
+
+def test_a_born_sharded_trainer_takes_a_budget_too():
+    """``Trainer.create`` with a budget: its unannotated parameters are born B,
+    then laid out under the budget at the first step, with the values of a
+    Trainer given the built model."""
+    batches = data(seed=3, steps=2)
+    dp = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, PL, batch_sbp=BATCH_SBP)
+    budget = state_bytes(dp) // 2
+    born = sjf.Trainer.create(
+        lambda: MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, PL, batch_sbp=BATCH_SBP, memory_budget=budget
+    )
+    assert all(t.sbp == (B, B) for _, t in _named(born.params))
+    assert_trains_as_one_device(born, optax.adam(1e-2), batches)
+    assert state_bytes(born) <= budget
