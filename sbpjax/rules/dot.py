@@ -46,10 +46,21 @@ def conv(eqn, in_avals):
     (P(sum)) when there are no feature groups. A spatial split of ``x`` (image
     height) runs with a halo exchange: with ``y`` split alike and ``k``
     broadcast (forward, input gradient), or with ``k``'s taps split alike and
-    ``y = sum_i y_i`` (a kernel gradient) (``sbpjax.rules.halo``)."""
+    ``y = sum_i y_i`` (a kernel gradient) (``sbpjax.rules.halo``). Feature
+    groups (``G = feature_group_count``: a depthwise or grouped
+    convolution): ``x``'s channels and ``k``'s output channels split alike
+    give each device whole groups, ``y_i = conv(x_i, k_i)`` with ``G / p``
+    groups, a split of ``y``'s channels; batch groups (such a convolution's
+    kernel gradient, and a per-example kernel gradient under ``vmap``) pair
+    ``x``'s batch with ``k``'s output channels the same way. Only where the
+    ``p`` pieces divide the groups (``_group_split``)."""
     dn = eqn.params["dimension_numbers"]
     lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     sigs = []
+    if eqn.params.get("feature_group_count", 1) > 1:
+        sigs.append(Sig((Split(lhs[1]), Split(rhs[0])), (Split(out[1]),)))
+    if eqn.params.get("batch_group_count", 1) > 1:
+        sigs.append(Sig((Split(lhs[0]), Split(rhs[0])), (Split(out[1]),)))
     if eqn.params.get("batch_group_count", 1) == 1:
         sigs.append(Sig((Split(lhs[0]), B), (Split(out[0]),)))
     if eqn.params.get("feature_group_count", 1) == 1:
@@ -105,10 +116,29 @@ def _conv_halos(eqn, in_avals, ins, outs, grid):
     return found
 
 
+def _group_split(eqn, ins, grid) -> tuple[str, int] | None:
+    """``(param, groups per device)`` where the nd-signature splits the
+    grouped dim of ``x`` (feature groups: its channels; batch groups: its
+    batch) into ``p`` pieces that divide the groups; ``("", 1)`` where it
+    splits none; ``None`` where ``p`` does not divide them (a device would
+    hold part of a group)."""
+    p = eqn.params
+    lhs = p["dimension_numbers"].lhs_spec
+    for param, dim in (("feature_group_count", lhs[1]), ("batch_group_count", lhs[0])):
+        groups = p.get(param, 1)
+        pieces = math.prod(grid[a] for a in split_axes(ins[0], dim))
+        if groups > 1 and pieces > 1:
+            return (param, groups // pieces) if groups % pieces == 0 else None
+    return "", 1
+
+
 @set_comm("conv_general_dilated")
 def conv_comm(eqn, in_avals, ins, outs, grid):
     """One halo exchange per split spatial dim, on ``x``'s piece as extended
-    by the exchanges before it (so the corners come with the second)."""
+    by the exchanges before it (so the corners come with the second); not
+    runnable where a device would hold part of a feature or batch group."""
+    if _group_split(eqn, ins, grid) is None:
+        return None
     found = _conv_halos(eqn, in_avals, ins, outs, grid)
     if found is None:
         return None
@@ -124,4 +154,8 @@ def conv_local(eqn, ins, ctx):
     for t, _, h, _ in found:
         padding[t] = h.pad
     x = run_halos(ins[0], [(dim, h, axes, None, None) for _, dim, h, axes in found], ctx)
-    return [eqn.primitive.bind(x, ins[1], **{**eqn.params, "padding": tuple(padding)})]
+    params = {**eqn.params, "padding": tuple(padding)}
+    param, groups = _group_split(eqn, ctx.in_nd, ctx.grid)
+    if param:  # each device holds whole groups: a convolution of its own groups
+        params[param] = groups
+    return [eqn.primitive.bind(x, ins[1], **params)]
