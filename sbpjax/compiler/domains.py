@@ -363,6 +363,17 @@ class Domains:
             for a in node.ins
         ]
         gathered = [free_gathered(node, i, made) for i in range(len(uses))]
+        # the other operand in a layout an earlier product read it in, too: a
+        # weight gradient (dy^T h) whose activation the forward product read
+        # split on its features meets dy split on the batch it contracts
+        for i in range(min(len(uses), 2)):
+            if made[i] is None or made[1 - i] is None:
+                continue
+            for other in self.product_reads.get(id(node.ins[1 - i]), ()):
+                if other != made[1 - i]:
+                    pair = [made[0], made[1]]
+                    pair[1 - i] = other
+                    gathered[i] = gathered[i] | free_gathered(node, i, pair)
         for i, a in enumerate(node.ins):
             if uses[i] is not None and id(a) in self.args:
                 uses[i] = uses[i] | self._gathered(a)

@@ -220,3 +220,37 @@ def test_a_partial_over_both_axes_may_be_reduced_whole_at_once(pl24):
     assert moved == f.explain(*args).bytes
     assert moved <= gspmd_bytes(step, pl24, in_sbp, out_sbp, args)
     assert moved < 93_776
+
+
+@pytest.mark.parametrize("act", [jnp.tanh, jax.nn.gelu, jax.nn.silu], ids=["tanh", "gelu", "silu"])
+def test_a_weight_gradient_may_gather_the_cotangent_its_activation_meets_split(pl8, act):
+    """An FSDP-style MLP step (the first kernel split by columns, the second by
+    rows, the batch split): the second kernel's gradient ``dy^T h`` meets
+    ``h`` split on its features, as the forward product read it, and ``dy``
+    split on the batch it contracts; gathering ``dy`` there is offered
+    whatever the greedy pass made ``h``. With gelu or silu it was not (the
+    greedy pass left ``h`` partial) and the step moved 23,800 B against
+    GSPMD's 18,424 (tanh: 14,840)."""
+    rng = np.random.default_rng(0)
+    p = {
+        "w0": (rng.normal(size=(16, 32)) / 4).astype(np.float32),
+        "b0": np.zeros(32, np.float32),
+        "w1": (rng.normal(size=(32, 8)) / 6).astype(np.float32),
+        "b1": np.zeros(8, np.float32),
+    }
+    x, y = rng.normal(size=(16, 16)).astype(np.float32), rng.normal(size=(16, 8)).astype(np.float32)
+
+    def loss(p, x, y):
+        return jnp.mean((act(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"] - y) ** 2)
+
+    step = jax.value_and_grad(loss)
+    psbp = {"w0": (S(1),), "b0": (S(0),), "w1": (S(0),), "b1": (B,)}
+    layouts = ((psbp, (S(0),), (S(0),)), ((B,), psbp))
+    f = sj.jit(step, placement=pl8, in_sbp=layouts[0], out_sbp=layouts[1])
+    (got_loss, got), (want_loss, want) = f(p, x, y), jax.jit(step)(p, x, y)
+    assert_close(got_loss.numpy(), np.asarray(want_loss), rtol=1e-5)
+    for k in p:
+        assert_close(got[k].numpy(), np.asarray(want[k]), rtol=1e-5)
+    moved = moved_bytes(f, p, x, y)
+    assert moved == f.explain(p, x, y).bytes
+    assert moved <= gspmd_bytes(step, pl8, *layouts, (p, x, y))
