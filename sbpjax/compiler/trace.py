@@ -197,6 +197,7 @@ class _Flattening:
     conds: list = dataclasses.field(default_factory=list)
     texts: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> its EqnText
     expansions: dict = dataclasses.field(default_factory=dict)  # id(eqn) -> (eqn, _hi_expansion's)
+    zeros: dict = dataclasses.field(default_factory=dict)  # id(Var) -> the zero it holds (rewrites.zero_made)
 
 
 def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
@@ -240,6 +241,10 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
                 for v, o in zip(eqn.outvars, outs):
                     env[v] = o
                 continue
+        same = rewrites.identity_operand(eqn, ins, flat.zeros)
+        if same is not None:  # x - 0: the operand itself
+            env[eqn.outvars[0]] = same
+            continue
         texts = _texts(eqn, flat)
         key = _cse_key(eqn, ins, texts)
         if key is not None and key in cse:
@@ -249,6 +254,9 @@ def _inline(jaxpr, consts, in_atoms, nodes, cse=None, flat=None):
             nodes.append(Node(eqn, ins, outs, texts.source, texts=texts))
             if key is not None:
                 cse[key] = outs
+        zero = rewrites.zero_made(eqn, ins, flat.zeros)
+        if zero is not None:
+            flat.zeros[id(outs[0])] = zero
         for v, o in zip(eqn.outvars, outs):
             env[v] = o
     return [read(v) for v in jaxpr.outvars]

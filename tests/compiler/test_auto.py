@@ -237,7 +237,8 @@ def test_auto_moves_no_more_than_zero3_written_by_hand_without_a_budget(pl8, tmp
     2,637,824 B, a plan the same call found only under a budget every plan
     met. Without a budget the ZeRO layouts are now planned as given too and
     the cheapest kept (second_looks.by_hand_as_given); explain() says so, and the
-    plan read back from the cache is the same."""
+    plan read back from the cache is the same. The solve now finds a plan
+    below ZeRO-3's itself."""
     r = np.random.default_rng(4)
 
     def normal(*shape, scale=1.0):
@@ -265,7 +266,11 @@ def test_auto_moves_no_more_than_zero3_written_by_hand_without_a_budget(pl8, tmp
     by_hand = sj.jit(step, placement=pl8, in_sbp=(*zero3, (S0,), (S0,)), out_sbp=(*zero3, None))
     h = by_hand.explain(*args)
     assert e.bytes <= h.bytes == 2_637_824  # was 10,909,696
-    assert "the hand-written zero-3/fsdp layouts, planned as given" in e.choice.reason
+    # the kept plan is ZeRO-3's as given, or (now that a weight gradient may gather the
+    # cotangent it meets split: Domains._product_reads) the solve's own, below it: 1,490,944 B
+    assert "the hand-written zero-3/fsdp layouts, planned as given" in e.choice.reason or (
+        e.choice.method == "ilp" and e.bytes < h.bytes
+    )
     again = auto_jit().explain(*args)
     assert again.choice.source == "plan cache" and again.bytes == e.bytes
     # on 8x1 the hand-written layouts are B over the axis of size 1, as AUTO's layouts are:
