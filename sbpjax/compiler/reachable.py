@@ -184,10 +184,14 @@ def free_gathered(node, i, made) -> set:
     says where they are gathered): counted too, a tensor-parallel kernel
     meeting an activation split over its axis was offered gathered, and a
     clipped 2-layer Llama step's solve stopped at a 14% gap.
-    From greedy's layouts only: offered at every product, from the domains,
-    the larger space left a 2-layer GPT's effort-limited solve on 2x2x2 at
-    2.77 MB (GSPMD 1.78 MB), and alike layers of the demo's GPT stopped
-    sharing one decision (a 37 s solve)."""
+    From greedy's layouts (``made``) only, here: offered at every product
+    from the domains, the larger space left a 2-layer GPT's effort-limited
+    solve on 2x2x2 at 2.77 MB (GSPMD 1.78 MB), and alike layers of the demo's
+    GPT stopped sharing one decision (a 37 s solve). ``Domains`` also calls
+    it with the other operand in a layout an earlier product read it in
+    (``Domains._product_reads``: a weight gradient meeting an activation the
+    forward product read split on its features), a narrower widening; the
+    compiler benchmark's rows kept their bytes with it."""
     if node.name != "dot_general" or any(nd is None for nd in made):
         return set()
     (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]

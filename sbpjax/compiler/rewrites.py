@@ -9,6 +9,7 @@ function (``trace._emit``)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -19,62 +20,69 @@ from sbpjax.rules.roll import roll
 _ZERO_KEEPING = frozenset(["broadcast_in_dim", "reshape", "convert_element_type", "squeeze", "expand_dims"])
 
 
-def zero_made(eqn, ins, zeros: dict):
-    """The zero (a NumPy scalar, its sign kept) that ``eqn`` makes of every
-    element, or None: a broadcast, reshape or cast of a zero constant or of
-    a value ``zeros`` (id -> zero) records."""
+def _kind(dtype) -> str | None:
+    """ "int" (integers and bools), "float" (real floats, bf16 too) or None."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # typed PRNG keys
+        return None
+    if jnp.issubdtype(dtype, jnp.bool_) or jnp.issubdtype(dtype, jnp.integer):
+        return "int"
+    return "float" if jnp.issubdtype(dtype, jnp.floating) else None
+
+
+def _constant_zero(value) -> tuple | None:
+    """``(kind, negative)`` where every element of ``value`` is one zero of a
+    real or integer dtype (for floats, every one of the same sign), else None."""
+    value = np.asarray(value)
+    kind = _kind(value.dtype)
+    if kind is None or value.size == 0 or not np.all(value == 0):
+        return None
+    if kind == "int":
+        return "int", False
+    signs = set(np.signbit(value.astype(np.float32)).reshape(-1).tolist())
+    return ("float", signs.pop()) if len(signs) == 1 else None
+
+
+def zero_made(eqn, ins, zeros: dict) -> tuple | None:
+    """The zero that ``eqn`` makes of every element, as ``(kind, negative)``
+    (see :func:`_constant_zero`), or None: a broadcast, reshape or cast of a
+    zero constant or of a value ``zeros`` (id -> zero) records, to a real or
+    integer dtype (a complex zero is not tracked: casting -0.0 gives +0j)."""
     if eqn.primitive.name not in _ZERO_KEEPING or not ins:
         return None
     a = ins[0]
-    if isinstance(a, Const):
-        value = np.asarray(a.value)
-        if value.size == 0 or not np.all(value == 0) or value.dtype.kind not in "biuf":
-            return None
-        zero = value.reshape(-1)[0]
-        if value.dtype.kind == "f" and len(set(np.signbit(value).reshape(-1).tolist())) != 1:
-            return None  # both signs of zero
-    else:
-        zero = zeros.get(id(a))
-    if zero is None:
+    zero = _constant_zero(a.value) if isinstance(a, Const) else zeros.get(id(a))
+    out = _kind(eqn.outvars[0].aval.dtype)
+    if zero is None or out is None:
         return None
-    dtype = np.dtype(eqn.outvars[0].aval.dtype) if eqn.primitive.name == "convert_element_type" else None
-    return zero if dtype is None or dtype.kind not in "biuf" else np.asarray(zero).astype(dtype)[()]
+    if out == "int":
+        return "int", False
+    return ("float", False) if zero[0] == "int" else zero
 
 
 def identity_operand(eqn, ins, zeros: dict):
     """The operand ``eqn`` gives back exactly, or None: ``x - (+0)`` (IEEE
     arithmetic keeps every x, -0 and NaN too), ``x + (-0)``, and an integer
-    ``x + 0``, where the result has ``x``'s shape and dtype (``zeros``: see
-    :func:`zero_made`). Linen's ``RMSNorm`` subtracts a zero mean: the
-    difference and the input were boxed alike for their two readers, priced
-    twice where XLA, folding ``x - 0``, runs one all-to-all (a T5 layer on
-    2x4: 24,960 B planned, 12,672 B compiled). ``x + (+0)`` is not folded: it
-    makes -0 into +0."""
+    ``x + 0`` or ``x - 0``, where the result has ``x``'s shape and dtype
+    (``zeros``: see :func:`zero_made`). Linen's ``RMSNorm`` subtracts a zero
+    mean: the difference and the input were boxed alike for their two
+    readers, priced twice where XLA, folding ``x - 0``, runs one all-to-all
+    (a T5 layer on 2x4: 24,960 B planned, 12,672 B compiled). ``x + (+0)``
+    is not folded: in IEEE arithmetic it makes -0 into +0."""
     name = eqn.primitive.name
     if name not in ("sub", "add", "add_any") or len(ins) != 2:
         return None
     out = eqn.outvars[0].aval
     for k in (1,) if name == "sub" else (1, 0):
         x, z = ins[1 - k], ins[k]
-        zero = _zero_of(z, zeros)
+        zero = _constant_zero(z.value) if isinstance(z, Const) else zeros.get(id(z))
         if zero is None or isinstance(x, Const) or tuple(x.shape) != tuple(out.shape):
             continue
-        if np.dtype(x.dtype) != np.dtype(out.dtype):
+        if _kind(out.dtype) != zero[0] or x.dtype != out.dtype:
             continue
-        if np.asarray(zero).dtype.kind == "f" and bool(np.signbit(zero)) != (name != "sub"):
+        if zero[0] == "float" and zero[1] != (name != "sub"):
             continue  # x - (+0) and x + (-0) only
         return x
     return None
-
-
-def _zero_of(atom, zeros: dict):
-    """The zero every element of ``atom`` is, or None."""
-    if isinstance(atom, Const):
-        value = np.asarray(atom.value)
-        if value.size != 1 or value.dtype.kind not in "biuf" or value.reshape(-1)[0] != 0:
-            return None
-        return value.reshape(-1)[0]
-    return zeros.get(id(atom))
 
 
 def fuse_padded_windows(nodes, outputs, emit):

@@ -11,7 +11,7 @@ trainer = sjf.Trainer.create(lambda: sjf.annotate(Model(nnx.Rngs(0)), rules), op
 
 from sbpjax.flax import linen
 from sbpjax.flax.annotate import annotate, get_sbp, place, sbp_module, unplace, with_sbp
-from sbpjax.flax.train import TrainStep, init_global, zero_layout
+from sbpjax.flax.train import TrainStep, init_global, spread_layout, zero_layout
 from sbpjax.flax.trainer import Trainer, bytes_per_device
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "Trainer",
     "bytes_per_device",
     "init_global",
+    "spread_layout",
     "zero_layout",
     "linen",
 ]

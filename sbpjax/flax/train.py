@@ -55,6 +55,17 @@ def zero_layout(nd: tuple, shape, placement: Placement, axis: int) -> tuple:
     return zero_split(nd, shape, placement.shape, axis % placement.ndim)  # -1: the last axis
 
 
+def spread_layout(shape, placement: Placement) -> tuple:
+    """Where a parameter whose layout the solver will choose starts (``sj.AUTO``
+    in :class:`TrainStep`): split over every axis of ``placement`` by the first
+    dim that stays even (:func:`zero_layout` over each axis in turn), so that
+    no device holds more than its share before the first step lays it out."""
+    nd = (Broadcast(),) * placement.ndim
+    for axis in range(placement.ndim):
+        nd = zero_layout(nd, shape, placement, axis)
+    return nd
+
+
 def init_global(fn, placement: Placement, sbp, *args):
     """Run ``fn(*args)`` as one compiled program whose outputs are born in their
     layouts: global tensors laid out as ``sbp`` (a tree like the outputs whose
@@ -204,6 +215,12 @@ def checked_compute_dtype(value, where: str):
     return dtype
 
 
+def _as_chosen(tree):
+    """``out_sbp`` for results of ``sj.AUTO`` arguments: None ("as chosen"),
+    where a donated argument's result comes back in its chosen layout."""
+    return jax.tree.map(lambda nd: None if nd is AUTO else nd, tree, is_leaf=is_nd_sbp)
+
+
 class TrainStep:
     """One optimizer step, compiled by ``sj.jit`` into a single ``shard_map``.
 
@@ -231,17 +248,23 @@ class TrainStep:
     across the step's memory peak (``sbpjax.compiler.regather``).
 
     Automatic layouts: a ``param_sbp`` leaf ``sj.AUTO`` (or ``param_sbp=sj.AUTO``
-    for all), and with ``memory_budget`` (bytes per device) every parameter
-    ``param_sbp`` leaves ``None``, is laid out by ``sj.jit``'s whole-program
-    solver with the rest of the step, its optimizer state with it; under the
-    budget the solver picks the cheapest layouts whose parameters and
-    optimizer state fit (ZeRO's where they do best), as ``sj.jit(...,
-    memory_budget=...)`` does. ``init`` places such parameters B (the
-    layouts depend on the batch's shapes, which ``init`` does not see); the
-    first step re-lays them out into the chosen layouts once, and each step
-    returns them there (the state is donated, so ``donate=False`` is
-    refused). ``explain`` shows the choice. ``zero`` is refused with them:
-    the budget chooses ZeRO's layouts where they fit best.
+    for all), and with ``memory_budget`` every parameter ``param_sbp`` leaves
+    ``None``, is laid out by ``sj.jit``'s whole-program solver with the rest
+    of the step. The optimizer state is then chosen by the solver too: it
+    mirrors its parameter without a budget; under one it is chosen on its own
+    (ZeRO-1's split state beside whole parameters, say). ``memory_budget``
+    is ``sj.jit``'s: the bytes per device the step's arguments and results
+    hold together (parameters, optimizer state, the batch and the loss; a
+    donated argument and its result once), and the solver picks the cheapest
+    layouts that fit, or raises an SBPError giving the least any needs.
+    ``init`` places such parameters, and their state, split over every
+    placement axis where a dim stays even (ZeRO-3's layout: no device holds
+    more than its share, :func:`spread_layout`), as the layouts depend on the
+    batch's shapes, which ``init`` does not see; the first step lays them out
+    as chosen once, and each step returns them there (the state is donated,
+    so ``donate=False`` is refused). ``explain`` shows the choice. ``zero``
+    is refused with them: give a budget and the solver picks ZeRO's layouts
+    where they fit best.
     """
 
     def __init__(
@@ -335,17 +358,18 @@ class TrainStep:
 
     def _check_auto(self) -> None:
         """Settings automatic layouts cannot keep, refused before anything is placed."""
+        what = "automatic layouts (sj.AUTO parameters; a Trainer's auto=True or memory_budget=)"
         if self.zero:
             raise SBPError(
-                "TrainStep: zero= and automatic layouts (sj.AUTO parameters, or memory_budget=) both "
-                "decide how parameters and optimizer state are stored. Drop zero=: under memory_budget "
-                "the solver picks ZeRO's split layouts where they fit best."
+                f"TrainStep: zero= and {what} both decide how parameters and optimizer state are "
+                "stored. Drop zero= and give memory_budget=: the solver then picks ZeRO's split "
+                "layouts where they are the cheapest that fit."
             )
         if not self.donate:
             raise SBPError(
-                "TrainStep: automatic layouts (sj.AUTO parameters, or memory_budget=) need donate=True: "
-                "a donated state comes back in the layouts the solver chose, ready for the next step; "
-                "without donation every step would lay the state out again."
+                f"TrainStep: {what} need donate=True: a donated state comes back in the layouts the "
+                "solver chose, ready for the next step; without donation every step would lay the "
+                "state out again."
             )
 
     def init(self, params):
@@ -358,21 +382,22 @@ class TrainStep:
         from the placed parameters by one compiled program whose outputs are
         born in their layouts (:func:`init_global`): it never passes through
         the host or one device. An ``sj.AUTO`` parameter keeps the layout of a
-        global tensor on this placement, and is placed B otherwise, until the
-        first step lays it out as the solver chooses."""
+        global tensor on this placement, and is placed :func:`spread_layout`
+        otherwise, until the first step lays it out as the solver chooses."""
         tree, compute, stored = self.layouts(params)
         self._tree, self._compute, self.stored_sbp = tree, compute, jax.tree_util.tree_unflatten(tree, stored)
         pl = self.placement
-        rep = (Broadcast(),) * pl.ndim
         leaves = jax.tree_util.tree_leaves(params, is_leaf=is_global)
-        placed = [
-            v
-            if nd is AUTO and is_global(v) and v.placement == pl
-            else v.to_global(sbp=rep if nd is AUTO else nd, placement=pl)
-            if is_global(v)
-            else to_global(np.asarray(v), pl, rep if nd is AUTO else nd)
-            for v, nd in zip(leaves, stored)
-        ]
+        placed = []
+        for v, nd in zip(leaves, stored):
+            if nd is AUTO and is_global(v) and v.placement == pl:
+                placed.append(v)  # already placed: the first step lays it out as chosen
+                continue
+            if nd is AUTO:
+                nd = spread_layout(np.shape(v) if not is_global(v) else v.shape, pl)
+            placed.append(
+                v.to_global(sbp=nd, placement=pl) if is_global(v) else to_global(np.asarray(v), pl, nd)
+            )
         params_g = jax.tree_util.tree_unflatten(tree, placed)
         return params_g, self._init_state(placed)
 
@@ -424,9 +449,7 @@ class TrainStep:
             return (params, opt_state, loss, aux) if has_aux else (params, opt_state, loss)
 
         rep = (Broadcast(),) * self.placement.ndim
-        # an AUTO argument's donated result comes back in its chosen layout ("as chosen": None)
-        as_chosen = lambda tree: jax.tree.map(lambda nd: None if nd is AUTO else nd, tree, is_leaf=is_nd_sbp)  # noqa: E731
-        outs = (as_chosen(self.stored_sbp), as_chosen(self.opt_sbp), rep) + (
+        outs = (_as_chosen(self.stored_sbp), _as_chosen(self.opt_sbp), rep) + (
             (self.aux_sbp,) if has_aux else ()
         )
         self._fn = jit(
@@ -463,4 +486,4 @@ class TrainStep:
         return self._fn.lower(params, opt_state, batch)
 
 
-__all__ = ["TrainStep", "init_global", "zero_layout"]
+__all__ = ["TrainStep", "init_global", "spread_layout", "zero_layout"]

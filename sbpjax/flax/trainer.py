@@ -21,7 +21,14 @@ from sbpjax.compiler.arguments import broadcast_spec
 from sbpjax.compiler.auto import AUTO
 from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.flax.annotate import get_sbp
-from sbpjax.flax.train import TrainStep, checked_compute_dtype, checked_loss, checked_optimizer, init_global
+from sbpjax.flax.train import (
+    TrainStep,
+    checked_compute_dtype,
+    checked_loss,
+    checked_optimizer,
+    init_global,
+    spread_layout,
+)
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
 from sbpjax.tensor import is_global, to_global
@@ -149,12 +156,16 @@ class Trainer:
 
     ``auto=True``: parameters the model does not annotate get the layouts
     ``sj.jit``'s solver chooses with the rest of the step (annotated ones
-    keep theirs), their optimizer state with them. ``memory_budget`` (bytes
-    per device; implies ``auto``): the solver picks the cheapest layouts whose
-    parameters and optimizer state fit it, splitting them ZeRO-style where
-    that costs least, or raises an SBPError giving the least any layout
-    needs. Such parameters start B (whole on every device) and are laid out
-    once, at the first step; see :class:`TrainStep`.
+    keep theirs), and the optimizer state is chosen with them (it mirrors
+    its parameter). ``memory_budget`` (implies ``auto``): the bytes per device
+    the step's arguments and results hold together (parameters, optimizer
+    state, the batch; a donated one once); the solver picks the cheapest
+    layouts that fit, the optimizer state on its own (ZeRO-1's split state
+    beside whole parameters, say), or raises an SBPError giving the least any
+    layout needs. Such parameters start split over every axis
+    (:func:`~sbpjax.flax.train.spread_layout`: no device holds more than its
+    share) and are laid out once, at the first step, which holds both
+    layouts for a moment; see :class:`TrainStep`.
     """
 
     def __init__(
@@ -265,7 +276,11 @@ class Trainer:
         self._build_step()
         tree, _, stored = self.train_step.layouts(self._pure)
         rep = (Broadcast(),) * placement.ndim
-        stored = [rep if nd is AUTO else nd for nd in stored]  # born B; the first step lays them out
+        # born spread over the placement; the first step lays them out as chosen
+        stored = [
+            spread_layout(v.shape, placement) if nd is AUTO else nd
+            for nd, v in zip(stored, jax.tree.leaves(self._pure))
+        ]
         params_g, self.state = init_global(born, placement, (jax.tree_util.tree_unflatten(tree, stored), rep))
         self.params, self.opt_state = self.train_step.init(params_g)
         del self._pure, self._rest_pure

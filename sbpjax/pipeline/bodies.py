@@ -38,8 +38,8 @@ def ready(tree):
 
 def per_device_nbytes(value) -> int:
     """The most bytes one device holds for a register's value: its piece of
-    each leaf (a split leaf counts its shard, a replicated or partial one its
-    whole size). Per device, as ``Pipeline(memory_budget=...)`` is: the
+    each leaf (a split leaf counts its shard, padded where uneven, a
+    replicated or partial one its whole size). Per device, as ``Pipeline(memory_budget=...)`` is: the
     budget is checked with logical bytes, which bound this from above. A host
     (NumPy) value counts on every device, where it goes next."""
     held: dict = {}

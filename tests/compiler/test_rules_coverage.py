@@ -195,6 +195,28 @@ def test_a_grouped_convolution_split_by_whole_groups_runs_locally(pl8, name):
     assert sum(c.bytes for c in sj.collectives(f.lower(w, x).compile())) == f.explain(w, x).bytes == 0
 
 
+@pytest.mark.parametrize(
+    "sbp,x_sbp",
+    [((B, S3), (B, S3)), ((S3, S3), (S3, S3)), ((B, S3), (S1, S3))],
+    ids=["2 groups per device", "groups over both axes", "rows and groups: halo and groups"],
+)
+def test_several_groups_per_device_and_a_halo_beside_them(pl24, sbp, x_sbp):
+    """Eight feature groups on 2x4: two groups on each of 4 devices, one on
+    each of 8 (split over x, then y), and channels split beside image rows
+    (each device holds its groups and exchanges a halo of rows)."""
+    w = np.random.default_rng(9).normal(size=(3, 3, 1, 8)).astype(np.float32)
+    x = np.random.default_rng(10).normal(size=IMG).astype(np.float32)
+    fn = lambda w, x: _depthwise(x, w)  # noqa: E731
+    f = sj.jit(fn, placement=pl24, in_sbp=(sbp, x_sbp), out_sbp=x_sbp)
+    assert_close(f(w, x).numpy(), np.asarray(jax.jit(fn)(w, x)), rtol=1e-5)
+    moved = sum(c.bytes for c in sj.collectives(f.lower(w, x).compile()))
+    assert moved == f.explain(w, x).bytes
+    rows = x_sbp[0] == S1
+    assert (moved > 0) == rows  # only the halo moves: groups never do
+    if rows:
+        assert moved <= gspmd_bytes(fn, pl24, (sbp, x_sbp), x_sbp, (w, x))
+
+
 def test_groups_the_pieces_do_not_divide_are_not_split_through(pl8, pl24):
     """Two feature groups cannot be held whole by 8 (or 4) channel pieces:
     the convolution gets its channels another way, with the same values;

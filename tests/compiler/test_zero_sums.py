@@ -35,6 +35,13 @@ CASES = {
         ["sub"],
     ),  # the result is larger than x
     "int x + 0": (lambda x: (x * 4).astype(jnp.int32) + 0, []),
+    "int 0 + x": (lambda x: jnp.zeros(x.shape, jnp.int32) + (x * 4).astype(jnp.int32), []),
+    "bf16 x - zeros_like": (lambda x: x.astype(jnp.bfloat16) - jnp.zeros_like(x, jnp.bfloat16), []),
+    # a complex zero is not tracked: -0.0 cast to complex is (-0 + 0j), whose + would change -0j
+    "complex x + (-0)": (
+        lambda x: x.astype(jnp.complex64) + jnp.full(x.shape, -0.0, jnp.float32).astype(jnp.complex64),
+        ["add"],
+    ),
 }
 
 

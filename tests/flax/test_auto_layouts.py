@@ -64,6 +64,8 @@ def test_auto_keeps_the_annotations_and_chooses_the_rest():
     auto = sjf.Trainer(model, optax.adamw(1e-2), loss_fn, PL, batch_sbp=BATCH_SBP, auto=True)
     chosen = chosen_param_layouts(auto, batches[0])
     assert chosen["fc1"]["kernel"] == (B, S(1))
+    # the solver splits the unannotated kernel too (Megatron's row split), not B as written
+    assert chosen["fc2"]["kernel"] == (B, S(0))
     assert_trains_as_one_device(auto, optax.adamw(1e-2), batches)
     assert jax.tree.map(lambda t: t.sbp, auto.params, is_leaf=is_global) == chosen
     mu = auto.opt_state[0].mu
@@ -104,9 +106,9 @@ def test_a_memory_budget_bounds_the_state_each_device_holds():
     )
     with pytest.raises(sj.SBPError, match="least"):
         tight.step(batches[0])
-    # refused before the state was consumed: the trainer still holds its B parameters, and can step
+    # refused before the state was consumed: the trainer still holds its parameters as placed
     assert not tight.params["fc1"]["kernel"].physical.is_deleted()
-    assert tight.params["fc1"]["kernel"].sbp == (B, B)
+    assert tight.params["fc1"]["kernel"].sbp == sjf.spread_layout((D, H), PL)
 
 
 def test_train_step_auto_parameters_come_back_in_the_chosen_layouts():
@@ -127,7 +129,9 @@ def test_train_step_auto_parameters_come_back_in_the_chosen_layouts():
     opt = optax.adam(1e-2)
     step = sjf.TrainStep(loss, opt, PL, sj.AUTO, (BATCH_SBP, BATCH_SBP))
     p, s = step.init(params)
-    assert all(t.sbp == (B, B) for t in p.values())  # placed B until the first step
+    # placed split over both axes until the first step: no device holds more than its share
+    assert [p["w1"].sbp, p["w2"].sbp] == [(S(0), S(0)), (S(0), S(0))]
+    assert [s[0].mu["w1"].sbp, s[0].mu["w2"].sbp] == [(S(0), S(0)), (S(0), S(0))]
     chosen = step.explain(p, s, (x, y)).propagation.in_sbp[:2]
     want_p, want_s = params, opt.init(params)
     for _ in range(2):
@@ -155,15 +159,17 @@ def test_settings_automatic_layouts_cannot_keep_are_refused():
 
 
 def test_a_born_sharded_trainer_takes_a_budget_too():
-    """``Trainer.create`` with a budget: its unannotated parameters are born B,
-    then laid out under the budget at the first step, with the values of a
-    Trainer given the built model."""
+    """``Trainer.create`` with a budget: its unannotated parameters are born
+    split over the placement (a kernel over both axes, the biases where they
+    divide), then laid out under the budget at the first step, with the
+    values of a Trainer given the built model."""
     batches = data(seed=3, steps=2)
     dp = sjf.Trainer(MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, PL, batch_sbp=BATCH_SBP)
     budget = state_bytes(dp) // 2
     born = sjf.Trainer.create(
         lambda: MLP(nnx.Rngs(0)), optax.adam(1e-2), loss_fn, PL, batch_sbp=BATCH_SBP, memory_budget=budget
     )
-    assert all(t.sbp == (B, B) for _, t in _named(born.params))
+    assert all(t.sbp == sjf.spread_layout(t.shape, PL) for _, t in _named(born.params))
+    assert born.params["fc1"]["kernel"].sbp == (S(0), S(0))
     assert_trains_as_one_device(born, optax.adam(1e-2), batches)
     assert state_bytes(born) <= budget
