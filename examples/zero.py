@@ -2,6 +2,7 @@
 
     python examples/zero.py                   # seconds on 8 CPU devices
     python examples/zero.py --bf16            # also ZeRO with bf16 compute
+    python examples/zero.py --budget 0.5      # also layouts the solver picks under a memory budget
     python examples/zero.py --hidden 2048 --layers 8 --steps 500   # bigger
 
 Plain data parallelism keeps a whole copy of every parameter and of its Adam
@@ -15,6 +16,10 @@ device falls to 1/8, and the arithmetic is the same, so the losses agree.
 With ``--bf16`` the weights are cast to bf16 before the all-gather (half the
 bytes) and the model computes in bf16; master weights, gradients and
 optimizer state stay fp32, and the losses agree to bf16 precision.
+With ``--budget F`` a third trainer is given ``memory_budget``: F times the
+bytes data parallelism holds per device in parameters and optimizer state,
+plus the batch's share (the budget counts the step's arguments and results).
+``sj.jit``'s solver then picks the cheapest layouts that fit, ZeRO's or its own.
 
 The task is synthetic: regress the outputs of a fixed random "teacher"
 network with the same architecture.
@@ -98,6 +103,12 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=128, help="global batch; a multiple of the 8 devices")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bf16", action="store_true", help="also train ZeRO with bf16 compute")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="also train under memory_budget: this fraction of data parallel's state per device",
+    )
     args = ap.parse_args(argv)
 
     shape = (args.input_dim, args.hidden, args.layers, args.input_dim)
@@ -110,9 +121,16 @@ def main(argv=None):
     runs = {"data parallel": {}, "ZeRO": {"zero": True}}
     if args.bf16:
         runs["ZeRO + bf16"] = {"zero": True, "compute_dtype": jnp.bfloat16}
+    if args.budget is not None:
+        runs[f"budget {args.budget:g}x"] = {"memory_budget": args.budget}
     losses, memory = {}, {}
     log_every = max(1, args.steps // 5)
+    batch_share = sum(a.nbytes for a in batches[0]) // pl.size  # the batch is split by example
     for name, options in runs.items():
+        if "memory_budget" in options:  # a fraction of data parallel's state, in bytes
+            state = sum(memory["data parallel"].values())
+            options = {"memory_budget": int(options["memory_budget"] * state) + batch_share}
+            print(f"{name}: memory_budget={options['memory_budget']} B per device")
         trainer = sjf.Trainer(build(*shape), optax.adam(args.lr), loss_fn, pl, batch_sbp=BATCH_SBP, **options)
         memory[name] = trainer.state_bytes_per_device()
         losses[name] = train(name, trainer, batches, log_every)

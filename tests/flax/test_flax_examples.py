@@ -202,9 +202,14 @@ def test_wide_and_deep_runs():
 
 @pytest.mark.slow
 def test_zero_runs():
-    out = run_example("zero", "--steps", "30", "--bf16")
-    ratios = dict(re.findall(r"^  (ZeRO(?: \+ bf16)?) +\d+ +\d+ +\d+ +([\d.]+)$", out, re.M))
+    out = run_example("zero", "--steps", "30", "--bf16", "--budget", "0.5")
+    ratios = dict(re.findall(r"^  (ZeRO(?: \+ bf16)?|budget 0.5x) +\d+ +\d+ +\d+ +([\d.]+)$", out, re.M))
     assert float(ratios["ZeRO"]) < 0.13 and float(ratios["ZeRO + bf16"]) < 0.13
+    assert float(ratios["budget 0.5x"]) <= 0.5  # the solver's layouts fit the budget's state share
+    budgeted = float(
+        re.search(r"budget 0.5x vs data parallel: largest relative difference ([\d.e+-]+)", out).group(1)
+    )
+    assert budgeted < 1e-5
     # the same sums in another order (a reduce-scatter where data parallel all-reduces): float32 rounding
     fp32 = float(re.search(r"ZeRO vs data parallel: largest relative difference ([\d.e+-]+)", out).group(1))
     assert fp32 < 1e-5
