@@ -428,4 +428,21 @@ def _from_process_local(x, placement: Placement, sbp) -> GlobalTensor:
     return GlobalTensor(data, shape, canonical_dtype(x.dtype), placement, sbp)
 
 
-__all__ = ["GlobalTensor", "checked_layout", "is_global", "to_global"]
+def bytes_per_device(tree) -> int:
+    """The most bytes any one device holds for the arrays in ``tree``: the
+    local pieces of its global tensors and JAX arrays (padding included)
+    summed per device, plus any NumPy value's bytes (it is on the host and
+    goes to every device that reads it)."""
+    per: dict = {}
+    host = 0
+    for t in jax.tree_util.tree_leaves(tree, is_leaf=is_global):
+        array = t.physical if isinstance(t, GlobalTensor) else t
+        if isinstance(array, jax.Array):
+            for shard in array.addressable_shards:
+                per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+        elif isinstance(array, (np.ndarray, np.generic)):
+            host += array.nbytes
+    return max(per.values(), default=0) + host
+
+
+__all__ = ["GlobalTensor", "bytes_per_device", "checked_layout", "is_global", "to_global"]

@@ -31,7 +31,7 @@ from sbpjax.flax.train import (
 )
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
-from sbpjax.tensor import is_global, to_global
+from sbpjax.tensor import bytes_per_device, is_global, to_global
 
 _TRAINER_AUX = (
     "Trainer's loss_fn returns the loss alone: compute metrics from the model outside the step, or "
@@ -50,18 +50,6 @@ def _wrap_keys(tree, impls):
         impls,
         is_leaf=lambda v: v is None,
     )
-
-
-def bytes_per_device(tree) -> int:
-    """The largest number of bytes any one device holds for the global tensors
-    in ``tree`` (measured from the local arrays, padding included)."""
-    per: dict = {}
-    for t in jax.tree.leaves(tree, is_leaf=is_global):
-        if not is_global(t):
-            continue
-        for shard in t.physical.addressable_shards:
-            per[shard.device.id] = per.get(shard.device.id, 0) + shard.data.nbytes
-    return max(per.values()) if per else 0
 
 
 def _step_options(

@@ -36,25 +36,6 @@ def ready(tree):
     return jax.block_until_ready(tree)
 
 
-def per_device_nbytes(value) -> int:
-    """The most bytes one device holds for a register's value: its piece of
-    each leaf (a split leaf counts its shard, padded where uneven, a
-    replicated or partial one its whole size). Per device, as ``Pipeline(memory_budget=...)`` is: the
-    budget is checked with logical bytes, which bound this from above. A host
-    (NumPy) value counts on every device, where it goes next."""
-    held: dict = {}
-    host = 0
-    for t in jax.tree_util.tree_leaves(value, is_leaf=is_global):
-        array = t.physical if isinstance(t, GlobalTensor) else t
-        if isinstance(array, jax.Array):
-            shard = int(np.prod(array.sharding.shard_shape(array.shape))) * array.dtype.itemsize
-            for d in array.sharding.device_set:
-                held[d] = held.get(d, 0) + shard
-        elif isinstance(array, (np.ndarray, np.generic)):
-            host += array.nbytes
-    return max(held.values(), default=0) + host
-
-
 class StepBodies:
     """The bodies of one step of ``pipe``: ``bodies()[actor name](k, inputs) -> outputs``."""
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import jax
+
 from sbpjax._errors import SBPError
+from sbpjax.tensor import is_global
 
 
 class PipelineError(SBPError):
@@ -67,18 +70,10 @@ def action_failed(
 
 def _shapes(inputs: dict) -> str:
     """``name dtype[shape]`` of each array in an action's inputs (the first six)."""
-    parts: list[str] = []
-
-    def walk(name, value):
-        if hasattr(value, "shape") and hasattr(value, "dtype"):
-            parts.append(f"{name} {getattr(value.dtype, 'name', value.dtype)}{list(value.shape)}")
-        elif isinstance(value, dict):
-            for key, v in value.items():
-                walk(f"{name}[{key!r}]", v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{name}[{i}]", v)
-
-    for name, value in inputs.items():
-        walk(name, value)
+    leaves = jax.tree_util.tree_flatten_with_path(inputs, is_leaf=is_global)[0]
+    parts = [
+        f"{path[0].key}{jax.tree_util.keystr(path[1:])} {getattr(v.dtype, 'name', v.dtype)}{list(v.shape)}"
+        for path, v in leaves
+        if hasattr(v, "shape") and hasattr(v, "dtype")
+    ]
     return ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")

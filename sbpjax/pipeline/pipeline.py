@@ -33,7 +33,7 @@ import optax
 
 from sbpjax import checkpoint
 from sbpjax._errors import SBPError, is_positive_amount
-from sbpjax.pipeline.bodies import StepBodies, per_device_nbytes
+from sbpjax.pipeline.bodies import StepBodies
 from sbpjax.pipeline.budget import check_budget
 from sbpjax.pipeline.costs import program_costs
 from sbpjax.pipeline.feeds import feed, microbatch_shapes, on_host, rows
@@ -48,6 +48,7 @@ from sbpjax.pipeline.stage import Stage
 from sbpjax.pipeline.timeline import Timeline
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
+from sbpjax.tensor import bytes_per_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +296,7 @@ class Pipeline:
             system = ThreadedSystem(
                 self.graph,
                 bodies,
-                nbytes=per_device_nbytes,
+                nbytes=bytes_per_device,
                 before_action=self.before_action,
                 action_timeout=self._deadline(shapes),
             )

@@ -8,8 +8,8 @@ loading, transfers and updates are outside it so that it compares with the
 schedules' theory.
 
 Memory: the registers report the most slots and bytes each held, in bytes
-per device (each value counted at its largest piece, so at least what any
-one device of the stage's group holds, and exactly that for even splits): the
+per device (``tensor.bytes_per_device``: the most any one device of the
+stage's group holds of each value): the
 residuals a forward keeps for its backward (``peak_activation_bytes``) and,
 under zero-bubble schedules, what each B keeps for its W
 (``peak_kept_bytes``); ``held_bytes_over_time`` replays both from the

@@ -53,7 +53,7 @@ def conv(eqn, in_avals):
     groups, a split of ``y``'s channels; batch groups (such a convolution's
     kernel gradient, and a per-example kernel gradient under ``vmap``) pair
     ``x``'s batch with ``k``'s output channels the same way. Only where the
-    ``p`` pieces divide the groups (``_group_split``)."""
+    ``p`` pieces divide the groups (``_local_groups``)."""
     dn = eqn.params["dimension_numbers"]
     lhs, rhs, out = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     sigs = []
@@ -116,20 +116,19 @@ def _conv_halos(eqn, in_avals, ins, outs, grid):
     return found
 
 
-def _group_split(eqn, ins, grid) -> tuple[str, int] | None:
-    """``(param, groups per device)`` where the nd-signature splits the
-    grouped dim of ``x`` (feature groups: its channels; batch groups: its
-    batch) into ``p`` pieces that divide the groups; ``("", 1)`` where it
-    splits none; ``None`` where ``p`` does not divide them (a device would
-    hold part of a group)."""
+def _local_groups(eqn, ins, grid) -> dict | None:
+    """The group count each device's convolution runs with, as the params to
+    override (``{}`` where the nd-signature splits no grouped dim of ``x``:
+    feature groups split its channels, batch groups its batch), or None where
+    the pieces do not divide the groups (a device would hold part of one)."""
     p = eqn.params
     lhs = p["dimension_numbers"].lhs_spec
     for param, dim in (("feature_group_count", lhs[1]), ("batch_group_count", lhs[0])):
         groups = p.get(param, 1)
         pieces = math.prod(grid[a] for a in split_axes(ins[0], dim))
         if groups > 1 and pieces > 1:
-            return (param, groups // pieces) if groups % pieces == 0 else None
-    return "", 1
+            return {param: groups // pieces} if groups % pieces == 0 else None
+    return {}
 
 
 @set_comm("conv_general_dilated")
@@ -137,7 +136,7 @@ def conv_comm(eqn, in_avals, ins, outs, grid):
     """One halo exchange per split spatial dim, on ``x``'s piece as extended
     by the exchanges before it (so the corners come with the second); not
     runnable where a device would hold part of a feature or batch group."""
-    if _group_split(eqn, ins, grid) is None:
+    if _local_groups(eqn, ins, grid) is None:
         return None
     found = _conv_halos(eqn, in_avals, ins, outs, grid)
     if found is None:
@@ -154,8 +153,6 @@ def conv_local(eqn, ins, ctx):
     for t, _, h, _ in found:
         padding[t] = h.pad
     x = run_halos(ins[0], [(dim, h, axes, None, None) for _, dim, h, axes in found], ctx)
-    params = {**eqn.params, "padding": tuple(padding)}
-    param, groups = _group_split(eqn, ctx.in_nd, ctx.grid)
-    if param:  # each device holds whole groups: a convolution of its own groups
-        params[param] = groups
+    # each device holds whole groups: a convolution of its own groups
+    params = {**eqn.params, "padding": tuple(padding), **_local_groups(eqn, ctx.in_nd, ctx.grid)}
     return [eqn.primitive.bind(x, ins[1], **params)]

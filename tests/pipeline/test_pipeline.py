@@ -112,14 +112,16 @@ def test_interleaved_step_equals_the_whole_batch_step(one_device_stages):
         assert set(result.timeline.threads) >= {"group0", "group1"}
 
 
-def test_tensor_parallel_stages_with_adam():
-    rng = np.random.default_rng(4)
+def tensor_parallel_stages(seed: int, hidden: int):
+    """Two Megatron MLP stages, each on 2 devices (w1 split by columns, w2 by
+    rows over tp): their parameters (plain arrays) and stages."""
+    rng = np.random.default_rng(seed)
     devs = jax.devices()
     layout = {"w1": (sj.S(1),), "w2": (sj.S(0),)}
     params = [
         {
-            "w1": (rng.normal(size=(D, 2 * D)) / np.sqrt(D)).astype(np.float32),
-            "w2": (rng.normal(size=(2 * D, D)) / np.sqrt(2 * D)).astype(np.float32),
+            "w1": (rng.normal(size=(D, hidden)) / np.sqrt(D)).astype(np.float32),
+            "w2": (rng.normal(size=(hidden, D)) / np.sqrt(hidden)).astype(np.float32),
         }
         for _ in range(2)
     ]
@@ -127,6 +129,11 @@ def test_tensor_parallel_stages_with_adam():
         sjp.Stage(mlp, params[i], sj.Placement(np.array(devs[2 * i : 2 * i + 2]), ("tp",)), param_sbp=layout)
         for i in range(2)
     ]
+    return params, stages
+
+
+def test_tensor_parallel_stages_with_adam():
+    params, stages = tensor_parallel_stages(seed=4, hidden=2 * D)
     opt = optax.adam(1e-2)
     pipe = sjp.Pipeline(stages, mse, opt, microbatches=4, schedule="1f1b")
     state = [opt.init(p) for p in params]
@@ -152,18 +159,7 @@ def test_memory_is_counted_per_device_in_the_budgets_unit():
     hidden, less than the logical bytes the budget counts and more than half
     of them. A budget of exactly the logical bytes the schedule holds runs,
     and the timeline's per-device peaks stay under it."""
-    rng = np.random.default_rng(5)
-    devs = jax.devices()
-    layout = {"w1": (sj.S(1),), "w2": (sj.S(0),)}
-    params = [
-        {
-            "w1": (rng.normal(size=(D, 4 * D)) / np.sqrt(D)).astype(np.float32),
-            "w2": (rng.normal(size=(4 * D, D)) / np.sqrt(4 * D)).astype(np.float32),
-        }
-        for _ in range(2)
-    ]
-    groups = [sj.Placement(np.array(devs[2 * i : 2 * i + 2]), ("tp",)) for i in range(2)]
-    stages = [sjp.Stage(mlp, params[i], groups[i], param_sbp=layout) for i in range(2)]
+    params, stages = tensor_parallel_stages(seed=5, hidden=4 * D)
     x, y = batch(4, seed=30)
     logical = [
         sjp.Pipeline(stages, mse, optax.sgd(0.1), microbatches=4)
