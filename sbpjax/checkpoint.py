@@ -43,8 +43,6 @@ tool) is read as it is; what orbax cannot read is then reported as corrupted.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import shutil
 
@@ -54,26 +52,12 @@ from jax.sharding import NamedSharding
 
 from sbpjax._errors import SBPError
 from sbpjax.boxing.plan import normalized_layout
+from sbpjax.checkpoint_files import CheckpointError, check_present, unfinished_saves, write_manifest
 from sbpjax.dtypes import check_partial_dtype, is_key, key_impl
 from sbpjax.layout import Geometry
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, normalize_nd_sbp
 from sbpjax.tensor import GlobalTensor, to_global
-
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's folder for a save in progress
-
-_MANIFEST = "sbpjax_manifest.json"
-
-
-class CheckpointError(SBPError):
-    """A checkpoint that cannot be restored. ``kind``: ``"missing"``,
-    ``"incomplete"`` or ``"corrupted"``; ``file``: the file at fault (None
-    when it is the folder)."""
-
-    def __init__(self, message: str, kind: str, file: str | None = None):
-        super().__init__(message)
-        self.kind, self.file = kind, file
-
 
 _NO_ORBAX = (
     "sbpjax.checkpoint needs orbax-checkpoint, which is not installed. "
@@ -120,14 +104,6 @@ def _flatten(tree) -> tuple[list, list, object]:
     ocp = _ocp()
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     return [".".join(ocp.tree.str_keypath(kp)) for kp, _ in flat], [x for _, x in flat], treedef
-
-
-def _unfinished_saves(path: str) -> set:
-    """orbax's temporary folders for saves to ``path`` that have not been renamed to it."""
-    parent, base = os.path.split(path)
-    if not os.path.isdir(parent):
-        return set()
-    return {e for e in os.listdir(parent) if e.startswith(base + _TMP_SUFFIX)}
 
 
 def _reduced_sbp(sbp: tuple) -> tuple:
@@ -190,112 +166,16 @@ def save(path, tree) -> None:
                 "it from its shape."
             )
     item = jax.tree_util.tree_unflatten(treedef, [_savable(n, x) for n, x in zip(names, leaves)])
-    before = _unfinished_saves(path)
+    before = unfinished_saves(path)
     try:
         ocp.PyTreeCheckpointer().save(path, args=ocp.args.PyTreeSave(item))
     except BaseException:
         # orbax leaves its temporary folder behind when a write fails; remove ours only
-        for entry in _unfinished_saves(path) - before:
+        for entry in unfinished_saves(path) - before:
             shutil.rmtree(os.path.join(os.path.dirname(path), entry), ignore_errors=True)
         raise
     if jax.process_index() == 0:
-        _write_manifest(path)
-
-
-# -- integrity ---------------------------------------------------------------------
-
-
-def _files(path: str) -> list[str]:
-    out: list[str] = []
-    for root, _, names in os.walk(path):
-        out.extend(os.path.relpath(os.path.join(root, n), path) for n in names)
-    return sorted(f for f in out if f != _MANIFEST)
-
-
-def _sha256(file: str) -> str:
-    h = hashlib.sha256()
-    with open(file, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_manifest(path: str) -> None:
-    entries = {
-        f: {"size": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
-        for f in _files(path)
-    }
-    tmp = os.path.join(path, _MANIFEST + ".tmp")
-    with open(tmp, "w") as fh:
-        json.dump({"format": 1, "files": entries}, fh, indent=1, sort_keys=True)
-    os.replace(tmp, os.path.join(path, _MANIFEST))  # the manifest appears whole or not at all
-
-
-def _check_present(path: str) -> None:
-    """Raise CheckpointError unless ``path`` is a checkpoint folder whose files
-    are those the save wrote (see the module docstring)."""
-    if not os.path.exists(path):
-        unfinished = sorted(_unfinished_saves(path))
-        if unfinished:
-            raise CheckpointError(
-                f"checkpoint.restore: the checkpoint at {path} is incomplete: a save to it did not finish "
-                f"(it left {os.path.join(os.path.dirname(path), unfinished[0])}). Save it again, or restore an "
-                "earlier checkpoint.",
-                "incomplete",
-                os.path.join(os.path.dirname(path), unfinished[0]),
-            )
-        raise CheckpointError(
-            f"checkpoint.restore: no checkpoint at {path}. Check the path; a checkpoint is "
-            "the folder that checkpoint.save(path, tree) created.",
-            "missing",
-        )
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"checkpoint.restore: {path} is a file, not a checkpoint folder; it is corrupted "
-            "or not a checkpoint. A checkpoint is the folder checkpoint.save(path, tree) "
-            "created.",
-            "corrupted",
-            path,
-        )
-    manifest = os.path.join(path, _MANIFEST)
-    if not os.path.exists(manifest):
-        return  # written by another tool: nothing to check against
-    try:
-        with open(manifest) as fh:
-            entries = json.load(fh)["files"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"checkpoint.restore: the checkpoint at {path} is corrupted: its file list "
-            f"{manifest} cannot be read ({e}).",
-            "corrupted",
-            manifest,
-        ) from None
-    for rel, info in sorted(entries.items()):
-        file = os.path.join(path, rel)
-        if not os.path.exists(file):
-            raise CheckpointError(
-                f"checkpoint.restore: the checkpoint at {path} is incomplete: {file} is missing (the save "
-                "wrote it; it was removed or not copied). Copy the whole folder again, or restore an earlier "
-                "checkpoint.",
-                "incomplete",
-                file,
-            )
-        size = os.path.getsize(file)
-        if size != info["size"]:
-            raise CheckpointError(
-                f"checkpoint.restore: the checkpoint at {path} is corrupted: {file} has {size} bytes, the save "
-                f"wrote {info['size']} ({'truncated' if size < info['size'] else 'overwritten'}). Restore an "
-                "earlier checkpoint or copy this one again.",
-                "corrupted",
-                file,
-            )
-        if _sha256(file) != info["sha256"]:
-            raise CheckpointError(
-                f"checkpoint.restore: the checkpoint at {path} is corrupted: the contents of {file} changed "
-                "since the save (its SHA-256 differs). Restore an earlier checkpoint or copy this one again.",
-                "corrupted",
-                file,
-            )
+        write_manifest(path)
 
 
 # -- restore -----------------------------------------------------------------------
@@ -441,7 +321,7 @@ def restore(path, target):
     """
     ocp = _ocp()
     path = os.path.abspath(os.fspath(path))
-    _check_present(path)
+    check_present(path)
     try:
         saved = _saved_leaves(ocp, path)
     except Exception as e:  # noqa: BLE001 - orbax raises many kinds on bad metadata
