@@ -16,9 +16,11 @@ from __future__ import annotations
 import functools
 import operator
 
+import jax
 from jax import lax
 
 from sbpjax._errors import SBPError
+from sbpjax.dtypes import is_key_dtype
 from sbpjax.rules import B, Sig, rank, register, set_local
 from sbpjax.sbp import Split
 
@@ -36,10 +38,50 @@ RANDOM = (
 )
 
 
+# Primitives of typed key arrays that act on each key alone, so that an
+# array of keys (``jax.random.split(key, n)`` mapped over with ``vmap``: a
+# key per example) may be split on its key dims; the value -> its key dims.
+# Threefry keys only: each key's numbers are a function of that key alone.
+# An array of "rbg" keys draws from XLA's generator as a batch (measured: a
+# device's rows drew other numbers than the same rows drawn whole).
+PER_KEY = {
+    "random_bits": rank,  # each key's bits: (*keys, *shape)
+    "random_split": rank,  # each key's new keys: (*keys, *shape)
+    "random_fold_in": rank,  # each key with its message
+    "random_clone": rank,
+    "random_unwrap": rank,  # each key's data: (*keys, 2)
+    "random_seed": rank,  # a key per seed
+    "random_wrap": lambda aval: rank(aval) - 1,  # the last dim is a key's data
+}
+
+
 @register(*RANDOM)
 def random(eqn, in_avals):
-    """``y = f(key)`` on every device: B in, B out (the same stream everywhere)."""
-    return [Sig((B,) * len(in_avals), (B,) * len(eqn.outvars))]
+    """``y = f(key)``: B in, B out (the same stream on every device); an
+    array of keys may also be split on its key dims, each device drawing
+    its own keys' numbers, which are the same numbers as drawn whole."""
+    sigs = [Sig((B,) * len(in_avals), (B,) * len(eqn.outvars))]
+    key_dims = PER_KEY.get(eqn.primitive.name)
+    if key_dims is None or not _threefry(eqn, in_avals):
+        return sigs
+    n = key_dims(in_avals[0])
+    for d in range(n):
+        # a message of the keys' shape splits with them; a scalar one stays whole
+        ins = tuple(Split(d) if rank(a) == rank(in_avals[0]) else B for a in in_avals)
+        if all(rank(a) in (0, rank(in_avals[0])) for a in in_avals):
+            sigs.append(Sig(ins, (Split(d),) * len(eqn.outvars)))
+    return sigs
+
+
+@functools.cache
+def _threefry_dtype():
+    return jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32")).dtype
+
+
+def _threefry(eqn, in_avals) -> bool:
+    """Whether the keys ``eqn`` reads or makes are threefry keys."""
+    avals = [*in_avals, *(v.aval for v in eqn.outvars)]
+    return any(is_key_dtype(a.dtype) and a.dtype == _threefry_dtype() for a in avals)
 
 
 @register("debug_callback", "debug_print")

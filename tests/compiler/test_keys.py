@@ -82,6 +82,50 @@ def test_an_array_of_keys_split_by_in_sbp(pl8):
     assert f.explain(keys, X).propagation.in_sbp[0] == (S(0),)  # the key data's rows, split
 
 
+def _per_key_draws(keys, x):
+    """What a per-example step draws from a key per row: a normal, a split
+    key's bernoulli mask and a key folded in with its row's own message."""
+
+    def row(k, xi, i):
+        mask = jax.random.bernoulli(jax.random.split(k, 2)[1], 0.7, xi.shape)
+        return jnp.where(
+            mask, xi + jax.random.normal(k, xi.shape), jax.random.uniform(jax.random.fold_in(k, i))
+        )
+
+    return jax.vmap(row)(keys, x, jnp.arange(x.shape[0], dtype=jnp.uint32))
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+@pytest.mark.parametrize("rows", [16, 13])  # 13: an uneven split over 8
+def test_keys_split_by_rows_draw_on_their_own_devices(impl, rows, pl8):
+    """An array of threefry keys split on its rows draws each row's numbers
+    on the device holding the row (``rules.control.PER_KEY``): nothing
+    moves, and the numbers are those drawn whole, bit for bit. Before, the
+    keys were gathered to every device (896 B for 16 rows). "rbg" keys draw
+    as a batch, so they are still gathered, and draw the same numbers."""
+    keys = jax.random.split(jax.random.key(3, impl=impl), rows)
+    x = np.random.default_rng(1).normal(size=(rows, 24)).astype(np.float32)
+    f = sj.jit(_per_key_draws, placement=pl8, in_sbp=(S(0), S(0)), out_sbp=S(0))
+    np.testing.assert_array_equal(f(keys, x).numpy(), jax.jit(_per_key_draws)(keys, x))
+    moved = sum(c.bytes for c in sj.collectives(f.lower(keys, x).compile()))
+    assert moved == f.explain(keys, x).bytes
+    assert (moved == 0) == (impl == "threefry2x32"), moved
+
+
+def test_raw_uint32_keys_split_over_two_axes_draw_what_jax_jit_draws(pl24):
+    """Old-style uint32 keys (``jax.random.PRNGKey``), a (4, 8) grid of them
+    split over both axes of 2x4: ``random_wrap`` keeps their key dims split
+    (the last dim, each key's two words, stays whole)."""
+    raw = jax.vmap(jax.vmap(lambda i: jax.random.PRNGKey(i)))(jnp.arange(32).reshape(4, 8))
+
+    def draw(raw_keys):
+        return jax.vmap(jax.vmap(lambda k: jax.random.normal(k, (3,))))(raw_keys)
+
+    f = sj.jit(draw, placement=pl24, in_sbp=((S(0), S(1)),), out_sbp=(S(0), S(1)))
+    np.testing.assert_array_equal(f(raw).numpy(), jax.jit(draw)(raw))
+    assert sum(c.bytes for c in sj.collectives(f.lower(raw).compile())) == 0
+
+
 def test_a_scan_over_typed_keys_draws_what_jax_jit_draws(pl8):
     """A scan whose scanned inputs are typed keys (what ``nn.scan`` with
     ``split_rngs={"dropout": True}`` and ``nnx.scan`` over blocks holding a
