@@ -167,6 +167,26 @@ def table_gathered(table, ids, grid) -> set:
     return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for nd in table for a in split if isinstance(nd[a], Split)}
 
 
+def gathered_beside(node, i, nd, other) -> set:
+    """Operand ``i`` of a product, laid out ``nd``, with its split of a dim it
+    contracts gathered over an axis where the other operand, laid out
+    ``other``, splits a free dim: the second product of attention with the
+    sequence split, V split by key gathered beside the probabilities split
+    by query (``free_gathered``'s second case, for any layout ``other`` may
+    take rather than greedy's)."""
+    if node.name != "dot_general":
+        return set()
+    (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]
+    contracting = (lc, rc)[i]
+    skip = set((lc, rc)[1 - i]) | set((lb, rb)[1 - i])
+    axes = [
+        a
+        for a, (q, o) in enumerate(zip(nd, other))
+        if isinstance(q, Split) and q.dim in contracting and isinstance(o, Split) and o.dim not in skip
+    ]
+    return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in axes}
+
+
 def free_gathered(node, i, made) -> set:
     """Operand ``i`` of a product (``made``: each operand's layout as the
     greedy pass made it, or as the caller gave a data argument; None for

@@ -286,3 +286,31 @@ def test_a_replicated_factor_is_read_sliced_beside_a_split_gradient(pl24):
     moved = moved_bytes(f, p, state, x)
     assert moved == f.explain(p, state, x).bytes
     assert moved <= gspmd_bytes(step, pl24, *layouts, (p, state, x))
+
+
+@pytest.mark.parametrize("window", [6, 64], ids=["sliding", "causal"])
+def test_attention_with_the_sequence_split_gathers_v_beside_probabilities_split_by_query(pl8, window):
+    """Self-attention with the sequence split over 8 devices (context
+    parallelism) and a sliding-window or causal mask: the scores gather K,
+    and the probabilities, split by query, meet V split by key. Gathering V
+    there is offered even where the greedy pass split the probabilities by
+    key (``gathered_beside``); before, the plan moved the probabilities to a
+    split by key and reduce-scattered the partial result: 258,048 B in 3
+    collectives against GSPMD's 229,376 in 2."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 64, 32)).astype(np.float32)
+    ws = [(rng.normal(size=(32, 32)) / 6).astype(np.float32) for _ in range(3)]
+
+    def attend(x, wq, wk, wv):
+        q, k, v = x @ wq, x @ wk, x @ wv
+        i, j = jnp.arange(64)[:, None], jnp.arange(64)[None, :]
+        s = jnp.einsum("bqd,bkd->bqk", q, k) / 4.0
+        s = jnp.where(((j <= i) & (j > i - window))[None], s, -jnp.inf)
+        return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, -1), v)
+
+    layouts = (((S(1),), (B,), (B,), (B,)), (S(1),))
+    f = sj.jit(attend, placement=pl8, in_sbp=layouts[0], out_sbp=layouts[1])
+    assert_close(f(x, *ws).numpy(), np.asarray(jax.jit(attend)(x, *ws)), rtol=1e-5)
+    moved = moved_bytes(f, x, *ws)
+    assert moved == f.explain(x, *ws).bytes
+    assert moved <= gspmd_bytes(attend, pl8, *layouts, (x, *ws))
