@@ -20,6 +20,7 @@ from sbpjax.compiler.data import batch_axes, data_arguments
 from sbpjax.compiler.program import Var
 from sbpjax.compiler.reachable import (
     beside_partial,
+    contracts_split,
     free_gathered,
     gathered_beside,
     gathered_splits,
@@ -396,10 +397,10 @@ class Domains:
         # with the sequence split over 8 devices (a sliding-window mask) moved
         # the probabilities to a split by key and reduce-scattered the
         # partial result, 258,048 B in 3 collectives against GSPMD's 229,376
-        # in 2 (now 229,376). Greedy's partial products only: offered at every
-        # product, see free_gathered on the domains' size.
+        # in 2 (now 229,376). Only at products greedy left partial: at every
+        # product the space would grow as free_gathered's docstring measured.
         for i in range(min(len(uses), 2)):
-            if made[i] is None or made[1 - i] is None or not _contracts_split(node, made):
+            if made[i] is None or made[1 - i] is None or not contracts_split(node, made):
                 continue
             for other in self.dom.get(id(node.ins[1 - i]), ()):
                 gathered[i] = gathered[i] | gathered_beside(node, i, made[i], other)
@@ -500,16 +501,3 @@ class Domains:
             whole = [c for c in cs if all(isinstance(q, Broadcast) for nd in c[0] + c[1] for q in nd)]
             return full + whole
         return full or cs
-
-
-def _contracts_split(node, made) -> bool:
-    """Whether a ``dot_general`` with its operands laid out ``made`` contracts
-    a dim both split over one axis (its result is partial there)."""
-    if node.name != "dot_general":
-        return False
-    (lc, rc), _ = node.eqn.params["dimension_numbers"]
-    pairs = dict(zip(lc, rc))
-    return any(
-        isinstance(q, Split) and isinstance(r, Split) and q.dim in pairs and pairs[q.dim] == r.dim
-        for q, r in zip(made[0], made[1])
-    )

@@ -167,6 +167,19 @@ def table_gathered(table, ids, grid) -> set:
     return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for nd in table for a in split if isinstance(nd[a], Split)}
 
 
+def contracts_split(node, made) -> bool:
+    """Whether a ``dot_general`` with its operands laid out ``made`` contracts
+    a dim both split over one axis (its result is partial there)."""
+    if node.name != "dot_general":
+        return False
+    (lc, rc), _ = node.eqn.params["dimension_numbers"]
+    pairs = dict(zip(lc, rc))
+    return any(
+        isinstance(q, Split) and isinstance(r, Split) and q.dim in pairs and pairs[q.dim] == r.dim
+        for q, r in zip(made[0], made[1])
+    )
+
+
 def gathered_beside(node, i, nd, other) -> set:
     """Operand ``i`` of a product, laid out ``nd``, with its split of a dim it
     contracts gathered over an axis where the other operand, laid out
