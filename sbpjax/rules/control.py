@@ -111,6 +111,19 @@ def local_debug_callback(eqn, ins, ctx):
     return []
 
 
+@register("shard_map")
+def nested_shard_map(eqn, in_avals):
+    """``jax.shard_map`` inside ``sj.jit``: refused. The program sj.jit writes
+    is itself one shard_map over the placement's axes, and JAX nests
+    shard_maps only over axes the outer one leaves automatic."""
+    raise SBPError(
+        "sj.jit: the function calls jax.shard_map, which sj.jit cannot hold: the program it writes is one "
+        "shard_map over every axis of the placement, with its own collectives. Write the shard_map'd part "
+        "as plain jax.numpy (sj.jit chooses its layouts; sj.constrain pins one), or call it outside sj.jit "
+        "on the results' .to_jax() arrays."
+    )
+
+
 @register("sort")
 def sort(eqn, in_avals):
     """``y_i = sort(x_i, dim)`` for splits off the sorted dim."""

@@ -170,6 +170,17 @@ def passthrough(eqn, in_avals):
     ]
 
 
+@register("sharding_constraint", "reshard", local=lambda eqn, ins, ctx: list(ins))
+def sharding_hint(eqn, in_avals):
+    """``jax.lax.with_sharding_constraint`` / ``jax.sharding.reshard``: a layout
+    for GSPMD, which ``sj.jit`` does not run; its own solve lays the value out
+    and the op passes it through as it is (``sj.constrain`` pins an nd-SBP).
+    Decision: a hint, not an error, so that a model written for ``jax.jit``
+    with such hints runs unchanged; its ``PartitionSpec`` names the mesh's
+    axes, which inside the program sj.jit writes are manual."""
+    return passthrough(eqn, in_avals)
+
+
 def _kind(dtype) -> str:
     """b(ool), i(nt), u(int), f(loat) or c(omplex), bfloat16 included."""
     if np.dtype(dtype) == np.bool_:
