@@ -35,6 +35,7 @@ from sbpjax.compiler.arguments import (
     broadcast_spec,
     check_array_leaf,
     check_no_donated_alias,
+    checked_callable,
     checked_donate_argnums,
     checked_regather,
     checked_time_limit,
@@ -475,8 +476,8 @@ def jit(
         static_argnames=static_argnames,
     )
     if fn is None:
-        return lambda f: CompiledFunction(f, placement, **kw)
-    return CompiledFunction(fn, placement, **kw)
+        return lambda f: CompiledFunction(checked_callable(f), placement, **kw)
+    return CompiledFunction(checked_callable(fn), placement, **kw)
 
 
 def checked_budget(memory_budget, where: str = "sj.jit"):

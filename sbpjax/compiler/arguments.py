@@ -274,8 +274,9 @@ def leaf_layout(spec, ndim: int, shape: tuple, k: int, tree):
     try:
         return normalize_nd_sbp(spec, ndim, len(shape), f"in_sbp of argument leaf {k}")
     except SBPError:
-        where = f"in_sbp of argument {leaf_name(leaf_paths(tree)[k])} {shape}"
-        return normalize_nd_sbp(spec, ndim, len(shape), where)  # raises again, naming the leaf
+        pass  # raised again below, naming the leaf, without the first one chained to it
+    where = f"in_sbp of argument {leaf_name(leaf_paths(tree)[k])} {shape}"
+    return normalize_nd_sbp(spec, ndim, len(shape), where)
 
 
 def check_array_leaf(leaf, k: int, tree) -> None:
@@ -341,3 +342,13 @@ __all__ = [
     "weakly_typed",
     "check_no_donated_alias",
 ]
+
+
+def checked_callable(fn):
+    """``fn``, refused now (as ``jax.jit`` does) unless it can be called."""
+    if not callable(fn):
+        raise SBPError(
+            f"sj.jit: {fn!r:.60} ({type(fn).__name__}) is not callable; pass the function to compile: "
+            "sj.jit(step, placement=...) or @functools.partial(sj.jit, placement=...)."
+        )
+    return fn
