@@ -160,6 +160,28 @@ def checked_loss(loss, loss_fn, has_aux: bool, aux_hint: str | None = None):
     )
 
 
+def batch_layouts(batch_sbp, placement: Placement, where: str) -> list:
+    """``batch_sbp``'s nd-SBPs, each read (text parsed, entries counted against
+    the placement's axes) when the step is built, not at its first call.
+    Its leaves are as jit's in_sbp takes them: an nd-SBP, its text, or a bare
+    SBP on a 1-D placement, where (S(0), S(0)) is two leaves' layouts (None /
+    AUTO leaves name no layout)."""
+
+    def leaf(v) -> bool:
+        return isinstance(v, (Split, str)) or (is_nd_sbp(v) and len(v) == placement.ndim)
+
+    out = []
+    for nd in jax.tree.leaves(batch_sbp, is_leaf=leaf):
+        if not leaf(nd):
+            continue
+        try:
+            out.append(normalize_nd_sbp(nd, placement.ndim, where=f"{where} batch_sbp"))
+        except SBPError as e:
+            message = str(e) if "batch_sbp" in str(e) else f"{where}: batch_sbp={batch_sbp!r}: {e}"
+            raise SBPError(message) from None
+    return out
+
+
 def _data_axis(batch_sbp, placement: Placement, zero) -> int:
     if isinstance(zero, str):
         if zero not in placement.axis_names:
@@ -167,19 +189,10 @@ def _data_axis(batch_sbp, placement: Placement, zero) -> int:
                 f"zero={zero!r}: the placement's axes are {placement.axis_names}; name one of them."
             )
         return placement.axis_names.index(zero)
-
-    # batch_sbp's leaves as jit's in_sbp takes them: an nd-SBP, its text, or a
-    # bare SBP on a 1-D placement, where (S(0), S(0)) is two leaves' layouts
-    # (None / AUTO leaves name no axis)
-    def leaf(v) -> bool:
-        return isinstance(v, (Split, str)) or (is_nd_sbp(v) and len(v) == placement.ndim)
-
-    for nd in jax.tree.leaves(batch_sbp, is_leaf=leaf):
-        if leaf(nd):
-            nd = normalize_nd_sbp(nd, placement.ndim, where="batch_sbp")
-            for a, s in enumerate(nd):
-                if isinstance(s, Split) and s.dim == 0 and placement.shape[a] > 1:
-                    return a
+    for nd in batch_layouts(batch_sbp, placement, "TrainStep"):
+        for a, s in enumerate(nd):
+            if isinstance(s, Split) and s.dim == 0 and placement.shape[a] > 1:
+                return a
     raise SBPError(
         "zero=True needs a data axis: no batch leaf is split on dim 0 (S(0)). Split the batch over "
         "an axis in batch_sbp, or name the axis, e.g. zero='x'."
@@ -291,6 +304,7 @@ class TrainStep:
         self.placement = checked_placement(placement, "TrainStep")
         self.param_sbp = param_sbp
         self.batch_sbp = batch_sbp
+        batch_layouts(batch_sbp, self.placement, "TrainStep")
         self.zero = zero
         self.compute_dtype = checked_compute_dtype(compute_dtype, "TrainStep")
         self.has_aux = has_aux

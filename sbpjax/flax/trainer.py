@@ -23,6 +23,7 @@ from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.flax.annotate import get_sbp
 from sbpjax.flax.train import (
     TrainStep,
+    batch_layouts,
     checked_compute_dtype,
     checked_loss,
     checked_optimizer,
@@ -284,6 +285,7 @@ class Trainer:
         checked_optimizer(optimizer, "Trainer")
         checked_compute_dtype(step_options["compute_dtype"], "Trainer")
         checked_cost_model(step_options["cost_model"], "Trainer")
+        batch_layouts(batch_sbp, self.placement, "Trainer")
         if not isinstance(model, nnx.Module):
             raise SBPError(
                 f"Trainer: model must be a Flax NNX Module (an nnx.Module instance; Trainer.create takes a "
