@@ -60,7 +60,14 @@ def _mesh_axes(entry, names: Sequence[str], rules, where: str) -> tuple:
                 f"nor a logical name with a rule (rules: {list(rules) or 'none'}). Pass rules=[(name, "
                 f"axis), ...] or create the model inside nnx.logical_axis_rules(...)."
             )
-        out.extend(_mesh_axes(target, names, (), where))
+        targets = tuple(target) if isinstance(target, (tuple, list)) else (target,)
+        bad = [t for t in targets if t is not None and t not in names]
+        if bad:
+            raise SBPError(
+                f"{where}: the rule ({item!r}, {target!r}) maps {item!r} to {bad[0]!r}, which is not an axis "
+                f"of the placement {tuple(names)}. Name one of its axes (or None) in the rule."
+            )
+        out.extend(t for t in targets if t is not None)
     return tuple(out)
 
 
@@ -114,11 +121,14 @@ def sbp_from_metadata(metadata: dict, value, placement: Placement, rules, where:
     spec = next((metadata[k] for k in SPEC_KEYS if metadata.get(k) is not None), None)
     if spec is None:
         return None
+    given = bool(rules)
     rules = tuple(rules or metadata.get("sharding_rules") or context_rules())
     try:
         return sbp_from_spec(spec, placement, len(getattr(value, "shape", ())), rules, where)
     except SBPError:
-        from_value = sbp_from_value(value, placement, where)
+        # rules the caller gave that do not resolve are a mistake to report (a
+        # misspelt axis), not a reason to read the layout off the value instead
+        from_value = None if given else sbp_from_value(value, placement, where)
         if from_value is None:
             raise
         return from_value

@@ -165,3 +165,20 @@ def test_spec_mapping_and_its_errors():
         sbp_from_spec(("model",), pl, 1)
     with pytest.raises(sj.SBPError, match="3 entries for a parameter with 2 dims"):
         sbp_from_spec(("x", None, None), pl, 2)
+
+
+def test_explicit_rules_naming_no_axis_are_an_error_not_a_fallback():
+    """A rule given to get_sbp that maps a logical name to no axis of the
+    placement (a misspelt axis) is an SBPError naming the rule, even where the
+    parameter's own sharding could be read instead: that fallback is for
+    models without rules, not for rules that do not resolve."""
+    pl = sj.placement((2, 4), ("data", "model"))
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("mlp", None))
+    with jax.set_mesh(pl.mesh), nnx.logical_axis_rules([("mlp", "model")]):
+        m = nnx.Linear(32, 4, kernel_init=init, rngs=nnx.Rngs(0))
+    assert sjf.get_sbp(m, pl, rules=[("mlp", "data")])["kernel"] == (S(0), B)
+    with pytest.raises(
+        sj.SBPError, match=r"the rule \('mlp', 'modle'\) maps 'mlp' to 'modle', which is not an axis"
+    ):
+        sjf.get_sbp(m, pl, rules=[("mlp", "modle")])
+    assert sjf.get_sbp(m, pl)["kernel"] == (B, S(0))  # no rules given: the value's own sharding
