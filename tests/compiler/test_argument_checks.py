@@ -182,3 +182,26 @@ def test_trainer_create_wants_a_factory_not_a_model(pl24):
 def test_auto_is_true_or_false(pl8):
     with pytest.raises(sj.SBPError, match=r"auto must be True .* or False, got 'no'"):
         sj.jit(matmul, placement=pl8, auto="no")
+
+
+def test_a_batch_sbp_typo_is_refused_when_the_step_is_built(pl24):
+    """A batch_sbp that cannot be read is an SBPError naming batch_sbp when
+    the Trainer or TrainStep is built, before any state is placed; it was
+    raised at the first step, as parse_sbp's message alone."""
+    with pytest.raises(sj.SBPError, match=r"Trainer: batch_sbp='S\(0\), X': .*cannot read 'X'"):
+        sjf.Trainer(_make(), optax.sgd(0.1), _loss, pl24, batch_sbp="S(0), X")
+    with pytest.raises(sj.SBPError, match=r"TrainStep: batch_sbp=.*cannot read 'Y'"):
+        sjf.TrainStep(_loss, optax.sgd(0.1), pl24, {"w": (B, S(1))}, ("S(0), Y", "S(0), B"))
+
+
+def test_sj_jit_refuses_what_cannot_be_called_when_it_is_made(pl8):
+    with pytest.raises(sj.SBPError, match=r"sj.jit: 3 \(int\) is not callable; pass the function"):
+        sj.jit(3, placement=pl8)
+
+
+def test_a_bad_leaf_layout_is_reported_once_not_chained(pl8):
+    """The leaf's layout error names the leaf, with no first error chained to it."""
+    f = sj.jit(matmul, placement=pl8, in_sbp=(S(2), B))
+    with pytest.raises(sj.SBPError, match=r"in_sbp of argument") as info:
+        f(X, W)
+    assert info.value.__context__ is None and info.value.__cause__ is None
