@@ -426,8 +426,10 @@ class TrainStep:
 
         physical = [t.physical for t in placed]
         rep = (Broadcast(),) * pl.ndim
+        shapes = jax.eval_shape(opt_init, *physical)
+        self._opt_tree = jax.tree_util.tree_structure(shapes)
         born = state_sbp(
-            jax.eval_shape(opt_init, *physical),
+            shapes,
             jax.tree_util.tree_unflatten(tree, [t.sbp for t in placed]),
             rep,
         )
@@ -478,25 +480,39 @@ class TrainStep:
             memory_budget=self.memory_budget,
         )
 
-    def _ready(self):
+    def _ready(self, params, opt_state):
         if self._fn is None:
             raise SBPError(
                 "TrainStep: call step.init(params) first; it lays out the parameters and the "
                 "optimizer state and builds the program."
             )
+        # named here: sj.jit would report a mismatch against its in_sbp, which users of TrainStep never wrote
+        got = [jax.tree_util.tree_structure(v, is_leaf=is_global) for v in (params, opt_state)]
+        if got[1] != self._opt_tree:
+            swapped = got[0] == self._opt_tree and got[1] == self._tree
+            raise SBPError(
+                "TrainStep: "
+                + (
+                    "params and opt_state are passed in each other's place; call step(params, opt_state, batch)."
+                    if swapped
+                    else f"opt_state has {got[1].num_leaves} arrays where this optimizer's state has "
+                    f"{self._opt_tree.num_leaves} (a state another optimizer made?); pass the opt_state "
+                    "step.init returned, or the previous step's."
+                )
+            )
 
     def __call__(self, params, opt_state, batch):
         """``(params, opt_state, loss)`` after one step (``aux`` last with has_aux)."""
-        self._ready()
+        self._ready(params, opt_state)
         return self._fn(params, opt_state, batch)
 
     def explain(self, params, opt_state, batch):
         """The compiler's explanation of the step (signatures, boxings, bytes)."""
-        self._ready()
+        self._ready(params, opt_state)
         return self._fn.explain(params, opt_state, batch)
 
     def lower(self, params, opt_state, batch):
-        self._ready()
+        self._ready(params, opt_state)
         return self._fn.lower(params, opt_state, batch)
 
 

@@ -205,3 +205,29 @@ def test_a_bad_leaf_layout_is_reported_once_not_chained(pl8):
     with pytest.raises(sj.SBPError, match=r"in_sbp of argument") as info:
         f(X, W)
     assert info.value.__context__ is None and info.value.__cause__ is None
+
+
+def test_train_step_names_an_optimizer_state_it_did_not_make(pl24):
+    """Another optimizer's state, or params and state swapped, is an SBPError
+    about opt_state, not about sj.jit's in_sbp (which TrainStep users never
+    write); the step still runs with the right state afterwards."""
+
+    def loss(p, b):
+        return ((b[0] @ p["w"] - b[1]) ** 2).mean()
+
+    step = sjf.TrainStep(loss, optax.adam(1e-2), pl24, {"w": (B, S(1))}, (S(0), B))
+    params, state = step.init({"w": W})
+    batch = (X, np.zeros((16, 4), np.float32))
+    with pytest.raises(
+        sj.SBPError, match=r"TrainStep: opt_state has 1 arrays where this optimizer's state has 3"
+    ):
+        step(params, optax.sgd(0.1, momentum=0.9).init({"w": W}), batch)
+    with pytest.raises(sj.SBPError, match=r"params and opt_state are passed in each other's place"):
+        step(state, params, batch)
+    want = jax.jit(
+        lambda p, b: optax.apply_updates(
+            p, optax.adam(1e-2).update(jax.grad(loss)(p, b), optax.adam(1e-2).init(p), p)[0]
+        )
+    )
+    got = step(params, state, batch)[0]["w"].numpy()
+    assert_close(got, np.asarray(want({"w": W}, batch)["w"]), rtol=1e-5)
