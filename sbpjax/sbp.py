@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from sbpjax._errors import SBPError
 
@@ -235,10 +235,13 @@ def normalize_nd_sbp(sbp, placement_ndim: int, tensor_ndim: int | None = None, w
         items: Sequence = parse_sbp(sbp)
     elif isinstance(sbp, (Split, Broadcast, Partial)):
         items = (sbp,)
-    elif isinstance(sbp, Iterable):
+    elif isinstance(sbp, (tuple, list)):
         items = tuple(as_sbp(s, where) for s in sbp)
-    else:
-        raise SBPError(f"{where}: {sbp!r} is not an SBP or a tuple of SBPs.")
+    else:  # a dict or a set too: iterating one would read its keys as SBPs
+        raise SBPError(
+            f"{where}: {sbp!r} is not an SBP or a tuple of SBPs; give one SBP per placement axis, in "
+            'placement order, e.g. (S(0), B) or "S(0), B".'
+        )
     items = tuple(items)
     if len(items) != placement_ndim:
         hint = (

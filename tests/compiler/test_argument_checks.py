@@ -97,10 +97,10 @@ def test_constrain_checks_its_layout_and_the_dtype_it_may_take(pl24):
 def test_a_call_that_does_not_match_in_sbp_says_how_and_the_function_still_runs(pl8):
     f = sj.jit(matmul, placement=pl8, in_sbp=((S(0),), (B,)))
     with pytest.raises(
-        sj.SBPError, match=r"in_sbp has 2 entries .* this call passes 1 positional argument\."
+        sj.SBPError, match=r"in_sbp has 2 entries .* this call passes 1 such argument\."
     ):
         f(X)
-    with pytest.raises(sj.SBPError, match=r"this call passes 3 positional arguments"):
+    with pytest.raises(sj.SBPError, match=r"this call passes 3 such arguments"):
         f(X, W, W)
     g = sj.jit(matmul, placement=pl8, in_sbp=((S(0),), (B,)), out_sbp=((S(0),), (B,)))
     with pytest.raises(sj.SBPError, match=r"out_sbp is a tuple of 2 entries where the value is one array"):
@@ -231,3 +231,18 @@ def test_train_step_names_an_optimizer_state_it_did_not_make(pl24):
     )
     got = step(params, state, batch)[0]["w"].numpy()
     assert_close(got, np.asarray(want({"w": W}, batch)["w"]), rtol=1e-5)
+
+
+def test_small_messages_say_what_was_given(pl24):
+    """A dict given as an SBP is named as such (its keys were read as SBPs);
+    sj.constrain outside sj.jit hands back the very array it was given; an
+    explain() cell too long for its column ends in an ellipsis."""
+    from sbpjax.compiler.explain import _cell
+
+    with pytest.raises(
+        sj.SBPError, match=r"\{'z': S\(0\)\} is not an SBP or a tuple of SBPs; give one SBP per"
+    ):
+        sj.to_global(X, pl24, {"z": S(0)})
+    assert sj.constrain(X, (S(0), B)) is X
+    assert _cell("S(0), S(1)->B, B [all_gather dim 0, all_gather dim 1]", 20) == "S(0), S(1)->B, B [a…"
+    assert _cell("B", 4) == "B   "
