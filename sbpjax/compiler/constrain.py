@@ -72,9 +72,12 @@ def constrain(x, sbp, grad_sbp=None):
     separate layout because a value's natural cotangent often differs: the
     cotangent of a B value used on split data is a partial sum."""
     sbp = _as_nd(sbp)
+    grad_sbp = None if grad_sbp is None else _as_nd(grad_sbp, "grad_sbp")
+    if not isinstance(x, jax.core.Tracer):
+        return x  # not traced: nothing to lay out (an eager bind would hand a NumPy array back as JAX's)
     if grad_sbp is None:
         return constrain_p.bind(x, sbp=sbp)
-    return _constrain_both(x, sbp, _as_nd(grad_sbp, "grad_sbp"))
+    return _constrain_both(x, sbp, grad_sbp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
