@@ -16,6 +16,12 @@ from sbpjax.sbp import format_sbp
 _WIDEST = 60  # characters a column shows
 
 
+def _cell(text: str, width: int) -> str:
+    """``text`` padded to ``width``, or cut to it with an ellipsis that says so
+    (the whole of it is in ``Explanation.boxings`` / ``decisions``)."""
+    return text.ljust(width) if len(text) <= width else text[: width - 1] + "…"
+
+
 def _short_source(source: str) -> str:
     """``path:line:col (function)`` within a column: a long path gives way to its
     file name first, so the line number stays (it is what one looks up)."""
@@ -249,7 +255,7 @@ class Explanation:
         rows = self._rows()
         widths = [min(max(len(r[c]) for r in rows), _WIDEST) for c in range(len(rows[0]))]
         for r in rows:
-            lines.append("  " + "  ".join(v[:_WIDEST].ljust(w) for v, w in zip(r, widths)).rstrip())
+            lines.append("  " + "  ".join(_cell(v, w) for v, w in zip(r, widths)).rstrip())
         lines.append("  totals: " + self._totals())
         for w in self.warnings:
             lines.append(f"  warning: {w}")
