@@ -167,8 +167,8 @@ def _mismatch(spec, values, what: str, path: str = "") -> str | None:
         if len(spec) != len(values):
             if what == "in_sbp" and not path:
                 return (
-                    f"in_sbp has {len(spec)} entries (one per positional argument) and this call passes "
-                    f"{len(values)} positional argument{'s' * (len(values) != 1)}"
+                    f"in_sbp has {len(spec)} entries (one per positional argument, static ones aside) and this "
+                    f"call passes {len(values)} such argument{'s' * (len(values) != 1)}"
                 )
             return f"{here} has {len(spec)} entries where the values have {len(values)}"
         for k, (s, v) in enumerate(zip(spec, values)):

@@ -191,3 +191,13 @@ def test_the_process_fingerprint_of_static_values_holds_no_address():
     assert a == b and "0x" not in a and "Opaque" in a
     assert fingerprint_text((2, ((1, "eval"),), ())) != fingerprint_text((2, ((1, "train"),), ()))
     assert fingerprint_text(()) == ""
+
+
+def test_a_count_of_positional_arguments_leaves_static_ones_aside(pl24):
+    def f(x, mode, y):
+        return x + y if mode == "add" else x * y
+
+    g = sj.jit(f, placement=pl24, in_sbp=((S(0), B), (S(0), S(1))), static_argnums=(1,))
+    x = np.ones((8, 4), np.float32)
+    with pytest.raises(sj.SBPError, match=r"static ones aside\) and this call passes 1 such argument"):
+        g(x, "add", y=x)
