@@ -235,10 +235,17 @@ class Pipeline:
         p = len(groups)
         want = self.schedule.stages(p)
         if want != len(stages):
+            shared = (
+                f" (stages {', '.join(str(s) for s, st in enumerate(stages) if st.placement == groups[0])} "
+                f"share the placement {groups[0]!r}: each group is one placement)"
+                if p < len(stages) and sum(st.placement == groups[0] for st in stages) > 1
+                else ""
+            )
             raise SBPError(
-                f"Pipeline: {len(stages)} stages on {p} device groups, but {self.schedule!r} runs "
+                f"Pipeline: {len(stages)} stages on {p} device groups{shared}, but {self.schedule!r} runs "
                 f"{want} stages on {p} groups; give Interleaved1F1B(chunks=v) v stages per group, "
-                "zb-v and dualpipev two, other schedules one."
+                "zb-v and dualpipev two, other schedules one"
+                + ("; or put each stage on its own placement." if shared else ".")
             )
         for s, st in enumerate(stages):
             d = self.schedule.device_of(s, p)

@@ -248,8 +248,13 @@ def test_bad_input_raises_sbperror(one_device_stages):
             opt,
             microbatches=2,
         )
-    with pytest.raises(sj.SBPError, match="v stages per group"):
+    with pytest.raises(
+        sj.SBPError, match=r"v stages per group, zb-v and dualpipev two, other schedules one\.$"
+    ):
         sjp.Pipeline(stages, mse, opt, microbatches=2, schedule=sjp.Interleaved1F1B(2))
+    same = sjp.Stage(layer, layer_params(np.random.default_rng(0)), stages[0].placement)
+    with pytest.raises(sj.SBPError, match=r"stages 0, 1 share the placement .* its own placement\.$"):
+        sjp.Pipeline([stages[0], same], mse, opt, microbatches=2)
     with pytest.raises(sj.SBPError, match="must be an sj.Placement"):
         sjp.Stage(layer, layer_params(np.random.default_rng(0)), jax.devices()[0])
     with pytest.raises(sj.SBPError, match="param_sbp"):
