@@ -40,7 +40,8 @@ RANDOM = (
 
 # Primitives of typed key arrays that act on each key alone, so that an
 # array of keys (``jax.random.split(key, n)`` mapped over with ``vmap``: a
-# key per example) may be split on its key dims; the value -> its key dims.
+# key per example) may be split on its key dims: name -> the number of key
+# dims of the first operand.
 # Threefry keys only: each key's numbers are a function of that key alone.
 # An array of "rbg" keys draws from XLA's generator as a batch (measured: a
 # device's rows drew other numbers than the same rows drawn whole).
@@ -64,12 +65,13 @@ def random(eqn, in_avals):
     key_dims = PER_KEY.get(eqn.primitive.name)
     if key_dims is None or not _threefry(eqn, in_avals):
         return sigs
-    n = key_dims(in_avals[0])
-    for d in range(n):
+    keys = rank(in_avals[0])
+    if any(rank(a) not in (0, keys) for a in in_avals):
+        return sigs
+    for d in range(key_dims(in_avals[0])):
         # a message of the keys' shape splits with them; a scalar one stays whole
-        ins = tuple(Split(d) if rank(a) == rank(in_avals[0]) else B for a in in_avals)
-        if all(rank(a) in (0, rank(in_avals[0])) for a in in_avals):
-            sigs.append(Sig(ins, (Split(d),) * len(eqn.outvars)))
+        ins = tuple(Split(d) if rank(a) == keys else B for a in in_avals)
+        sigs.append(Sig(ins, (Split(d),) * len(eqn.outvars)))
     return sigs
 
 

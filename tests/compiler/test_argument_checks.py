@@ -96,9 +96,7 @@ def test_constrain_checks_its_layout_and_the_dtype_it_may_take(pl24):
 
 def test_a_call_that_does_not_match_in_sbp_says_how_and_the_function_still_runs(pl8):
     f = sj.jit(matmul, placement=pl8, in_sbp=((S(0),), (B,)))
-    with pytest.raises(
-        sj.SBPError, match=r"in_sbp has 2 entries .* this call passes 1 such argument\."
-    ):
+    with pytest.raises(sj.SBPError, match=r"in_sbp has 2 entries .* this call passes 1 such argument\."):
         f(X)
     with pytest.raises(sj.SBPError, match=r"this call passes 3 such arguments"):
         f(X, W, W)
