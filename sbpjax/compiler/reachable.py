@@ -185,8 +185,8 @@ def gathered_beside(node, i, nd, other) -> set:
     contracts gathered over an axis where the other operand, laid out
     ``other``, splits a free dim: the second product of attention with the
     sequence split, V split by key gathered beside the probabilities split
-    by query (``free_gathered``'s second case, for any layout ``other`` may
-    take rather than greedy's)."""
+    by query (``free_gathered``'s second case; ``Domains`` also calls it with
+    any layout ``other`` may take rather than greedy's)."""
     if node.name != "dot_general":
         return set()
     (lc, rc), (lb, rb) = node.eqn.params["dimension_numbers"]
@@ -233,17 +233,13 @@ def free_gathered(node, i, made) -> set:
     def free_axes(nd, skip) -> set:
         return {a for a, q in enumerate(nd) if isinstance(q, Split) and q.dim not in skip}
 
-    def contracted_axes(nd, contracting) -> set:
-        return {a for a, q in enumerate(nd) if isinstance(q, Split) and q.dim in contracting}
-
     shared = free_axes(made[i], skips[i]) & free_axes(made[1 - i], skips[1 - i])
-    # split on a dim it contracts where the other operand's free dim is split:
-    # the probabilities split by query meeting V split by key (the second
-    # product of attention with the sequence split) gather V and keep the
-    # query split, as the scores' product gathers K
-    shared |= contracted_axes(made[i], (lc, rc)[i]) & free_axes(made[1 - i], skips[1 - i])
     nd = made[i]
-    return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in shared}
+    # and split on a dim it contracts where the other operand's free dim is
+    # split: the probabilities split by query meeting V split by key (the
+    # second product of attention with the sequence split) gather V and keep
+    # the query split, as the scores' product gathers K
+    return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in shared} | gathered_beside(node, i, nd, made[1 - i])
 
 
 def reached(program, seeds: set, ops) -> set:
