@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from sbpjax._errors import SBPError
 from sbpjax.boxing.device_index import group_index
 from sbpjax.boxing.lower import run_plan
 from sbpjax.boxing.plan import normalized_layout
@@ -24,7 +25,7 @@ from sbpjax.compiler.buckets import run_bucket
 from sbpjax.compiler.local_plan import plan_local
 from sbpjax.compiler.loop_exits import shift_up
 from sbpjax.compiler.lower_control import STACKED
-from sbpjax.compiler.program import Const
+from sbpjax.compiler.program import Const, located
 from sbpjax.compiler.propagation import CONSTRAIN, NESTED, Propagation
 from sbpjax.layout import Geometry
 from sbpjax.rules import RULES, local_shape, split_axes
@@ -295,7 +296,10 @@ class LocalProgram:
                 local = rule.local
             else:
                 local = _default_local
-            outs = local(node.eqn, ins, ctx)
+            try:
+                outs = local(node.eqn, ins, ctx)
+            except SBPError as e:
+                raise located(e, node.source) from None
         for v, nd, y in zip(node.outs, dec.out_sbp, outs):
             env[(id(v), nd)] = y
         return outs

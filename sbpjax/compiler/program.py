@@ -216,6 +216,16 @@ def source_of(eqn) -> str:
         return UNKNOWN_SOURCE
 
 
+def located(err, source: str):
+    """``err`` (an SBPError a rule raised about one equation) with the user's
+    line that made the equation appended, so the message says where as well
+    as what: the rules see an equation, not the code it came from. The same
+    error when the line is unknown or the message already names it."""
+    if source == UNKNOWN_SOURCE or source in str(err):
+        return err
+    return type(err)(f"{err}\n  (at {source})")
+
+
 __all__ = [
     "Var",
     "Const",
@@ -227,5 +237,6 @@ __all__ = [
     "Program",
     "common_path",
     "source_of",
+    "located",
     "UNKNOWN_SOURCE",
 ]

@@ -23,7 +23,7 @@ import warnings
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.boxing.plan import bytes_lower_bound, plan_boxing, plan_zeros
 from sbpjax.compiler import uneven
-from sbpjax.compiler.program import Const, Node, Program, Var
+from sbpjax.compiler.program import Const, Node, Program, Var, located
 from sbpjax.compiler.propagation import (
     CONSTRAIN,
     CONTROL_FLOW,
@@ -220,9 +220,13 @@ class Propagator(SignatureSearch):
     def _candidates(self, node: Node):
         rule = RULES[node.name]  # only asked for ops with a rule
         in_avals = [v.aval for v in node.eqn.invars]
+        try:
+            offered = rule.signatures(node.eqn, in_avals)
+        except SBPError as e:
+            raise located(e, node.source) from None
         sigs = [
             s
-            for s in rule.signatures(node.eqn, in_avals)
+            for s in offered
             if len(s.ins) == len(node.ins)
             and len(s.outs) == len(node.outs)
             and all(valid_for(q, a.shape) and dtype_ok(q, a.dtype) for q, a in zip(s.ins, node.ins))

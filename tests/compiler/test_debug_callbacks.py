@@ -63,5 +63,7 @@ def test_an_ordered_print_is_refused_with_what_to_do(pl8):
     for _ in range(2):  # refused again, not half-built, on the next call
         with pytest.raises(
             sj.SBPError, match=r"jax.debug.print\('total \{s\}', ...\) asks for ordered=True.*Drop"
-        ):
+        ) as err:
             g(x)
+        # where: the user's line of the print, once (not again on the second call)
+        assert str(err.value).count(f"(at {__file__}:{f.__code__.co_firstlineno + 1}") == 1

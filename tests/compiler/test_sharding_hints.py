@@ -59,5 +59,8 @@ def test_a_shard_map_inside_is_an_sbp_error_that_says_what_to_write(pl24):
         )
 
     f = sj.jit(doubled, placement=pl24, in_sbp=((S(0), S(1)),))
-    with pytest.raises(sj.SBPError, match="calls jax.shard_map.*plain jax.numpy"):
+    with pytest.raises(sj.SBPError, match="calls jax.shard_map.*plain jax.numpy") as err:
         f(np.ones((8, 12), np.float32))
+    # the rule sees an equation; the message names the user's line that made it
+    line = doubled.__code__.co_firstlineno + 1
+    assert f"(at {__file__}:{line}" in str(err.value) and str(err.value).endswith("doubled))")
