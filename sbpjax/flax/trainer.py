@@ -316,6 +316,7 @@ class Trainer:
         self._optimizer, self._loss_fn, self._batch_sbp = optimizer, loss_fn, batch_sbp
         self._step_options = step_options
         self._probe = to_global(np.zeros((), np.float32), placement, (Broadcast(),) * placement.ndim)
+        self._as_chosen = False  # the state is laid out as the step takes it (``_lay_out_as_chosen``)
 
     def _build_step(self):
         loss_fn = self._loss_fn
@@ -367,9 +368,38 @@ class Trainer:
             self.params, self.opt_state, self.state = params, opt_state, state
             return value
         self._probe.numpy()  # a B scalar on this placement reads as the loss will
+        if not self._as_chosen:
+            self._lay_out_as_chosen(batch)
         params, opt_state, loss, state = self.train_step(self.params, self.opt_state, (batch, self.state))
+        self._as_chosen = True
         self.params, self.opt_state, self.state = params, opt_state, state
         return float(loss.numpy())
+
+    def _lay_out_as_chosen(self, batch) -> None:
+        """Before the first donating step: the parameters and optimizer state
+        leave the layouts they were born in (spread, where the solver chooses)
+        for the ones the step takes, one leaf at a time, each old copy freed
+        as soon as its new one exists. Left to the step, every leaf would be
+        re-laid out before it runs while the trainer still held the old ones:
+        the state twice over at the first step, the step a model sized to
+        its memory fails on. The trainer holds its state whole at every
+        point: were a re-layout to fail, the leaves moved so far are held in
+        their new layouts and the rest in their old ones."""
+        chosen = self.train_step.explain(self.params, self.opt_state, (batch, self.state)).propagation.in_sbp
+        held, tree = jax.tree_util.tree_flatten((self.params, self.opt_state), is_leaf=is_global)
+        users: dict = {}
+        for t in held:  # a buffer two leaves share is freed by neither
+            users[id(t.physical)] = users.get(id(t.physical), 0) + 1
+        try:
+            for k, (t, nd) in enumerate(zip(held, chosen)):
+                if nd == t.sbp:
+                    continue
+                moved = t.to_global(sbp=nd)
+                if moved.physical is not t.physical and users[id(t.physical)] == 1:
+                    t.physical.delete()
+                held[k] = moved
+        finally:
+            self.params, self.opt_state = jax.tree_util.tree_unflatten(tree, held)
 
     def _check_batch(self, batch) -> None:
         """``batch`` checked where the message can name the leaf (the step's
@@ -424,6 +454,7 @@ class Trainer:
             path, {"params": self.params, "opt_state": self.opt_state, "state": self.state}
         )
         self.params, self.opt_state, self.state = saved["params"], saved["opt_state"], saved["state"]
+        self._as_chosen = False
 
     def state_bytes_per_device(self) -> dict:
         """Bytes the most loaded device holds: parameters and optimizer state."""
