@@ -189,10 +189,17 @@ def _data_axis(batch_sbp, placement: Placement, zero) -> int:
                 f"zero={zero!r}: the placement's axes are {placement.axis_names}; name one of them."
             )
         return placement.axis_names.index(zero)
-    for nd in batch_layouts(batch_sbp, placement, "TrainStep"):
-        for a, s in enumerate(nd):
-            if isinstance(s, Split) and s.dim == 0 and placement.shape[a] > 1:
-                return a
+    batch = [
+        a
+        for nd in batch_layouts(batch_sbp, placement, "TrainStep")
+        for a, s in enumerate(nd)
+        if isinstance(s, Split) and s.dim == 0
+    ]
+    for a in batch:
+        if placement.shape[a] > 1:
+            return a
+    if batch:  # a data axis of one device (code for N devices run on one): nothing to split
+        return batch[0]
     raise SBPError(
         "zero=True needs a data axis: no batch leaf is split on dim 0 (S(0)). Split the batch over "
         "an axis in batch_sbp, or name the axis, e.g. zero='x'."

@@ -177,6 +177,11 @@ class LayerChain:
             raise SBPError(f"LayerChain.from_functions: {len(sbps)} param_sbp entries for {len(fns)} layers.")
         names = list(names) if names is not None else [f"layer{i}" for i in range(len(fns))]
         _warn_shared_arrays(fns, params, names)
+        # global tensors (a trained pipeline's parameters, cut again) by their values, as the layer
+        # functions take them under jax.jit (a stage lays them out on its own placement)
+        params = [
+            jax.tree.map(lambda v: v.numpy() if is_global(v) else v, p, is_leaf=is_global) for p in params
+        ]
         layers = []
         for i, (fn, p, s) in enumerate(zip(fns, params, sbps)):
             shapes = tuple((np.shape(v), str(np.asarray(v).dtype)) for v in jax.tree_util.tree_leaves(p))

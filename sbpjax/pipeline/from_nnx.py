@@ -205,8 +205,18 @@ def chain_of(model, sample, *, blocks: str | None = None, check: bool = True) ->
         )
     check_sample(sample, ".from_model")  # before the probe runs the model on it
     path, kind, n = find_blocks(model, blocks)
-    parts = Parts(model, path, kind, n, sample)
-    if isinstance(parts.before(parts.params, np.asarray(sample)), jax.core.Tracer):  # run eagerly
+    try:
+        parts = Parts(model, path, kind, n, sample)
+        eager = parts.before(parts.params, np.asarray(sample))
+    except (SBPError, jax.errors.JAXTypeError):
+        raise  # sbpjax's own, and JAX's tracing errors: not the sample's
+    except (TypeError, ValueError, IndexError, KeyError) as e:
+        raise SBPError(
+            f"LayerChain.from_model: {type(model).__name__} raised {type(e).__name__} on the sample "
+            f"(shape {np.shape(sample)}, dtype {np.asarray(sample).dtype}): {str(e).rstrip('.')}. The sample is one "
+            "microbatch of what the model takes (token ids as integers, say)."
+        ) from e
+    if isinstance(eager, jax.core.Tracer):  # run eagerly
         raise _in_a_transformation()
     node = get_path(model, path)
     try:
@@ -271,15 +281,31 @@ def _block_tie(module) -> str:
 
 
 def _check_against_model(chain: LayerChain, model, sample) -> None:
+    """The chain's output on ``sample`` equals the model's, leaf by leaf (a
+    head may return a pytree: logits and an auxiliary loss)."""
     graphdef, state = nnx.split(model)
-    want = np.asarray(jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, sample))
-    got = np.asarray(jax.jit(chain.__call__)(chain.params, sample))
-    scale = float(np.max(np.abs(want))) if want.size else 0.0
-    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
+    want = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, sample)
+    got = jax.jit(chain.__call__)(chain.params, sample)
+    shapes = [jax.tree.map(lambda v: tuple(np.shape(v)), t) for t in (got, want)]
+    worst = _largest_difference(got, want) if shapes[0] == shapes[1] else None
+    if worst is None or worst > 0:
         raise SBPError(
             f"LayerChain.from_model: running embed -> {len(chain)} layers -> head does not give the model's "
-            f"output on the sample (shapes {got.shape} vs {want.shape}, largest difference "
-            f"{float(np.max(np.abs(got - want))) if got.shape == want.shape else 'n/a'}). The model's __call__ "
-            "must run each block once, in order, as x = block(x); otherwise give the layers as functions with "
-            "LayerChain.from_functions."
+            f"output on the sample (shapes {shapes[0]} vs {shapes[1]}, largest difference "
+            f"{'n/a' if worst is None else worst}). The model's __call__ must run each block once, in order, "
+            "as x = block(x); otherwise give the layers as functions with LayerChain.from_functions."
         )
+
+
+def _largest_difference(got, want) -> float:
+    """0.0 where every leaf of ``got`` is close to ``want``'s (rtol 1e-4, atol
+    1e-4 of the leaf's largest value, NaN where the other has NaN); otherwise
+    the largest difference."""
+    worst = 0.0
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        scale = float(np.max(np.abs(w))) if w.size else 0.0
+        if not np.allclose(g, w, rtol=1e-4, atol=1e-4 * scale, equal_nan=True):
+            diff = float(np.max(np.abs(g - w)))
+            worst = max(worst, diff if np.isfinite(diff) else float("inf"))  # a NaN on one side only
+    return worst

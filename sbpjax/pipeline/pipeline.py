@@ -73,6 +73,11 @@ class Pipeline:
     on each group, the others one), and for the V schedules (zb-v, dualpipev)
     stages ``d`` and ``2p - 1 - d`` on group ``d``.
 
+    The stages hold the parameters: a step updates each stage's ``params``
+    in place, so two pipelines built from the same :class:`Stage` objects
+    train one set of parameters (build each from its own stages, e.g. cut
+    again, to train two).
+
     ``data_registers`` / ``activation_registers``: slots of the loader / put
     registers and of the registers between stages; ``stash_counts`` overrides
     the schedule's forward-to-backward slots per stage and ``kept_counts`` its

@@ -109,7 +109,9 @@ class ActionList(Schedule):
     ``"backward_weight"`` (W) (zero-bubble style). ``stage_devices[s]`` is the
     device of stage ``s`` (default: round robin, stage ``s`` on device ``s % p``).
 
-    Every list is validated before it runs (each action exactly once, on its
+    A split list has every stage's W for every microbatch, the first stage's
+    too (there B runs the whole backward and W only marks the microbatch
+    done). Every list is validated before it runs (each action exactly once, on its
     stage's device, dependencies that can be met, register bounds). Each
     stage's forward keeps as many residuals, and each B as many kept values,
     as its list ever has outstanding; registers that cross devices get one slot

@@ -212,11 +212,15 @@ def search_pipeline(
     _check_choices(grid, scheds, remat, groups)
     space = Space(profiles, grid, batch, memory, compute, ms, scheds, remat, groups)
     if not space.protos:
+        n = len(profiles)
+        limit = f", device-group counts {list(groups)}" if groups is not None else ""
         raise SBPError(
-            f"search_pipeline: no configuration of {len(profiles)} layers on {grid!r} with microbatches {ms} "
-            f"and schedules {[getattr(s, 'name', repr(s)) for s in scheds]} can run (a microbatch's rows "
-            "must scale to whole rows, and a pipeline needs at least one layer per stage); use a larger batch or other "
-            "microbatch counts."
+            f"search_pipeline: no configuration of {n} layers on {grid!r} with microbatches {ms}{limit} "
+            f"and schedules {[getattr(s, 'name', repr(s)) for s in scheds]} can run: a microbatch's rows "
+            f"must scale to whole rows, and every stage needs at least one layer ({n} layers make at most "
+            f"{n} stages, on as many device groups; a schedule with two stages per group, such as interleaved "
+            f"or zb-v, on at most {n // 2}). Use a larger batch or other microbatch counts"
+            + (", or fewer device groups." if groups is not None else ".")
         )
     if isinstance(max_simulations, bool) or not isinstance(max_simulations, int) or max_simulations < 1:
         raise SBPError(

@@ -314,6 +314,67 @@ class Widening(nnx.Module):
         return self.head(x)
 
 
+class AuxHead(Widening):
+    """A head returning its output and an auxiliary term for the loss."""
+
+    def __call__(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        out = self.head(x)
+        return out, {"aux": jnp.mean(out**2)}
+
+
+def test_a_model_whose_head_returns_a_pytree_is_checked_leaf_by_leaf():
+    """``from_model`` checks the chain against the model on the sample leaf by
+    leaf: a head returning ``(output, {"aux": ...})`` was refused by a raw
+    numpy ValueError (the check made one array of the tuple)."""
+    model = AuxHead(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
+    c = sjp.cut(model, sj.placement(2, "pp"), axis="pp", sample=x, costs=[1.0] * 5)
+
+    def loss(out, target):
+        return jnp.mean((out[0] - target) ** 2) + 0.1 * out[1]["aux"]
+
+    r = sjp.Pipeline(c.stages, loss, optax.sgd(0.1), microbatches=2).step(x, y)
+    want_loss, grads = nnx.value_and_grad(lambda m: loss(m(x), y))(model)
+    assert r.loss == pytest.approx(float(want_loss), rel=1e-5)
+    for g, w in zip(jax.tree.leaves(c.model_params(r.grads)), jax.tree.leaves(nnx.to_pure_dict(grads))):
+        assert_close(g, w, rtol=1e-4)
+
+
+def test_a_trained_pipeline_is_cut_again_from_its_global_parameters():
+    """Cutting again from a trained pipeline's parameters (``layer_params``:
+    global tensors on each stage's placement), as the pipeline guide says, for
+    another stage count: ``from_functions`` reads them by value (a layer
+    function subscripting one raised ``TypeError: 'GlobalTensor' object is
+    not subscriptable``), and a stage built from another's parameters lays
+    them out on its own placement. The re-cut pipeline's next step is the
+    first pipeline's next step."""
+    model = Widening(nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 2)).astype(np.float32)
+
+    def mse(out, target):
+        return jnp.mean((out - target) ** 2)
+
+    c = sjp.cut(model, sj.placement(2, "pp"), axis="pp", sample=x, costs=[1.0] * 5)
+    pipe = sjp.Pipeline(c.stages, mse, optax.sgd(0.1), microbatches=2)
+    pipe.step(x, y)
+    is_gt = lambda t: isinstance(t, sj.GlobalTensor)  # noqa: E731
+    trained = c.layer_params(pipe.params)
+    assert all(isinstance(t, sj.GlobalTensor) for t in jax.tree.leaves(trained, is_leaf=is_gt))
+    chain = sjp.LayerChain.from_functions([layer.apply for layer in c.chain.layers], trained, x)
+    again = sjp.cut(chain, sj.placement(4, "pp"), axis="pp", costs=[1.0] * 5)
+    got = sjp.Pipeline(again.stages, mse, optax.sgd(0.1), microbatches=2).step(x, y)
+    want = pipe.step(x, y)
+    assert got.loss == pytest.approx(want.loss, rel=1e-6)
+    got_grads = jax.tree.leaves(again.layer_params(got.grads), is_leaf=is_gt)
+    for g, w in zip(got_grads, jax.tree.leaves(c.layer_params(want.grads), is_leaf=is_gt), strict=True):
+        assert_close(g.numpy(), w.numpy(), rtol=1e-5)
+
+
 def test_blocks_that_change_the_width_cut_and_train_like_one_program():
     model = Widening(nnx.Rngs(0))
     rng = np.random.default_rng(0)
@@ -434,6 +495,11 @@ def test_models_that_cannot_be_cut_say_why():
         sj.SBPError, match=r"LayerChain.from_model: the sample is a tuple; a chain's input is one"
     ):
         sjp.LayerChain.from_model(ListGPT(nnx.Rngs(0)), (x, x))
+    # a sample the model cannot take: the model's own error, with the sample's shape and dtype
+    with pytest.raises(
+        sj.SBPError, match=r"ListGPT raised ValueError on the sample \(shape \(2, 8\), dtype float32\)"
+    ):
+        sjp.LayerChain.from_model(ListGPT(nnx.Rngs(0)), x.astype(np.float32))
     with pytest.raises(sj.SBPError, match="not a Flax NNX module"):
         sjp.LayerChain.from_model(lambda t: t, x)
     with pytest.raises(sj.SBPError, match=r"9 stages for 7 layers.*at most 7 stages"):  # 5 blocks

@@ -12,6 +12,7 @@ import pytest
 from pipeline_helpers import MB, D, assert_close, batch, host, layer, layer_params, mse, reference_step
 
 import sbpjax as sj
+import sbpjax.flax as sjf
 import sbpjax.pipeline as sjp
 from sbpjax.dtypes import is_key
 
@@ -151,6 +152,50 @@ def test_tensor_parallel_stages_with_adam():
         assert_close([host(st.params) for st in stages], want_params)
         for st in stages:  # the weights keep their tensor-parallel layout
             assert st.params["w1"].sbp == (sj.S(1),) and st.params["w2"].sbp == (sj.S(0),)
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["layout", "zero"])
+def test_a_stage_takes_another_stages_global_parameters_by_value(zero):
+    """A stage built from global tensors (another stage's or a pipeline's
+    parameters, a restored checkpoint's) lays their values out on its own
+    placement and layouts; it raised a raw pytree error, or an
+    AttributeError for a replicated layout."""
+    devices = np.array(jax.devices())
+    first = sjp.Stage(
+        layer,
+        layer_params(np.random.default_rng(0)),
+        sj.Placement(devices[:2], ("t",)),
+        param_sbp={"w": (sj.S(1),), "b": (sj.S(0),)},
+    )
+    for pl, sbp in (
+        (first.placement, None),
+        (sj.Placement(devices[2:6], ("d",)), {"w": (sj.S(0),), "b": (sj.B,)}),
+    ):
+        second = sjp.Stage(
+            layer, first.params, pl, param_sbp=sbp, zero=zero, in_sbp=sj.S(0) if zero else None
+        )
+        assert second.placement == pl
+        for k in ("w", "b"):
+            np.testing.assert_array_equal(second.params[k].numpy(), first.params[k].numpy())
+
+
+def test_zero_on_a_data_axis_of_one_device_stores_the_state_whole():
+    """``zero=True`` with the batch split over an axis of one device (code
+    written for N devices run on one) stores everything whole, as
+    ``zero='dp'`` does; it was refused with a message saying the input was
+    not split, next to ``in_sbp is (S(0),)``. The Trainer reads it alike."""
+    one = sj.Placement(np.array(jax.devices()[:1]), ("dp",))
+    x, y = batch(4, seed=3)
+    params = layer_params(np.random.default_rng(0))
+    for zero in (True, "dp"):
+        st = sjp.Stage(layer, params, one, in_sbp=sj.S(0), zero=zero)
+        assert st.stored_sbp == {"w": (sj.B,), "b": (sj.B,)}
+        r = sjp.Pipeline([st], mse, optax.sgd(0.1), microbatches=2).step(x, y)
+        want_loss, _, _, _ = reference_step([layer], [params], x, y, optax.sgd(0.1))
+        assert r.loss == pytest.approx(want_loss, rel=1e-6)
+    step = sjf.TrainStep(lambda p, b: jnp.sum(p["w"] * b), optax.sgd(0.1), one, None, (sj.S(0),), zero=True)
+    p, s = step.init({"w": np.ones(4, np.float32)})
+    assert p["w"].sbp == (sj.B,)
 
 
 def test_memory_is_counted_per_device_in_the_budgets_unit():

@@ -257,7 +257,10 @@ def test_bad_requests_say_what_to_fix():
         ss.search_pipeline(profiles, 4, batch=8, remat=())
     with pytest.raises(sj.SBPError, match=r"schedules=\[\] leaves nothing to search"):
         ss.search_pipeline(profiles, 4, batch=8, schedules=[])
-    with pytest.raises(sj.SBPError, match=r"and schedules \['1f1b'\] can run"):  # 3 layers on 4 stages
+    with pytest.raises(  # 3 layers on 4 stages: the groups named, and what limits them
+        sj.SBPError,
+        match=r"device-group counts \[4\] and schedules \['1f1b'\] can run.*at most 3 stages.*fewer device groups",
+    ):
         ss.search_pipeline(profiles, 4, batch=8, groups=[4], schedules=["1f1b"], microbatches=[8])
 
 
