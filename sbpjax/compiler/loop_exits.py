@@ -50,11 +50,16 @@ def pushed_boxings(ctx, stacks, escapes) -> dict:
         boxes = ctx.boxings_of.get(id(var), [])
         if len(boxes) != 1:
             continue
-        _, b = boxes[0]
+        at, b = boxes[0]
         whole = shift_up(nd)
         if tuple(b.src) != whole or any(isinstance(s, Split) and s.dim == 0 for s in b.dst):
             continue
-        if any(nd2 != tuple(b.src) and nd2 != tuple(b.dst) for _, nd2 in ctx.reads.get(id(var), ())):
+        reads = ctx.reads.get(id(var), ())
+        if any(nd2 != tuple(b.src) and nd2 != tuple(b.dst) for _, nd2 in reads):
+            continue
+        # the stack read as it is made only by its boxing: boxed in the loop, it is never whole in
+        # that layout (a mean of a scan's outputs beside their zero-filled partial read it so)
+        if [i for i, nd2 in reads if nd2 == tuple(b.src)] != [at]:
             continue
         dst = shift_down(b.dst)
         y = template[key]

@@ -10,7 +10,7 @@ import pytest
 from conftest import assert_close, moved_bytes
 
 import sbpjax as sj
-from sbpjax import B, S
+from sbpjax import B, P, S
 from sbpjax.compiler import loops
 
 RNG = np.random.default_rng(0)
@@ -476,3 +476,22 @@ def test_a_carry_only_its_own_chain_reads_is_dead_code():
     assert not any(n.name == "dot_general" for n in nodes)
     assert sum(n.name == "add" for n in nodes) >= 4  # the sum's four iterations
     assert_close(f(x, w).numpy(), np.asarray(jax.jit(fn)(x, w)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("out_sbp", [None, (P,), (S(1),), (B,)], ids=["free", "P", "S1", "B"])
+def test_a_stack_read_as_made_beside_its_boxing_stays_made(pl8, out_sbp):
+    """A rolled scan's stacked outputs, whose one boxing (zero-filled into a
+    partial for ``a - a.mean()``) the loop runs slice by slice
+    (``loop_exits.pushed_boxings``), while the mean reads the stack as it is
+    made: the stack must then exist in that layout too. It did not (a PPO
+    loss's advantages after a GAE scan raised ``AttributeError: 'Var' object
+    has no attribute 'value'``); such a stack is boxed after the loop."""
+    r = np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)
+
+    def centred(r):
+        a = jax.lax.scan(lambda c, d: (d + 0.9 * c, d + 0.9 * c), jnp.zeros_like(r[0]), r)[1]
+        return a - a.mean()
+
+    f = sj.jit(centred, placement=pl8, in_sbp=(S(1),), out_sbp=out_sbp)
+    assert_close(f(r).numpy(), np.asarray(jax.jit(centred)(r)), rtol=1e-5)
+    assert moved_bytes(f, r) == f.explain(r).bytes
