@@ -157,6 +157,11 @@ def save(path, tree) -> None:
             "folder (e.g. one per step) or delete the old one first."
         )
     names, leaves, treedef = _flatten(tree)
+    if not leaves:
+        raise SBPError(
+            f"checkpoint.save: the tree to save into {path} has no leaves ({tree!r}); save a tree that holds "
+            "arrays, global tensors or numbers."
+        )
     for n, x in zip(names, leaves):
         if isinstance(x, (GlobalTensor, jax.Array, np.ndarray)) and 0 in np.shape(x):
             # checked before anything is written: orbax refuses it midway, from its own threads

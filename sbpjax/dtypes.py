@@ -69,6 +69,12 @@ def canonical_dtype(dtype) -> np.dtype:
             raise TypeError(dtype)
         return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
     except TypeError:
+        if is_key_dtype(dtype):
+            raise SBPError(
+                f"dtype {dtype} is a PRNG key's, which a global tensor does not hold: lay out its key data "
+                "(jax.random.key_data(k), uint32) and wrap it again with jax.random.wrap_key_data, or pass "
+                "the key to sj.jit, which lays typed keys out itself."
+            ) from None
         raise SBPError(
             f"dtype {dtype} is not one a JAX array holds (bool, integers, floats, complex); convert the "
             "data first, e.g. np.asarray(x, np.float32)."

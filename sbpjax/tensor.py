@@ -9,7 +9,11 @@ that looks reduced.
 
 Global tensors are JAX pytrees (the physical array is the leaf), so they pass
 through ``jax.jit`` and ``jax.tree.map``; boxing inside a traced function is
-differentiable.
+differentiable. A function mapped over one sees the physical array, each
+device's piece: an elementwise function gives the logical result for S and B
+layouts, but on a partial (P) it acts on each term of the sum (``t + 1`` adds
+1 once per term): reduce it first (``t.to_global(sbp=B)``) or map over
+``t.to_jax()``. A function that changes the shape is an ``SBPError``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,22 @@ from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, format_sbp, normalize_nd_sbp
 
 
+def _check_physical_shape(got: tuple, shape, dtype, placement: Placement, sbp) -> None:
+    """A function mapped over a global tensor's pytree leaf (``jax.tree.map``)
+    sees its physical array, each device's piece: one that changes its shape
+    (a sum, a reshape) would make a tensor its layout cannot describe."""
+    want = Geometry(shape, placement.shape).physical_shape(
+        normalized_layout(sbp, len(shape), placement.shape)
+    )
+    if tuple(got) != tuple(want):
+        raise SBPError(
+            f"GlobalTensor {tuple(shape)} {format_sbp(sbp)}: a function mapped over its pytree leaf (jax.tree.map "
+            f"and the like) returned shape {tuple(got)} where its physical array has shape {tuple(want)}. "
+            "The leaf is the physical array, each device's piece (a partial's terms stacked): map over "
+            "t.to_jax() (a jax.Array) instead, or compute inside sj.jit."
+        )
+
+
 def _is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
@@ -45,7 +65,8 @@ class GlobalTensor:
     """A logical tensor laid out over a placement by an nd-SBP.
 
     Build one with :func:`to_global` or
-    :func:`~sbpjax.local_tensors.from_local_tensors`.
+    :func:`~sbpjax.local_tensors.from_local_tensors`. As a pytree its leaf is
+    the physical array (see the module's docstring for ``jax.tree.map``).
     """
 
     __slots__ = ("_data", "_shape", "_dtype", "_placement", "_sbp")
@@ -63,7 +84,11 @@ class GlobalTensor:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
+        data = children[0]
+        shape = getattr(data, "shape", None)
+        if isinstance(shape, tuple):  # an array or its trace (JAX unflattens placeholders too)
+            _check_physical_shape(shape, *aux)
+        return cls(data, *aux)
 
     # -- description ---------------------------------------------------------
     @property

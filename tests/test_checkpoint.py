@@ -207,6 +207,11 @@ def test_save_refuses_an_existing_path(tmp_path):
     checkpoint.save(tmp_path / "c", {"t": t})
     with pytest.raises(sj.SBPError, match=r"already exists; save each checkpoint to a new folder"):
         checkpoint.save(tmp_path / "c", {"t": t})
+    # a tree without leaves: refused before anything is written (orbax raised a raw ValueError)
+    for empty in ({}, [], {"a": {}, "b": None}):
+        with pytest.raises(sj.SBPError, match="has no leaves"):
+            checkpoint.save(tmp_path / "empty", empty)
+        assert not os.path.exists(tmp_path / "empty")
 
 
 def test_restore_errors_say_what_where_and_how_to_fix(tmp_path):

@@ -130,6 +130,32 @@ def test_partial_is_never_handed_out_as_a_plain_array(pl24):
         jnp.asarray(t)
 
 
+@pytest.mark.parametrize("sbp", [(sj.S(0), sj.B), (sj.B, sj.S(1)), (sj.S(0), sj.S(1))], ids=str)
+def test_tree_map_of_an_elementwise_function_is_exact_on_split_and_whole_layouts(pl24, sbp):
+    """A global tensor's pytree leaf is its physical array: an elementwise
+    function mapped over it (uneven shape: padded pieces) gives the logical
+    result on S and B layouts; jax.jit passes it through alike."""
+    x = np.arange(13 * 6, dtype=np.float32).reshape(13, 6) / 7
+    t = sj.to_global(x, pl24, sbp)
+    for got in (
+        jax.tree.map(lambda a: jnp.tanh(a) + 1, t),
+        jax.jit(lambda g: jax.tree.map(lambda a: a * 3, g))(t),
+    ):
+        assert isinstance(got, sj.GlobalTensor) and got.sbp == t.sbp
+    np.testing.assert_allclose(jax.tree.map(lambda a: jnp.tanh(a) + 1, t).numpy(), np.tanh(x) + 1, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sbp", [(sj.P, sj.B), (sj.S(0), sj.B), (sj.P_max, sj.S(0))], ids=str)
+def test_tree_map_that_changes_the_physical_shape_is_an_sbp_error(pl24, sbp):
+    """A function that changes the shape (a sum, a reshape) mapped over a
+    global tensor's leaf made a tensor its layout could not describe, which
+    failed later with a raw IndexError; it is refused where it is made."""
+    t = sj.to_global(np.ones((13, 6), np.float32), pl24, sbp)
+    with pytest.raises(sj.SBPError, match=r"GlobalTensor \(13, 6\).*returned shape \(\).*t.to_jax\(\)"):
+        jax.tree.map(jnp.sum, t)
+    assert t.numpy().shape == (13, 6)  # the tensor itself untouched
+
+
 def test_same_layout_returns_itself(pl24):
     t = sj.to_global(np.ones((4, 4), np.float32), pl24, (sj.S(0), sj.B))
     assert t.to_global(sbp=(sj.S(0), sj.B)) is t

@@ -63,7 +63,7 @@ from sbpjax.compiler.trace import tracing_on
 from sbpjax.described import describe
 from sbpjax.dtypes import is_key, key_impl
 from sbpjax.placement import Placement, checked_placement
-from sbpjax.sbp import Broadcast
+from sbpjax.sbp import Broadcast, Partial, format_sbp
 from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
 
 
@@ -209,6 +209,12 @@ class CompiledFunction:
             # a key's layout splits the key array's dims, never its data's last one
             dims = shape[:-1] if impls[k] else shape
             nd = None if spec is None else self._layout_of(spec, dims, k, tree)
+            if impls[k] and nd is not None and any(isinstance(q, Partial) for q in nd):
+                raise SBPError(
+                    f"sj.jit: in_sbp of argument {leaf_name(leaf_paths(tree)[k])} {format_sbp(nd)} is partial, "
+                    "and a PRNG key array cannot be (keys are not summed, nor their max taken): give S (over "
+                    "the key array's dims) or B."
+                )
             if isinstance(leaf, GlobalTensor):
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:

@@ -21,7 +21,7 @@ from sbpjax.compiler.regather import add_regathers
 from sbpjax.compiler.static_args import bind
 from sbpjax.compiler.trace import trace
 from sbpjax.dtypes import check_partial_dtype
-from sbpjax.sbp import normalize_nd_sbp
+from sbpjax.sbp import Partial, format_sbp, normalize_nd_sbp
 
 if TYPE_CHECKING:
     from sbpjax.compiler.api import CompiledFunction
@@ -55,15 +55,22 @@ def plan_and_build(cf: CompiledFunction, gts, tree, weak, static, keys):
                 "layout the solver chose. sj.AUTO marks arguments (in_sbp); a donated AUTO argument's "
                 "result takes the argument's layout."
             )
+        names = [f"result{jax.tree_util.keystr(p)}" for p in leaf_paths(program.out_tree)]
         out_specs = [
             None
             if s is None
-            else normalize_nd_sbp(s, cf.placement.ndim, len(o.shape), f"out_sbp of output leaf {k}")
-            for k, (s, o) in enumerate(zip(raw, program.outputs))
+            else normalize_nd_sbp(s, cf.placement.ndim, len(o.shape), f"out_sbp of the {name}")
+            for s, o, name in zip(raw, program.outputs, names)
         ]
-        for k, (nd, o) in enumerate(zip(out_specs, program.outputs)):
-            if nd is not None:
-                check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of output leaf {k}")
+        for nd, o, name, key in zip(out_specs, program.outputs, names, out_keys):
+            if nd is None:
+                continue
+            if key is not None and any(isinstance(q, Partial) for q in nd):
+                raise SBPError(
+                    f"sj.jit: out_sbp of the {name} {format_sbp(nd)} is partial, and a PRNG key array cannot "
+                    "be (keys are not summed, nor their max taken): give S (over the key array's dims) or B."
+                )
+            check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of the {name}")
     donated = cf.static.donated_leaves(cf.donate_argnums, tree, static)
     ties = donated_result_ties(gts, donated, program, out_specs)
     prop = plan(

@@ -17,7 +17,9 @@ import jax
 from jax.interpreters import mlir
 
 from sbpjax._errors import SBPError
+from sbpjax.compiler.arguments import broadcast_spec
 from sbpjax.compiler.propagation import CONSTRAIN
+from sbpjax.compiler.trace import tracing_on
 from sbpjax.sbp import Broadcast, Partial, Split, as_sbp, parse_sbp
 
 try:
@@ -70,7 +72,33 @@ def constrain(x, sbp, grad_sbp=None):
     where the backward pass passes this point (e.g. keep the gradient of
     class-split logits S(1) rather than letting it go through S(0)). It is a
     separate layout because a value's natural cotangent often differs: the
-    cotangent of a B value used on split data is a partial sum."""
+    cotangent of a B value used on split data is a partial sum.
+
+    ``x`` may be a pytree of arrays (as ``jax.lax.with_sharding_constraint``
+    takes): ``sbp`` and ``grad_sbp`` are then one nd-SBP for every leaf, or a
+    pytree of them with ``x``'s structure or a prefix of it (None: that part
+    left free), as ``sj.jit``'s ``out_sbp``."""
+    leaves, tree = jax.tree_util.tree_flatten(x)
+    if tree == _ONE_LEAF:
+        return _constrain_one(x, sbp, grad_sbp)
+    placement = tracing_on()
+    if placement is None:
+        return x  # not traced by sj.jit: nothing to lay out
+    what = "sj.constrain's sbp"
+    sbps = broadcast_spec(sbp, tree, what, placement.ndim)
+    grads = broadcast_spec(grad_sbp, tree, "sj.constrain's grad_sbp", placement.ndim)
+    out = [
+        leaf if s is None else _constrain_one(leaf, s, g)
+        for leaf, s, g in zip(leaves, sbps, grads, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+_ONE_LEAF = jax.tree_util.tree_structure(0)
+
+
+def _constrain_one(x, sbp, grad_sbp):
+    """``constrain`` of one array."""
     sbp = _as_nd(sbp)
     grad_sbp = None if grad_sbp is None else _as_nd(grad_sbp, "grad_sbp")
     if not isinstance(x, jax.core.Tracer):

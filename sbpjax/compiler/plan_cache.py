@@ -53,12 +53,14 @@ class PlanCacheWarning(SBPWarning):
 
 def cache_dir(option=None) -> str | None:
     """The plan cache's directory, or None when caching is off: ``option``
-    (a path, or False), else ``$SBPJAX_PLAN_CACHE`` (a path, or 0 / off /
-    false / no), else the user's cache directory."""
+    (a path, or False; an empty path is off, as the variable's), else
+    ``$SBPJAX_PLAN_CACHE`` (a path, or 0 / off / false / no / empty), else the
+    user's cache directory."""
     if option is False:
         return None
     if option is not None and option is not True:
-        return os.fspath(option)
+        path = os.fspath(option)
+        return path if path.strip() else None
     env = os.environ.get(ENV)
     if env is not None:
         return None if env.strip().lower() in ("", "0", "off", "false", "no") else env

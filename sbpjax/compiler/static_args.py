@@ -125,6 +125,13 @@ def static_args(fn, static_argnums, static_argnames) -> StaticArgs:
         if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     ]
     by_name = {p.name: p for p in params}
+    takes_more = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    beyond = [i for i in nums if i >= len(positional) or i < -len(positional)]
+    if params and beyond and not takes_more:
+        raise SBPError(
+            f"sj.jit: static_argnums={nums} names position(s) {beyond}, but {getattr(fn, '__name__', fn)!r} "
+            f"takes {len(positional)} positional argument(s) ({positional}); count from 0."
+        )
     for name in names:
         if (
             params

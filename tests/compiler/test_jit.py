@@ -356,6 +356,39 @@ def test_constrain_forces_a_layout(pl8):
     assert np.allclose(sj.constrain(jnp.ones(3), sj.B), 1)  # outside sj.jit: identity
 
 
+def test_constrain_lays_out_every_leaf_of_a_pytree(pl24):
+    """``sj.constrain`` of a tuple, dict or list, as ``with_sharding_constraint``
+    takes one: one nd-SBP for every leaf, or a pytree of them (None leaves a
+    leaf free). It returned the pytree unchanged, the layout dropped without
+    a word."""
+    X = rng().normal(size=(16, 12)).astype(np.float32)
+    one = (S1, S0)
+
+    def pairs(a):
+        t = sj.constrain((a * 2, {"h": a * 3}), one)
+        d = sj.constrain({"u": a + 1, "v": [a - 1]}, {"u": one, "v": None})
+        g = sj.constrain([a * 4, a * 5], [(B, S1), one], grad_sbp=(B, B))
+        return t, d, g
+
+    f = sj.jit(pairs, placement=pl24, in_sbp=(S0, B))
+    (t0, t1), d, (g0, g1) = f(X)
+    assert t0.sbp == t1["h"].sbp == d["u"].sbp == g1.sbp == one and g0.sbp == (B, S1)
+    assert d["v"][0].sbp != one  # left free
+    for got, want in (
+        (t0, X * 2),
+        (t1["h"], X * 3),
+        (d["u"], X + 1),
+        (d["v"][0], X - 1),
+        (g0, X * 4),
+        (g1, X * 5),
+    ):
+        assert_close(got.numpy(), want, rtol=1e-6)
+    assert sum(b.node.name == "sbp_constrain" for b in f.explain(X).propagation.decisions) == 5
+    with pytest.raises(sj.SBPError, match="sj.constrain's sbp does not match the structure"):
+        sj.jit(lambda a: sj.constrain((a, a), [one, one, one]), placement=pl24)(X)
+    assert sj.constrain((1.0, {"a": 2.0}), one) == (1.0, {"a": 2.0})  # outside sj.jit: identity
+
+
 def test_explain_keeps_the_line_number_of_a_source_in_a_deep_directory(pl8, tmp_path):
     import importlib.util
 

@@ -207,3 +207,23 @@ def test_a_key_layout_that_splits_the_key_data_is_an_sbp_error(pl8):
         f(key, X)
     good = sj.jit(noisy, placement=pl8, in_sbp=(B, S(0)))
     assert_close(good(key, X).numpy(), jax.jit(noisy)(key, X), rtol=1e-6)
+
+
+def test_a_partial_key_layout_is_an_sbp_error_naming_the_argument_or_result(pl24):
+    """A PRNG key cannot be partial (keys are not summed): in_sbp and out_sbp
+    say so, naming the argument's or result's path. A partial in_sbp ran (the
+    key data, uint32, took P(sum)), and a partial out_sbp failed after the
+    run in to_jax(). A key given to to_global says to lay out its key data."""
+    keys = {"a": jax.random.key(0)}
+    draw = sj.jit(lambda k: jax.random.uniform(k["a"], (3,)), placement=pl24, in_sbp=({"a": (sj.P, B)},))
+    with pytest.raises(
+        sj.SBPError, match=r"in_sbp of argument args\[0\]\['a'\] \(P, B\) is partial.*S .*or B"
+    ):
+        draw(keys)
+    same = sj.jit(lambda k: {"out": [k["a"]]}, placement=pl24, out_sbp={"out": [(sj.P_max, B)]})
+    with pytest.raises(sj.SBPError, match=r"out_sbp of the result\['out'\]\[0\] \(P\(max\), B\) is partial"):
+        same(keys)
+    with pytest.raises(sj.SBPError, match=r"a PRNG key's.*jax.random.key_data"):
+        sj.to_global(jax.random.key(0), pl24, (B, B))
+    ok = sj.jit(lambda k: jax.random.uniform(k["a"], (3,)), placement=pl24, in_sbp=({"a": (B, B)},))
+    assert_close(ok(keys).numpy(), np.asarray(jax.random.uniform(keys["a"], (3,))), rtol=1e-6)

@@ -159,6 +159,7 @@ def test_the_directory_comes_from_the_option_the_environment_or_the_user_cache(m
     assert plan_cache.cache_dir() == str(tmp_path / "env")
     assert plan_cache.cache_dir(tmp_path / "opt") == str(tmp_path / "opt")
     assert plan_cache.cache_dir(False) is None
+    assert plan_cache.cache_dir("") is None and plan_cache.cache_dir(" ") is None  # off, as the variable's
     for off in ("0", "off", "false"):
         monkeypatch.setenv(plan_cache.ENV, off)
         assert plan_cache.cache_dir() is None

@@ -138,6 +138,14 @@ def test_bad_settings_and_values_are_sbp_errors_that_leave_the_function_working(
         sj.jit(f, placement=pl8, static_argnames="nope")
     with pytest.raises(sj.SBPError, match="positional-only parameter"):
         sj.jit(f, placement=pl8, static_argnames="mode")
+    # a position the function has not (jax.jit refuses it too); with *args any position may come
+    with pytest.raises(
+        sj.SBPError, match=r"static_argnums=\(7,\) names position\(s\) \[7\].*takes 2 positional"
+    ):
+        sj.jit(f, placement=pl8, static_argnums=7)
+    with pytest.raises(sj.SBPError, match=r"names position\(s\) \[-3\]"):
+        sj.jit(f, placement=pl8, static_argnums=-3)
+    sj.jit(lambda *xs: xs[0], placement=pl8, static_argnums=5)
     for bad in (dict(static_argnums="1"), dict(static_argnums=True), dict(static_argnames=3)):
         with pytest.raises(sj.SBPError, match="must be"):
             sj.jit(f, placement=pl8, **bad)
