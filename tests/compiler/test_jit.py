@@ -111,6 +111,7 @@ def test_model_parallel_cross_entropy_gradient(pl8):
     assert measured(f, *args) == f.explain(*args).bytes
 
 
+@pytest.mark.jax_versions
 def test_optax_integer_label_cross_entropy_with_class_split_logits(pl8):
     """optax's own loss, value and gradient, logits S(1) over classes: no
     collective carries logits-sized data (the per-row factor of the gradient is
@@ -136,14 +137,15 @@ def test_optax_integer_label_cross_entropy_with_class_split_logits(pl8):
     assert sum(c.bytes for c in found) == f.explain(*gargs).bytes
     logits_shard = N * C * 4 // 8
     assert max(c.bytes_per_device for c in found) <= 4 * N * 4 < logits_shard // 16
-    # The greedy pass plans one all-gather more than XLA runs: the label term's
-    # gradient (a scatter into zeros at index 0) simplifies to a reshape of a
-    # row vector the plan also gathers, and XLA merges the two gathers.
+    # The greedy pass plans one all-gather of a row vector twice: the label
+    # term's gradient (a scatter into zeros at index 0) simplifies to a reshape
+    # of a row vector the plan also gathers. jaxlib 0.10's XLA merges the two
+    # gathers (it runs N * 4 * 7 B less than planned); 0.12's runs both.
     g = sj.jit(
         jax.value_and_grad(loss), placement=pl8, in_sbp=((S1,), (B,)), out_sbp=((B,), (S1,)), solver="greedy"
     )
     greedy_found = sj.collectives(g.lower(*gargs).compile())
-    assert sum(c.bytes for c in greedy_found) == g.explain(*gargs).bytes - N * 4 * 7
+    assert g.explain(*gargs).bytes - sum(c.bytes for c in greedy_found) in (0, N * 4 * 7)
     assert f.explain(*gargs).bytes == g.explain(*gargs).bytes - N * 4 * 7
 
 
