@@ -122,6 +122,7 @@ def _savable(name: str, leaf):
                 f"checkpoint.save: leaf '{name}' is a traced value (inside jax.jit or "
                 "jax.grad); save concrete values, outside the jitted function."
             )
+        leaf._check_alive(f"checkpoint.save of leaf '{name}'")  # a donated one: named by the call made
         reduced = _reduced_sbp(leaf.sbp)
         if reduced != leaf.sbp:  # a partial's value is the reduction of its terms
             leaf = leaf.to_global(sbp=reduced)

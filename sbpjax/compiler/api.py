@@ -61,7 +61,7 @@ from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.static_args import fingerprint_text, static_args
 from sbpjax.compiler.trace import tracing_on
 from sbpjax.described import describe
-from sbpjax.dtypes import is_key, key_impl
+from sbpjax.dtypes import check_partial_dtype, is_key, key_impl
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, format_sbp
 from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
@@ -225,7 +225,12 @@ class CompiledFunction:
             elif abstract:
                 out.append(describe(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
             else:
-                out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
+                nd = nd if nd is not None else (Broadcast(),) * pl.ndim
+                # named as the argument, before to_global checks it under its own name
+                check_partial_dtype(
+                    np.result_type(leaf), nd, f"sj.jit in_sbp of argument {leaf_name(leaf_paths(tree)[k])}"
+                )
+                out.append(to_global(leaf, pl, nd))
         if moving:  # every re-layout in one program (tensor.relayout_together)
             boxed = relayout_together([out[k] for k, _ in moving], [nd for _, nd in moving])
             for (k, _), t in zip(moving, boxed):

@@ -14,6 +14,8 @@ Each default is justified where it is used; the figures behind them are in
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 
 from sbpjax._errors import SBPError
@@ -132,6 +134,29 @@ class CompileOptions:
 
 
 DEFAULT_OPTIONS = CompileOptions()
+
+
+def _named_settings_only(generated):
+    """The dataclass's ``__init__``, with a setting it does not have an
+    SBPError naming the ones it has (Python's TypeError names neither)."""
+    names = [f.name for f in dataclasses.fields(CompileOptions)]
+
+    @functools.wraps(generated)
+    def init(self, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            close = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+            hints = "".join(f" ({k!r}: did you mean {c[0]!r}?)" for k, c in close.items() if c)
+            raise SBPError(
+                f"sj.CompileOptions has no setting {', '.join(map(repr, unknown))}{hints}; its settings are "
+                f"{', '.join(names)}."
+            )
+        generated(self, *args, **kwargs)
+
+    return init
+
+
+CompileOptions.__init__ = _named_settings_only(CompileOptions.__init__)  # type: ignore[method-assign]
 
 
 def checked_options(value, where: str) -> CompileOptions:

@@ -49,6 +49,41 @@ def test_compile_options_take_finite_numbers_only(name, value):
         sj.CompileOptions(**{name: value})
 
 
+def test_compile_options_name_a_setting_they_do_not_have():
+    """A misspelt setting is an SBPError naming the close one and every
+    setting (it was Python's TypeError); dataclasses.replace still works."""
+    with pytest.raises(
+        sj.SBPError,
+        match=r"no setting 'efort' \('efort': did you mean 'effort'\?\); its settings are effort,",
+    ):
+        sj.CompileOptions(efort=3)
+    with pytest.raises(sj.SBPError, match=r"no setting 'speed'; its settings"):
+        sj.CompileOptions(speed=1)
+    import dataclasses
+
+    assert dataclasses.replace(sj.CompileOptions(effort=5), latency=False) == sj.CompileOptions(
+        effort=5, latency=False
+    )
+
+
+def test_an_argument_in_a_partial_its_dtype_cannot_take_is_named_as_the_argument(pl8, tmp_path):
+    """A bool mask given P (sum) in in_sbp is named as the argument, not by
+    to_global; a donated tensor given to checkpoint.save is named by that
+    call, not by to_jax()."""
+    with pytest.raises(
+        sj.SBPError, match=r"sj.jit in_sbp of argument args\[0\]\['mask'\]: P .*not supported for dtype bool"
+    ):
+        sj.jit(lambda m: m["mask"].any(), placement=pl8, in_sbp=({"mask": sj.P},))({"mask": np.ones(8, bool)})
+    from sbpjax import checkpoint
+
+    pytest.importorskip("orbax.checkpoint")
+    f = sj.jit(lambda w: w * 2, placement=pl8, in_sbp=S(0), donate_argnums=0)
+    t = sj.to_global(np.ones(8, np.float32), pl8, S(0))
+    f(t)
+    with pytest.raises(sj.SBPError, match=r"checkpoint.save of leaf 'w': .*has been deleted: it was donated"):
+        checkpoint.save(tmp_path / "c", {"w": t})
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
