@@ -227,9 +227,8 @@ class CompiledFunction:
             else:
                 nd = nd if nd is not None else (Broadcast(),) * pl.ndim
                 # named as the argument, before to_global checks it under its own name
-                check_partial_dtype(
-                    np.result_type(leaf), nd, f"sj.jit in_sbp of argument {leaf_name(leaf_paths(tree)[k])}"
-                )
+                dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+                check_partial_dtype(dtype, nd, f"sj.jit in_sbp of argument {leaf_name(leaf_paths(tree)[k])}")
                 out.append(to_global(leaf, pl, nd))
         if moving:  # every re-layout in one program (tensor.relayout_together)
             boxed = relayout_together([out[k] for k, _ in moving], [nd for _, nd in moving])
