@@ -374,6 +374,13 @@ def is_global(v) -> bool:
     return isinstance(v, GlobalTensor)
 
 
+def host_values(tree):
+    """``tree`` with each global tensor as its value on the host (``numpy()``),
+    other leaves as they are: what code that places the values itself (a
+    pipeline stage, a microbatch feed) starts from."""
+    return jax.tree.map(lambda v: v.numpy() if is_global(v) else v, tree, is_leaf=is_global)
+
+
 def checked_layout(shape: tuple, dtype, placement: Placement, sbp) -> tuple:
     """``to_global``'s checks of laying out a ``shape``/``dtype`` array as
     ``sbp``: ``(the nd-SBP, the dtype the devices hold, its layout, its
@@ -470,4 +477,4 @@ def bytes_per_device(tree) -> int:
     return max(per.values(), default=0) + host
 
 
-__all__ = ["GlobalTensor", "bytes_per_device", "checked_layout", "is_global", "to_global"]
+__all__ = ["GlobalTensor", "bytes_per_device", "checked_layout", "host_values", "is_global", "to_global"]

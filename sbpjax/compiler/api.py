@@ -53,7 +53,7 @@ from sbpjax.compiler.collector import collector_paused
 from sbpjax.compiler.constrain import constrain
 from sbpjax.compiler.explain import Explanation
 from sbpjax.compiler.inflight import bounded
-from sbpjax.compiler.keys import rewrapped, unwrapped
+from sbpjax.compiler.keys import check_layout, rewrapped, unwrapped
 from sbpjax.compiler.nested import inline_call
 from sbpjax.compiler.options import checked_options
 from sbpjax.compiler.plan_cache import ENV as PLAN_CACHE_ENV
@@ -61,9 +61,9 @@ from sbpjax.compiler.processes import check_same_call_in_every_process
 from sbpjax.compiler.static_args import fingerprint_text, static_args
 from sbpjax.compiler.trace import tracing_on
 from sbpjax.described import describe
-from sbpjax.dtypes import check_partial_dtype, is_key, key_impl
+from sbpjax.dtypes import is_key, key_impl
 from sbpjax.placement import Placement, checked_placement
-from sbpjax.sbp import Broadcast, Partial, format_sbp
+from sbpjax.sbp import Broadcast
 from sbpjax.tensor import GlobalTensor, is_global, relayout_together, to_global
 
 
@@ -209,12 +209,10 @@ class CompiledFunction:
             # a key's layout splits the key array's dims, never its data's last one
             dims = shape[:-1] if impls[k] else shape
             nd = None if spec is None else self._layout_of(spec, dims, k, tree)
-            if impls[k] and nd is not None and any(isinstance(q, Partial) for q in nd):
-                raise SBPError(
-                    f"sj.jit: in_sbp of argument {leaf_name(leaf_paths(tree)[k])} {format_sbp(nd)} is partial, "
-                    "and a PRNG key array cannot be (keys are not summed, nor their max taken): give S (over "
-                    "the key array's dims) or B."
-                )
+            if nd is not None:  # named as the argument (to_global would name itself)
+                dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
+                where = f"sj.jit in_sbp of argument {leaf_name(leaf_paths(tree)[k])}"
+                check_layout(dtype, nd, bool(impls[k]), where)
             if isinstance(leaf, GlobalTensor):
                 out.append(leaf)
                 if nd is not None and nd != leaf.sbp:
@@ -225,11 +223,7 @@ class CompiledFunction:
             elif abstract:
                 out.append(describe(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
             else:
-                nd = nd if nd is not None else (Broadcast(),) * pl.ndim
-                # named as the argument, before to_global checks it under its own name
-                dtype = leaf.dtype if hasattr(leaf, "dtype") else np.result_type(leaf)
-                check_partial_dtype(dtype, nd, f"sj.jit in_sbp of argument {leaf_name(leaf_paths(tree)[k])}")
-                out.append(to_global(leaf, pl, nd))
+                out.append(to_global(leaf, pl, nd if nd is not None else (Broadcast(),) * pl.ndim))
         if moving:  # every re-layout in one program (tensor.relayout_together)
             boxed = relayout_together([out[k] for k, _ in moving], [nd for _, nd in moving])
             for (k, _), t in zip(moving, boxed):

@@ -15,13 +15,12 @@ from sbpjax.compiler import lower as lowering
 from sbpjax.compiler.arguments import broadcast_spec, leaf_name, leaf_paths
 from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.auto_arguments import donated_aliases, donated_result_ties, mirrored_state
-from sbpjax.compiler.keys import keyed
+from sbpjax.compiler.keys import check_layout, keyed
 from sbpjax.compiler.planning import plan
 from sbpjax.compiler.regather import add_regathers
 from sbpjax.compiler.static_args import bind
 from sbpjax.compiler.trace import trace
-from sbpjax.dtypes import check_partial_dtype
-from sbpjax.sbp import Partial, format_sbp, normalize_nd_sbp
+from sbpjax.sbp import normalize_nd_sbp
 
 if TYPE_CHECKING:
     from sbpjax.compiler.api import CompiledFunction
@@ -63,14 +62,8 @@ def plan_and_build(cf: CompiledFunction, gts, tree, weak, static, keys):
             for s, o, name in zip(raw, program.outputs, names)
         ]
         for nd, o, name, key in zip(out_specs, program.outputs, names, out_keys):
-            if nd is None:
-                continue
-            if key is not None and any(isinstance(q, Partial) for q in nd):
-                raise SBPError(
-                    f"sj.jit: out_sbp of the {name} {format_sbp(nd)} is partial, and a PRNG key array cannot "
-                    "be (keys are not summed, nor their max taken): give S (over the key array's dims) or B."
-                )
-            check_partial_dtype(o.dtype, nd, f"sj.jit out_sbp of the {name}")
+            if nd is not None:
+                check_layout(o.dtype, nd, key is not None, f"sj.jit out_sbp of the {name}")
     donated = cf.static.donated_leaves(cf.donate_argnums, tree, static)
     ties = donated_result_ties(gts, donated, program, out_specs)
     prop = plan(

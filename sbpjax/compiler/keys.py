@@ -17,7 +17,21 @@ import functools
 
 import jax
 
-from sbpjax.dtypes import key_impl
+from sbpjax._errors import SBPError
+from sbpjax.dtypes import check_partial_dtype, key_impl
+from sbpjax.sbp import Partial, format_sbp
+
+
+def check_layout(dtype, nd, is_key: bool, where: str) -> None:
+    """An SBPError unless nd-SBP ``nd`` suits a value of ``dtype`` (a typed
+    key's data when ``is_key``): a partial its dtype supports, and none at
+    all for keys, which are neither summed nor compared."""
+    if is_key and any(isinstance(q, Partial) for q in nd):
+        raise SBPError(
+            f"{where} {format_sbp(nd)} is partial, and a PRNG key array cannot be (keys are not summed, "
+            "nor their max taken): give S (over the key array's dims) or B."
+        )
+    check_partial_dtype(dtype, nd, where)
 
 
 def unwrapped(leaves: list) -> tuple[list, tuple]:
@@ -63,4 +77,4 @@ def rewrapped(results: list, impls: tuple) -> list:
     ]
 
 
-__all__ = ["keyed", "rewrapped", "unwrapped"]
+__all__ = ["check_layout", "keyed", "rewrapped", "unwrapped"]

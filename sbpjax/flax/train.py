@@ -182,6 +182,14 @@ def batch_layouts(batch_sbp, placement: Placement, where: str) -> list:
     return out
 
 
+def batch_axis(layouts, placement: Placement) -> int | None:
+    """The axis that ``layouts`` (a batch's nd-SBPs) split dim 0 over: one of
+    more than one device first, else one of one device (code written for N
+    devices run on one: ZeRO then has nothing to split); None where none does."""
+    batch = [a for nd in layouts for a, s in enumerate(nd) if isinstance(s, Split) and s.dim == 0]
+    return next((a for a in batch if placement.shape[a] > 1), batch[0] if batch else None)
+
+
 def _data_axis(batch_sbp, placement: Placement, zero) -> int:
     if isinstance(zero, str):
         if zero not in placement.axis_names:
@@ -189,17 +197,9 @@ def _data_axis(batch_sbp, placement: Placement, zero) -> int:
                 f"zero={zero!r}: the placement's axes are {placement.axis_names}; name one of them."
             )
         return placement.axis_names.index(zero)
-    batch = [
-        a
-        for nd in batch_layouts(batch_sbp, placement, "TrainStep")
-        for a, s in enumerate(nd)
-        if isinstance(s, Split) and s.dim == 0
-    ]
-    for a in batch:
-        if placement.shape[a] > 1:
-            return a
-    if batch:  # a data axis of one device (code for N devices run on one): nothing to split
-        return batch[0]
+    axis = batch_axis(batch_layouts(batch_sbp, placement, "TrainStep"), placement)
+    if axis is not None:
+        return axis
     raise SBPError(
         "zero=True needs a data axis: no batch leaf is split on dim 0 (S(0)). Split the batch over "
         "an axis in batch_sbp, or name the axis, e.g. zero='x'."
@@ -523,4 +523,4 @@ class TrainStep:
         return self._fn.lower(params, opt_state, batch)
 
 
-__all__ = ["TrainStep", "init_global", "spread_layout", "zero_layout"]
+__all__ = ["TrainStep", "batch_axis", "init_global", "spread_layout", "zero_layout"]

@@ -24,7 +24,7 @@ import numpy as np
 from sbpjax._errors import SBPError, SBPWarning
 from sbpjax.placement import Placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
-from sbpjax.tensor import is_global
+from sbpjax.tensor import host_values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +179,7 @@ class LayerChain:
         _warn_shared_arrays(fns, params, names)
         # global tensors (a trained pipeline's parameters, cut again) by their values, as the layer
         # functions take them under jax.jit (a stage lays them out on its own placement)
-        params = [
-            jax.tree.map(lambda v: v.numpy() if is_global(v) else v, p, is_leaf=is_global) for p in params
-        ]
+        params = [host_values(p) for p in params]
         layers = []
         for i, (fn, p, s) in enumerate(zip(fns, params, sbps)):
             shapes = tuple((np.shape(v), str(np.asarray(v).dtype)) for v in jax.tree_util.tree_leaves(p))
@@ -268,15 +266,11 @@ class LayerChain:
                 f"LayerChain.model_params: {len(per_layer)} parameter trees for {len(self.layers)} layers; "
                 "flatten the stages' lists first (sum(pipe.params, []) or cut.layer_params(...))."
             )
-        host = [jax.tree_util.tree_map(_host, p, is_leaf=is_global) for p in per_layer]
+        host = [jax.tree_util.tree_map(np.asarray, host_values(p)) for p in per_layer]
         return self._to_model(host) if self._to_model is not None else host
 
     def __repr__(self):
         return f"LayerChain({len(self.layers)} layers: {', '.join(l.name for l in self.layers)})"
-
-
-def _host(v):
-    return np.asarray(v.numpy()) if is_global(v) else np.asarray(v)
 
 
 def is_layout(v) -> bool:

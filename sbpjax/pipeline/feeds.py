@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from sbpjax._errors import SBPError
-from sbpjax.tensor import is_global, to_global
+from sbpjax.tensor import host_values, is_global, to_global
 
 
 def rows(data) -> int | None:
@@ -37,7 +37,7 @@ def on_host(data):
     one array, as numpy reads it."""
     if isinstance(data, list) and not any(hasattr(a, "shape") for a in jax.tree.leaves(data)):
         return np.asarray(data)
-    return jax.tree.map(lambda a: a.numpy() if is_global(a) else a, data, is_leaf=is_global)
+    return host_values(data)
 
 
 def feed(name: str, data, m: int) -> Callable[[int], Any]:

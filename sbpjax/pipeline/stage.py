@@ -16,10 +16,10 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.arguments import is_nd_sbp
-from sbpjax.flax.train import zero_layout
+from sbpjax.flax.train import batch_axis, zero_layout
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
-from sbpjax.tensor import is_global, to_global
+from sbpjax.tensor import host_values, to_global
 
 
 def _is_layout_leaf(v) -> bool:
@@ -55,12 +55,9 @@ def _zero_axis(zero, in_sbp: tuple, placement: Placement, name) -> int:
         if zero not in placement.axis_names:
             raise SBPError(f"Stage {name!r}: zero={zero!r}; the placement's axes are {placement.axis_names}.")
         return placement.axis_names.index(zero)
-    batch = [a for a, sbp in enumerate(in_sbp) if isinstance(sbp, Split) and sbp.dim == 0]
-    for a in batch:
-        if placement.shape[a] > 1:
-            return a
-    if batch:  # a data axis of one device (code for N devices run on one): nothing to split
-        return batch[0]
+    axis = batch_axis([in_sbp], placement)
+    if axis is not None:
+        return axis
     raise SBPError(
         f"Stage {name!r}: zero=True needs a data axis, one over which in_sbp splits the batch (S(0)); "
         f"in_sbp is {in_sbp}. Split the input over an axis, or name the axis: zero='dp'."
@@ -106,9 +103,7 @@ class Stage:
         self.placement = checked_placement(placement, f"Stage {self.name!r}")
         # global tensors (another stage's or pipeline's parameters, a restored checkpoint's) by
         # their values: this stage lays them out on its own placement
-        host = jax.tree_util.tree_map(
-            lambda p: np.asarray(p.numpy() if is_global(p) else p), params, is_leaf=is_global
-        )
+        host = jax.tree_util.tree_map(np.asarray, host_values(params))
         not_float = [
             (jax.tree_util.keystr(k), v.dtype)
             for k, v in jax.tree_util.tree_flatten_with_path(host)[0]
