@@ -37,6 +37,17 @@ from sbpjax.sbp import Broadcast
 # within 10% (its temp memory at most 1.1x GSPMD's for the same annotations).
 PEAK_MARGIN = 0.1
 
+# How many times the bytes a plan that runs at most half the collectives may
+# move (see traded). The trade that rule is for is GSPMD's one all-reduce in
+# place of a reduce-scatter and a split kept (or gathered later, over more
+# devices): a ring all-reduce moves twice its reduce-scatter's bytes, so the
+# trade costs at most twice (the data-parallel steps on 4x2: 1.12-1.2x, 3
+# collectives to 1). Past twice, the fewer collectives gather what the
+# bytes-first plan reduces: a PPO step's advantages, normalized over 8
+# devices, were all-gathered, 14,336 B in one collective where the mean's and
+# standard deviation's scalar reductions move 112 B in two (GSPMD: 168 B).
+HALVING_BYTES = 2
+
 
 def held_to_greedys_peak(kept: Propagation, greedy: Propagation, g_memory: int) -> Propagation:
     """``kept``, or the greedy pass's plan where that moves no more bytes and
@@ -109,7 +120,8 @@ def bytes_alone(
       fits the memory budget (else the budget may be what costs the bytes),
       ``kept`` is held to the trade :func:`fewer_collectives` allows: at
       most ``options.fewer_collectives`` more bytes than the bytes-alone
-      plan, or at most half its collectives (``pricing.count_collectives``).
+      plan, or at most half its collectives (``pricing.count_collectives``)
+      for at most ``HALVING_BYTES`` times its bytes.
       A conv + BatchNorm step, batch split over x and channels over y on
       2x4: the first plan moved 197,160 B, the bytes-alone plan 72,288 B,
       both in 11 collectives as compiled (GSPMD: 69,792 B in 10).
@@ -188,13 +200,15 @@ def traded(
 ) -> str | None:
     """Why a plan moving ``dear_bytes`` in ``dear_count`` collectives is worth
     it against one moving ``cheap_bytes`` in ``cheap_count``: at most
-    ``share`` more bytes, or at most half the collectives where
-    ``dear_peak_larger()`` (when given) says its estimated peak is no larger;
-    None where neither holds. ``CompileOptions.fewer_collectives`` is the
-    share: the trade :func:`fewer_collectives` buys and :func:`bytes_alone`
-    holds a plan to."""
+    ``share`` more bytes, or at most half the collectives for at most
+    ``HALVING_BYTES`` times the bytes where ``dear_peak_larger()`` (when
+    given) says its estimated peak is no larger; None where neither holds.
+    ``CompileOptions.fewer_collectives`` is the share: the trade
+    :func:`fewer_collectives` buys and :func:`bytes_alone` holds a plan to."""
     if dear_bytes <= (1 + share) * cheap_bytes:
         return f"within {100 * share:.0f}%"
+    if dear_bytes > HALVING_BYTES * cheap_bytes:
+        return None
     if 2 * dear_count <= cheap_count and not (dear_peak_larger is not None and dear_peak_larger()):
         return "half the collectives, no larger peak"
     return None
@@ -223,7 +237,8 @@ def fewer_collectives(
     ring latency (boxings planned by the same price) where that plan runs
     fewer collectives, is faster by the cost model, and either moves at most
     ``options.fewer_collectives`` more bytes or runs at most half the
-    collectives with no larger estimated peak (``liveness.live_bytes``),
+    collectives for at most ``HALVING_BYTES`` times the bytes with no larger
+    estimated peak (``liveness.live_bytes``),
     with each ``jax.checkpoint`` region's recomputation where the program
     has it and hoisted as early as its inputs allow.
 
