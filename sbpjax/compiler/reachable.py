@@ -242,6 +242,21 @@ def free_gathered(node, i, made) -> set:
     return {nd[:a] + (Broadcast(),) + nd[a + 1 :] for a in shared} | gathered_beside(node, i, nd, made[1 - i])
 
 
+def drawn(program) -> set:
+    """The ids of the values computed from no argument but PRNG keys (the
+    arguments ``random_wrap`` reads): random draws, iotas, values of
+    constants. In program order, so each op's operands are known."""
+    keys = {id(n.ins[0]) for n in program.nodes if n.name == "random_wrap" and isinstance(n.ins[0], Var)}
+    argued = {id(v) for v in program.inputs if id(v) not in keys}
+    out: set = set()
+    for n in program.nodes:
+        if any(isinstance(a, Var) and id(a) in argued for a in n.ins):
+            argued.update(id(o) for o in n.outs)
+        else:
+            out.update(id(o) for o in n.outs)
+    return out
+
+
 def reached(program, seeds: set, ops) -> set:
     """The ids of the values computed from ``seeds`` by chains of the
     one-operand ``ops`` (in program order, so a chain is followed whole)."""
