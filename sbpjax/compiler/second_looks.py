@@ -125,14 +125,27 @@ def bytes_alone(
       A conv + BatchNorm step, batch split over x and channels over y on
       2x4: the first plan moved 197,160 B, the bytes-alone plan 72,288 B,
       both in 11 collectives as compiled (GSPMD: 69,792 B in 10).
+      Likewise where the latency priced is at least the plan's bytes (the
+      objective at least twice them: latency decides the layouts) and
+      ``kept`` runs fewer collectives as compiled than the launches its
+      price charged (``priced_launches``), greedy's bytes or not. A batch
+      norm in a tensor-parallel step (4x2) kept its two small statistics'
+      gradients partial, zero-filled the per-sample gradient to meet them
+      and all-gathered the input for the kernel's gradient, 97,840 B, to
+      save two all-reduces XLA combines with the others: both plans run 6
+      collectives, the bytes-alone one moves 64,048 B (GSPMD: 65,584 B).
 
     Either way the bytes-alone plan is not kept where its estimated peak is
-    larger (``larger_peak``, both places of recomputation). Both tests need
-    another solve, so each is gated: a plan whose objective is its price and
-    that moves no more than greedy (every row of the compiler benchmark)
-    skips it. Decision: a gate, not a pairwise term for shared exchanges or
-    buckets in the problem: both would couple ops the exact elimination now
-    solves apart. ``effort``: what the first solve left; this solve is given
+    larger (``larger_peak``, both places of recomputation). The tests need
+    another solve, so each is gated: a plan whose objective is its price,
+    that moves no more than greedy and whose bytes outweigh its latency
+    (every row of the compiler benchmark) skips it. Decision: the latency
+    share gates the last test because launches combined as compiled are the
+    rule in training steps (their gradients' all-reduces): ungated, it
+    solved every GPT row of ``benchmarks/compiler.py`` twice (its layout
+    choice 1.6-1.9x slower on 2x4) and changed no row's bytes. And gates,
+    not a pairwise term for shared exchanges or buckets in the problem: both
+    would couple ops the exact elimination now solves apart. ``effort``: what the first solve left; this solve is given
     half of it, so that :func:`fewer_collectives` keeps the rest. Returns
     the plan and the work the solve spent."""
     choice = kept.choice
@@ -142,7 +155,10 @@ def bytes_alone(
     # one byte over: more than the rounding of sums kept in 1/64 B (pricing._weighted_sum)
     mispriced = choice.method == "ilp" and choice.objective is not None and choice.objective > kept_price + 1
     over_greedy = greedy_fits and kept.bytes > greedy_bytes
-    if not (mispriced or over_greedy):
+    # latency at least the bytes in the objective: where it decides the layouts
+    latency_led = choice.objective is not None and choice.objective >= 2 * kept.bytes
+    combined = latency_led and count_collectives(kept) < priced_launches(kept)
+    if not (mispriced or over_greedy or combined):
         return kept, 0
     if (choice.gap is not None and choice.gap > 0) or spent(effort, options.effort):
         return kept, 0  # an unproven plan is not held to another heuristic solve's
@@ -160,6 +176,8 @@ def bytes_alone(
         why = (
             f"the first plan moved more than the greedy pass's {greedy_bytes} B for too few collectives saved"
         )
+    elif combined and not traded(kept.bytes, alt.bytes, kept_count, alt_count, options.fewer_collectives):
+        why = "the first plan's launches are combined as compiled, too few collectives saved"
     else:
         return kept, work
     if any(larger_peak(alt, kept, h) for h in (False, True)):
@@ -170,6 +188,15 @@ def bytes_alone(
         f"of {kept.bytes} B in {kept_count}, {why}",
     )
     return replaced(kept, alt, program, pairs, form.placement.shape), work
+
+
+def priced_launches(prop: Propagation) -> int:
+    """The collectives the solve's objective charges a launch for: each
+    boxing's collective steps and the ops' own communication's launches."""
+    steps = [st for d in prop.decisions for b in d.boxings for st in b.plan.steps]
+    steps += [st for b in prop.out_boxings for st in b.plan.steps]
+    own = sum(c.launches for _, c in prop.comm if c.bytes)
+    return sum(1 for st in steps if st.bytes > 0 and st.collective is not None) + own
 
 
 def solved_again(
