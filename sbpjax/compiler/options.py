@@ -57,9 +57,9 @@ class CompileOptions:
       fewer collectives, is faster by the cost model and moves at most this
       share more bytes (or runs at most half the collectives for at most
       twice the bytes, with no larger estimated peak); 0 turns the second
-      solve off. The same share bounds
-      the bytes a latency-priced plan may trade for collectives against the
-      plan solved by bytes alone (``second_looks.bytes_alone``).
+      solve off. The same share bounds the bytes a latency-priced plan may
+      trade for collectives against the plan solved by bytes alone
+      (``second_looks.bytes_alone``).
     * ``tie_layers``: give the alike ops of repeated layers one decision
       (``sbpjax.compiler.classes.layer_classes``): fewer decisions, but a
       restriction (the first and last layers may want other layouts), and a

@@ -145,9 +145,10 @@ def bytes_alone(
     solved every GPT row of ``benchmarks/compiler.py`` twice (its layout
     choice 1.6-1.9x slower on 2x4) and changed no row's bytes. And gates,
     not a pairwise term for shared exchanges or buckets in the problem: both
-    would couple ops the exact elimination now solves apart. ``effort``: what the first solve left; this solve is given
-    half of it, so that :func:`fewer_collectives` keeps the rest. Returns
-    the plan and the work the solve spent."""
+    would couple ops the exact elimination now solves apart. ``effort``:
+    what the first solve left; this solve is given half of it, so that
+    :func:`fewer_collectives` keeps the rest. Returns the plan and the work
+    the solve spent."""
     choice = kept.choice
     if not options.latency or choice is None:
         return kept, 0
