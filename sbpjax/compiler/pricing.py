@@ -159,7 +159,22 @@ def count_collectives(prop: Propagation, launched: dict | None = None) -> int:
     every collective of its iterations)."""
     if launched is None:
         launched = emitted_collectives(prop)
-    return launch_count(launched) + sum(c.launches for _, c in prop.comm if c.bytes)
+    return launch_count(launched) + _own_launches(prop)
+
+
+def priced_launches(prop: Propagation) -> int:
+    """The collectives ``price`` charges a launch for: each boxing's
+    collective steps, uncombined, and the ops' own communication's launches
+    (against ``count_collectives``: fewer where XLA combines all-reduces)."""
+    steps = [st for d in prop.decisions for b in d.boxings for st in b.plan.steps]
+    steps += [st for b in prop.out_boxings for st in b.plan.steps]
+    return sum(1 for st in steps if st.bytes > 0 and st.collective is not None) + _own_launches(prop)
+
+
+def _own_launches(prop: Propagation) -> int:
+    """The launches of the ops' own communication (a halo exchange; a loop
+    planned on its own runs every collective of its iterations)."""
+    return sum(c.launches for _, c in prop.comm if c.bytes)
 
 
 def _weighted_sum(prop: Propagation, cost, own_cost) -> float:
@@ -215,5 +230,6 @@ __all__ = [
     "price",
     "emitted_price",
     "count_collectives",
+    "priced_launches",
     "BranchOdds",
 ]

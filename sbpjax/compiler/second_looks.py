@@ -26,7 +26,7 @@ from sbpjax.compiler.buckets import emitted_collectives
 from sbpjax.compiler.formulate import propagator
 from sbpjax.compiler.hand_layouts import candidates, own
 from sbpjax.compiler.liveness import held_bytes, live_bytes
-from sbpjax.compiler.pricing import count_collectives, emitted_price, price
+from sbpjax.compiler.pricing import count_collectives, emitted_price, price, priced_launches
 from sbpjax.compiler.propagation import Propagation, idle_axes
 from sbpjax.compiler.tables import Tables
 from sbpjax.sbp import Broadcast
@@ -128,9 +128,9 @@ def bytes_alone(
       Likewise where the latency priced is at least the plan's bytes (the
       objective at least twice them: latency decides the layouts) and
       ``kept`` runs fewer collectives as compiled than the launches its
-      price charged (``priced_launches``), greedy's bytes or not. A batch
-      norm in a tensor-parallel step (4x2) kept its two small statistics'
-      gradients partial, zero-filled the per-sample gradient to meet them
+      price charged (``pricing.priced_launches``), greedy's bytes or not. A
+      batch norm in a tensor-parallel step (4x2) kept its two small
+      statistics' gradients partial, zero-filled the per-sample gradient to meet them
       and all-gathered the input for the kernel's gradient, 97,840 B, to
       save two all-reduces XLA combines with the others: both plans run 6
       collectives, the bytes-alone one moves 64,048 B (GSPMD: 65,584 B).
@@ -189,15 +189,6 @@ def bytes_alone(
         f"of {kept.bytes} B in {kept_count}, {why}",
     )
     return replaced(kept, alt, program, pairs, form.placement.shape), work
-
-
-def priced_launches(prop: Propagation) -> int:
-    """The collectives the solve's objective charges a launch for: each
-    boxing's collective steps and the ops' own communication's launches."""
-    steps = [st for d in prop.decisions for b in d.boxings for st in b.plan.steps]
-    steps += [st for b in prop.out_boxings for st in b.plan.steps]
-    own = sum(c.launches for _, c in prop.comm if c.bytes)
-    return sum(1 for st in steps if st.bytes > 0 and st.collective is not None) + own
 
 
 def solved_again(
