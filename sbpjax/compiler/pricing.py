@@ -103,8 +103,9 @@ def comm_cost(
 
 def price(prop: Propagation, cost_model=None, options: CompileOptions = DEFAULT_OPTIONS) -> float:
     """A whole plan's cost in bytes (``boxing_cost`` of each boxing, weighted
-    by the chance it runs, plus the ops' own communication): what the
-    solver minimizes, by which the plan kept is compared with greedy's."""
+    by the chance it runs, plus the ops' own communication and the boxings
+    of ``dead_tail_boxings``): what the solver minimizes, by which the plan
+    kept is compared with greedy's."""
     cm = cost_model if cost_model is not None else CostModel()
     return _weighted_sum(
         prop, lambda b: boxing_cost(b.plan, cm, options), lambda c: comm_cost(c, prop.placement, cm, options)
@@ -191,7 +192,34 @@ def _weighted_sum(prop: Propagation, cost, own_cost) -> float:
         for b in d.boxings:
             total += odds.boxing(readers.get((id(b.var), b.dst), [()])) * cost(b)
     total += sum(odds.chance(prop.decisions[i].node.branch) * own_cost(c) for i, c in prop.comm)
+    total += sum(cost(b) for b in dead_tail_boxings(prop))
     return total / 64
+
+
+def dead_tail_boxings(prop: Propagation) -> list:
+    """The boxings a rolled loop runs at the end of its last iteration for
+    a next one, of carries nothing reads (``Run.dead_tail``), as the layout
+    choice prices them (``formulate._Builder._add_dead_tails``): each unread
+    carry of a written-out scan's last iteration boxed as that iteration's
+    own carries coming in were (the iterations share their layouts)."""
+    loops = [loop for loop in prop.program.loops if len(loop.iterations) > 1]
+    if not loops:
+        return []
+    read = {id(a) for d in prop.decisions for a in d.node.ins}
+    read |= {id(a) for a in prop.program.outputs}
+    made = {id(o) for d in prop.decisions for o in d.node.outs}
+    boxed: dict = {}
+    for d in prop.decisions:
+        for b in d.boxings:
+            boxed.setdefault(id(b.var), []).append(b)
+    out = []
+    for loop in loops:
+        last = loop.iterations[-1]
+        for c in range(loop.n_carry):
+            carry, coming = last.outs[c], last.ins[loop.n_consts + c]
+            if id(carry) in made and id(carry) not in read:
+                out += boxed.get(id(coming), [])
+    return out
 
 
 class BranchOdds:
