@@ -203,6 +203,7 @@ def _choose(call: _Call) -> Propagation:
     )
     if g_fits:
         kept = second_looks.held_to_greedys_peak(kept, greedy, g_memory)
+        kept = second_looks.greedy_dominates(kept, greedy, g_memory)
     if call.memory_budget is None:
         return second_looks.as_given(kept, call.in_sbp, grid, call.by_hand, call.price)
     return held_to_hand(kept, True)
