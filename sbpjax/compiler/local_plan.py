@@ -30,6 +30,7 @@ class LocalPlan:
     runs: list  # the rolled loops (loops.Run), program order
     run_at: dict  # first decision index -> the run starting there
     dropped: set  # decision indices a run executes (not walked one by one)
+    unread: set  # decision indices of slicing whose results no code traced reads (_unread_slices)
     # decision index -> (var, layout, missing slices, push): a stack a loop filled but for
     # the slices made outside it, completed where the walk reaches that index
     finish: dict
@@ -55,6 +56,7 @@ def plan_local(prop: Propagation) -> LocalPlan:
         runs=runs,
         run_at={r.first: r for r in runs},
         dropped={i for r in runs for i in r.dropped},
+        unread=_unread_slices(prop, runs),
         finish={
             i: (var, nd, missing, r.pushed.get((key, nd)))
             for r in runs
@@ -69,6 +71,44 @@ def plan_local(prop: Propagation) -> LocalPlan:
         joined=joined,
         region_inputs=_region_inputs(prop),
     )
+
+
+def _unread_slices(prop: Propagation, runs: list) -> set:
+    """The decisions of the tracer's slicing of a run's later iterations
+    (``Iteration.slicing``, in ``Run.slices``) whose results only the rolled
+    bodies read, and read from the stacks (``Run.xs`` with the stacked
+    operand): the loop indexes each slice out of its stack in the body, so
+    nothing traced would read them. Left out of the walk, where they were
+    traced and left to JAX to drop: 2,688 of the 3,177 ops the lowering of
+    the compiler benchmark's 32-layer scanned GPT traced, 0.11 s of its
+    0.94 s. Kept where anything else reads them (a boxing, code after the
+    loop, another loop's body sharing the slice, a stack of per-iteration
+    values)."""
+    if not runs:
+        return set()
+    readers: dict = {}
+    for i, d in enumerate(prop.decisions):
+        for a in d.node.ins:
+            readers.setdefault(id(a), []).append(i)
+    held = {id(b.var) for b in prop.boxings} | {id(a) for a in prop.program.outputs}
+    unread: set = set()
+    for r in runs:
+        from_stacks = {k for k, _, x in r.xs if x is not None} - {k for k, _, x in r.xs if x is None}
+        its = [r.loop.iterations[q] for q in r.positions]
+        entering = {id(it.ins[k]) for it in its for k in from_stacks}
+        slicing = {id(n) for it in its for n in it.slicing}
+        body = {i for b in r.bodies for i in b}
+        for i in reversed(r.slices):
+            d = prop.decisions[i]
+            if id(d.node) not in slicing or d.boxings or any(id(o) in held for o in d.node.outs):
+                continue
+            if all(
+                j in unread or (id(o) in entering and j in body)
+                for o in d.node.outs
+                for j in readers.get(id(o), ())
+            ):
+                unread.add(i)
+    return unread
 
 
 def _zones(prop: Propagation, runs: list, places: dict, hoisted: set) -> dict:

@@ -240,6 +240,8 @@ class LocalProgram:
                     k += 1
                 continue
             k += 1
+            if i in plan.unread:
+                continue
             if i in plan.dropped:
                 if i in plan.finish:
                     self._fill_stack(env, i)

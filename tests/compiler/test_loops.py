@@ -125,6 +125,30 @@ def test_rolled_and_written_out_lowerings_agree(monkeypatch):
         assert_close(a.numpy(), b.numpy(), rtol=1e-6, scale=np.abs(b.numpy()).max())
 
 
+def test_the_slicing_of_later_iterations_is_not_traced():
+    """A rolled loop indexes each iteration's weight out of the stack in its
+    body, so the tracer's slicing of the later iterations (a slice and a
+    squeeze per weight and iteration) is left out of the lowering's walk
+    (``LocalPlan.unread``): all of it, in both loops of a scanned MLP's
+    gradient, and nothing else."""
+    from sbpjax.compiler.local_plan import plan_local
+
+    fn = jax.grad(lambda w, x: mlp(w, x)[0], argnums=(0, 1))
+    pl = sj.placement((2, 4), ("x", "y"))
+    f = sj.jit(fn, placement=pl, in_sbp=((B, S(2)), (S(0), B)))
+    prop = f.explain(W, X).propagation
+    plan = plan_local(prop)
+    index_of = {id(d.node): i for i, d in enumerate(prop.decisions)}
+    later = set()
+    for r in plan.runs:
+        for q in r.positions[1:]:
+            later |= {index_of[id(n)] for n in r.loop.iterations[q].slicing if id(n) in index_of}
+    assert later and plan.unread == later
+    got = jax.tree.leaves(jax.tree.map(lambda t: t.numpy(), f(W, X), is_leaf=lambda t: hasattr(t, "numpy")))
+    for g, w in zip(got, jax.tree.leaves(jax.jit(fn)(W, X)), strict=True):
+        assert_close(g, np.asarray(w), rtol=1e-5, scale=np.abs(w).max())
+
+
 def test_iterations_share_their_layouts():
     """The solver gives every iteration of a scan the same choices, so the
     carries' layouts are a fixed point and the whole loop rolls."""
