@@ -78,6 +78,31 @@ def last_carries(carries) -> list:
     return roots
 
 
+def unread_last_carries(program, read: set, made: set) -> list:
+    """``(carry, coming)`` per carry a written-out scan's last iteration makes
+    (``made``: ids of the values the plan computes) that nothing reads
+    (``read``: ids of the values read, the results among them): kept by
+    :func:`last_carries` where loops roll, boxed by the rolled loop for a
+    next iteration as that iteration boxed ``coming``, its own carry coming
+    in (``Run.dead_tail``). The layout choice prices those boxings
+    (``formulate``, ``pricing.dead_tail_boxings``)."""
+    out = []
+    for loop in program.loops:
+        if len(loop.iterations) < 2:
+            continue
+        last = loop.iterations[-1]
+        for c in range(loop.n_carry):
+            carry, coming = last.outs[c], last.ins[loop.n_consts + c]
+            if (
+                isinstance(carry, Var)
+                and isinstance(coming, Var)
+                and id(carry) in made
+                and id(carry) not in read
+            ):
+                out.append((carry, coming))
+    return out
+
+
 def dce(nodes, outputs):
     live = {id(o) for o in outputs if isinstance(o, Var)}
     kept = []

@@ -53,6 +53,7 @@ import numpy as np
 from sbpjax.boxing.cost import CostModel
 from sbpjax.compiler.auto import AUTO, auto_layouts
 from sbpjax.compiler.classes import same_candidates
+from sbpjax.compiler.dead_code import unread_last_carries
 from sbpjax.compiler.decode import propagation_of, value_keys
 from sbpjax.compiler.domains import Domains
 from sbpjax.compiler.folding import Folded
@@ -425,19 +426,10 @@ class _Builder:
         partial over the tensor axis to save its reduction, so every
         layer's scale gradient was reduced over all 8 devices: as rolled,
         236,576 B, where GSPMD moves 233,504 B."""
-        results = {id(a) for a in self.program.outputs}
-        for loop in self.program.loops:
-            if len(loop.iterations) < 2:
-                continue
-            last = loop.iterations[-1]
-            for c in range(loop.n_carry):
-                made, coming = last.outs[c], last.ins[loop.n_consts + c]
-                unread = id(made) not in reads and id(made) not in results
-                if not isinstance(made, Var) or not unread or id(made) not in self.source:
-                    continue
-                read = reads.get(id(coming)) if isinstance(coming, Var) else None
-                if read is not None:
-                    reads[id(made)] = (made, list(read[1]))
+        read = set(reads) | {id(a) for a in self.program.outputs}
+        for carry, coming in unread_last_carries(self.program, read, set(self.source)):
+            if id(coming) in reads:
+                reads[id(carry)] = (carry, list(reads[id(coming)][1]))
 
     def _add_value(self, atom, source, uses) -> None:
         src_node, src_lays = source

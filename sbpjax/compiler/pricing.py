@@ -28,6 +28,7 @@ import numpy as np
 from sbpjax.boxing.cost import CostModel
 from sbpjax.boxing.plan import launch_bytes, ring_latency_bytes, step_launch_bytes
 from sbpjax.compiler.buckets import emitted_collectives, launch_count, plan_buckets
+from sbpjax.compiler.dead_code import unread_last_carries
 from sbpjax.compiler.liveness import block_bytes
 from sbpjax.compiler.options import DEFAULT_OPTIONS, CompileOptions
 from sbpjax.compiler.program import common_path
@@ -202,24 +203,17 @@ def dead_tail_boxings(prop: Propagation) -> list:
     choice prices them (``formulate._Builder._add_dead_tails``): each unread
     carry of a written-out scan's last iteration boxed as that iteration's
     own carries coming in were (the iterations share their layouts)."""
-    loops = [loop for loop in prop.program.loops if len(loop.iterations) > 1]
-    if not loops:
+    if not prop.program.loops:
         return []
-    read = {id(a) for d in prop.decisions for a in d.node.ins}
-    read |= {id(a) for a in prop.program.outputs}
+    read = {id(a) for d in prop.decisions for a in d.node.ins} | {id(a) for a in prop.program.outputs}
     made = {id(o) for d in prop.decisions for o in d.node.outs}
     boxed: dict = {}
     for d in prop.decisions:
         for b in d.boxings:
             boxed.setdefault(id(b.var), []).append(b)
-    out = []
-    for loop in loops:
-        last = loop.iterations[-1]
-        for c in range(loop.n_carry):
-            carry, coming = last.outs[c], last.ins[loop.n_consts + c]
-            if id(carry) in made and id(carry) not in read:
-                out += boxed.get(id(coming), [])
-    return out
+    return [
+        b for _, coming in unread_last_carries(prop.program, read, made) for b in boxed.get(id(coming), [])
+    ]
 
 
 class BranchOdds:
