@@ -71,15 +71,32 @@ class Domains:
         self.dom: dict = {id(v): set(lays) for v, lays in zip(program.inputs, in_layouts)}
         # Weights split over the batch's axis alone (ZeRO-3 / FSDP) may be
         # gathered at contractions (``_gathered``) on a placement of one axis
-        # of size > 1, which the batch then spans. Decision: not where other
-        # axes exist. Offered on 2x4 with y idle (ZeRO-3 over x), the larger
-        # integer program of a 2-layer GPT at d 64 stopped at its time limit
-        # (gap 43%) where it had been proven: 5.87 MB instead of 4.86 MB
-        # (GSPMD: 9.58 MB), the same 33 collectives.
-        one_axis = sum(p > 1 for p in self.grid) == 1
+        # of size > 1, which the batch then spans, and on a placement of
+        # several where none is idle: a weight split over the batch's axis
+        # beside tensor parallelism over the other (attention's heads over y,
+        # its output kernel's rows over x, 2x4) was otherwise never gathered,
+        # and the plan moved the activations around it: 220,240 B in 14
+        # collectives for an attention step against GSPMD's 151,584 (now
+        # 106,552 in 7). A 2-layer GPT at d 64 laid out so moved 5.03 MB in
+        # 33 collectives at a 16.5% gap on 2x4, now 3.91 MB in 12, proven
+        # (GSPMD 6.26 MB); on 4x2 4.80 MB at a 4.9% gap, above GSPMD's 4.49,
+        # now 4.03. Decision: not where an axis is idle. ZeRO-3 over x of that
+        # GPT with y idle, offered, moved 6.64 MB in 27 collectives on 4x2
+        # instead of 4.95 MB in 24, and 4.99 MB instead of 4.64 on 2x4 (though
+        # 5.05 instead of 5.98 with the kernels split by rows, 10.82 instead
+        # of 12.14 at d 128; GSPMD 17.6, 25.2, 6.72 and 51.1 MB): the solve
+        # charges a launch per gradient reduction that XLA combines into one.
+        # And weights only there (``_gathered``): the batch itself offered
+        # gathered over x (as on one axis, where it spans every device), a
+        # Perceiver step with Megatron over y on 2x4 moved 792,704 B in 8
+        # collectives instead of 532,512 in 7.
+        self.one_axis = one_axis = sum(p > 1 for p in self.grid) == 1
         # data arguments count as made for free_gathered (weights: _gathered)
         self.data = data_arguments(program)
-        self.batch_axes = batch_axes(program, in_layouts, self.grid, self.data) if one_axis else frozenset()
+        gathers_batch = one_axis or not idle
+        self.batch_axes = (
+            batch_axes(program, in_layouts, self.grid, self.data) if gathers_batch else frozenset()
+        )
         self.args = {id(v) for v in program.inputs}
         # A scan's slice of a stacked argument (``lax.index_in_dim`` of a
         # layer stack, written out as a slice and a squeeze) counts as an
@@ -178,7 +195,8 @@ class Domains:
         argument split over two or more axes (the data and the tensor axes,
         FSDP with tensor parallelism), all-gathered over one of them where a
         contraction reads it, as ZeRO-3 and GSPMD do; and on a placement of
-        one axis of size > 1 an argument split over the batch's axis
+        one axis of size > 1, or of several none idle (see ``__init__``), an
+        argument split over the batch's axis
         (``batch_axes``: FSDP on 8x1, where no weight is split over two
         axes; its kernels were otherwise kept split, their matmuls moving
         activations by all-to-alls: a 2-layer MLP at d 32 moved 301,112 B
@@ -201,9 +219,15 @@ class Domains:
         for nd in self._uses(arg):
             wide = two_d(nd, self.grid)
             for a, q in enumerate(nd):
-                if isinstance(q, Split) and (wide or a in self.batch_axes):
+                if isinstance(q, Split) and (
+                    wide or (a in self.batch_axes and (self.one_axis or id(arg) not in self.data))
+                ):
                     out.add(nd[:a] + (Broadcast(),) + nd[a + 1 :])
-        return out
+        # and sliced locally over the axes it is then whole on: the kernel
+        # of rows split over x gathered, then its rows split over y where the
+        # activations it meets split their features over y (the attention
+        # step in ``__init__``: the gathers alone left it at 220,240 B)
+        return out | local_slices(out, arg.shape)
 
     def restrict(self, index, node, cs):
         """The candidates ``cs`` of op ``node`` (decision ``index``) kept for

@@ -265,7 +265,8 @@ def test_auto_moves_no_more_than_zero3_written_by_hand_without_a_budget(pl8, tmp
     zero3 = jax.tree.map(lambda v: (S0,) if np.ndim(v) and np.shape(v)[0] % 8 == 0 else (B,), (params, state))
     by_hand = sj.jit(step, placement=pl8, in_sbp=(*zero3, (S0,), (S0,)), out_sbp=(*zero3, None))
     h = by_hand.explain(*args)
-    assert e.bytes <= h.bytes == 2_637_824  # was 10,909,696
+    # 2,637,824 B before a gathered kernel could be read sliced locally (Domains._gathered)
+    assert e.bytes <= h.bytes == 1_949_696  # was 10,909,696
     # the kept plan is ZeRO-3's as given, or (now that a weight gradient may gather the
     # cotangent it meets split: Domains._product_reads) the solve's own, below it: 1,490,944 B
     assert "the hand-written zero-3/fsdp layouts, planned as given" in e.choice.reason or (

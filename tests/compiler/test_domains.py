@@ -394,6 +394,39 @@ def test_grouped_query_attention_with_the_sequence_split_gathers_v_where_greedy_
     assert moved <= gspmd_bytes(step, pl8, *layouts, (p, x, y))
 
 
+def test_a_kernel_split_over_the_batchs_axis_beside_tensor_parallelism_is_gathered(pl24):
+    """An attention step on 2x4 with the batch over x, the heads over y
+    (query, key and value kernels split by column over y) and the output
+    kernel's rows split over x, a layout mixing FSDP and tensor parallelism.
+    The output kernel may be gathered over x where a contraction reads it,
+    and sliced by rows over y there to meet the heads (``Domains._gathered``;
+    before, weights split over the batch's axis alone were gathered only on
+    placements of one axis): 220,240 B in 14 collectives against GSPMD's
+    151,584 before, 106,552 B in 7 now."""
+    rng = np.random.default_rng(4)
+    b, t, d, heads = 8, 16, 32, 4
+    p = {k: (rng.normal(size=(d, d)) / np.sqrt(d)).astype(np.float32) for k in ("wq", "wk", "wv", "wo")}
+    x = rng.normal(size=(b, t, d)).astype(np.float32)
+
+    def loss(p, x):
+        q, k, v = ((x @ p[n]).reshape(b, t, heads, -1) for n in ("wq", "wk", "wv"))
+        a = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(d // heads), -1)
+        o = jnp.einsum("bhts,bshd->bthd", a, v).reshape(b, t, d)
+        return jnp.mean((x + o @ p["wo"]) ** 2)
+
+    step = jax.value_and_grad(loss)
+    psbp = {"wq": (B, S(1)), "wk": (B, S(1)), "wv": (B, S(1)), "wo": (S(0), B)}
+    layouts = ((psbp, (S(0), B)), ((B, B), psbp))
+    f = sj.jit(step, placement=pl24, in_sbp=layouts[0], out_sbp=layouts[1])
+    (got_loss, got_grads), (want_loss, want_grads) = f(p, x), jax.jit(step)(p, x)
+    assert_close(got_loss.numpy(), np.asarray(want_loss), rtol=1e-5)
+    for k in p:
+        assert_close(got_grads[k].numpy(), np.asarray(want_grads[k]), rtol=1e-4)
+    moved = moved_bytes(f, p, x)
+    assert moved == f.explain(p, x).bytes
+    assert moved <= gspmd_bytes(step, pl24, *layouts, (p, x))
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
 def test_an_associative_scan_over_a_split_sequence_moves_the_split_once(pl8, grad):
     """``lax.associative_scan`` of a linear recurrence (Mamba-style) over a
