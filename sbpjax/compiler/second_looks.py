@@ -96,7 +96,10 @@ def greedy_dominates(kept: Propagation, greedy: Propagation, g_memory: int) -> P
     kept_count, g_count = count_collectives(kept), count_collectives(greedy)
     if choice is None or g_count > kept_count:
         return kept
-    peaks = [(live_bytes(greedy, hoisted=h).max(), live_bytes(kept, hoisted=h).max()) for h in (False, True)]
+    # greedy's peak in place is the choice's already (``choose``); hoisted, it is not
+    g_in_place = choice.greedy_peak if choice.greedy_peak is not None else live_bytes(greedy).max()
+    hoisted = (live_bytes(greedy, hoisted=True).max(), live_bytes(kept, hoisted=True).max())
+    peaks = [(g_in_place, live_bytes(kept).max()), hoisted]
     if any(g > (1 + PEAK_MARGIN) * k for g, k in peaks):
         return kept
     why = (
