@@ -222,6 +222,20 @@ def test_a_partial_over_both_axes_may_be_reduced_whole_at_once(pl24):
     assert moved < 93_776
 
 
+def _grad_step_matches_and_moves_no_more_than_gspmd(step, pl, layouts, args, rtol=1e-4):
+    """``sj.jit`` of ``step`` (a ``jax.value_and_grad`` of a loss of ``(p, ...)``)
+    with ``layouts`` (in, out) gives ``jax.jit``'s loss and gradients, moves
+    what ``explain()`` plans, and no more bytes than GSPMD given the same layouts."""
+    f = sj.jit(step, placement=pl, in_sbp=layouts[0], out_sbp=layouts[1])
+    (got_loss, got_grads), (want_loss, want_grads) = f(*args), jax.jit(step)(*args)
+    assert_close(got_loss.numpy(), np.asarray(want_loss), rtol=1e-5)
+    for k in args[0]:
+        assert_close(got_grads[k].numpy(), np.asarray(want_grads[k]), rtol=rtol, err_msg=k)
+    moved = moved_bytes(f, *args)
+    assert moved == f.explain(*args).bytes
+    assert moved <= gspmd_bytes(step, pl, *layouts, args)
+
+
 @pytest.mark.parametrize("act", [jnp.tanh, jax.nn.gelu, jax.nn.silu], ids=["tanh", "gelu", "silu"])
 def test_a_weight_gradient_may_gather_the_cotangent_its_activation_meets_split(pl8, act):
     """An FSDP-style MLP step (the first kernel split by columns, the second by
@@ -246,14 +260,7 @@ def test_a_weight_gradient_may_gather_the_cotangent_its_activation_meets_split(p
     step = jax.value_and_grad(loss)
     psbp = {"w0": (S(1),), "b0": (S(0),), "w1": (S(0),), "b1": (B,)}
     layouts = ((psbp, (S(0),), (S(0),)), ((B,), psbp))
-    f = sj.jit(step, placement=pl8, in_sbp=layouts[0], out_sbp=layouts[1])
-    (got_loss, got), (want_loss, want) = f(p, x, y), jax.jit(step)(p, x, y)
-    assert_close(got_loss.numpy(), np.asarray(want_loss), rtol=1e-5)
-    for k in p:
-        assert_close(got[k].numpy(), np.asarray(want[k]), rtol=1e-5)
-    moved = moved_bytes(f, p, x, y)
-    assert moved == f.explain(p, x, y).bytes
-    assert moved <= gspmd_bytes(step, pl8, *layouts, (p, x, y))
+    _grad_step_matches_and_moves_no_more_than_gspmd(step, pl8, layouts, (p, x, y), rtol=1e-5)
 
 
 def test_a_replicated_factor_is_read_sliced_beside_a_split_gradient(pl24):
@@ -384,14 +391,7 @@ def test_grouped_query_attention_with_the_sequence_split_gathers_v_where_greedy_
     step = jax.value_and_grad(loss)
     whole = {k: (B,) for k in p}
     layouts = ((whole, (S(1),), (S(1),)), ((B,), whole))
-    f = sj.jit(step, placement=pl8, in_sbp=layouts[0], out_sbp=layouts[1])
-    (got_loss, got_grads), (want_loss, want_grads) = f(p, x, y), jax.jit(step)(p, x, y)
-    assert_close(got_loss.numpy(), np.asarray(want_loss), rtol=1e-5)
-    for k in p:
-        assert_close(got_grads[k].numpy(), np.asarray(want_grads[k]), rtol=1e-4)
-    moved = moved_bytes(f, p, x, y)
-    assert moved == f.explain(p, x, y).bytes
-    assert moved <= gspmd_bytes(step, pl8, *layouts, (p, x, y))
+    _grad_step_matches_and_moves_no_more_than_gspmd(step, pl8, layouts, (p, x, y))
 
 
 def test_a_kernel_split_over_the_batchs_axis_beside_tensor_parallelism_is_gathered(pl24):
@@ -417,14 +417,7 @@ def test_a_kernel_split_over_the_batchs_axis_beside_tensor_parallelism_is_gather
     step = jax.value_and_grad(loss)
     psbp = {"wq": (B, S(1)), "wk": (B, S(1)), "wv": (B, S(1)), "wo": (S(0), B)}
     layouts = ((psbp, (S(0), B)), ((B, B), psbp))
-    f = sj.jit(step, placement=pl24, in_sbp=layouts[0], out_sbp=layouts[1])
-    (got_loss, got_grads), (want_loss, want_grads) = f(p, x), jax.jit(step)(p, x)
-    assert_close(got_loss.numpy(), np.asarray(want_loss), rtol=1e-5)
-    for k in p:
-        assert_close(got_grads[k].numpy(), np.asarray(want_grads[k]), rtol=1e-4)
-    moved = moved_bytes(f, p, x)
-    assert moved == f.explain(p, x).bytes
-    assert moved <= gspmd_bytes(step, pl24, *layouts, (p, x))
+    _grad_step_matches_and_moves_no_more_than_gspmd(step, pl24, layouts, (p, x))
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
