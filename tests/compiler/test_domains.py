@@ -420,6 +420,34 @@ def test_a_kernel_split_over_the_batchs_axis_beside_tensor_parallelism_is_gather
     _grad_step_matches_and_moves_no_more_than_gspmd(step, pl24, layouts, (p, x))
 
 
+def test_inputs_normalized_before_their_first_projection_are_the_batch():
+    """A pre-norm MLP block's training step on 4x2: the batch over x, the
+    first kernel split by columns over y, the second by columns over x. The
+    inputs are read by an RMSNorm before any contraction; they count as data
+    all the same (``data._read_as_data``), so x is the batch's axis and the
+    second kernel, split over it alone, may be gathered where its product
+    reads it. Before, no batch was seen, the kernel stayed split and the
+    activations moved around it: 425,784 B in 24 collectives against
+    GSPMD's 345,648 (now 280,368 in 7)."""
+    rng = np.random.default_rng(5)
+    d, h = 32, 128
+    p = {
+        "g": (1 + 0.1 * rng.normal(size=d)).astype(np.float32),
+        "w1": (rng.normal(size=(d, h)) / np.sqrt(d)).astype(np.float32),
+        "w2": (rng.normal(size=(h, d)) / np.sqrt(h)).astype(np.float32),
+    }
+    x, y = rng.normal(size=(2, 64, d)).astype(np.float32)
+
+    def loss(p, x, y):
+        normed = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["g"]
+        return jnp.mean((x + jax.nn.gelu(normed @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    psbp = {"g": (B, B), "w1": (B, S(1)), "w2": (S(1), B)}
+    layouts = ((psbp, (S(0), B), (S(0), B)), ((B, B), psbp))
+    pl42 = sj.placement((4, 2), ("x", "y"))
+    _grad_step_matches_and_moves_no_more_than_gspmd(jax.value_and_grad(loss), pl42, layouts, (p, x, y))
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
 def test_an_associative_scan_over_a_split_sequence_moves_the_split_once(pl8, grad):
     """``lax.associative_scan`` of a linear recurrence (Mamba-style) over a
