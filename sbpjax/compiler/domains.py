@@ -452,15 +452,13 @@ class Domains:
         # V was never offered gathered, and the plan moved the probabilities
         # by key and all-reduced the attention output: 544,768 B against
         # GSPMD's 458,808 (gathering K and V).
-        for i in range(min(len(uses), 2)):
-            if made[i] is None or made[1 - i] is None:
-                continue
-            if not (
-                contracts_split(node, made) or contracts_split(node, [tuple(g) for g in greedy_reads[:2]])
-            ):
-                continue
-            for other in self.dom.get(id(node.ins[1 - i]), ()):
-                gathered[i] = gathered[i] | gathered_beside(node, i, made[i], other)
+        pair_made = len(uses) >= 2 and made[0] is not None and made[1] is not None
+        if pair_made and (
+            contracts_split(node, made) or contracts_split(node, [tuple(g) for g in greedy_reads[:2]])
+        ):
+            for i in range(2):
+                for other in self.dom.get(id(node.ins[1 - i]), ()):
+                    gathered[i] = gathered[i] | gathered_beside(node, i, made[i], other)
         for i, a in enumerate(node.ins):
             if uses[i] is not None and id(a) in self.args:
                 uses[i] = uses[i] | self._gathered(a)
