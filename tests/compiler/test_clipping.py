@@ -1,5 +1,5 @@
 """A global-norm clip (``optax.clip_by_global_norm``) sums every parameter's
-squared norm into one scalar (``Domains._scalar_sum``): the layout choice of
+squared norm into one scalar (``candidate_filters.scalar_sum``): the layout choice of
 a clipped step stays proven within the default effort (without the rule, this
 step's solve stopped at a 10.5% gap), and the clip adds at most one
 all-reduce of a few bytes to the unclipped step's plan."""
