@@ -21,15 +21,8 @@ from sbpjax.compiler.arguments import broadcast_spec
 from sbpjax.compiler.auto import AUTO
 from sbpjax.dtypes import canonical_dtype, is_key
 from sbpjax.flax.annotate import get_sbp
-from sbpjax.flax.train import (
-    TrainStep,
-    batch_layouts,
-    checked_compute_dtype,
-    checked_loss,
-    checked_optimizer,
-    init_global,
-    spread_layout,
-)
+from sbpjax.flax.checks import batch_layouts, checked_compute_dtype, checked_loss, checked_optimizer
+from sbpjax.flax.train import TrainStep, init_global, spread_layout
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, normalize_nd_sbp
 from sbpjax.tensor import bytes_per_device, is_global, to_global

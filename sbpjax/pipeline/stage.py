@@ -16,7 +16,8 @@ import numpy as np
 
 from sbpjax._errors import SBPError
 from sbpjax.compiler.arguments import is_nd_sbp
-from sbpjax.flax.train import batch_axis, zero_layout
+from sbpjax.flax.checks import batch_axis
+from sbpjax.flax.train import zero_layout
 from sbpjax.placement import Placement, checked_placement
 from sbpjax.sbp import Broadcast, Partial, Split, normalize_nd_sbp
 from sbpjax.tensor import host_values, to_global
