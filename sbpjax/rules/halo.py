@@ -59,6 +59,19 @@ class Slide:
     lhs_dil: int = 1
     rhs_dil: int = 1
 
+    @property
+    def untouched(self) -> bool:
+        """Whether the window leaves this dim as it is (one tap, stride 1, no
+        padding or dilation: a pool's batch and channel dims). Its pieces need
+        no halo, whatever their sizes (an uneven batch's too)."""
+        return (
+            self.k == 1
+            and self.stride == 1
+            and self.lo == self.hi == 0
+            and self.lhs_dil == 1
+            and self.m == self.n
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Halo:

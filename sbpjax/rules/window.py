@@ -55,7 +55,8 @@ def _slides(eqn, in_avals, out_aval) -> list[Slide]:
 def _halos(eqn, in_avals, ins, outs, grid, pooled=(0,)):
     """Per split dim of the pooled operand(s) ``pooled`` (split alike, the
     first one's shape read): (dim, Halo, axes); ``None`` when one cannot be
-    run. Untouched dims have an empty halo."""
+    run. Dims the window leaves as they are (``Slide.untouched``) need none
+    and are left out."""
     found = []
     for d, sl in enumerate(_slides(eqn, [in_avals[pooled[0]]], eqn.outvars[0].aval)):
         axes = split_axes(ins[pooled[0]], d)
@@ -63,6 +64,8 @@ def _halos(eqn, in_avals, ins, outs, grid, pooled=(0,)):
             continue
         if any(split_axes(ins[j], d) != axes for j in pooled) or split_axes(outs[0], d) != axes:
             return None
+        if sl.untouched:
+            continue
         h = halo(sl, math.prod(grid[a] for a in axes), split_window=False)
         if h is None:
             return None
@@ -170,8 +173,10 @@ def _scatter_halos(eqn, in_avals, ins, outs, grid):
         if split_axes(ins[0], d) != axes or split_axes(outs[0], d) != axes:
             return None
         pieces = math.prod(grid[a] for a in axes)
-        k, st, (lo, _) = p["window_dimensions"][d], p["window_strides"][d], p["padding"][d]
+        k, st, (lo, hi) = p["window_dimensions"][d], p["window_strides"][d], p["padding"][d]
         n, m = operand.shape[d], source.shape[d]
+        if Slide(n, k, m, st, lo, hi).untouched:
+            continue  # no window crosses its pieces, even or not
         if n % pieces or m % pieces or n != m * st:
             return None
         n_l, m_l = n // pieces, m // pieces
