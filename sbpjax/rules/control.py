@@ -86,6 +86,14 @@ def _threefry(eqn, in_avals) -> bool:
     return any(is_key_dtype(a.dtype) and a.dtype == _threefry_dtype() for a in avals)
 
 
+@register("platform_index")
+def platform_index(eqn, in_avals):
+    """Which branch ``lax.platform_dependent`` takes (``jnp.diag`` and other
+    ops choose their lowering by platform through it): one int32 scalar made
+    from no operand, the same on every device."""
+    return [Sig((), (B,))]
+
+
 @register("debug_callback", "debug_print")
 def debug_callback(eqn, in_avals):
     """``jax.debug.print`` (``debug_print``) / ``jax.debug.callback``: the

@@ -92,6 +92,8 @@ CASES = {
     "svd_batch": (lambda x: jnp.linalg.svd(x, compute_uv=False), STACK, S0),
     "qr_batch": (lambda x: jnp.abs(jnp.linalg.qr(_spd(x))[1]), STACK, S0),
     "lu_batch": (lambda x: jax.scipy.linalg.lu_factor(_spd(x))[0], STACK, S0),
+    # lowered by platform (lax.platform_dependent: a platform_index and a cond)
+    "diagonal": (lambda x: jnp.diagonal(x[:, :16]) * 2, MAT, S0),
     "inv_batch": (lambda x: jnp.linalg.inv(_spd(x)), STACK, S0),  # custom_linear_solve, inlined
     "solve_batch": (lambda x: jnp.linalg.solve(_spd(x), x[..., :2]), STACK, S0),
     # its input gradient reorders the kernel's groups with reshape's `dimensions`
