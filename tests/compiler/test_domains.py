@@ -394,6 +394,45 @@ def test_grouped_query_attention_with_the_sequence_split_gathers_v_where_greedy_
     _grad_step_matches_and_moves_no_more_than_gspmd(step, pl8, layouts, (p, x, y))
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "grad"])
+def test_a_packed_sequence_mask_gathers_the_segment_ids_it_broadcasts_by_key(pl24, grad):
+    """Attention over packed sequences (each row several documents: a token
+    sees the earlier tokens of its own segment), the batch split over x and
+    the time over y. The mask compares the segment ids broadcast by query
+    with those broadcast by key: made as the ids are, the two are split on
+    different dims, so the comparison could only run after moving one of
+    them at full (b, t, t) size. Reading the ids gathered where they are
+    broadcast is offered (``Domains._gathered_or_moved_reads``), so the mask
+    is made split by query, as the scores are; before, the forward pass
+    moved 29,240 B against GSPMD's 25,808."""
+    rng = np.random.default_rng(1)
+    b, t, d = 4, 16, 16
+    starts = rng.random((b, t)) < 0.25
+    starts[:, 0] = True
+    seg = np.cumsum(starts, 1).astype(np.int32)
+    x = rng.normal(size=(b, t, d)).astype(np.float32)
+    p = {k: (rng.normal(size=(d, d)) / 4).astype(np.float32) for k in ("wq", "wk", "wv")}
+
+    def loss(p, x, seg):
+        q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+        pos = jnp.arange(t)
+        mask = (seg[:, :, None] == seg[:, None, :]) & (pos[:, None] >= pos[None, :])
+        s = jnp.where(mask, jnp.einsum("btd,bsd->bts", q, k) / 4.0, -1e9)
+        return jnp.mean(jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, -1), v) ** 2)
+
+    psbp = {k: (B, B) for k in p}
+    if grad:
+        layouts = ((psbp, (S(0), S(1)), (S(0), S(1))), ((B, B), psbp))
+        _grad_step_matches_and_moves_no_more_than_gspmd(jax.value_and_grad(loss), pl24, layouts, (p, x, seg))
+        return
+    layouts = ((psbp, (S(0), S(1)), (S(0), S(1))), (B, B))
+    f = sj.jit(loss, placement=pl24, in_sbp=layouts[0], out_sbp=layouts[1])
+    assert_close(f(p, x, seg).numpy(), np.asarray(jax.jit(loss)(p, x, seg)), rtol=1e-5)
+    moved = moved_bytes(f, p, x, seg)
+    assert moved == f.explain(p, x, seg).bytes
+    assert moved <= gspmd_bytes(loss, pl24, *layouts, (p, x, seg))
+
+
 def test_a_kernel_split_over_the_batchs_axis_beside_tensor_parallelism_is_gathered(pl24):
     """An attention step on 2x4 with the batch over x, the heads over y
     (query, key and value kernels split by column over y) and the output
