@@ -68,6 +68,32 @@ def test_newton_schulz_reduces_each_gram_matrix_once(pl24, fn):
     assert_close(f(x).numpy(), want, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+def test_newton_schulz_on_columns_split_over_both_axes_reduces_once(pl24, tall):
+    """Newton-Schulz after a Frobenius normalization, a 32x128 matrix (or its
+    128x32 transpose, orthogonalized as Muon does, transposed) split along
+    its 128 over both axes of 2x4. Each Gram matrix is a partial over both
+    axes; its powers run whole after one all-reduce, GSPMD's 286,776 B in 6
+    collectives. Before, the normalized matrix could also be split by rows
+    over x, so the Gram matrix was not counted as reduced there, its square
+    was split by rows and gathered back each iteration: 368,696 B in 11."""
+    x = np.random.default_rng(2).normal(size=(32, 128)).astype(np.float32)
+
+    def ns(g):
+        m = g.T if tall else g
+        y = _written_out(m / (jnp.linalg.norm(m) + 1e-7))
+        return y.T if tall else y
+
+    arg = x.T.copy() if tall else x
+    sbp = (S(0), S(0)) if tall else (S(1), S(1))
+    f = sj.jit(ns, placement=pl24, in_sbp=(sbp,), out_sbp=sbp)
+    nbytes, count = _count(f, arg)
+    assert nbytes == f.explain(arg).bytes
+    assert nbytes <= gspmd_bytes(ns, pl24, (sbp,), sbp, (arg,))
+    assert count <= len(COEFFS) + 1  # a Gram matrix per iteration and the norm
+    assert_close(f(arg).numpy(), jax.jit(ns)(arg), rtol=1e-4)
+
+
 def test_a_muon_update_moves_what_gspmd_moves(pl24):
     """``optax.contrib.muon``'s update of a 64x256 gradient split by columns
     over y, its momentum mirroring it: 983,088 B in 6 collectives, as GSPMD
