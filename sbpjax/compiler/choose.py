@@ -205,8 +205,17 @@ def _choose(call: _Call) -> Propagation:
         kept = second_looks.held_to_greedys_peak(kept, greedy, g_memory)
         kept = second_looks.greedy_dominates(kept, greedy, g_memory)
     if call.memory_budget is None:
-        return second_looks.as_given(kept, call.in_sbp, grid, call.by_hand, call.price)
-    return held_to_hand(kept, True)
+        return second_looks.as_given(kept, call.in_sbp, call.by_hand, call.price)
+    budget = call.memory_budget
+
+    def fits(plan):
+        return held_bytes(program, plan, call.pairs, grid) <= budget
+
+    given = second_looks.as_given(kept, call.in_sbp, call.by_hand, call.price, fits)
+    if given is not kept and given.choice is not None:
+        given.choice.memory_budget = budget
+        given.choice.memory_bytes = held_bytes(program, given, call.pairs, grid)
+    return held_to_hand(given, True)
 
 
 def _check_solver(call: _Call) -> None:

@@ -374,43 +374,42 @@ def fewer_collectives(
     return replaced(kept, alt, program, pairs, form.placement.shape)
 
 
-def as_given(kept: Propagation, in_sbp, grid, plan_of, price_of) -> Propagation:
+def as_given(kept: Propagation, in_sbp, plan_of, price_of, fits=None) -> Propagation:
     """``kept``, a plan that chose the layouts of ``AUTO`` arguments, or the
     plan ``sj.jit`` makes given those same layouts by hand (``plan_of``),
-    where that is cheaper by ``price_of``.
+    where that is cheaper by ``price_of`` (and, under a memory budget,
+    ``fits(plan)``: the results' layouts, free in the given plan, may hold
+    more).
 
-    The two solves differ where the chosen layouts leave an axis idle (no
-    argument split or partial over it: ``propagation.idle_axes``). An
-    ``AUTO`` argument may be laid out over any axis, so its solve holds each
-    contraction to use every device; given the layouts, a contraction may
-    run whole on the idle axis, as GSPMD runs replicated data parallelism.
-    Without this a tied-embedding MLP with AdamW on 2x4 (batch over x,
-    parameters and state ``AUTO``) chose every argument whole and moved
-    302,400 B, where the same layouts given by hand move 172,032 B. Only
-    where an axis is idle: elsewhere both solves search the same layouts."""
+    The two solves search different spaces. Where the chosen layouts leave
+    an axis idle (no argument split or partial over it:
+    ``propagation.idle_axes``), an ``AUTO`` argument may be laid out over any
+    axis, so its solve holds each contraction to use every device; given the
+    layouts, a contraction may run whole on the idle axis, as GSPMD runs
+    replicated data parallelism. A tied-embedding MLP with AdamW on 2x4
+    (batch over x, parameters and state ``AUTO``) chose every argument whole
+    and moved 302,400 B, where the same layouts given by hand move 172,032 B.
+    Elsewhere too: each solve keeps the candidates of each op around its own
+    greedy pass (``Domains``), and the greedy pass starts an ``AUTO``
+    argument whole, a given one in its layout. An embedding and head LM
+    step with Adam on 2x4 (batch over x, no axis idle) chose layouts whose
+    plan moved 962,560 B where the same layouts given move 735,312 B (GSPMD
+    938,016 B); under a budget a 4-layer MLP step with AdamW moved 588,800 B
+    where given 390,176 B. Decision: always, at the cost of a solve of a
+    problem with no ``AUTO`` argument (before, only where an axis was
+    idle)."""
     if all(nd is not AUTO for nd in in_sbp):
         return kept
-    return _given_if_cheaper(
-        kept, list(kept.in_sbp), "AUTO's layouts, solved again as given", grid, plan_of, price_of
-    )
-
-
-def _given_if_cheaper(kept: Propagation, layouts, name: str, grid, plan_of, price_of) -> Propagation:
-    """``plan_of(layouts)`` where ``layouts`` leave an axis idle and that plan
-    is cheaper than ``kept`` by ``price_of`` (its Choice saying so, as
-    ``name``), else ``kept``."""
-    if not idle_axes(layouts, grid):
-        return kept
-    given = plan_of(layouts)
+    given = plan_of(list(kept.in_sbp))
     given_price, kept_price = price_of(given), price_of(kept)
-    if given_price >= kept_price:
+    if given_price >= kept_price or (fits is not None and not fits(given)):
         return kept
     given = own(given)
     if given.choice is not None:
         choice = given.choice
         first = kept.choice.solve_s if kept.choice is not None else 0.0
         note = (
-            f"{name} (they leave an axis idle; {first:.2f} s choosing AUTO's): "
+            f"AUTO's layouts, solved again as given ({first:.2f} s choosing them): "
             f"{given.bytes} B priced {given_price:.0f}, the AUTO solve's plan {kept.bytes} B "
             f"priced {kept_price:.0f}"
         )
