@@ -113,7 +113,7 @@ def _canonical_spec(spec, ndim: int, what: str):
             raise SBPError(
                 f"sj.jit: {what} entry {spec!r} mixes single SBPs with nested entries on a placement with "
                 f"{ndim} axes, so it is neither one nd-SBP nor a tree of them. Give every leaf as a full "
-                f"nd-SBP ({ndim} SBPs: a tuple, or text like 'S(0), B')."
+                f"nd-SBP ({ndim} SBPs: a tuple, or text like 'S(0), B').{_auto_hint(spec)}"
             )
         return _rebuild(spec, [_canonical_spec(v, ndim, what) for v in spec])
     if isinstance(spec, dict):
@@ -149,8 +149,32 @@ def broadcast_spec(spec, tree, what, ndim):
         raise SBPError(
             f"sj.jit: {what} does not match the structure of the values: {where}. Give a pytree "
             "with the same structure (or a prefix of it) whose leaves are nd-SBPs, e.g. "
-            f"{example}.{_one_axis_hint(given, values, ndim)}"
+            f"{example}.{_one_axis_hint(given, values, ndim)}{_auto_hint(given)}"
         ) from None
+
+
+def _auto_hint(spec) -> str:
+    """A sentence for a layout written with ``sj.AUTO`` inside a tuple
+    (``(sj.AUTO,)``, ``(sj.AUTO, B)``), where ``sj.AUTO`` stands for the whole
+    layout; empty elsewhere."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, (tuple, list)):
+            if any(v is AUTO for v in node):
+                found.append(node)
+            for v in node:
+                visit(v)
+        elif isinstance(node, dict):
+            for v in node.values():
+                visit(v)
+
+    visit(spec)
+    if not found:
+        return ""
+    return (
+        f" sj.AUTO stands for a whole layout (every axis): give sj.AUTO itself where {found[0]!r} is written."
+    )
 
 
 def _mismatch(spec, values, what: str, path: str = "") -> str | None:

@@ -545,6 +545,11 @@ def test_auto_errors(pl24):
         with pytest.raises(sj.SBPError, match="solve_time_limit must be a positive number of seconds"):
             sj.jit(step, placement=pl24, solve_time_limit=bad)
     assert repr(sj.AUTO) == "sj.AUTO"
+    # AUTO inside a tuple, where it stands for the whole layout
+    a = np.ones((8, 8), np.float32)
+    for pl, in_sbp in ((sj.placement(8, "x"), ((sj.AUTO,), S0)), (pl24, ((sj.AUTO, B), (S0, B)))):
+        with pytest.raises(sj.SBPError, match=r"give sj.AUTO itself where \(sj.AUTO,"):
+            sj.jit(lambda u, v: u @ v, placement=pl, in_sbp=in_sbp)(a, a)
 
 
 def test_optimizer_state_mirrors_its_parameter_without_a_budget(pl24):
