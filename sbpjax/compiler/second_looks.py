@@ -377,9 +377,12 @@ def fewer_collectives(
 def as_given(kept: Propagation, in_sbp, plan_of, price_of, fits=None) -> Propagation:
     """``kept``, a plan that chose the layouts of ``AUTO`` arguments, or the
     plan ``sj.jit`` makes given those same layouts by hand (``plan_of``),
-    where that is cheaper by ``price_of`` (and, under a memory budget,
-    ``fits(plan)``: the results' layouts, free in the given plan, may hold
-    more).
+    where that is cheaper by ``price_of``; under a memory budget (``fits``
+    given), where it moves fewer bytes and ``fits(plan)`` (the results'
+    layouts, free in the given plan, may hold more). Bytes there, as the
+    budget promises them (``hand_layouts.no_worse_than_by_hand``): by price,
+    a 2-layer GPT step with AdamW under a budget on 2x4 traded 1,207,808 B
+    for 1,450,496 B in fewer collectives.
 
     The two solves search different spaces. Where the chosen layouts leave
     an axis idle (no argument split or partial over it:
@@ -402,7 +405,11 @@ def as_given(kept: Propagation, in_sbp, plan_of, price_of, fits=None) -> Propaga
         return kept
     given = plan_of(list(kept.in_sbp))
     given_price, kept_price = price_of(given), price_of(kept)
-    if given_price >= kept_price or (fits is not None and not fits(given)):
+    if fits is None:
+        better = given_price < kept_price
+    else:
+        better = given.bytes < kept.bytes and fits(given)
+    if not better:
         return kept
     given = own(given)
     if given.choice is not None:
