@@ -397,7 +397,7 @@ def as_given(kept: Propagation, in_sbp, plan_of, price_of, fits=None) -> Propaga
     argument whole, a given one in its layout. An embedding and head LM
     step with Adam on 2x4 (batch over x, no axis idle) chose layouts whose
     plan moved 962,560 B where the same layouts given move 735,312 B (GSPMD
-    938,016 B); under a budget a 4-layer MLP step with AdamW moved 588,800 B
+    given them: 968,736 B); under a budget a 4-layer MLP step with AdamW moved 588,800 B
     where given 390,176 B. Decision: always, at the cost of a solve of a
     problem with no ``AUTO`` argument (before, only where an axis was
     idle)."""
