@@ -397,10 +397,10 @@ def as_given(kept: Propagation, in_sbp, plan_of, price_of, fits=None) -> Propaga
     argument whole, a given one in its layout. An embedding and head LM
     step with Adam on 2x4 (batch over x, no axis idle) chose layouts whose
     plan moved 962,560 B where the same layouts given move 735,312 B (GSPMD
-    given them: 968,736 B); under a budget a 4-layer MLP step with AdamW moved 588,800 B
-    where given 390,176 B. Decision: always, at the cost of a solve of a
-    problem with no ``AUTO`` argument (before, only where an axis was
-    idle)."""
+    given them: 968,736 B); under a budget a 4-layer MLP step with AdamW
+    moved 588,800 B where given 390,176 B. Decision: always, at the cost of
+    a solve of a problem with no ``AUTO`` argument (before, only where an
+    axis was idle)."""
     if all(nd is not AUTO for nd in in_sbp):
         return kept
     given = plan_of(list(kept.in_sbp))
@@ -411,17 +411,24 @@ def as_given(kept: Propagation, in_sbp, plan_of, price_of, fits=None) -> Propaga
         better = given.bytes < kept.bytes and fits(given)
     if not better:
         return kept
+    first = kept.choice.solve_s if kept.choice is not None else 0.0
+    return _in_place_of(
+        kept,
+        given,
+        f"AUTO's layouts, solved again as given ({first:.2f} s choosing them): {given.bytes} B priced "
+        f"{given_price:.0f}, the AUTO solve's plan {kept.bytes} B priced {kept_price:.0f}",
+    )
+
+
+def _in_place_of(kept: Propagation, given: Propagation, note: str) -> Propagation:
+    """``given``, a plan of layouts written by hand, in place of ``kept``, the
+    ``AUTO`` solve's: a copy with its own Choice saying why (``note``), and
+    ``kept``'s warnings."""
     given = own(given)
     if given.choice is not None:
         choice = given.choice
-        first = kept.choice.solve_s if kept.choice is not None else 0.0
-        note = (
-            f"AUTO's layouts, solved again as given ({first:.2f} s choosing them): "
-            f"{given.bytes} B priced {given_price:.0f}, the AUTO solve's plan {kept.bytes} B "
-            f"priced {kept_price:.0f}"
-        )
         choice.reason = f"{choice.reason}; {note}" if choice.reason else note
-        choice.auto, choice.as_given = True, True  # restore derives boxings with the idle axes
+        choice.auto, choice.as_given = True, True  # restore derives boxings as given (their idle axes)
     given.warnings = kept.warnings
     return given
 
@@ -478,13 +485,9 @@ def by_hand_as_given(
             best, best_price, best_name = given, given_price, name
     if best is kept:
         return kept
-    best = own(best)
-    if best.choice is not None:
-        note = (
-            f"{best_name}, planned as given: {best.bytes} B priced {best_price:.0f}, "
-            f"the AUTO solve's plan {kept.bytes} B priced {kept_price:.0f}"
-        )
-        best.choice.reason = f"{best.choice.reason}; {note}" if best.choice.reason else note
-        best.choice.auto, best.choice.as_given = True, True  # restore derives boxings as given
-    best.warnings = kept.warnings
-    return best
+    return _in_place_of(
+        kept,
+        best,
+        f"{best_name}, planned as given: {best.bytes} B priced {best_price:.0f}, "
+        f"the AUTO solve's plan {kept.bytes} B priced {kept_price:.0f}",
+    )
