@@ -183,10 +183,13 @@ class Explanation:
         again = [b for b in self.boxings if b.regather]
         if prop.regather_declined is not None:
             count, before, after, extra, with_them, limit = prop.regather_declined
+            whose = "the greedy pass's"
+            if prop.choice is not None and limit != prop.choice.greedy_bytes:
+                whose = "a hand-written layout's that fits the budget"
             return (
                 f"regathers: none; gathering {count} gathered arguments again would lower the estimated "
                 f"peak per device {human_bytes(before)} -> {human_bytes(after)} for +{extra} B, but the plan "
-                f"would then move {with_them} B, more than the greedy pass's {limit} B (regather='auto'; "
+                f"would then move {with_them} B, more than {whose} {limit} B (regather='auto'; "
                 f"sj.jit(..., regather=True) runs them)"
             )
         if not again or prop.regathered is None:

@@ -13,7 +13,8 @@ each collective's latency) does not see, and the plan is held to after it.
 * :func:`as_given`: for ``AUTO`` arguments, the plan of the layouts chosen
   for them as if written by hand, kept where it is cheaper;
 * :func:`by_hand_as_given`: likewise the layouts one would write by hand
-  (data parallelism, ZeRO-1/2, ZeRO-3/FSDP), without a memory budget.
+  (data parallelism, ZeRO-1/2, ZeRO-3/FSDP, the chosen splits with ZeRO
+  over the batch's axis), without a memory budget.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.backend import solve_settled, spent
 from sbpjax.compiler.buckets import emitted_collectives
 from sbpjax.compiler.formulate import propagator
-from sbpjax.compiler.hand_layouts import candidates, own
+from sbpjax.compiler.hand_layouts import candidates, on_chosen, own
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.pricing import count_collectives, emitted_price, price, priced_launches
 from sbpjax.compiler.propagation import Propagation, idle_axes
@@ -455,6 +456,9 @@ def by_hand_as_given(
       with Adam on 8 devices (batch 64, weights up to 512 x 256) moved
       10,909,696 B "proven" where ZeRO-3 written by hand moves 2,637,824 B
       (and GSPMD given the chosen layouts 13,303,864 B).
+    * the chosen layouts with ZeRO added over the batch's axis
+      (``hand_layouts.on_chosen``): Megatron's splits with FSDP over the
+      data axis, where the solve chose Megatron's splits.
 
     A budget is held to the ZeRO layouts by bytes instead
     (``hand_layouts.no_worse_than_by_hand``); data parallelism holds the most
@@ -470,9 +474,11 @@ def by_hand_as_given(
         if idle_axes(data_parallel, grid)
         else []
     )
+    names = kept.placement.axis_names
     written += [
         (f"the hand-written {name} layouts", ins)
-        for name, ins in candidates(program, in_sbp, grid, mirrors, kept.placement.axis_names)
+        for name, ins in candidates(program, in_sbp, grid, mirrors, names)
+        + on_chosen(program, in_sbp, list(kept.in_sbp), grid, mirrors, names)
     ]
     kept_price = price_of(kept)
     best, best_price, best_name = kept, kept_price, ""
