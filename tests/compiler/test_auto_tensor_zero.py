@@ -128,7 +128,8 @@ def test_a_budgets_plan_regathers_no_weight_past_a_hand_written_layout_that_fits
     one weight after the estimated peak ("auto", bounded by the greedy pass's
     bytes) took it to 851,712 B, past ZeRO-3 over x written by hand (833,664 B):
     under a budget the regathers are bounded by every hand-written layout
-    that fits too (``regather._bytes_limit``), and explain() says why none run."""
+    that fits too (``regather._bytes_limit``), and explain() says why none run.
+    It fails without that bound on jax 0.10.2."""
     pl = sj.placement((4, 2), ("x", "y"))
     params, x, y = _mlp([48, 192, 96, 192, 48], 32, 1)
     opt = optax.sgd(0.05, momentum=0.9, nesterov=True)
@@ -148,7 +149,9 @@ def test_a_budgets_plan_regathers_no_weight_past_a_hand_written_layout_that_fits
     assert "zero-3/fsdp over x" in fitting
     assert e.bytes <= min(fitting.values())
     assert compiled_bytes(auto, *args) == e.bytes
-    assert "a hand-written layout's that fits the budget" in str(e)
+    # jax 0.10.2's program (157 ops) offers the regather and declines it; jax 0.12's (151) has none to offer
+    if e.propagation.regather_declined is not None:
+        assert "a hand-written layout's that fits the budget" in str(e)
     p_ref, _, l_ref = jax.jit(step)(*args)
     p_sj, _, l_sj = auto(*args)
     assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
