@@ -67,11 +67,12 @@ def _tensor_zero3(params):
     ids=["4x2 no budget", "2x4 budget"],
 )
 def test_auto_moves_no_more_than_tensor_parallelism_with_zero3_over_the_batch_axis(
-    grid, dims, batch, seed, budget, was
+    grid, dims, batch, seed, budget, was, tmp_path
 ):
     """``was``: the AUTO plan's bytes before ``on_chosen``. The hand-written
     layout is the independent reference, planned by ``sj.jit`` given it; the
-    step's values are jax.jit's on one device."""
+    step's values are jax.jit's on one device. The plan read back from the
+    plan cache (another process's) is the same, boxings too."""
     pl = sj.placement(grid, ("x", "y"))
     params, x, y = _mlp(dims, batch, seed)
     # eps well above the rounding noise of near-zero gradients, which Adam would scale to the lr
@@ -84,17 +85,25 @@ def test_auto_moves_no_more_than_tensor_parallelism_with_zero3_over_the_batch_ax
         step, placement=pl, in_sbp=(hand, hand_state, (S0, B), (S0, B)), out_sbp=(hand, hand_state, None)
     )
     h = by_hand.explain(*args)
-    auto = sj.jit(
-        step,
-        placement=pl,
-        in_sbp=(sj.AUTO, sj.AUTO, (S0, B), (S0, B)),
-        donate_argnums=(0, 1),
-        memory_budget=budget,
-        plan_cache=False,
-    )
+
+    def auto_jit():
+        in_sbp = (sj.AUTO, sj.AUTO, (S0, B), (S0, B))
+        return sj.jit(
+            step,
+            placement=pl,
+            in_sbp=in_sbp,
+            donate_argnums=(0, 1),
+            memory_budget=budget,
+            plan_cache=str(tmp_path),
+        )
+
+    auto = auto_jit()
     e = auto.explain(*args)
     assert e.bytes <= h.bytes < was
     assert "AUTO's splits + zero-3/fsdp over x" in e.choice.reason
+    again = auto_jit().explain(*args)
+    assert again.choice.source == "plan cache" and again.bytes == e.bytes
+    assert [(b.src, b.dst) for b in again.boxings] == [(b.src, b.dst) for b in e.boxings]
     if budget is not None:
         assert e.choice.memory_bytes <= budget
     assert compiled_bytes(auto, *args) == e.bytes
