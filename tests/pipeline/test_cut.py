@@ -94,8 +94,8 @@ def test_uneven_cut_is_within_ten_percent_of_the_optimal_slowest_stage():
 def test_a_cut_for_several_stages_per_group_shortens_the_simulated_step(seed):
     """Interleaved, ZB-V and DualPipeV run two stages per group: given the
     microbatch count, the stage-balanced cut is refined on the simulated clock,
-    never slower than it and within 10% of the best cut found by trying
-    every cut (group_balance)."""
+    never slower than it, and here (at most ``SIMULATIONS`` cuts) the best
+    cut, found by trying every cut (group_balance)."""
     from sbpjax.pipeline.group_balance import makespan, refined
 
     rng = np.random.default_rng(seed)
@@ -111,7 +111,21 @@ def test_a_cut_for_several_stages_per_group_shortens_the_simulated_step(seed):
         before = makespan(costs, balanced.bounds, sched, groups, m)
         after = makespan(costs, got.bounds, sched, groups, m)
         best = min(makespan(costs, c, sched, groups, m) for c in every_cut(len(costs), n))
-        assert after <= before and after <= 1.10 * best, (name, groups, before, after, best)
+        assert after <= before and after == best, (name, groups, before, after, best)
+
+
+def test_a_small_cut_for_several_stages_per_group_is_the_best_cut():
+    """DualPipeV on 2 groups, 8 microbatches, 7 layers of uneven cost: no
+    move improved on the stage-balanced cut (29.44), 6.7% slower than the
+    best cut (27.58), against the module's claim of 5%. Its 20 cuts are
+    now all tried (held-out round r12)."""
+    from sbpjax.pipeline.group_balance import makespan, refined
+
+    costs = [1.52, 0.26, 0.91, 0.85, 0.48, 1.88, 0.28]
+    sched = sjp.as_schedule("dualpipev")
+    got = refined(costs, sjp.balance(costs, 4), sched, 2, 8)
+    assert makespan(costs, got.bounds, sched, 2, 8) == pytest.approx(27.58, rel=1e-6)
+    assert got.bounds == ((0, 3), (3, 5), (5, 6), (6, 7))
 
 
 def test_cut_with_a_v_schedule_and_microbatches_balances_the_groups():
