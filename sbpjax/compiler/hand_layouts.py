@@ -180,10 +180,10 @@ def own(prop):
 
 def no_worse_than_by_hand(program, kept, fits, in_sbp, mirrors, pairs, memory_budget, plan_of):
     """``kept`` (``fits``: within the budget), or the hand-written layout
-    (``candidates``, and ``on_chosen`` of ``kept``'s layouts) that fits the budget and moves the fewest bytes, where
-    it moves fewer than ``kept``. ``plan_of(in_sbp)``: the whole-program plan
-    given those layouts, as ``sj.jit`` given them by hand would make it. None
-    where nothing fits. Every candidate's bytes and memory go in
+    (``candidates``, and ``on_chosen`` of ``kept``'s layouts) that fits the
+    budget and moves the fewest bytes, where it moves fewer than ``kept``.
+    ``plan_of(in_sbp)``: the whole-program plan given those layouts, as
+    ``sj.jit`` given them by hand would make it. None where nothing fits. Every candidate's bytes and memory go in
     ``Choice.candidates``. ``pairs``: the donated buffers results may
     share (``liveness.held_bytes``).
 

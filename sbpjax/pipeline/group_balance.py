@@ -49,10 +49,11 @@ from sbpjax.pipeline.simulate import simulate_graph
 # whole step, so the moves tried per pass stay few (``_moves``).
 REACH = 2
 
-# Simulations the descent from each start may run, and the most cuts tried in full: an
-# effort limit, not a clock, so the cut is the same on every machine. The descent on 240 random cuts (6-11
-# layers, 2-3 groups) ran at most 149 of them (44 on average); a 66-layer ZB-V cut into
-# 16 stages (32 microbatches) runs about 22 ms per simulation: 13 s per start at the limit.
+# Simulations the descent from each start may run, and the most cuts tried in full:
+# an effort limit, not a clock, so the cut is the same on every machine. The descent
+# on 240 random cuts (6-11 layers, 2-3 groups) ran at most 149 of them (44 on
+# average); a 66-layer ZB-V cut into 16 stages (32 microbatches) runs about 22 ms
+# per simulation: 13 s per start at the limit.
 SIMULATIONS = 600
 
 # Forward : backward time of a layer, the backward split evenly into B (input
