@@ -58,6 +58,18 @@ def _tensor_zero3(params):
     return out
 
 
+def _steps_like_one_device(f, step, args, scale):
+    """``f``'s step gives jax.jit's loss and parameters on one device
+    (``scale``: the update's size, for the atol)."""
+    p_ref, _, l_ref = jax.jit(step)(*args)
+    p_sj, _, l_sj = f(*args)
+    assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
+    for k in p_ref:
+        for leaf in ("w", "b"):
+            got, want = p_sj[k][leaf].numpy(), np.asarray(p_ref[k][leaf])
+            assert_close(got, want, rtol=2e-5, scale=scale, err_msg=f"{k}/{leaf}")
+
+
 @pytest.mark.parametrize(
     "grid, dims, batch, seed, budget, was",
     [
@@ -107,13 +119,7 @@ def test_auto_moves_no_more_than_tensor_parallelism_with_zero3_over_the_batch_ax
     if budget is not None:
         assert e.choice.memory_bytes <= budget
     assert compiled_bytes(auto, *args) == e.bytes
-    p_ref, _, l_ref = jax.jit(step)(*args)
-    p_sj, _, l_sj = auto(*args)
-    assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
-    for k in p_ref:
-        for leaf in ("w", "b"):
-            got, want = p_sj[k][leaf].numpy(), np.asarray(p_ref[k][leaf])
-            assert_close(got, want, rtol=2e-5, scale=5e-3, err_msg=f"{k}/{leaf}")
+    _steps_like_one_device(auto, step, args, scale=5e-3)
 
 
 def test_zero_on_the_chosen_splits_takes_the_dim_they_leave_whole():
@@ -161,10 +167,4 @@ def test_a_budgets_plan_regathers_no_weight_past_a_hand_written_layout_that_fits
     # jax 0.10.2's program (157 ops) offers the regather and declines it; jax 0.12's (151) has none to offer
     if e.propagation.regather_declined is not None:
         assert "a hand-written layout's that fits the budget" in str(e)
-    p_ref, _, l_ref = jax.jit(step)(*args)
-    p_sj, _, l_sj = auto(*args)
-    assert_close(l_sj.numpy(), l_ref, rtol=2e-5)
-    for k in p_ref:
-        for leaf in ("w", "b"):
-            got, want = p_sj[k][leaf].numpy(), np.asarray(p_ref[k][leaf])
-            assert_close(got, want, rtol=2e-5, scale=0.05, err_msg=f"{k}/{leaf}")
+    _steps_like_one_device(auto, step, args, scale=0.05)
