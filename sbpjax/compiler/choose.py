@@ -170,7 +170,8 @@ def _choose(call: _Call) -> Propagation:
             return greedy
         kept = held_to_hand(greedy, g_fits)
         if kept is None:
-            raise _over_budget(call.memory_budget, least_usage(form), solved.status)
+            auto = any(nd is AUTO for nd in call.in_sbp)
+            raise _over_budget(call.memory_budget, least_usage(form), solved.status, auto)
         return kept
     kept = _cheaper(call, greedy, form.plan(solved.strategies), solved, choice, g_fits, g_memory)
     left = call.options.effort - solved.work
@@ -365,11 +366,20 @@ def _classes(program, arg_names, options: CompileOptions) -> list | None:
     ]
 
 
-def _over_budget(budget, least: int, status: str) -> SBPError:
+def _over_budget(budget, least: int, status: str, auto: bool) -> SBPError:
+    """The error for a budget no layout meets; ``auto``: some argument's
+    layout is ``AUTO`` (without one, only the results' layouts are free, and
+    the fix is in the written ``in_sbp``)."""
+    fix = "or use a placement with more devices"
+    if not auto:
+        fix = (
+            "split the arguments further in in_sbp, or give the ones the solver may lay out as sj.AUTO "
+            "(every argument's layout is written here: the budget can only choose the results')"
+        )
     return SBPError(
         f"sj.jit: no layout fits memory_budget={budget} B per device: the least any layout holds is "
         f"{least} B per device (arguments and results, a donated argument and its result in one layout once; the "
-        f"solver: {status}). Raise the budget to at least {least} B, or use a placement with more devices."
+        f"solver: {status}). Raise the budget to at least {least} B, {fix}."
     )
 
 
