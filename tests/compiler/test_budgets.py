@@ -175,8 +175,9 @@ def test_plans_solved_for_one_budget_serve_the_next_and_change_no_plan(pl24, mon
     assert solved >= 2, solved  # the plan without the budget, and the hand-written layouts'
     second = explained(64_000)
     # nothing solved again but, at most, the layouts this budget chose, planned
-    # as given (second_looks.as_given); here not even those: the first budget's
-    # chosen splits with ZeRO added over x (hand_layouts.on_chosen) are they
+    # as given (second_looks.as_given); here not even those: they were among the
+    # first budget's candidates (its chosen splits with ZeRO added over x,
+    # hand_layouts.on_chosen)
     reused = Counted.stored - solved
     assert reused == 0, reused
     assert second.choice.source == "solved"
