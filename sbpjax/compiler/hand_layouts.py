@@ -167,6 +167,12 @@ def on_chosen(program, in_sbp, chosen, grid, mirrors: dict, axis_names=None) -> 
     return out
 
 
+def described(name: str) -> str:
+    """A hand-written layout's ``name`` in a sentence: "the hand-written
+    zero-1/2 layouts", "AUTO's splits + zero-3/fsdp over x written by hand"."""
+    return f"{name} written by hand" if name.startswith("AUTO's") else f"the hand-written {name} layouts"
+
+
 def own(prop):
     """A shallow copy of the plan ``prop`` with a ``Choice`` of its own to
     write this call's budget and candidates in: plans are shared through the
@@ -216,7 +222,7 @@ def no_worse_than_by_hand(program, kept, fits, in_sbp, mirrors, pairs, memory_bu
     if best is None or best is kept:
         return best
     solved = f"the solved plan {kept.bytes} B" if fits else "no solved plan fits"
-    choice.reason = f"the hand-written {best_name} layouts fit and move {best.bytes} B, {solved}"
+    choice.reason = f"{described(best_name)} fit and move {best.bytes} B, {solved}"
     choice.method, choice.memory_bytes, choice.latency_note = "hand", best_held, ""
     best = own(best)
     best.choice, best.warnings = choice, kept.warnings

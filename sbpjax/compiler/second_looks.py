@@ -27,7 +27,7 @@ from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.backend import solve_settled, spent
 from sbpjax.compiler.buckets import emitted_collectives
 from sbpjax.compiler.formulate import propagator
-from sbpjax.compiler.hand_layouts import candidates, on_chosen, own
+from sbpjax.compiler.hand_layouts import candidates, described, on_chosen, own
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.pricing import count_collectives, emitted_price, price, priced_launches
 from sbpjax.compiler.propagation import Propagation, idle_axes
@@ -476,7 +476,7 @@ def by_hand_as_given(
     )
     names = kept.placement.axis_names
     written += [
-        (f"the hand-written {name} layouts", ins)
+        (described(name), ins)
         for name, ins in candidates(program, in_sbp, grid, mirrors, names)
         + on_chosen(program, in_sbp, list(kept.in_sbp), grid, mirrors, names)
     ]
