@@ -40,6 +40,9 @@ from sbpjax.compiler.liveness import block_bytes, held_bytes
 from sbpjax.layout import zero_split
 from sbpjax.sbp import Broadcast, Split
 
+# How ``on_chosen``'s layouts are named: after the splits the AUTO solve chose.
+ON_CHOSEN = "AUTO's splits + "
+
 
 def most_split(var, grid) -> tuple:
     """ZeRO's split of ``var``: its lowest dim that the device count divides,
@@ -162,15 +165,24 @@ def on_chosen(program, in_sbp, chosen, grid, mirrors: dict, axis_names=None) -> 
                 for i, (v, nd) in enumerate(zip(program.inputs, in_sbp))
             ]
             if zero12 != list(chosen):
-                out.append((f"AUTO's splits + zero-1/2 over {names[a]}", zero12))
-        out.append((f"AUTO's splits + zero-3/fsdp over {names[a]}", zero3))
+                out.append((f"{ON_CHOSEN}zero-1/2 over {names[a]}", zero12))
+        out.append((f"{ON_CHOSEN}zero-3/fsdp over {names[a]}", zero3))
     return out
+
+
+def to_try(program, in_sbp, chosen, grid, mirrors: dict, axis_names=None) -> list[tuple[str, list]]:
+    """``[(name, in_sbp)]``: every hand-written layout a plan that chose
+    ``AUTO``'s layouts (``chosen``) is held to, each once: ``candidates``,
+    then ``on_chosen``."""
+    written = candidates(program, in_sbp, grid, mirrors, axis_names)
+    extra = on_chosen(program, in_sbp, chosen, grid, mirrors, axis_names)
+    return written + [(name, ins) for name, ins in extra if all(ins != other for _, other in written)]
 
 
 def described(name: str) -> str:
     """A hand-written layout's ``name`` in a sentence: "the hand-written
     zero-1/2 layouts", "AUTO's splits + zero-3/fsdp over x written by hand"."""
-    return f"{name} written by hand" if name.startswith("AUTO's") else f"the hand-written {name} layouts"
+    return f"{name} written by hand" if name.startswith(ON_CHOSEN) else f"the hand-written {name} layouts"
 
 
 def own(prop):
@@ -207,13 +219,7 @@ def no_worse_than_by_hand(program, kept, fits, in_sbp, mirrors, pairs, memory_bu
     choice.candidates = []
     best, best_bytes = (kept, kept.bytes) if fits else (None, float("inf"))
     names = kept.placement.axis_names
-    written = candidates(program, in_sbp, grid, mirrors, names)
-    written += [
-        (name, ins)
-        for name, ins in on_chosen(program, in_sbp, list(kept.in_sbp), grid, mirrors, names)
-        if all(ins != other for _, other in written)
-    ]
-    for name, ins in written:
+    for name, ins in to_try(program, in_sbp, list(kept.in_sbp), grid, mirrors, names):
         prop = plan_of(ins)
         held = held_bytes(program, prop, pairs, grid)
         choice.candidates.append([name, prop.bytes, held])

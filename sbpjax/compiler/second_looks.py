@@ -27,7 +27,7 @@ from sbpjax.compiler.auto import AUTO
 from sbpjax.compiler.backend import solve_settled, spent
 from sbpjax.compiler.buckets import emitted_collectives
 from sbpjax.compiler.formulate import propagator
-from sbpjax.compiler.hand_layouts import candidates, described, on_chosen, own
+from sbpjax.compiler.hand_layouts import described, own, to_try
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.pricing import count_collectives, emitted_price, price, priced_launches
 from sbpjax.compiler.propagation import Propagation, idle_axes
@@ -474,11 +474,9 @@ def by_hand_as_given(
         if idle_axes(data_parallel, grid)
         else []
     )
-    names = kept.placement.axis_names
     written += [
         (described(name), ins)
-        for name, ins in candidates(program, in_sbp, grid, mirrors, names)
-        + on_chosen(program, in_sbp, list(kept.in_sbp), grid, mirrors, names)
+        for name, ins in to_try(program, in_sbp, list(kept.in_sbp), grid, mirrors, kept.placement.axis_names)
     ]
     kept_price = price_of(kept)
     best, best_price, best_name = kept, kept_price, ""
