@@ -30,7 +30,7 @@ from sbpjax.compiler.formulate import propagator
 from sbpjax.compiler.hand_layouts import described, own, to_try
 from sbpjax.compiler.liveness import held_bytes, live_bytes
 from sbpjax.compiler.pricing import count_collectives, emitted_price, price, priced_launches
-from sbpjax.compiler.propagation import Propagation, idle_axes
+from sbpjax.compiler.propagation import Propagation
 from sbpjax.compiler.tables import Tables
 from sbpjax.sbp import Broadcast
 
@@ -442,13 +442,17 @@ def by_hand_as_given(
     would write by hand instead, each as ``sj.jit`` plans them given
     (``plan_of``), where one is cheaper:
 
-    * data parallelism (every ``AUTO`` argument ``B``), where it leaves an
-      axis idle (the annotated arguments do not use every axis: a batch split
-      over x on 2x4). The ``AUTO`` solve holds each contraction to every
-      device and never sees its plan there (see ``as_given``): an MLP-Mixer
-      step with AdamW on 4x2 chose Megatron's splits over y, 551,104 B priced
-      2,451,144, where data parallelism written by hand moves 519,984 B
-      priced 1,919,984. Elsewhere the solve's space holds its plan.
+    * data parallelism (every ``AUTO`` argument ``B``). Where it leaves an
+      axis idle (a batch split over x on 2x4), the ``AUTO`` solve holds each
+      contraction to every device and never sees its plan there (see
+      ``as_given``): an MLP-Mixer step with AdamW on 4x2 chose Megatron's
+      splits over y, 551,104 B priced 2,451,144, where data parallelism
+      written by hand moves 519,984 B priced 1,919,984. With the batch over
+      every axis too: a Switch MoE step (AdamW, tokens over both axes of
+      2x4) lets its expert products run whole where the experts are
+      replicated (``WholeProducts.whole_already``), which ``AUTO`` weights,
+      free to split, never are; the solve kept 229,248 B priced 829,248
+      where data parallelism moves 180,096 B priced 580,096.
     * the ZeRO layouts (``hand_layouts.candidates``: ZeRO-1/2, ZeRO-3/FSDP).
       The ``AUTO`` solve proves its plan optimal over the candidates
       ``Domains`` keeps for each op, and their plans may lie outside them
@@ -469,11 +473,7 @@ def by_hand_as_given(
         return kept
     replicated = (Broadcast(),) * len(grid)
     data_parallel = [replicated if nd is AUTO else nd for nd in in_sbp]
-    written = (
-        [("data parallelism (every AUTO argument B)", data_parallel)]
-        if idle_axes(data_parallel, grid)
-        else []
-    )
+    written = [("data parallelism (every AUTO argument B)", data_parallel)]
     written += [
         (described(name), ins)
         for name, ins in to_try(program, in_sbp, list(kept.in_sbp), grid, mirrors, kept.placement.axis_names)

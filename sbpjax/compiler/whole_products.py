@@ -85,18 +85,26 @@ class WholeProducts:
 
     def whole_already(self, node, axis) -> bool:
         """Whether ``node`` is a product that may run whole on ``axis``: one
-        without batch dimensions with a weight the caller replicated over
-        ``axis`` (an argument, or a transpose, cast or reshape of one, whole
-        there in every layout it may take: a tied head reads ``emb.T``), or
-        that weight's gradient (a product reading an operand such a product
-        read); a product with batch dimensions whose operands are all
-        computed from such products' results (``whole_derived``: attention
-        over a learned latent array, run replicated where its projections
-        are); and none of its operands exists only split over ``axis``
-        (using it whole there would be a gather). Any contraction may run
-        whole on an axis the caller left idle (``self.idle``), and a product
-        of values reduced there no larger than what it reads
-        (``_small_reduced_product``: Muon's Newton-Schulz iterations)."""
+        with a weight the caller replicated over ``axis`` (an argument, or a
+        transpose, cast or reshape of one, whole there in every layout it
+        may take: a tied head reads ``emb.T``; with batch dimensions, a Switch
+        MoE's experts left whole over the tokens' axis), or that weight's
+        gradient (a product reading an operand such a product read); a
+        product with batch dimensions whose operands are all computed from
+        such products' results (``whole_derived``: attention over a learned
+        latent array, run replicated where its projections are); and none of
+        its operands exists only split over ``axis`` (using it whole there
+        would be a gather). Any contraction may run whole on an axis the
+        caller left idle (``self.idle``), and a product of values reduced
+        there no larger than what it reads (``_small_reduced_product``:
+        Muon's Newton-Schulz iterations).
+
+        The experts: a capacity-limited Switch MoE with experts split over y
+        and tokens over x on 2x4 moved 149,664 B where GSPMD, running each
+        expert whole on x, moves 68,640 (the experts' gradients then need no
+        reduction over x): held to every device, the expert products split
+        their capacity over x and their gradients were gathered back. Now
+        65,696 B (92,592 against 95,280 on 4x2)."""
         if axis in self.idle:
             return True
         if node.name != "dot_general":
@@ -107,11 +115,10 @@ class WholeProducts:
         values = [a for a in node.ins if isinstance(a, Var)]
         if self._small_reduced_product(node, axis):
             return True
-        if node.eqn.params["dimension_numbers"][1][0]:
-            whole = bool(values) and all(id(a) in derived for a in values)
-            if whole:
-                derived.update(id(o) for o in node.outs)
-            return whole
+        batched = bool(node.eqn.params["dimension_numbers"][1][0])
+        if batched and values and all(id(a) in derived for a in values):
+            derived.update(id(o) for o in node.outs)
+            return True
         seen = self.whole_operands.setdefault(axis, set())
         weight = any(
             id(a) in self.weights and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
