@@ -30,8 +30,9 @@ class WholeProducts:
     def __init__(self, grid, idle, dom, weights, broadcast_weights, data):
         self.grid, self.idle, self.dom = grid, idle, dom
         self.weights, self.broadcast_weights, self.data = weights, broadcast_weights, data
-        # axis -> ids of the operands of products with a replicated weight there;
-        # filled in program order, so before the weight's gradient reads them
+        # (axis, batched) -> ids of the operands of products with a replicated
+        # weight there (with batch dimensions or not); filled in program
+        # order, so before the weight's gradient reads them
         self.whole_operands: dict = {}
         # axis -> ids of values computed from products run whole there with a
         # replicated weight, and from such values (``whole_already``)
@@ -119,7 +120,10 @@ class WholeProducts:
         if batched and values and all(id(a) in derived for a in values):
             derived.update(id(o) for o in node.outs)
             return True
-        seen = self.whole_operands.setdefault(axis, set())
+        # a batched product's operands and an unbatched one's are kept apart:
+        # an expert's gradient reads what the expert read, and attention over
+        # a layer's input (batched) is not a weight's gradient
+        seen = self.whole_operands.setdefault((axis, batched), set())
         weight = any(
             id(a) in self.weights and all(isinstance(nd[axis], Broadcast) for nd in self.dom[id(a)])
             for a in values
