@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_close
+from conftest import assert_close, checked_step_bytes, gspmd_bytes
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
@@ -113,13 +113,6 @@ def switch_problem():
     return p, x, y
 
 
-def check_switch_values(got, p, x, y):
-    (new_p, loss), (want_p, want_loss) = got, jax.jit(switch_step)(p, x, y)
-    assert_close(loss.numpy(), want_loss, rtol=1e-5)
-    for k in p:
-        assert_close(new_p[k].numpy(), want_p[k], rtol=1e-5, err_msg=k)
-
-
 @pytest.mark.parametrize("grid", [(2, 4), (4, 2)], ids=["2x4", "4x2"])
 def test_switch_moe_with_capacity_runs_each_expert_whole_over_the_tokens_axis(grid):
     """Experts over y, tokens over x: GSPMD runs each expert whole on x, so the
@@ -130,19 +123,10 @@ def test_switch_moe_with_capacity_runs_each_expert_whole_over_the_tokens_axis(gr
     pl = sj.placement(grid, ("x", "y"))
     p, x, y = switch_problem()
     p_sbp = {"router": (B, B), "w1": (B, S0), "w2": (B, S0), "out": (B, B)}
-    f = sj.jit(switch_step, placement=pl, in_sbp=(p_sbp, (S0, B), (S0, B)), out_sbp=(p_sbp, (B, B)))
-    check_switch_values(f(p, x, y), p, x, y)
-    ours = sum(c.bytes for c in sj.collectives(f.lower(p, x, y).compile()))
-    assert ours == f.explain(p, x, y).bytes
-
-    shard = lambda s: NamedSharding(pl.mesh, s)  # noqa: E731
-    p_specs = {k: shard(PS("y") if k in ("w1", "w2") else PS()) for k in p}
-    g = jax.jit(
-        switch_step,
-        in_shardings=(p_specs, shard(PS("x")), shard(PS("x"))),
-        out_shardings=(p_specs, shard(PS())),
-    )
-    theirs = sum(c.bytes for c in sj.collectives(g.lower(p, x, y).compile()))
+    in_sbp, out_sbp = (p_sbp, (S0, B), (S0, B)), (p_sbp, (B, B))
+    f = sj.jit(switch_step, placement=pl, in_sbp=in_sbp, out_sbp=out_sbp)
+    ours = checked_step_bytes(f, switch_step, (p, x, y), rtol=1e-5)
+    theirs = gspmd_bytes(switch_step, pl, in_sbp, out_sbp, (p, x, y))
     assert 0 < ours <= theirs, (ours, theirs)
 
 
@@ -166,24 +150,11 @@ def test_auto_switch_moe_moves_no_more_than_gspmd_given_its_layouts():
     s = opt.init(p)
     tokens = (S0, S0)
     f = sj.jit(step, placement=pl, in_sbp=(sj.AUTO, sj.AUTO, tokens, tokens), donate_argnums=(0, 1))
-    e = f.explain(p, s, x, y)
-    ours = sum(c.bytes for c in sj.collectives(f.lower(p, s, x, y).compile()))
-    assert ours == e.bytes
-    want = jax.jit(step)(p, s, x, y)
-    got = f(p, s, x, y)
-    is_gt = lambda v: isinstance(v, sj.GlobalTensor)  # noqa: E731
-    got_leaves, want_leaves = jax.tree.leaves(got, is_leaf=is_gt), jax.tree.leaves(want)
-    for g, w in zip(got_leaves, want_leaves):
-        assert_close(g.numpy(), w, rtol=1e-5, scale=1e-3)  # Adam's steps are lr-sized
-
-    # GSPMD given the layouts sbpjax chose (the results are the donated arguments')
-    shardings = [g.to_jax().sharding for g in got_leaves[:-1]]  # the loss is last (and partial)
-    token_sharding = NamedSharding(pl.mesh, PS(("x", "y")))
-    state_shardings = jax.tree.unflatten(jax.tree.structure((p, s)), shardings)
-    g = jax.jit(
-        step,
-        in_shardings=(*state_shardings, token_sharding, token_sharding),
-        out_shardings=(*state_shardings, NamedSharding(pl.mesh, PS())),
+    ours = checked_step_bytes(f, step, (p, s, x, y), rtol=1e-5)
+    # GSPMD given the layouts sbpjax chose (each result takes its donated argument's)
+    chosen = jax.tree.unflatten(
+        jax.tree.structure((p, s, x, y)), list(f.explain(p, s, x, y).propagation.in_sbp)
     )
-    theirs = sum(c.bytes for c in sj.collectives(g.lower(p, s, x, y).compile()))
+    out_sbp = (chosen[0], chosen[1], (B, B))
+    theirs = gspmd_bytes(step, pl, chosen, out_sbp, (p, s, x, y))
     assert 0 < ours <= theirs, (ours, theirs)
