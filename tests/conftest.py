@@ -276,14 +276,15 @@ def moved_bytes(f, *args) -> int:
     return sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
 
 
-def checked_step_bytes(f, step, args, *, rtol, err_msg="") -> int:
+def checked_step_bytes(f, step, args, *, rtol, scale=None, err_msg="") -> int:
     """The bytes the compiled ``f`` (an ``sj.jit`` of ``step``) moves, after
     checking its results against ``jax.jit(step)`` on one device and its
-    compiled collectives against ``explain()``'s count."""
+    compiled collectives against ``explain()``'s count. ``scale``: as
+    ``assert_close``'s (an optimizer step's size, for results near zero)."""
     got = jax.tree.map(lambda t: t.numpy(), f(*args), is_leaf=lambda v: isinstance(v, sj.GlobalTensor))
     want = jax.jit(step)(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert_close(g, w, rtol=rtol, err_msg=err_msg)
+        assert_close(g, w, rtol=rtol, scale=scale, err_msg=err_msg)
     ours = sum(c.bytes for c in sj.collectives(f.lower(*args).compile()))
     assert ours == f.explain(*args).bytes
     return ours
